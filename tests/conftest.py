@@ -1,0 +1,16 @@
+"""Test configuration: every module in tests/fixtures/ is loaded as a pytest plugin,
+so each area keeps its fixtures in its own file."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+os.environ.setdefault("KVMESH_LOG_FORMAT", "text")
+
+pytest_plugins = sorted(
+    f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
+)
