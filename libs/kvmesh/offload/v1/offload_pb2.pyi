@@ -135,7 +135,7 @@ class StatsResponse(_message.Message):
     def __init__(self, ram_bytes: _Optional[int] = ..., ram_capacity_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., ram_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
 
 class ShmRequest(_message.Message):
-    __slots__ = ("header", "segment", "keys", "offsets", "sizes", "crc32c", "tokens")
+    __slots__ = ("header", "segment", "keys", "offsets", "sizes", "crc32c", "tokens", "capacity")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +143,7 @@ class ShmRequest(_message.Message):
     SIZES_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
     header: PutHeader
     segment: str
     keys: _containers.RepeatedScalarFieldContainer[int]
@@ -150,7 +151,8 @@ class ShmRequest(_message.Message):
     sizes: _containers.RepeatedScalarFieldContainer[int]
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedCompositeFieldContainer[TokenBlock]
-    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segment: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ...) -> None: ...
+    capacity: int
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segment: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., capacity: _Optional[int] = ...) -> None: ...
 
 class TokenBlock(_message.Message):
     __slots__ = ("ids",)
@@ -159,11 +161,17 @@ class TokenBlock(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShmGetResponse(_message.Message):
-    __slots__ = ("leading_present", "sizes", "tiers")
+    __slots__ = ("leading_present", "sizes", "tiers", "offsets", "truncated", "crc32c")
     LEADING_PRESENT_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
     leading_present: int
     sizes: _containers.RepeatedScalarFieldContainer[int]
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
-    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ...) -> None: ...
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    truncated: bool
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., truncated: _Optional[bool] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
