@@ -21,6 +21,8 @@ $(VENV)/bin/python:
 
 $(STAMP): $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e '.[dev]'
+	@# Source roots on sys.path, so services added after install import without a reinstall.
+	@ls -d $(CURDIR)/libs $(CURDIR)/services/*/ > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvmesh-src.pth
 	@touch $(STAMP)
 
 install-redis:

@@ -1,0 +1,3 @@
+"""Benchmarks, one module per component; each exposes ``register(subparsers)``
+adding ``kvmesh bench <name> --json PATH``. Results are JSON with medians and
+same-run baselines, never hard-coded figures."""
