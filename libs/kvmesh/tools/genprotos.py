@@ -11,8 +11,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from grpc_tools import protoc
 import grpc_tools
+from grpc_tools import protoc
 
 REPO = Path(__file__).resolve().parents[3]
 
