@@ -1,0 +1,1 @@
+"""kvmesh KV offload store: tiers, eviction, disk, shared memory and the client."""

@@ -1,0 +1,563 @@
+"""Clients of the offload store: async for services and the sim engine, sync for vLLM connector threads.
+
+Both speak the ``kvmesh.offload.v1.Offload`` contract. On the same host they use
+the shared-memory fast path (``PutShm``/``GetShm``) and fall back to chunked gRPC
+streams when the store cannot open the client's segment (another host, no
+``/dev/shm``) — callers never need to know which path carried the bytes.
+
+Errors are mapped to a small family so workers can decide what to do:
+``StoreUnavailable`` (store down or slow: recompute), ``StoreFull`` (Put refused:
+skip offloading), ``InvalidOffloadRequest`` (a bug in the caller).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import threading
+from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import crc32c as _crc32c
+import grpc
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.kvstore.shm import Segment, SegmentPool, shm_available
+from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
+from kvmesh.rpc.channel import aio_channel, channel_options
+
+log = logging.getLogger(__name__)
+
+CHUNK_BYTES = 4 * 1024 * 1024       # the contract's max chunk size
+MAX_KEYS = 65_536
+MAX_U64 = (1 << 64) - 1
+DEFAULT_TIMEOUT_S = 60.0
+# Codes meaning "shm is not usable against this store": fall back to gRPC for good.
+_SHM_FALLBACK_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
+
+BytesLike = bytes | bytearray | memoryview
+
+
+class OffloadError(Exception):
+    """An offload store call failed."""
+
+    def __init__(self, message: str, code: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class StoreUnavailable(OffloadError):
+    """The store is down, draining or did not answer in time: recompute instead."""
+
+
+class StoreFull(OffloadError):
+    """The store refused a Put because it cannot make room (RESOURCE_EXHAUSTED)."""
+
+
+class InvalidOffloadRequest(OffloadError):
+    """The request is malformed (INVALID_ARGUMENT)."""
+
+
+def crc32c(data: BytesLike) -> int:
+    return _crc32c.crc32c(data)
+
+
+def _map_error(exc: grpc.RpcError, what: str) -> OffloadError:
+    code = exc.code() if hasattr(exc, "code") else None
+    detail = exc.details() if hasattr(exc, "details") else str(exc)
+    msg = f"offload {what}: {code.name if code else 'error'}: {detail}"
+    if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        return StoreUnavailable(msg, code)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return StoreFull(msg, code)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidOffloadRequest(msg, code)
+    return OffloadError(msg, code)
+
+
+@dataclass
+class PutResult:
+    stored: int = 0
+    already_present: int = 0
+    bytes: int = 0
+    evicted: int = 0
+    via_shm: bool = False
+
+
+@dataclass
+class StoreStats:
+    ram_bytes: int
+    ram_capacity_bytes: int
+    disk_bytes: int
+    disk_capacity_bytes: int
+    ram_blocks: int
+    disk_blocks: int
+    eviction_policy: str
+    counters: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class BlockLease:
+    """Fetched blocks as zero-copy views; valid until ``release()`` (or the ``with`` block ends).
+
+    On the shm path the views point into the client's segment, which is reused by
+    later calls once released, so copy what you keep.
+    """
+
+    views: list[memoryview]
+    tiers: list[int]
+    via_shm: bool = False
+    _release: object = None
+
+    def release(self) -> None:
+        rel, self._release = self._release, None
+        for v in self.views:
+            v.release()
+        if callable(rel):
+            rel()
+
+    def __enter__(self) -> BlockLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    async def __aenter__(self) -> BlockLease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# request building / validation shared by both clients
+
+
+def _check_ns(namespace: str) -> str:
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidOffloadRequest("namespace must be a non-empty string")
+    return namespace
+
+
+def _check_keys(keys: Sequence[int]) -> list[int]:
+    out = list(keys)
+    if len(out) > MAX_KEYS:
+        raise InvalidOffloadRequest(f"chain of {len(out)} keys exceeds the max of {MAX_KEYS}")
+    for k in out:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k > MAX_U64:
+            raise InvalidOffloadRequest(f"block key {k!r} is not a uint64")
+    return out
+
+
+@dataclass
+class _PutPlan:
+    header: offload_pb2.PutHeader
+    keys: list[int]
+    datas: list[BytesLike]
+    crcs: list[int]
+    tokens: list[list[int]] | None
+    total: int
+
+
+def _plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids: Sequence[Sequence[int]] | None,
+              parent: int | None, block_size: int, session_id: str) -> _PutPlan:
+    _check_ns(namespace)
+    keys = _check_keys([k for k, _ in blocks])
+    datas = [d for _, d in blocks]
+    for k, d in zip(keys, datas, strict=True):
+        if not isinstance(d, bytes | bytearray | memoryview):
+            raise InvalidOffloadRequest(f"block {k}: data must be bytes-like, got {type(d).__name__}")
+        if len(d) == 0:
+            raise InvalidOffloadRequest(f"block {k}: empty data")
+    tokens = None
+    if token_ids is not None:
+        tokens = [list(t) for t in token_ids]
+        if len(tokens) != len(keys):
+            raise InvalidOffloadRequest(f"token_ids has {len(tokens)} entries for {len(keys)} blocks")
+    if parent is not None:
+        _check_keys([parent])
+    if block_size < 0:
+        raise InvalidOffloadRequest("block_size must be >= 0")
+    header = offload_pb2.PutHeader(namespace=namespace, session_id=session_id or "",
+                                   parent_key=parent or 0, has_parent=parent is not None, block_size=block_size)
+    return _PutPlan(header, keys, datas, [crc32c(d) for d in datas], tokens,
+                    sum(len(d) for d in datas))
+
+
+def _put_stream(plan: _PutPlan) -> Iterator[offload_pb2.PutRequest]:
+    yield offload_pb2.PutRequest(header=plan.header)
+    for i, (key, data) in enumerate(zip(plan.keys, plan.datas, strict=True)):
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        for off in range(0, n, CHUNK_BYTES):
+            end = min(off + CHUNK_BYTES, n)
+            last = end == n
+            chunk = offload_pb2.BlockChunk(key=key, data=bytes(mv[off:end]), last=last)
+            if last:
+                chunk.crc32c = plan.crcs[i]
+                if plan.tokens is not None:
+                    chunk.token_ids.extend(plan.tokens[i])
+            yield offload_pb2.PutRequest(chunk=chunk)
+
+
+def _shm_put_request(plan: _PutPlan, seg: Segment) -> offload_pb2.ShmRequest:
+    offsets: list[int] = []
+    sizes: list[int] = []
+    off = 0
+    for data in plan.datas:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        seg.buf[off:off + n] = mv
+        offsets.append(off)
+        sizes.append(n)
+        off += n
+    req = offload_pb2.ShmRequest(header=plan.header, segment=seg.name, keys=plan.keys, offsets=offsets,
+                                 sizes=sizes, crc32c=plan.crcs)
+    if plan.tokens is not None:
+        req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
+    return req
+
+
+def _put_result(resp: offload_pb2.PutResponse, via_shm: bool) -> PutResult:
+    return PutResult(resp.stored, resp.already_present, resp.bytes, resp.evicted, via_shm)
+
+
+def _stats(resp: offload_pb2.StatsResponse) -> StoreStats:
+    return StoreStats(resp.ram_bytes, resp.ram_capacity_bytes, resp.disk_bytes, resp.disk_capacity_bytes,
+                      resp.ram_blocks, resp.disk_blocks, resp.eviction_policy, dict(resp.counters))
+
+
+class _GetAssembler:
+    """Rebuilds blocks from a Get stream, verifying each block's checksum."""
+
+    def __init__(self, keys: list[int], verify: bool) -> None:
+        self.keys = keys
+        self.verify = verify
+        self.blocks: list[bytes] = []
+        self.tiers: list[int] = []
+        self._parts: list[bytes] = []
+
+    def feed(self, resp: offload_pb2.GetResponse) -> None:
+        ch = resp.chunk
+        idx = len(self.blocks)
+        if idx >= len(self.keys) or ch.key != self.keys[idx]:
+            raise OffloadError(f"store sent block {ch.key} out of order (expected index {idx})")
+        self._parts.append(ch.data)
+        if not ch.last:
+            return
+        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        self._parts = []
+        if self.verify and ch.crc32c and crc32c(data) != ch.crc32c:
+            raise OffloadError(f"block {ch.key}: checksum mismatch on the wire")
+        self.blocks.append(data)
+        self.tiers.append(resp.tier)
+
+
+def _is_local(address: str) -> bool:
+    host = address.rsplit(":", 1)[0].strip("[]") if ":" in address else address
+    if address.startswith("unix:"):
+        return True
+    if host in ("localhost", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _want_shm(address: str, use_shm: bool | None) -> bool:
+    if use_shm is False or not shm_available():
+        return False
+    return True if use_shm else _is_local(address)
+
+
+def _shm_get_request(namespace: str, keys: list[int], seg: Segment) -> offload_pb2.ShmRequest:
+    return offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=namespace), segment=seg.name,
+                                  keys=keys, capacity=seg.size)
+
+
+def _views_from_shm(resp: offload_pb2.ShmGetResponse, seg: Segment, verify: bool,
+                    keys: list[int]) -> list[memoryview]:
+    views = []
+    for i in range(resp.leading_present):
+        off, size = resp.offsets[i], resp.sizes[i]
+        v = seg.buf[off:off + size]
+        if verify and i < len(resp.crc32c) and resp.crc32c[i] and crc32c(v) != resp.crc32c[i]:
+            raise OffloadError(f"block {keys[i]}: checksum mismatch in shared memory")
+        views.append(v)
+    return views
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class OffloadClient:
+    """Async client. ``use_shm``: True forces the shm path, False disables it, None = auto (loopback)."""
+
+    def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 verify_checksums: bool = True, channel: grpc.aio.Channel | None = None) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.verify = verify_checksums
+        self._channel = channel or aio_channel(address, traced=False)
+        self._stub = offload_pb2_grpc.OffloadStub(self._channel)
+        self._shm = _want_shm(address, use_shm)
+        self._pool = SegmentPool()
+        self._block_size_hint: dict[str, int] = {}
+
+    @property
+    def shm_enabled(self) -> bool:
+        return self._shm
+
+    def _disable_shm(self, exc: grpc.RpcError) -> None:
+        log.info("offload shm path unavailable, using gRPC", extra={"address": self.address,
+                                                                   "reason": exc.details()})
+        self._shm = False
+
+    async def contains(self, namespace: str, keys: Sequence[int]) -> int:
+        req = offload_pb2.ContainsRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
+        try:
+            resp = await self._stub.Contains(req, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "contains") from exc
+        return resp.leading_present
+
+    async def put(self, namespace: str, blocks: Sequence[tuple[int, BytesLike]], *,
+                  token_ids: Sequence[Sequence[int]] | None = None, parent: int | None = None,
+                  block_size: int = 0, session_id: str = "") -> PutResult:
+        plan = _plan_put(namespace, blocks, token_ids, parent, block_size, session_id)
+        if not plan.keys:
+            return PutResult()
+        if self._shm:
+            seg = await asyncio.to_thread(self._pool.acquire, plan.total)
+            try:
+                req = await asyncio.to_thread(_shm_put_request, plan, seg)
+                resp = await self._stub.PutShm(req, timeout=self.timeout_s)
+                return _put_result(resp, True)
+            except grpc.RpcError as exc:
+                if exc.code() not in _SHM_FALLBACK_CODES:
+                    raise _map_error(exc, "put") from exc
+                self._disable_shm(exc)
+            finally:
+                self._pool.release(seg)
+        try:
+            resp = await self._stub.Put(_aiter(_put_stream(plan)), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "put") from exc
+        return _put_result(resp, False)
+
+    async def fetch(self, namespace: str, keys: Sequence[int]) -> BlockLease:
+        """The leading present blocks as zero-copy views (see ``BlockLease``)."""
+        _check_ns(namespace)
+        keys = _check_keys(keys)
+        if not keys:
+            return BlockLease([], [])
+        if self._shm:
+            lease = await self._fetch_shm(namespace, keys)
+            if lease is not None:
+                return lease
+        req = offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
+        asm = _GetAssembler(keys, self.verify)
+        try:
+            async for resp in self._stub.Get(req, timeout=self.timeout_s):
+                asm.feed(resp)
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "get") from exc
+        return BlockLease([memoryview(b) for b in asm.blocks], asm.tiers)
+
+    async def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
+        hint = self._block_size_hint.get(namespace, 1 << 20)
+        seg = await asyncio.to_thread(self._pool.acquire, hint * len(keys))
+        try:
+            while True:
+                try:
+                    resp = await self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s)
+                except grpc.RpcError as exc:
+                    if exc.code() not in _SHM_FALLBACK_CODES:
+                        raise _map_error(exc, "get") from exc
+                    self._disable_shm(exc)
+                    self._pool.release(seg)
+                    return None
+                if not resp.truncated:
+                    break
+                # Grow to fit the whole chain at the largest block size seen, then retry.
+                biggest = max(resp.sizes, default=0) or seg.size
+                need = max(biggest * len(keys), seg.size * 2)
+                self._pool.release(seg)
+                seg = await asyncio.to_thread(self._pool.acquire, need)
+            if resp.sizes:
+                self._block_size_hint[namespace] = max(resp.sizes)
+            views = _views_from_shm(resp, seg, self.verify, keys)
+        except BaseException:
+            self._pool.release(seg)
+            raise
+        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg))
+
+    async def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
+        """The leading present blocks of ``keys`` (stops at the first miss), as bytes."""
+        lease = await self.fetch(namespace, keys)
+        try:
+            return [bytes(v) for v in lease.views]
+        finally:
+            lease.release()
+
+    async def delete(self, namespace: str, keys: Sequence[int]) -> int:
+        req = offload_pb2.DeleteRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
+        try:
+            return (await self._stub.Delete(req, timeout=self.timeout_s)).deleted
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "delete") from exc
+
+    async def stats(self) -> StoreStats:
+        try:
+            return _stats(await self._stub.Stats(offload_pb2.StatsRequest(), timeout=self.timeout_s))
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "stats") from exc
+
+    async def close(self) -> None:
+        self._pool.close()
+        await self._channel.close()
+
+    async def __aenter__(self) -> OffloadClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+async def _aiter(it: Iterator[offload_pb2.PutRequest]) -> AsyncIterator[offload_pb2.PutRequest]:
+    for item in it:
+        yield item
+
+
+class SyncOffloadClient:
+    """Blocking client with the same methods, safe to share between threads (vLLM connector)."""
+
+    def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
+                 verify_checksums: bool = True) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.verify = verify_checksums
+        self._channel = grpc.insecure_channel(address, options=channel_options())
+        self._stub = offload_pb2_grpc.OffloadStub(self._channel)
+        self._shm = _want_shm(address, use_shm)
+        self._pool = SegmentPool()
+        self._hint_lock = threading.Lock()
+        self._block_size_hint: dict[str, int] = {}
+
+    @property
+    def shm_enabled(self) -> bool:
+        return self._shm
+
+    def _disable_shm(self, exc: grpc.RpcError) -> None:
+        log.info("offload shm path unavailable, using gRPC", extra={"address": self.address,
+                                                                   "reason": exc.details()})
+        self._shm = False
+
+    def contains(self, namespace: str, keys: Sequence[int]) -> int:
+        req = offload_pb2.ContainsRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
+        try:
+            return self._stub.Contains(req, timeout=self.timeout_s).leading_present
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "contains") from exc
+
+    def put(self, namespace: str, blocks: Sequence[tuple[int, BytesLike]], *,
+            token_ids: Sequence[Sequence[int]] | None = None, parent: int | None = None,
+            block_size: int = 0, session_id: str = "") -> PutResult:
+        plan = _plan_put(namespace, blocks, token_ids, parent, block_size, session_id)
+        if not plan.keys:
+            return PutResult()
+        if self._shm:
+            seg = self._pool.acquire(plan.total)
+            try:
+                resp = self._stub.PutShm(_shm_put_request(plan, seg), timeout=self.timeout_s)
+                return _put_result(resp, True)
+            except grpc.RpcError as exc:
+                if exc.code() not in _SHM_FALLBACK_CODES:
+                    raise _map_error(exc, "put") from exc
+                self._disable_shm(exc)
+            finally:
+                self._pool.release(seg)
+        try:
+            resp = self._stub.Put(_put_stream(plan), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "put") from exc
+        return _put_result(resp, False)
+
+    def fetch(self, namespace: str, keys: Sequence[int]) -> BlockLease:
+        _check_ns(namespace)
+        keys = _check_keys(keys)
+        if not keys:
+            return BlockLease([], [])
+        if self._shm:
+            lease = self._fetch_shm(namespace, keys)
+            if lease is not None:
+                return lease
+        req = offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
+        asm = _GetAssembler(keys, self.verify)
+        try:
+            for resp in self._stub.Get(req, timeout=self.timeout_s):
+                asm.feed(resp)
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "get") from exc
+        return BlockLease([memoryview(b) for b in asm.blocks], asm.tiers)
+
+    def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
+        with self._hint_lock:
+            hint = self._block_size_hint.get(namespace, 1 << 20)
+        seg = self._pool.acquire(hint * len(keys))
+        try:
+            while True:
+                try:
+                    resp = self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s)
+                except grpc.RpcError as exc:
+                    if exc.code() not in _SHM_FALLBACK_CODES:
+                        raise _map_error(exc, "get") from exc
+                    self._disable_shm(exc)
+                    self._pool.release(seg)
+                    return None
+                if not resp.truncated:
+                    break
+                biggest = max(resp.sizes, default=0) or seg.size
+                need = max(biggest * len(keys), seg.size * 2)
+                self._pool.release(seg)
+                seg = self._pool.acquire(need)
+            if resp.sizes:
+                with self._hint_lock:
+                    self._block_size_hint[namespace] = max(resp.sizes)
+            views = _views_from_shm(resp, seg, self.verify, keys)
+        except BaseException:
+            self._pool.release(seg)
+            raise
+        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg))
+
+    def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
+        with self.fetch(namespace, keys) as lease:
+            return [bytes(v) for v in lease.views]
+
+    def delete(self, namespace: str, keys: Sequence[int]) -> int:
+        req = offload_pb2.DeleteRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
+        try:
+            return self._stub.Delete(req, timeout=self.timeout_s).deleted
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "delete") from exc
+
+    def stats(self) -> StoreStats:
+        try:
+            return _stats(self._stub.Stats(offload_pb2.StatsRequest(), timeout=self.timeout_s))
+        except grpc.RpcError as exc:
+            raise _map_error(exc, "stats") from exc
+
+    def close(self) -> None:
+        self._pool.close()
+        self._channel.close()
+
+    def __enter__(self) -> SyncOffloadClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+TIER_NAMES = {common_pb2.TIER_CPU: "cpu", common_pb2.TIER_DISK: "disk"}

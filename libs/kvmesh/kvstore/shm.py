@@ -1,0 +1,134 @@
+"""Shared-memory segments for the same-host fast path between a client and the store.
+
+Moving KV over gRPC costs several copies and protobuf framing per chunk; when the
+client and the store share a host, the client instead hands the store the name of
+a POSIX shared-memory segment (``/dev/shm/<name>``) and the store copies straight
+from or into it. We map the files ourselves rather than use
+``multiprocessing.shared_memory`` because its resource tracker unlinks segments
+that the *attaching* process (the store) merely opened, breaking the owner.
+
+Only names starting with ``kvmesh-`` and free of path separators are accepted,
+so a client cannot make the store open arbitrary files.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import secrets
+import threading
+from pathlib import Path
+
+SHM_DIR = Path("/dev/shm")
+NAME_PREFIX = "kvmesh-"
+_NAME_RE = re.compile(r"^kvmesh-[A-Za-z0-9_.\-]{1,200}$")
+
+
+class ShmError(Exception):
+    """A segment cannot be created, opened or is too small."""
+
+
+def shm_available() -> bool:
+    """True where POSIX shared memory is usable (Linux ``/dev/shm``)."""
+    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+
+
+def validate_name(name: str) -> str:
+    if not _NAME_RE.match(name or ""):
+        raise ShmError(f"bad shared-memory segment name {name!r} (must match {_NAME_RE.pattern})")
+    return name
+
+
+class Segment:
+    """One mapped shared-memory segment; the creator owns (and unlinks) it."""
+
+    def __init__(self, name: str, size: int, *, create: bool) -> None:
+        self.name = validate_name(name)
+        self.path = SHM_DIR / name
+        self.owner = create
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        try:
+            fd = os.open(self.path, flags, 0o600)
+        except FileNotFoundError:
+            raise ShmError(f"shared-memory segment {name!r} not found on this host") from None
+        except OSError as exc:
+            raise ShmError(f"cannot open shared-memory segment {name!r}: {exc}") from exc
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            actual = os.fstat(fd).st_size
+            if actual < size or actual == 0:
+                raise ShmError(f"segment {name!r} has {actual} bytes, need {size}")
+            self.size = actual
+            self.mm = mmap.mmap(fd, actual)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self.mm)
+
+    @classmethod
+    def create(cls, size: int) -> Segment:
+        return cls(f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", max(size, mmap.PAGESIZE), create=True)
+
+    @classmethod
+    def attach(cls, name: str, min_size: int = 0) -> Segment:
+        return cls(name, min_size, create=False)
+
+    def close(self) -> None:
+        try:
+            self.buf.release()
+            self.mm.close()
+        except (BufferError, ValueError):
+            pass  # a caller still holds a view; the mapping dies with the process
+        if self.owner:
+            try:
+                self.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SegmentPool:
+    """Reusable client-side segments: a hot segment avoids page faults on every call.
+
+    Each in-flight call takes its own segment so concurrent calls never share bytes.
+    """
+
+    def __init__(self, max_idle: int = 4) -> None:
+        self._idle: list[Segment] = []
+        self._lock = threading.Lock()
+        self._max_idle = max_idle
+        self._closed = False
+
+    def acquire(self, size: int) -> Segment:
+        with self._lock:
+            for i, seg in enumerate(self._idle):
+                if seg.size >= size:
+                    return self._idle.pop(i)
+            # Drop the biggest-too-small one so the pool does not hoard stale sizes.
+            if self._idle:
+                self._idle.pop().close()
+        return Segment.create(_round_up(size))
+
+    def release(self, seg: Segment) -> None:
+        with self._lock:
+            if not self._closed and len(self._idle) < self._max_idle:
+                self._idle.append(seg)
+                return
+        seg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            idle, self._idle = self._idle, []
+        for seg in idle:
+            seg.close()
+
+
+def _round_up(size: int, quantum: int = 1 << 20) -> int:
+    return max(quantum, (size + quantum - 1) // quantum * quantum)
