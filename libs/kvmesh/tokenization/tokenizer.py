@@ -1,0 +1,195 @@
+"""Tokenize prompts and chat conversations exactly as the served model would.
+
+Why it exists: the router must hash the *same* token ids the engine will see,
+so it tokenizes with the model's own HF tokenizer and chat template. This
+wrapper loads a model directory once and offers the three operations the
+router needs (encode text, render + encode a chat, decode), with the fast
+Rust ``tokenizers`` path when ``tokenizer.json`` exists (no ``transformers``
+import on the hot path) and ``transformers.AutoTokenizer`` as the fallback for
+other tokenizer formats.
+
+The chat template is rendered with the same Jinja conventions as
+``transformers`` (sandboxed environment, ``tojson`` filter, ``raise_exception``,
+``bos_token``/``eos_token`` variables, ``add_generation_prompt``), so a
+template written for HF behaves the same here.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+
+class TokenizerError(ValueError):
+    """The tokenizer directory or a chat request is unusable; the message says why."""
+
+
+@dataclass(frozen=True)
+class TokenizerInfo:
+    path: str
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int | None
+    has_chat_template: bool
+
+
+def _raise_exception(message: str) -> None:
+    raise TokenizerError(f"chat template error: {message}")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=False)
+
+
+@lru_cache(maxsize=16)
+def _compile_template(source: str):
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    return env.from_string(source)
+
+
+class ChatTokenizer:
+    """A model directory's tokenizer plus its chat template. Thread-safe for reads."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise TokenizerError(f"tokenizer path {self.path} is not a directory")
+        cfg_file = self.path / "tokenizer_config.json"
+        self._cfg: dict[str, Any] = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        self._fast = None
+        self._hf = None
+        self._lock = threading.Lock()
+        tj = self.path / "tokenizer.json"
+        if tj.exists():
+            from tokenizers import Tokenizer
+
+            self._fast = Tokenizer.from_file(str(tj))
+        else:
+            try:
+                from transformers import AutoTokenizer
+
+                self._hf = AutoTokenizer.from_pretrained(str(self.path), local_files_only=True)
+            except Exception as exc:  # transformers raises many types here
+                raise TokenizerError(f"cannot load a tokenizer from {self.path}: {exc}") from exc
+        self.chat_template: str | None = self._load_template()
+        self.bos_token = self._token_str("bos_token")
+        self.eos_token = self._token_str("eos_token")
+        self.bos_token_id = self.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self.token_to_id(self.eos_token) if self.eos_token else None
+        self.add_bos = bool(self._cfg.get("add_bos_token", False))
+
+    # ------------------------------------------------------------------ facts
+
+    def _token_str(self, key: str) -> str | None:
+        v = self._cfg.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if v is None and self._hf is not None:
+            v = getattr(self._hf, key, None)
+        return v
+
+    def _load_template(self) -> str | None:
+        tpl = self._cfg.get("chat_template")
+        if isinstance(tpl, list):  # HF allows named templates; use "default"
+            named = {t.get("name"): t.get("template") for t in tpl if isinstance(t, dict)}
+            tpl = named.get("default") or next(iter(named.values()), None)
+        if not tpl and (self.path / "chat_template.jinja").exists():
+            tpl = (self.path / "chat_template.jinja").read_text()
+        if not tpl and self._hf is not None:
+            tpl = getattr(self._hf, "chat_template", None)
+        return tpl or None
+
+    @property
+    def vocab_size(self) -> int:
+        if self._fast is not None:
+            return self._fast.get_vocab_size(with_added_tokens=True)
+        return len(self._hf)
+
+    def token_to_id(self, token: str) -> int | None:
+        if self._fast is not None:
+            return self._fast.token_to_id(token)
+        tid = self._hf.convert_tokens_to_ids(token)
+        return tid if isinstance(tid, int) else None
+
+    def info(self) -> TokenizerInfo:
+        return TokenizerInfo(str(self.path), self.vocab_size, self.bos_token_id, self.eos_token_id,
+                             self.chat_template is not None)
+
+    # ------------------------------------------------------------------ operations
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``. Special-token strings inside ``text`` map to their ids."""
+        if not isinstance(text, str):
+            raise TokenizerError(f"prompt must be a string, got {type(text).__name__}")
+        if self._fast is not None:
+            ids = self._fast.encode(text, add_special_tokens=add_special_tokens).ids
+            if add_special_tokens and self.add_bos and self.bos_token_id is not None:
+                ids = [self.bos_token_id, *ids]
+            return ids
+        return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        if self._fast is not None:
+            return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        if self._fast is not None:
+            return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text the chat template makes of ``messages``."""
+        if not self.chat_template:
+            raise TokenizerError(f"the tokenizer at {self.path} has no chat template")
+        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+            raise TokenizerError("messages must be a non-empty list of {role, content} objects")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise TokenizerError(f"messages[{i}] must be an object with a string 'role'")
+        tpl = _compile_template(self.chat_template)
+        try:
+            return tpl.render(messages=list(messages), tools=list(tools) if tools else None,
+                              add_generation_prompt=add_generation_prompt,
+                              bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
+        except TokenizerError:
+            raise
+        except Exception as exc:  # jinja errors: UndefinedError, TemplateError, TypeError
+            raise TokenizerError(f"chat template failed to render: {exc}") from exc
+
+    def apply_chat_template(self, messages: Sequence[dict[str, Any]],
+                            tools: Sequence[dict[str, Any]] | None = None,
+                            add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
+        """Token ids of the rendered chat (the template adds BOS itself, as HF does)."""
+        text = self.render_chat(messages, tools=tools, add_generation_prompt=add_generation_prompt, **kwargs)
+        return self.encode(text, add_special_tokens=False)
+
+
+_CACHE: dict[str, ChatTokenizer] = {}
+_CACHE_LOCK = threading.Lock()
+
+
+def load_tokenizer(path: str | Path) -> ChatTokenizer:
+    """Load (once per process) the tokenizer of the model directory ``path``."""
+    key = str(Path(path).resolve())
+    with _CACHE_LOCK:
+        tok = _CACHE.get(key)
+        if tok is None:
+            tok = ChatTokenizer(key)
+            _CACHE[key] = tok
+            logger.info("tokenizer loaded", extra={"path": key, "vocab_size": tok.vocab_size})
+        return tok
