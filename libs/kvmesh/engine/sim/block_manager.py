@@ -1,0 +1,323 @@
+"""A paged KV block manager with prefix caching that evicts exactly like vLLM 0.32.
+
+Why it exists: the sim engine and the virtual-time cluster simulator must hold,
+hit and evict the same blocks a real vLLM would, so that the KV events an
+indexer sees (and hence routing decisions) are indistinguishable. This module
+is synchronous and I/O-free; it mirrors ``vllm/v1/core/block_pool.py`` and the
+full-attention path of ``kv_cache_manager.py`` / ``single_type_kv_cache_manager.py``:
+
+- Block 0 is vLLM's *null block*: never allocated, never freed, and excluded
+  from the usage figure. ``num_blocks`` therefore includes it, as vLLM's
+  ``num_gpu_blocks`` does.
+- The free queue starts as blocks 1..N-1 in id order. Allocation pops from the
+  front; a popped block that still carries a cached hash is evicted then
+  (``BlockRemoved``).
+- Freeing a request walks its blocks tail first: blocks that carry a hash
+  are *appended* (LRU: evicted last, a request's tail before its head), blocks
+  without a hash are *prepended* (reused first).
+- A prefix hit *touches* the blocks: a block with ``ref_cnt == 0`` leaves the
+  free queue. The hit length is capped at ``num_tokens - 1`` so the last token
+  is always recomputed (vLLM needs its logits).
+- Blocks are cached (and ``BlockStored`` emitted) when slots are allocated, up
+  to ``min(computed + new, num_tokens)`` tokens, not when the step finishes.
+- Identical blocks computed concurrently are *not* de-duplicated: the hash maps
+  to several blocks and evicting one of them emits ``BlockRemoved`` for it.
+
+Hashes are opaque ``int`` keys (vLLM's 64-bit event form). Hashing tokens is
+the caller's job (``kvmesh.hashing``), so the cluster simulator can feed
+precomputed chains. Events are small slotted records (``Stored``/``Removed``/
+``Cleared``) that carry token *ranges* and the caller's ``meta`` object; the
+engine turns them into vLLM wire events only when it publishes them.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+NULL_BLOCK = 0
+
+
+@dataclass(slots=True)
+class Stored:
+    """A run of blocks of one request became cached (vLLM ``BlockStored``)."""
+
+    request_id: str
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_start: int          # token range [start, end) of the request the blocks hold
+    token_end: int
+    block_ids: list[int]
+    meta: Any = None          # the request's ``meta`` (tokens, lora, salt) as given to ``add_request``
+
+
+@dataclass(slots=True)
+class Removed:
+    """One cached block was evicted (vLLM ``BlockRemoved``; one hash per event)."""
+
+    block_hash: int
+    block_id: int
+
+
+@dataclass(slots=True)
+class Cleared:
+    """The whole prefix cache was reset (vLLM ``AllBlocksCleared``)."""
+
+
+Event = Stored | Removed | Cleared
+
+
+@dataclass(slots=True)
+class _Req:
+    blocks: list[int] = field(default_factory=list)
+    num_cached_blocks: int = 0
+    meta: Any = None
+
+
+class BlockManager:
+    """Prefix-caching paged block pool (one full-attention KV cache group)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 enable_events: bool = True) -> None:
+        if num_blocks < 2:
+            raise ValueError(f"num_blocks must be >= 2 (one is the null block), got {num_blocks}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.enable_events = enable_events
+        self._ref = [0] * num_blocks
+        self._hash: list[int | None] = [None] * num_blocks
+        # hash -> block id, or {block id: None} when duplicates exist (vLLM does not de-duplicate)
+        self._cached: dict[int, int | dict[int, None]] = {}
+        # Front = next to be handed out (evicted). Null block 0 is never in it.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self._ref[NULL_BLOCK] = 1
+        self._reqs: dict[str, _Req] = {}
+        self._events: list[Event] = []
+        # Cumulative prefix-cache counters in tokens (vllm:prefix_cache_queries/hits).
+        self.queries_tokens = 0
+        self.hits_tokens = 0
+
+    # ------------------------------------------------------------------ queries
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks that can be handed out now (free + evictable cached)."""
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        """KV usage in [0, 1], excluding the null block, as vLLM reports it."""
+        total = self.num_blocks - 1
+        return 1.0 - len(self._free) / total if total else 0.0
+
+    @property
+    def num_cached_hashes(self) -> int:
+        return len(self._cached)
+
+    def is_cached(self, block_hash: int) -> bool:
+        return block_hash in self._cached
+
+    def request_blocks(self, request_id: str) -> list[int]:
+        r = self._reqs.get(request_id)
+        return list(r.blocks) if r else []
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self._reqs
+
+    def free_queue(self) -> list[int]:
+        """Block ids in eviction order (front first). For tests and debugging."""
+        return list(self._free)
+
+    def _one_block(self, h: int) -> int | None:
+        b = self._cached.get(h)
+        if b is None:
+            return None
+        if isinstance(b, int):
+            return b
+        return next(iter(b))
+
+    def find_longest_hit(self, block_hashes: Sequence[int], num_tokens: int) -> list[int]:
+        """Block ids of the longest cached prefix, capped so one token is left to compute.
+
+        ``num_tokens`` is the request's current total length (prompt + output so far).
+        """
+        if not self.enable_caching:
+            return []
+        max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        cached = self._cached
+        hit: list[int] = []
+        append = hit.append
+        for i in range(max_blocks):
+            b = cached.get(block_hashes[i])
+            if b is None:
+                break
+            append(b if isinstance(b, int) else next(iter(b)))
+        return hit
+
+    def count_hit(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Record a lookup for the prefix-cache metrics (vLLM counts prompt tokens)."""
+        self.queries_tokens += num_query_tokens
+        self.hits_tokens += num_hit_tokens
+
+    # ------------------------------------------------------------------ allocation
+
+    def blocks_to_allocate(self, request_id: str, num_tokens: int, hit_blocks: Sequence[int] = ()) -> int:
+        """Free blocks an ``allocate`` of ``num_tokens`` slots would consume."""
+        r = self._reqs.get(request_id)
+        have = len(r.blocks) if r else len(hit_blocks)
+        need = -(-num_tokens // self.block_size) - have
+        need = max(need, 0)
+        if r is None and hit_blocks:
+            ref = self._ref
+            need += sum(1 for b in hit_blocks if ref[b] == 0)
+        return need
+
+    def allocate(self, request_id: str, num_tokens: int, hit_blocks: Sequence[int] = (),
+                 reserve: int = 0, meta: Any = None) -> bool:
+        """Give the request slots for ``num_tokens`` tokens in total.
+
+        On the request's first allocation ``hit_blocks`` (from
+        ``find_longest_hit``) are touched and become its leading blocks. Returns
+        False, changing nothing, when fewer than ``needed + reserve`` blocks are free.
+        """
+        if self.blocks_to_allocate(request_id, num_tokens, hit_blocks) + reserve > len(self._free):
+            return False
+        r = self._reqs.get(request_id)
+        if r is None:
+            r = _Req(meta=meta)
+            self._reqs[request_id] = r
+            if hit_blocks:
+                self._touch(hit_blocks)
+                r.blocks.extend(hit_blocks)
+                r.num_cached_blocks = len(hit_blocks)
+        need = -(-num_tokens // self.block_size) - len(r.blocks)
+        if need > 0:
+            r.blocks.extend(self._get_new_blocks(need))
+        return True
+
+    def _touch(self, blocks: Sequence[int]) -> None:
+        ref = self._ref
+        free = self._free
+        for b in blocks:
+            if ref[b] == 0:
+                del free[b]
+            ref[b] += 1
+
+    def _get_new_blocks(self, n: int) -> list[int]:
+        free = self._free
+        ref = self._ref
+        hashes = self._hash
+        out: list[int] = []
+        for _ in range(n):
+            b, _none = free.popitem(last=False)
+            if hashes[b] is not None:
+                self._evict(b)
+            ref[b] = 1
+            out.append(b)
+        return out
+
+    def _evict(self, b: int) -> None:
+        h = self._hash[b]
+        self._hash[b] = None
+        if h is None:
+            return
+        entry = self._cached.get(h)
+        removed = False
+        if entry is None:
+            pass
+        elif isinstance(entry, int):
+            if entry == b:
+                del self._cached[h]
+                removed = True
+        elif b in entry:
+            del entry[b]
+            removed = True
+            if len(entry) == 1:
+                self._cached[h] = next(iter(entry))
+            elif not entry:
+                del self._cached[h]
+        if removed and self.enable_events:
+            self._events.append(Removed(h, b))
+
+    def cache_blocks(self, request_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
+        """Cache the request's full blocks up to ``num_tokens`` tokens; emit one ``Stored``.
+
+        ``block_hashes`` must hold at least ``num_tokens // block_size`` keys.
+        """
+        if not self.enable_caching:
+            return
+        r = self._reqs[request_id]
+        start = r.num_cached_blocks
+        end = num_tokens // self.block_size
+        if start >= end:
+            return
+        if len(block_hashes) < end:
+            raise ValueError(f"request {request_id}: {len(block_hashes)} block hashes, {end} full blocks")
+        blocks = r.blocks
+        hashes = self._hash
+        cached = self._cached
+        new_ids = blocks[start:end]
+        new_hashes = list(block_hashes[start:end])
+        for b, h in zip(new_ids, new_hashes, strict=True):
+            hashes[b] = h
+            entry = cached.get(h)
+            if entry is None:
+                cached[h] = b
+            elif isinstance(entry, int):
+                if entry != b:
+                    cached[h] = {entry: None, b: None}
+            else:
+                entry[b] = None
+        r.num_cached_blocks = end
+        if self.enable_events:
+            parent = block_hashes[start - 1] if start > 0 else None
+            bs = self.block_size
+            self._events.append(Stored(request_id, new_hashes, parent, start * bs, end * bs, new_ids, r.meta))
+
+    def free(self, request_id: str) -> bool:
+        """Release the request's blocks, tail first; returns False if unknown."""
+        r = self._reqs.pop(request_id, None)
+        if r is None:
+            return False
+        ref = self._ref
+        hashes = self._hash
+        first: list[int] = []
+        last: list[int] = []
+        for b in reversed(r.blocks):
+            if b == NULL_BLOCK:
+                continue
+            ref[b] -= 1
+            if ref[b] == 0:
+                if hashes[b] is None or not self.enable_caching:
+                    first.append(b)
+                else:
+                    last.append(b)
+        free = self._free
+        if first:
+            # vLLM's prepend_n keeps list order: first[0] ends up at the very front.
+            for b in reversed(first):
+                free[b] = None
+                free.move_to_end(b, last=False)
+        for b in last:
+            free[b] = None
+        return True
+
+    def reset(self) -> bool:
+        """Drop every cached hash (vLLM ``reset_prefix_cache``); only when nothing is in use."""
+        if len(self._free) != self.num_blocks - 1:
+            return False
+        self._cached.clear()
+        self._hash = [None] * self.num_blocks
+        if self.enable_events:
+            self._events.append(Cleared())
+        return True
+
+    def take_events(self) -> list[Event]:
+        ev = self._events
+        self._events = []
+        return ev
