@@ -271,7 +271,11 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             body = parsed
         preq = PickRequest(request_id=st.request_id, method=st.headers.get(":method", ""),
                            path=st.headers.get(":path", ""), headers=st.headers, body=body, subset=st.subset)
-        with _tracer.start_as_current_span("router.extproc.pick") as span:
+        # The span continues the client's trace (traceparent in the HTTP headers), not the
+        # ext_proc gRPC stream's: one trace per HTTP request.
+        parent = propagate.extract(st.headers)
+        with _tracer.start_as_current_span("router.extproc.pick", context=parent,
+                                           kind=trace.SpanKind.SERVER) as span:
             span.set_attribute("http.route", preq.path)
             span.set_attribute("kvmesh.request_id", st.request_id)
             if body is not None and isinstance(body.get("model"), str):
@@ -335,6 +339,9 @@ async def start_extproc_server(pick: PickFn, port: int, host: str = "0.0.0.0", r
         "router-extproc",
         [(ep_grpc.add_ExternalProcessorServicer_to_server, servicer, EXTPROC_SERVICE_NAME)],
         ServerOptions(host=host, port=port),
+        # No gRPC tracing interceptor: one ext_proc stream is one HTTP request, and its span
+        # is the pick span parented on the HTTP request's own trace context.
+        interceptors=[],
     )
     await server.start()
     if ready:
