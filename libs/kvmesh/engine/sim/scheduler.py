@@ -57,7 +57,8 @@ class Seq:
     external_cached: int = 0
     num_computed: int = 0
     num_output: int = 0
-    num_cached_tokens: int = -1       # prefix-cache hit at first scheduling (-1: not yet)
+    num_cached_tokens: int = -1       # tokens not computed at first scheduling (-1: not yet)
+    num_cached_gpu: int = 0           # of which: hit in this engine's own prefix cache
     est_cached_tokens: int = 0        # hit estimated on arrival (for load reporting)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
@@ -268,6 +269,7 @@ class Scheduler:
             if first:
                 bm.count_hit(seq.prompt_len, len(hit) * bs)
                 seq.num_cached_tokens = computed
+                seq.num_cached_gpu = len(hit) * bs
                 new_requests += 1
             seq.num_computed = computed
             seq.status = SeqStatus.RUNNING
