@@ -1,0 +1,166 @@
+"""Eviction policies for the offload tiers (and the virtual-time cluster simulator).
+
+A policy only orders keys; the tier owns sizes and bytes. Keys are opaque
+hashables (the store uses ``(namespace, block_key)``).
+
+Prefix caches only pay off on *leading* hits: losing block 0 of a chain makes
+every later block of it useless. Both policies therefore see each block's depth
+in its chain and, among equally recent blocks, evict the deepest first (vLLM's
+own free queue does the same by freeing a request's blocks tail first).
+
+- ``lru``: least recently used, the baseline.
+- ``agent``: GreedyDual-style priority ``H = L + value``, where ``L`` is the
+  priority of the last victim (so time ages everything, like LRU) and
+  ``value = 1 + share_weight * log2(1 + sharers)``. ``sharers`` counts how many
+  distinct sessions touched the block, so the system prompt and tool
+  definitions shared by a main agent and its parallel sub-agents outlive a
+  single sub-agent's private tail, while a paused session's blocks still age
+  out only as fast as the session stays idle.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from collections.abc import Hashable
+from typing import Protocol
+
+
+class EvictionPolicy(Protocol):
+    name: str
+
+    def new_batch(self) -> None:
+        """Mark the start of one operation (a request's put or lookup)."""
+        ...
+
+    def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None: ...
+
+    def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None: ...
+
+    def remove(self, key: Hashable) -> None: ...
+
+    def victim(self) -> Hashable | None:
+        """The key to evict next (not removed; the tier calls ``remove``)."""
+        ...
+
+    def __len__(self) -> int: ...
+
+
+class LRUPolicy:
+    """Least recently used; inside one batch (one request) deeper blocks go first.
+
+    The owner calls ``new_batch()`` once per operation; every touch in that
+    operation shares a recency stamp and is ordered by depth, deepest evicted first.
+    """
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, int, Hashable]] = []
+        self._live: dict[Hashable, int] = {}
+        self._batch = 0
+        self._seq = itertools.count()
+
+    def new_batch(self) -> None:
+        self._batch += 1
+
+    def _push(self, key: Hashable, depth: int) -> None:
+        seq = next(self._seq)
+        self._live[key] = seq
+        heapq.heappush(self._heap, (self._batch, -depth, seq, key))
+        if len(self._heap) > 4 * len(self._live) + 1024:
+            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
+            heapq.heapify(self._heap)
+
+    def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        self._push(key, depth)
+
+    def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        if key in self._live:
+            self._push(key, depth)
+
+    def remove(self, key: Hashable) -> None:
+        self._live.pop(key, None)
+
+    def victim(self) -> Hashable | None:
+        while self._heap:
+            _, _, seq, key = self._heap[0]
+            if self._live.get(key) == seq:
+                return key
+            heapq.heappop(self._heap)
+        return None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class AgentAwarePolicy:
+    """GreedyDual priority with a bonus for blocks shared across sessions (see module doc)."""
+
+    name = "agent"
+
+    def __init__(self, share_weight: float = 1.0) -> None:
+        self.share_weight = share_weight
+        self._heap: list[tuple[float, int, int, Hashable]] = []
+        self._live: dict[Hashable, int] = {}
+        self._sharers: dict[Hashable, int] = {}
+        self._last_session: dict[Hashable, str] = {}
+        self._inflation = 0.0
+        self._seq = itertools.count()
+
+    def new_batch(self) -> None:
+        pass
+
+    def _value(self, key: Hashable) -> float:
+        return 1.0 + self.share_weight * math.log2(1 + self._sharers.get(key, 1))
+
+    def _push(self, key: Hashable, depth: int) -> None:
+        seq = next(self._seq)
+        self._live[key] = seq
+        heapq.heappush(self._heap, (self._inflation + self._value(key), -depth, seq, key))
+        if len(self._heap) > 4 * len(self._live) + 1024:
+            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
+            heapq.heapify(self._heap)
+
+    def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        self._sharers[key] = 1
+        self._last_session[key] = session
+        self._push(key, depth)
+
+    def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        if key not in self._live:
+            return
+        if session and session != self._last_session.get(key):
+            # Distinct-session count, approximated by "a different session than last time".
+            self._sharers[key] = self._sharers.get(key, 1) + 1
+            self._last_session[key] = session
+        self._push(key, depth)
+
+    def remove(self, key: Hashable) -> None:
+        self._live.pop(key, None)
+        self._sharers.pop(key, None)
+        self._last_session.pop(key, None)
+
+    def victim(self) -> Hashable | None:
+        while self._heap:
+            prio, _, seq, key = self._heap[0]
+            if self._live.get(key) == seq:
+                self._inflation = max(self._inflation, prio)
+                return key
+            heapq.heappop(self._heap)
+        return None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+POLICIES = {"lru": LRUPolicy, "agent": AgentAwarePolicy}
+
+
+def make_policy(name: str, **kwargs: float) -> EvictionPolicy:
+    try:
+        cls = POLICIES[name]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
+    return cls(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,113 @@
+"""The RAM tier: a capacity budget over stored blocks with a pluggable eviction policy.
+
+Synchronous and lock-free by design: the store core serialises access, and the
+virtual-time cluster simulator drives it directly (with ``data=None`` blocks and
+capacity counted in blocks or tokens instead of bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from kvmesh.kvstore.block import BlockId, CapacityError, StoredBlock
+from kvmesh.kvstore.eviction import EvictionPolicy, LRUPolicy
+
+
+class RamTier:
+    def __init__(self, capacity: int, policy: EvictionPolicy | None = None) -> None:
+        if capacity < 0:
+            raise ValueError("capacity must be >= 0")
+        self.capacity = capacity
+        self.policy: EvictionPolicy = policy if policy is not None else LRUPolicy()
+        self.used = 0
+        self._blocks: dict[BlockId, StoredBlock] = {}
+        self.evictions = 0
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, bid: BlockId) -> bool:
+        return bid in self._blocks
+
+    def __iter__(self) -> Iterator[BlockId]:
+        return iter(self._blocks)
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def new_batch(self) -> None:
+        self.policy.new_batch()
+
+    def peek(self, bid: BlockId) -> StoredBlock | None:
+        return self._blocks.get(bid)
+
+    def get(self, bid: BlockId, session: str = "") -> StoredBlock | None:
+        """The block (and a recency touch), or None."""
+        blk = self._blocks.get(bid)
+        if blk is not None:
+            self.policy.touch(bid, blk.depth, session)
+        return blk
+
+    def touch(self, bid: BlockId, session: str = "") -> None:
+        blk = self._blocks.get(bid)
+        if blk is not None:
+            self.policy.touch(bid, blk.depth, session)
+
+    def can_fit(self, size: int) -> bool:
+        return size <= self.capacity
+
+    def make_room(self, size: int, protect: frozenset[BlockId] | set[BlockId] = frozenset(),
+                  allow_evict: bool = True) -> list[tuple[BlockId, StoredBlock]]:
+        """Evict until ``size`` fits; return the victims (for demotion). Raises CapacityError."""
+        if size > self.capacity:
+            raise CapacityError(f"{size} exceeds the tier capacity of {self.capacity}")
+        victims: list[tuple[BlockId, StoredBlock]] = []
+        skipped: list[BlockId] = []
+        while self.used + size > self.capacity:
+            if not allow_evict:
+                self._restore(skipped)
+                raise CapacityError(f"tier full ({self.used}/{self.capacity}) and eviction is disabled")
+            bid = self.policy.victim()
+            if bid is None:
+                self._restore(skipped)
+                raise CapacityError(f"tier cannot free {size} (used {self.used}/{self.capacity})")
+            if bid in protect:
+                # Blocks of the put being committed must not push each other out.
+                self.policy.remove(bid)
+                skipped.append(bid)
+                continue
+            victims.append((bid, self._pop(bid)))
+        self._restore(skipped)
+        self.evictions += len(victims)
+        return victims
+
+    def _restore(self, bids: list[BlockId]) -> None:
+        for bid in bids:
+            blk = self._blocks[bid]
+            self.policy.insert(bid, blk.depth, blk.session)
+
+    def add(self, bid: BlockId, blk: StoredBlock) -> None:
+        """Insert a block; the caller made room first."""
+        old = self._blocks.get(bid)
+        if old is not None:
+            self.used -= old.size
+            self.policy.remove(bid)
+        self._blocks[bid] = blk
+        self.used += blk.size
+        self.policy.insert(bid, blk.depth, blk.session)
+
+    def _pop(self, bid: BlockId) -> StoredBlock:
+        blk = self._blocks.pop(bid)
+        self.used -= blk.size
+        self.policy.remove(bid)
+        return blk
+
+    def remove(self, bid: BlockId) -> StoredBlock | None:
+        if bid not in self._blocks:
+            return None
+        return self._pop(bid)
+
+    def clear(self) -> None:
+        for bid in list(self._blocks):
+            self._pop(bid)

@@ -1,0 +1,1 @@
+"""kvmesh offload store service: the gRPC face of ``kvmesh.kvstore``."""

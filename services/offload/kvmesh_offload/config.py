@@ -1,0 +1,49 @@
+"""Configuration of the offload service (flags ``--ram-capacity-bytes`` etc., env ``KVMESH_OFFLOAD_*``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.config import ConfigError
+from kvmesh.kvstore.eviction import POLICIES
+
+GiB = 1024 ** 3
+
+
+@dataclass
+class OffloadConfig:
+    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
+    grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
+    ram_capacity_bytes: int = field(default=2 * GiB, metadata={"help": "RAM tier budget in bytes"})
+    disk_path: str = field(default="", metadata={"help": "disk tier folder (empty = no disk tier)"})
+    disk_capacity_bytes: int = field(default=16 * GiB, metadata={"help": "disk tier budget in bytes"})
+    disk_fsync: bool = field(default=False, metadata={"help": "fsync each disk block before it becomes visible"})
+    eviction_policy: str = field(default="agent", metadata={"help": f"RAM eviction policy: {sorted(POLICIES)}"})
+    evict_on_full: bool = field(default=True, metadata={
+        "help": "evict to make room; if false a Put that does not fit gets RESOURCE_EXHAUSTED"})
+    max_block_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "largest accepted block"})
+    shm_enabled: bool = field(default=True, metadata={"help": "serve PutShm/GetShm (same-host fast path)"})
+    endpoint_id: str = field(default="offload-0", metadata={"help": "this store's endpoint id in the index"})
+    model: str = field(default="any", metadata={"help": "model name in the KV-event topic and registration"})
+    events_endpoint: str = field(default="", metadata={
+        "help": "ZMQ KV-event publisher endpoint, e.g. tcp://*:5560 (empty = no events)"})
+    events_replay_endpoint: str = field(default="", metadata={"help": "ZMQ replay endpoint, e.g. tcp://*:5561"})
+    indexer_address: str = field(default="", metadata={"help": "indexer host:port to register with (empty = off)"})
+    advertise_host: str = field(default="127.0.0.1", metadata={"help": "host other services use to reach us"})
+    register_ttl_s: float = field(default=30.0, metadata={"help": "heartbeat TTL asked of the indexer"})
+
+    def validate(self) -> None:
+        if self.ram_capacity_bytes <= 0:
+            raise ConfigError("ram_capacity_bytes must be > 0")
+        if self.disk_path and self.disk_capacity_bytes <= 0:
+            raise ConfigError("disk_capacity_bytes must be > 0 when disk_path is set")
+        if self.eviction_policy not in POLICIES:
+            raise ConfigError(f"eviction_policy {self.eviction_policy!r} unknown; choose from {sorted(POLICIES)}")
+        if not 0 < self.max_block_bytes <= 64 * 1024 * 1024:
+            raise ConfigError("max_block_bytes must be in (0, 64 MiB]")
+        if not self.endpoint_id or "@" in self.endpoint_id:
+            raise ConfigError("endpoint_id must be non-empty and contain no '@'")
+        if self.indexer_address and not self.events_endpoint:
+            raise ConfigError("indexer_address needs events_endpoint (the indexer subscribes to our events)")

@@ -1,0 +1,301 @@
+"""gRPC servicer of ``kvmesh.offload.v1.Offload`` over the synchronous store core.
+
+Store calls run in a worker thread (``asyncio.to_thread``) so disk reads and
+large copies never stall the event loop. A streamed Put is buffered in full and
+committed only when the client half-closes the stream: a client that dies or
+cancels mid-stream leaves nothing visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import crc32c as _crc32c
+import grpc
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.kvstore.shm import Segment, ShmError
+from kvmesh.kvstore.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
+from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
+from kvmesh_offload.metrics import RESTORE_LATENCY
+
+log = logging.getLogger(__name__)
+
+MAX_CHUNK_BYTES = 4 * 1024 * 1024
+MAX_KEYS = 65_536
+MAX_U64 = (1 << 64) - 1
+DEFAULT_CHUNK = 1024 * 1024
+_TIER = {CPU: common_pb2.TIER_CPU, "DISK": common_pb2.TIER_DISK}
+
+
+class _Abort(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def _check_ns(ns: str) -> None:
+    if not ns:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "namespace is required")
+
+
+def _check_keys(n: int) -> None:
+    if n > MAX_KEYS:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chain of {n} keys exceeds the max of {MAX_KEYS}")
+
+
+class OffloadServicer(offload_pb2_grpc.OffloadServicer):
+    def __init__(self, store: OffloadStore, *, shm_enabled: bool = True,
+                 max_block_bytes: int = 64 * 1024 * 1024) -> None:
+        self.store = store
+        self.shm_enabled = shm_enabled
+        self.max_block_bytes = max_block_bytes
+        self.draining = False
+
+    async def _guard(self, context: grpc.aio.ServicerContext, coro):  # noqa: ANN001, ANN202
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "offload store is shutting down")
+        try:
+            return await coro
+        except _Abort as exc:
+            await context.abort(exc.code, exc.message)
+        except StoreFullError as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"store full: {exc}")
+        except BadBlockError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    # -- Put ----------------------------------------------------------------------------------
+
+    async def Put(self, request_iterator: AsyncIterator[offload_pb2.PutRequest],
+                  context: grpc.aio.ServicerContext) -> offload_pb2.PutResponse:
+        return await self._guard(context, self._put(request_iterator))
+
+    async def _put(self, it: AsyncIterator[offload_pb2.PutRequest]) -> offload_pb2.PutResponse:
+        header: offload_pb2.PutHeader | None = None
+        blocks: list[BlockIn] = []
+        parts: list[bytes] = []
+        cur_key: int | None = None
+        cur_len = 0
+        total = 0
+        cap = self.store.ram.capacity
+        async for req in it:
+            kind = req.WhichOneof("kind")
+            if header is None:
+                if kind != "header":
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Put message must be a header")
+                header = req.header
+                _check_ns(header.namespace)
+                continue
+            if kind != "chunk":
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "only one header per Put stream")
+            ch = req.chunk
+            if cur_key is not None and ch.key != cur_key:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"chunk out of order: block {ch.key} started before block {cur_key} ended")
+            if len(ch.data) > MAX_CHUNK_BYTES:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"chunk of {len(ch.data)} bytes exceeds {MAX_CHUNK_BYTES}")
+            cur_key = ch.key
+            parts.append(ch.data)
+            cur_len += len(ch.data)
+            total += len(ch.data)
+            if cur_len > self.max_block_bytes:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"block {ch.key} exceeds the max block size of {self.max_block_bytes}")
+            if total > cap:
+                raise StoreFullError(f"Put of more than {total} bytes exceeds the RAM capacity of {cap}")
+            if not ch.last:
+                continue
+            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            parts, cur_key, cur_len = [], None, 0
+            if not data:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {ch.key}: empty data")
+            if ch.crc32c and _crc32c.crc32c(data) != ch.crc32c:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {ch.key}: checksum mismatch on Put")
+            blocks.append(BlockIn(ch.key, data, ch.crc32c or _crc32c.crc32c(data), tuple(ch.token_ids)))
+            if len(blocks) > MAX_KEYS:
+                _check_keys(len(blocks))
+        if header is None:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty Put stream (no header)")
+        if cur_key is not None:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"stream ended inside block {cur_key} (no last chunk)")
+        return await self._commit(header, blocks)
+
+    async def _commit(self, header: offload_pb2.PutHeader, blocks: list[BlockIn]) -> offload_pb2.PutResponse:
+        out = await asyncio.to_thread(
+            self.store.put, header.namespace, blocks, parent=header.parent_key if header.has_parent else None,
+            session=header.session_id, block_size=header.block_size)
+        return offload_pb2.PutResponse(stored=out.stored, already_present=out.already_present, bytes=out.bytes,
+                                       evicted=out.evicted)
+
+    # -- Get ----------------------------------------------------------------------------------
+
+    async def Get(self, request: offload_pb2.GetRequest,
+                  context: grpc.aio.ServicerContext) -> AsyncIterator[offload_pb2.GetResponse]:
+        t0 = time.perf_counter()
+        found = await self._guard(context, self._lookup(request.namespace, request.keys))
+        chunk = request.chunk_bytes or DEFAULT_CHUNK
+        chunk = max(4096, min(chunk, MAX_CHUNK_BYTES))
+        for f in found:
+            data = f.block.data or b""
+            tier = _TIER[f.medium]
+            n = len(data)
+            if n <= chunk:
+                yield offload_pb2.GetResponse(
+                    chunk=offload_pb2.BlockChunk(key=f.key, data=data, last=True, crc32c=f.block.crc32c), tier=tier)
+                continue
+            mv = memoryview(data)
+            for off in range(0, n, chunk):
+                end = min(off + chunk, n)
+                last = end == n
+                yield offload_pb2.GetResponse(chunk=offload_pb2.BlockChunk(
+                    key=f.key, data=bytes(mv[off:end]), last=last, crc32c=f.block.crc32c if last else 0), tier=tier)
+        if found:
+            RESTORE_LATENCY.labels("grpc").observe(time.perf_counter() - t0)
+
+    async def _lookup(self, namespace: str, keys) -> list[Found]:  # noqa: ANN001
+        _check_ns(namespace)
+        _check_keys(len(keys))
+        return await asyncio.to_thread(self.store.get, namespace, list(keys))
+
+    # -- small RPCs ---------------------------------------------------------------------------
+
+    async def Contains(self, request: offload_pb2.ContainsRequest,
+                       context: grpc.aio.ServicerContext) -> offload_pb2.ContainsResponse:
+        async def run() -> offload_pb2.ContainsResponse:
+            _check_ns(request.namespace)
+            _check_keys(len(request.keys))
+            present, in_ram = self.store.contains(request.namespace, list(request.keys))
+            return offload_pb2.ContainsResponse(leading_present=present, leading_in_ram=in_ram)
+        return await self._guard(context, run())
+
+    async def Delete(self, request: offload_pb2.DeleteRequest,
+                     context: grpc.aio.ServicerContext) -> offload_pb2.DeleteResponse:
+        async def run() -> offload_pb2.DeleteResponse:
+            _check_ns(request.namespace)
+            _check_keys(len(request.keys))
+            n = await asyncio.to_thread(self.store.delete, request.namespace, list(request.keys))
+            return offload_pb2.DeleteResponse(deleted=n)
+        return await self._guard(context, run())
+
+    async def Stats(self, request: offload_pb2.StatsRequest,
+                    context: grpc.aio.ServicerContext) -> offload_pb2.StatsResponse:
+        s = self.store.stats()
+        return offload_pb2.StatsResponse(
+            ram_bytes=s["ram_bytes"], ram_capacity_bytes=s["ram_capacity_bytes"], disk_bytes=s["disk_bytes"],
+            disk_capacity_bytes=s["disk_capacity_bytes"], ram_blocks=s["ram_blocks"], disk_blocks=s["disk_blocks"],
+            counters={k: int(v) for k, v in s["counters"].items() if v >= 0}, eviction_policy=s["eviction_policy"])
+
+    # -- shared memory ------------------------------------------------------------------------
+
+    def _attach(self, name: str, min_size: int) -> Segment:
+        if not self.shm_enabled:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "shared-memory path is disabled on this store")
+        try:
+            return Segment.attach(name, min_size)
+        except ShmError as exc:
+            # FAILED_PRECONDITION tells the client to fall back to gRPC (e.g. another host).
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
+    async def PutShm(self, request: offload_pb2.ShmRequest,
+                     context: grpc.aio.ServicerContext) -> offload_pb2.PutResponse:
+        return await self._guard(context, self._put_shm(request))
+
+    async def _put_shm(self, req: offload_pb2.ShmRequest) -> offload_pb2.PutResponse:
+        _check_ns(req.header.namespace)
+        n = len(req.keys)
+        _check_keys(n)
+        if len(req.offsets) != n or len(req.sizes) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, offsets and sizes must have the same length")
+        if req.crc32c and len(req.crc32c) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "crc32c must be empty or one per key")
+        if req.tokens and len(req.tokens) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be empty or one per key")
+        for k, size in zip(req.keys, req.sizes, strict=True):
+            if size == 0 or size > self.max_block_bytes:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"block {k}: size {size} outside (0, {self.max_block_bytes}]")
+        if sum(req.sizes) > self.store.ram.capacity:
+            raise StoreFullError(f"Put of {sum(req.sizes)} bytes exceeds the RAM capacity {self.store.ram.capacity}")
+        end = max((o + s for o, s in zip(req.offsets, req.sizes, strict=True)), default=0)
+        seg = self._attach(req.segment, 0)
+        try:
+            if end > seg.size:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
+            blocks = await asyncio.to_thread(self._copy_in, req, seg)
+        finally:
+            seg.close()
+        return await self._commit(req.header, blocks)
+
+    @staticmethod
+    def _copy_in(req: offload_pb2.ShmRequest, seg: Segment) -> list[BlockIn]:
+        blocks = []
+        for i, (k, off, size) in enumerate(zip(req.keys, req.offsets, req.sizes, strict=True)):
+            data = bytes(seg.buf[off:off + size])
+            crc = _crc32c.crc32c(data)
+            if req.crc32c and req.crc32c[i] and req.crc32c[i] != crc:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {k}: checksum mismatch on PutShm")
+            toks = tuple(req.tokens[i].ids) if req.tokens else ()
+            blocks.append(BlockIn(k, data, crc, toks))
+        return blocks
+
+    async def GetShm(self, request: offload_pb2.ShmRequest,
+                     context: grpc.aio.ServicerContext) -> offload_pb2.ShmGetResponse:
+        return await self._guard(context, self._get_shm(request))
+
+    async def _get_shm(self, req: offload_pb2.ShmRequest) -> offload_pb2.ShmGetResponse:
+        t0 = time.perf_counter()
+        _check_ns(req.header.namespace)
+        _check_keys(len(req.keys))
+        seg = self._attach(req.segment, 0)
+        try:
+            found = await asyncio.to_thread(self.store.get, req.header.namespace, list(req.keys))
+            resp = await asyncio.to_thread(self._copy_out, req, seg, found)
+        finally:
+            seg.close()
+        if resp.leading_present:
+            RESTORE_LATENCY.labels("shm").observe(time.perf_counter() - t0)
+        return resp
+
+    @staticmethod
+    def _copy_out(req: offload_pb2.ShmRequest, seg: Segment, found: list[Found]) -> offload_pb2.ShmGetResponse:
+        if req.capacity:
+            limit = min(req.capacity, seg.size)
+            slots = None
+        else:
+            # Explicit slots: block i goes at offsets[i] and may use sizes[i] bytes.
+            if len(req.offsets) != len(req.sizes):
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "offsets and sizes must have the same length")
+            limit = seg.size
+            slots = list(zip(req.offsets, req.sizes, strict=True))
+        resp = offload_pb2.ShmGetResponse()
+        off = 0
+        for i, f in enumerate(found):
+            data = f.block.data or b""
+            n = len(data)
+            if slots is not None:
+                if i >= len(slots):
+                    resp.truncated = True
+                    break
+                off, room = slots[i]
+                if n > room or off + n > limit:
+                    resp.truncated = True
+                    resp.sizes.append(n)  # tells the client how much room the next block needs
+                    break
+            elif off + n > limit:
+                resp.truncated = True
+                resp.sizes.append(n)
+                break
+            seg.buf[off:off + n] = data
+            resp.offsets.append(off)
+            resp.sizes.append(n)
+            resp.tiers.append(_TIER[f.medium])
+            resp.crc32c.append(f.block.crc32c)
+            resp.leading_present += 1
+            if slots is None:
+                off += n
+        return resp
