@@ -107,7 +107,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"block {ch.key} exceeds the max block size of {self.max_block_bytes}")
             if total > cap:
-                raise StoreFullError(f"Put of more than {total} bytes exceeds the RAM capacity of {cap}")
+                raise StoreFullError(f"Put of at least {total} bytes exceeds the RAM capacity of {cap}")
             if not ch.last:
                 continue
             data = parts[0] if len(parts) == 1 else b"".join(parts)
