@@ -1,0 +1,125 @@
+"""Behaviour of both block-index backends (memory and a real redis-server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvmesh.index.base import Tier
+from kvmesh.index.memory import MemoryIndex
+
+pytestmark = pytest.mark.timeout(60)
+
+M = "tiny"
+
+
+def chain(seed: int, n: int) -> list[int]:
+    return [(seed << 32) + i + 1 for i in range(n)]
+
+
+def test_leading_match_per_endpoint_and_tier(any_index) -> None:
+    c = chain(1, 10)
+    any_index.add(M, "a", Tier.GPU, c[:6])
+    any_index.add(M, "b", Tier.GPU, c[:3])
+    any_index.add(M, "b", Tier.CPU, c[3:8])
+    any_index.add(M, "c", Tier.GPU, c[1:9])  # no block 0: never a leading match
+    res = any_index.lookup(M, c)
+    assert res.chain_length == 10
+    assert set(res.matches) == {"a", "b"}
+    a, b = res.matches["a"], res.matches["b"]
+    assert a.tiers == {Tier.GPU: 6} and a.combined == 6
+    assert b.tiers[Tier.GPU] == 3
+    assert b.tiers.get(Tier.CPU, 0) == 0  # CPU run does not start at block 0
+    assert b.combined == 8  # GPU then CPU covers blocks 0..7
+
+
+def test_hole_stops_the_match(any_index) -> None:
+    c = chain(2, 6)
+    any_index.add(M, "a", Tier.GPU, c[:2] + c[3:])
+    assert any_index.lookup(M, c).matches["a"].combined == 2
+
+
+def test_filter_exclude_and_models_are_separate(any_index) -> None:
+    c = chain(3, 4)
+    any_index.add(M, "a", Tier.GPU, c)
+    any_index.add(M, "b", Tier.GPU, c[:2])
+    any_index.add("other", "z", Tier.GPU, c)
+    assert set(any_index.lookup(M, c, endpoint_filter=["b"]).matches) == {"b"}
+    assert set(any_index.lookup(M, c, exclude=["a"]).matches) == {"b"}
+    assert set(any_index.lookup("other", c).matches) == {"z"}
+    assert any_index.lookup("nope", c).matches == {}
+
+
+def test_remove_and_clear_endpoint(any_index) -> None:
+    c = chain(4, 5)
+    any_index.add(M, "a", Tier.GPU, c)
+    any_index.add(M, "a", Tier.DISK, c)
+    any_index.add(M, "b", Tier.GPU, c)
+    assert any_index.remove(M, "a", Tier.GPU, [c[2]]) == 1
+    m = any_index.lookup(M, c).matches["a"]
+    assert m.tiers == {Tier.GPU: 2, Tier.DISK: 5} and m.combined == 5
+    assert any_index.endpoint_blocks("a") == 9
+    assert any_index.clear_endpoint("a") == 9
+    assert any_index.endpoint_blocks("a") == 0
+    assert set(any_index.lookup(M, c).matches) == {"b"}
+    st = any_index.stats()
+    assert st.entries == 5 and st.entries_by_tier[Tier.GPU] == 5
+
+
+def test_duplicate_adds_count_once(any_index) -> None:
+    c = chain(5, 3)
+    assert any_index.add(M, "a", Tier.GPU, c) == 3
+    assert any_index.add(M, "a", Tier.GPU, c) == 0
+    assert any_index.stats().entries == 3
+
+
+def test_speculative_entries_expire(any_index) -> None:
+    c = chain(6, 4)
+    any_index.put_speculative(M, "s", c[:3], ttl_s=0.3)
+    m = any_index.lookup(M, c, include_speculative=True).matches["s"]
+    assert m.speculative == 3 and 0 < m.speculative_ttl_s <= 0.3 and m.combined == 0
+    assert "s" not in any_index.lookup(M, c).matches  # only on request
+    time.sleep(0.35)
+    assert "s" not in any_index.lookup(M, c, include_speculative=True).matches
+
+
+def test_long_chain_lookup(any_index) -> None:
+    c = chain(7, 6000)
+    for i in range(0, 3000, 500):
+        any_index.add(M, "a", Tier.GPU, c[i:i + 500])
+    any_index.add(M, "b", Tier.GPU, c[:100])
+    res = any_index.lookup(M, c)
+    assert res.matches["a"].combined == 3000 and res.matches["b"].combined == 100
+
+
+def test_memory_budget_evicts_lru_and_exports_size(clock) -> None:
+    idx = MemoryIndex(max_entries=1000, now=clock)
+    old, hot, new = chain(8, 400), chain(9, 400), chain(10, 400)
+    idx.add(M, "a", Tier.GPU, old)
+    idx.add(M, "a", Tier.GPU, hot)
+    assert idx.lookup(M, hot).matches["a"].combined == 400  # touches `hot`
+    idx.add(M, "a", Tier.GPU, new)
+    st = idx.stats()
+    assert st.entries <= 1000 and st.counters["evicted"] > 0
+    assert idx.lookup(M, hot).matches["a"].combined == 400
+    assert idx.lookup(M, new).matches["a"].combined == 400
+    assert "a" not in idx.lookup(M, old).matches or idx.lookup(M, old).matches["a"].combined < 400
+
+
+def test_memory_slot_reuse_after_clear() -> None:
+    idx = MemoryIndex()
+    c = chain(11, 3)
+    idx.add(M, "a", Tier.GPU, c)
+    idx.clear_endpoint("a")
+    idx.add(M, "b", Tier.GPU, c)  # reuses a's slot; must not resurrect "a"
+    assert set(idx.lookup(M, c).matches) == {"b"}
+
+
+def test_memory_speculative_uses_injected_clock(clock) -> None:
+    idx = MemoryIndex(now=clock)
+    c = chain(12, 2)
+    idx.put_speculative(M, "s", c, ttl_s=2.0)
+    assert idx.lookup(M, c, include_speculative=True).matches["s"].speculative == 2
+    clock.advance(2.5)
+    assert idx.lookup(M, c, include_speculative=True).matches == {}
