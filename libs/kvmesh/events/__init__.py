@@ -17,6 +17,7 @@ from kvmesh.events.codec import (
     encode_message,
     is_replay_end,
 )
+from kvmesh.events.publisher import KvEventPublisher
 from kvmesh.events.topic import make_topic, parse_topic
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "EventError",
     "KVEvent",
     "KVEventBatch",
+    "KvEventPublisher",
     "decode_batch",
     "decode_message",
     "encode_batch",

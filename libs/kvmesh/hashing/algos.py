@@ -12,14 +12,14 @@ from __future__ import annotations
 import hashlib
 import pickle
 from collections.abc import Callable
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 import cbor2
 import xxhash
 
 
-class HashAlgo(str, Enum):
+class HashAlgo(StrEnum):
     """vLLM's ``--prefix-caching-hash-algo`` values."""
 
     SHA256 = "sha256"
