@@ -1,0 +1,46 @@
+"""``approx``: the router remembers only its own past decisions (no engine events).
+
+This is the baseline other routers ship (vLLM production-stack, SGLang's
+gateway): a per-endpoint LRU of the block keys it has sent there, assuming
+nothing is evicted below a capacity. It is also ``precise``'s fallback when
+the indexer is unreachable.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.prefix_memory import ApproxIndex, SessionAffinity
+from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick
+from kvmesh.routing.types import Decision, RouteRequest, TierMatch
+
+
+@register
+class ApproxPolicy(Policy):
+    name = "approx"
+
+    def __init__(self, scoring: ScoringConfig | None = None, *, capacity_blocks: int = 100_000,
+                 session_ttl_s: float = 600.0, **options: Any) -> None:
+        super().__init__(scoring, **options)
+        self.index = ApproxIndex(capacity_blocks)
+        self.sessions = SessionAffinity(ttl_s=session_ttl_s)
+
+    def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
+        seen = self.index.match(req.keys)
+        cands = self._candidates(req, ctx, lambda ep: TierMatch(gpu=seen.get(ep, 0)))
+        mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
+        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now))
+        return self._decision(req, win, why, cands)
+
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
+        self.index.insert(decision.endpoint_id, req.keys)
+        self.sessions.set(req.session_id, decision.endpoint_id, now)
+
+    def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
+        if len(cached_keys) > len(req.keys):
+            self.index.insert(endpoint_id, cached_keys)
+
+    def forget_endpoint(self, endpoint_id: str) -> None:
+        self.index.forget_endpoint(endpoint_id)
+        self.sessions.forget_endpoint(endpoint_id)

@@ -1,0 +1,70 @@
+"""``precise``: route by the engines' real cache contents (indexer matches per tier).
+
+Matches come from the indexer (fed by the engines' KV events) and are merged
+with the router's own speculative entries, which cover the gap between a pick
+and the engine's events (sibling bursts). The cost function and overload guard
+are in :mod:`kvmesh.routing.scoring`; session affinity breaks ties. Without an
+index answer the policy falls back to ``approx`` (kept warm on every decision),
+and says so on the decision.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.routing.approx import ApproxPolicy
+from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.prefix_memory import SessionAffinity, SpeculativeIndex
+from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick
+from kvmesh.routing.types import Decision, RouteRequest, TierMatch
+
+
+@register
+class PrecisePolicy(Policy):
+    name = "precise"
+    uses_index = True
+
+    def __init__(self, scoring: ScoringConfig | None = None, *, speculative_ttl_s: float = 2.0,
+                 session_ttl_s: float = 600.0, approx_capacity_blocks: int = 100_000, **options: Any) -> None:
+        super().__init__(scoring, **options)
+        self.speculative = SpeculativeIndex(ttl_s=speculative_ttl_s)
+        self.sessions = SessionAffinity(ttl_s=session_ttl_s)
+        self.fallback = ApproxPolicy(self.scoring, capacity_blocks=approx_capacity_blocks,
+                                     session_ttl_s=session_ttl_s)
+
+    def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
+        if ctx.matches is None:
+            d = self.fallback.choose(req, ctx)
+            d.policy = self.name
+            d.fallback = "indexer unavailable; approx"
+            d.reason = f"fallback to approx: {d.reason}"
+            return d
+        spec = self.speculative.match(req.keys, ctx.now)
+        matches = ctx.matches
+
+        def match_of(ep: str) -> TierMatch:
+            m = matches.get(ep)
+            s = spec.get(ep, 0)
+            if s > m.speculative:
+                m = TierMatch(m.gpu, m.cpu, m.disk, s)
+            return m
+
+        cands = self._candidates(req, ctx, match_of)
+        mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
+        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now))
+        return self._decision(req, win, why, cands)
+
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
+        self.speculative.put(decision.endpoint_id, req.keys, now)
+        self.sessions.set(req.session_id, decision.endpoint_id, now)
+        self.fallback.on_routed(req, decision, now)
+
+    def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
+        # The engine now holds prompt + output blocks; cover them until its events land.
+        self.speculative.put(endpoint_id, cached_keys, now)
+        self.fallback.on_completed(req, endpoint_id, cached_keys, now)
+
+    def forget_endpoint(self, endpoint_id: str) -> None:
+        self.speculative.forget_endpoint(endpoint_id)
+        self.sessions.forget_endpoint(endpoint_id)
+        self.fallback.forget_endpoint(endpoint_id)

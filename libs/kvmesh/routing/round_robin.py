@@ -1,0 +1,24 @@
+"""``round_robin``: each endpoint in turn, cache-blind and load-blind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.types import Decision, RouteRequest
+
+
+@register
+class RoundRobinPolicy(Policy):
+    name = "round_robin"
+
+    def __init__(self, scoring: ScoringConfig | None = None, **options: Any) -> None:
+        super().__init__(scoring, **options)
+        self._next = 0
+
+    def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
+        cands = sorted(self._candidates(req, ctx), key=lambda c: c.endpoint_id)
+        win = cands[self._next % len(cands)]
+        self._next += 1
+        return self._decision(req, win, "round robin", cands)

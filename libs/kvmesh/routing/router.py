@@ -1,0 +1,124 @@
+"""The router's decision pipeline without I/O: tokens → block keys → endpoint (+ split).
+
+The live service wraps this with gRPC calls (indexer lookup, worker load,
+forwarding); the cluster simulator drives it in virtual time with its own
+index. Keeping the pipeline here guarantees both make the same decisions.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from kvmesh.hashing import BlockHasher, ExtraKeys
+from kvmesh.routing.hash_cache import ChainResult, HashCache, HashCacheConfig
+from kvmesh.routing.load import LoadView
+from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
+from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext, make_policy
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RouterCoreConfig:
+    policy: str = "precise"
+    block_size: int = 64
+    hash_algo: str = "sha256_cbor"
+    hash_seed: str | None = None
+    load_staleness_s: float = 2.0
+    speculative_ttl_s: float = 2.0
+    approx_capacity_blocks: int = 100_000
+    offload_enabled: bool = True
+    scoring: ScoringConfig = field(default_factory=ScoringConfig)
+    split: SplitConfig = field(default_factory=SplitConfig)
+    hash_cache: HashCacheConfig = field(default_factory=HashCacheConfig)
+
+
+class RouterCore:
+    """Hash cache + policies + load view + endpoint table + split rule."""
+
+    def __init__(self, cfg: RouterCoreConfig | None = None, hasher: BlockHasher | None = None) -> None:
+        self.cfg = cfg or RouterCoreConfig()
+        self.hasher = hasher or BlockHasher(self.cfg.hash_algo, self.cfg.block_size, self.cfg.hash_seed)
+        self.hash_cache = HashCache(self.hasher, self.cfg.hash_cache)
+        self.load = LoadView(staleness_s=self.cfg.load_staleness_s)
+        self.endpoints: dict[str, EndpointView] = {}
+        self._policies: dict[str, Policy] = {}
+        self.default_policy = self.policy(self.cfg.policy)
+
+    @property
+    def block_size(self) -> int:
+        return self.hasher.block_size
+
+    def policy(self, name: str) -> Policy:
+        """The (stateful, shared) instance of a policy; created on first use."""
+        p = self._policies.get(name)
+        if p is None:
+            p = make_policy(name, self.cfg.scoring, speculative_ttl_s=self.cfg.speculative_ttl_s,
+                            approx_capacity_blocks=self.cfg.approx_capacity_blocks,
+                            capacity_blocks=self.cfg.approx_capacity_blocks)
+            self._policies[name] = p
+        return p
+
+    # -- endpoints -------------------------------------------------------------
+    def set_endpoint(self, ep: EndpointView) -> None:
+        self.endpoints[ep.endpoint_id] = ep
+
+    def remove_endpoint(self, endpoint_id: str) -> None:
+        if self.endpoints.pop(endpoint_id, None) is not None:
+            self.load.forget(endpoint_id)
+            for p in self._policies.values():
+                p.forget_endpoint(endpoint_id)
+
+    def decode_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
+        return [e for e in self.endpoints.values()
+                if e.alive and e.decodes and (not e.model or e.model == model) and e.endpoint_id not in exclude]
+
+    def prefill_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
+        return [e for e in self.endpoints.values()
+                if e.alive and e.role == "prefill" and (not e.model or e.model == model)
+                and e.endpoint_id not in exclude]
+
+    # -- pipeline --------------------------------------------------------------
+    def chain(self, tokens: list[int], extra: ExtraKeys | None = None, session_id: str = "") -> ChainResult:
+        return self.hash_cache.chain(tokens, extra, session_id)
+
+    def decide(self, req: RouteRequest, matches: Matches | None, now: float, policy: str = "",
+               exclude: set[str] | frozenset[str] = frozenset()) -> Decision:
+        pol = self.policy(policy) if policy else self.default_policy
+        eps = self.decode_endpoints(req.model, exclude)
+        if not eps:
+            raise NoEndpointError(f"no live endpoint for model {req.model!r}")
+        ctx = RouteContext(endpoints=eps, load=self.load, now=now, matches=matches,
+                           offload_enabled=self.cfg.offload_enabled)
+        return pol.choose(req, ctx)
+
+    def decide_split(self, decision: Decision, req: RouteRequest, now: float,
+                     exclude: set[str] | frozenset[str] = frozenset()) -> SplitDecision:
+        pre = self.prefill_endpoints(req.model, exclude)
+        loads = {e.endpoint_id: self.load.effective(e.endpoint_id, now) for e in pre}
+        return decide_split(decision.uncached_tokens, req.num_tokens, pre, loads, self.cfg.split)
+
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
+        self.load.on_sent(decision.endpoint_id, req.request_id, decision.uncached_tokens, now)
+        self.policy(decision.policy).on_routed(req, decision, now)
+
+    def on_first_token(self, req: RouteRequest) -> None:
+        self.load.on_first_token(req.request_id)
+
+    def on_finished(self, req: RouteRequest, decision: Decision, now: float,
+                    prompt_tokens: list[int] | None = None, output_tokens: list[int] | None = None,
+                    extra: ExtraKeys | None = None) -> None:
+        """Release in-flight counts; if the output is known, remember the blocks the engine now holds."""
+        self.load.on_finished(req.request_id)
+        if prompt_tokens is None or not output_tokens:
+            return
+        # The engine caches full blocks of prompt + output, except the last sampled token (never computed).
+        full = prompt_tokens + output_tokens[:-1]
+        n = len(full) // self.block_size
+        if n <= len(req.keys):
+            return
+        res = self.hash_cache.chain(full, extra, req.session_id)
+        self.policy(decision.policy).on_completed(req, decision.endpoint_id, res.keys, now)

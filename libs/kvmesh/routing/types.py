@@ -1,0 +1,119 @@
+"""Plain data passed between the routing pieces (no behaviour, no I/O)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+ROLE_DECODE = "decode"
+ROLE_PREFILL = "prefill"
+ROLE_BOTH = "both"
+ROLE_STORE = "store"
+
+
+@dataclass
+class EndpointView:
+    """One worker as the router knows it."""
+
+    endpoint_id: str
+    address: str = ""
+    model: str = ""
+    role: str = ROLE_DECODE
+    block_size: int = 0
+    alive: bool = True
+    source: str = "static"   # static | registry
+
+    @property
+    def decodes(self) -> bool:
+        return self.role in (ROLE_DECODE, ROLE_BOTH)
+
+    @property
+    def prefills(self) -> bool:
+        return self.role in (ROLE_PREFILL, ROLE_BOTH)
+
+
+@dataclass
+class TierMatch:
+    """Leading matched blocks of one chain on one endpoint, per tier.
+
+    Each count is a leading (prefix) length, so block ``i`` is available in a tier
+    exactly when ``i < count``.
+    """
+
+    gpu: int = 0
+    cpu: int = 0
+    disk: int = 0
+    speculative: int = 0
+
+    def merged(self, other: TierMatch) -> TierMatch:
+        return TierMatch(max(self.gpu, other.gpu), max(self.cpu, other.cpu), max(self.disk, other.disk),
+                         max(self.speculative, other.speculative))
+
+    @property
+    def any(self) -> int:
+        return max(self.gpu, self.cpu, self.disk, self.speculative)
+
+
+@dataclass
+class Matches:
+    """What the index knows about a chain: per-endpoint matches plus the shared store's."""
+
+    per_endpoint: dict[str, TierMatch] = field(default_factory=dict)
+    # Blocks restorable from the shared offload store by any decode endpoint.
+    store: TierMatch = field(default_factory=TierMatch)
+    source: str = "indexer"   # indexer | approx | none
+
+    def get(self, endpoint_id: str) -> TierMatch:
+        return self.per_endpoint.get(endpoint_id) or TierMatch()
+
+
+@dataclass
+class RouteRequest:
+    """The routing-relevant view of one request (already tokenized and hashed)."""
+
+    request_id: str
+    model: str
+    keys: list[int]              # event-form block keys of the prompt's full blocks
+    num_tokens: int
+    block_size: int
+    session_id: str = ""
+    tenant: str = ""
+
+
+@dataclass
+class Candidate:
+    """One endpoint's evaluation; kept on the decision for traces and debugging."""
+
+    endpoint_id: str
+    cost: float
+    credit_blocks: float
+    gpu_blocks: int
+    offload_blocks: int
+    speculative_blocks: int
+    uncached_tokens: int
+    queue: float
+    prefill_tokens: float
+    hot: bool = False
+    excluded: str = ""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: (round(v, 3) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+@dataclass
+class Decision:
+    """The outcome of one routing decision (mirrors the proto RoutingDecision)."""
+
+    endpoint_id: str
+    policy: str
+    predicted_cached_tokens_gpu: int = 0
+    predicted_cached_tokens_offload: int = 0
+    uncached_tokens: int = 0
+    score: float = 0.0
+    reason: str = ""
+    fallback: str = ""           # non-empty when a policy fell back (e.g. "indexer unavailable")
+    candidates: list[Candidate] = field(default_factory=list)
+
+    @property
+    def predicted_cached_tokens(self) -> int:
+        return self.predicted_cached_tokens_gpu + self.predicted_cached_tokens_offload

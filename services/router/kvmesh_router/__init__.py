@@ -1,0 +1,1 @@
+"""kvmesh router service: the front door (gRPC + OpenAI HTTP) around :mod:`kvmesh.routing`."""

@@ -1,0 +1,224 @@
+"""The router's live picture of the cluster: endpoints, their load, and the index.
+
+Endpoints come from static configuration and from the indexer's registry
+(``ListEndpoints``, polled). Each endpoint's load is polled with ``GetLoad``;
+the routing core applies the staleness bound. An endpoint that fails a call is
+marked not alive until its next successful poll, so retries go elsewhere.
+The indexer may be down: ``lookup`` then returns None and the caller falls
+back, which is counted and logged (once per outage, not per request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import grpc
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.routing.load import LoadReport
+from kvmesh.routing.router import RouterCore
+from kvmesh.routing.types import (
+    ROLE_BOTH,
+    ROLE_DECODE,
+    ROLE_PREFILL,
+    ROLE_STORE,
+    EndpointView,
+    Matches,
+    TierMatch,
+)
+from kvmesh.rpc.channel import aio_channel
+from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh_router import metrics
+from kvmesh_router.config import RouterConfig, parse_endpoint
+
+log = logging.getLogger(__name__)
+
+_ROLES = {common_pb2.ROLE_PREFILL: ROLE_PREFILL, common_pb2.ROLE_DECODE: ROLE_DECODE,
+          common_pb2.ROLE_BOTH: ROLE_BOTH, common_pb2.ROLE_STORE: ROLE_STORE}
+
+
+class Cluster:
+    def __init__(self, cfg: RouterConfig, core: RouterCore) -> None:
+        self.cfg = cfg
+        self.core = core
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
+        self.http_addresses: dict[str, str] = {}
+        self.stores: set[str] = set()
+        self._indexer_ch = aio_channel(cfg.indexer, retry_attempts=1) if cfg.indexer else None
+        self.indexer = indexer_pb2_grpc.IndexerStub(self._indexer_ch) if self._indexer_ch else None
+        self.indexer_up = True
+        self._tasks: list[asyncio.Task] = []
+        self._static: set[str] = set()
+        for spec in cfg.endpoints:
+            eid, addr = parse_endpoint(spec)
+            self._add(EndpointView(eid, addr, cfg.model, ROLE_DECODE, cfg.block_size, True, "static"))
+            self._static.add(eid)
+        for spec in cfg.prefill_endpoints:
+            eid, addr = parse_endpoint(spec)
+            self._add(EndpointView(eid, addr, cfg.model, ROLE_PREFILL, cfg.block_size, True, "static"))
+            self._static.add(eid)
+
+    # -- endpoints ---------------------------------------------------------------
+    def _add(self, ep: EndpointView) -> None:
+        old = self.core.endpoints.get(ep.endpoint_id)
+        if old is not None and old.address != ep.address:
+            self._drop_channel(ep.endpoint_id)
+        self.core.set_endpoint(ep)
+
+    def _drop_channel(self, eid: str) -> None:
+        ch = self._channels.pop(eid, None)
+        self._stubs.pop(eid, None)
+        if ch is not None:
+            asyncio.ensure_future(ch.close())
+
+    def stub(self, eid: str) -> worker_pb2_grpc.WorkerStub:
+        st = self._stubs.get(eid)
+        if st is None:
+            ep = self.core.endpoints[eid]
+            ch = aio_channel(ep.address, retry_attempts=1)
+            self._channels[eid] = ch
+            st = self._stubs[eid] = worker_pb2_grpc.WorkerStub(ch)
+        return st
+
+    def mark_dead(self, eid: str, why: str) -> None:
+        ep = self.core.endpoints.get(eid)
+        if ep is not None and ep.alive:
+            ep.alive = False
+            log.warning("endpoint marked down", extra={"endpoint": eid, "why": why})
+
+    def live_decode_count(self) -> int:
+        return len(self.core.decode_endpoints(self.cfg.model))
+
+    # -- background loops ----------------------------------------------------------
+    def start(self) -> None:
+        self._tasks.append(asyncio.create_task(self._load_loop(), name="load-poll"))
+        if self.indexer is not None:
+            self._tasks.append(asyncio.create_task(self._registry_loop(), name="registry-poll"))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            try:
+                await t
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - shutting down
+                pass
+        for ch in self._channels.values():
+            await ch.close()
+        if self._indexer_ch is not None:
+            await self._indexer_ch.close()
+
+    async def refresh_registry(self) -> None:
+        assert self.indexer is not None
+        resp = await self.indexer.ListEndpoints(indexer_pb2.ListEndpointsRequest(model=self.cfg.model),
+                                                timeout=self.cfg.lookup_timeout_s * 4)
+        seen = set()
+        for st in resp.endpoints:
+            e = st.endpoint
+            role = _ROLES.get(e.role, ROLE_DECODE)
+            seen.add(e.endpoint_id)
+            if role == ROLE_STORE:
+                self.stores.add(e.endpoint_id)
+                continue
+            if e.http_address:
+                self.http_addresses[e.endpoint_id] = e.http_address
+            cur = self.core.endpoints.get(e.endpoint_id)
+            if cur is None or cur.address != e.grpc_address:
+                # New endpoints start not alive; the first good GetLoad makes them routable.
+                self._add(EndpointView(e.endpoint_id, e.grpc_address, e.model or self.cfg.model, role,
+                                       e.block_size or self.cfg.block_size, False, "registry"))
+                if e.block_size and e.block_size != self.cfg.block_size:
+                    log.warning("endpoint block size differs from the router's; its hits will not match",
+                                extra={"endpoint": e.endpoint_id, "block_size": e.block_size})
+            if not st.alive and cur is not None:
+                self.mark_dead(e.endpoint_id, "registry says not alive")
+        for eid in [eid for eid, ep in self.core.endpoints.items()
+                    if ep.source == "registry" and eid not in seen]:
+            log.info("endpoint left the registry", extra={"endpoint": eid})
+            self.core.remove_endpoint(eid)
+            self._drop_channel(eid)
+
+    async def _registry_loop(self) -> None:
+        while True:
+            try:
+                await self.refresh_registry()
+            except grpc.aio.AioRpcError as exc:
+                log.debug("registry poll failed", extra={"code": exc.code().name})
+            await asyncio.sleep(self.cfg.registry_poll_s)
+
+    async def poll_load(self, eid: str) -> None:
+        try:
+            r = await self.stub(eid).GetLoad(worker_pb2.GetLoadRequest(), timeout=max(0.5, self.cfg.load_poll_s * 2))
+        except grpc.aio.AioRpcError as exc:
+            self.mark_dead(eid, f"GetLoad {exc.code().name}")
+            return
+        self.core.load.update(eid, LoadReport(r.running, r.waiting, r.kv_usage, r.waiting_prefill_tokens,
+                                              r.num_blocks, r.free_blocks, time.monotonic()))
+        ep = self.core.endpoints.get(eid)
+        if ep is not None and not ep.alive:
+            ep.alive = True
+            log.info("endpoint up", extra={"endpoint": eid})
+
+    async def poll_all(self) -> None:
+        await asyncio.gather(*(self.poll_load(eid) for eid in list(self.core.endpoints)))
+
+    async def _load_loop(self) -> None:
+        while True:
+            await self.poll_all()
+            await asyncio.sleep(self.cfg.load_poll_s)
+
+    # -- index -------------------------------------------------------------------------
+    async def lookup(self, keys: list[int]) -> Matches | None:
+        """Per-endpoint, per-tier matches of ``keys``; None when the indexer can't answer."""
+        if self.indexer is None:
+            return None
+        if not keys:
+            return Matches()
+        try:
+            resp = await self.indexer.Lookup(
+                indexer_pb2.LookupRequest(model=self.cfg.model, chain=indexer_pb2.BlockChain(keys=keys),
+                                          include_speculative=True),
+                timeout=self.cfg.lookup_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            metrics.FALLBACKS.labels(reason=exc.code().name).inc()
+            if self.indexer_up:
+                log.warning("indexer unavailable; precise routing falls back to approx",
+                            extra={"code": exc.code().name, "details": exc.details()})
+            self.indexer_up = False
+            return None
+        if not self.indexer_up:
+            log.info("indexer back; precise routing resumed")
+        self.indexer_up = True
+        return matches_from_proto(resp, self.stores)
+
+    async def put_speculative(self, eid: str, keys: list[int], ttl_s: float) -> None:
+        if self.indexer is None or not keys or not self.cfg.indexer_speculative or not self.indexer_up:
+            return
+        try:
+            await self.indexer.PutSpeculative(
+                indexer_pb2.PutSpeculativeRequest(model=self.cfg.model, endpoint_id=eid, keys=keys, ttl_s=ttl_s),
+                timeout=self.cfg.lookup_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("PutSpeculative failed", extra={"code": exc.code().name})
+
+
+def matches_from_proto(resp: indexer_pb2.LookupResponse, stores: set[str]) -> Matches:
+    out = Matches()
+    for m in resp.matches:
+        tm = TierMatch(speculative=m.speculative_blocks)
+        for t in m.tiers:
+            if t.tier == common_pb2.TIER_GPU:
+                tm.gpu = max(tm.gpu, t.blocks)
+            elif t.tier == common_pb2.TIER_CPU:
+                tm.cpu = max(tm.cpu, t.blocks)
+            elif t.tier == common_pb2.TIER_DISK:
+                tm.disk = max(tm.disk, t.blocks)
+        if m.endpoint_id in stores:
+            out.store = out.store.merged(TierMatch(cpu=max(tm.cpu, tm.gpu), disk=tm.disk))
+        else:
+            out.per_endpoint[m.endpoint_id] = tm
+    return out

@@ -1,0 +1,80 @@
+"""Router configuration: defaults here, ``KVMESH_ROUTER_*`` env, then ``--flags``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvmesh.config import ConfigError
+from kvmesh.routing.policy import available_policies
+
+
+@dataclass
+class RouterConfig:
+    host: str = field(default="0.0.0.0", metadata={"help": "listen host (gRPC and HTTP)"})
+    port: int = field(default=50050, metadata={"help": "gRPC port"})
+    http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0 = off)"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
+    extproc_port: int = field(default=0, metadata={"help": "Envoy ext_proc endpoint-picker port (0 = off)"})
+    model: str = field(default="tiny", metadata={"help": "served model name"})
+    tokenizer_path: str = field(default="", metadata={"help": "model dir with tokenizer.json (+ chat template)"})
+    max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})
+    max_prompt_tokens: int = field(default=1_048_576, metadata={"help": "max prompt tokens"})
+    max_text_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "max prompt text / HTTP body bytes"})
+    max_tokens_default: int = field(default=16, metadata={"help": "max_tokens when the request gives none"})
+    vocab_size: int = field(default=0, metadata={"help": "token ids must be below this (0 = tokenizer/worker)"})
+    # Endpoints
+    endpoints: list[str] = field(default_factory=list,
+                                 metadata={"help": "static decode endpoints ID=HOST:PORT (comma-separated)"})
+    prefill_endpoints: list[str] = field(default_factory=list,
+                                         metadata={"help": "static prefill endpoints ID=HOST:PORT"})
+    indexer: str = field(default="", metadata={"help": "indexer HOST:PORT ('' = none: precise falls back)"})
+    registry_poll_s: float = field(default=1.0, metadata={"help": "ListEndpoints poll period"})
+    load_poll_s: float = field(default=0.25, metadata={"help": "GetLoad poll period per endpoint"})
+    load_staleness_s: float = field(default=2.0, metadata={"help": "ignore load reports older than this"})
+    lookup_timeout_s: float = field(default=0.25, metadata={"help": "indexer Lookup deadline"})
+    indexer_speculative: bool = field(default=True, metadata={"help": "also write speculative entries to the indexer"})
+    # Hashing (must match the engines)
+    block_size: int = field(default=64, metadata={"help": "engine KV block size"})
+    hash_algo: str = field(default="sha256_cbor", metadata={"help": "engine --prefix-caching-hash-algo"})
+    hash_seed: str = field(default="", metadata={"help": "NONE_HASH seed ('' = vLLM's rule)"})
+    hash_cache_verify: str = field(default="sampled", metadata={"help": "incremental-hash prefix check"})
+    hash_cache_max_blocks: int = field(default=2_000_000, metadata={"help": "hash cache bound (blocks)"})
+    lora_modules: dict[str, str] = field(default_factory=dict, metadata={"help": "LoRA name -> path (JSON)"})
+    # Policy
+    policy: str = field(default="precise", metadata={"help": "routing policy"})
+    speculative_ttl_s: float = field(default=2.0, metadata={"help": "speculative entry TTL"})
+    gpu_credit: float = field(default=1.0, metadata={"help": "credit of a GPU-tier block"})
+    cpu_credit: float = field(default=0.75, metadata={"help": "credit of an offload-RAM block"})
+    disk_credit: float = field(default=0.25, metadata={"help": "credit of an offload-disk block"})
+    queue_weight: float = field(default=0.25, metadata={"help": "weight of queued prefill tokens"})
+    decode_load_scale: float = field(default=1.0, metadata={"help": "cost per running/waiting request"})
+    # P/D split
+    split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
+    split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
+    # Failures and tenants
+    max_attempts: int = field(default=3, metadata={"help": "endpoints tried before the first token"})
+    tenant_header: str = field(default="x-tenant", metadata={"help": "HTTP header naming the tenant"})
+    tenant_salts: dict[str, str] = field(default_factory=dict,
+                                         metadata={"help": "tenant id or API key -> cache_salt (JSON)"})
+    grace_s: float = field(default=5.0, metadata={"help": "drain time on shutdown"})
+
+    def validate(self) -> None:
+        if self.policy not in available_policies():
+            raise ConfigError(f"setting 'policy': unknown {self.policy!r}; one of {available_policies()}")
+        if self.block_size <= 0:
+            raise ConfigError("setting 'block_size' must be > 0")
+        if self.max_attempts < 1:
+            raise ConfigError("setting 'max_attempts' must be >= 1")
+        if self.hash_cache_verify not in ("sampled", "full"):
+            raise ConfigError("setting 'hash_cache_verify' must be sampled or full")
+        for spec in [*self.endpoints, *self.prefill_endpoints]:
+            parse_endpoint(spec)
+
+
+def parse_endpoint(spec: str) -> tuple[str, str]:
+    """``ID=HOST:PORT`` (or bare ``HOST:PORT``, whose id is the address)."""
+    spec = spec.strip()
+    eid, _, addr = spec.partition("=") if "=" in spec else (spec, "", spec)
+    if ":" not in addr or not eid:
+        raise ConfigError(f"endpoint {spec!r}: expected ID=HOST:PORT")
+    return eid.strip(), addr.strip()

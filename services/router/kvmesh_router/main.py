@@ -1,0 +1,148 @@
+"""``kvmesh serve router``: gRPC ``Router`` + OpenAI HTTP (+ optional ext_proc picker) in one event loop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import importlib.util
+import logging
+from typing import Any
+
+import uvicorn
+
+from kvmesh.config import add_dataclass_args, load_config
+from kvmesh.hashing import BlockHasher
+from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh.routing.hash_cache import HashCacheConfig
+from kvmesh.routing.pd_split import SplitConfig
+from kvmesh.routing.router import RouterCore, RouterCoreConfig
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.rpc.runner import run_async_main
+from kvmesh.rpc.server import ServerOptions, ServiceServer
+from kvmesh.telemetry import setup_tracing, start_metrics_server
+from kvmesh_router.cluster import Cluster
+from kvmesh_router.config import RouterConfig
+from kvmesh_router.grpc_api import RouterServicer
+from kvmesh_router.http_api import build_app
+from kvmesh_router.service import RouterService
+
+log = logging.getLogger(__name__)
+
+
+def core_config(cfg: RouterConfig) -> RouterCoreConfig:
+    return RouterCoreConfig(
+        policy=cfg.policy, block_size=cfg.block_size, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed or None,
+        load_staleness_s=cfg.load_staleness_s, speculative_ttl_s=cfg.speculative_ttl_s,
+        scoring=ScoringConfig(gpu_credit=cfg.gpu_credit, cpu_credit=cfg.cpu_credit, disk_credit=cfg.disk_credit,
+                              queue_weight=cfg.queue_weight, decode_load_scale=cfg.decode_load_scale),
+        split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens),
+        hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks))
+
+
+def build_service(cfg: RouterConfig) -> RouterService:
+    tokenizer = None
+    if cfg.tokenizer_path:
+        from kvmesh.tokenization import load_tokenizer
+
+        tokenizer = load_tokenizer(cfg.tokenizer_path)
+    ccfg = core_config(cfg)
+    core = RouterCore(ccfg, BlockHasher(ccfg.hash_algo, ccfg.block_size, ccfg.hash_seed))
+    return RouterService(cfg, core, Cluster(cfg, core), tokenizer)
+
+
+def _extproc_pick_fn(service: RouterService) -> Any:
+    """Adapter from the ext_proc module's ``PickRequest`` to :func:`kvmesh_router.picker.pick`."""
+    from kvmesh_router import extproc
+    from kvmesh_router.errors import BadRequest, RouterError, Unavailable
+    from kvmesh_router.picker import pick
+
+    async def pick_fn(preq: Any) -> Any:
+        body = preq.body or {}
+        prompt = body.get("prompt")
+        tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
+        text = prompt if isinstance(prompt, str) else None
+        try:
+            picked = await pick(service, str(body.get("model", service.cfg.model)), tokens=tokens, text=text,
+                                messages=body.get("messages"), headers=preq.headers,
+                                subset=set(preq.subset) if preq.subset is not None else None,
+                                session_id=str(body.get("session_id", "")),
+                                cache_salt=str(body.get("cache_salt", "")))
+        except BadRequest as exc:
+            raise extproc.BadRequestError(exc.message) from None
+        except Unavailable as exc:
+            raise extproc.NoEligibleEndpointError(exc.message) from None
+        except RouterError as exc:
+            raise extproc.PickError(exc.message) from None
+        return extproc.PickResult(address=picked.http_address or picked.grpc_address,
+                                  endpoint_id=picked.endpoint_id,
+                                  predicted_cached_tokens=picked.predicted_cached_tokens, reason=picked.reason,
+                                  on_done=lambda _status: picked.done())
+
+    return pick_fn
+
+
+async def serve(cfg: RouterConfig) -> int:
+    setup_tracing("kvmesh-router")
+    start_metrics_server(cfg.metrics_port)
+    service = build_service(cfg)
+    server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service),
+                                       router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)],
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+    await server.start()
+    server.install_signal_handlers()
+    if service.cluster.indexer is not None:
+        try:
+            await service.cluster.refresh_registry()
+        except Exception as exc:  # noqa: BLE001 - the indexer may come up later
+            log.warning("indexer registry not reachable at start", extra={"error": str(exc)})
+    await service.cluster.poll_all()
+    service.cluster.start()
+    http_server = None
+    http_task = None
+    if cfg.http_port:
+        ucfg = uvicorn.Config(build_app(service), host=cfg.host, port=cfg.http_port, log_level="warning",
+                              lifespan="off", access_log=False)
+        http_server = uvicorn.Server(ucfg)
+        http_server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
+        http_task = asyncio.create_task(http_server.serve())
+        while not http_server.started and not http_task.done():
+            await asyncio.sleep(0.02)
+        if http_task.done():
+            http_task.result()
+    extproc_server = None
+    if cfg.extproc_port:
+        if importlib.util.find_spec("kvmesh_router.extproc") is None:
+            log.error("--extproc-port given but kvmesh_router.extproc is not installed")
+        else:
+            from kvmesh_router import extproc
+
+            extproc_server = await extproc.start_extproc_server(_extproc_pick_fn(service), cfg.extproc_port,
+                                                                cfg.host)
+
+    async def drain() -> None:
+        if http_server is not None:
+            http_server.should_exit = True
+        if extproc_server is not None:
+            await extproc_server.stop(1.0)
+
+    server.on_drain.append(drain)
+    await server.set_ready(True)
+    log.info("router ready", extra={"grpc_port": server.port, "http_port": cfg.http_port, "policy": cfg.policy,
+                                    "endpoints": len(service.core.endpoints)})
+    await server.wait()
+    if http_task is not None:
+        await http_task
+    await service.cluster.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh serve router", description=__doc__)
+    add_dataclass_args(parser, RouterConfig)
+    args = parser.parse_args(argv)
+
+    async def run() -> int:
+        cfg = load_config(RouterConfig, args, env_prefix="KVMESH_ROUTER_")
+        return await serve(cfg)
+
+    return run_async_main(run)

@@ -1,0 +1,21 @@
+"""Prometheus metrics of the router (names prefixed ``kvmesh_router_``)."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Histogram
+
+DECISIONS = Counter("kvmesh_router_decisions_total", "routing decisions", ["policy", "endpoint", "split"])
+FALLBACKS = Counter("kvmesh_router_policy_fallbacks_total", "precise fell back to approx", ["reason"])
+CACHED_DIFF = Histogram("kvmesh_router_cached_tokens_diff", "engine-reported minus predicted cached tokens",
+                        buckets=(-65536, -4096, -512, -64, -1, 0, 1, 64, 512, 4096, 65536))
+MISMATCHES = Counter("kvmesh_router_cached_tokens_mismatch_total", "predicted != engine-reported cached tokens")
+PROMPT_TOKENS = Counter("kvmesh_router_prompt_tokens_total", "prompt tokens routed")
+CACHED_TOKENS = Counter("kvmesh_router_cached_tokens_total", "engine-reported cached prompt tokens", ["tier"])
+PREDICTED_TOKENS = Counter("kvmesh_router_predicted_cached_tokens_total", "predicted cached prompt tokens")
+OVERHEAD = Histogram("kvmesh_router_routing_overhead_seconds", "tokens in -> decision out",
+                     buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+TOKENIZE = Histogram("kvmesh_router_tokenize_seconds", "tokenization time",
+                     buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0))
+RETRIES = Counter("kvmesh_router_retries_total", "attempts on another endpoint after a failure", ["reason"])
+REQUESTS = Counter("kvmesh_router_requests_total", "requests by outcome", ["api", "outcome"])
+HASH_BLOCKS = Counter("kvmesh_router_hash_blocks_total", "blocks hashed vs reused from the hash cache", ["kind"])

@@ -1,0 +1,409 @@
+"""One request through the router: validate → tokenize → hash → look up → decide → forward → stream.
+
+Both front doors (gRPC ``Generate`` and the OpenAI HTTP API) and the ext_proc
+picker call into this class, so they route identically. Failures before the
+first token are retried on the next best endpoint (bounded); after tokens
+have been streamed the client gets a clean error saying what was generated.
+Cancelling the consuming task (client cancel, deadline) cancels the worker
+call, which aborts the engine request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from opentelemetry import trace
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.hashing import ExtraKeys
+from kvmesh.router.v1 import router_pb2
+from kvmesh.routing.pd_split import SplitDecision
+from kvmesh.routing.policy import NoEndpointError
+from kvmesh.routing.router import RouterCore
+from kvmesh.routing.types import Decision, RouteRequest
+from kvmesh.telemetry import tracer
+from kvmesh.worker.v1 import worker_pb2
+from kvmesh_router import metrics
+from kvmesh_router.cluster import Cluster
+from kvmesh_router.config import RouterConfig
+from kvmesh_router.errors import BadRequest, DeadlineExceeded, StreamBroken, Unavailable, UpstreamError
+
+log = logging.getLogger(__name__)
+_tracer = tracer("kvmesh.router")
+
+MAX_REQUEST_ID = 128
+MAX_SALT = 256
+MAX_MESSAGES = 4096
+MAX_STOP = 16
+# Worker failures that mean "this endpoint is gone", so another may serve the request.
+_RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+              grpc.StatusCode.CANCELLED}
+
+
+@dataclass
+class GenInput:
+    """A request from either front door, before tokenization."""
+
+    model: str
+    tokens: list[int] | None = None
+    text: str | None = None
+    chat: list[dict[str, Any]] | None = None
+    add_generation_prompt: bool = True
+    sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
+    request_id: str = ""
+    cache_salt: str = ""
+    session_id: str = ""
+    lora_name: str = ""
+    tenant: str = ""
+    api_key: str = ""
+    policy: str = ""
+    deadline: float | None = None   # time.monotonic() deadline
+    add_special_tokens: bool = True
+
+
+@dataclass
+class Prepared:
+    request_id: str
+    tokens: list[int]
+    extra: ExtraKeys | None
+    salt: str
+    req: RouteRequest
+    reused_blocks: int = 0
+    hashed_blocks: int = 0
+
+
+@dataclass
+class FinalInfo:
+    usage: common_pb2.Usage
+    finish_reason: int
+    routing: router_pb2.RoutingDecision
+    request_id: str
+    ttft_s: float
+    output_ids: list[int]
+
+
+class _BeforeFirstToken(Exception):
+    def __init__(self, why: str, mark_dead: bool = True) -> None:
+        super().__init__(why)
+        self.why = why
+        self.mark_dead = mark_dead
+
+
+class RouterService:
+    def __init__(self, cfg: RouterConfig, core: RouterCore, cluster: Cluster, tokenizer: Any | None) -> None:
+        self.cfg = cfg
+        self.core = core
+        self.cluster = cluster
+        self.tokenizer = tokenizer
+        self.vocab_size = cfg.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
+        self._bg: set[asyncio.Task] = set()
+
+    # -- validation and tokenization ------------------------------------------------
+    def validate(self, inp: GenInput) -> None:
+        if not inp.model:
+            raise BadRequest("'model' is required", "model")
+        if inp.model != self.cfg.model:
+            raise BadRequest(f"unknown model {inp.model!r}; this router serves {self.cfg.model!r}", "model")
+        if len(inp.request_id.encode()) > MAX_REQUEST_ID:
+            raise BadRequest(f"request_id longer than {MAX_REQUEST_ID} bytes", "request_id")
+        if len(inp.cache_salt.encode()) > MAX_SALT:
+            raise BadRequest(f"cache_salt longer than {MAX_SALT} bytes", "cache_salt")
+        if inp.lora_name and inp.lora_name not in self.cfg.lora_modules:
+            raise BadRequest(f"unknown LoRA adapter {inp.lora_name!r}", "lora_name")
+        if inp.policy and inp.policy not in self._policies():
+            raise BadRequest(f"unknown policy {inp.policy!r}; one of {', '.join(self._policies())}", "policy")
+        s = inp.sampling
+        if s.HasField("temperature") and not (0.0 <= s.temperature <= 2.0):
+            raise BadRequest(f"temperature must be in [0, 2], got {s.temperature:g}", "temperature")
+        if s.HasField("top_p") and not (0.0 < s.top_p <= 1.0):
+            raise BadRequest(f"top_p must be in (0, 1], got {s.top_p:g}", "top_p")
+        if len(s.stop) > MAX_STOP or any(len(x.encode()) > 256 for x in s.stop):
+            raise BadRequest(f"stop: at most {MAX_STOP} strings of at most 256 bytes", "stop")
+        if s.max_tokens > self.cfg.max_model_len:
+            raise BadRequest(f"max_tokens {s.max_tokens} exceeds max_model_len {self.cfg.max_model_len}",
+                             "max_tokens")
+        if inp.chat is not None and len(inp.chat) > MAX_MESSAGES:
+            raise BadRequest(f"at most {MAX_MESSAGES} messages", "messages")
+        if inp.text is not None and len(inp.text.encode()) > self.cfg.max_text_bytes:
+            raise BadRequest(f"prompt text over {self.cfg.max_text_bytes} bytes", "prompt")
+
+    @staticmethod
+    def _policies() -> list[str]:
+        from kvmesh.routing.policy import available_policies
+
+        return available_policies()
+
+    async def tokenize(self, inp: GenInput) -> list[int]:
+        t0 = time.perf_counter()
+        if inp.tokens is not None:
+            tokens = inp.tokens
+            field_name = "prompt"
+        else:
+            if self.tokenizer is None:
+                raise BadRequest("this router has no tokenizer; send token ids", "prompt")
+            from kvmesh.tokenization import TokenizerError
+
+            field_name = "messages" if inp.chat is not None else "prompt"
+            try:
+                if inp.chat is not None:
+                    fn = lambda: self.tokenizer.apply_chat_template(  # noqa: E731
+                        inp.chat, add_generation_prompt=inp.add_generation_prompt)
+                else:
+                    fn = lambda: self.tokenizer.encode(inp.text or "", add_special_tokens=inp.add_special_tokens)  # noqa: E731
+                size = len(inp.text or "") + sum(len(str(m.get("content", ""))) for m in inp.chat or [])
+                tokens = await asyncio.to_thread(fn) if size > 65536 else fn()
+            except TokenizerError as exc:
+                raise BadRequest(str(exc), field_name) from None
+            metrics.TOKENIZE.observe(time.perf_counter() - t0)
+        if not tokens:
+            raise BadRequest("the prompt is empty", field_name)
+        if len(tokens) > self.cfg.max_prompt_tokens:
+            raise BadRequest(f"prompt has {len(tokens)} tokens, over the limit of {self.cfg.max_prompt_tokens}",
+                             field_name)
+        if len(tokens) + max(1, inp.sampling.max_tokens) > self.cfg.max_model_len:
+            raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens exceeds max_model_len "
+                             f"{self.cfg.max_model_len}", field_name)
+        if self.vocab_size and (max(tokens) >= self.vocab_size or min(tokens) < 0):
+            bad = next(t for t in tokens if t >= self.vocab_size or t < 0)
+            raise BadRequest(f"token id {bad} outside the vocabulary (size {self.vocab_size})", field_name)
+        return tokens
+
+    def salt_for(self, inp: GenInput) -> str:
+        if inp.cache_salt:
+            return inp.cache_salt
+        for key in (inp.tenant, inp.api_key):
+            if key and key in self.cfg.tenant_salts:
+                return self.cfg.tenant_salts[key]
+        # An unmapped tenant still gets its own salt: isolation is the default.
+        return f"tenant:{inp.tenant}" if inp.tenant else ""
+
+    async def prepare(self, inp: GenInput) -> Prepared:
+        self.validate(inp)
+        tokens = await self.tokenize(inp)
+        salt = self.salt_for(inp)
+        extra = None
+        if salt or inp.lora_name:
+            extra = ExtraKeys(cache_salt=salt or None, lora_name=inp.lora_name or None,
+                              lora_path=self.cfg.lora_modules.get(inp.lora_name) if inp.lora_name else None)
+        rid = inp.request_id or uuid.uuid4().hex
+        res = self.core.chain(tokens, extra, inp.session_id)
+        metrics.HASH_BLOCKS.labels(kind="reused").inc(res.reused_blocks)
+        metrics.HASH_BLOCKS.labels(kind="hashed").inc(res.hashed_blocks)
+        req = RouteRequest(rid, inp.model, res.keys, len(tokens), self.core.block_size, inp.session_id, inp.tenant)
+        return Prepared(rid, tokens, extra, salt, req, res.reused_blocks, res.hashed_blocks)
+
+    async def decide(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None = None
+                     ) -> tuple[Decision, SplitDecision]:
+        pol = self.core.policy(policy) if policy else self.core.default_policy
+        matches = await self.cluster.lookup(p.req.keys) if pol.uses_index else None
+        if subset is not None:
+            exclude = exclude | {e for e in self.core.endpoints if e not in subset}
+        try:
+            d = self.core.decide(p.req, matches, time.monotonic(), policy, exclude)
+        except NoEndpointError as exc:
+            raise Unavailable(str(exc)) from None
+        if d.fallback:
+            metrics.FALLBACKS.labels(reason="approx").inc()
+        split = self.core.decide_split(d, p.req, time.monotonic(), exclude)
+        return d, split
+
+    def record_routed(self, p: Prepared, d: Decision) -> None:
+        now = time.monotonic()
+        self.core.on_routed(p.req, d, now)
+        metrics.DECISIONS.labels(policy=d.policy, endpoint=d.endpoint_id, split="false").inc()
+        t = asyncio.create_task(self.cluster.put_speculative(d.endpoint_id, p.req.keys, self.cfg.speculative_ttl_s))
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+
+    # -- the full request -------------------------------------------------------------
+    async def generate(self, inp: GenInput) -> AsyncIterator[tuple[str, Any]]:
+        """Yield ``("chunk", [ids])`` items then one ``("final", FinalInfo)``; raise ``RouterError``."""
+        with _tracer.start_as_current_span("router.generate") as span:
+            t0 = time.perf_counter()
+            p = await self.prepare(inp)
+            span.set_attribute("kvmesh.request_id", p.request_id)
+            span.set_attribute("kvmesh.prompt_tokens", len(p.tokens))
+            span.set_attribute("kvmesh.hash.reused_blocks", p.reused_blocks)
+            span.set_attribute("kvmesh.hash.hashed_blocks", p.hashed_blocks)
+            exclude: set[str] = set()
+            failures: list[str] = []
+            attempts = 0
+            while True:
+                attempts += 1
+                if inp.deadline is not None and time.monotonic() >= inp.deadline:
+                    raise DeadlineExceeded("deadline exceeded before an endpoint answered")
+                d, split = await self.decide(p, inp.policy, exclude)
+                overhead = time.perf_counter() - t0
+                if attempts == 1:
+                    metrics.OVERHEAD.observe(overhead)
+                self._trace_decision(span, d, split, attempts)
+                self.record_routed(p, d)
+                try:
+                    async for item in self._run(p, inp, d, split, attempts, overhead):
+                        yield item
+                    metrics.REQUESTS.labels(api="core", outcome="ok").inc()
+                    return
+                except _BeforeFirstToken as exc:
+                    self.core.on_finished(p.req, d, time.monotonic())
+                    failures.append(f"{d.endpoint_id}: {exc.why}")
+                    if exc.mark_dead:
+                        self.cluster.mark_dead(d.endpoint_id, exc.why)
+                    exclude.add(d.endpoint_id)
+                    span.add_event("retry", {"endpoint": d.endpoint_id, "why": exc.why})
+                    if attempts >= self.cfg.max_attempts:
+                        raise Unavailable(f"no endpoint could serve the request after {attempts} attempt(s): "
+                                          + "; ".join(failures)) from None
+                    metrics.RETRIES.labels(reason=exc.why.split(" ")[0]).inc()
+                    log.warning("retrying on another endpoint",
+                                extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "why": exc.why})
+                except BaseException:
+                    self.core.on_finished(p.req, d, time.monotonic())
+                    raise
+
+    def _trace_decision(self, span: trace.Span, d: Decision, split: SplitDecision, attempts: int) -> None:
+        span.set_attribute("kvmesh.route.policy", d.policy)
+        span.set_attribute("kvmesh.route.endpoint", d.endpoint_id)
+        span.set_attribute("kvmesh.route.reason", d.reason)
+        span.set_attribute("kvmesh.route.score", d.score)
+        span.set_attribute("kvmesh.route.predicted_cached_tokens", d.predicted_cached_tokens)
+        span.set_attribute("kvmesh.route.predicted_cached_tokens_gpu", d.predicted_cached_tokens_gpu)
+        span.set_attribute("kvmesh.route.predicted_cached_tokens_offload", d.predicted_cached_tokens_offload)
+        span.set_attribute("kvmesh.route.uncached_tokens", d.uncached_tokens)
+        span.set_attribute("kvmesh.route.fallback", d.fallback)
+        span.set_attribute("kvmesh.route.attempt", attempts)
+        span.set_attribute("kvmesh.route.candidates",
+                           [f"{c.endpoint_id}:cost={c.cost:.1f}:credit={c.credit_blocks:.1f}:q={c.queue:g}"
+                            + (f":{c.excluded}" if c.excluded else "") for c in d.candidates[:16]])
+        span.set_attribute("kvmesh.split", split.split)
+        span.set_attribute("kvmesh.split.reason", split.reason)
+        span.set_attribute("kvmesh.split.prefill_endpoint", split.prefill_endpoint)
+        for k, v in split.inputs.items():
+            span.set_attribute(f"kvmesh.split.{k}", v)
+
+    def _remaining(self, inp: GenInput) -> float | None:
+        if inp.deadline is None:
+            return None
+        rem = inp.deadline - time.monotonic()
+        if rem <= 0:
+            raise DeadlineExceeded("deadline exceeded")
+        return rem
+
+    async def _prefill(self, p: Prepared, inp: GenInput, split: SplitDecision) -> common_pb2.KvHandle | None:
+        """Run the prompt on the prefill endpoint; None means "prefill locally instead"."""
+        with _tracer.start_as_current_span("router.prefill") as span:
+            span.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
+            self.core.load.on_sent(split.prefill_endpoint, p.request_id + "-prefill", len(p.tokens),
+                                   time.monotonic())
+            try:
+                resp = await self.cluster.stub(split.prefill_endpoint).Prefill(
+                    worker_pb2.PrefillRequest(request_id=p.request_id + "-prefill", model=inp.model,
+                                              prompt_token_ids=p.tokens, sampling=inp.sampling,
+                                              cache_salt=p.salt, lora_name=inp.lora_name,
+                                              session_id=inp.session_id),
+                    timeout=self._remaining(inp))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise DeadlineExceeded("deadline exceeded during prefill") from None
+                if exc.code() in _RETRYABLE:
+                    self.cluster.mark_dead(split.prefill_endpoint, f"Prefill {exc.code().name}")
+                log.warning("prefill endpoint failed; decoding with local prefill",
+                            extra={"request_id": p.request_id, "endpoint": split.prefill_endpoint,
+                                   "code": exc.code().name})
+                span.set_attribute("kvmesh.prefill_failed", exc.code().name)
+                return None
+            finally:
+                self.core.load.on_finished(p.request_id + "-prefill")
+            return resp.handle
+
+    async def _run(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
+                   overhead: float) -> AsyncIterator[tuple[str, Any]]:
+        handle = await self._prefill(p, inp, split) if split.split else None
+        wreq = worker_pb2.GenerateRequest(
+            request_id=p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}", model=inp.model,
+            prompt_token_ids=p.tokens, sampling=inp.sampling, cache_salt=p.salt, lora_name=inp.lora_name,
+            session_id=inp.session_id)
+        if inp.sampling.max_tokens == 0:
+            wreq.sampling.max_tokens = self.cfg.max_tokens_default
+        if handle is not None:
+            wreq.kv_handle.CopyFrom(handle)
+        try:
+            call = self.cluster.stub(d.endpoint_id).Generate(wreq, timeout=self._remaining(inp))
+        except KeyError:
+            raise _BeforeFirstToken("endpoint vanished") from None
+        generated: list[int] = []
+        ttft = 0.0
+        t_start = time.monotonic()
+        try:
+            async for msg in call:
+                if msg.token_ids:
+                    if not generated:
+                        self.core.on_first_token(p.req)
+                        ttft = msg.ttft_s or (time.monotonic() - t_start)
+                    ids = list(msg.token_ids)
+                    generated.extend(ids)
+                    yield "chunk", ids
+                if msg.finished:
+                    yield "final", self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead)
+                    return
+            raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
+                                       details="stream ended without a final message")
+        except grpc.aio.AioRpcError as exc:
+            code = exc.code()
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                raise DeadlineExceeded(f"deadline exceeded after {len(generated)} generated tokens") from None
+            if generated:
+                raise StreamBroken(f"endpoint {d.endpoint_id} failed ({code.name}: {exc.details()}) after "
+                                   f"{len(generated)} generated tokens: {generated}", generated) from None
+            if code in _RETRYABLE:
+                raise _BeforeFirstToken(f"{code.name}: {exc.details()}") from None
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise _BeforeFirstToken(f"{code.name}: {exc.details()}", mark_dead=False) from None
+            raise UpstreamError(f"endpoint {d.endpoint_id}: {exc.details()}", code) from None
+        finally:
+            if not call.done():
+                call.cancel()
+
+    def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
+               handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
+               ttft: float, attempt: int, overhead: float) -> FinalInfo:
+        usage = common_pb2.Usage()
+        usage.CopyFrom(msg.usage)
+        if not usage.prompt_tokens:
+            usage.prompt_tokens = len(p.tokens)
+        if not usage.completion_tokens:
+            usage.completion_tokens = len(generated)
+        routing = router_pb2.RoutingDecision(
+            endpoint=d.endpoint_id, endpoint_address=self.core.endpoints[d.endpoint_id].address
+            if d.endpoint_id in self.core.endpoints else "", policy=d.policy,
+            predicted_cached_tokens=d.predicted_cached_tokens,
+            predicted_cached_tokens_gpu=d.predicted_cached_tokens_gpu,
+            predicted_cached_tokens_offload=d.predicted_cached_tokens_offload,
+            split=handle is not None, prefill_endpoint=split.prefill_endpoint if handle is not None else "",
+            uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
+            reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
+            kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0)
+        actual = usage.cached_tokens
+        metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
+        metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
+        metrics.CACHED_TOKENS.labels(tier="offload").inc(usage.cached_tokens_offload)
+        metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
+        if handle is None:
+            metrics.CACHED_DIFF.observe(int(actual) - d.predicted_cached_tokens)
+            if actual != d.predicted_cached_tokens:
+                metrics.MISMATCHES.inc()
+                log.info("predicted cached tokens differ from the engine's",
+                         extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
+                                "predicted": d.predicted_cached_tokens, "actual": actual})
+        span = trace.get_current_span()
+        span.set_attribute("kvmesh.usage.cached_tokens", actual)
+        span.set_attribute("kvmesh.usage.completion_tokens", usage.completion_tokens)
+        self.core.on_finished(p.req, d, time.monotonic(), p.tokens, generated, p.extra)
+        return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
+                         ttft, generated)
