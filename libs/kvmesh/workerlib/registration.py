@@ -1,0 +1,106 @@
+"""Self-registration of a worker with the indexer, kept alive by heartbeats.
+
+Why it exists: the indexer must know each engine's KV-event publisher (and
+replay socket) to subscribe to it, and must notice when a worker goes away so
+its blocks stop attracting traffic. A worker registers on start, heartbeats
+every ``heartbeat_s`` (re-registering if the indexer forgot it, e.g. after an
+indexer restart) and deregisters on shutdown. An unreachable indexer is
+logged and retried; it never stops the worker from serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+
+import grpc
+
+from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.rpc.channel import aio_channel
+
+log = logging.getLogger(__name__)
+
+_WILDCARD = re.compile(r"^(tcp://)(\*|0\.0\.0\.0|\[::\]|::)(:\d+)$")
+
+
+def advertised_zmq_endpoint(endpoint: str, advertise_host: str) -> str:
+    """``tcp://*:5557`` / ``tcp://0.0.0.0:5557`` -> ``tcp://<advertise_host>:5557``; others unchanged."""
+    m = _WILDCARD.match(endpoint or "")
+    if m:
+        return f"{m.group(1)}{advertise_host}{m.group(3)}"
+    return endpoint
+
+
+def publisher_binds(endpoint: str) -> bool:
+    """vLLM's rule: the PUB socket binds for ``*``/``::``/ipc/inproc, otherwise it connects."""
+    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+            or "0.0.0.0" in endpoint)
+
+
+class IndexerRegistration:
+    """Registers ``endpoint`` with the indexer at ``address`` and heartbeats until stopped."""
+
+    def __init__(self, address: str, endpoint: indexer_pb2.Endpoint, heartbeat_s: float = 2.0,
+                 ttl_s: float = 10.0) -> None:
+        self.address = address
+        self.endpoint = endpoint
+        self.heartbeat_s = heartbeat_s
+        self.ttl_s = ttl_s
+        self._channel = aio_channel(address)
+        self._stub = indexer_pb2_grpc.IndexerStub(self._channel)
+        self._task: asyncio.Task | None = None
+        self.registered = False
+
+    async def register(self) -> bool:
+        try:
+            await self._stub.RegisterEndpoint(
+                indexer_pb2.RegisterEndpointRequest(endpoint=self.endpoint, ttl_s=self.ttl_s), timeout=5)
+        except grpc.aio.AioRpcError as exc:
+            log.warning("indexer registration failed; will retry",
+                        extra={"indexer": self.address, "code": exc.code().name, "details": exc.details()})
+            self.registered = False
+            return False
+        if not self.registered:
+            log.info("registered with indexer", extra={"indexer": self.address,
+                                                       "endpoint_id": self.endpoint.endpoint_id})
+        self.registered = True
+        return True
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.registered:
+                await self.register()
+            else:
+                try:
+                    await self._stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id=self.endpoint.endpoint_id),
+                                               timeout=5)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND:
+                        # The indexer forgot us (restart or TTL expiry): register again now.
+                        self.registered = False
+                        await self.register()
+                    else:
+                        log.warning("indexer heartbeat failed", extra={"indexer": self.address,
+                                                                       "code": exc.code().name})
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def start(self) -> None:
+        await self.register()
+        self._task = asyncio.create_task(self._loop(), name="indexer-heartbeat")
+
+    async def stop(self, deregister: bool = True) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        if deregister and self.registered:
+            try:
+                await self._stub.DeregisterEndpoint(
+                    indexer_pb2.DeregisterEndpointRequest(endpoint_id=self.endpoint.endpoint_id), timeout=2)
+            except grpc.aio.AioRpcError as exc:
+                log.info("indexer deregistration failed", extra={"code": exc.code().name})
+        await self._channel.close()

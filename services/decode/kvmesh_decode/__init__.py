@@ -1,0 +1,1 @@
+"""kvmesh decode worker service."""

@@ -1,0 +1,1 @@
+"""kvmesh prefill worker service."""
