@@ -1,0 +1,131 @@
+"""The simulated workers and offload store: thin wrappers that put the real
+components (C's block manager + scheduler + latency model, E's RAM tier, B's
+index) behind the few calls the event loop needs.
+
+Why it exists: the event loop should only move time; what a worker caches,
+evicts and how long a step takes must come from the same code the services run.
+These wrappers only translate (block-manager events → index updates, store
+evictions → index removals) and keep per-worker counters.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+
+from kvmesh.engine.sim.block_manager import BlockManager, Removed, Stored
+from kvmesh.engine.sim.latency import LatencyModel, LatencyParams
+from kvmesh.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, pseudo_block_hash
+from kvmesh.index.base import Tier
+from kvmesh.index.memory import MemoryIndex
+from kvmesh.kvstore.block import StoredBlock
+from kvmesh.kvstore.eviction import make_policy as make_eviction
+from kvmesh.kvstore.ram_tier import RamTier
+
+STORE_ENDPOINT = "offload-0"
+_MASK64 = (1 << 64) - 1
+
+
+def stable_extender(seq: Seq, n_full: int) -> None:
+    """Keys for output blocks, stable across processes (str hashing is salted per process)."""
+    hs = seq.block_hashes
+    rk = zlib.crc32(seq.request_id.encode())
+    while len(hs) < n_full:
+        hs.append(pseudo_block_hash(hs[-1] if hs else 0, rk, len(hs)))
+
+
+@dataclass
+class WorkerSpec:
+    endpoint_id: str
+    role: str                  # decode | prefill
+    num_blocks: int
+    block_size: int
+
+
+class SimWorker:
+    """One engine: real scheduler + block manager; publishes to the index when asked."""
+
+    def __init__(self, spec: WorkerSpec, latency: LatencyParams, sched_cfg: SchedulerConfig,
+                 index: MemoryIndex | None, model: str) -> None:
+        self.spec = spec
+        self.id = spec.endpoint_id
+        self.role = spec.role
+        self.bm = BlockManager(spec.num_blocks + 1, spec.block_size, enable_events=index is not None)
+        self.latency = LatencyModel(latency)
+        self.sched = Scheduler(self.bm, self.latency, sched_cfg, extend_hashes=stable_extender)
+        self.index = index
+        self.model = model
+        self.busy_s = 0.0
+        self.steps = 0
+        self.plan: StepPlan | None = None
+
+    def publish(self) -> None:
+        """Apply the block manager's KV events to the index (what the indexer would ingest)."""
+        if self.index is None:
+            return
+        idx, model, ep = self.index, self.model, self.id
+        for ev in self.bm.take_events():
+            if type(ev) is Stored:
+                idx.add(model, ep, Tier.GPU, ev.block_hashes)
+            elif type(ev) is Removed:
+                idx.remove(model, ep, Tier.GPU, (ev.block_hash,))
+            else:
+                idx.clear_endpoint(ep)
+
+    def gpu_hit_blocks(self, keys: list[int], num_tokens: int) -> int:
+        return len(self.bm.find_longest_hit(keys, num_tokens))
+
+
+class SimOffload:
+    """The shared offload store in metadata-only mode (capacity in blocks)."""
+
+    NS = "sim"
+
+    def __init__(self, capacity_blocks: int, eviction: str, index: MemoryIndex | None, model: str) -> None:
+        self.tier = RamTier(capacity_blocks, make_eviction(eviction))
+        self.index = index
+        self.model = model
+        self.puts = 0
+        self.restored_blocks = 0
+
+    def leading(self, keys: list[int], cap: int) -> int:
+        blocks = self.tier._blocks  # membership only; RamTier.__contains__ costs a call per block
+        ns = self.NS
+        n = 0
+        while n < cap and (ns, keys[n]) in blocks:
+            n += 1
+        return n
+
+    def touch(self, keys: list[int], session: str) -> None:
+        self.tier.new_batch()
+        ns = self.NS
+        for k in keys:
+            self.tier.touch((ns, k), session)
+        self.restored_blocks += len(keys)
+
+    def put(self, keys: list[int], start: int, session: str) -> None:
+        """Write-through of a request's computed blocks (those the store lacks), from ``start``."""
+        tier = self.tier
+        if tier.capacity <= 0:
+            return
+        tier.new_batch()
+        ns = self.NS
+        blocks = tier._blocks
+        added: list[int] = []
+        gone: list[int] = []
+        for i in range(start, len(keys)):
+            bid = (ns, keys[i])
+            if bid in blocks:
+                continue
+            if tier.used + 1 > tier.capacity:
+                gone.extend(b[1] for b, _ in tier.make_room(1))
+            tier.add(bid, StoredBlock(size=1, depth=i, session=session))
+            added.append(keys[i])
+        if gone:
+            added = [k for k in added if (ns, k) in blocks]
+        self.puts += len(added)
+        if self.index is not None:
+            if gone:
+                self.index.remove(self.model, STORE_ENDPOINT, Tier.CPU, gone)
+            if added:
+                self.index.add(self.model, STORE_ENDPOINT, Tier.CPU, added)

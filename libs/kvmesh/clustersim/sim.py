@@ -1,0 +1,357 @@
+"""The discrete-event loop: requests released by the agent schedule, routed by the
+real router core, served by simulated workers, in virtual time.
+
+Event kinds (one heap, ordered by time then insertion):
+- RELEASE: a request is sent (its dependencies finished + think time);
+  the router decides (precise: index lookup incl. the store's tier), maybe
+  splits to a prefill worker, and dispatches.
+- ARRIVE: the request reaches a worker after its KV restore from the offload
+  store (restore time from the latency model), and joins the scheduler queue.
+- STEP: a worker's engine step finishes; outputs are applied, first tokens and
+  completions recorded, the next step is planned at once if work remains.
+
+Only time is virtual: caching, eviction, step durations, routing decisions and
+store contents all come from the shared components (see ``parts``).
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.clustersim.config import SimConfig
+from kvmesh.clustersim.parts import STORE_ENDPOINT, SimOffload, SimWorker, WorkerSpec
+from kvmesh.engine.sim.latency import LatencyParams
+from kvmesh.engine.sim.scheduler import SchedulerConfig, Seq
+from kvmesh.index.base import Tier
+from kvmesh.index.memory import MemoryIndex
+from kvmesh.routing.load import LoadReport
+from kvmesh.routing.pd_split import SplitConfig
+from kvmesh.routing.policy import make_policy
+from kvmesh.routing.router import RouterCore, RouterCoreConfig
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
+from kvmesh.traffic.model import Request, Trace
+from kvmesh.traffic.schedule import Schedule, ScheduleRunner
+
+log = logging.getLogger(__name__)
+
+RELEASE, ARRIVE, STEP = 0, 1, 2
+
+
+@dataclass(slots=True)
+class Job:
+    """One request's life in the simulation."""
+
+    node: int
+    req: Request
+    route: RouteRequest
+    release: float
+    decision: Decision | None = None
+    split: bool = False
+    prefill_ep: int = -1
+    decode_ep: int = -1
+    first_token: float | None = None
+    finish: float | None = None
+    cached_gpu: int = 0
+    cached_offload: int = 0
+    gpu_hit_blocks: int = 0          # on the computing worker at dispatch
+    external: int = 0                # tokens restored at dispatch
+    store_hit: int = 0               # leading blocks present in the store at dispatch
+    error: str = ""
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    metrics: dict[str, Any]
+    ttfts: list[float] = field(default_factory=list)
+    hit_series: list[tuple[float, float]] = field(default_factory=list)   # (time s, hit rate in bucket)
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1)))))
+    return s[k]
+
+
+class ClusterSim:
+    """One policy over one schedule on one simulated cluster."""
+
+    def __init__(self, trace: Trace, schedule: Schedule, cfg: SimConfig, policy: str,
+                 latency: LatencyParams | None = None, scoring: ScoringConfig | None = None) -> None:
+        self.trace = trace
+        self.schedule = schedule
+        self.cfg = cfg
+        self.policy_name = policy
+        self.bs = trace.block_size
+        if cfg.block_size and cfg.block_size != self.bs:
+            raise ValueError(f"--block-size {cfg.block_size} differs from the trace's {self.bs}: the simulator "
+                             "runs at the trace's block size (hash ids are per trace block)")
+        self.now = 0.0
+        core_cfg = RouterCoreConfig(policy=policy, block_size=self.bs, speculative_ttl_s=cfg.speculative_ttl_s,
+                                    approx_capacity_blocks=max(1, cfg.kv_capacity_tokens // self.bs),
+                                    offload_enabled=cfg.offload_capacity_tokens > 0,
+                                    scoring=scoring or ScoringConfig(),
+                                    split=SplitConfig(enabled=cfg.prefill_workers > 0,
+                                                      threshold_tokens=cfg.split_threshold_tokens))
+        self.core = RouterCore(core_cfg)
+        if policy == "random":
+            # RouterCore builds policies unseeded; a simulation must be reproducible.
+            self.core._policies["random"] = make_policy("random", core_cfg.scoring, seed=cfg.seed)
+            self.core.default_policy = self.core._policies["random"]
+        self.policy = self.core.default_policy
+        self.uses_index = bool(getattr(self.policy, "uses_index", False))
+        # Only an index-driven policy needs KV events; the others skip that work.
+        self.index = MemoryIndex(now=lambda: self.now) if self.uses_index else None
+        sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                    max_model_len=cfg.max_model_len, max_waiting=0)
+        lat = latency or LatencyParams()
+        self.lat = lat
+        nblocks = max(2, cfg.kv_capacity_tokens // self.bs)
+        self.workers: list[SimWorker] = []
+        for i in range(cfg.decode_workers):
+            self.workers.append(SimWorker(WorkerSpec(f"decode-{i}", "decode", nblocks, self.bs), lat, sched_cfg,
+                                          self.index, cfg.model))
+        for i in range(cfg.prefill_workers):
+            self.workers.append(SimWorker(WorkerSpec(f"prefill-{i}", "prefill", nblocks, self.bs), lat, sched_cfg,
+                                          self.index, cfg.model))
+        self.by_id = {w.id: i for i, w in enumerate(self.workers)}
+        for w in self.workers:
+            self.core.set_endpoint(EndpointView(endpoint_id=w.id, model=cfg.model, role=w.role, block_size=self.bs))
+        self.store = (SimOffload(cfg.offload_capacity_tokens // self.bs, cfg.offload_eviction, self.index, cfg.model)
+                      if cfg.offload_capacity_tokens > 0 else None)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        self._last_poll = [-1e18] * len(self.workers)
+        self.jobs: list[Job] = []
+        self.errors = 0
+
+    # ------------------------------------------------------------------ events
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    def run(self) -> PolicyResult:
+        wall0 = time.perf_counter()
+        self.runner = ScheduleRunner(self.schedule)
+        for t, idx in self.runner.initial():
+            self._push(t, RELEASE, idx)
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            t, _, kind, payload = pop(heap)
+            self.now = t
+            if kind == STEP:
+                self._on_step(payload)
+            elif kind == RELEASE:
+                self._on_release(payload)
+            else:
+                self._on_arrive(*payload)
+        wall = time.perf_counter() - wall0
+        return self._result(wall)
+
+    # ------------------------------------------------------------------ routing
+    def _refresh_load(self) -> None:
+        now = self.now
+        poll = self.cfg.load_poll_s
+        view = self.core.load
+        for i, w in enumerate(self.workers):
+            if now - self._last_poll[i] >= poll:
+                self._last_poll[i] = now
+                s = w.sched
+                bm = w.bm
+                view.update(w.id, LoadReport(running=s.num_running, waiting=s.num_waiting, kv_usage=bm.usage,
+                                             waiting_prefill_tokens=s.waiting_prefill_tokens(),
+                                             num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
+                                             received_at=now))
+
+    def _matches(self, keys: list[int]) -> Matches:
+        assert self.index is not None
+        res = self.index.lookup(self.cfg.model, keys)
+        per: dict[str, TierMatch] = {}
+        store = TierMatch()
+        for name, em in res.matches.items():
+            tm = TierMatch(gpu=em.tiers.get(Tier.GPU, 0), cpu=em.tiers.get(Tier.CPU, 0),
+                           disk=em.tiers.get(Tier.DISK, 0))
+            if name == STORE_ENDPOINT:
+                store = tm
+            else:
+                per[name] = tm
+        return Matches(per_endpoint=per, store=store)
+
+    def _on_release(self, node_idx: int) -> None:
+        req = self.schedule.nodes[node_idx].req
+        route = RouteRequest(request_id=req.uid, model=self.cfg.model, keys=req.keys, num_tokens=req.input_tokens,
+                             block_size=self.bs, session_id=f"{req.session}/{req.agent}")
+        job = Job(node=node_idx, req=req, route=route, release=self.now)
+        self.jobs.append(job)
+        self._refresh_load()
+        matches = self._matches(req.keys) if self.uses_index else None
+        decision = self.core.decide(route, matches, self.now)
+        job.decision = decision
+        job.decode_ep = self.by_id[decision.endpoint_id]
+        split = self.core.decide_split(decision, route, self.now)
+        self.core.on_routed(route, decision, self.now)
+        if split.split:
+            job.split = True
+            job.prefill_ep = self.by_id[split.prefill_endpoint]
+            self._dispatch(job, job.prefill_ep, prefill_only=True)
+        else:
+            self._dispatch(job, job.decode_ep, prefill_only=False)
+
+    # ------------------------------------------------------------------ workers
+    def _dispatch(self, job: Job, widx: int, prefill_only: bool) -> None:
+        """Send to a worker: restore what the store has beyond the worker's own cache, then queue."""
+        w = self.workers[widx]
+        req = job.req
+        cap = max(0, (req.input_tokens - 1) // self.bs)
+        keys = req.keys
+        gpu = w.gpu_hit_blocks(keys, req.input_tokens)
+        ext_blocks = 0
+        delay = 0.0
+        store_hit = 0
+        if self.store is not None:
+            store_hit = self.store.leading(keys, cap)
+            if store_hit > gpu:
+                ext_blocks = store_hit
+                n = store_hit - gpu
+                self.store.touch(keys[gpu:store_hit], req.session)
+                delay = w.latency.restore_time(n * self.bs * self.cfg.kv_bytes_per_token)
+        compute_phase = prefill_only or not job.split
+        if compute_phase:
+            job.gpu_hit_blocks = gpu
+            job.external = ext_blocks * self.bs
+            job.store_hit = store_hit
+        seq = Seq(request_id=req.uid + ("#p" if prefill_only else ""), prompt_len=req.input_tokens,
+                  max_tokens=1 if prefill_only else max(1, req.output_tokens), block_hashes=list(keys),
+                  arrival=self.now, prefill_only=prefill_only, meta=job, external_cached=ext_blocks * self.bs)
+        if delay > 0:
+            self._push(self.now + delay, ARRIVE, (widx, seq))
+        else:
+            self._on_arrive(widx, seq)
+
+    def _on_arrive(self, widx: int, seq: Seq) -> None:
+        w = self.workers[widx]
+        w.sched.add(seq)
+        if w.plan is None:
+            self._plan(widx)
+
+    def _plan(self, widx: int) -> None:
+        w = self.workers[widx]
+        while w.sched.has_work:
+            plan = w.sched.plan(self.now)
+            w.publish()
+            if not plan.empty:
+                w.plan = plan
+                w.busy_s += plan.duration
+                w.steps += 1
+                self._push(self.now + plan.duration, STEP, widx)
+                return
+            if w.sched.running:
+                break
+            # Nothing running and the head of the queue cannot get blocks: it never will.
+            head = w.sched.waiting[0]
+            w.sched.abort(head.request_id)
+            self._fail(head.meta, f"prompt of {head.prompt_len} tokens does not fit the KV cache of {w.id}")
+        w.plan = None
+
+    def _fail(self, job: Job, why: str) -> None:
+        self.errors += 1
+        job.error = why
+        job.finish = self.now
+        self.core.load.on_finished(job.route.request_id)
+        for t, idx in self.runner.complete(job.node, self.now):
+            self._push(t, RELEASE, idx)
+
+    def _on_step(self, widx: int) -> None:
+        w = self.workers[widx]
+        plan = w.plan
+        assert plan is not None
+        w.plan = None
+        now = self.now
+        res = w.sched.complete(plan, now)
+        for seq, _tok in res.sampled:
+            if seq.num_output != 1:
+                continue
+            job: Job = seq.meta
+            compute_phase = seq.prefill_only or not job.split
+            if compute_phase:
+                cached = max(0, seq.num_cached_tokens)
+                off = max(0, min(job.external, cached) - job.gpu_hit_blocks * self.bs) if job.external else 0
+                job.cached_offload = off
+                job.cached_gpu = cached - off
+                if self.store is not None:
+                    # Write-through: the connector saves the prompt's blocks once computed.
+                    # Blocks below store_hit were present at dispatch; check the rest.
+                    self.store.put(job.req.keys[: seq.prompt_len // self.bs], job.store_hit, job.req.session)
+            if not seq.prefill_only:
+                job.first_token = now
+                self.core.on_first_token(job.route)
+        for seq in res.finished:
+            job = seq.meta
+            if seq.prefill_only:
+                self._dispatch(job, job.decode_ep, prefill_only=False)
+                continue
+            job.finish = now
+            assert job.decision is not None
+            self.core.on_finished(job.route, job.decision, now)
+            self.policy.on_completed(job.route, job.decision.endpoint_id, job.req.keys, now)
+            for t, idx in self.runner.complete(job.node, now):
+                self._push(t, RELEASE, idx)
+        self._plan(widx)
+
+    # ------------------------------------------------------------------ results
+    def _result(self, wall_s: float) -> PolicyResult:
+        done = [j for j in self.jobs if not j.error and j.first_token is not None]
+        prompt = sum(j.req.input_tokens for j in done)
+        gpu = sum(j.cached_gpu for j in done)
+        off = sum(j.cached_offload for j in done)
+        ttfts = [j.first_token - j.release for j in done]  # type: ignore[operator]
+        out_tokens = sum(j.req.output_tokens for j in done)
+        t0 = min((j.release for j in self.jobs), default=0.0)
+        t1 = max((j.finish or j.release for j in self.jobs), default=0.0)
+        span = max(t1 - t0, 1e-9)
+        decode = [w for w in self.workers if w.role == "decode"]
+        busy = [w.busy_s for w in decode]
+        mean_busy = sum(busy) / len(busy) if busy else 0.0
+        metrics: dict[str, Any] = {
+            "prefix_hit_rate": round((gpu + off) / prompt, 4) if prompt else 0.0,
+            "gpu_hit_rate": round(gpu / prompt, 4) if prompt else 0.0,
+            "offload_hit_rate": round(off / prompt, 4) if prompt else 0.0,
+            "ttft_p50_s": round(_pct(ttfts, 50), 4),
+            "ttft_p90_s": round(_pct(ttfts, 90), 4),
+            "ttft_p99_s": round(_pct(ttfts, 99), 4),
+            "output_tok_per_s": round(out_tokens / span, 2),
+            "requests": len(done),
+            "errors": self.errors,
+            "load_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 0.0,
+            "preemptions": sum(w.sched.num_preemptions for w in self.workers),
+            "split_requests": sum(1 for j in done if j.split),
+            "prompt_tokens": prompt,
+            "cached_tokens_gpu": gpu,
+            "cached_tokens_offload": off,
+            "output_tokens": out_tokens,
+            "virtual_time_s": round(span, 3),
+            "decode_busy_s": [round(b, 3) for b in busy],
+            "prefill_busy_s": [round(w.busy_s, 3) for w in self.workers if w.role == "prefill"],
+            "steps": sum(w.steps for w in self.workers),
+            "wall_s": round(wall_s, 2),
+        }
+        return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1))
+
+    def _series(self, done: list[Job], t0: float, t1: float) -> list[tuple[float, float]]:
+        n = max(1, self.cfg.time_buckets)
+        width = max((t1 - t0) / n, 1e-9)
+        num = [0] * n
+        den = [0] * n
+        for j in done:
+            b = min(n - 1, int((j.release - t0) / width))
+            num[b] += j.cached_gpu + j.cached_offload
+            den[b] += j.req.input_tokens
+        return [(round(t0 + (i + 0.5) * width, 3), round(num[i] / den[i], 4)) for i in range(n) if den[i]]
