@@ -1,0 +1,274 @@
+"""The synchronous routing core: scoring, policies, speculative co-location, split rule, hash cache, load view."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvmesh.hashing import BlockHasher, ExtraKeys
+from kvmesh.routing.hash_cache import HashCache, HashCacheConfig
+from kvmesh.routing.load import LoadReport, LoadView
+from kvmesh.routing.pd_split import SplitConfig, decide_split
+from kvmesh.routing.policy import NoEndpointError, available_policies, make_policy
+from kvmesh.routing.router import RouterCore, RouterCoreConfig
+from kvmesh.routing.scoring import ScoringConfig, credit
+from kvmesh.routing.types import EndpointView, Matches, RouteRequest, TierMatch
+
+BS = 16
+pytestmark = pytest.mark.timeout(60)
+
+
+def _core(n: int = 4, policy: str = "precise", **kw) -> RouterCore:
+    core = RouterCore(RouterCoreConfig(policy=policy, block_size=BS, **kw))
+    for i in range(n):
+        core.set_endpoint(EndpointView(f"e{i}", f"127.0.0.1:{9000 + i}", "m"))
+    return core
+
+
+def _tokens(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(32000) for _ in range(n)]
+
+
+def _req(core: RouterCore, tokens: list[int], rid: str, session: str = "") -> RouteRequest:
+    keys = core.chain(tokens, None, session).keys
+    return RouteRequest(rid, "m", keys, len(tokens), BS, session)
+
+
+def test_registry_has_all_policies():
+    assert {"precise", "approx", "session", "least_load", "round_robin", "random"} <= set(available_policies())
+    with pytest.raises(ValueError, match="unknown routing policy"):
+        make_policy("nope")
+
+
+def test_tier_credits_take_best_tier_per_block():
+    cfg = ScoringConfig()
+    c = credit(TierMatch(gpu=4), TierMatch(cpu=10, disk=20), cap_blocks=100, cfg=cfg)
+    assert c.credit_blocks == pytest.approx(4 * 1.0 + 6 * 0.75 + 10 * 0.25)
+    assert c.gpu_blocks == 4 and c.offload_blocks == 16
+    # The engine never reports the last token as cached: the cap bounds every tier.
+    c = credit(TierMatch(gpu=10), TierMatch(), cap_blocks=9, cfg=cfg)
+    assert c.gpu_blocks == 9
+
+
+def test_precise_prefers_the_endpoint_holding_the_prefix():
+    core = _core()
+    toks = _tokens(1000)
+    req = _req(core, toks, "r1")
+    d = core.decide(req, Matches(per_endpoint={"e2": TierMatch(gpu=40), "e1": TierMatch(gpu=10)}), now=0.0)
+    assert d.endpoint_id == "e2"
+    assert d.predicted_cached_tokens_gpu == 40 * BS
+    assert d.uncached_tokens == 1000 - 40 * BS
+
+
+def test_offload_blocks_are_credited_and_predicted():
+    core = _core()
+    toks = _tokens(1000)
+    req = _req(core, toks, "r1")
+    d = core.decide(req, Matches(per_endpoint={"e1": TierMatch(gpu=10)}, store=TierMatch(cpu=50)), now=0.0)
+    assert d.endpoint_id == "e1"
+    assert d.predicted_cached_tokens_gpu == 10 * BS and d.predicted_cached_tokens_offload == 40 * BS
+
+
+def test_burst_of_siblings_colocates_via_speculative_entries():
+    core = _core(4)
+    shared = _tokens(2048, seed=1)
+    picks = []
+    for i in range(8):
+        req = _req(core, shared + _tokens(100, seed=100 + i), f"s{i}")
+        # No engine events yet: the index knows nothing.
+        d = core.decide(req, Matches(), now=0.01 * i)
+        core.on_routed(req, d, now=0.01 * i)
+        picks.append(d.endpoint_id)
+    assert len(set(picks)) == 1, picks
+
+
+def test_speculative_entries_expire():
+    core = _core(2, speculative_ttl_s=2.0)
+    toks = _tokens(1000)
+    r1 = _req(core, toks, "a")
+    d1 = core.decide(r1, Matches(), now=0.0)
+    core.on_routed(r1, d1, now=0.0)
+    core.on_finished(r1, d1, now=0.1)
+    r2 = _req(core, toks, "b")
+    assert core.decide(r2, Matches(), now=1.0).predicted_cached_tokens > 0
+    assert core.decide(r2, Matches(), now=5.0).predicted_cached_tokens == 0
+
+
+def test_misses_do_not_pile_onto_a_hot_endpoint():
+    core = _core(3)
+    for eid, q in (("e0", 0), ("e1", 1), ("e2", 30)):
+        core.load.update(eid, LoadReport(running=q, waiting=0, received_at=0.0))
+    toks = _tokens(600)
+    req = _req(core, toks, "r")
+    # e2 holds a small part of the prompt but is overloaded: the guard excludes it.
+    d = core.decide(req, Matches(per_endpoint={"e2": TierMatch(gpu=5)}), now=0.1)
+    assert d.endpoint_id == "e0"
+    hot = [c for c in d.candidates if c.endpoint_id == "e2"][0]
+    assert hot.hot and hot.excluded == "hot"
+    # A big hit is still worth taking on the hot endpoint.
+    d = core.decide(req, Matches(per_endpoint={"e2": TierMatch(gpu=36)}), now=0.1)
+    assert d.endpoint_id == "e2"
+
+
+def test_misses_spread_by_optimistic_inflight_counting():
+    core = _core(4)
+    picks = []
+    for i in range(8):
+        req = _req(core, _tokens(300, seed=i), f"r{i}")
+        d = core.decide(req, Matches(), now=0.0)
+        core.on_routed(req, d, now=0.0)
+        picks.append(d.endpoint_id)
+    assert sorted(picks.count(f"e{i}") for i in range(4)) == [2, 2, 2, 2]
+
+
+def test_session_affinity_breaks_ties():
+    core = _core(4)
+    r = _req(core, _tokens(40), "r", session="s")
+    d = core.decide(r, Matches(), now=0.0)
+    core.on_routed(r, d, 0.0)
+    core.on_finished(r, d, 0.1)
+    other = [e for e in core.endpoints if e != d.endpoint_id][0]
+    core.load.update(d.endpoint_id, LoadReport(received_at=1.0))
+    core.load.update(other, LoadReport(received_at=1.0))
+    r2 = _req(core, _tokens(40, seed=9), "r2", session="s")
+    assert core.decide(r2, Matches(), now=1.1).endpoint_id == d.endpoint_id
+
+
+def test_precise_falls_back_to_approx_without_index():
+    core = _core(3)
+    toks = _tokens(800)
+    r1 = _req(core, toks, "a")
+    d1 = core.decide(r1, Matches(), now=0.0)
+    core.on_routed(r1, d1, 0.0)
+    core.on_finished(r1, d1, 0.1)
+    r2 = _req(core, toks + _tokens(100, 5), "b")
+    d2 = core.decide(r2, None, now=100.0)   # long after speculative TTL; indexer down
+    assert d2.fallback and d2.endpoint_id == d1.endpoint_id
+    assert d2.predicted_cached_tokens == 800 // BS * BS
+
+
+@pytest.mark.parametrize("name", ["approx", "session", "least_load", "round_robin", "random"])
+def test_simple_policies_route_and_fail_cleanly(name):
+    core = _core(3, policy=name)
+    seen = set()
+    for i in range(9):
+        r = _req(core, _tokens(100, seed=i), f"r{i}", session="s" if name == "session" else "")
+        d = core.decide(r, Matches(), now=float(i))
+        core.on_routed(r, d, float(i))
+        if name != "least_load":   # least_load spreads only what is still in flight
+            core.on_finished(r, d, float(i))
+        seen.add(d.endpoint_id)
+    if name == "session":
+        assert len(seen) == 1
+    elif name in ("round_robin", "least_load"):
+        assert len(seen) == 3
+    core.endpoints.clear()
+    with pytest.raises(NoEndpointError):
+        core.decide(_req(core, _tokens(10), "x"), Matches(), now=0.0)
+
+
+def test_approx_remembers_only_its_own_decisions():
+    core = _core(3, policy="approx")
+    toks = _tokens(500)
+    r1 = _req(core, toks, "a")
+    d1 = core.decide(r1, Matches(per_endpoint={"e2": TierMatch(gpu=30)}), now=0.0)
+    core.on_routed(r1, d1, 0.0)
+    core.on_finished(r1, d1, 0.0)
+    r2 = _req(core, toks, "b")
+    d2 = core.decide(r2, None, now=50.0)
+    assert d2.endpoint_id == d1.endpoint_id and d2.predicted_cached_tokens == (499 // BS) * BS
+
+
+def test_split_rule_threshold_and_room():
+    pre = [EndpointView("p0", role="prefill")]
+    from kvmesh.routing.load import EffectiveLoad
+
+    cfg = SplitConfig(enabled=True, threshold_tokens=1000, prefill_max_queue=2)
+    assert not decide_split(999, 2000, pre, {"p0": EffectiveLoad()}, cfg).split
+    s = decide_split(1000, 2000, pre, {"p0": EffectiveLoad()}, cfg)
+    assert s.split and s.prefill_endpoint == "p0" and s.inputs["uncached_tokens"] == 1000
+    busy = decide_split(5000, 6000, pre, {"p0": EffectiveLoad(running=2)}, cfg)
+    assert not busy.split and "room" in busy.reason
+    assert not decide_split(5000, 6000, pre, {}, SplitConfig(enabled=False)).split
+
+
+def test_load_view_staleness_and_optimistic_inflight():
+    lv = LoadView(staleness_s=1.0)
+    lv.update("e", LoadReport(running=3, waiting=1, waiting_prefill_tokens=100, received_at=10.0))
+    lv.on_sent("e", "old", 50, now=9.0)      # before the report: assumed included in it
+    lv.on_sent("e", "new", 70, now=10.5)     # after: counted on top
+    eff = lv.effective("e", now=10.6)
+    assert not eff.stale and eff.queue == 5 and eff.prefill_tokens == 170
+    lv.on_first_token("new")
+    assert lv.effective("e", now=10.6).prefill_tokens == 100
+    stale = lv.effective("e", now=20.0)
+    assert stale.stale and stale.queue == 2      # only the router's own in-flight requests
+    lv.on_finished("new")
+    lv.on_finished("old")
+    assert lv.effective("e", now=20.0).queue == 0
+
+
+# ---------------------------------------------------------------- incremental hashing
+
+
+@pytest.mark.parametrize("verify", ["sampled", "full"])
+def test_hash_cache_extends_sessions_incrementally(verify):
+    h = BlockHasher("sha256_cbor", BS)
+    hc = HashCache(h, HashCacheConfig(verify=verify))
+    toks = _tokens(1000)
+    assert hc.chain(toks, None, "s").hashed_blocks == 1000 // BS
+    for turn in range(5):
+        toks = toks + _tokens(150, seed=turn + 10)
+        res = hc.chain(toks, None, "s")
+        assert res.keys == h.block_keys(toks)
+        assert res.source == "session"
+        assert res.hashed_blocks <= 150 // BS + 1
+
+
+def test_hash_cache_recognises_content_without_session():
+    h = BlockHasher("sha256_cbor", BS)
+    hc = HashCache(h)
+    base = _tokens(1600)
+    hc.chain(base)
+    ext = base + _tokens(64, 3)
+    res = hc.chain(ext)
+    assert res.source == "content" and res.reused_blocks == 100 and res.keys == h.block_keys(ext)
+
+
+def test_hash_cache_divergent_siblings_and_edits_full_verify():
+    h = BlockHasher("sha256", BS)
+    hc = HashCache(h, HashCacheConfig(verify="full"))
+    base = _tokens(1600)
+    hc.chain(base)
+    edited = list(base)
+    edited[800] = (edited[800] + 1) % 32000
+    res = hc.chain(edited)
+    assert res.reused_blocks == 800 // BS and res.keys == h.block_keys(edited)
+
+
+def test_hash_cache_salt_first_block_and_lora():
+    h = BlockHasher("sha256_cbor", BS)
+    hc = HashCache(h)
+    toks = _tokens(640)
+    plain = hc.chain(toks, None, "s").keys
+    salted = ExtraKeys(cache_salt="tenant-a")
+    a = hc.chain(toks + _tokens(64, 1), salted, "s")
+    assert a.reused_blocks == 0, "a salted prompt must never reuse unsalted hashes"
+    assert a.keys == h.block_keys(toks + _tokens(64, 1), salted)
+    assert not set(a.keys) & set(plain)
+    b = hc.chain(toks + _tokens(128, 1), salted, "s")
+    assert b.reused_blocks == 44 and b.keys == h.block_keys(toks + _tokens(128, 1), salted)
+    lora = ExtraKeys(lora_name="ad", lora_path="/p")
+    c = hc.chain(toks, lora)
+    assert c.keys == h.block_keys(toks, lora) and c.reused_blocks == 0
+
+
+def test_hash_cache_is_bounded():
+    h = BlockHasher("sha256_cbor", BS)
+    hc = HashCache(h, HashCacheConfig(max_blocks=500))
+    for i in range(20):
+        hc.chain(_tokens(1600, seed=i), None, f"s{i}")
+        assert hc.blocks <= 500 or len(hc) == 1
+    assert len(hc) <= 5
