@@ -8,8 +8,7 @@ import cbor2
 import numpy as np
 import pytest
 
-from kvmesh.hashing import BlockHasher, ExtraKeys, HashAlgo, MMRange, event_key, hash_object
-from kvmesh.hashing import cbor_fast
+from kvmesh.hashing import BlockHasher, ExtraKeys, HashAlgo, MMRange, cbor_fast, event_key, hash_object
 from kvmesh.hashing.extra_keys import block_extra_keys, to_event_extra_keys
 
 pytestmark = pytest.mark.timeout(60)
