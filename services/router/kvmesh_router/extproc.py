@@ -18,7 +18,9 @@ Protocol (per the EPP spec):
   (``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``, list or
   comma-separated string) restricts the pick; the same key as a request header
   is honoured for gateways that cannot set metadata.
-- no eligible endpoint -> ImmediateResponse 503; shedding load -> 429; bad body -> 400.
+- no eligible endpoint -> ImmediateResponse 503; shedding load (more than
+  ``max_inflight`` requests picked and unfinished, or the picker says so) -> 429;
+  bad body -> 400, over ``max_body_bytes`` -> 413.
 - response headers, when Envoy sends them, get ``x-kvmesh-picked-endpoint``.
 - gRPC health serves ``envoy.service.ext_proc.v3.ExternalProcessor`` (and ``""``
   and ``liveness``) via ``kvmesh.rpc.server.ServiceServer``.
@@ -44,8 +46,9 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 from opentelemetry import propagate, trace
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
+from kvmesh.config import load_config
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 
 log = logging.getLogger(__name__)
@@ -59,7 +62,19 @@ LB_NAMESPACE = "envoy.lb"
 PICKED_RESPONSE_HEADER = "x-kvmesh-picked-endpoint"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
+
+
+@dataclass
+class ExtProcConfig:
+    """Picker limits; env ``KVMESH_EXTPROC_*`` overrides the defaults."""
+
+    max_inflight: int = field(default=0, metadata={
+        "help": "requests picked but not yet finished above which new ones get 429 (0 = no shedding)"})
+    max_body_bytes: int = field(default=MAX_BODY_BYTES, metadata={"help": "largest request body buffered"})
+
+
 PICKS = Counter("kvmesh_extproc_picks_total", "ext_proc endpoint picks by outcome", ["outcome"])
+INFLIGHT = Gauge("kvmesh_extproc_inflight", "requests picked through ext_proc and not yet finished")
 PICK_LATENCY = Histogram("kvmesh_extproc_pick_seconds", "time to pick an endpoint for one request",
                          buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 1.0))
 
@@ -105,8 +120,8 @@ class PickResult:
     endpoint_id: str = ""
     predicted_cached_tokens: int = 0
     reason: str = ""
-    # Called once when the gateway reports the response (HTTP status) or the stream ends
-    # (status 0 = unknown); lets the router settle its in-flight load bookkeeping.
+    # Called once when the request is over (the gateway closed the ext_proc stream) with the
+    # upstream HTTP status (0 = none seen); lets the router settle its in-flight bookkeeping.
     on_done: Callable[[int], Any] | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)
 
@@ -182,13 +197,19 @@ class _Stream:
         self.subset: list[str] | None = None
         self.result: PickResult | None = None
         self.request_id = ""
-        self.done_called = False
+        self.status = 0
+        self.counted = False
 
-    def done(self, status: int) -> None:
-        if self.result is not None and self.result.on_done is not None and not self.done_called:
-            self.done_called = True
+    def done(self, servicer: ExtProcServicer) -> None:
+        """The HTTP request is over (the gateway closed the stream): settle the bookkeeping once."""
+        if self.counted:
+            self.counted = False
+            servicer.inflight -= 1
+            INFLIGHT.set(servicer.inflight)
+        if self.result is not None and self.result.on_done is not None:
+            hook, self.result.on_done = self.result.on_done, None
             try:
-                self.result.on_done(status)
+                hook(self.status)
             except Exception:  # bookkeeping must never break the data path
                 log.exception("on_done hook failed", extra={"request_id": self.request_id})
 
@@ -196,9 +217,11 @@ class _Stream:
 class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
     """``envoy.service.ext_proc.v3.ExternalProcessor`` over a router ``pick`` callable."""
 
-    def __init__(self, pick: PickFn, max_body_bytes: int = MAX_BODY_BYTES) -> None:
+    def __init__(self, pick: PickFn, config: ExtProcConfig | None = None) -> None:
         self.pick = pick
-        self.max_body_bytes = max_body_bytes
+        self.config = config or ExtProcConfig()
+        self.max_body_bytes = self.config.max_body_bytes
+        self.inflight = 0
 
     async def Process(self, request_iterator: AsyncIterator[ep.ProcessingRequest],
                       context: grpc.aio.ServicerContext) -> AsyncIterator[ep.ProcessingResponse]:
@@ -232,22 +255,20 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                             yield resp
                     yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
                 elif kind == "response_headers":
-                    status = 0
                     for h in req.response_headers.headers.headers:
                         if h.key == ":status":
-                            status = int(_header_value(h) or 0)
+                            st.status = int(_header_value(h) or 0)
                     mutation = ep.HeaderMutation(set_headers=[_set_header(PICKED_RESPONSE_HEADER, st.result.address)]) \
                         if st.result is not None else ep.HeaderMutation()
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
                         response=ep.CommonResponse(header_mutation=mutation)))
-                    st.done(status)
                 elif kind == "response_body":
                     yield self._body_passthrough(req.response_body.body, req.response_body.end_of_stream,
                                                  response=True)
                 elif kind == "response_trailers":
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
         finally:
-            st.done(0)
+            st.done(self)
 
     @staticmethod
     def _body_passthrough(body: bytes, eos: bool, response: bool = False) -> ep.ProcessingResponse:
@@ -283,6 +304,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
             if st.subset is not None:
                 span.set_attribute("kvmesh.subset_size", len(st.subset))
             try:
+                limit = self.config.max_inflight
+                if limit and self.inflight >= limit:
+                    raise ShedLoadError(f"shedding load: {self.inflight} requests in flight (limit {limit})")
                 if st.subset is not None and not st.subset:
                     raise NoEligibleEndpointError("the endpoint subset hint is empty")
                 result = await self.pick(preq)
@@ -301,6 +325,9 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                 log.exception("ext_proc pick failed", extra={"request_id": st.request_id})
                 return [immediate(500, f"endpoint picker error: {type(exc).__name__}")]
             st.result = result
+            st.counted = True
+            self.inflight += 1
+            INFLIGHT.set(self.inflight)
             span.set_attribute("kvmesh.endpoint", result.endpoint_id or result.address)
             span.set_attribute("server.address", result.address)
             span.set_attribute("gen_ai.usage.cached_tokens_predicted", result.predicted_cached_tokens)
@@ -328,13 +355,15 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 
 
 async def start_extproc_server(pick: PickFn, port: int, host: str = "0.0.0.0", ready: bool = True,
-                               max_body_bytes: int = MAX_BODY_BYTES) -> ServiceServer:
+                               config: ExtProcConfig | None = None) -> ServiceServer:
     """Serve the ext_proc picker on its own gRPC port (with health for its service name).
 
+    ``config`` defaults to ``ExtProcConfig`` from the environment (``KVMESH_EXTPROC_*``).
     Returns the started ``ServiceServer``: ``.port`` is the bound port; call
     ``set_ready`` to flip readiness and ``stop()`` on shutdown.
     """
-    servicer = ExtProcServicer(pick, max_body_bytes=max_body_bytes)
+    config = config or load_config(ExtProcConfig, env_prefix="KVMESH_EXTPROC_")
+    servicer = ExtProcServicer(pick, config)
     server = ServiceServer(
         "router-extproc",
         [(ep_grpc.add_ExternalProcessorServicer_to_server, servicer, EXTPROC_SERVICE_NAME)],

@@ -1,0 +1,133 @@
+"""docker-compose files: valid per docker-compose's own ``config`` and the compose-spec JSON schema.
+
+There is no Docker engine here; ``docker-compose config`` (Debian's docker-compose,
+installed by ``make install``) parses, merges and validates without one, and the
+compose-spec schema it ships is applied to the files with ``jsonschema`` as well.
+Then the stack's promises are checked: which services run, health checks, GPU
+override, and that every file the stack mounts or builds from exists.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = ROOT / "docker-compose.yml"
+GPU = ROOT / "docker-compose.gpu.yml"
+KVMESH = {"indexer", "router", "offload", "prefill-1", "decode-1", "decode-2"}
+REQUIRED = KVMESH | {"redis", "otel-collector", "jaeger", "prometheus"}
+WORKERS = {"prefill-1", "decode-1", "decode-2"}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _compose_bin() -> str:
+    exe = shutil.which("docker-compose")
+    if exe is None:
+        pytest.fail("docker-compose not installed: run `make install` (apt package docker-compose)")
+    return exe
+
+
+def compose_config(*files: Path) -> dict[str, Any]:
+    args = [_compose_bin()]
+    for f in files:
+        args += ["-f", str(f)]
+    out = subprocess.run([*args, "config"], capture_output=True, text=True, timeout=60, cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "HOME": "/tmp"})
+    assert out.returncode == 0, f"docker-compose config {[f.name for f in files]} failed:\n{out.stderr}"
+    return yaml.safe_load(out.stdout)
+
+
+def compose_spec_schema() -> dict[str, Any]:
+    """The compose-spec JSON schema shipped inside docker-compose's Python package."""
+    exe = Path(_compose_bin())
+    shebang = exe.read_text(errors="replace").splitlines()[0]
+    python = shebang[2:].strip().split()[0] if shebang.startswith("#!") else "python3"
+    out = subprocess.run([python, "-c", "import compose.config as c, os; print(os.path.dirname(c.__file__))"],
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return json.loads((Path(out.stdout.strip()) / "compose_spec.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def base() -> dict[str, Any]:
+    return compose_config(BASE)
+
+
+@pytest.fixture(scope="module")
+def gpu() -> dict[str, Any]:
+    return compose_config(BASE, GPU)
+
+
+def test_files_match_the_compose_spec_schema() -> None:
+    schema = compose_spec_schema()
+    validator = jsonschema.Draft7Validator(schema)
+    for f in (BASE, GPU):
+        errors = sorted(validator.iter_errors(yaml.safe_load(f.read_text())), key=lambda e: list(e.path))
+        assert not errors, f"{f.name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
+
+
+def test_schema_and_config_reject_a_broken_file(tmp_path: Path) -> None:
+    doc = yaml.safe_load(BASE.read_text())
+    doc["services"]["router"]["healthcheck"] = {"test": ["CMD", "true"], "intervall": "5s"}
+    bad = tmp_path / "docker-compose.yml"
+    bad.write_text(yaml.safe_dump(doc))
+    assert list(jsonschema.Draft7Validator(compose_spec_schema()).iter_errors(doc))
+    out = subprocess.run([_compose_bin(), "-f", str(bad), "config", "-q"], capture_output=True, text=True,
+                         timeout=60, cwd=ROOT)
+    assert out.returncode != 0 and "intervall" in out.stderr
+
+
+def test_stack_services_and_health(base: dict[str, Any]) -> None:
+    services = base["services"]
+    assert REQUIRED <= set(services), f"missing: {REQUIRED - set(services)}"
+    for name in KVMESH:
+        svc = services[name]
+        test = svc["healthcheck"]["test"]
+        assert test[:4] == ["CMD", "python", "-m", "kvmesh.tools.healthcheck"], (name, test)
+        dockerfile = ROOT / svc["build"]["dockerfile"]
+        assert dockerfile.exists(), dockerfile
+        assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")
+    # start order: workers wait for a healthy indexer and offload store; the router for the workers
+    for w in WORKERS:
+        assert services[w]["depends_on"]["indexer"]["condition"] == "service_healthy"
+    assert WORKERS <= set(services["router"]["depends_on"])
+    assert services["redis"]["healthcheck"]["test"][-1] == "ping"
+
+
+def test_mounted_config_files_exist(base: dict[str, Any]) -> None:
+    for name, svc in base["services"].items():
+        for vol in svc.get("volumes", []):
+            source = vol.split(":")[0] if isinstance(vol, str) else vol.get("source", "")
+            if source.startswith(("/", ".")):   # a bind mount, not a named volume
+                assert (ROOT / source).exists(), f"{name} mounts missing {source}"
+
+
+def test_prometheus_scrapes_every_kvmesh_service(base: dict[str, Any]) -> None:
+    prom = yaml.safe_load((ROOT / "deploy" / "compose" / "prometheus.yml").read_text())
+    targets = {t.split(":")[0] for job in prom["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]}
+    assert KVMESH <= targets
+    for name in KVMESH:
+        cmd = base["services"][name]["command"]
+        assert cmd[cmd.index("--metrics-port") + 1] == "9100", name
+
+
+def test_gpu_override_switches_workers_to_vllm(base: dict[str, Any], gpu: dict[str, Any]) -> None:
+    for w in WORKERS:
+        sim, real = base["services"][w], gpu["services"][w]
+        assert sim["command"][sim["command"].index("--engine") + 1] == "sim"
+        assert real["command"][real["command"].index("--engine") + 1] == "vllm"
+        assert real["build"]["args"]["ENGINE"] == "vllm"
+        (dev,) = real["deploy"]["resources"]["reservations"]["devices"]
+        assert dev["driver"] == "nvidia" and "gpu" in dev["capabilities"] and dev["count"] == 1
+        assert "deploy" not in sim
+    # the rest of the stack is untouched by the override
+    assert gpu["services"]["indexer"] == base["services"]["indexer"]
