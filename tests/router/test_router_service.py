@@ -1,0 +1,147 @@
+"""The router as a real process in front of real sim workers (static endpoints, no indexer).
+
+Without an indexer, ``precise`` runs on its fallback (``approx`` plus its own
+speculative entries); the indexer-backed variants are in test_router_indexer.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import random
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvmesh.common.v1 import common_pb2
+from kvmesh.router.v1 import router_pb2
+from kvmesh.testing.ports import free_port
+from kvmesh.testing.procs import ServiceProcess
+from tests.fixtures.router import BLOCK, MODEL, RouterStack, start_router, start_worker
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
+    tmp = tmp_path_factory.mktemp("router-stack")
+    started: list[ServiceProcess] = []
+    try:
+        store_port = free_port()
+        store = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(store_port), "--model", MODEL,
+                                           "--events-endpoint", "", "--events-replay-endpoint", ""],
+                               f"127.0.0.1:{store_port}", log_path=tmp / "offload.log").start(60)
+        started.append(store)
+        off = ["--offload-address", store.grpc_address]
+        workers = {}
+        for eid in ("w1", "w2", "w3"):
+            workers[eid] = start_worker(tmp, eid, extra=off)
+            started.append(workers[eid])
+        pre = start_worker(tmp, "p1", role="prefill", extra=off)
+        started.append(pre)
+        router, http = start_router(
+            tmp, [(e, w.grpc_address) for e, w in workers.items()],
+            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024",
+                   "--tenant-salts", '{"key-a": "salt-a", "key-b": "salt-b"}'],
+            prefill=[("p1", pre.grpc_address)])
+        started.append(router)
+        st = RouterStack(router, http, workers)
+        yield st
+        st.close()
+    finally:
+        for p in reversed(started):
+            p.stop(grace_s=3)
+
+
+def _gen(stack: RouterStack, tokens: list[int], max_tokens: int = 4, **kw) -> tuple[list[int], router_pb2.Final]:
+    req = router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=tokens),
+                                     sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw)
+    out: list[int] = []
+    final = None
+    for msg in stack.stub.Generate(req, timeout=30):
+        if msg.HasField("chunk"):
+            out.extend(msg.chunk.token_ids)
+        else:
+            final = msg.final
+    assert final is not None
+    return out, final
+
+
+def _rand(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+@pytest.mark.parametrize("policy", ["precise", "approx"])
+def test_session_turns_follow_their_prefix_and_predictions_are_exact(stack, policy):
+    tokens = _rand(700, seed=hash(policy) % 1000)
+    first = None
+    for turn in range(6):
+        out, fin = _gen(stack, tokens, session_id=f"sess-{policy}", policy=policy)
+        r = fin.routing
+        first = first or r.endpoint
+        assert r.endpoint == first, f"turn {turn} moved from {first} to {r.endpoint}"
+        assert r.predicted_cached_tokens == fin.usage.cached_tokens, (turn, r, fin.usage)
+        if turn:
+            # Everything but the new tail was cached (prompt + output of the previous turn).
+            assert fin.usage.cached_tokens >= len(tokens) - 150
+        tokens = tokens + out + _rand(100, seed=turn)
+
+
+def test_burst_of_sibling_requests_colocates(stack):
+    shared = _rand(1500, seed=77)
+
+    def one(i: int) -> router_pb2.Final:
+        return _gen(stack, shared + _rand(40, seed=1000 + i), max_tokens=2)[1]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        finals = list(ex.map(one, range(8)))
+    eps = {f.routing.endpoint for f in finals}
+    assert len(eps) == 1, [f.routing.endpoint for f in finals]
+
+
+def test_two_tenants_never_share_a_prefix_hit(stack):
+    tokens = _rand(900, seed=5)
+    _, a1 = _gen(stack, tokens, tenant="key-a")
+    _, a2 = _gen(stack, tokens, tenant="key-a")
+    _, b1 = _gen(stack, tokens, tenant="key-b")
+    _, s1 = _gen(stack, tokens, cache_salt="explicit-salt")
+    assert a1.usage.cached_tokens == 0 and a2.usage.cached_tokens > 0
+    assert b1.usage.cached_tokens == 0 and b1.routing.predicted_cached_tokens == 0
+    assert s1.usage.cached_tokens == 0
+
+
+def test_split_triggers_above_threshold_only(stack):
+    _, small = _gen(stack, _rand(600, seed=11))
+    assert not small.routing.split and "threshold" in small.routing.reason
+    _, big = _gen(stack, _rand(2000, seed=12))
+    r = big.routing
+    assert r.split and r.prefill_endpoint == "p1", r
+    assert r.uncached_tokens >= 1024
+    assert r.kv_from_prefill and big.usage.cached_tokens_offload > 0
+
+
+def test_grpc_bad_input_names_the_field(stack):
+    cases = [
+        (router_pb2.GenerateRequest(model=MODEL), "input"),
+        (router_pb2.GenerateRequest(model="nope", tokens=common_pb2.TokenIds(ids=[1, 2])), "model"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]),
+                                    sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]),
+                                    sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]), policy="bogus"), "policy"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]), cache_salt="x" * 300),
+         "cache_salt"),
+        (router_pb2.GenerateRequest(model=MODEL, text="hello"), "tokenizer"),
+    ]
+    for req, word in cases:
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stack.stub.Generate(req, timeout=10))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, ei.value.details())
+        assert word in ei.value.details(), ei.value.details()
+
+
+def test_list_models(stack):
+    resp = stack.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)
+    assert resp.models[0].id == MODEL and resp.models[0].block_size == BLOCK
+    assert set(resp.models[0].endpoints) >= {"w1", "w2", "w3"}
