@@ -23,13 +23,15 @@ from kvmesh.traffic.model import Request, namespace_seed
 class TokenSynthesizer:
     """Builds prompt token ids for trace requests, with a bounded block cache."""
 
-    def __init__(self, vocab_size: int, reserved_low: int = 16, cache_blocks: int = 65536) -> None:
+    def __init__(self, vocab_size: int, reserved_low: int = 16, cache_blocks: int = 65536, salt: str = "") -> None:
         if vocab_size <= reserved_low + 1:
             raise ValueError(f"vocab_size {vocab_size} too small (must exceed reserved_low={reserved_low} + 1)")
         self.vocab_size = vocab_size
         self.low = reserved_low
         self._cache: OrderedDict[tuple[int, int, int], np.ndarray] = OrderedDict()
         self._cap = cache_blocks
+        # A salt gives a fresh, equally structured token space (e.g. one per policy in a fair comparison).
+        self._salt = zlib.crc32(salt.encode()) if salt else 0
 
     def _draw(self, seed: list[int], n: int) -> np.ndarray:
         rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence(seed)))
@@ -37,7 +39,7 @@ class TokenSynthesizer:
 
     def block(self, namespace: str, hash_id: int, block_size: int) -> np.ndarray:
         """The token ids of one trace block."""
-        key = (namespace_seed(namespace), hash_id, block_size)
+        key = (namespace_seed(namespace) ^ self._salt, hash_id, block_size)
         arr = self._cache.get(key)
         if arr is not None:
             self._cache.move_to_end(key)
@@ -57,7 +59,7 @@ class TokenSynthesizer:
         covered = len(req.hash_ids) * bs
         if covered < req.input_tokens:
             tail_seed = zlib.crc32(req.uid.encode())
-            parts.append(self._draw([tail_seed, 0x7A11, req.input_tokens], req.input_tokens - covered))
+            parts.append(self._draw([tail_seed, self._salt, req.input_tokens], req.input_tokens - covered))
         if not parts:
             return []
         out = np.concatenate(parts)[: req.input_tokens]
