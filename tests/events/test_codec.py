@@ -69,9 +69,9 @@ def test_wire_shape_matches_vllm_msgspec_settings() -> None:
     assert first["type"] == "BlockStored" and first["parent_block_hash"] is None  # required fields kept when None
     assert "session_id" not in first and first["group_idx"] == 0  # omit_defaults
     assert raw[1][3] == {"type": "AllBlocksCleared"}
-    # data_parallel_rank None is a trailing default and is omitted
+    # msgspec writes a None data_parallel_rank as nil even with omit_defaults (array_like)
     no_rank = msgpack.unpackb(encode_batch(KVEventBatch(1.0, [], None)), raw=False)
-    assert no_rank == [1.0, []]
+    assert no_rank == [1.0, [], None]
 
 
 def test_legacy_array_events_and_tolerance() -> None:

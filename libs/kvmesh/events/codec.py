@@ -7,8 +7,8 @@ malformed frame or payload raises :class:`DecodeError`, never anything else, and
 event in a batch is reported in :attr:`DecodedBatch.errors` without losing the others.
 
 Encoding reproduces what vLLM's ``msgspec`` structs emit byte for byte:
-``KVEventBatch`` is ``array_like`` + ``omit_defaults`` (``[ts, events, dp_rank]``, a trailing
-``None`` rank dropped) and each event is a map tagged ``{"type": "<ClassName>", ...}`` whose
+``KVEventBatch`` is ``array_like`` (``[ts, events, dp_rank]``, a None rank written as nil;
+older vLLMs sent ``[ts, events]``, which we decode too) and each event is a map tagged ``{"type": "<ClassName>", ...}`` whose
 required fields are always written (even when None) and whose defaulted fields are written
 only when not None.
 """
@@ -132,9 +132,9 @@ def _event_to_wire(ev: KVEvent) -> dict[str, Any]:
 
 def encode_batch(batch: KVEventBatch) -> bytes:
     """msgpack payload identical to ``msgspec.msgpack.encode(vllm KVEventBatch)``."""
-    wire: list[Any] = [float(batch.ts), [_event_to_wire(e) for e in batch.events]]
-    if batch.data_parallel_rank is not None:
-        wire.append(batch.data_parallel_rank)
+    # msgspec's omit_defaults does not drop trailing defaults of array_like structs:
+    # a None rank is written as nil.
+    wire = [float(batch.ts), [_event_to_wire(e) for e in batch.events], batch.data_parallel_rank]
     return msgpack.packb(wire, use_bin_type=True)
 
 
