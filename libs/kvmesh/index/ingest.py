@@ -70,6 +70,7 @@ class EndpointState:
     last_seq: int | None = None
     last_event_at: float | None = None
     needs_resync: bool = False
+    resync_upto: int | None = None   # first seq after the batches lost to a backend outage
     batches: int = 0
     events_applied: int = 0
     events_rejected: int = 0
@@ -150,7 +151,7 @@ class Ingestor:
             try:
                 self._check_seq(st, seq, replay)
             except IndexUnavailable:
-                st.needs_resync = True
+                self._mark_resync(st, seq)
                 raise
         st.last_event_at = self.now()
         if batch is None:
@@ -169,7 +170,7 @@ class Ingestor:
         try:
             applied, rejected = self._apply(st, batch)
         except IndexUnavailable:
-            st.needs_resync = True
+            self._mark_resync(st, seq)
             raise
         res.applied += applied
         res.rejected += rejected
@@ -178,14 +179,51 @@ class Ingestor:
         st.batches += 1
         return res
 
+    def _mark_resync(self, st: EndpointState, seq: int | None) -> None:
+        st.needs_resync = True
+        if seq is not None:
+            st.resync_upto = max(st.resync_upto or 0, seq + 1)
+
+    def pending_resync(self) -> list[EndpointState]:
+        return [st for st in self.endpoints.values() if st.needs_resync]
+
+    def resync(self, endpoint: str, replay: ReplayFn | None) -> None:
+        """Repair an endpoint whose batches were lost while the backend was down.
+
+        Replays ``last+1 .. resync_upto`` when the engine still buffers them;
+        otherwise clears the endpoint (it refills from new events).
+        """
+        st = self.endpoints.get(endpoint)
+        if st is None or not st.needs_resync:
+            return
+        start = 0 if st.last_seq is None else st.last_seq + 1
+        upto = st.resync_upto if st.resync_upto is not None else start
+        if upto > start:
+            self._fill(st, start, upto, replay, reason="resync")
+        st.needs_resync = False
+        st.resync_upto = None
+
+    def backend_reset(self) -> None:
+        """The backend lost its data (e.g. Redis restarted): rebuild every endpoint from replay."""
+        for st in self.endpoints.values():
+            upto = (st.last_seq + 1) if st.last_seq is not None else 0
+            st.last_seq = None
+            st.mapper.reset()
+            self._mark_resync(st, upto - 1 if upto else None)
+
     def _check_seq(self, st: EndpointState, seq: int, replay: ReplayFn | None) -> None:
         last = st.last_seq
         if st.needs_resync:
             start = 0 if last is None else last + 1
             log.warning("re-syncing endpoint after backend outage", extra={"endpoint": st.endpoint,
                                                                              "from_seq": start})
-            self._fill(st, start, seq, replay, reason="resync")
+            if seq > start:
+                self._fill(st, start, seq, replay, reason="resync")
+            elif seq < start:
+                self.clear(st, "resync_seq_reset")
+                st.last_seq = None
             st.needs_resync = False
+            st.resync_upto = None
             return
         if last is None:
             if seq > 0 and replay is not None:
@@ -246,6 +284,8 @@ class Ingestor:
             if len(b.events) <= self.max_events_per_batch:
                 self._apply(st, b)
             st.last_seq = s
+        if upto > 0:
+            st.last_seq = upto - 1
 
     def _reject(self, st: EndpointState, reason: str, n: int, detail: str) -> None:
         st.events_rejected += n

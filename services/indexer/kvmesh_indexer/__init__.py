@@ -1,0 +1,1 @@
+"""kvmesh indexer service: engine KV events -> cluster-wide block index (see docs/indexer.md)."""

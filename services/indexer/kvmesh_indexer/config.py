@@ -1,0 +1,191 @@
+"""Configuration of the indexer service (flags ``--backend`` etc., env ``KVMESH_INDEXER_*``).
+
+Models and static engines are given as JSON lists or in a compact comma form:
+
+- ``--models 'tiny@128@sha256_cbor,big@64@sha256@myseed'``  (NAME@BLOCK_SIZE@ALGO[@SEED])
+  or ``[{"name": "tiny", "block_size": 128, "hash_algo": "sha256_cbor", "seed": null}]``
+- ``--engines 'e0@tiny@tcp://127.0.0.1:5557@tcp://127.0.0.1:5558,e1@tiny@tcp://127.0.0.1:5560@@bind'``
+  (ID@MODEL@ZMQ[@REPLAY][@bind]) or ``[{"endpoint_id": "e0", "model": "tiny", "zmq_endpoint": ...,
+  "replay_endpoint": ..., "bind": false, "hash_algo": null, "block_size": null, "seed_matches": true}]``
+
+Every problem is a ``ConfigError`` naming the setting, raised before the server starts.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.config import ConfigError
+from kvmesh.hashing import HashAlgo
+from kvmesh.index.keys import EngineHashing, ModelSpec, check_block_size
+
+ENV_PREFIX = "KVMESH_INDEXER_"
+BACKENDS = ("memory", "redis")
+
+
+@dataclass
+class EngineConfig:
+    endpoint_id: str
+    model: str
+    zmq_endpoint: str
+    replay_endpoint: str | None = None
+    bind: bool = False
+    hash_algo: str | None = None
+    block_size: int | None = None
+    seed_matches: bool = True
+
+    def hashing(self) -> EngineHashing:
+        return EngineHashing(self.hash_algo, self.block_size, self.seed_matches)
+
+
+@dataclass
+class IndexerConfig:
+    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
+    grace_s: float = field(default=5.0, metadata={"help": "drain time for in-flight calls on shutdown"})
+    metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
+    backend: str = field(default="memory", metadata={"help": "index backend: memory | redis"})
+    redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
+        "help": "redis:// or rediss:// URL (user:password@ for AUTH)"})
+    redis_namespace: str = field(default="kvm", metadata={"help": "key prefix in Redis"})
+    redis_timeout_s: float = field(default=0.5, metadata={"help": "Redis socket timeout per call"})
+    max_entries: int = field(default=20_000_000, metadata={
+        "help": "memory backend: block-endpoint-tier entry budget (LRU eviction beyond it; 0 = unbounded)"})
+    models: str = field(default="", metadata={"help": "models: JSON list or NAME@BLOCK_SIZE@ALGO[@SEED],..."})
+    default_model: str = field(default="", metadata={"help": "model used when a request names none"})
+    auto_models: bool = field(default=True, metadata={
+        "help": "a registration naming an unknown model creates it (its block size, default algo)"})
+    default_block_size: int = field(default=128, metadata={"help": "block size of auto-created models"})
+    default_hash_algo: str = field(default="sha256_cbor", metadata={"help": "hash algo of auto-created models"})
+    store_models: str = field(default="any,*", metadata={
+        "help": "model names meaning 'every model' (offload stores): their blocks answer every model's lookup"})
+    engines: str = field(default="", metadata={"help": "static engines: JSON list or ID@MODEL@ZMQ[@REPLAY][@bind],..."})
+    heartbeat_ttl_s: float = field(default=10.0, metadata={"help": "default heartbeat TTL of registered endpoints"})
+    lookup_timeout_s: float = field(default=1.0, metadata={"help": "max time a Lookup waits for the backend"})
+    replay_timeout_s: float = field(default=2.0, metadata={"help": "max time for one replay request"})
+    speculative_ttl_s: float = field(default=2.0, metadata={"help": "TTL of PutSpeculative when the request has 0"})
+    max_batch_events: int = field(default=10_000, metadata={"help": "larger ingest batches are rejected"})
+    queue_size: int = field(default=10_000, metadata={"help": "per-endpoint ingest queue (ZMQ drops beyond)"})
+
+    def validate(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.backend == "redis" and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
+            raise ConfigError(f"setting 'redis_url': {self.redis_url!r} must start with redis:// or rediss://")
+        for name in ("heartbeat_ttl_s", "lookup_timeout_s", "replay_timeout_s", "redis_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"setting {name!r} must be > 0")
+        if not 0 < self.speculative_ttl_s <= 300:
+            raise ConfigError("setting 'speculative_ttl_s' must be in (0, 300]")
+        if self.max_entries < 0:
+            raise ConfigError("setting 'max_entries' must be >= 0")
+        if self.default_block_size <= 0:
+            raise ConfigError("setting 'default_block_size' must be > 0")
+        try:
+            HashAlgo.parse(self.default_hash_algo)
+        except ValueError as exc:
+            raise ConfigError(f"setting 'default_hash_algo': {exc}") from None
+        models = self.model_specs()
+        if self.default_model and self.default_model not in models and not self.auto_models:
+            raise ConfigError(f"setting 'default_model': {self.default_model!r} is not in 'models'")
+        self.engine_configs(models)
+
+    # ---- parsed views --------------------------------------------------------------------
+    def store_model_names(self) -> set[str]:
+        return {m.strip() for m in self.store_models.split(",") if m.strip()}
+
+    def model_specs(self) -> dict[str, ModelSpec]:
+        out: dict[str, ModelSpec] = {}
+        for i, item in enumerate(_items(self.models, "models")):
+            if isinstance(item, str):
+                parts = item.split("@")
+                if len(parts) not in (3, 4) or not parts[0]:
+                    raise ConfigError(f"setting 'models' item {i} {item!r}: want NAME@BLOCK_SIZE@ALGO[@SEED]")
+                item = {"name": parts[0], "block_size": parts[1], "hash_algo": parts[2],
+                        "seed": parts[3] if len(parts) == 4 else None}
+            if not isinstance(item, dict) or not item.get("name"):
+                raise ConfigError(f"setting 'models' item {i}: needs a 'name'")
+            name = str(item["name"])
+            try:
+                bs = int(item.get("block_size", self.default_block_size))
+            except (TypeError, ValueError):
+                raise ConfigError(f"setting 'models' model {name!r}: block_size {item.get('block_size')!r} "
+                                  "is not an integer") from None
+            if bs <= 0:
+                raise ConfigError(f"setting 'models' model {name!r}: block_size must be > 0")
+            algo = str(item.get("hash_algo") or self.default_hash_algo)
+            try:
+                HashAlgo.parse(algo)
+            except ValueError as exc:
+                raise ConfigError(f"setting 'models' model {name!r}: {exc}") from None
+            unknown = set(item) - {"name", "block_size", "hash_algo", "seed", "lora_paths"}
+            if unknown:
+                raise ConfigError(f"setting 'models' model {name!r}: unknown keys {sorted(unknown)}")
+            if name in out:
+                raise ConfigError(f"setting 'models': model {name!r} given twice")
+            out[name] = ModelSpec(name, bs, algo, item.get("seed"), dict(item.get("lora_paths") or {}))
+        return out
+
+    def engine_configs(self, models: dict[str, ModelSpec] | None = None) -> list[EngineConfig]:
+        models = self.model_specs() if models is None else models
+        out: list[EngineConfig] = []
+        seen: set[str] = set()
+        for i, item in enumerate(_items(self.engines, "engines")):
+            if isinstance(item, str):
+                parts = item.split("@")
+                if len(parts) < 3:
+                    raise ConfigError(f"setting 'engines' item {i} {item!r}: want ID@MODEL@ZMQ[@REPLAY][@bind]")
+                bind = False
+                if parts[-1] in ("bind", "connect") and len(parts) > 3:
+                    bind = parts.pop() == "bind"
+                item = {"endpoint_id": parts[0], "model": parts[1], "zmq_endpoint": parts[2],
+                        "replay_endpoint": parts[3] if len(parts) > 3 and parts[3] else None, "bind": bind}
+            if not isinstance(item, dict):
+                raise ConfigError(f"setting 'engines' item {i}: want an object or ID@MODEL@ZMQ string")
+            try:
+                eng = EngineConfig(**item)
+            except TypeError as exc:
+                raise ConfigError(f"setting 'engines' item {i}: {exc}") from None
+            where = f"setting 'engines' endpoint {eng.endpoint_id!r}"
+            if not eng.endpoint_id or "@" in eng.endpoint_id or len(eng.endpoint_id.encode()) > 128:
+                raise ConfigError(f"setting 'engines' item {i}: endpoint_id must be 1..128 bytes without '@'")
+            if eng.endpoint_id in seen:
+                raise ConfigError(f"{where}: given twice")
+            seen.add(eng.endpoint_id)
+            if not eng.zmq_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{where}: zmq_endpoint {eng.zmq_endpoint!r} must be tcp://, ipc:// or inproc://")
+            if eng.replay_endpoint and not eng.replay_endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{where}: replay_endpoint {eng.replay_endpoint!r} must be tcp://, ipc:// or "
+                                  "inproc://")
+            spec = models.get(eng.model)
+            if spec is None:
+                raise ConfigError(f"{where}: model {eng.model!r} is not in setting 'models' "
+                                  f"(configured: {', '.join(sorted(models)) or 'none'})")
+            if eng.hash_algo is not None:
+                try:
+                    HashAlgo.parse(eng.hash_algo)
+                except ValueError as exc:
+                    raise ConfigError(f"{where}: {exc}") from None
+            try:
+                check_block_size(eng.endpoint_id, spec, eng.hashing())
+            except ValueError as exc:
+                raise ConfigError(f"{where}: {exc}") from None
+            out.append(eng)
+        return out
+
+
+def _items(raw: str, name: str) -> list[Any]:
+    raw = (raw or "").strip()
+    if not raw:
+        return []
+    if raw.startswith("["):
+        try:
+            val = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"setting {name!r}: invalid JSON: {exc}") from None
+        if not isinstance(val, list):
+            raise ConfigError(f"setting {name!r}: JSON must be a list")
+        return val
+    return [x.strip() for x in raw.split(",") if x.strip()]

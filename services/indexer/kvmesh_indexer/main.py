@@ -1,0 +1,146 @@
+"""``kvmesh serve indexer``: the cluster-wide KV block index service.
+
+Builds the configured backend (embedded memory by default, or Redis), wraps it
+with metrics/tracing, subscribes to the statically configured engines, serves
+the ``Indexer`` gRPC API and purges endpoints whose heartbeats stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh.index.base import BlockIndex
+from kvmesh.index.ingest import Ingestor
+from kvmesh.index.liveness import Liveness
+from kvmesh.index.memory import MemoryIndex
+from kvmesh.index.metrics import IndexMetrics, InstrumentedIndex, MetricsObserver, StateCollector
+from kvmesh.index.pump import IngestPump
+from kvmesh.index.zmq_subscriber import ZmqSubscriber
+from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh.logs import setup_logging
+from kvmesh.rpc.runner import run_async_main
+from kvmesh.rpc.server import ServerOptions, ServiceServer
+from kvmesh.telemetry import setup_tracing, start_metrics_server
+from kvmesh_indexer.config import ENV_PREFIX, IndexerConfig
+from kvmesh_indexer.servicer import IndexerServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name
+
+
+def build_index(cfg: IndexerConfig) -> BlockIndex:
+    if cfg.backend == "redis":
+        from kvmesh.index.redis_backend import RedisIndex
+
+        try:
+            return RedisIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s)
+        except ValueError as exc:
+            raise ConfigError(f"setting 'redis_url': {exc}") from None
+    return MemoryIndex(max_entries=cfg.max_entries)
+
+
+@dataclass
+class IndexerApp:
+    """Everything one indexer process runs; tests build several in one process."""
+
+    cfg: IndexerConfig
+    servicer: IndexerServicer
+    server: ServiceServer
+    pump: IngestPump
+    subscriber: ZmqSubscriber
+    metrics: IndexMetrics
+    _sweeper: asyncio.Task | None = None
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def start(self) -> int:
+        port = await self.server.start()
+        await self.pump.start()
+        for eng in self.cfg.engine_configs(self.servicer.models):
+            await self.servicer.add_static_engine(eng)
+        if not await asyncio.to_thread(self.servicer.index.ping):
+            log.warning("index backend not reachable at start; lookups answer UNAVAILABLE until it is",
+                        extra={"backend": self.cfg.backend})
+        self._sweeper = asyncio.create_task(self._sweep_loop(), name="liveness-sweeper")
+        await self.server.set_ready(True)
+        log.info("indexer ready", extra={"port": port, "backend": self.cfg.backend,
+                                         "models": sorted(self.servicer.models),
+                                         "engines": len(self.subscriber.subs)})
+        return port
+
+    async def _sweep_loop(self) -> None:
+        interval = max(0.05, min(1.0, self.cfg.heartbeat_ttl_s / 4))
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.servicer.sweep_dead()
+            except Exception:  # noqa: BLE001
+                log.exception("liveness sweep failed")
+
+    async def stop(self, grace_s: float | None = 0.5) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.server.stop(grace_s)
+        await self.subscriber.close()
+        await self.pump.close()
+        self.servicer.index.close()
+
+
+def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> IndexerApp:
+    """Wire backend, ingest, liveness and the gRPC server (not started)."""
+    models = cfg.model_specs()
+    registry = registry if registry is not None else CollectorRegistry()
+    metrics = IndexMetrics(registry)
+    index = InstrumentedIndex(build_index(cfg), metrics)
+    ingestor = Ingestor(index, models, MetricsObserver(metrics), max_events_per_batch=cfg.max_batch_events)
+    pump = IngestPump(ingestor, replay_timeout_s=cfg.replay_timeout_s, queue_size=cfg.queue_size,
+                      on_drop=lambda ep: metrics.dropped.labels(ep).inc())
+    subscriber = ZmqSubscriber(pump)
+    liveness = Liveness(cfg.heartbeat_ttl_s)
+    servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)
+    registry.register(StateCollector(index.stats, servicer.freshness))
+    server = ServiceServer("indexer", [(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer, SERVICE_NAME)],
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+    return IndexerApp(cfg, servicer, server, pump, subscriber, metrics)
+
+
+async def serve(cfg: IndexerConfig) -> int:
+    setup_tracing("kvmesh-indexer")
+    app = build_app(cfg, REGISTRY)
+    await app.start()
+    app.server.install_signal_handlers()
+    start_metrics_server(cfg.metrics_port)
+    try:
+        await app.server.wait()
+    finally:
+        await app.subscriber.close()
+        await app.pump.close()
+        app.servicer.index.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kvmesh serve indexer", description=__doc__)
+    add_dataclass_args(parser, IndexerConfig)
+    args = parser.parse_args(argv)
+    setup_logging()
+
+    async def run() -> int:
+        cfg = load_config(IndexerConfig, args, env_prefix=ENV_PREFIX)
+        return await serve(cfg)
+    return run_async_main(run)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
