@@ -15,7 +15,7 @@ class StoredBlock:
     where ``size`` is whatever unit the capacity is counted in (bytes, blocks or tokens)."""
 
     size: int
-    data: bytes | None = None
+    data: object = None             # bytes, memoryview or an arena Slot (see buffer_of)
     crc32c: int = 0
     parent: int | None = None
     token_ids: tuple[int, ...] = ()
@@ -30,3 +30,11 @@ class CapacityError(Exception):
 
 def block_key(bid: Hashable) -> int:
     return bid[1]  # type: ignore[index]
+
+
+def buffer_of(data: object) -> bytes | memoryview:
+    """The bytes-like payload of a block's ``data`` (unwrapping an arena ``Slot``)."""
+    if data is None:
+        return b""
+    view = getattr(data, "view", None)
+    return view if view is not None else data  # type: ignore[return-value]

@@ -24,6 +24,7 @@ import grpc
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.kvstore.shm import Segment, SegmentPool, shm_available
+from kvmesh.kvstore.wire import Chunk, decode_get_response, encode_put_chunk
 from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh.rpc.channel import aio_channel, channel_options
 
@@ -37,6 +38,16 @@ DEFAULT_TIMEOUT_S = 60.0
 _SHM_FALLBACK_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.UNIMPLEMENTED)
 
 BytesLike = bytes | bytearray | memoryview
+GET_METHOD = "/kvmesh.offload.v1.Offload/Get"
+PUT_METHOD = "/kvmesh.offload.v1.Offload/Put"
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def _ser(msg: offload_pb2.GetRequest) -> bytes:
+    return msg.SerializeToString()
 
 
 class OffloadError(Exception):
@@ -185,20 +196,17 @@ def _plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids
                     sum(len(d) for d in datas))
 
 
-def _put_stream(plan: _PutPlan) -> Iterator[offload_pb2.PutRequest]:
-    yield offload_pb2.PutRequest(header=plan.header)
+def _put_stream(plan: _PutPlan) -> Iterator[bytes]:
+    """Wire-encoded PutRequests (see ``kvstore.wire``): one copy of each payload."""
+    yield offload_pb2.PutRequest(header=plan.header).SerializeToString()
     for i, (key, data) in enumerate(zip(plan.keys, plan.datas, strict=True)):
         mv = memoryview(data).cast("B")
         n = len(mv)
         for off in range(0, n, CHUNK_BYTES):
             end = min(off + CHUNK_BYTES, n)
             last = end == n
-            chunk = offload_pb2.BlockChunk(key=key, data=bytes(mv[off:end]), last=last)
-            if last:
-                chunk.crc32c = plan.crcs[i]
-                if plan.tokens is not None:
-                    chunk.token_ids.extend(plan.tokens[i])
-            yield offload_pb2.PutRequest(chunk=chunk)
+            yield encode_put_chunk(key, mv[off:end], last, plan.crcs[i] if last else 0,
+                                   plan.tokens[i] if last and plan.tokens is not None else ())
 
 
 def _shm_put_request(plan: _PutPlan, seg: Segment) -> offload_pb2.ShmRequest:
@@ -234,24 +242,23 @@ class _GetAssembler:
     def __init__(self, keys: list[int], verify: bool) -> None:
         self.keys = keys
         self.verify = verify
-        self.blocks: list[bytes] = []
+        self.blocks: list[memoryview] = []
         self.tiers: list[int] = []
-        self._parts: list[bytes] = []
+        self._parts: list[memoryview] = []
 
-    def feed(self, resp: offload_pb2.GetResponse) -> None:
-        ch = resp.chunk
+    def feed(self, ch: Chunk) -> None:
         idx = len(self.blocks)
         if idx >= len(self.keys) or ch.key != self.keys[idx]:
             raise OffloadError(f"store sent block {ch.key} out of order (expected index {idx})")
         self._parts.append(ch.data)
         if not ch.last:
             return
-        data = self._parts[0] if len(self._parts) == 1 else b"".join(self._parts)
+        data = self._parts[0] if len(self._parts) == 1 else memoryview(b"".join(self._parts))
         self._parts = []
         if self.verify and ch.crc32c and crc32c(data) != ch.crc32c:
             raise OffloadError(f"block {ch.key}: checksum mismatch on the wire")
         self.blocks.append(data)
-        self.tiers.append(resp.tier)
+        self.tiers.append(ch.tier)
 
 
 def _is_local(address: str) -> bool:
@@ -293,15 +300,25 @@ def _views_from_shm(resp: offload_pb2.ShmGetResponse, seg: Segment, verify: bool
 
 
 class OffloadClient:
-    """Async client. ``use_shm``: True forces the shm path, False disables it, None = auto (loopback)."""
+    """Async client. ``use_shm``: True forces the shm path, False disables it, None = auto (loopback).
+
+    ``verify_checksums``: check each block's CRC32C on the client. None (default)
+    checks blocks that crossed the network (gRPC) and trusts same-host shm copies,
+    whose source the store verified on Put and on every disk read.
+    """
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 verify_checksums: bool = True, channel: grpc.aio.Channel | None = None) -> None:
+                 verify_checksums: bool | None = None, channel: grpc.aio.Channel | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.verify = verify_checksums
+        self.verify = verify_checksums is not False
+        self.verify_shm = bool(verify_checksums)
         self._channel = channel or aio_channel(address, traced=False)
         self._stub = offload_pb2_grpc.OffloadStub(self._channel)
+        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=_ser,
+                                               response_deserializer=decode_get_response)
+        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_identity,
+                                               response_deserializer=offload_pb2.PutResponse.FromString)
         self._shm = _want_shm(address, use_shm)
         self._pool = SegmentPool()
         self._block_size_hint: dict[str, int] = {}
@@ -342,7 +359,7 @@ class OffloadClient:
             finally:
                 self._pool.release(seg)
         try:
-            resp = await self._stub.Put(_aiter(_put_stream(plan)), timeout=self.timeout_s)
+            resp = await self._put(_aiter(_put_stream(plan)), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _map_error(exc, "put") from exc
         return _put_result(resp, False)
@@ -360,11 +377,11 @@ class OffloadClient:
         req = offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
         asm = _GetAssembler(keys, self.verify)
         try:
-            async for resp in self._stub.Get(req, timeout=self.timeout_s):
+            async for resp in self._get(req, timeout=self.timeout_s):
                 asm.feed(resp)
         except grpc.RpcError as exc:
             raise _map_error(exc, "get") from exc
-        return BlockLease([memoryview(b) for b in asm.blocks], asm.tiers)
+        return BlockLease(asm.blocks, asm.tiers)
 
     async def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
         hint = self._block_size_hint.get(namespace, 1 << 20)
@@ -388,7 +405,7 @@ class OffloadClient:
                 seg = await asyncio.to_thread(self._pool.acquire, need)
             if resp.sizes:
                 self._block_size_hint[namespace] = max(resp.sizes)
-            views = _views_from_shm(resp, seg, self.verify, keys)
+            views = _views_from_shm(resp, seg, self.verify_shm, keys)
         except BaseException:
             self._pool.release(seg)
             raise
@@ -426,7 +443,7 @@ class OffloadClient:
         await self.close()
 
 
-async def _aiter(it: Iterator[offload_pb2.PutRequest]) -> AsyncIterator[offload_pb2.PutRequest]:
+async def _aiter(it: Iterator[bytes]) -> AsyncIterator[bytes]:
     for item in it:
         yield item
 
@@ -435,12 +452,17 @@ class SyncOffloadClient:
     """Blocking client with the same methods, safe to share between threads (vLLM connector)."""
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 verify_checksums: bool = True) -> None:
+                 verify_checksums: bool | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
-        self.verify = verify_checksums
+        self.verify = verify_checksums is not False
+        self.verify_shm = bool(verify_checksums)
         self._channel = grpc.insecure_channel(address, options=channel_options())
         self._stub = offload_pb2_grpc.OffloadStub(self._channel)
+        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=_ser,
+                                               response_deserializer=decode_get_response)
+        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_identity,
+                                               response_deserializer=offload_pb2.PutResponse.FromString)
         self._shm = _want_shm(address, use_shm)
         self._pool = SegmentPool()
         self._hint_lock = threading.Lock()
@@ -480,7 +502,7 @@ class SyncOffloadClient:
             finally:
                 self._pool.release(seg)
         try:
-            resp = self._stub.Put(_put_stream(plan), timeout=self.timeout_s)
+            resp = self._put(_put_stream(plan), timeout=self.timeout_s)
         except grpc.RpcError as exc:
             raise _map_error(exc, "put") from exc
         return _put_result(resp, False)
@@ -497,11 +519,11 @@ class SyncOffloadClient:
         req = offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
         asm = _GetAssembler(keys, self.verify)
         try:
-            for resp in self._stub.Get(req, timeout=self.timeout_s):
+            for resp in self._get(req, timeout=self.timeout_s):
                 asm.feed(resp)
         except grpc.RpcError as exc:
             raise _map_error(exc, "get") from exc
-        return BlockLease([memoryview(b) for b in asm.blocks], asm.tiers)
+        return BlockLease(asm.blocks, asm.tiers)
 
     def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
         with self._hint_lock:
@@ -526,7 +548,7 @@ class SyncOffloadClient:
             if resp.sizes:
                 with self._hint_lock:
                     self._block_size_hint[namespace] = max(resp.sizes)
-            views = _views_from_shm(resp, seg, self.verify, keys)
+            views = _views_from_shm(resp, seg, self.verify_shm, keys)
         except BaseException:
             self._pool.release(seg)
             raise

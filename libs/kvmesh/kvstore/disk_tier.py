@@ -20,7 +20,7 @@ from pathlib import Path
 
 import crc32c as _crc32c
 
-from kvmesh.kvstore.block import BlockId, CapacityError, StoredBlock
+from kvmesh.kvstore.block import BlockId, CapacityError, StoredBlock, buffer_of
 from kvmesh.kvstore.eviction import EvictionPolicy, LRUPolicy
 
 log = logging.getLogger(__name__)
@@ -49,7 +49,7 @@ def _ns_dir(namespace: str) -> str:
 def encode_header(namespace: str, key: int, blk: StoredBlock) -> bytes:
     ns = namespace.encode()
     toks = struct.pack(f"<{len(blk.token_ids)}I", *blk.token_ids)
-    head = _HDR.pack(MAGIC, VERSION, blk.parent is not None, blk.crc32c, len(blk.data or b""), key,
+    head = _HDR.pack(MAGIC, VERSION, blk.parent is not None, blk.crc32c, len(buffer_of(blk.data)), key,
                      blk.parent or 0, blk.block_size, blk.depth, len(ns), len(blk.token_ids)) + ns + toks
     return head + _HDR_CRC.pack(_crc32c.crc32c(head))
 
@@ -166,7 +166,7 @@ class DiskTier:
         tmp = self._tmp / f"{secrets.token_hex(8)}.part"
         with open(tmp, "wb") as f:
             f.write(encode_header(bid[0], bid[1], blk))
-            f.write(blk.data)
+            f.write(buffer_of(blk.data))
             if self.fsync:
                 f.flush()
                 os.fsync(f.fileno())

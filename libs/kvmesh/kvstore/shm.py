@@ -132,3 +132,60 @@ class SegmentPool:
 
 def _round_up(size: int, quantum: int = 1 << 20) -> int:
     return max(quantum, (size + quantum - 1) // quantum * quantum)
+
+
+class AttachCache:
+    """Store-side cache of mapped client segments.
+
+    Clients reuse pooled segments, so keeping their mappings saves re-faulting
+    every page table entry on each call (for 1 GiB that is ~260k minor faults).
+    A cached mapping is dropped when its file is gone or was replaced.
+    """
+
+    def __init__(self, max_entries: int = 8) -> None:
+        self._max = max_entries
+        self._lock = threading.Lock()
+        self._maps: dict[str, tuple[int, Segment]] = {}
+
+    def get(self, name: str) -> Segment:
+        validate_name(name)
+        self.prune()
+        try:
+            st = os.stat(SHM_DIR / name)
+        except FileNotFoundError:
+            self._drop(name)
+            raise ShmError(f"shared-memory segment {name!r} not found on this host") from None
+        with self._lock:
+            hit = self._maps.pop(name, None)
+            if hit is not None and hit[0] == st.st_ino and hit[1].size == st.st_size:
+                self._maps[name] = hit  # most recent last
+                return hit[1]
+        if hit is not None:
+            hit[1].close()
+        seg = Segment.attach(name)
+        with self._lock:
+            self._maps[name] = (st.st_ino, seg)
+            while len(self._maps) > self._max:
+                _, old = self._maps.pop(next(iter(self._maps)))
+                old.close()
+        return seg
+
+    def _drop(self, name: str) -> None:
+        with self._lock:
+            hit = self._maps.pop(name, None)
+        if hit is not None:
+            hit[1].close()
+
+    def prune(self) -> None:
+        """Unmap segments whose files were unlinked (their memory is freed only once unmapped)."""
+        with self._lock:
+            names = list(self._maps)
+        for name in names:
+            if not (SHM_DIR / name).exists():
+                self._drop(name)
+
+    def close(self) -> None:
+        with self._lock:
+            maps, self._maps = self._maps, {}
+        for _, seg in maps.values():
+            seg.close()

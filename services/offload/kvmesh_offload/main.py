@@ -16,18 +16,19 @@ import grpc
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.config import add_dataclass_args, load_config
+from kvmesh.kvstore.arena import tune_malloc
 from kvmesh.kvstore.disk_tier import DiskTier
 from kvmesh.kvstore.eviction import make_policy
 from kvmesh.kvstore.store import OffloadStore
 from kvmesh.logs import setup_logging
-from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
+from kvmesh.offload.v1 import offload_pb2
 from kvmesh.rpc.channel import aio_channel
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_offload.config import OffloadConfig
 from kvmesh_offload.metrics import bind_store
-from kvmesh_offload.servicer import OffloadServicer
+from kvmesh_offload.servicer import OffloadServicer, add_offload_servicer
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "KVMESH_OFFLOAD_"
@@ -99,7 +100,7 @@ async def serve(cfg: OffloadConfig) -> int:
     found = await asyncio.to_thread(store.open)
     bind_store(store)
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes)
-    server = ServiceServer("offload", [(offload_pb2_grpc.add_OffloadServicer_to_server, servicer, SERVICE_NAME)],
+    server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
 
     def drain() -> None:
@@ -122,12 +123,14 @@ async def serve(cfg: OffloadConfig) -> int:
             reg_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reg_task
+        servicer.close()
         if pub is not None:
             pub.close()
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
+    tune_malloc()
     parser = argparse.ArgumentParser(prog="kvmesh serve offload", description=__doc__)
     add_dataclass_args(parser, OffloadConfig)
     args = parser.parse_args(argv)

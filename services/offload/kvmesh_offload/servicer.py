@@ -17,8 +17,11 @@ import crc32c as _crc32c
 import grpc
 
 from kvmesh.common.v1 import common_pb2
-from kvmesh.kvstore.shm import Segment, ShmError
+from kvmesh.kvstore.arena import Arena, Slot
+from kvmesh.kvstore.block import buffer_of
+from kvmesh.kvstore.shm import AttachCache, Segment, ShmError
 from kvmesh.kvstore.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
+from kvmesh.kvstore.wire import Chunk, decode_put_request, encode_get_response
 from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh_offload.metrics import RESTORE_LATENCY
 
@@ -55,6 +58,9 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         self.shm_enabled = shm_enabled
         self.max_block_bytes = max_block_bytes
         self.draining = False
+        self._segments = AttachCache()
+        # Slabs for big blocks; a little headroom over RAM for blocks still held by readers.
+        self.arena = Arena(int(store.ram.capacity * 1.25) + 64 * 1024 * 1024)
 
     async def _guard(self, context: grpc.aio.ServicerContext, coro):  # noqa: ANN001, ANN202
         if self.draining:
@@ -83,16 +89,15 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         total = 0
         cap = self.store.ram.capacity
         async for req in it:
-            kind = req.WhichOneof("kind")
             if header is None:
-                if kind != "header":
+                if not isinstance(req, offload_pb2.PutHeader):
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Put message must be a header")
-                header = req.header
+                header = req
                 _check_ns(header.namespace)
                 continue
-            if kind != "chunk":
+            if not isinstance(req, Chunk):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "only one header per Put stream")
-            ch = req.chunk
+            ch = req
             if cur_key is not None and ch.key != cur_key:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"chunk out of order: block {ch.key} started before block {cur_key} ended")
@@ -110,13 +115,17 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                 raise StoreFullError(f"Put of at least {total} bytes exceeds the RAM capacity of {cap}")
             if not ch.last:
                 continue
-            data = parts[0] if len(parts) == 1 else b"".join(parts)
+            joined = parts[0] if len(parts) == 1 else b"".join(parts)
             parts, cur_key, cur_len = [], None, 0
-            if not data:
+            if not len(joined):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {ch.key}: empty data")
-            if ch.crc32c and _crc32c.crc32c(data) != ch.crc32c:
+            data = self.arena.copy_in(joined)
+            if not isinstance(data, Slot) and isinstance(data, memoryview):
+                data = bytes(data)  # do not pin the whole received message
+            crc = _crc32c.crc32c(buffer_of(data))
+            if ch.crc32c and crc != ch.crc32c:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {ch.key}: checksum mismatch on Put")
-            blocks.append(BlockIn(ch.key, data, ch.crc32c or _crc32c.crc32c(data), tuple(ch.token_ids)))
+            blocks.append(BlockIn(ch.key, data, crc, tuple(ch.token_ids)))
             if len(blocks) > MAX_KEYS:
                 _check_keys(len(blocks))
         if header is None:
@@ -140,20 +149,16 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         found = await self._guard(context, self._lookup(request.namespace, request.keys))
         chunk = request.chunk_bytes or DEFAULT_CHUNK
         chunk = max(4096, min(chunk, MAX_CHUNK_BYTES))
+        # `found` keeps every block (and its arena slot) alive until the stream is done.
         for f in found:
-            data = f.block.data or b""
+            mv = memoryview(buffer_of(f.block.data))
             tier = _TIER[f.medium]
-            n = len(data)
-            if n <= chunk:
-                yield offload_pb2.GetResponse(
-                    chunk=offload_pb2.BlockChunk(key=f.key, data=data, last=True, crc32c=f.block.crc32c), tier=tier)
-                continue
-            mv = memoryview(data)
+            n = len(mv)
             for off in range(0, n, chunk):
                 end = min(off + chunk, n)
                 last = end == n
-                yield offload_pb2.GetResponse(chunk=offload_pb2.BlockChunk(
-                    key=f.key, data=bytes(mv[off:end]), last=last, crc32c=f.block.crc32c if last else 0), tier=tier)
+                # Pre-encoded bytes: the response serializer passes them through.
+                yield encode_get_response(f.key, mv[off:end], last, f.block.crc32c if last else 0, tier)
         if found:
             RESTORE_LATENCY.labels("grpc").observe(time.perf_counter() - t0)
 
@@ -192,11 +197,11 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
 
     # -- shared memory ------------------------------------------------------------------------
 
-    def _attach(self, name: str, min_size: int) -> Segment:
+    def _attach(self, name: str) -> Segment:
         if not self.shm_enabled:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "shared-memory path is disabled on this store")
         try:
-            return Segment.attach(name, min_size)
+            return self._segments.get(name)
         except ShmError as exc:
             # FAILED_PRECONDITION tells the client to fall back to gRPC (e.g. another host).
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
@@ -222,21 +227,20 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         if sum(req.sizes) > self.store.ram.capacity:
             raise StoreFullError(f"Put of {sum(req.sizes)} bytes exceeds the RAM capacity {self.store.ram.capacity}")
         end = max((o + s for o, s in zip(req.offsets, req.sizes, strict=True)), default=0)
-        seg = self._attach(req.segment, 0)
-        try:
-            if end > seg.size:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
-            blocks = await asyncio.to_thread(self._copy_in, req, seg)
-        finally:
-            seg.close()
+        seg = await asyncio.to_thread(self._attach, req.segment)
+        if end > seg.size:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
+        blocks = await asyncio.to_thread(self._copy_in, req, seg)
         return await self._commit(req.header, blocks)
 
-    @staticmethod
-    def _copy_in(req: offload_pb2.ShmRequest, seg: Segment) -> list[BlockIn]:
+    def _copy_in(self, req: offload_pb2.ShmRequest, seg: Segment) -> list[BlockIn]:
+        arena = self.arena
         blocks = []
         for i, (k, off, size) in enumerate(zip(req.keys, req.offsets, req.sizes, strict=True)):
-            data = bytes(seg.buf[off:off + size])
-            crc = _crc32c.crc32c(data)
+            data = arena.copy_in(seg.buf[off:off + size])
+            if isinstance(data, memoryview):
+                data = bytes(data)
+            crc = _crc32c.crc32c(buffer_of(data))
             if req.crc32c and req.crc32c[i] and req.crc32c[i] != crc:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {k}: checksum mismatch on PutShm")
             toks = tuple(req.tokens[i].ids) if req.tokens else ()
@@ -251,15 +255,18 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         t0 = time.perf_counter()
         _check_ns(req.header.namespace)
         _check_keys(len(req.keys))
-        seg = self._attach(req.segment, 0)
-        try:
-            found = await asyncio.to_thread(self.store.get, req.header.namespace, list(req.keys))
-            resp = await asyncio.to_thread(self._copy_out, req, seg, found)
-        finally:
-            seg.close()
+        seg = await asyncio.to_thread(self._attach, req.segment)
+        resp = await asyncio.to_thread(self._get_into, req, seg)
         if resp.leading_present:
             RESTORE_LATENCY.labels("shm").observe(time.perf_counter() - t0)
         return resp
+
+    def _get_into(self, req: offload_pb2.ShmRequest, seg: Segment) -> offload_pb2.ShmGetResponse:
+        found = self.store.get(req.header.namespace, list(req.keys))
+        return self._copy_out(req, seg, found)
+
+    def close(self) -> None:
+        self._segments.close()
 
     @staticmethod
     def _copy_out(req: offload_pb2.ShmRequest, seg: Segment, found: list[Found]) -> offload_pb2.ShmGetResponse:
@@ -275,7 +282,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         resp = offload_pb2.ShmGetResponse()
         off = 0
         for i, f in enumerate(found):
-            data = f.block.data or b""
+            data = buffer_of(f.block.data)
             n = len(data)
             if slots is not None:
                 if i >= len(slots):
@@ -299,3 +306,32 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             if slots is None:
                 off += n
         return resp
+
+
+def _passthrough(msg: object) -> bytes:
+    return msg if isinstance(msg, bytes) else msg.SerializeToString()  # type: ignore[attr-defined]
+
+
+def add_offload_servicer(servicer: OffloadServicer, server: grpc.aio.Server) -> None:
+    """Like the generated ``add_OffloadServicer_to_server``, with zero-copy codecs for Put and Get."""
+    pb = offload_pb2
+    handlers = {
+        "Put": grpc.stream_unary_rpc_method_handler(servicer.Put, request_deserializer=decode_put_request,
+                                                    response_serializer=pb.PutResponse.SerializeToString),
+        "Get": grpc.unary_stream_rpc_method_handler(servicer.Get, request_deserializer=pb.GetRequest.FromString,
+                                                    response_serializer=_passthrough),
+        "Contains": grpc.unary_unary_rpc_method_handler(servicer.Contains,
+                                                        request_deserializer=pb.ContainsRequest.FromString,
+                                                        response_serializer=pb.ContainsResponse.SerializeToString),
+        "Delete": grpc.unary_unary_rpc_method_handler(servicer.Delete, request_deserializer=pb.DeleteRequest.FromString,
+                                                      response_serializer=pb.DeleteResponse.SerializeToString),
+        "Stats": grpc.unary_unary_rpc_method_handler(servicer.Stats, request_deserializer=pb.StatsRequest.FromString,
+                                                     response_serializer=pb.StatsResponse.SerializeToString),
+        "PutShm": grpc.unary_unary_rpc_method_handler(servicer.PutShm, request_deserializer=pb.ShmRequest.FromString,
+                                                      response_serializer=pb.PutResponse.SerializeToString),
+        "GetShm": grpc.unary_unary_rpc_method_handler(servicer.GetShm, request_deserializer=pb.ShmRequest.FromString,
+                                                      response_serializer=pb.ShmGetResponse.SerializeToString),
+    }
+    name = pb.DESCRIPTOR.services_by_name["Offload"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
