@@ -121,16 +121,23 @@ def _workload(seed: int, n: int, block_size: int) -> list[tuple[str, list[int], 
     """Shared-prefix mix: a few long prefixes, random suffixes, some salted, some decode."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(32000) for _ in range(block_size * rng.randint(1, 6))] for _ in range(4)]
-    out = []
+    out: list[tuple[str, list[int], str | None, int]] = []
     for i in range(n):
+        if out and rng.random() < 0.25:
+            # An exact repeat of a recent prompt: while both are live, the repeat's capped
+            # hit leaves its last block to recompute, giving vLLM's duplicate cached blocks.
+            _, p, salt, _ = rng.choice(out[-4:])
+            out.append((f"r{i}", list(p), salt, rng.randint(0, block_size + 3)))
+            continue
         p = list(rng.choice(prefixes)) if rng.random() < 0.8 else []
-        p += [rng.randrange(32000) for _ in range(rng.randint(1, block_size * 4))]
+        n_suffix = block_size * rng.randint(1, 3) if rng.random() < 0.3 else rng.randint(1, block_size * 4)
+        p += [rng.randrange(32000) for _ in range(n_suffix)]
         salt = "tenant-b" if rng.random() < 0.15 else None
         out.append((f"r{i}", p, salt, rng.randint(0, block_size + 3)))
     return out
 
 
-@pytest.mark.parametrize("seed", [1, 2, 3])
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
 def test_eviction_and_events_match_vllm(seed: int) -> None:
     bs, nb = 16, 24
     v = VllmSide(nb, bs)
@@ -219,3 +226,26 @@ def test_hit_capped_one_token_short_and_cancel_frees() -> None:
     bm.free("b")
     assert bm.num_free_blocks == free_before
     assert bm.free("b") is False
+
+
+def test_duplicate_blocks_like_vllm() -> None:
+    """Two live requests with the same block-aligned prompt: the repeat recomputes (and
+    caches) its last block again; evicting either copy emits BlockRemoved, as in vLLM."""
+    bs = 16
+    v = VllmSide(12, bs)
+    s = SimSide(12, bs)
+    toks = list(range(2 * bs))
+    ra, rb = v.new("a", toks, None), v.new("b", toks, None)
+    for rid, r in (("a", ra), ("b", rb)):
+        assert v.admit(r) == s.admit(rid, v.keys(r), r.num_tokens)
+    assert s.bm._dups, "expected a duplicate cached block"
+    v.free(ra), v.free(rb)
+    s.bm.free("a"), s.bm.free("b")
+    assert s.events() == v.events()
+    assert s.bm.free_queue() == v.free_queue()
+    # Fill the cache with other blocks so both copies get evicted.
+    rc = v.new("c", list(range(1000, 1000 + 11 * bs - 1)), None)
+    assert v.admit(rc) == s.admit("c", v.keys(rc), rc.num_tokens)
+    ve, se = v.events(), s.events()
+    assert se == ve
+    assert sum(1 for e in ve if e[0] == "removed") == 3

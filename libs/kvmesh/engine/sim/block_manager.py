@@ -35,7 +35,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
+from itertools import islice, takewhile
+from operator import is_not
 from typing import Any
+
+_not_none = partial(is_not, None)
 
 NULL_BLOCK = 0
 
@@ -91,8 +96,10 @@ class BlockManager:
         self.enable_events = enable_events
         self._ref = [0] * num_blocks
         self._hash: list[int | None] = [None] * num_blocks
-        # hash -> block id, or {block id: None} when duplicates exist (vLLM does not de-duplicate)
-        self._cached: dict[int, int | dict[int, None]] = {}
+        # hash -> the block a lookup returns; further blocks holding the same hash
+        # (vLLM does not de-duplicate) wait in _dups, in insertion order.
+        self._cached: dict[int, int] = {}
+        self._dups: dict[int, list[int]] = {}
         # Front = next to be handed out (evicted). Null block 0 is never in it.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
         self._ref[NULL_BLOCK] = 1
@@ -133,14 +140,6 @@ class BlockManager:
         """Block ids in eviction order (front first). For tests and debugging."""
         return list(self._free)
 
-    def _one_block(self, h: int) -> int | None:
-        b = self._cached.get(h)
-        if b is None:
-            return None
-        if isinstance(b, int):
-            return b
-        return next(iter(b))
-
     def find_longest_hit(self, block_hashes: Sequence[int], num_tokens: int) -> list[int]:
         """Block ids of the longest cached prefix, capped so one token is left to compute.
 
@@ -149,15 +148,8 @@ class BlockManager:
         if not self.enable_caching:
             return []
         max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
-        cached = self._cached
-        hit: list[int] = []
-        append = hit.append
-        for i in range(max_blocks):
-            b = cached.get(block_hashes[i])
-            if b is None:
-                break
-            append(b if isinstance(b, int) else next(iter(b)))
-        return hit
+        # C-speed scan: map lookups until the first miss.
+        return list(takewhile(_not_none, map(self._cached.get, islice(block_hashes, max_blocks))))
 
     def count_hit(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Record a lookup for the prefix-cache metrics (vLLM counts prompt tokens)."""
@@ -173,8 +165,8 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - have
         need = max(need, 0)
         if r is None and hit_blocks:
-            ref = self._ref
-            need += sum(1 for b in hit_blocks if ref[b] == 0)
+            # Hit blocks sitting in the free queue (ref 0) leave it when touched.
+            need += list(map(self._ref.__getitem__, hit_blocks)).count(0)
         return need
 
     def allocate(self, request_id: str, num_tokens: int, hit_blocks: Sequence[int] = (),
@@ -185,9 +177,11 @@ class BlockManager:
         ``find_longest_hit``) are touched and become its leading blocks. Returns
         False, changing nothing, when fewer than ``needed + reserve`` blocks are free.
         """
+        r = self._reqs.get(request_id)
+        if r is not None and len(r.blocks) * self.block_size >= num_tokens:
+            return True    # decode fast path: the slot already exists
         if self.blocks_to_allocate(request_id, num_tokens, hit_blocks) + reserve > len(self._free):
             return False
-        r = self._reqs.get(request_id)
         if r is None:
             r = _Req(meta=meta)
             self._reqs[request_id] = r
@@ -226,21 +220,23 @@ class BlockManager:
         self._hash[b] = None
         if h is None:
             return
-        entry = self._cached.get(h)
         removed = False
-        if entry is None:
-            pass
-        elif isinstance(entry, int):
-            if entry == b:
-                del self._cached[h]
-                removed = True
-        elif b in entry:
-            del entry[b]
+        if self._cached.get(h) == b:
             removed = True
-            if len(entry) == 1:
-                self._cached[h] = next(iter(entry))
-            elif not entry:
+            dups = self._dups.get(h)
+            if dups:
+                self._cached[h] = dups.pop(0)
+                if not dups:
+                    del self._dups[h]
+            else:
                 del self._cached[h]
+        else:
+            dups = self._dups.get(h)
+            if dups and b in dups:
+                dups.remove(b)
+                removed = True
+                if not dups:
+                    del self._dups[h]
         if removed and self.enable_events:
             self._events.append(Removed(h, b))
 
@@ -265,14 +261,13 @@ class BlockManager:
         new_hashes = list(block_hashes[start:end])
         for b, h in zip(new_ids, new_hashes, strict=True):
             hashes[b] = h
-            entry = cached.get(h)
-            if entry is None:
+            first = cached.get(h)
+            if first is None:
                 cached[h] = b
-            elif isinstance(entry, int):
-                if entry != b:
-                    cached[h] = {entry: None, b: None}
-            else:
-                entry[b] = None
+            elif first != b:
+                dups = self._dups.setdefault(h, [])
+                if b not in dups:
+                    dups.append(b)
         r.num_cached_blocks = end
         if self.enable_events:
             parent = block_hashes[start - 1] if start > 0 else None
@@ -312,6 +307,7 @@ class BlockManager:
         if len(self._free) != self.num_blocks - 1:
             return False
         self._cached.clear()
+        self._dups.clear()
         self._hash = [None] * self.num_blocks
         if self.enable_events:
             self._events.append(Cleared())

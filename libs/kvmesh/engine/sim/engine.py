@@ -23,6 +23,7 @@ import asyncio
 import logging
 import time
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,13 +114,41 @@ class SimEngineConfig:
                              self.kv_dtype, self.block_size)
 
 
+class _Outbox:
+    """A minimal single-consumer queue (asyncio.Queue costs more than the whole sim step per token)."""
+
+    __slots__ = ("items", "waiter")
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+        self.waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: object) -> None:
+        self.items.append(item)
+        w = self.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def get_nowait(self) -> object:
+        return self.items.popleft()
+
+    async def get(self) -> object:
+        while not self.items:
+            self.waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
+
+
 @dataclass(eq=False)
 class _Live:
     """One in-flight request: its scheduler state and the stream back to the caller."""
 
     req: EngineRequest
     seq: Seq
-    queue: asyncio.Queue
+    queue: _Outbox
     arrival_wall: float
     arrival: float
     extra: Any = None              # kvmesh.hashing.ExtraKeys or None
@@ -389,7 +418,7 @@ class SimEngine(Engine):
             base = _mix(zlib.crc32(repr(tokens[-64:]).encode()))
         else:
             base = _mix(zlib.crc32(req.request_id.encode()))
-        live = _Live(req=req, seq=seq, queue=asyncio.Queue(), arrival_wall=time.monotonic(), arrival=seq.arrival,
+        live = _Live(req=req, seq=seq, queue=_Outbox(), arrival_wall=time.monotonic(), arrival=seq.arrival,
                      extra=extra, last_digest=last_digest, sample_base=base)
         if tokens is None:
             live.last_digest = None
