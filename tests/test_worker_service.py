@@ -245,3 +245,44 @@ def test_decode_service_process_serves(tmp_path) -> None:
             assert stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=5).endpoint_id == "d1"
     finally:
         assert proc.stop() == 0
+
+
+async def test_worker_registers_with_indexer_and_its_events_are_indexed(tmp_path) -> None:
+    """Real indexer process: the worker self-registers (with its publisher address),
+    the indexer subscribes, and a Lookup sees the worker's blocks."""
+    from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+    from kvmesh.testing.ports import free_port
+    from kvmesh.testing.procs import ServiceProcess
+
+    iport = free_port()
+    idx = ServiceProcess("indexer", ["--port", str(iport), "--host", "127.0.0.1",
+                                     "--default-block-size", str(BS)],
+                         f"127.0.0.1:{iport}", log_path=tmp_path / "indexer.log")
+    await asyncio.to_thread(idx.start, 30)
+    w = None
+    try:
+        w = await start_worker(_cfg(endpoint_id="w-reg", indexer_address=f"127.0.0.1:{iport}", heartbeat_s=0.2))
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{iport}") as ch:
+            ix = indexer_pb2_grpc.IndexerStub(ch)
+            eps = (await ix.ListEndpoints(indexer_pb2.ListEndpointsRequest())).endpoints
+            mine = [e for e in eps if e.endpoint.endpoint_id == "w-reg"]
+            assert mine and mine[0].endpoint.kv_events_endpoint.startswith("tcp://127.0.0.1:")
+            assert mine[0].endpoint.grpc_address == f"127.0.0.1:{w.port}"
+            await asyncio.sleep(0.5)       # let the indexer's subscriber connect
+            prompt = list(range(700, 700 + 4 * BS + 1))
+            async with grpc.aio.insecure_channel(w.address) as wch:
+                await _collect(worker_pb2_grpc.WorkerStub(wch), _gen("ix", prompt, 1))
+            keys = BlockHasher("sha256_cbor", BS).block_keys(prompt)
+            blocks = 0
+            for _ in range(50):
+                resp = await ix.Lookup(indexer_pb2.LookupRequest(model="sim-model",
+                                                                 chain=indexer_pb2.BlockChain(keys=keys)))
+                blocks = max((m.combined_blocks for m in resp.matches if m.endpoint_id == "w-reg"), default=0)
+                if blocks == 4:
+                    break
+                await asyncio.sleep(0.1)
+            assert blocks == 4
+    finally:
+        if w is not None:
+            await w.stop(0)
+        idx.stop()
