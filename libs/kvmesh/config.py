@@ -55,7 +55,7 @@ def _parse(name: str, tp: Any, raw: Any, source: str) -> Any:
             items = [x.strip() for x in raw.split(",") if x.strip()]
             (inner,) = typing.get_args(base)[:1] or (str,)
             return [_parse(name, inner, x, source) for x in items]
-        if origin is dict:
+        if origin is dict or base is dict:
             return dict(json.loads(raw)) if raw.strip() else {}
         return raw
     except (ValueError, json.JSONDecodeError) as exc:
