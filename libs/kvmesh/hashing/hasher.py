@@ -17,9 +17,10 @@ import pickle
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
 import xxhash
 
-from kvmesh.hashing import cbor_fast
+from kvmesh.hashing import cbor_fast, pickle_fast, token_stream
 from kvmesh.hashing.algos import PICKLE_PROTOCOL, HashAlgo, hash_object
 from kvmesh.hashing.extra_keys import ExtraKeys, block_extra_keys, mm_start_index
 
@@ -70,6 +71,32 @@ def as_token_list(token_ids: Iterable[Any]) -> list[int]:
             raise TypeError(f"token id at position {i} is {type(t).__name__} {t!r}, not an integer")
         out.append(t.__index__())
     return out
+
+
+def _as_array(token_ids: Iterable[Any]) -> tuple[np.ndarray | None, list[int] | None]:
+    """Validated tokens as an int array (fast path) or, failing that, a list of ints."""
+    if isinstance(token_ids, np.ndarray):
+        if token_ids.ndim != 1 or token_ids.dtype.kind not in "iu":
+            raise TypeError(f"token ids must be a 1-D integer array, got {token_ids.dtype} with shape {token_ids.shape}")
+        arr = token_ids
+    elif isinstance(token_ids, list | tuple):
+        try:
+            arr = np.asarray(token_ids)
+        except (ValueError, TypeError, OverflowError):
+            arr = None
+        if arr is not None and (arr.ndim != 1 or arr.dtype.kind not in "iu"):
+            arr = None if len(token_ids) else np.zeros(0, dtype=np.int64)
+    else:
+        arr = None
+    if arr is None:
+        tokens = as_token_list(token_ids)
+        try:
+            return np.array(tokens, dtype=np.int64), tokens
+        except OverflowError:
+            return None, tokens
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) >= (1 << 63):
+        return None, arr.tolist()
+    return arr, None
 
 
 class BlockHasher:
@@ -135,51 +162,91 @@ class BlockHasher:
             raise ValueError("first_block_index must be >= 0")
         if first_block_index > 0 and not parent:
             raise ValueError("resuming at first_block_index > 0 needs the parent digest")
-        tokens = as_token_list(token_ids)
         bs = self.block_size
-        n_blocks = len(tokens) // bs
+        arr, tokens = _as_array(token_ids)
+        n_tokens = len(arr) if arr is not None else len(tokens)  # type: ignore[arg-type]
+        n_blocks = n_tokens // bs
         if n_blocks == 0:
             return []
         if extra is not None and extra.is_empty:
             extra = None
+        keys = self._keys(extra, first_block_index * bs, n_blocks)
         prev = parent or self._none_hash
+
+        fast = None
+        if arr is not None:
+            if self._cbor:
+                fast = token_stream.encode(arr, "cbor", bs, n_blocks)
+            elif pickle_fast.MIN_TOKENS <= bs and 5 * bs < pickle_fast.MAX_FRAME:
+                fast = token_stream.encode(arr, "pickle", bs, n_blocks)
+        if fast is None:
+            if tokens is None:
+                tokens = arr.tolist()  # type: ignore[union-attr]
+            return self._generic(tokens, keys, prev, n_blocks)
+        stream, bounds = fast
         digest = self._digest
         out: list[bytes] = []
         append = out.append
-        base = first_block_index * bs
-
-        if extra is None or not extra.mm:
-            # Extra keys are constant except cache_salt on global block 0.
-            keys_rest, _ = block_extra_keys(extra, bs, 2 * bs, 0) if extra else (None, 0)
-            keys_first, _ = block_extra_keys(extra, 0, bs, 0) if extra else (None, 0)
-            keys_iter: Iterable[tuple[Any, ...] | None] = (
-                keys_first if (base + i * bs) == 0 else keys_rest for i in range(n_blocks)
-            )
-        else:
-            keys_iter = self._mm_keys(extra, base, n_blocks)
-
+        join = b"".join
+        dsize = self.algo.digest_size
         if self._cbor:
-            enc_tok = cbor_fast.TOKEN_ENC.__getitem__
             enc_extra = cbor_fast.encode_extra
-            head_arr = cbor_fast.head(4, bs)
-            dsize = self.algo.digest_size
-            head_digest = cbor_fast.head(2, dsize)
             tuple3 = cbor_fast.TUPLE3
-            join = b"".join
-            for i, keys in enumerate(keys_iter):
-                s = i * bs
+            head_arr = cbor_fast.head(4, bs)
+            head_digest = cbor_fast.head(2, dsize)
+            for i in range(n_blocks):
                 hp = head_digest if len(prev) == dsize else cbor_fast.head(2, len(prev))
-                data = join((tuple3, hp, prev, head_arr, join(map(enc_tok, tokens[s : s + bs])), enc_extra(keys)))
+                k = keys[i] if keys is not None else None
+                prev = digest(join((tuple3, hp, prev, head_arr, stream[bounds[i] : bounds[i + 1]], enc_extra(k))))
+                append(prev)
+        else:
+            extra_part = pickle_fast.extra_part
+            header = pickle_fast.PROTO + pickle_fast.FRAME
+            pre = b"C" + bytes((dsize,))
+            mid1, mid2, tail = b"\x94(", b"t\x94", pickle_fast.TAIL
+            fixed = len(pre) + dsize + len(mid1) + len(mid2) + len(tail)
+            none_frag = pickle_fast.NONE
+            for i in range(n_blocks):
+                ops = stream[bounds[i] : bounds[i + 1]]
+                frag = none_frag if keys is None or keys[i] is None else extra_part(keys[i])
+                if len(prev) == dsize:
+                    size = fixed + len(ops) + len(frag)
+                    data = join((header, size.to_bytes(8, "little"), pre, prev, mid1, ops, mid2, frag, tail))
+                else:
+                    data = pickle_fast.assemble(prev, ops, keys[i] if keys is not None else None)
                 prev = digest(data)
                 append(prev)
-        else:
-            dumps = pickle.dumps
-            proto = PICKLE_PROTOCOL
-            for i, keys in enumerate(keys_iter):
-                s = i * bs
-                prev = digest(dumps((prev, tuple(tokens[s : s + bs]), keys), protocol=proto))
-                append(prev)
         return out
+
+    def _generic(
+        self, tokens: list[int], keys: list[tuple[Any, ...] | None] | None, prev: bytes, n_blocks: int
+    ) -> list[bytes]:
+        """Slow path for unusual token values: serialise each block like vLLM does."""
+        bs = self.block_size
+        out: list[bytes] = []
+        for i in range(n_blocks):
+            k = keys[i] if keys is not None else None
+            block = tokens[i * bs : (i + 1) * bs]
+            if self._cbor:
+                data = cbor_fast.encode_block(prev, block, k)
+            else:
+                data = pickle.dumps((prev, tuple(block), k), protocol=PICKLE_PROTOCOL)
+            prev = self._digest(data)
+            out.append(prev)
+        return out
+
+    def _keys(self, extra: ExtraKeys | None, base: int, n_blocks: int) -> list[tuple[Any, ...] | None] | None:
+        """Per-block tagged extra keys, or None when no block has any."""
+        if extra is None:
+            return None
+        bs = self.block_size
+        if not extra.mm:
+            rest, _ = block_extra_keys(extra, bs, 2 * bs, 0)
+            keys = [rest] * n_blocks
+            if base == 0:
+                keys[0], _ = block_extra_keys(extra, 0, bs, 0)
+            return keys
+        return list(self._mm_keys(extra, base, n_blocks))
 
     def _mm_keys(self, extra: ExtraKeys, base: int, n_blocks: int) -> Iterable[tuple[Any, ...] | None]:
         bs = self.block_size
