@@ -123,3 +123,13 @@ def test_memory_speculative_uses_injected_clock(clock) -> None:
     assert idx.lookup(M, c, include_speculative=True).matches["s"].speculative == 2
     clock.advance(2.5)
     assert idx.lookup(M, c, include_speculative=True).matches == {}
+
+
+def test_extra_model_namespaces_merge_in_one_lookup(any_index) -> None:
+    c = chain(13, 6)
+    any_index.add(M, "engine", Tier.GPU, c[:2])
+    any_index.add("any", "store", Tier.CPU, c[:5])
+    res = any_index.lookup(M, c, extra_models=["any", "*"])
+    assert res.matches["engine"].combined == 2
+    assert res.matches["store"].tiers == {Tier.CPU: 5} and res.matches["store"].combined == 5
+    assert "store" not in any_index.lookup(M, c).matches

@@ -453,3 +453,18 @@ async def _ok_eq(coro, value: int) -> bool:  # noqa: ANN001
     except grpc.aio.AioRpcError:
         await asyncio.sleep(0.1)
         return False
+
+
+async def test_offload_store_blocks_answer_under_their_own_endpoint_and_tier(start_indexer) -> None:
+    ix = await start_indexer(models=MODELS)
+    store = indexer_pb2.Endpoint(endpoint_id="offload-0", model="any", role=common_pb2.ROLE_STORE)
+    await ix.stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=store, ttl_s=30), timeout=5)
+    toks = tokens(40, 5)
+    ev, keys = stored(toks, medium="CPU")
+    disk, _ = stored(toks[: 2 * BS], medium="STORAGE")
+    resp = await ix.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+        endpoint_id="offload-0", seq=0, vllm_payload=encode_batch(KVEventBatch(0.0, [ev, disk])))]), timeout=5)
+    assert resp.events_applied == 2
+    m = match_of(await ix.stub.Lookup(chain_req(keys), timeout=5), "offload-0")
+    assert {t.tier: t.blocks for t in m.tiers} == {common_pb2.TIER_CPU: 5, common_pb2.TIER_DISK: 2}
+    assert m.combined_blocks == 5

@@ -96,11 +96,15 @@ class BlockIndex(ABC):
 
     @abstractmethod
     def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
-               include_speculative: bool = False, exclude: Iterable[str] | None = None) -> LookupResult:
+               include_speculative: bool = False, exclude: Iterable[str] | None = None,
+               extra_models: Sequence[str] = ()) -> LookupResult:
         """Per endpoint and tier: the longest consecutive leading match of ``keys``.
 
         Stops reading at the first block no endpoint holds. ``exclude`` removes
         endpoints (dead ones) from the answer regardless of the filter.
+        ``extra_models`` are namespaces searched too, in the same call (offload
+        stores announcing blocks for every model); speculative entries come
+        from ``model`` only.
         """
 
     @abstractmethod

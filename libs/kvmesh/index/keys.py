@@ -36,7 +36,7 @@ class ModelSpec:
     """How kvmesh hashes blocks of one model (must match the router's config)."""
 
     name: str
-    block_size: int = 128
+    block_size: int = 128             # 0 = any (shared offload-store namespace; fast path only)
     hash_algo: str = "sha256_cbor"
     seed: str | None = None           # None = vLLM's default NONE_HASH seed resolution
     lora_paths: Mapping[str, str] = field(default_factory=dict)
@@ -118,7 +118,8 @@ class KeyMapper:
         self.model = model
         self.engine = engine
         algo_same = engine.hash_algo is None or HashAlgo.parse(engine.hash_algo) == HashAlgo.parse(model.hash_algo)
-        self.fast = algo_same and engine.seed_matches
+        # A block-size-0 namespace cannot hash, so it always takes engine hashes as keys.
+        self.fast = (algo_same and engine.seed_matches) or model.block_size == 0
         self.max_map_entries = max_map_entries
         self._hasher = hasher or (None if self.fast else model.hasher())
         # engine 64-bit hash -> [kvmesh digest, stores minus removes]
@@ -136,7 +137,7 @@ class KeyMapper:
 
     def stored_keys(self, ev: BlockStored) -> list[int]:
         """kvmesh keys of the blocks of one ``BlockStored`` (raises ``KeyError_``)."""
-        if ev.block_size and ev.block_size != self.model.block_size:
+        if self.model.block_size and ev.block_size and ev.block_size != self.model.block_size:
             raise KeyError_(f"event block_size {ev.block_size} != model {self.model.name!r} block_size "
                             f"{self.model.block_size}")
         engine_keys = [normalize_hash(h) for h in ev.block_hashes]

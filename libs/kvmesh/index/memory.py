@@ -269,7 +269,8 @@ class MemoryIndex(BlockIndex):
 
     # ---- lookup ----------------------------------------------------------------
     def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
-               include_speculative: bool = False, exclude: Iterable[str] | None = None) -> LookupResult:
+               include_speculative: bool = False, exclude: Iterable[str] | None = None,
+               extra_models: Sequence[str] = ()) -> LookupResult:
         with self._lock:
             result = LookupResult(chain_length=len(keys))
             allowed = -1
@@ -284,9 +285,10 @@ class MemoryIndex(BlockIndex):
                     slot = self._slot_of.get(ep)
                     if slot is not None:
                         allowed &= ~(0xF << (slot * _BITS_PER_SLOT))
-            d = self._models.get(model)
-            if d and keys and allowed:
-                self._walk(d, keys, allowed, result)
+            for name in dict.fromkeys((model, *extra_models)):
+                d = self._models.get(name)
+                if d and keys and allowed:
+                    self._walk(d, keys, allowed, result)
             if include_speculative and keys:
                 self._spec_lookup(model, keys, endpoint_filter, exclude, result)
             return result
@@ -346,9 +348,9 @@ class MemoryIndex(BlockIndex):
             if em is None:
                 em = result.matches[name] = EndpointMatch(name)
             if tier == 0:
-                em.combined = length
+                em.combined = max(em.combined, length)
             else:
-                em.tiers[Tier(tier)] = length
+                em.tiers[Tier(tier)] = max(em.tiers.get(Tier(tier), 0), length)
 
     def _spec_lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None,
                      exclude: Iterable[str] | None, result: LookupResult) -> None:

@@ -138,12 +138,13 @@ class InstrumentedIndex(BlockIndex):
             return self.inner.clear_endpoint(endpoint, tier)
 
     def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
-               include_speculative: bool = False, exclude: Iterable[str] | None = None) -> LookupResult:
+               include_speculative: bool = False, exclude: Iterable[str] | None = None,
+               extra_models: Sequence[str] = ()) -> LookupResult:
         t0 = time.perf_counter()
         with _tracer.start_as_current_span("index.lookup", attributes={
                 "kvmesh.backend": self.name, "kvmesh.model": model, "kvmesh.chain_length": len(keys)}) as span:
             try:
-                res = self.inner.lookup(model, keys, endpoint_filter, include_speculative, exclude)
+                res = self.inner.lookup(model, keys, endpoint_filter, include_speculative, exclude, extra_models)
             except Exception:
                 if self.metrics:
                     self.metrics.lookup_errors.labels(self.name).inc()

@@ -116,7 +116,7 @@ if removed > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, -r
 return {#members, removed}
 """
 
-# ARGV: ns, model, spec(0/1), nallow, allow..., ndeny, deny..., blob
+# ARGV: ns, model, spec(0/1), nallow, allow..., ndeny, deny..., blob, extra_model...
 # The chain is read with MGET over galloping windows (128, 256, ... 4096
 # keys) and the walk stops at the first block that no candidate extends.
 # Runs of blocks with the same holders share one (interned) Lua string, so
@@ -139,45 +139,52 @@ for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
 local blob = ARGV[idx]
 local nkeys = #blob / 8
 local run, erun = {}, {}
-local cur, cure = nil, nil   -- active field / endpoint sets
-local prev = nil
-local pos = 0
-local stop = nil
-local win = 128
-while stop == nil and pos < nkeys do
-  local hi = math.min(nkeys, pos + win)
-  local args = {}
-  local j = 1
-  for i = pos + 1, hi do args[j] = pre .. 'b:' .. string.sub(blob, i * 8 - 7, i * 8); j = j + 1 end
-  local vals = redis.call('MGET', unpack(args))
-  for j2 = 1, hi - pos do
-    local v = vals[j2]
-    local p = pos + j2 - 1
-    if not v then stop = p; break end
-    if v ~= prev then
-      prev = v
-      local fields, eps = {}, {}
-      for f in string.gmatch(v, '([^;]+)') do
-        local ep = string.sub(f, 1, -3)
-        if (allow == nil or allow[ep]) and not deny[ep] then fields[f] = true; eps[ep] = true end
+local function walk(bpre)
+  local cur, cure = nil, nil   -- active field / endpoint sets
+  local prev = nil
+  local pos = 0
+  local stop = nil
+  local win = 128
+  while stop == nil and pos < nkeys do
+    local hi = math.min(nkeys, pos + win)
+    local args = {}
+    local j = 1
+    for i = pos + 1, hi do args[j] = bpre .. string.sub(blob, i * 8 - 7, i * 8); j = j + 1 end
+    local vals = redis.call('MGET', unpack(args))
+    for j2 = 1, hi - pos do
+      local v = vals[j2]
+      local p = pos + j2 - 1
+      if not v then stop = p; break end
+      if v ~= prev then
+        prev = v
+        local fields, eps = {}, {}
+        for f in string.gmatch(v, '([^;]+)') do
+          local ep = string.sub(f, 1, -3)
+          if (allow == nil or allow[ep]) and not deny[ep] then fields[f] = true; eps[ep] = true end
+        end
+        if cur == nil then
+          cur, cure = fields, eps
+        else
+          for f, _ in pairs(cur) do if not fields[f] then run[f] = math.max(run[f] or 0, p); cur[f] = nil end end
+          for ep, _ in pairs(cure) do
+            if not eps[ep] then erun[ep] = math.max(erun[ep] or 0, p); cure[ep] = nil end
+          end
+        end
+        if next(cure) == nil then stop = p; break end
       end
-      if cur == nil then
-        cur, cure = fields, eps
-      else
-        for f, _ in pairs(cur) do if not fields[f] then run[f] = p; cur[f] = nil end end
-        for ep, _ in pairs(cure) do if not eps[ep] then erun[ep] = p; cure[ep] = nil end end
-      end
-      if next(cure) == nil then stop = p; break end
     end
+    pos = hi
+    win = math.min(win * 2, 4096)
   end
-  pos = hi
-  win = math.min(win * 2, 4096)
+  if stop == nil then stop = nkeys end
+  if cur ~= nil then
+    for f, _ in pairs(cur) do run[f] = math.max(run[f] or 0, stop) end
+    for ep, _ in pairs(cure) do erun[ep] = math.max(erun[ep] or 0, stop) end
+  end
 end
-if stop == nil then stop = nkeys end
-if cur ~= nil then
-  for f, _ in pairs(cur) do run[f] = stop end
-  for ep, _ in pairs(cure) do erun[ep] = stop end
-end
+walk(pre .. 'b:')
+-- Extra namespaces (offload stores that serve every model), in the same round trip.
+for j = idx + 1, #ARGV do walk(ns .. ':{' .. ARGV[j] .. '}:b:') end
 for f, n in pairs(run) do if n == 0 then run[f] = nil end end
 for ep, n in pairs(erun) do if n == 0 then erun[ep] = nil end end
 local out_t, out_e, out_s = {}, {}, {}
@@ -313,14 +320,15 @@ class RedisIndex(BlockIndex):
 
     # ---- lookup --------------------------------------------------------------------
     def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
-               include_speculative: bool = False, exclude: Iterable[str] | None = None) -> LookupResult:
+               include_speculative: bool = False, exclude: Iterable[str] | None = None,
+               extra_models: Sequence[str] = ()) -> LookupResult:
         result = LookupResult(chain_length=len(keys))
         if not keys:
             return result
         allow = list(endpoint_filter or [])
         deny = list(exclude or [])
         args = [self.namespace, model, "1" if include_speculative else "0", len(allow), *allow,
-                len(deny), *deny, _pack(keys)]
+                len(deny), *deny, _pack(keys), *[m for m in extra_models if m != model]]
         tiers, combined, spec = self._call(self._lookup, [], args)
         for i in range(0, len(tiers), 2):
             field = tiers[i].decode()

@@ -187,18 +187,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
 
     def _lookup_all(self, model: str, keys: list[int], filt: list[str] | None, spec: bool,
                     exclude: set[str]) -> LookupResult:
-        res = self.index.lookup(model, keys, filt, spec, exclude)
-        # Offload stores serving every model index under a shared name; their
-        # endpoints never overlap an engine's, so the answers merge by union.
-        for shared in self.store_models:
-            if shared != model and shared in self._known_store_namespaces():
-                other = self.index.lookup(shared, keys, filt, False, exclude)
-                for ep, m in other.matches.items():
-                    res.matches.setdefault(ep, m)
-        return res
-
-    def _known_store_namespaces(self) -> set[str]:
-        return {st.model for st in self.ingestor.endpoints.values() if st.model in self.store_models}
+        # Offload stores that serve every model announce blocks under a shared
+        # model name; their entries answer every model's lookup, in the same call.
+        return self.index.lookup(model, keys, filt, spec, exclude, sorted(self.store_models - {model}))
 
     # ---- PutSpeculative -------------------------------------------------------------------
     async def PutSpeculative(self, request: indexer_pb2.PutSpeculativeRequest, context: grpc.aio.ServicerContext
@@ -237,7 +228,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 log.warning("ingest batch for unknown model skipped", extra={"endpoint": ep, "model": model})
                 continue
             if model not in self.models:
-                self.models[model] = ModelSpec(model, self.cfg.default_block_size, self.cfg.default_hash_algo)
+                self.models[model] = _store_spec(model, self.cfg.default_hash_algo)
             self.first_seen.setdefault(ep, time.monotonic())
             body = req.WhichOneof("body")
             try:
@@ -299,7 +290,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 except ValueError as exc:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
             elif model not in self.models:
-                self.models[model] = ModelSpec(model, self.cfg.default_block_size, self.cfg.default_hash_algo)
+                self.models[model] = _store_spec(model, self.cfg.default_hash_algo)
             for addr, what in ((ep.kv_events_endpoint, "kv_events_endpoint"),
                                (ep.kv_events_replay_endpoint, "kv_events_replay_endpoint")):
                 if addr and not addr.startswith(("tcp://", "ipc://", "inproc://")):
@@ -411,6 +402,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             return indexer_pb2.StatsResponse(backend=st.backend, entries=st.entries, keys=st.keys,
                                              endpoints=st.endpoints, counters=counters)
         return await self._guard(context, run())
+
+
+def _store_spec(name: str, algo: str) -> ModelSpec:
+    """A shared namespace for offload stores: keys arrive as kvmesh keys of any model (block size 0 = any)."""
+    return ModelSpec(name, 0, algo)
 
 
 def _extra_keys(pb: common_pb2.ExtraKeys) -> ExtraKeys | None:
