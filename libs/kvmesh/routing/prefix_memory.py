@@ -1,11 +1,13 @@
 """What the router remembers of its own decisions: speculative entries and an approximate index.
 
-Both store chains of block keys per endpoint and answer "how many leading
-blocks of this chain does endpoint E hold". Entries are always written as
-whole leading chains and a prefix is refreshed whenever a longer chain
-through it is, so presence along a chain is monotone (if block i is present,
-so are blocks 0..i-1). That lets a lookup binary-search the chain: O(log n)
-per endpoint even for 200k-token prompts.
+Both remember whole chains of block keys per endpoint and answer "how many
+leading blocks of this chain does endpoint E hold". Block keys are chained
+hashes (each folds in its parent), so two chains that agree at position i
+agree on everything before it: the common prefix of two chains is found by
+binary search in O(log n), and remembering a chain is O(1) (a reference to
+its key list). That keeps a decision on a 200k-token prompt sub-millisecond.
+Chains are grouped by their first key, so only chains that share a first
+block are ever compared.
 """
 
 from __future__ import annotations
@@ -13,16 +15,59 @@ from __future__ import annotations
 from collections import OrderedDict
 
 
-def _leading(keys: list[int], present) -> int:
-    """Length of the leading run of ``keys`` for which ``present(key)`` holds (monotone)."""
-    lo, hi = 0, len(keys)
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common leading run of two key chains (chained hashes: equality is monotone)."""
+    lo, hi = 0, min(len(a), len(b))
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if present(keys[mid - 1]):
+        if a[mid - 1] == b[mid - 1]:
             lo = mid
         else:
             hi = mid - 1
     return lo
+
+
+class _ChainSet:
+    """Chains grouped by head key, each tagged with an endpoint and a value (expiry or order)."""
+
+    def __init__(self, max_per_head: int) -> None:
+        self.max_per_head = max_per_head
+        self.by_head: dict[int, list[list]] = {}   # head -> [[endpoint, keys, value], ...]
+
+    def add(self, endpoint: str, keys: list[int], value: float) -> list | None:
+        """Remember a chain; an older chain of the same endpoint that it extends is replaced."""
+        lst = self.by_head.setdefault(keys[0], [])
+        for ent in lst:
+            if ent[0] == endpoint and common_prefix(ent[1], keys) == len(ent[1]):
+                ent[1] = keys if len(keys) >= len(ent[1]) else ent[1]
+                ent[2] = max(ent[2], value)
+                return None
+        ent = [endpoint, keys, value]
+        lst.append(ent)
+        if len(lst) > self.max_per_head:
+            lst.sort(key=lambda e: e[2])
+            del lst[0]
+        return ent
+
+    def best(self, keys: list[int], valid) -> dict[str, int]:
+        out: dict[str, int] = {}
+        if not keys:
+            return out
+        for ent in self.by_head.get(keys[0], ()):
+            if not valid(ent):
+                continue
+            n = common_prefix(ent[1], keys)
+            if n > out.get(ent[0], 0):
+                out[ent[0]] = n
+        return out
+
+    def drop_endpoint(self, endpoint: str) -> None:
+        for head in list(self.by_head):
+            lst = [e for e in self.by_head[head] if e[0] != endpoint]
+            if lst:
+                self.by_head[head] = lst
+            else:
+                del self.by_head[head]
 
 
 class SpeculativeIndex:
@@ -30,94 +75,102 @@ class SpeculativeIndex:
 
     A burst of sibling sub-agents arrives before the first one's KV events reach
     the indexer; these entries make the siblings see the first pick's prefix.
-    Bounded: at most ``max_keys`` keys, oldest dropped first.
+    Bounded: at most ``max_chains`` chains (oldest expiry dropped first).
     """
 
-    def __init__(self, ttl_s: float = 2.0, max_keys: int = 1_000_000) -> None:
+    def __init__(self, ttl_s: float = 2.0, max_chains: int = 100_000, max_per_head: int = 256) -> None:
         self.ttl_s = ttl_s
-        self.max_keys = max_keys
-        # key -> {endpoint_id: expiry}
-        self._entries: OrderedDict[int, dict[str, float]] = OrderedDict()
+        self.max_chains = max_chains
+        self._set = _ChainSet(max_per_head)
+        self._order: OrderedDict[int, tuple[int, list]] = OrderedDict()   # id(entry) -> (head, entry)
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._order)
 
     def put(self, endpoint_id: str, keys: list[int], now: float, ttl_s: float | None = None) -> None:
-        exp = now + (self.ttl_s if ttl_s is None else ttl_s)
-        ent = self._entries
-        # Deepest first, so the chain's head ends up most recent and is dropped last.
-        for k in reversed(keys):
-            d = ent.get(k)
-            if d is None:
-                ent[k] = {endpoint_id: exp}
-            else:
-                if d.get(endpoint_id, 0.0) < exp:
-                    d[endpoint_id] = exp
-                ent.move_to_end(k)
-        while len(ent) > self.max_keys:
-            ent.popitem(last=False)
+        if not keys:
+            return
+        ent = self._set.add(endpoint_id, keys, now + (self.ttl_s if ttl_s is None else ttl_s))
+        if ent is not None:
+            self._order[id(ent)] = (keys[0], ent)
+        self._prune(now)
+
+    def _prune(self, now: float) -> None:
+        while self._order:
+            _, (head, ent) = next(iter(self._order.items()))
+            if ent[2] > now and len(self._order) <= self.max_chains:
+                break
+            self._order.popitem(last=False)
+            lst = self._set.by_head.get(head)
+            if lst is not None:
+                try:
+                    lst.remove(ent)
+                except ValueError:
+                    pass
+                if not lst:
+                    del self._set.by_head[head]
 
     def match(self, keys: list[int], now: float) -> dict[str, int]:
         """Leading speculative blocks per endpoint (only unexpired entries)."""
-        if not keys:
-            return {}
-        head = self._entries.get(keys[0])
-        if not head:
-            return {}
-        out: dict[str, int] = {}
-        ent = self._entries
-        for ep, exp in list(head.items()):
-            if exp <= now:
-                del head[ep]
-                continue
-
-            def present(k: int, ep: str = ep) -> bool:
-                d = ent.get(k)
-                return d is not None and d.get(ep, 0.0) > now
-
-            out[ep] = _leading(keys, present)
-        return out
+        return self._set.best(keys, lambda e: e[2] > now)
 
     def forget_endpoint(self, endpoint_id: str) -> None:
-        for d in self._entries.values():
-            d.pop(endpoint_id, None)
+        self._set.drop_endpoint(endpoint_id)
+        self._order = OrderedDict((k, v) for k, v in self._order.items() if v[1][0] != endpoint_id)
 
 
 class ApproxIndex:
-    """Per-endpoint LRU of block keys the router sent there; no engine events.
+    """Per-endpoint LRU of the chains the router sent there; no engine events.
 
     The baseline other routers use: it assumes an endpoint keeps everything it
-    was sent up to ``capacity_blocks`` (then least recently routed first).
+    was sent up to ``capacity_blocks`` (then least recently routed chains go
+    first). Blocks shared by sibling chains are counted once per chain, so the
+    capacity is approximate — as the whole policy is by design.
     """
 
-    def __init__(self, capacity_blocks: int = 100_000) -> None:
+    def __init__(self, capacity_blocks: int = 100_000, max_per_head: int = 256) -> None:
         self.capacity_blocks = capacity_blocks
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._set = _ChainSet(max_per_head)
+        self._lru: dict[str, OrderedDict[int, list]] = {}
+        self._blocks: dict[str, int] = {}
+        self._clock = 0
 
     def insert(self, endpoint_id: str, keys: list[int]) -> None:
+        if not keys:
+            return
+        self._clock += 1
         lru = self._lru.setdefault(endpoint_id, OrderedDict())
-        for k in reversed(keys):
-            if k in lru:
-                lru.move_to_end(k)
-            else:
-                lru[k] = None
-        while len(lru) > self.capacity_blocks:
-            lru.popitem(last=False)
+        for ent in self._set.by_head.get(keys[0], ()):
+            if ent[0] == endpoint_id and common_prefix(ent[1], keys) == len(ent[1]):
+                # Extends (or repeats) a remembered chain: grow it in place and refresh.
+                self._blocks[endpoint_id] = self._blocks.get(endpoint_id, 0) + max(0, len(keys) - len(ent[1]))
+                if len(keys) > len(ent[1]):
+                    ent[1] = keys
+                ent[2] = self._clock
+                lru.move_to_end(id(ent))
+                break
+        else:
+            ent = self._set.add(endpoint_id, keys, self._clock)
+            if ent is not None:
+                lru[id(ent)] = ent
+                self._blocks[endpoint_id] = self._blocks.get(endpoint_id, 0) + len(keys)
+        while self._blocks.get(endpoint_id, 0) > self.capacity_blocks and len(lru) > 1:
+            _, victim = lru.popitem(last=False)
+            self._blocks[endpoint_id] -= len(victim[1])
+            lst = self._set.by_head.get(victim[1][0], [])
+            if victim in lst:
+                lst.remove(victim)
 
     def match(self, keys: list[int]) -> dict[str, int]:
-        out: dict[str, int] = {}
-        if not keys:
-            return out
-        for ep, lru in self._lru.items():
-            if keys[0] in lru:
-                out[ep] = _leading(keys, lru.__contains__)
-        return out
+        return self._set.best(keys, lambda e: True)
 
     def forget_endpoint(self, endpoint_id: str) -> None:
+        self._set.drop_endpoint(endpoint_id)
         self._lru.pop(endpoint_id, None)
+        self._blocks.pop(endpoint_id, None)
 
     def size(self, endpoint_id: str) -> int:
-        return len(self._lru.get(endpoint_id, ()))
+        return self._blocks.get(endpoint_id, 0)
 
 
 class SessionAffinity:

@@ -113,6 +113,7 @@ class RouterCore:
                     extra: ExtraKeys | None = None) -> None:
         """Release in-flight counts; if the output is known, remember the blocks the engine now holds."""
         self.load.on_finished(req.request_id)
+        self.hash_cache.release()
         if prompt_tokens is None or not output_tokens:
             return
         # The engine caches full blocks of prompt + output, except the last sampled token (never computed).
@@ -121,4 +122,5 @@ class RouterCore:
         if n <= len(req.keys):
             return
         res = self.hash_cache.chain(full, extra, req.session_id)
+        self.hash_cache.release()
         self.policy(decision.policy).on_completed(req, decision.endpoint_id, res.keys, now)
