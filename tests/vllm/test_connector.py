@@ -1,13 +1,13 @@
 """The kvmesh KV connector on real vLLM engines: restore evicted KV from the offload store, and P->D split.
 
-Two vLLM workers with small KV caches share one offload store. Both use the
-same seed, so their dummy weights are identical and greedy outputs can be
-compared token for token between a restore and a recomputation.
+Two vLLM workers with small KV caches share one offload store. Both load the
+tiny model with the same seeded random weights (vLLM's dummy weights make the
+output nearly independent of the context, which would hide a bad restore), so
+greedy outputs can be compared token for token between a restore and a
+recomputation, and a one-token change of the prompt visibly changes them.
 """
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import grpc
 import pytest
@@ -40,8 +40,10 @@ def store(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="module")
 def workers(vllm_workers, store) -> tuple[VllmWorker, VllmWorker]:
     w1, w2 = vllm_workers([
-        {"name": "conn-w1", "kv_cache_bytes": KV_CACHE_BYTES, "offload_address": store.grpc_address},
-        {"name": "conn-w2", "kv_cache_bytes": KV_CACHE_BYTES, "offload_address": store.grpc_address},
+        {"name": "conn-w1", "kv_cache_bytes": KV_CACHE_BYTES, "offload_address": store.grpc_address,
+         "weights": True},
+        {"name": "conn-w2", "kv_cache_bytes": KV_CACHE_BYTES, "offload_address": store.grpc_address,
+         "weights": True},
     ])
     return w1, w2
 
@@ -111,6 +113,9 @@ def test_evicted_prefix_is_restored_from_store_on_another_worker(stubs, store) -
     assert not on_w2.kv_from_prefill
     assert restored == cold, "restored KV must give exactly the recomputed greedy output"
     assert info.engine == "vllm"
+    # Control: the output does depend on the context, so the equality above is meaningful.
+    mutated, _ = _generate(s2, "A-mut", [a[0] + 1, *a[1:]])
+    assert mutated != cold
 
 
 def _namespace(stub, store, keys) -> str:

@@ -20,6 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="tiny Llama (dummy weights) + byte-level BPE tokenizer + chat template")
     init.add_argument("--vocab-size", type=int, default=32000)
     init.add_argument("--max-position-embeddings", type=int, default=131072)
+    init.add_argument("--weights-seed", type=int, default=None,
+                      help="also write seeded random weights (model.safetensors; run with load_format=auto)")
     init.add_argument("--force", action="store_true", help="overwrite an existing config.json")
     init.set_defaults(func=_init)
     p.set_defaults(func=lambda args: (p.print_help(), 2)[1])
@@ -33,7 +35,7 @@ def _init(args: argparse.Namespace) -> int:
         return 2
     spec = TinyModelSpec(vocab_size=args.vocab_size, max_position_embeddings=args.max_position_embeddings)
     try:
-        out = write_tiny_model(args.path, spec, overwrite=args.force)
+        out = write_tiny_model(args.path, spec, overwrite=args.force, weights_seed=args.weights_seed)
     except FileExistsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -213,8 +213,58 @@ def _dump(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False) -> Path:
+def weight_shapes(spec: TinyModelSpec) -> dict[str, tuple[int, ...]]:
+    """HF ``LlamaForCausalLM`` parameter names and shapes for ``spec``."""
+    h, d, i = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h),
+                                          "model.norm.weight": (h,), "lm_head.weight": (spec.vocab_size, h)}
+    for n in range(spec.num_hidden_layers):
+        p = f"model.layers.{n}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (spec.num_attention_heads * d, h),
+            p + "self_attn.k_proj.weight": (spec.num_key_value_heads * d, h),
+            p + "self_attn.v_proj.weight": (spec.num_key_value_heads * d, h),
+            p + "self_attn.o_proj.weight": (h, spec.num_attention_heads * d),
+            p + "mlp.gate_proj.weight": (i, h), p + "mlp.up_proj.weight": (i, h), p + "mlp.down_proj.weight": (h, i),
+            p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        })
+    return shapes
+
+
+def write_random_weights(out: Path, spec: TinyModelSpec, seed: int = 0) -> Path:
+    """Write ``model.safetensors`` with seeded random weights (float32, byte-identical per seed).
+
+    Why: vLLM's ``load_format="dummy"`` draws tiny uniform weights, with which
+    the output barely depends on the context, so a test could not tell a
+    correct KV restore from a wrong one. These weights (1/sqrt(fan_in) scale,
+    unit embeddings) make attention sharp enough that every prompt token
+    matters, while staying deterministic.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in sorted(weight_shapes(spec).items()):
+        if len(shape) == 1:
+            arr = np.ones(shape, dtype=np.float32)
+        elif name.endswith("embed_tokens.weight"):
+            arr = rng.standard_normal(shape, dtype=np.float32)
+        else:
+            arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[1]))
+        tensors[name] = np.ascontiguousarray(arr)
+    path = out / "model.safetensors"
+    save_file(tensors, str(path), metadata={"format": "pt", "kvmesh": f"tiny-random-seed-{seed}"})
+    return path
+
+
+def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwrite: bool = False,
+                     weights_seed: int | None = None) -> Path:
     """Write the tiny model directory at ``path`` and return it.
+
+    ``weights_seed`` also writes seeded random weights (``model.safetensors``);
+    without it the directory holds no weights and vLLM runs it with
+    ``load_format="dummy"``.
 
     Refuses to overwrite a directory that already holds a ``config.json``
     unless ``overwrite`` is set (a typo must not clobber a real model).
@@ -254,5 +304,7 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwr
     _dump(out / "generation_config.json", {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN],
                                            "pad_token_id": ids[PAD_TOKEN]})
     _dump(out / "kvmesh_tiny_spec.json", {k: v for k, v in asdict(spec).items()})
+    if weights_seed is not None:
+        write_random_weights(out, spec, weights_seed)
     logger.info("wrote tiny model", extra={"path": str(out), "vocab_size": spec.vocab_size})
     return out
