@@ -133,3 +133,38 @@ def test_extra_model_namespaces_merge_in_one_lookup(any_index) -> None:
     assert res.matches["engine"].combined == 2
     assert res.matches["store"].tiers == {Tier.CPU: 5} and res.matches["store"].combined == 5
     assert "store" not in any_index.lookup(M, c).matches
+
+
+def test_redis_auth_and_url_validation() -> None:
+    from kvmesh.index.base import IndexUnavailable
+    from kvmesh.index.redis_backend import RedisIndex
+    from kvmesh.testing.redis_server import RedisProcess
+
+    proc = RedisProcess(password="s3cret").start()
+    try:
+        idx = RedisIndex(proc.url, namespace="auth")
+        assert idx.add(M, "a", Tier.GPU, [1, 2]) == 2
+        assert idx.lookup(M, [1, 2]).matches["a"].combined == 2
+        noauth = RedisIndex(f"redis://127.0.0.1:{proc.port}/0", namespace="auth")
+        with pytest.raises(IndexUnavailable, match="authenticat"):
+            noauth.lookup(M, [1, 2])
+        with pytest.raises(ValueError, match="authentication"):
+            noauth.check_auth()
+    finally:
+        proc.stop()
+    with pytest.raises(ValueError, match="redis://, rediss://"):
+        RedisIndex("http://localhost:6379")
+    RedisIndex("rediss://user:pw@127.0.0.1:1/0")  # TLS URLs are accepted (connects lazily)
+
+
+def test_redis_down_raises_unavailable_quickly() -> None:
+    from kvmesh.index.base import IndexUnavailable
+    from kvmesh.index.redis_backend import RedisIndex
+    from kvmesh.testing.ports import free_port
+
+    idx = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(IndexUnavailable):
+        idx.lookup(M, [1, 2, 3])
+    assert time.monotonic() - t0 < 1.0
+    assert not idx.ping()

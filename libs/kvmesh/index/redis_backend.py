@@ -372,6 +372,15 @@ class RedisIndex(BlockIndex):
         except (redis.RedisError, OSError):
             return False
 
+    def check_auth(self) -> None:
+        """Raise ValueError when Redis rejects our credentials (a configuration error, not an outage)."""
+        try:
+            self.r.ping()
+        except redis.AuthenticationError as exc:
+            raise ValueError(f"redis {self._safe_url()}: authentication failed: {exc}") from None
+        except (redis.RedisError, OSError):
+            pass  # unreachable now: lookups answer UNAVAILABLE until it is back
+
     def run_id(self) -> str | None:
         """The server's run id; it changes when Redis restarts (and lost its data)."""
         try:

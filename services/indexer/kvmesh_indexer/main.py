@@ -40,9 +40,11 @@ def build_index(cfg: IndexerConfig) -> BlockIndex:
         from kvmesh.index.redis_backend import RedisIndex
 
         try:
-            return RedisIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s)
+            index = RedisIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s)
+            index.check_auth()
         except ValueError as exc:
             raise ConfigError(f"setting 'redis_url': {exc}") from None
+        return index
     return MemoryIndex(max_entries=cfg.max_entries)
 
 
