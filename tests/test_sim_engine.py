@@ -259,3 +259,20 @@ async def test_store_down_degrades_to_local_prefill() -> None:
         assert out.finished and out.num_cached_tokens == 0 and len(toks) == 2
     finally:
         await eng.stop()
+
+
+async def test_prefill_only_generate_hands_kv_to_store(offload_store) -> None:
+    """The prefill role's Generate (one token) also leaves the prompt's blocks in the store."""
+    prompt = list(range(20_000, 20_000 + 6 * BS + 1))
+    p = _offload_engine(offload_store, "p2")
+    await p.start()
+    try:
+        out, toks = await _run(p, EngineRequest("g", prompt, max_tokens=1, prefill_only=True))
+        assert len(toks) == 1 and out.finish_reason == "length"
+        for _ in range(100):
+            if p.offload_saved_blocks >= 6:
+                break
+            await asyncio.sleep(0.05)
+        assert p.offload_saved_blocks >= 6
+    finally:
+        await p.stop()

@@ -221,6 +221,7 @@ class SimEngine(Engine):
         self._t0 = time.monotonic()
         self._offload: dict[str, Any] = {}
         self._bg: set[asyncio.Task] = set()
+        self._inline_save: set[str] = set()
         self.steps = 0
         self.events_published = 0
         self.offload_saved_blocks = 0
@@ -477,6 +478,7 @@ class SimEngine(Engine):
     async def prefill(self, req: EngineRequest) -> PrefillResult:
         req.prefill_only = True
         req.max_tokens = 1
+        self._inline_save.add(req.request_id)
         tokens: list[int] = []
         last: EngineOutput | None = None
         seq: Seq | None = None
@@ -490,6 +492,7 @@ class SimEngine(Engine):
                     seq = live.seq
         finally:
             await gen.aclose()
+            self._inline_save.discard(req.request_id)
         assert last is not None
         last.new_token_ids = tokens
         handle = None
@@ -716,7 +719,8 @@ class SimEngine(Engine):
                 out.finish_reason = seq.finish_reason  # type: ignore[assignment]
                 out.kv_from_prefill = live.kv_from_prefill
                 live.done = True
-                if c.offload_address and c.offload_save and not seq.prefill_only:
+                if (c.offload_address and c.offload_save and seq.finish_reason != "abort"
+                        and seq.request_id not in self._inline_save):
                     n = seq.num_computed // c.block_size
                     self._extend_for_save(seq, n)
                     # The save runs off the step path; the blocks' bytes derive from their keys.
