@@ -205,12 +205,12 @@ def _baseline(backend: str, index: BlockIndex, chains: list[list[int]], work: li
                 "lookup_p50_ms": round(percentile(lat, 50) * 1e3, 4)}
     # Redis: one round trip per block until the first miss (what a Lua/pipelined walk avoids).
     r = index.r  # type: ignore[attr-defined]
-    pre = f"{index.namespace}:{{{MODEL}}}:b:"  # type: ignore[attr-defined]
+    hkey = f"{index.namespace}:{{{MODEL}}}:h"  # type: ignore[attr-defined]
     for _ in range(n):
         c = chains[rng.randrange(len(chains))]
         t = time.perf_counter()
         for k in c:
-            if r.get(pre.encode() + k.to_bytes(8, "big")) is None:
+            if r.hget(hkey, k.to_bytes(8, "big")) is None:
                 break
         lat.append(time.perf_counter() - t)
     return {"kind": "one Redis round trip per block", "lookups": n,

@@ -7,8 +7,9 @@ depends on is in Redis, none in the replica.
 Layout (``NS`` = namespace, default ``kvm``; block keys are 8-byte big-endian
 binary strings, the shortest exact form of a uint64):
 
-- ``NS:{model}:b:<key8>`` HASH, one field per holder ``<endpoint>\\x1f<tier>``.
-  Keys are namespaced per model.
+- ``NS:{model}:h`` HASH ``<key8> -> ";<endpoint>\\x1f<tier>;..."`` (the holders of
+  each block). One hash per model namespaces the keys and lets a lookup fetch a
+  window of blocks with one HMGET, without building key names.
 - ``NS:{model}:r:<endpoint>:<tier>`` SET of ``<key8>`` -- the per-endpoint
   reverse index, so clearing one endpoint costs O(its blocks), never a SCAN.
 - ``NS:eps:<endpoint>`` SET naming the endpoint's reverse-index sets.
@@ -56,34 +57,35 @@ local pre = ns .. ':{' .. model .. '}:'
 local field = ep .. '\\31' .. tier .. ';'
 local rkey = pre .. 'r:' .. ep .. ':' .. tier
 local added = 0
+local hkey = pre .. 'h'
 for i = 1, #blob, 8 do
   local k = string.sub(blob, i, i + 7)
-  local bkey = pre .. 'b:' .. k
-  local v = redis.call('GET', bkey)
+  local v = redis.call('HGET', hkey, k)
   if not v then
-    redis.call('SET', bkey, ';' .. field)
+    redis.call('HSET', hkey, k, ';' .. field)
     added = added + 1
   elseif not string.find(v, ';' .. field, 1, true) then
-    redis.call('APPEND', bkey, field)
+    redis.call('HSET', hkey, k, v .. field)
     added = added + 1
   end
   redis.call('SADD', rkey, k)
 end
 redis.call('SADD', ns .. ':eps:' .. ep, rkey)
 redis.call('SADD', ns .. ':endpoints', ep)
+redis.call('SADD', ns .. ':models', model)
 if added > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, added) end
 return added
 """
 
 # Removes ';<field>' from one block value; deletes the key when no holder is left.
 _UNLINK_FN = """
-local function unlink(bkey, field)
-  local v = redis.call('GET', bkey)
+local function unlink(hkey, k, field)
+  local v = redis.call('HGET', hkey, k)
   if not v then return 0 end
   local s, e = string.find(v, ';' .. field, 1, true)
   if not s then return 0 end
   local rest = string.sub(v, 1, s) .. string.sub(v, e + 1)
-  if rest == ';' then redis.call('DEL', bkey) else redis.call('SET', bkey, rest) end
+  if rest == ';' then redis.call('HDEL', hkey, k) else redis.call('HSET', hkey, k, rest) end
   return 1
 end
 """
@@ -96,7 +98,7 @@ local rkey = pre .. 'r:' .. ep .. ':' .. tier
 local removed = 0
 for i = 1, #blob, 8 do
   local k = string.sub(blob, i, i + 7)
-  removed = removed + unlink(pre .. 'b:' .. k, field)
+  removed = removed + unlink(pre .. 'h', k, field)
   redis.call('SREM', rkey, k)
 end
 if removed > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, -removed) end
@@ -110,14 +112,14 @@ local field = ep .. '\\31' .. tier .. ';'
 local members = redis.call('SPOP', rkey, n)
 local removed = 0
 for _, k in ipairs(members) do
-  removed = removed + unlink(pre .. 'b:' .. k, field)
+  removed = removed + unlink(pre .. 'h', k, field)
 end
 if removed > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, -removed) end
 return {#members, removed}
 """
 
 # ARGV: ns, model, spec(0/1), nallow, allow..., ndeny, deny..., blob, extra_model...
-# The chain is read with MGET over galloping windows (128, 256, ... 4096
+# The chain is read with HMGET over galloping windows (128, 256, ... 4096
 # keys) and the walk stops at the first block that no candidate extends.
 # Runs of blocks with the same holders share one (interned) Lua string, so
 # the per-block work is one string comparison; holders are parsed only when
@@ -139,7 +141,7 @@ for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
 local blob = ARGV[idx]
 local nkeys = #blob / 8
 local run, erun = {}, {}
-local function walk(bpre)
+local function walk(hkey)
   local cur, cure = nil, nil   -- active field / endpoint sets
   local prev = nil
   local pos = 0
@@ -149,8 +151,8 @@ local function walk(bpre)
     local hi = math.min(nkeys, pos + win)
     local args = {}
     local j = 1
-    for i = pos + 1, hi do args[j] = bpre .. string.sub(blob, i * 8 - 7, i * 8); j = j + 1 end
-    local vals = redis.call('MGET', unpack(args))
+    for i = pos + 1, hi do args[j] = string.sub(blob, i * 8 - 7, i * 8); j = j + 1 end
+    local vals = redis.call('HMGET', hkey, unpack(args))
     for j2 = 1, hi - pos do
       local v = vals[j2]
       local p = pos + j2 - 1
@@ -182,9 +184,9 @@ local function walk(bpre)
     for ep, _ in pairs(cure) do erun[ep] = math.max(erun[ep] or 0, stop) end
   end
 end
-walk(pre .. 'b:')
+walk(pre .. 'h')
 -- Extra namespaces (offload stores that serve every model), in the same round trip.
-for j = idx + 1, #ARGV do walk(ns .. ':{' .. ARGV[j] .. '}:b:') end
+for j = idx + 1, #ARGV do walk(ns .. ':{' .. ARGV[j] .. '}:h') end
 for f, n in pairs(run) do if n == 0 then run[f] = nil end end
 for ep, n in pairs(erun) do if n == 0 then erun[ep] = nil end end
 local out_t, out_e, out_s = {}, {}, {}
@@ -360,7 +362,8 @@ class RedisIndex(BlockIndex):
         return IndexStats(
             backend=self.name,
             entries=sum(by_tier.values()),
-            keys=int(self._call(self.r.dbsize)),
+            keys=sum(int(self._call(self.r.hlen, f"{self.namespace}:{{{m.decode()}}}:h"))
+                     for m in self._call(self.r.smembers, f"{self.namespace}:models")),
             endpoints=int(self._call(self.r.scard, f"{self.namespace}:endpoints")),
             entries_by_tier=by_tier,
             counters={"used_memory": int(info.get("used_memory", 0))},
