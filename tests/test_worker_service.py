@@ -286,3 +286,65 @@ async def test_worker_registers_with_indexer_and_its_events_are_indexed(tmp_path
         if w is not None:
             await w.stop(0)
         idx.stop()
+
+
+async def test_full_waiting_queue_is_resource_exhausted() -> None:
+    w = await start_worker(_cfg(endpoint_id="w-q", max_num_seqs=1, max_waiting=1, kv_events_endpoint=""))
+    try:
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            first = stub.Generate(_gen("q1", [1, 2, 3], max_tokens=10_000))
+            await first.__aiter__().__anext__()           # running
+            second = stub.Generate(_gen("q2", [1, 2, 3], max_tokens=5))
+            for _ in range(50):                            # wait until it is queued
+                if w.engine.load().waiting == 1:
+                    break
+                await asyncio.sleep(0.02)
+            ld = await stub.GetLoad(worker_pb2.GetLoadRequest())
+            assert ld.running == 1 and ld.waiting == 1 and ld.waiting_prefill_tokens == 3
+            with pytest.raises(grpc.aio.AioRpcError) as ei:
+                await _collect(stub, _gen("q3", [1, 2, 3]))
+            assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "waiting queue is full" in ei.value.details()
+            first.cancel()
+            msgs = [m async for m in second]
+            assert msgs[-1].finished and msgs[-1].usage.completion_tokens == 5
+    finally:
+        await w.stop(0)
+
+
+async def test_readiness_waits_for_the_engine(monkeypatch) -> None:
+    """NOT_SERVING while the engine starts, SERVING once it is up."""
+    import kvmesh.workerlib.run as run_mod
+    from kvmesh.engine.sim.engine import SimEngine
+
+    gate = asyncio.Event()
+
+    class SlowStart(SimEngine):
+        async def start(self) -> None:
+            await gate.wait()
+            await super().start()
+
+    real_build = run_mod.build_engine
+    monkeypatch.setattr(run_mod, "build_engine", lambda cfg, eid: SlowStart(real_build(cfg, eid).cfg))
+    from kvmesh.testing.ports import free_port
+
+    port = free_port()
+    task = asyncio.create_task(start_worker(_cfg(endpoint_id="w-slow", port=port, kv_events_endpoint="")))
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+        health = health_pb2_grpc.HealthStub(ch)
+        status = None
+        for _ in range(100):
+            try:
+                status = (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
+                break
+            except grpc.aio.AioRpcError:
+                await asyncio.sleep(0.02)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        gate.set()
+        w = await asyncio.wait_for(task, 10)
+        try:
+            status = (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
+            assert status == health_pb2.HealthCheckResponse.SERVING
+        finally:
+            await w.stop(0)

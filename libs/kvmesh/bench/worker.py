@@ -137,7 +137,7 @@ async def _run_once(engine_kw: dict[str, Any], w: Workload, n: int, concurrency:
     return {"requests": n, "wall_s": wall, "cpu_s": cpu, "requests_per_s": n / cpu,
             "requests_per_wall_s": n / wall, "virtual_s": virtual,
             "steps": steps, "hit_rate": cached / prompt_total if prompt_total else 0.0,
-            "preemptions": engine.scheduler.num_preemptions}
+            "preemptions": engine.scheduler.num_preemptions, "evicted_blocks": engine.blocks.evictions}
 
 
 def run(args: argparse.Namespace) -> int:

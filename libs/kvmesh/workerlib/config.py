@@ -84,8 +84,6 @@ class WorkerConfig:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
         if self.time_scale <= 0:
             raise ConfigError(f"setting 'time_scale' must be > 0, got {self.time_scale}")
-        if self.engine == "vllm" and self.block_size % 32:
-            raise ConfigError(f"setting 'block_size': vllm on CPU needs a multiple of 32, got {self.block_size}")
         if "@" in self.endpoint_id:
             raise ConfigError("setting 'endpoint_id' must not contain '@'")
         if len(self.endpoint_id.encode()) > 128:

@@ -108,6 +108,7 @@ class BlockManager:
         # Cumulative prefix-cache counters in tokens (vllm:prefix_cache_queries/hits).
         self.queries_tokens = 0
         self.hits_tokens = 0
+        self.evictions = 0        # cached blocks dropped to make room (BlockRemoved count)
 
     # ------------------------------------------------------------------ queries
 
@@ -237,6 +238,8 @@ class BlockManager:
                 removed = True
                 if not dups:
                     del self._dups[h]
+        if removed:
+            self.evictions += 1
         if removed and self.enable_events:
             self._events.append(Removed(h, b))
 
