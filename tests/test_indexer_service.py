@@ -333,6 +333,9 @@ async def test_registration_subscribes_and_dead_endpoint_disappears(start_indexe
     await wait_until(lambda: ix.app.servicer.index.endpoint_blocks("w1") == 0, what="dead endpoint purged")
     listed = await ix.stub.ListEndpoints(indexer_pb2.ListEndpointsRequest(), timeout=5)
     assert not {s.endpoint.endpoint_id: s for s in listed.endpoints}["w1"].alive
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # expired: it must register again
+        await ix.stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="w1"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
     # Register again, then deregister: purged and unknown.
     await ix.stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=ep, ttl_s=5), timeout=5)
     await ix.stub.DeregisterEndpoint(indexer_pb2.DeregisterEndpointRequest(endpoint_id="w1"), timeout=5)

@@ -48,12 +48,16 @@ class Liveness:
         return rec
 
     def heartbeat(self, endpoint_id: str) -> bool:
-        """Refresh an endpoint's TTL; False when it is unknown (never registered or deregistered)."""
+        """Refresh an endpoint's TTL.
+
+        False when it is unknown (never registered, deregistered) or was purged
+        after missing its TTL: the caller must register again, which also
+        re-subscribes to its events.
+        """
         rec = self.records.get(endpoint_id)
-        if rec is None:
+        if rec is None or rec.purged:
             return False
         rec.last_heartbeat = self.now()
-        rec.purged = False
         return True
 
     def deregister(self, endpoint_id: str) -> bool:

@@ -314,7 +314,8 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     async def Heartbeat(self, request: indexer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> indexer_pb2.HeartbeatResponse:
         if not self.liveness.heartbeat(request.endpoint_id):
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"endpoint {request.endpoint_id!r} is not registered")
+            await context.abort(grpc.StatusCode.NOT_FOUND,
+                                f"endpoint {request.endpoint_id!r} is not registered (or expired); register again")
         return indexer_pb2.HeartbeatResponse()
 
     async def DeregisterEndpoint(self, request: indexer_pb2.DeregisterEndpointRequest,
