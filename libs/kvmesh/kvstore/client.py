@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import crc32c as _crc32c
 import grpc
+from opentelemetry import propagate, trace
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.kvstore.shm import Segment, SegmentPool, shm_available
@@ -29,6 +30,15 @@ from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh.rpc.channel import aio_channel, channel_options
 
 log = logging.getLogger(__name__)
+_tracer = trace.get_tracer(__name__)
+
+
+def _trace_md() -> tuple[tuple[str, str], ...]:
+    """W3C trace context of the current span as call metadata (the channel is not
+    instrumented, to keep the bulk path lean), so the store's spans join the request trace."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 CHUNK_BYTES = 4 * 1024 * 1024       # the contract's max chunk size
 MAX_KEYS = 65_536
@@ -346,11 +356,20 @@ class OffloadClient:
         plan = _plan_put(namespace, blocks, token_ids, parent, block_size, session_id)
         if not plan.keys:
             return PutResult()
+        with _tracer.start_as_current_span("offload.put", kind=trace.SpanKind.CLIENT, attributes={
+                "kvmesh.offload.namespace": namespace, "kvmesh.offload.blocks": len(plan.keys),
+                "kvmesh.offload.bytes": plan.total, "server.address": self.address}) as span:
+            res = await self._put_plan(plan)
+            span.set_attribute("kvmesh.offload.via_shm", res.via_shm)
+            span.set_attribute("kvmesh.offload.stored", res.stored)
+            return res
+
+    async def _put_plan(self, plan: _PutPlan) -> PutResult:
         if self._shm:
             seg = await asyncio.to_thread(self._pool.acquire, plan.total)
             try:
                 req = await asyncio.to_thread(_shm_put_request, plan, seg)
-                resp = await self._stub.PutShm(req, timeout=self.timeout_s)
+                resp = await self._stub.PutShm(req, timeout=self.timeout_s, metadata=_trace_md())
                 return _put_result(resp, True)
             except grpc.RpcError as exc:
                 if exc.code() not in _SHM_FALLBACK_CODES:
@@ -359,7 +378,7 @@ class OffloadClient:
             finally:
                 self._pool.release(seg)
         try:
-            resp = await self._put(_aiter(_put_stream(plan)), timeout=self.timeout_s)
+            resp = await self._put(_aiter(_put_stream(plan)), timeout=self.timeout_s, metadata=_trace_md())
         except grpc.RpcError as exc:
             raise _map_error(exc, "put") from exc
         return _put_result(resp, False)
@@ -370,6 +389,15 @@ class OffloadClient:
         keys = _check_keys(keys)
         if not keys:
             return BlockLease([], [])
+        with _tracer.start_as_current_span("offload.get", kind=trace.SpanKind.CLIENT, attributes={
+                "kvmesh.offload.namespace": namespace, "kvmesh.offload.blocks_requested": len(keys),
+                "server.address": self.address}) as span:
+            lease = await self._fetch_keys(namespace, keys)
+            span.set_attribute("kvmesh.offload.blocks", len(lease.views))
+            span.set_attribute("kvmesh.offload.bytes", sum(len(v) for v in lease.views))
+            return lease
+
+    async def _fetch_keys(self, namespace: str, keys: list[int]) -> BlockLease:
         if self._shm:
             lease = await self._fetch_shm(namespace, keys)
             if lease is not None:
@@ -377,7 +405,7 @@ class OffloadClient:
         req = offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
         asm = _GetAssembler(keys, self.verify)
         try:
-            async for resp in self._get(req, timeout=self.timeout_s):
+            async for resp in self._get(req, timeout=self.timeout_s, metadata=_trace_md()):
                 asm.feed(resp)
         except grpc.RpcError as exc:
             raise _map_error(exc, "get") from exc
@@ -389,7 +417,8 @@ class OffloadClient:
         try:
             while True:
                 try:
-                    resp = await self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s)
+                    resp = await self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s,
+                                                   metadata=_trace_md())
                 except grpc.RpcError as exc:
                     if exc.code() not in _SHM_FALLBACK_CODES:
                         raise _map_error(exc, "get") from exc

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from kvmesh.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 
@@ -349,7 +349,8 @@ class WorkerHttpApi:
                     raise ApiError(exc.http_status, str(exc), etype=type(exc).__name__) from None
                 return StreamingResponse(self._sse(agen, first, rid, kind, parsed), media_type="text/event-stream",
                                          headers=self._headers())
-            return JSONResponse(await self._collect(ereq, parsed, rid, kind), headers=self._headers())
+            parent = propagate.extract(dict(request.headers))
+            return JSONResponse(await self._collect(ereq, parsed, rid, kind, parent), headers=self._headers())
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Any:
@@ -361,24 +362,36 @@ class WorkerHttpApi:
 
         return app
 
-    async def _collect(self, ereq: EngineRequest, p: ParsedRequest, rid: str, kind: str) -> dict[str, Any]:
+    async def _collect(self, ereq: EngineRequest, p: ParsedRequest, rid: str, kind: str,
+                       parent: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         ids: list[int] = []
         text = ""
         last: EngineOutput | None = None
-        with _tracer.start_as_current_span("worker.http " + kind) as span:
+        ttft: float | None = None
+        # The span continues the caller's trace (e.g. the gateway's request, whose
+        # traceparent the endpoint picker set).
+        with _tracer.start_as_current_span("worker.http " + kind, context=parent,
+                                           kind=trace.SpanKind.SERVER) as span:
             try:
                 async for new_ids, delta, out in self._run(ereq, p.stop):
                     ids.extend(new_ids)
                     text += delta
                     last = out
+                    if ttft is None and out.ttft_s is not None:
+                        ttft = out.ttft_s
             except EngineError as exc:
                 raise ApiError(exc.http_status, str(exc), etype=type(exc).__name__) from None
             assert last is not None
             usage = self._usage(last, len(p.prompt_ids), len(ids))
             span.set_attribute("gen_ai.request.model", self.model)
+            span.set_attribute("gen_ai.request.id", rid)
             span.set_attribute("gen_ai.usage.input_tokens", usage["prompt_tokens"])
             span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
+            span.set_attribute("gen_ai.usage.cached_tokens", last.num_cached_tokens)
+            span.set_attribute("kvmesh.endpoint_id", self.endpoint_id)
+            if ttft is not None:
+                span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         finish = last.finish_reason or "stop"
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
         if kind == "chat.completion":

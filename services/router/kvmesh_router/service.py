@@ -341,7 +341,10 @@ class RouterService:
         ttft = 0.0
         t_start = time.monotonic()
         try:
+            final: FinalInfo | None = None
             async for msg in call:
+                if final is not None:
+                    continue   # read to the stream's end: the call (and its client span) then completes
                 if msg.token_ids:
                     if not generated:
                         self.core.on_first_token(p.req)
@@ -350,8 +353,10 @@ class RouterService:
                     generated.extend(ids)
                     yield "chunk", ids
                 if msg.finished:
-                    yield "final", self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead)
-                    return
+                    final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead)
+            if final is not None:
+                yield "final", final
+                return
             raise grpc.aio.AioRpcError(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(),
                                        details="stream ended without a final message")
         except grpc.aio.AioRpcError as exc:
@@ -404,6 +409,13 @@ class RouterService:
         span = trace.get_current_span()
         span.set_attribute("kvmesh.usage.cached_tokens", actual)
         span.set_attribute("kvmesh.usage.completion_tokens", usage.completion_tokens)
+        # OpenTelemetry GenAI semantic conventions, so trace UIs show the request's shape.
+        span.set_attribute("gen_ai.request.model", p.req.model)
+        span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
+        span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
+        span.set_attribute("gen_ai.usage.cached_tokens", actual)
+        span.set_attribute("gen_ai.usage.cached_tokens_predicted", d.predicted_cached_tokens)
+        span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         self.core.on_finished(p.req, d, time.monotonic(), p.tokens, generated, p.extra)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
                          ttft, generated)

@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "docker-compose.yml"
 GPU = ROOT / "docker-compose.gpu.yml"
 KVMESH = {"indexer", "router", "offload", "prefill-1", "decode-1", "decode-2"}

@@ -22,9 +22,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
-DATA = Path(__file__).parent / "data" / "deploy"
+DATA = ROOT / "tests" / "data" / "deploy"
 K8S_VERSION = "1.30.0"
 CRD_SCHEMAS = {
     ("inference.networking.k8s.io/v1", "InferencePool"): DATA / "inferencepool-v1.schema.json",

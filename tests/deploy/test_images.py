@@ -25,7 +25,7 @@ import pytest
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.testing.ports import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ["router", "indexer", "offload", "prefill", "decode"]
 # Imported only when the vLLM engine is selected; listed in requirements-vllm.txt.
 VLLM_ONLY = {"vllm", "torch"}

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVICE_OF = {"indexer": "indexer", "router": "router", "offload": "offload",
               "prefill": "prefill", "prefill-1": "prefill", "decode": "decode", "decode-1": "decode",
               "decode-2": "decode"}
