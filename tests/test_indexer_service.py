@@ -471,3 +471,23 @@ async def test_offload_store_blocks_answer_under_their_own_endpoint_and_tier(sta
     m = match_of(await ix.stub.Lookup(chain_req(keys), timeout=5), "offload-0")
     assert {t.tier: t.blocks for t in m.tiers} == {common_pb2.TIER_CPU: 5, common_pb2.TIER_DISK: 2}
     assert m.combined_blocks == 5
+
+
+async def test_spans_on_lookup_and_ingest_batch(start_indexer) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvmesh.telemetry import setup_tracing
+
+    exporter = InMemorySpanExporter()
+    setup_tracing("kvmesh-indexer-test", exporter)
+    ix = await start_indexer(models=MODELS)
+    toks = tokens(50, 2)
+    ev, keys = stored(toks)
+    await ix.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+        endpoint_id="t0", model=MODEL, seq=0, vllm_payload=encode_batch(KVEventBatch(0.0, [ev])))]), timeout=5)
+    await ix.stub.Lookup(chain_req(keys), timeout=5)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["indexer.ingest_batch"].attributes["kvmesh.endpoint"] == "t0"
+    assert spans["indexer.ingest_batch"].attributes["kvmesh.applied"] == 1
+    assert spans["indexer.lookup"].attributes["kvmesh.best_combined"] == 2
+    assert "index.lookup" in spans
