@@ -12,7 +12,8 @@ class SimConfig:
     kv_capacity_tokens: int = field(default=1_000_000, metadata={"help": "GPU KV capacity per worker (tokens)"})
     offload_capacity_tokens: int = field(default=32_000_000, metadata={
         "help": "shared offload store capacity (tokens; 0 = no offload)"})
-    offload_eviction: str = field(default="lru", metadata={"help": "offload eviction policy: lru | agent"})
+    offload_eviction: str = field(default="agent", metadata={
+        "help": "offload eviction policy: lru | agent (the offload service's default)"})
     block_size: int = field(default=0, metadata={"help": "engine block size (0 = the trace's block size)"})
     max_num_seqs: int = field(default=256, metadata={"help": "max running sequences per worker"})
     max_num_batched_tokens: int = field(default=8192, metadata={"help": "per-step token budget per worker"})
@@ -31,4 +32,6 @@ class SimConfig:
         "help": "spread session starts over this window (s); default: 600 for claude-code, recorded otherwise"})
     think_scale: float = field(default=1.0, metadata={"help": "multiply recorded think times"})
     max_think_s: float | None = field(default=3600.0, metadata={"help": "cap on one recorded gap (s)"})
+    macro_steps: bool = field(default=True, metadata={
+        "help": "run pure-decode stretches as one event (exact; off = one event per engine step)"})
     time_buckets: int = field(default=60, metadata={"help": "points of the hit-rate-over-time series"})

@@ -58,6 +58,8 @@ class SimWorker:
         self.busy_s = 0.0
         self.steps = 0
         self.plan: StepPlan | None = None
+        self.macro: tuple[float, int, float, float] | None = None   # decode fast-forward in progress
+        self.gen = 0
 
     def publish(self) -> None:
         """Apply the block manager's KV events to the index (what the indexer would ingest)."""
@@ -87,12 +89,15 @@ class SimOffload:
         self.model = model
         self.puts = 0
         self.restored_blocks = 0
+        # Mirror of the tier's keys as plain ints: membership without building a tuple per block.
+        self._present: set[int] = set()
 
     def leading(self, keys: list[int], cap: int) -> int:
-        blocks = self.tier._blocks  # membership only; RamTier.__contains__ costs a call per block
-        ns = self.NS
+        present = self._present
         n = 0
-        while n < cap and (ns, keys[n]) in blocks:
+        for k in keys[:cap] if cap < len(keys) else keys:
+            if k not in present:
+                break
             n += 1
         return n
 
@@ -110,19 +115,22 @@ class SimOffload:
             return
         tier.new_batch()
         ns = self.NS
-        blocks = tier._blocks
+        present = self._present
         added: list[int] = []
         gone: list[int] = []
         for i in range(start, len(keys)):
-            bid = (ns, keys[i])
-            if bid in blocks:
+            k = keys[i]
+            if k in present:
                 continue
             if tier.used + 1 > tier.capacity:
-                gone.extend(b[1] for b, _ in tier.make_room(1))
-            tier.add(bid, StoredBlock(size=1, depth=i, session=session))
-            added.append(keys[i])
+                for b, _ in tier.make_room(1):
+                    present.discard(b[1])
+                    gone.append(b[1])
+            tier.add((ns, k), StoredBlock(size=1, depth=i, session=session))
+            present.add(k)
+            added.append(k)
         if gone:
-            added = [k for k in added if (ns, k) in blocks]
+            added = [k for k in added if k in present]
         self.puts += len(added)
         if self.index is not None:
             if gone:

@@ -18,8 +18,16 @@ COLUMNS = [
 ]
 
 
-def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None:
+def _console():
+    import sys
+
     from rich.console import Console
+
+    # Piped output (CI logs, files) gets a wide fixed width instead of 80 columns of wrapped cells.
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None:
     from rich.table import Table
 
     t = Table(title=f"{title}  (ceiling_infinite {report['ceiling_infinite']:.4f}, "
@@ -29,7 +37,7 @@ def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None
         t.add_column(name, justify="right")
     for pol, m in report["results"].items():
         t.add_row(pol, *[f"{m.get(k, '')}" for k, _ in COLUMNS])
-    Console().print(t)
+    _console().print(t)
 
 
 def write_plots(report: dict[str, Any], out_dir: str | Path, prefix: str = "simulate") -> list[Path]:

@@ -39,7 +39,7 @@ from kvmesh.traffic.schedule import Schedule, ScheduleRunner
 
 log = logging.getLogger(__name__)
 
-RELEASE, ARRIVE, STEP = 0, 1, 2
+RELEASE, ARRIVE, STEP, MACRO = 0, 1, 2, 3
 
 
 @dataclass(slots=True)
@@ -149,6 +149,8 @@ class ClusterSim:
             self.now = t
             if kind == STEP:
                 self._on_step(payload)
+            elif kind == MACRO:
+                self._on_macro(*payload)
             elif kind == RELEASE:
                 self._on_release(payload)
             else:
@@ -239,11 +241,73 @@ class ClusterSim:
     def _on_arrive(self, widx: int, seq: Seq) -> None:
         w = self.workers[widx]
         w.sched.add(seq)
-        if w.plan is None:
+        if w.macro is not None:
+            self._truncate_macro(w, widx)
+        elif w.plan is None:
             self._plan(widx)
+
+    # -- decode fast-forward ---------------------------------------------------
+    # A stretch of pure-decode steps (nothing waiting, every running sequence
+    # decoding, no block boundary, no finish) changes nothing but counters, and
+    # its step times come from the same latency model. It is run as one event;
+    # an arrival cuts it at the end of the step in progress, exactly where the
+    # step-by-step loop would have admitted the newcomer.
+    def _try_macro(self, w: SimWorker, widx: int) -> bool:
+        s = w.sched
+        if s.waiting or not s.running:
+            return False
+        bs = self.bs
+        max_len = self.cfg.max_model_len
+        n = 1 << 30
+        for seq in s.running:
+            if seq.num_tokens - seq.num_computed != 1 or seq.num_computed < seq.prompt_len:
+                return False
+            r = seq.num_computed % bs
+            if r == 0:
+                return False
+            n = min(n, bs - r - 1, seq.max_tokens - seq.num_output - 1, max_len - seq.num_tokens - 1)
+        if n < 2:
+            return False
+        ctx = [seq.num_computed for seq in s.running]
+        d0 = w.latency.step_time((), ctx)
+        slope = w.latency.step_time((), [c + 1 for c in ctx]) - d0   # step time is linear in context
+        w.gen += 1
+        w.macro = (self.now, n, d0, slope)
+        end = self.now + n * d0 + slope * n * (n - 1) / 2
+        w.busy_s += end - self.now
+        self._push(end, MACRO, (widx, w.gen))
+        return True
+
+    def _truncate_macro(self, w: SimWorker, widx: int) -> None:
+        start, n, d0, slope = w.macro  # type: ignore[misc]
+        old_end = start + n * d0 + slope * n * (n - 1) / 2
+        m = 1
+        while m < n and start + m * d0 + slope * m * (m - 1) / 2 < self.now:
+            m += 1
+        if m >= n:
+            return
+        end = start + m * d0 + slope * m * (m - 1) / 2
+        w.busy_s -= old_end - end
+        w.gen += 1
+        w.macro = (start, m, d0, slope)
+        self._push(end, MACRO, (widx, w.gen))
+
+    def _on_macro(self, widx: int, gen: int) -> None:
+        w = self.workers[widx]
+        if gen != w.gen or w.macro is None:
+            return   # superseded by a truncation
+        n = w.macro[1]
+        for seq in w.sched.running:
+            seq.num_computed += n
+            seq.num_output += n
+        w.steps += n
+        w.macro = None
+        self._plan(widx)
 
     def _plan(self, widx: int) -> None:
         w = self.workers[widx]
+        if self.cfg.macro_steps and self._try_macro(w, widx):
+            return
         while w.sched.has_work:
             plan = w.sched.plan(self.now)
             w.publish()
@@ -280,21 +344,21 @@ class ClusterSim:
             if seq.num_output != 1:
                 continue
             job: Job = seq.meta
-            compute_phase = seq.prefill_only or not job.split
-            if compute_phase:
+            if seq.prefill_only or not job.split:
+                # Same accounting as the sim engine: the scheduler's own GPU hit, the rest restored.
                 cached = max(0, seq.num_cached_tokens)
-                off = max(0, min(job.external, cached) - job.gpu_hit_blocks * self.bs) if job.external else 0
-                job.cached_offload = off
-                job.cached_gpu = cached - off
-                if self.store is not None:
-                    # Write-through: the connector saves the prompt's blocks once computed.
-                    # Blocks below store_hit were present at dispatch; check the rest.
-                    self.store.put(job.req.keys[: seq.prompt_len // self.bs], job.store_hit, job.req.session)
+                job.cached_gpu = min(seq.num_cached_gpu, cached)
+                job.cached_offload = cached - job.cached_gpu
             if not seq.prefill_only:
                 job.first_token = now
                 self.core.on_first_token(job.route)
         for seq in res.finished:
             job = seq.meta
+            if self.store is not None:
+                # Like the sim engine: on finish, save the computed blocks the store lacks (leading check).
+                n = seq.num_computed // self.bs
+                keys = seq.block_hashes[:n]
+                self.store.put(keys, self.store.leading(keys, n), job.req.session)
             if seq.prefill_only:
                 self._dispatch(job, job.decode_ep, prefill_only=False)
                 continue
