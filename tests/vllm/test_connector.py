@@ -164,3 +164,21 @@ def test_store_keys_match_restore_count_for_partial_chain(stubs, store) -> None:
     partial = base[: 4 * BS] + _prompt(42, 3 * BS)
     _, last = _generate(s2, "D-2", partial)
     assert last.usage.cached_tokens_offload == 4 * BS
+
+
+def test_store_down_workers_recompute_and_prefill_reports_unavailable(stubs, store) -> None:
+    # Runs last in this module: it stops the shared store.
+    s1, s2 = stubs
+    e = _prompt(51, 6 * BS + 3)
+    ref, _ = _generate(s1, "E-ref", e)
+    store.stop(grace_s=2)
+    toks, last = _generate(s2, "E-1", e)
+    assert toks == ref
+    assert last.usage.cached_tokens_offload == 0
+    with pytest.raises(grpc.RpcError) as err:
+        s1.Prefill(worker_pb2.PrefillRequest(request_id="E-p", prompt_token_ids=_prompt(52, 4 * BS + 1)), timeout=60)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "offload" in err.value.details().lower()
+    # The engines are still healthy afterwards.
+    again, _ = _generate(s1, "E-2", e)
+    assert again == ref
