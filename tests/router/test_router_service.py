@@ -39,13 +39,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
             started.append(workers[eid])
         pre = start_worker(tmp, "p1", role="prefill", extra=off)
         started.append(pre)
+        metrics_port = free_port()
         router, http = start_router(
             tmp, [(e, w.grpc_address) for e, w in workers.items()],
-            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024",
+            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024", "--metrics-port", str(metrics_port),
                    "--tenant-salts", '{"key-a": "salt-a", "key-b": "salt-b"}'],
             prefill=[("p1", pre.grpc_address)])
         started.append(router)
         st = RouterStack(router, http, workers)
+        st.metrics_port = metrics_port  # type: ignore[attr-defined]
         yield st
         st.close()
     finally:
@@ -145,3 +147,18 @@ def test_list_models(stack):
     resp = stack.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)
     assert resp.models[0].id == MODEL and resp.models[0].block_size == BLOCK
     assert set(resp.models[0].endpoints) >= {"w1", "w2", "w3"}
+
+
+def test_metrics_count_decisions_predictions_and_hits(stack):
+    import httpx
+
+    tokens = _rand(700, seed=99)
+    _gen(stack, tokens)
+    _gen(stack, tokens + _rand(70, seed=98))
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).text
+    for name in ("kvmesh_router_decisions_total", "kvmesh_router_cached_tokens_diff_bucket",
+                 "kvmesh_router_cached_tokens_mismatch_total", "kvmesh_router_routing_overhead_seconds_bucket",
+                 "kvmesh_router_prompt_tokens_total", "kvmesh_router_cached_tokens_total",
+                 "kvmesh_router_hash_blocks_total"):
+        assert name in text, name
+    assert 'kvmesh_router_hash_blocks_total{kind="reused"}' in text
