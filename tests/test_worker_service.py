@@ -151,7 +151,7 @@ async def test_load_and_info(worker, stub) -> None:
 
 
 async def test_engine_crash_is_unavailable_and_not_serving(worker, stub) -> None:
-    call = stub.Generate(_gen("c", list(range(20)), max_tokens=10_000))
+    call = stub.Generate(_gen("c", list(range(20)), max_tokens=3000))
     it = call.__aiter__()
     await it.__anext__()
     worker.engine.inject_fault("boom")
@@ -293,7 +293,7 @@ async def test_full_waiting_queue_is_resource_exhausted() -> None:
     try:
         async with grpc.aio.insecure_channel(w.address) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
-            first = stub.Generate(_gen("q1", [1, 2, 3], max_tokens=10_000))
+            first = stub.Generate(_gen("q1", [1, 2, 3], max_tokens=3000))
             await first.__aiter__().__anext__()           # running
             second = stub.Generate(_gen("q2", [1, 2, 3], max_tokens=5))
             for _ in range(50):                            # wait until it is queued
@@ -348,3 +348,9 @@ async def test_readiness_waits_for_the_engine(monkeypatch) -> None:
             assert status == health_pb2.HealthCheckResponse.SERVING
         finally:
             await w.stop(0)
+
+
+async def test_max_tokens_above_max_model_len_is_invalid(stub) -> None:
+    with pytest.raises(grpc.aio.AioRpcError) as ei:
+        await _collect(stub, _gen("big", [1, 2], max_tokens=5000))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in ei.value.details()

@@ -342,6 +342,8 @@ class SimEngine(Engine):
             raise EmptyPromptError("prompt is empty: prompt_token_ids must hold at least one token")
         if req.max_tokens <= 0:
             raise BadSamplingError(f"max_tokens must be > 0, got {req.max_tokens}")
+        if req.max_tokens > c.max_model_len:
+            raise BadSamplingError(f"max_tokens {req.max_tokens} exceeds max_model_len {c.max_model_len}")
         if n >= c.max_model_len:
             raise PromptTooLongError(f"prompt has {n} tokens; max_model_len is {c.max_model_len} "
                                      f"(prompt must leave room for at least one output token)")
