@@ -138,6 +138,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         cpu: list[float] = []
         best = 0
         load_before = os.getloadavg()[0]
+        server0 = _evalsha_usec(index) if backend == "redis" else None
         for _ in range(args.lookups):
             c = chains[rng.randrange(len(chains))]
             t, tc = time.perf_counter(), time.thread_time()
@@ -145,6 +146,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             lat.append(time.perf_counter() - t)
             cpu.append(time.thread_time() - tc)
             best = max(best, res.best_combined())
+        server_ms = None
+        if server0 is not None:
+            usec1, calls1 = _evalsha_usec(index)
+            server_ms = (usec1 - server0[0]) / max(1, calls1 - server0[1]) / 1000.0
         if best != present:
             raise RuntimeError(f"lookup found {best} leading blocks, expected {present}")
         baseline = _baseline(backend, index, chains, work, present, args)
@@ -158,6 +163,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             # calling thread does not (for Redis it excludes the server's work).
             "lookup_cpu_p50_ms": round(percentile(cpu, 50) * 1e3, 4),
             "lookup_cpu_p99_ms": round(percentile(cpu, 99) * 1e3, 4),
+            # Redis' own time per lookup script (INFO commandstats), free of client/scheduling noise.
+            "lookup_server_mean_ms": None if server_ms is None else round(server_ms, 4),
             "loadavg_1m": round(max(load_before, os.getloadavg()[0]), 2),
             "cpus": os.cpu_count(),
             "bytes_per_block": round(bytes_total / max(1, st.entries), 1),
@@ -180,6 +187,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         index.close()
         if proc is not None:
             proc.stop()
+
+
+def _evalsha_usec(index: BlockIndex) -> tuple[int, int]:
+    stats = index.r.info("commandstats").get("cmdstat_evalsha", {})  # type: ignore[attr-defined]
+    return int(stats.get("usec", 0)), int(stats.get("calls", 0))
 
 
 def _baseline(backend: str, index: BlockIndex, chains: list[list[int]], work: list, present: int,
