@@ -354,3 +354,22 @@ async def test_max_tokens_above_max_model_len_is_invalid(stub) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as ei:
         await _collect(stub, _gen("big", [1, 2], max_tokens=5000))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "max_model_len" in ei.value.details()
+
+
+async def test_http_api_started_by_run_worker() -> None:
+    """With http_port set, the worker also answers OpenAI HTTP (token-id prompts) and advertises it."""
+    import httpx
+
+    w = await start_worker(_cfg(endpoint_id="w-http", http_port=0, kv_events_endpoint=""))
+    try:
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            info = await worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest())
+        assert info.http_address.startswith("127.0.0.1:")
+        async with httpx.AsyncClient(base_url=f"http://{info.http_address}", timeout=10) as http:
+            r = await http.post("/v1/completions", json={"model": "sim-model", "prompt": [1, 2, 3, 4],
+                                                         "max_tokens": 3})
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["usage"]["completion_tokens"] == 3 and r.headers["x-kvmesh-endpoint"] == "w-http"
+    finally:
+        await w.stop(0)
