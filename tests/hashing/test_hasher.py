@@ -202,29 +202,30 @@ def test_partial_blocks_and_bad_arguments() -> None:
 
 @pytest.mark.parametrize("algo", ALGOS)
 @pytest.mark.parametrize("bs", [4, 16, 64])
-def test_fast_paths_serialise_byte_identically(algo: str, bs: int) -> None:
-    """Every byte string the fast paths digest equals vLLM's pickle/cbor2 serialisation."""
+@pytest.mark.parametrize("wide", [False, True])
+def test_fast_paths_serialise_byte_identically(algo: str, bs: int, wide: bool) -> None:
+    """Every byte string the (vectorised) paths digest equals vLLM's pickle/cbor2 serialisation."""
     a = HashAlgo(algo)
     rng = random.Random(bs)
-    edges = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 151_000]
-    if not a.uses_cbor:
-        edges += [-1, -255, -(2**31)]  # pickle fast path covers signed int32
-    else:
-        edges += [2**32 - 1, 2**32, 2**63 - 1]
-    tokens = [rng.choice(edges) if rng.random() < 0.5 else rng.randrange(100_000) for _ in range(bs * 12)]
+    edges = [0, 1, 23, 24, 255, 256, 65535, 65536, 2**31 - 1, 2**32 - 1, 151_000]
+    if wide:  # outside uint32: the CBOR path falls back to per-block encoding
+        edges += [2**32, 2**63 - 1] + ([] if a.uses_cbor else [-1, -(2**31), -(2**40)])
+    n_blocks = 60  # above the numpy threshold
+    tokens = [rng.choice(edges) if rng.random() < 0.5 else rng.randrange(100_000) for _ in range(bs * n_blocks + 3)]
     h = BlockHasher(algo, bs, seed=SEED)
     seen: list[bytes] = []
     real = h._digest
     h._digest = lambda data: (seen.append(data), real(data))[1]  # type: ignore[method-assign]
-    ex = ExtraKeys(cache_salt="salt", lora_name="l", lora_path="l")  # one interned str twice: exercises memo refs (BINGET)
+    ex = ExtraKeys(cache_salt="salt", lora_name="l", lora_path="l")  # one interned str twice: memo refs
     for extra in (None, ex):
-        seen.clear()
-        digests = h.block_digests(np.array(tokens), extra)
-        prev = h.none_hash
-        for i, data in enumerate(seen):
-            keys, _ = block_extra_keys(extra, i * bs, (i + 1) * bs, 0)
-            obj = (prev, tuple(tokens[i * bs : (i + 1) * bs]), keys)
-            want = cbor2.dumps(obj, canonical=True) if a.uses_cbor else pickle.dumps(obj, protocol=5)
-            assert data == want, i
-            prev = digests[i]
-        assert len(seen) == 12
+        for form in (tokens, np.array(tokens, dtype=np.int64 if wide else np.uint32)):
+            seen.clear()
+            digests = h.block_digests(form, extra)
+            prev = h.none_hash
+            for i, data in enumerate(seen):
+                keys, _ = block_extra_keys(extra, i * bs, (i + 1) * bs, 0)
+                obj = (prev, tuple(tokens[i * bs : (i + 1) * bs]), keys)
+                want = cbor2.dumps(obj, canonical=True) if a.uses_cbor else pickle.dumps(obj, protocol=5)
+                assert data == want, i
+                prev = digests[i]
+            assert len(seen) == n_blocks

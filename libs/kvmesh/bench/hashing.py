@@ -33,13 +33,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _time(fn: Callable[[], object], repeats: int) -> list[float]:
-    fn()  # warm caches (token encodings, imports)
-    out = []
+def _time_interleaved(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """Run the contenders in rotation so load changes on a shared machine hit all alike."""
+    for fn in fns.values():
+        fn()  # warm caches (token encodings, imports)
+    out: dict[str, list[float]] = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t0) * 1000.0)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            out[name].append((time.perf_counter() - t0) * 1000.0)
     return out
 
 
@@ -85,8 +88,15 @@ def run(args: argparse.Namespace) -> int:
         vllm_run = None if args.no_vllm else _vllm_loop(algo_name, seed)
         for bs in args.block_sizes:
             hasher = BlockHasher(algo, bs, seed=seed)
-            ours = _time(lambda h=hasher: h.block_digests(tokens), args.repeats)
-            naive = _time(lambda a=algo, b=bs: _naive(a, seed, tokens, b), max(3, args.repeats // 2))
+            fns: dict[str, Callable[[], object]] = {
+                "kvmesh": lambda h=hasher: h.block_digests(tokens),
+                "naive": lambda a=algo, b=bs: _naive(a, seed, tokens, b),
+            }
+            if vllm_run is not None:
+                assert vllm_run(tokens[: bs * 50], bs) == hasher.block_digests(tokens[: bs * 50]), "mismatch vs vLLM"
+                fns["vllm"] = lambda b=bs, f=vllm_run: f(tokens, b)
+            times = _time_interleaved(fns, args.repeats)
+            ours = times["kvmesh"]
             row = {
                 "algo": algo_name,
                 "block_size": bs,
@@ -94,15 +104,13 @@ def run(args: argparse.Namespace) -> int:
                 "ms_median": round(median(ours), 3),
                 "ms_p90": round(percentile(ours, 90), 3),
                 "tokens_per_s": round(len(tokens) / (median(ours) / 1000.0)),
-                "naive_ms_median": round(median(naive), 3),
-                "speedup_vs_naive": round(median(naive) / median(ours), 2),
+                "naive_ms_median": round(median(times["naive"]), 3),
+                "speedup_vs_naive": round(median(times["naive"]) / median(ours), 2),
                 "within_budget": median(ours) < BUDGET_MS,
             }
-            if vllm_run is not None:
-                assert vllm_run(tokens[: bs * 50], bs) == hasher.block_digests(tokens[: bs * 50]), "mismatch vs vLLM"
-                base = _time(lambda b=bs, f=vllm_run: f(tokens, b), max(3, args.repeats // 2))
-                row["vllm_ms_median"] = round(median(base), 3)
-                row["speedup_vs_vllm"] = round(median(base) / median(ours), 2)
+            if "vllm" in times:
+                row["vllm_ms_median"] = round(median(times["vllm"]), 3)
+                row["speedup_vs_vllm"] = round(median(times["vllm"]) / median(ours), 2)
             rows.append(row)
             log.info("hashing bench", extra=row)
             print(
@@ -114,10 +122,13 @@ def run(args: argparse.Namespace) -> int:
         os.environ.pop("PYTHONHASHSEED", None)
     else:
         os.environ["PYTHONHASHSEED"] = saved_env
+    calib = _time_interleaved({"sum": lambda: sum(range(len(tokens)))}, 5)["sum"]
     write_json(
         args.json,
         {
             "bench": "hashing",
+            # pure-Python reference loop over N ints: shows how loaded the machine was
+            "calibration_sum_ms": round(median(calib), 3),
             "budget_ms_per_200k_tokens": BUDGET_MS,
             "repeats": args.repeats,
             "results": rows,

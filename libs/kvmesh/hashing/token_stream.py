@@ -1,28 +1,24 @@
-"""Vectorised serialisation of a whole token sequence, sliced per block afterwards.
+"""Vectorised canonical-CBOR encoding of a whole token sequence, sliced per block afterwards.
 
-Per-token Python work is what makes block hashing slow (a 200k-token prompt is 200k
-dict lookups or int pickles). Both of vLLM's serialisations encode each int in a
-self-delimiting, context-free way (CBOR major type 0; pickle ``K``/``M``/``J`` opcodes),
-so the encodings of all tokens can be produced at once with numpy and concatenated; a
-block's serialised tokens are then a single slice of that byte string.
+Per-token Python work is what makes ``sha256_cbor``/``xxhash_cbor`` block hashing slow
+(a 200k-token prompt is 200k lookups). CBOR encodes each unsigned int in a
+self-delimiting, context-free way (major type 0, minimal length), so the encodings of all
+tokens can be produced at once with numpy and concatenated; a block's encoded tokens are
+then a single slice of that byte string. (For the pickle algos the C pickler is already
+faster than any hand-assembly, so they do not use this.)
 
-Returns None when a token falls outside the fast encodings (outside uint32 for CBOR,
-outside int32 for pickle): callers then take the generic path.
+Returns None when a token is outside uint32: callers then take the generic path.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-_CBOR = "cbor"
-_PICKLE = "pickle"
-
-
 _COLS = np.arange(5, dtype=np.int8)
 _CBOR_LENS = np.array([1, 2, 3, 5], dtype=np.int8)
 
 
-def encode(arr: np.ndarray, fmt: str, block_size: int, n_blocks: int) -> tuple[bytes, list[int]] | None:
+def encode(arr: np.ndarray, block_size: int, n_blocks: int) -> tuple[bytes, list[int]] | None:
     """(stream, bounds): block i's encoded tokens are ``stream[bounds[i]:bounds[i+1]]``.
 
     Each token becomes a row of up to 5 bytes (head + 4 value bytes); a per-row length
@@ -35,30 +31,17 @@ def encode(arr: np.ndarray, fmt: str, block_size: int, n_blocks: int) -> tuple[b
     a = np.asarray(arr[:n])
     lo, hi = int(a.min()), int(a.max())
     rows = np.empty((n, 5), dtype=np.uint8)
-    if fmt == _CBOR:
-        if lo < 0 or hi >= (1 << 32):
-            return None
-        v = a.astype(np.uint32)
-        # Right-aligned rows: [.., head, big-endian value bytes]; lengths 1, 2, 3 or 5.
-        rows[:, 1:] = v.astype(">u4").view(np.uint8).reshape(n, 4)
-        ge24, ge256, ge64k = v >= 24, v >= 0x100, v >= 0x10000
-        cls = ge24.view(np.int8) + ge256.view(np.int8) + ge64k.view(np.int8)
-        lens = _CBOR_LENS[cls]
-        rows[:, 0] = 0x1A
-        rows[:, 2] = np.where(ge64k, rows[:, 2], 0x19)
-        rows[:, 3] = np.where(ge256, rows[:, 3], 0x18)
-        mask = _COLS >= (5 - lens)[:, None]
-    else:
-        if lo < -(1 << 31) or hi >= (1 << 31):
-            return None
-        # Left-aligned rows: [opcode, little-endian value bytes]; K (uint8), M (uint16), J (int32).
-        rows[:, 1:] = a.astype("<i4").view(np.uint8).reshape(n, 4)
-        nonneg = a >= 0
-        small = nonneg & (a < 0x100)
-        mid = nonneg & (a < 0x10000)
-        lens = np.where(small, 2, np.where(mid, 3, 5)).astype(np.int8)
-        rows[:, 0] = np.where(small, ord("K"), np.where(mid, ord("M"), ord("J")))
-        mask = _COLS < lens[:, None]
+    if lo < 0 or hi >= (1 << 32):
+        return None
+    v = a.astype(np.uint32)
+    # Right-aligned rows: [.., head, big-endian value bytes]; lengths 1, 2, 3 or 5.
+    rows[:, 1:] = v.astype(">u4").view(np.uint8).reshape(n, 4)
+    ge24, ge256, ge64k = v >= 24, v >= 0x100, v >= 0x10000
+    lens = _CBOR_LENS[ge24.view(np.int8) + ge256.view(np.int8) + ge64k.view(np.int8)]
+    rows[:, 0] = 0x1A
+    rows[:, 2] = np.where(ge64k, rows[:, 2], 0x19)
+    rows[:, 3] = np.where(ge256, rows[:, 3], 0x18)
+    mask = _COLS >= (5 - lens)[:, None]
     stream = rows[mask].tobytes()
     ends = np.cumsum(lens, dtype=np.int64)
     bounds = np.empty(n_blocks + 1, dtype=np.int64)
