@@ -219,6 +219,8 @@ async def test_finished_blocks_are_saved_and_restored_by_another_engine(offload_
         assert out.num_cached_tokens_gpu == 0
         assert out.num_cached_tokens_offload == 10 * BS and out.num_cached_tokens == 10 * BS
         assert not out.kv_from_prefill
+        # Restore time = measured transfer + modelled host-to-device copy of the real bytes.
+        assert b.restore_seconds >= b.latency.restore_time(10 * BS * b.cfg.kv_bytes_per_token)
     finally:
         await a.stop()
         await b.stop()

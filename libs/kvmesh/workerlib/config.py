@@ -68,6 +68,7 @@ class WorkerConfig:
     decode_s_per_seq: float = field(default=LatencyParams.decode_s_per_seq, metadata=_h("sim latency"))
     decode_s_per_ctx_token: float = field(default=LatencyParams.decode_s_per_ctx_token, metadata=_h("sim latency"))
     h2d_bytes_per_s: float = field(default=LatencyParams.h2d_bytes_per_s, metadata=_h("sim restore bandwidth"))
+    model_h2d: bool = field(default=True, metadata=_h("sim: add a modelled host-to-device copy to each restore"))
     grace_s: float = field(default=10.0, metadata=_h("drain time on shutdown"))
     labels: dict[str, str] = field(default_factory=dict, metadata=_h("endpoint labels (JSON)"))
     vllm_options: dict = field(default_factory=dict, metadata=_h(
@@ -117,7 +118,7 @@ class WorkerConfig:
             eos_token_id=self.eos_token_id if self.eos_token_id >= 0 else None, lora_names=list(self.lora_names),
             time_scale=self.time_scale, virtual_time=self.virtual_time,
             kv_events_endpoint=self.kv_events_endpoint, kv_events_replay_endpoint=self.kv_events_replay_endpoint,
-            offload_address=self.offload_address, kv_num_layers=self.kv_num_layers,
+            offload_address=self.offload_address, model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,
             kv_num_kv_heads=self.kv_num_kv_heads, kv_head_dim=self.kv_head_dim, kv_dtype=self.kv_dtype,
             latency=self.latency(),
         )

@@ -84,6 +84,7 @@ class SimEngineConfig:
     enable_events: bool = True
     offload_address: str = ""
     offload_save: bool = True
+    model_h2d: bool = True            # add the modelled host-to-device copy to each restore
     kv_num_layers: int = 2
     kv_num_kv_heads: int = 2
     kv_head_dim: int = 32
@@ -226,6 +227,7 @@ class SimEngine(Engine):
         self.events_published = 0
         self.offload_saved_blocks = 0
         self.offload_restored_blocks = 0
+        self.restore_seconds = 0.0
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -570,13 +572,15 @@ class SimEngine(Engine):
         live.restored_offload = (got - gpu) * bs
         live.kv_from_prefill = h is not None
         self.offload_restored_blocks += got - gpu
-        delay = self.latency.restore_time(restored_bytes)
+        delay = self.latency.restore_time(restored_bytes) if c.model_h2d else 0.0
+        self.restore_seconds += measured + delay
         log.debug("restored kv", extra={"request_id": seq.request_id, "blocks": got - gpu,
                                         "bytes": restored_bytes, "measured_s": measured, "h2d_s": delay})
-        # The measured transfer already took real time; add the modelled host-to-device copy.
         if c.virtual_time:
-            self._vclock += delay
-        else:
+            # No real time passes in virtual mode: charge the measured transfer too.
+            self._vclock += measured + delay
+        elif delay > 0:
+            # The measured transfer already took real time; add the modelled host-to-device copy.
             await asyncio.sleep(delay / c.time_scale)
 
     async def _save(self, address: str, seq: Seq, keys: list[int], wait: bool) -> None:
