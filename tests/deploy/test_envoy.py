@@ -1,0 +1,180 @@
+"""A real Envoy in front of the sim workers, with the kvmesh router as its ext_proc endpoint picker.
+
+Envoy runs the shipped ``deploy/envoy/envoy.yaml`` (addresses rewritten to loopback):
+ORIGINAL_DST cluster keyed on ``x-gateway-destination-endpoint``, ext_proc pointing at
+the router's picker port. OpenAI requests go through Envoy; each response says which
+worker served it (``x-kvmesh-endpoint``, set by the worker) and which one the picker
+chose (``x-kvmesh-picked-endpoint``, set by the picker on the response).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from kvmesh.testing.ports import free_port
+from kvmesh_router.extproc import EXTPROC_SERVICE_NAME, ExtProcConfig, PickResult, start_extproc_server
+
+pytestmark = [pytest.mark.envoy, pytest.mark.timeout(300)]
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def gateway(deploy_stack, envoy_factory):
+    decode_ports = [deploy_stack.worker_http[e] for e in ("decode-1", "decode-2")]
+    return envoy_factory(deploy_stack.extproc_port, decode_ports, fail_open=False, name="gateway")
+
+
+def served_by(r: httpx.Response, stack) -> tuple[str, str]:
+    """(worker that answered, worker the picker chose)."""
+    picked = r.headers.get("x-kvmesh-picked-endpoint", "")
+    return r.headers.get("x-kvmesh-endpoint", ""), stack.endpoint_of(picked) if picked else ""
+
+
+def test_extproc_health_serves_its_service_name(deploy_stack) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvmesh.tools.healthcheck", f"127.0.0.1:{deploy_stack.extproc_port}",
+                        "--service", EXTPROC_SERVICE_NAME], capture_output=True, text=True, timeout=30)
+    assert r.returncode == 0 and "SERVING" in r.stdout, r.stderr
+
+
+def test_requests_reach_the_endpoint_the_router_picked(deploy_stack, gateway) -> None:
+    seen = set()
+    with httpx.Client(base_url=gateway.base, timeout=30) as c:
+        for i in range(6):
+            prompt = [1000 + 50 * i + j for j in range(70)]
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 3})
+            assert r.status_code == 200, r.text
+            worker, picked = served_by(r, deploy_stack)
+            assert worker == picked and worker.startswith("decode-"), (worker, picked)
+            assert r.json()["usage"]["completion_tokens"] == 3
+            seen.add(worker)
+        # streaming chat goes the same way
+        r = c.post("/v1/chat/completions", json={"model": MODEL, "stream": True, "max_tokens": 4,
+                                                 "messages": [{"role": "user", "content": "stream through envoy"}]})
+        assert r.status_code == 200, r.text
+        worker, picked = served_by(r, deploy_stack)
+        assert worker == picked
+        assert r.text.rstrip().endswith("data: [DONE]")
+    assert seen <= {"decode-1", "decode-2"}
+
+
+def test_session_turns_stick_to_their_kv(deploy_stack, gateway) -> None:
+    """Two agent sessions, three turns each, interleaved: every turn lands where its KV is."""
+    sessions = {
+        "a": [{"role": "system", "content": "You are agent A. " + "alpha " * 120}],
+        "b": [{"role": "system", "content": "You are agent B. " + "bravo " * 120}],
+    }
+    home: dict[str, str] = {}
+    with httpx.Client(base_url=gateway.base, timeout=30) as c:
+        for turn in range(3):
+            for name, msgs in sessions.items():
+                msgs.append({"role": "user", "content": f"turn {turn} of session {name}: do step {turn}"})
+                r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4},
+                           headers={"x-session-id": name})
+                assert r.status_code == 200, r.text
+                worker, picked = served_by(r, deploy_stack)
+                assert worker == picked
+                body = r.json()
+                if turn == 0:
+                    home[name] = worker
+                else:
+                    assert worker == home[name], f"session {name} turn {turn} left its KV on {home[name]}"
+                    # most of the prompt (the previous turns) was served from the cache
+                    usage = body["usage"]
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2, usage
+                msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
+
+
+def test_subset_hint_is_honoured_and_an_empty_choice_is_503(deploy_stack, gateway) -> None:
+    with httpx.Client(base_url=gateway.base, timeout=30) as c:
+        for target in ("decode-1", "decode-2"):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": [4242, 4243, 4244] * 30, "max_tokens": 2},
+                       headers={"x-gateway-destination-endpoint-subset": deploy_stack.http_address(target)})
+            assert r.status_code == 200, r.text
+            assert served_by(r, deploy_stack) == (target, target)
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2},
+                   headers={"x-gateway-destination-endpoint-subset": f"127.0.0.1:{free_port()}"})
+        assert r.status_code == 503, r.text
+        assert "error" in r.json()
+
+
+def test_bad_requests_are_rejected_by_the_picker(gateway) -> None:
+    with httpx.Client(base_url=gateway.base, timeout=30) as c:
+        r = c.post("/v1/completions", content=b"{not json", headers={"content-type": "application/json"})
+        assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+        r = c.post("/v1/completions", json={"model": MODEL})
+        assert r.status_code == 400, r.text
+        r = c.post("/v1/completions", json={"model": "no-such-model", "prompt": [1, 2, 3]})
+        assert r.status_code in (400, 404), r.text
+
+
+def test_picker_down_fails_closed_or_open_as_configured(deploy_stack, envoy_factory) -> None:
+    dead = free_port()   # nothing listens: the ext_proc call fails
+    decode_ports = [deploy_stack.worker_http[e] for e in ("decode-1", "decode-2")]
+    closed = envoy_factory(dead, decode_ports, fail_open=False, name="fail-closed")
+    opened = envoy_factory(dead, decode_ports, fail_open=True, name="fail-open")
+    body = {"model": MODEL, "prompt": [11, 12, 13, 14], "max_tokens": 2}
+    r = httpx.post(closed.base + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 503, (r.status_code, r.text)
+    r = httpx.post(opened.base + "/v1/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    # served by a pool member through the fallback cluster, without a pick
+    assert r.headers["x-kvmesh-endpoint"] in {"decode-1", "decode-2"}
+    assert "x-kvmesh-picked-endpoint" not in r.headers
+
+
+async def _hold_connections(release: asyncio.Event) -> tuple[asyncio.AbstractServer, int]:
+    """An upstream that accepts and answers only when released (keeps a request in flight)."""
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        await release.wait()
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-kvmesh-endpoint: holder\r\n\r\nok")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, server.sockets[0].getsockname()[1]
+
+
+async def test_shedding_answers_429(envoy_factory) -> None:
+    """With ``max_inflight=1``, a second request while one is in flight is shed with 429."""
+    release = asyncio.Event()
+    holder, hport = await _hold_connections(release)
+
+    async def pick(_req):
+        return PickResult(address=f"127.0.0.1:{hport}", endpoint_id="holder")
+
+    server = await start_extproc_server(pick, 0, host="127.0.0.1", config=ExtProcConfig(max_inflight=1))
+    try:
+        gw = await asyncio.to_thread(envoy_factory, server.port, [hport], False, "shed")
+        async with httpx.AsyncClient(base_url=gw.base, timeout=30) as c:
+            first = asyncio.create_task(c.post("/v1/completions", json={"model": MODEL, "prompt": [1]}))
+            for _ in range(100):   # wait until the first request is parked at the upstream
+                await asyncio.sleep(0.05)
+                if not first.done() and holder.sockets and _inflight(server) == 1:
+                    break
+            second = await c.post("/v1/completions", json={"model": MODEL, "prompt": [2]})
+            assert second.status_code == 429, second.text
+            assert "shedding" in second.json()["error"]["message"]
+            release.set()
+            assert (await first).status_code == 200
+            # capacity is back once the first request finished
+            for _ in range(50):
+                if _inflight(server) == 0:
+                    break
+                await asyncio.sleep(0.05)
+            third = await c.post("/v1/completions", json={"model": MODEL, "prompt": [3]})
+            assert third.status_code == 200, third.text
+    finally:
+        release.set()
+        await server.stop(0)
+        holder.close()
+
+
+def _inflight(server) -> int:
+    (binding,) = server.bindings
+    return binding[1].inflight
