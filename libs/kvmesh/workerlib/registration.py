@@ -33,9 +33,11 @@ def advertised_zmq_endpoint(endpoint: str, advertise_host: str) -> str:
 
 
 def publisher_binds(endpoint: str) -> bool:
-    """vLLM's rule: the PUB socket binds for ``*``/``::``/ipc/inproc, otherwise it connects."""
-    return ("*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
-            or "0.0.0.0" in endpoint)
+    """vLLM's rule: the PUB socket binds for ``*``/``::``/ipc/inproc, otherwise it connects
+    (and then the indexer's subscriber must bind)."""
+    from kvmesh.events.publisher import is_bind_endpoint
+
+    return is_bind_endpoint(endpoint)
 
 
 class IndexerRegistration:

@@ -425,8 +425,6 @@ class SimEngine(Engine):
             base = _mix(zlib.crc32(req.request_id.encode()))
         live = _Live(req=req, seq=seq, queue=_Outbox(), arrival_wall=time.monotonic(), arrival=seq.arrival,
                      extra=extra, last_digest=last_digest, sample_base=base)
-        if tokens is None:
-            live.last_digest = None
         return live
 
     def _sample(self, seq: Seq) -> int | None:
