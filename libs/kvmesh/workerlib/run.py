@@ -60,7 +60,7 @@ def build_engine(cfg: WorkerConfig, endpoint_id: str) -> Engine:
         raise ConfigError(f"setting 'engine': vllm backend unavailable ({exc})") from exc
     vcfg = vllm_engine.VllmEngineConfig()
     mapping: dict[str, Any] = {
-        "model": cfg.model, "served_model_name": cfg.served_model_name, "endpoint_id": endpoint_id,
+        "model": cfg.model, "served_model_name": cfg.model_name, "endpoint_id": endpoint_id,
         "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_waiting": cfg.max_waiting,
         "seed": cfg.seed, "hash_algo": cfg.hash_algo, "kv_events_endpoint": cfg.kv_events_endpoint,
         "kv_events_replay_endpoint": cfg.kv_events_replay_endpoint, "offload_address": cfg.offload_address,
