@@ -373,3 +373,30 @@ async def test_http_api_started_by_run_worker() -> None:
         assert body["usage"]["completion_tokens"] == 3 and r.headers["x-kvmesh-endpoint"] == "w-http"
     finally:
         await w.stop(0)
+
+
+async def test_connecting_publisher_reaches_a_binding_subscriber() -> None:
+    """A concrete host in kv_events_endpoint makes the publisher connect (vLLM's rule); the subscriber binds."""
+    from kvmesh.testing.ports import free_port
+
+    ep = f"tcp://127.0.0.1:{free_port()}"
+    sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@w-conn@")
+    sub.bind(ep)
+    w = await start_worker(_cfg(endpoint_id="w-conn", kv_events_endpoint=ep))
+    try:
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            assert (await stub.GetInfo(worker_pb2.GetInfoRequest())).kv_events_endpoint == ep
+            await asyncio.sleep(0.3)
+            await _collect(stub, _gen("cn", list(range(2 * BS + 1)), 1))
+        seen = False
+        for _ in range(5):
+            msg = decode_message(await asyncio.wait_for(sub.recv_multipart(), 5))
+            if any(isinstance(e, BlockStored) for e in msg.batch.events):
+                seen = True
+                break
+        assert seen
+    finally:
+        sub.close(linger=0)
+        await w.stop(0)
