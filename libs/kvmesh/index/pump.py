@@ -221,7 +221,11 @@ class IngestPump:
     async def forget(self, endpoint: str) -> int:
         """Stop ingesting an endpoint and purge its entries."""
         task = self._tasks.pop(endpoint, None)
-        self._queues.pop(endpoint, None)
+        q = self._queues.pop(endpoint, None)
+        while q is not None and not q.empty():
+            item = q.get_nowait()
+            if item.future is not None and not item.future.done():
+                item.future.set_exception(ValueError(f"endpoint {endpoint!r} was purged"))
         if task is not None:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
