@@ -96,29 +96,45 @@ class LRUPolicy:
 
 
 class AgentAwarePolicy:
-    """GreedyDual priority with a bonus for blocks shared across sessions (see module doc)."""
+    """GreedyDual priority valuing shared blocks and long-lived sessions (see module doc)."""
 
     name = "agent"
 
-    def __init__(self, share_weight: float = 1.0) -> None:
+    def __init__(self, share_weight: float = 1.0, session_weight: float = 1.0) -> None:
         self.share_weight = share_weight
+        self.session_weight = session_weight
         self._heap: list[tuple[float, int, int, Hashable]] = []
         self._live: dict[Hashable, int] = {}
         self._sharers: dict[Hashable, int] = {}
         self._last_session: dict[Hashable, str] = {}
+        self._activity: dict[str, int] = {}       # session -> operations seen (requests)
+        self._session_batch: dict[str, int] = {}
+        self._batch = 0
         self._inflation = 0.0
+        self._batch_inflation = 0.0
         self._seq = itertools.count()
 
     def new_batch(self) -> None:
-        pass
+        # One request's touches share the inflation of its start: otherwise evictions
+        # during the request would rank its deep blocks above its head, and losing
+        # the head of a chain loses every hit behind it.
+        self._batch += 1
+        self._batch_inflation = self._inflation
 
-    def _value(self, key: Hashable) -> float:
-        return 1.0 + self.share_weight * math.log2(1 + self._sharers.get(key, 1))
+    def _note_session(self, session: str) -> int:
+        if not session:
+            return 1
+        if self._session_batch.get(session) != self._batch:
+            self._session_batch[session] = self._batch
+            self._activity[session] = self._activity.get(session, 0) + 1
+        return self._activity[session]
 
-    def _push(self, key: Hashable, depth: int) -> None:
+    def _push(self, key: Hashable, depth: int, activity: int) -> None:
         seq = next(self._seq)
         self._live[key] = seq
-        heapq.heappush(self._heap, (self._inflation + self._value(key), -depth, seq, key))
+        value = (1.0 + self.share_weight * math.log2(self._sharers.get(key, 1))
+                 + self.session_weight * math.log2(activity))
+        heapq.heappush(self._heap, (self._batch_inflation + value, -depth, seq, key))
         if len(self._heap) > 4 * len(self._live) + 1024:
             self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
             heapq.heapify(self._heap)
@@ -126,7 +142,7 @@ class AgentAwarePolicy:
     def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         self._sharers[key] = 1
         self._last_session[key] = session
-        self._push(key, depth)
+        self._push(key, depth, self._note_session(session))
 
     def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         if key not in self._live:
@@ -135,7 +151,7 @@ class AgentAwarePolicy:
             # Distinct-session count, approximated by "a different session than last time".
             self._sharers[key] = self._sharers.get(key, 1) + 1
             self._last_session[key] = session
-        self._push(key, depth)
+        self._push(key, depth, self._note_session(session))
 
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
@@ -155,7 +171,76 @@ class AgentAwarePolicy:
         return len(self._live)
 
 
-POLICIES = {"lru": LRUPolicy, "agent": AgentAwarePolicy}
+class SessionRatePolicy:
+    """LRU on a per-session clock: a block's recency is its session's last request time
+    minus ``gap_weight`` x the session's typical think time (EWMA of its request gaps).
+
+    An agent in a fast tool loop comes back within seconds; one whose turns are
+    minutes apart will not need its KV soon even if it was active a moment ago.
+    Time comes from ``new_batch(now)`` (wall clock in the store, virtual time in
+    the simulator); without it, the batch counter stands in.
+    """
+
+    name = "session-rate"
+
+    def __init__(self, gap_weight: float = 1.0, ewma: float = 0.3, default_gap: float = 30.0) -> None:
+        self.gap_weight = gap_weight
+        self.ewma = ewma
+        self.default_gap = default_gap
+        self._heap: list[tuple[float, int, int, Hashable]] = []
+        self._live: dict[Hashable, int] = {}
+        self._now = 0.0
+        self._batch = 0
+        self._last: dict[str, float] = {}
+        self._gap: dict[str, float] = {}
+        self._session_batch: dict[str, int] = {}
+        self._seq = itertools.count()
+
+    def new_batch(self, now: float | None = None) -> None:
+        self._batch += 1
+        self._now = float(self._batch) if now is None else now
+
+    def _key(self, session: str) -> float:
+        if session and self._session_batch.get(session) != self._batch:
+            self._session_batch[session] = self._batch
+            prev = self._last.get(session)
+            if prev is not None:
+                g = self._gap.get(session, self.default_gap)
+                self._gap[session] = (1 - self.ewma) * g + self.ewma * (self._now - prev)
+            self._last[session] = self._now
+        return self._now - self.gap_weight * self._gap.get(session, self.default_gap)
+
+    def _push(self, key: Hashable, depth: int, session: str) -> None:
+        seq = next(self._seq)
+        self._live[key] = seq
+        heapq.heappush(self._heap, (self._key(session), -depth, seq, key))
+        if len(self._heap) > 4 * len(self._live) + 1024:
+            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
+            heapq.heapify(self._heap)
+
+    def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        self._push(key, depth, session)
+
+    def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        if key in self._live:
+            self._push(key, depth, session)
+
+    def remove(self, key: Hashable) -> None:
+        self._live.pop(key, None)
+
+    def victim(self) -> Hashable | None:
+        while self._heap:
+            _, _, seq, key = self._heap[0]
+            if self._live.get(key) == seq:
+                return key
+            heapq.heappop(self._heap)
+        return None
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+POLICIES = {"lru": LRUPolicy, "agent": AgentAwarePolicy, "session-rate": SessionRatePolicy}
 
 
 def make_policy(name: str, **kwargs: float) -> EvictionPolicy:

@@ -60,6 +60,12 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(values, float(v))
             yield c
+        fallbacks = getattr(self.engine, "offload_fallbacks", None)
+        if fallbacks is not None:
+            c = CounterMetricFamily("kvmesh_worker_offload_fallbacks", "Offload restores that failed (store down "
+                                    "or slow), so the prompt was recomputed locally.", labels=labels)
+            c.add_metric(values, float(fallbacks))
+            yield c
         cfg_labels = ["block_size", "num_gpu_blocks", "enable_prefix_caching", "prefix_caching_hash_algo",
                       "engine"]
         g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",

@@ -227,6 +227,7 @@ class SimEngine(Engine):
         self.events_published = 0
         self.offload_saved_blocks = 0
         self.offload_restored_blocks = 0
+        self.offload_fallbacks = 0        # restores that failed (store down/slow): recomputed locally
         self.restore_seconds = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -558,6 +559,7 @@ class SimEngine(Engine):
                     return
             blobs = await client.get(namespace, seq.block_hashes[gpu:want])
         except Exception as exc:  # noqa: BLE001 - a store outage degrades to local prefill
+            self.offload_fallbacks += 1
             log.warning("offload restore failed; computing locally",
                         extra={"request_id": seq.request_id, "error": str(exc)})
             return
