@@ -29,7 +29,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=32, help="max requests in flight")
     p.add_argument("--decode-workers", type=int, default=4)
     p.add_argument("--prefill-workers", type=int, default=2)
-    p.add_argument("--num-blocks", type=int, default=384, help="KV blocks per worker (64 tokens each)")
+    p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per worker (64 tokens each)")
+    p.add_argument("--offload-ram-bytes", type=int, default=32 << 20,
+                   help="offload store RAM (sim KV is 512 B/token: 32 MiB holds ~1k blocks)")
+    p.add_argument("--split", action="store_true",
+                   help="enable the P/D split (the router then reports a split request's restored prefill KV "
+                        "as offload hits, which inflates the hit rate of cache-blind policies)")
     p.add_argument("--redis", default="auto", choices=["auto", "on", "off"], help="indexer on Redis")
     p.add_argument("--out", default="out/demo", help="report, plots and logs go here")
     p.set_defaults(func=_run)
@@ -51,8 +56,15 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _table(rows: dict[str, dict[str, Any]]) -> None:
+def _console():
+    import sys
+
     from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def _table(rows: dict[str, dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="kvmesh demo: same agent workload, one fresh stack per policy")
@@ -64,7 +76,7 @@ def _table(rows: dict[str, dict[str, Any]]) -> None:
         t.add_row(pol, f"{m['hit_rate']:.3f}", f"{m['gpu_hit_rate']:.3f}", f"{m['offload_hit_rate']:.3f}",
                   f"{m['ttft_s']['p50']}", f"{m['ttft_s']['p90']}", f"{m['output_tok_per_s']}",
                   f"{m['requests_per_s']}", "-" if pva is None else f"{pva:.2f}", str(m["errors"]))
-    Console().print(t)
+    _console().print(t)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -95,6 +107,7 @@ def _run(args: argparse.Namespace) -> int:
         for pol in policies:
             cfg = StackConfig(decode_workers=args.decode_workers, prefill_workers=args.prefill_workers,
                               redis=args.redis, num_blocks=args.num_blocks, time_scale=args.time_scale,
+                              offload_ram_bytes=args.offload_ram_bytes, split=args.split,
                               policy=pol, log_dir=str(out / "logs" / pol))
             print(f"[{pol}] starting a fresh stack ...", flush=True)
             with LocalStack(cfg) as stack:

@@ -100,6 +100,10 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             "mean_abs_diff_tokens": round(sum(abs(p - a) for p, a in pred) / len(pred), 2) if pred else None,
         },
         "split_requests": sum(1 for r in ok if r["split"]),
+        # A split request's usage is the decode worker's, whose "offload" hit includes the KV the prefill
+        # worker just computed; this rate leaves those requests out.
+        "hit_rate_unsplit": round(sum(r["cached"] for r in ok if not r["split"])
+                                  / max(1, sum(r["prompt_tokens"] for r in ok if not r["split"])), 4),
         "endpoints": sorted({r["endpoint"] for r in ok if r["endpoint"]}),
     }
 
