@@ -28,15 +28,18 @@ from pathlib import Path
 
 BLOCK_SIZE = 32
 
-# (name, algo, PYTHONHASHSEED or None, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)
+# (name, algo, PYTHONHASHSEED or None, VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES, with a LoRA adapter)
 CASES = [
-    ("sha256_default", "sha256", None, True),
-    ("sha256_cbor", "sha256_cbor", None, True),
-    ("sha256_cbor_seeded_raw", "sha256_cbor", "4242", False),
-    ("sha256_seeded_raw", "sha256", "7", False),
-    ("xxhash_seeded", "xxhash", "12345", True),
-    ("xxhash_cbor_seeded_raw", "xxhash_cbor", "12345", False),
+    ("sha256_default", "sha256", None, True, False),
+    ("sha256_cbor", "sha256_cbor", None, True, False),
+    ("sha256_cbor_seeded_raw", "sha256_cbor", "4242", False, False),
+    ("sha256_seeded_raw", "sha256", "7", False, False),
+    ("xxhash_seeded", "xxhash", "12345", True, False),
+    ("xxhash_cbor_seeded_raw", "xxhash_cbor", "12345", False, False),
+    ("sha256_cbor_lora", "sha256_cbor", None, True, True),
 ]
+LORA_NAME = "sql-adapter"
+LORA_RANK = 8
 
 TINY_LLAMA = {
     "architectures": ["LlamaForCausalLM"],
@@ -56,6 +59,43 @@ TINY_LLAMA = {
     "bos_token_id": 1,
     "eos_token_id": 2,
 }
+
+
+def write_lora_adapter(path: Path, rank: int = LORA_RANK) -> None:
+    """A PEFT-format LoRA (q_proj, v_proj) for the tiny Llama, with small random weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": ["q_proj", "v_proj"], "bias": "none", "fan_in_fan_out": False,
+        "modules_to_save": None, "base_model_name_or_path": None,
+    }  # fmt: skip
+    (path / "adapter_config.json").write_text(json.dumps(cfg))
+    g = torch.Generator().manual_seed(0)
+    hidden = TINY_LLAMA["hidden_size"]
+    head_dim = hidden // TINY_LLAMA["num_attention_heads"]
+    outs = {"q_proj": hidden, "v_proj": TINY_LLAMA["num_key_value_heads"] * head_dim}
+    tensors = {}
+    for layer in range(TINY_LLAMA["num_hidden_layers"]):
+        for mod, out in outs.items():
+            pre = f"base_model.model.model.layers.{layer}.self_attn.{mod}"
+            tensors[f"{pre}.lora_A.weight"] = torch.randn(rank, hidden, generator=g) * 0.01
+            tensors[f"{pre}.lora_B.weight"] = torch.randn(out, rank, generator=g) * 0.01
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+def make_lora_requests(seed: int = 7) -> list[dict]:
+    """Same tokens with and without the adapter, plus salt: LoRA keys go on every block."""
+    rng = random.Random(seed)
+    base = [rng.randrange(3, 32000) for _ in range(130)]
+    return [
+        {"prompt_token_ids": base, "cache_salt": None, "lora": False},
+        {"prompt_token_ids": base, "cache_salt": None, "lora": True},
+        {"prompt_token_ids": base + [5] * 40, "cache_salt": None, "lora": True},  # extends the LoRA chain
+        {"prompt_token_ids": base, "cache_salt": "tenant-a", "lora": True},
+    ]
 
 
 def make_requests(seed: int = 20260530) -> list[dict]:
@@ -83,7 +123,7 @@ def _jsonable_hash(h):
     return h.hex() if isinstance(h, bytes) else h
 
 
-def run_case(name: str, algo: str, out_path: Path) -> None:
+def run_case(name: str, algo: str, with_lora: bool, out_path: Path) -> None:
     """Child process: start vLLM, send the requests, record events."""
     import msgspec
     import zmq
@@ -92,6 +132,11 @@ def run_case(name: str, algo: str, out_path: Path) -> None:
 
     with tempfile.TemporaryDirectory(prefix="kvmesh-tiny-llama-") as model_dir:
         Path(model_dir, "config.json").write_text(json.dumps(TINY_LLAMA))
+        lora_path = str(Path(model_dir, "lora-sql"))
+        lora_kwargs: dict = {}
+        if with_lora:
+            write_lora_adapter(Path(lora_path))
+            lora_kwargs = {"enable_lora": True, "max_lora_rank": LORA_RANK, "max_loras": 1}
         ctx = zmq.Context()
         sub = ctx.socket(zmq.SUB)
         port = sub.bind_to_random_port("tcp://127.0.0.1")
@@ -111,6 +156,7 @@ def run_case(name: str, algo: str, out_path: Path) -> None:
             enable_prefix_caching=True,
             prefix_caching_hash_algo=algo,
             seed=0,
+            **lora_kwargs,
             # A connect endpoint: vLLM's PUB connects to our bound SUB, so nothing is lost
             # to the slow-joiner problem.
             kv_events_config={
@@ -175,19 +221,27 @@ def run_case(name: str, algo: str, out_path: Path) -> None:
                             "block_size": ev.block_size,
                             "extra_keys": ev.extra_keys,
                             "medium": ev.medium,
+                            "lora_id": ev.lora_id,
+                            "lora_name": ev.lora_name,
                         }
                     )
             return got
 
+        from vllm.lora.request import LoRARequest
+
         records = []
-        for req in make_requests():
+        for req in make_lora_requests() if with_lora else make_requests():
             prompt = {"prompt_token_ids": req["prompt_token_ids"]}
             if req["cache_salt"]:
                 prompt["cache_salt"] = req["cache_salt"]
-            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            use_lora = req.pop("lora", False)
+            lora_req = LoRARequest(LORA_NAME, 1, lora_path) if use_lora else None
+            out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora_req)[0]
             records.append(
                 {
                     **req,
+                    "lora_name": LORA_NAME if use_lora else None,
+                    "lora_path": lora_path if use_lora else None,
                     "output_token_ids": list(out.outputs[0].token_ids),
                     "num_cached_tokens": out.num_cached_tokens,
                     "events": drain(2.0),
@@ -209,14 +263,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     if args.case:
-        algo = next(c[1] for c in CASES if c[0] == args.case)
-        run_case(args.case, algo, Path(args.case_out))
+        _, algo, _, _, with_lora = next(c for c in CASES if c[0] == args.case)
+        run_case(args.case, algo, with_lora, Path(args.case_out))
         return 0
 
     import vllm
 
     cases_out = []
-    for name, algo, hashseed, int_hashes in CASES:
+    for name, algo, hashseed, int_hashes, with_lora in CASES:
         if args.only and name not in args.only:
             continue
         env = dict(os.environ)
@@ -248,9 +302,18 @@ def main(argv: list[str] | None = None) -> int:
                 "pythonhashseed": hashseed,
                 "int_block_hashes": int_hashes,
                 "block_size": BLOCK_SIZE,
+                "lora": with_lora,
                 "records": data["records"],
             }
         )
+    out_path = Path(args.out)
+    if args.only and out_path.exists():
+        # keep the other cases of an existing vectors file
+        old = json.loads(out_path.read_text())
+        mine = {c["name"] for c in cases_out}
+        cases_out = [c for c in old["cases"] if c["name"] not in mine] + cases_out
+        order = [c[0] for c in CASES]
+        cases_out.sort(key=lambda c: order.index(c["name"]) if c["name"] in order else len(order))
     doc = {
         "vllm_version": vllm.__version__,
         "captured_by": "scripts/capture_vllm_vectors.py",

@@ -34,6 +34,7 @@ def test_vectors_cover_required_cases() -> None:
     assert any(r["cache_salt"] for c in CASES.values() for r in c["records"])
     assert any(c["pythonhashseed"] is None for c in CASES.values())
     assert any(not c["int_block_hashes"] for c in CASES.values())  # full digests recorded too
+    assert any(r.get("lora_name") for c in CASES.values() for r in c["records"])
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -45,7 +46,7 @@ def test_block_hashes_match_vllm_events(name: str) -> None:
     chains = []
     for r in case["records"]:
         tokens = r["prompt_token_ids"] + r["output_token_ids"]
-        extra = ExtraKeys(cache_salt=r["cache_salt"])
+        extra = ExtraKeys(cache_salt=r["cache_salt"], lora_name=r.get("lora_name"), lora_path=r.get("lora_path"))
         chains.append((tokens, extra, [as_wire(d) for d in hasher.block_digests(tokens, extra)]))
 
     checked = 0
@@ -78,6 +79,8 @@ def test_block_hashes_match_vllm_events(name: str) -> None:
             ]
             got_extra = [tuple(x) if x is not None else None for x in (ev["extra_keys"] or [None] * len(hashes))]
             assert got_extra == want_extra
+            if "lora_name" in ev:
+                assert ev["lora_name"] == extra.lora_name and (ev["lora_id"] is None) == (extra.lora_name is None)
             seen.update(hashes)
             checked += len(hashes)
     assert checked >= 10
