@@ -27,12 +27,21 @@ async def _run(engine: SimEngine, req: EngineRequest):
     return outs[-1], [t for o in outs for t in o.new_token_ids]
 
 
-def _recv_all(sock: zmq.Socket, timeout_ms: int = 500) -> list:
-    msgs = []
-    while sock.poll(timeout_ms):
-        msgs.append(decode_message(sock.recv_multipart()))
-        timeout_ms = 100
-    return msgs
+def _replay_all(endpoint: str, start: int = 0) -> list:
+    """Every buffered batch from ``start`` via the replay ROUTER socket (DEALER client)."""
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(endpoint)
+    try:
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        msgs = []
+        while True:
+            assert dealer.poll(5000), "replay did not answer"
+            frames = dealer.recv_multipart()[1:]
+            if is_replay_end(frames):
+                return msgs
+            msgs.append(decode_message(frames))
+    finally:
+        dealer.close(linger=0)
 
 
 def _vllm_events(prompts: list[tuple[str, list[int], str | None]], num_blocks: int) -> list:
@@ -73,21 +82,16 @@ async def test_published_events_equal_vllm_events() -> None:
     nb = 10
     want = _vllm_events(prompts, nb)
     eng = SimEngine(SimEngineConfig(block_size=BS, num_blocks=nb, virtual_time=True, model="m", endpoint_id="e1",
-                                    kv_events_endpoint="tcp://*:0",
+                                    kv_events_endpoint="tcp://*:0", kv_events_replay_endpoint="tcp://*:0",
                                     clear_events_on_start=False))
-    ctx = zmq.Context.instance()
     await eng.start()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"kv@e1@m")
-    sub.connect(eng.kv_events_endpoint.replace("0.0.0.0", "127.0.0.1"))
     try:
-        await asyncio.sleep(0.3)
         for rid, toks, salt in prompts:
             # max_tokens=1: the request ends right after prefill, as on the vLLM side.
             await _run(eng, EngineRequest(rid, toks, max_tokens=1, cache_salt=salt or ""))
-        msgs = await asyncio.to_thread(_recv_all, sub)
+        # Read the wire messages back through the replay socket (no ZMQ slow-joiner loss).
+        msgs = await asyncio.to_thread(_replay_all, eng.kv_events_replay_endpoint.replace("0.0.0.0", "127.0.0.1"))
     finally:
-        sub.close(linger=0)
         await eng.stop()
     got = [e for m in msgs for e in m.batch.events]
     assert [m.seq for m in msgs] == list(range(len(msgs)))
@@ -116,19 +120,8 @@ async def test_replay_socket_returns_buffered_batches() -> None:
     try:
         for i in range(3):
             await _run(eng, EngineRequest(f"r{i}", list(range(i * 100, i * 100 + 2 * BS + 1)), max_tokens=1))
-        dealer = zmq.Context.instance().socket(zmq.DEALER)
-        dealer.connect(eng.kv_events_replay_endpoint.replace("0.0.0.0", "127.0.0.1"))
-        try:
-            dealer.send_multipart([b"", (1).to_bytes(8, "big")])
-            seqs = []
-            while True:
-                assert dealer.poll(3000)
-                frames = dealer.recv_multipart()[1:]
-                if is_replay_end(frames):
-                    break
-                seqs.append(decode_message(frames).seq)
-        finally:
-            dealer.close(linger=0)
+        msgs = await asyncio.to_thread(_replay_all, eng.kv_events_replay_endpoint.replace("0.0.0.0", "127.0.0.1"), 1)
+        seqs = [m.seq for m in msgs]
         # seq 0 is the AllBlocksCleared sent at start; then one batch per request's step.
         assert seqs == list(range(1, eng.events_published))
     finally:

@@ -173,23 +173,30 @@ async def test_engine_crash_is_unavailable_and_not_serving(worker, stub) -> None
 
 
 async def test_kv_events_reach_a_zmq_subscriber_with_vllm_hashes(worker, stub) -> None:
+    from kvmesh.hashing import ExtraKeys
+
     info = await stub.GetInfo(worker_pb2.GetInfoRequest())
     ctx = zmq.asyncio.Context.instance()
     sub = ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(info.kv_events_endpoint)
+    hasher = BlockHasher("sha256_cbor", BS)
     try:
-        await asyncio.sleep(0.3)   # slow-joiner
-        prompt = list(range(500, 500 + 3 * BS + 1))
-        await _collect(stub, _gen("ev", prompt, 1, cache_salt="tenant-a"))
-        frames = await asyncio.wait_for(sub.recv_multipart(), 5)
-        msg = decode_message(frames)
-        assert msg.topic == "kv@w-test@sim-model"
-        stored = [e for e in msg.batch.events if isinstance(e, BlockStored)]
+        stored: list[BlockStored] = []
+        # The subscription needs a moment to reach the publisher (ZMQ slow joiner): keep sending.
+        for i in range(20):
+            prompt = list(range(500 + i * 64, 500 + i * 64 + 3 * BS + 1))
+            await _collect(stub, _gen(f"ev{i}", prompt, 1, cache_salt="tenant-a"))
+            try:
+                msg = decode_message(await asyncio.wait_for(sub.recv_multipart(), 0.5))
+            except TimeoutError:
+                continue
+            assert msg.topic == "kv@w-test@sim-model"
+            stored = [e for e in msg.batch.events if isinstance(e, BlockStored)]
+            if stored:
+                break
         assert stored
-        from kvmesh.hashing import ExtraKeys
-
-        want = BlockHasher("sha256_cbor", BS).block_keys(prompt, ExtraKeys(cache_salt="tenant-a"))
+        want = hasher.block_keys(prompt, ExtraKeys(cache_salt="tenant-a"))
         assert stored[0].block_hashes == want
         assert stored[0].parent_block_hash is None and stored[0].medium == "GPU"
         assert stored[0].token_ids == prompt[: 3 * BS]
@@ -388,14 +395,17 @@ async def test_connecting_publisher_reaches_a_binding_subscriber() -> None:
         async with grpc.aio.insecure_channel(w.address) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
             assert (await stub.GetInfo(worker_pb2.GetInfoRequest())).kv_events_endpoint == ep
-            await asyncio.sleep(0.3)
-            await _collect(stub, _gen("cn", list(range(2 * BS + 1)), 1))
-        seen = False
-        for _ in range(5):
-            msg = decode_message(await asyncio.wait_for(sub.recv_multipart(), 5))
-            if any(isinstance(e, BlockStored) for e in msg.batch.events):
-                seen = True
-                break
+            seen = False
+            # A connecting PUB needs a moment before the subscription reaches it; keep sending.
+            for i in range(20):
+                await _collect(stub, _gen(f"cn{i}", list(range(i * 100, i * 100 + 2 * BS + 1)), 1))
+                try:
+                    msg = decode_message(await asyncio.wait_for(sub.recv_multipart(), 0.5))
+                except TimeoutError:
+                    continue
+                if any(isinstance(e, BlockStored) for e in msg.batch.events):
+                    seen = True
+                    break
         assert seen
     finally:
         sub.close(linger=0)
