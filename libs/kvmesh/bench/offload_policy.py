@@ -26,8 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of claude-code *.json.gz")
     p.add_argument("--max-sessions", type=int, default=0, help="0 = all")
     p.add_argument("--stagger-s", type=float, default=60.0, help="start offset between sessions")
-    p.add_argument("--fractions", default="0.02,0.05,0.1,0.2", help="capacities as fractions of distinct blocks")
-    p.add_argument("--policies", default="lru,agent")
+    p.add_argument("--fractions", default="0.03,0.1,0.3", help="capacities as fractions of distinct blocks")
+    p.add_argument("--policies", default="lru,agent,session-rate")
     p.set_defaults(func=run)
 
 
