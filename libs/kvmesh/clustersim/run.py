@@ -40,8 +40,12 @@ def _run_one(policy: str) -> PolicyResult:
     return res
 
 
-def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: int | None = None) -> dict[str, Any]:
-    """Simulate every policy; returns the JSON-able report (``results`` keyed by policy)."""
+def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: int | None = None,
+                      records: bool = False) -> dict[str, Any]:
+    """Simulate every policy; returns the JSON-able report (``results`` keyed by policy).
+
+    With ``records`` the report also holds every request's outcome under ``records[policy]``.
+    """
     t0 = time.perf_counter()
     for r in trace.requests():
         _ = r.keys   # precompute chains once, before forking
@@ -77,6 +81,8 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
         m["ceiling_pooled"] = ceil_pool
         m["share_of_ceiling_pooled"] = round(m["prefix_hit_rate"] / ceil_pool, 4) if ceil_pool else 0.0
         out["results"][res.policy] = m
+        if records:
+            out.setdefault("records", {})[res.policy] = res.records
         out["series"][res.policy] = {"hit_rate_over_time": res.hit_series, "ttft_s": sorted(round(x, 5) for x in res.ttfts)}
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out

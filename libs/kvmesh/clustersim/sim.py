@@ -70,6 +70,7 @@ class PolicyResult:
     metrics: dict[str, Any]
     ttfts: list[float] = field(default_factory=list)
     hit_series: list[tuple[float, float]] = field(default_factory=list)   # (time s, hit rate in bucket)
+    records: list[dict[str, Any]] = field(default_factory=list)            # per request, in release order
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -407,7 +408,11 @@ class ClusterSim:
             "steps": sum(w.steps for w in self.workers),
             "wall_s": round(wall_s, 2),
         }
-        return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1))
+        records = [{"uid": j.req.uid, "endpoint": self.workers[j.decode_ep].id, "split": j.split,
+                    "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "release_s": round(j.release, 6),
+                    "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),
+                    "error": j.error} for j in self.jobs]
+        return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1), records)
 
     def _series(self, done: list[Job], t0: float, t1: float) -> list[tuple[float, float]]:
         n = max(1, self.cfg.time_buckets)
