@@ -1,0 +1,149 @@
+"""The synchronous store core, tiers, policies, arena and wire codec (no gRPC)."""
+
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+
+from kvmesh.kvstore.arena import Arena
+from kvmesh.kvstore.block import StoredBlock
+from kvmesh.kvstore.eviction import AgentAwarePolicy, LRUPolicy, SessionRatePolicy, make_policy
+from kvmesh.kvstore.layout import kv_bytes_per_block, kv_bytes_per_token, namespace_for
+from kvmesh.kvstore.policysim import TraceRequest, infinite_hit_rate, replay
+from kvmesh.kvstore.ram_tier import RamTier
+from kvmesh.kvstore.store import BlockIn, OffloadStore, StoreFullError
+from kvmesh.kvstore.wire import decode_get_response, decode_put_request, encode_get_response, encode_put_chunk
+from kvmesh.offload.v1 import offload_pb2
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_layout() -> None:
+    assert kv_bytes_per_token(32, 8, 128, "bf16") == 2 * 32 * 8 * 128 * 2
+    assert kv_bytes_per_token(2, 2, 32, "torch.float32") == 2 * 2 * 2 * 32 * 4
+    assert kv_bytes_per_block(2, 2, 32, "fp8", 16) == 2 * 2 * 2 * 32 * 16
+    assert namespace_for("Qwen/Qwen3 8B", 36, 8, 128, "bfloat16", 64) == "Qwen/Qwen3_8B/L36-H8-D128-bf16-bs64"
+    assert namespace_for("m", 2, 2, 32, "bf16", 16) != namespace_for("m", 2, 2, 32, "fp16", 16)
+    with pytest.raises(ValueError, match="dtype"):
+        kv_bytes_per_token(2, 2, 32, "int3")
+    with pytest.raises(ValueError, match="num_layers"):
+        namespace_for("m", 0, 2, 32, "bf16", 16)
+
+
+@pytest.mark.parametrize("policy", ["lru", "agent", "session-rate"])
+def test_policies_evict_deepest_first_within_a_request(policy: str) -> None:
+    tier = RamTier(6, make_policy(policy))
+    tier.new_batch()
+    for d in range(4):
+        tier.add(("n", d), StoredBlock(size=1, depth=d, session="a"))
+    tier.new_batch()
+    for d in range(4):
+        tier.make_room(1)
+        tier.add(("n", 100 + d), StoredBlock(size=1, depth=d, session="b"))
+    # the older chain lost its tail, kept its head
+    assert [("n", d) in tier for d in range(4)] == [True, True, False, False]
+
+
+def test_agent_policy_keeps_blocks_shared_across_sessions() -> None:
+    lru, agent = RamTier(4, LRUPolicy()), RamTier(4, AgentAwarePolicy(share_weight=2.0))
+    for tier in (lru, agent):
+        tier.new_batch()
+        tier.add(("n", 1), StoredBlock(size=1, session="main"))          # system prompt
+        for s in ("sub1", "sub2", "sub3"):
+            tier.new_batch()
+            tier.touch(("n", 1), s)
+        tier.new_batch()
+        for k in (2, 3, 4):
+            tier.add(("n", k), StoredBlock(size=1, session="sub4", depth=k))
+        tier.new_batch()
+        tier.make_room(1)
+        tier.add(("n", 9), StoredBlock(size=1, session="sub5"))
+    assert ("n", 1) not in lru and ("n", 1) in agent
+
+
+def test_session_rate_prefers_fast_loop_sessions() -> None:
+    pol = SessionRatePolicy(gap_weight=1.0, default_gap=10.0)
+    tier = RamTier(2, pol)
+    for t, sess, key in ((0, "slow", 1), (1, "fast", 2), (2, "fast", 2), (300, "slow", 1), (301, "fast", 2)):
+        pol.new_batch(float(t))
+        if ("n", key) in tier:
+            tier.touch(("n", key), sess)
+        else:
+            tier.add(("n", key), StoredBlock(size=1, session=sess))
+    pol.new_batch(302.0)
+    victims = tier.make_room(2)
+    assert [v[0] for v in victims][0] == ("n", 1)  # the slow session's block goes first
+
+
+def test_store_put_is_atomic_and_full_store_refuses() -> None:
+    store = OffloadStore(10, evict_on_full=False)
+    store.put("ns", [BlockIn(i, b"x" * 2, 0) for i in range(4)])
+    with pytest.raises(StoreFullError):
+        store.put("ns", [BlockIn(10 + i, b"y" * 2, 0) for i in range(2)])
+    assert store.contains("ns", [10]) == (0, 0) and store.contains("ns", [0, 1, 2, 3]) == (4, 4)
+    with pytest.raises(StoreFullError):
+        OffloadStore(10).put("ns", [BlockIn(1, b"z" * 11, 0)])
+
+
+def test_metadata_only_store_with_a_ram_lower_tier() -> None:
+    """The cluster simulator's mode: capacity in blocks, no bytes, a modelled disk tier."""
+    store = OffloadStore(3, metadata_only=True, disk=RamTier(5))
+    out = store.put("m", [BlockIn(k, None, size=1) for k in range(3)], session="s")
+    assert out.stored == 3
+    store.put("m", [BlockIn(k, None, size=1) for k in range(10, 13)], session="t")
+    assert store.contains("m", [0, 1, 2]) == (3, 0)            # all three spilled to the "disk"
+    found = store.get("m", [0, 1, 2, 99])
+    assert [f.medium for f in found] == ["DISK"] * 3 and all(f.block.data is None for f in found)
+    s = store.stats()
+    assert s["ram_bytes"] == 3 and s["counters"]["hits_disk"] == 3 and s["counters"]["misses"] == 1
+
+
+def test_arena_slots_are_reused_only_after_every_reader_let_go() -> None:
+    arena = Arena(limit_bytes=1 << 22, min_block=1024, slab_bytes=4096)
+    a = arena.copy_in(os.urandom(2048))
+    b = arena.copy_in(os.urandom(2048))
+    held = a                                          # a reader still holds block a
+    del a
+    gc.collect()
+    c = arena.alloc(2048)
+    assert c is not None and c._idx not in (held._idx, b._idx)
+    data_before = bytes(held.view)
+    c.view[:] = b"\0" * 2048
+    assert bytes(held.view) == data_before            # not overwritten under the reader
+    idx = held._idx
+    del held
+    d, e = arena.alloc(2048), arena.alloc(2048)
+    assert idx in (d._idx, e._idx)                     # freed once the last reference went
+    assert arena.copy_in(b"small") == b"small"        # under min_block: left as bytes
+
+
+def test_wire_codec_matches_protobuf() -> None:
+    raw = encode_get_response(2**64 - 1, b"\x01" * 5000, True, 0xFFFFFFFF, 3)
+    pb = offload_pb2.GetResponse.FromString(raw)
+    assert (pb.chunk.key, pb.chunk.data, pb.chunk.last, pb.chunk.crc32c, pb.tier) == (
+        2**64 - 1, b"\x01" * 5000, True, 0xFFFFFFFF, 3)
+    ch = decode_get_response(pb.SerializeToString())
+    assert (ch.key, bytes(ch.data), ch.last, ch.crc32c, ch.tier) == (2**64 - 1, b"\x01" * 5000, True, 0xFFFFFFFF, 3)
+    req = offload_pb2.PutRequest.FromString(encode_put_chunk(5, b"ab", False, 0, [1, 2, 70000]))
+    assert (req.chunk.key, req.chunk.data, req.chunk.last, list(req.chunk.token_ids)) == (5, b"ab", False,
+                                                                                          [1, 2, 70000])
+    hdr = decode_put_request(offload_pb2.PutRequest(header=offload_pb2.PutHeader(namespace="x")).SerializeToString())
+    assert isinstance(hdr, offload_pb2.PutHeader) and hdr.namespace == "x"
+    with pytest.raises(ValueError):
+        decode_get_response(b"\x0a\xff\xff\xff\x0f")
+
+
+def test_policy_replay_on_a_small_synthetic_agent_trace() -> None:
+    # a main agent growing its context, and sub-agents sharing its first blocks
+    reqs = []
+    for turn in range(6):
+        reqs.append(TraceRequest(turn * 10.0, "f", "main", list(range(0, 10 + turn))))
+        reqs.append(TraceRequest(turn * 10.0 + 1, "f", f"main/sub{turn}", [0, 1, 1000 + turn, 2000 + turn]))
+    ceiling, unique = infinite_hit_rate(reqs)
+    assert 0 < ceiling < 1 and unique == 15 + 12
+    big = replay(reqs, "lru", 1000)
+    assert big.hit_rate == pytest.approx(ceiling) and big.evictions == 0
+    small = {p: replay(reqs, p, 12).hit_rate for p in ("lru", "agent", "session-rate")}
+    assert all(0 < v <= ceiling for v in small.values())
