@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -11,8 +12,9 @@ import pytest
 from kvmesh.common.v1 import common_pb2
 from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.testing.ports import free_port
+from kvmesh.testing.procs import ServiceProcess
 from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.fixtures.router import MODEL, start_router, start_worker
+from tests.fixtures.router import MODEL, start_router, start_worker, start_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,31 +40,79 @@ def _running(addr: str) -> int:
         return r.running + r.waiting
 
 
-def test_killed_worker_is_retried_around(tmp_path, procs):
-    w1 = procs(start_worker(tmp_path, "w1"))
-    w2 = procs(start_worker(tmp_path, "w2"))
-    # Slow load polling, so the router only learns of the death from the failed call.
-    router, _ = start_router(tmp_path, [("w1", w1.grpc_address), ("w2", w2.grpc_address)],
-                             extra=["--load-poll-s", "60"])
-    procs(router)
+def _wait_idle(addr: str, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while _running(addr) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _running(addr) == 0, "the worker's request was not aborted"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Iterator[tuple[ServiceProcess, dict[str, ServiceProcess]]]:
+    """Two workers behind a router whose indexer is down and whose load polling is slow.
+
+    Slow polling means the router only learns of a death from the failed call itself.
+    """
+    tmp = tmp_path_factory.mktemp("router-pair")
+    workers = start_workers(tmp, ["w1", "w2"])
+    router = None
+    try:
+        router, _ = start_router(tmp, [(e, w.grpc_address) for e, w in workers.items()],
+                                 indexer=f"127.0.0.1:{free_port()}", extra=["--load-poll-s", "60"])
+        router.tmp = tmp  # type: ignore[attr-defined]
+        yield router, workers
+    finally:
+        if router is not None:
+            router.stop(grace_s=3)
+        for w in workers.values():
+            w.stop(grace_s=3)
+
+
+def test_indexer_down_falls_back_to_approx_not_an_error(pair):
+    router, _ = pair
+    with grpc.insecure_channel(router.grpc_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        tokens = _rand(500, 6)
+        a = _final(stub, _req(tokens))
+        b = _final(stub, _req(tokens + _rand(64, 7)))
+        assert a.routing.policy == "precise" and "fallback" in b.routing.reason
+        assert b.routing.endpoint == a.routing.endpoint
+        assert b.routing.predicted_cached_tokens == b.usage.cached_tokens > 0
+    assert "indexer unavailable" in (router.tmp / "router.log").read_text()
+
+
+def test_killed_worker_is_retried_around(pair):
+    router, workers = pair
     with grpc.insecure_channel(router.grpc_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         tokens = _rand(600, 1)
         first = _final(stub, _req(tokens, session_id="s"))
         holder = first.routing.endpoint
-        {"w1": w1, "w2": w2}[holder].kill()
+        workers[holder].kill()
         again = _final(stub, _req(tokens + _rand(50, 2), session_id="s"))
         assert again.routing.endpoint != holder
         assert again.routing.attempts == 2
         assert again.usage.completion_tokens == 4
 
 
-def test_worker_dying_mid_stream_gives_a_clean_error(tmp_path, procs):
+def test_deadline_cancel_midstream_death_and_no_endpoint(tmp_path, procs):
     w1 = procs(start_worker(tmp_path, "w1", extra=["--time-scale", "1", "--itl-s", "0.05"]))
-    router, _ = start_router(tmp_path, [("w1", w1.grpc_address)])
+    router, _ = start_router(tmp_path, [("w1", w1.grpc_address)], extra=["--max-attempts", "2"])
     procs(router)
     with grpc.insecure_channel(router.grpc_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
+        # A deadline reaches the worker: its request is aborted.
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stub.Generate(_req(_rand(100, 4), max_tokens=400), timeout=0.5))
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        _wait_idle(w1.grpc_address)
+        # So does a client cancel.
+        call = stub.Generate(_req(_rand(100, 5), max_tokens=400), timeout=30)
+        next(iter(call))
+        assert _running(w1.grpc_address) == 1
+        call.cancel()
+        _wait_idle(w1.grpc_address)
+        # The worker dies after tokens were streamed: a clean error saying what was generated.
         got = 0
         with pytest.raises(grpc.RpcError) as ei:
             for msg in stub.Generate(_req(_rand(100, 3), max_tokens=400), timeout=30):
@@ -72,57 +122,7 @@ def test_worker_dying_mid_stream_gives_a_clean_error(tmp_path, procs):
                         w1.kill()
         assert ei.value.code() == grpc.StatusCode.ABORTED
         assert "generated tokens" in ei.value.details() and "w1" in ei.value.details()
-
-
-def test_deadline_and_cancel_reach_the_worker(tmp_path, procs):
-    w1 = procs(start_worker(tmp_path, "w1", extra=["--time-scale", "1", "--itl-s", "0.05"]))
-    router, _ = start_router(tmp_path, [("w1", w1.grpc_address)])
-    procs(router)
-    with grpc.insecure_channel(router.grpc_address) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
-        with pytest.raises(grpc.RpcError) as ei:
-            list(stub.Generate(_req(_rand(100, 4), max_tokens=400), timeout=0.5))
-        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        _wait_idle(w1.grpc_address)
-        call = stub.Generate(_req(_rand(100, 5), max_tokens=400), timeout=30)
-        next(iter(call))
-        assert _running(w1.grpc_address) == 1
-        call.cancel()
-        _wait_idle(w1.grpc_address)
-
-
-def _wait_idle(addr: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while _running(addr) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert _running(addr) == 0, "the worker's request was not aborted"
-
-
-def test_no_live_endpoint_is_unavailable(tmp_path, procs):
-    dead = f"127.0.0.1:{free_port()}"
-    router, _ = start_router(tmp_path, [("gone", dead)], extra=["--max-attempts", "2"])
-    procs(router)
-    with grpc.insecure_channel(router.grpc_address) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
+        # No live endpoint left: UNAVAILABLE, not a hang.
         with pytest.raises(grpc.RpcError) as ei:
             _final(stub, _req([1, 2, 3]))
         assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "no live endpoint" in ei.value.details() or "gone" in ei.value.details()
-
-
-def test_indexer_down_falls_back_to_approx_not_an_error(tmp_path, procs):
-    w1 = procs(start_worker(tmp_path, "w1"))
-    w2 = procs(start_worker(tmp_path, "w2"))
-    router, _ = start_router(tmp_path, [("w1", w1.grpc_address), ("w2", w2.grpc_address)],
-                             indexer=f"127.0.0.1:{free_port()}")
-    procs(router)
-    with grpc.insecure_channel(router.grpc_address) as ch:
-        stub = router_pb2_grpc.RouterStub(ch)
-        tokens = _rand(500, 6)
-        a = _final(stub, _req(tokens))
-        b = _final(stub, _req(tokens + _rand(64, 7)))
-        assert a.routing.policy == "precise" and "fallback" in b.routing.reason
-        assert b.routing.endpoint == a.routing.endpoint
-        assert b.routing.predicted_cached_tokens == b.usage.cached_tokens > 0
-    log = (tmp_path / "router.log").read_text()
-    assert "indexer unavailable" in log

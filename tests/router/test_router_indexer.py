@@ -14,7 +14,7 @@ from kvmesh.common.v1 import common_pb2
 from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.router.v1 import router_pb2
 from kvmesh.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, start_indexer, start_router, start_worker
+from tests.fixtures.router import MODEL, RouterStack, start_indexer, start_router, start_workers
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -30,10 +30,8 @@ def istack(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router
             extra = ["--backend", "redis", "--redis-url", redis.url, "--redis-namespace", f"rt{time.time_ns()}"]
         idx = start_indexer(tmp, extra)
         started.append(idx)
-        workers = {}
-        for eid in ("w1", "w2", "w3"):
-            workers[eid] = start_worker(tmp, eid, indexer=idx.grpc_address)
-            started.append(workers[eid])
+        workers = start_workers(tmp, ["w1", "w2", "w3"], indexer=idx.grpc_address)
+        started.extend(workers.values())
         # No static endpoints: they all come from the indexer's registry.
         router, http = start_router(tmp, [], indexer=idx.grpc_address, extra=["--speculative-ttl-s", "0.5"])
         started.append(router)

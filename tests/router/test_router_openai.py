@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from kvmesh.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, start_router, start_worker
+from tests.fixtures.router import MODEL, RouterStack, start_router, start_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -19,10 +19,9 @@ def http_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iter
     tmp = tmp_path_factory.mktemp("router-http")
     started: list[ServiceProcess] = []
     try:
-        w = start_worker(tmp, "w1")
-        started.append(w)
-        w2 = start_worker(tmp, "w2")
-        started.append(w2)
+        ws = start_workers(tmp, ["w1", "w2"])
+        started.extend(ws.values())
+        w, w2 = ws["w1"], ws["w2"]
         router, http = start_router(tmp, [("w1", w.grpc_address), ("w2", w2.grpc_address)],
                                     extra=["--tokenizer-path", str(tiny_model_dir), "--max-prompt-tokens", "4000",
                                            "--max-text-bytes", "200000",

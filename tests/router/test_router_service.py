@@ -17,7 +17,7 @@ from kvmesh.common.v1 import common_pb2
 from kvmesh.router.v1 import router_pb2
 from kvmesh.testing.ports import free_port
 from kvmesh.testing.procs import ServiceProcess
-from tests.fixtures.router import BLOCK, MODEL, RouterStack, start_router, start_worker
+from tests.fixtures.router import BLOCK, MODEL, RouterStack, start_router, start_worker, start_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,15 +30,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
         store_port = free_port()
         store = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(store_port), "--model", MODEL,
                                            "--events-endpoint", "", "--events-replay-endpoint", ""],
-                               f"127.0.0.1:{store_port}", log_path=tmp / "offload.log").start(60)
+                               f"127.0.0.1:{store_port}", log_path=tmp / "offload.log").start(60, wait=False)
         started.append(store)
         off = ["--offload-address", store.grpc_address]
-        workers = {}
-        for eid in ("w1", "w2", "w3"):
-            workers[eid] = start_worker(tmp, eid, extra=off)
-            started.append(workers[eid])
-        pre = start_worker(tmp, "p1", role="prefill", extra=off)
+        pre = start_worker(tmp, "p1", role="prefill", extra=off, wait=False)
         started.append(pre)
+        workers = start_workers(tmp, ["w1", "w2", "w3"], extra=off)
+        started.extend(workers.values())
+        store.wait_ready(60)
+        pre.wait_ready(90)
         metrics_port = free_port()
         router, http = start_router(
             tmp, [(e, w.grpc_address) for e, w in workers.items()],
