@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from kvmesh.common.v1 import common_pb2
-from kvmesh.events import BlockStored, decode_message
+from kvmesh.events import BlockStored, decode_message, is_replay_end
 from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
@@ -29,30 +29,38 @@ PROMPTS = [
 ]
 
 
-def _events_for(address: str, events_endpoint: str, topic: str) -> tuple[list[BlockStored], list[int]]:
-    ctx = zmq.Context.instance()
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
-    sub.connect(events_endpoint)
+def _events_for(address: str, replay_endpoint: str) -> tuple[list[BlockStored], list[int]]:
+    """Send PROMPTS, then read every published batch back through the replay socket
+    (the same wire messages, without ZMQ's slow-joiner losses)."""
     cached: list[int] = []
+    with grpc.insecure_channel(address) as ch:
+        stub = worker_pb2_grpc.WorkerStub(ch)
+        for rid, toks, salt in PROMPTS:
+            req = worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=toks, cache_salt=salt,
+                                             sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0))
+            msgs = list(stub.Generate(req, timeout=120))
+            cached.append(msgs[-1].usage.cached_tokens)
+    stored: list[BlockStored] = []
+    deadline = time.monotonic() + 15
+    dealer = zmq.Context.instance().socket(zmq.DEALER)
+    dealer.connect(replay_endpoint)
     try:
-        time.sleep(0.5)
-        with grpc.insecure_channel(address) as ch:
-            stub = worker_pb2_grpc.WorkerStub(ch)
-            for rid, toks, salt in PROMPTS:
-                req = worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=toks, cache_salt=salt,
-                                                 sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0))
-                msgs = list(stub.Generate(req, timeout=120))
-                cached.append(msgs[-1].usage.cached_tokens)
-        stored: list[BlockStored] = []
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and sum(len(e.block_hashes) for e in stored) < 7:
-            if sub.poll(500):
-                msg = decode_message(sub.recv_multipart())
-                stored += [e for e in msg.batch.events if isinstance(e, BlockStored)]
-        return stored, cached
+        # vLLM publishes from its engine-core process; wait until all 7 blocks are out.
+        while time.monotonic() < deadline:
+            stored = []
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            while True:
+                assert dealer.poll(5000), "replay did not answer"
+                frames = dealer.recv_multipart()[1:]
+                if is_replay_end(frames):
+                    break
+                stored += [e for e in decode_message(frames).batch.events if isinstance(e, BlockStored)]
+            if sum(len(e.block_hashes) for e in stored) >= 7:
+                break
+            time.sleep(0.2)
     finally:
-        sub.close(linger=0)
+        dealer.close(linger=0)
+    return stored, cached
 
 
 def _norm(events: list[BlockStored]) -> list[tuple]:
@@ -71,10 +79,9 @@ async def test_sim_events_equal_real_vllm_events(vllm_workers) -> None:
                                           block_size=BS, num_blocks=512, host="127.0.0.1", time_scale=100.0,
                                           kv_events_endpoint="tcp://*:0", vocab_size=32000))
     try:
-        info_ep = sim.servicer.kv_events_endpoint
-        v_events, v_cached = await asyncio.to_thread(_events_for, vw.address, vw.events_endpoint, vw.topic)
-        s_events, s_cached = await asyncio.to_thread(_events_for, sim.address, info_ep,
-                                                     "kv@sim-interop@tiny-llama")
+        v_events, v_cached = await asyncio.to_thread(_events_for, vw.address, vw.replay_endpoint)
+        s_events, s_cached = await asyncio.to_thread(_events_for, sim.address,
+                                                     sim.servicer.kv_events_replay_endpoint)
     finally:
         await sim.stop(0)
     assert v_events, "vLLM published no BlockStored events"
