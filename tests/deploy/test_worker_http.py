@@ -1,0 +1,134 @@
+"""The worker's OpenAI HTTP API over a real sim engine: answers, streaming, cache usage, bad input."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import pytest_asyncio
+
+from kvmesh.engine.sim.engine import SimEngine, SimEngineConfig
+from kvmesh.workerlib.http_api import ENDPOINT_HEADER, HttpApiServer, start_http_api
+
+# One engine + server (and one tokenizer load) for the whole module.
+pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]
+MODEL = "sim-http"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def api(tiny_model_dir: Path) -> AsyncIterator[tuple[httpx.AsyncClient, HttpApiServer, SimEngine]]:
+    engine = SimEngine(SimEngineConfig(model=MODEL, endpoint_id="w-http", block_size=16, num_blocks=512,
+                                       time_scale=50, enable_events=False))
+    await engine.start()
+    server = await start_http_api(engine, host="127.0.0.1", port=0, tokenizer=str(tiny_model_dir),
+                                  endpoint_id="w-http")
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
+        yield client, server, engine
+    await server.stop()
+    await engine.stop()
+
+
+async def test_completion_with_token_ids_reports_cached_tokens(api) -> None:
+    client, _, _ = api
+    prompt = list(range(100, 180))
+    first = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 5})
+    assert first.status_code == 200, first.text
+    assert first.headers[ENDPOINT_HEADER] == "w-http"
+    body = first.json()
+    assert body["object"] == "text_completion" and len(body["choices"][0]["token_ids"]) == 5
+    assert body["usage"]["prompt_tokens"] == 80 and body["usage"]["completion_tokens"] == 5
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt + [7, 8], "max_tokens": 2})
+    # the 80-token prefix is 5 full blocks of 16, now in the engine's prefix cache
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
+
+
+async def test_chat_and_streaming(api) -> None:
+    client, _, _ = api
+    msgs = [{"role": "user", "content": "hello there, worker"}]
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["message"]["role"] == "assistant" and isinstance(choice["message"]["content"], str)
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": msgs, "max_tokens": 4, "stream": True,
+        "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert sum(len(c["choices"][0]["token_ids"]) for c in chunks if c["choices"]) == 4
+    assert chunks[-1]["usage"]["completion_tokens"] == 4
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+
+
+async def test_text_prompt_and_models(api) -> None:
+    client, _, _ = api
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "once upon a time", "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["prompt_tokens"] > 0
+    r = await client.get("/v1/models")
+    assert r.json()["data"][0]["id"] == MODEL
+    assert (await client.get("/health")).status_code == 200
+
+
+@pytest.mark.parametrize(("body", "status", "needle"), [
+    ({"prompt": [1, 2]}, 400, "'model' is required"),
+    ({"model": "other", "prompt": [1, 2]}, 404, "not served here"),
+    ({"model": MODEL}, 400, "'prompt' is required"),
+    ({"model": MODEL, "prompt": ""}, 400, "empty"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": 0}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": [1, 2], "max_tokens": "3"}, 400, "max_tokens"),
+    ({"model": MODEL, "prompt": [1, 2], "temperature": -1}, 400, "temperature"),
+    ({"model": MODEL, "prompt": [1, 2], "top_p": 0}, 400, "top_p"),
+    ({"model": MODEL, "prompt": [1, 2], "n": 2}, 400, "'n'"),
+    ({"model": MODEL, "prompt": [1, 2], "stream": "yes"}, 400, "stream"),
+    ({"model": MODEL, "prompt": [[1, 2], [3]]}, 400, "batched"),
+    ({"model": MODEL, "prompt": [1, 999999999]}, 400, ""),
+])
+async def test_bad_completions_get_clear_errors(api, body, status, needle) -> None:
+    client, _, _ = api
+    r = await client.post("/v1/completions", json=body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert needle in err["message"] and err["code"] == status
+
+
+async def test_bad_chat_and_body(api) -> None:
+    client, _, _ = api
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "no role"}]})
+    assert r.status_code == 400 and "role" in r.json()["error"]["message"]
+    r = await client.post("/v1/completions", content=b"[1, 2]")
+    assert r.status_code == 400 and "JSON object" in r.json()["error"]["message"]
+    r = await client.post("/v1/completions", content=b"\xff\xfe")
+    assert r.status_code == 400
+
+
+async def test_stream_validation_errors_are_http_errors_not_events(api) -> None:
+    client, _, _ = api
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 999999999], "stream": True})
+    assert r.status_code == 400, r.text
+
+
+async def test_without_tokenizer_text_needs_token_ids() -> None:
+    engine = SimEngine(SimEngineConfig(model=MODEL, endpoint_id="w-notok", block_size=16, num_blocks=64,
+                                       time_scale=50, enable_events=False))
+    await engine.start()
+    server = await start_http_api(engine, host="127.0.0.1", port=0)
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as c:
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": "text"})
+            assert r.status_code == 400 and "token ids" in r.json()["error"]["message"]
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "stop": ["x"]})
+            assert r.status_code == 400 and "stop" in r.json()["error"]["message"]
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2})
+            assert r.status_code == 200
+    finally:
+        await server.stop()
+        await engine.stop()
