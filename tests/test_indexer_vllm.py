@@ -87,7 +87,9 @@ class VllmEngine:
 
     def start(self, timeout_s: float = 180.0) -> None:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
-               "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1", "OMP_NUM_THREADS": "1"}
+               "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1", "OMP_NUM_THREADS": "1",
+               # The engine core in the driver process starts ~3x faster here; events are the same.
+               "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         env.pop("PYTHONHASHSEED", None)  # vLLM's default NONE_HASH seed, which kvmesh assumes
         self.proc = subprocess.Popen([sys.executable, str(self.script), json.dumps(self.cfg)], env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE,
