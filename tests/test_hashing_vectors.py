@@ -95,7 +95,11 @@ def _fake_request(tokens, extra: ExtraKeys):
         SimpleNamespace(identifier=r.identifier, mm_position=SimpleNamespace(offset=r.offset, length=r.length))
         for r in extra.mm
     ]
-    lora = SimpleNamespace(lora_name=extra.lora_name, lora_path=extra.lora_path) if extra.lora_name else None
+    lora = None
+    if extra.lora_name:
+        from vllm.lora.request import LoRARequest
+
+        lora = LoRARequest(extra.lora_name, 1, extra.lora_path)  # vLLM requires a non-empty path
     return SimpleNamespace(
         block_hashes=[],
         all_token_ids=list(tokens),
@@ -118,7 +122,7 @@ def _random_extra(rng: random.Random, n_tokens: int) -> ExtraKeys:
     return ExtraKeys(
         cache_salt=rng.choice([None, "", "salt-1", "ünï"]),
         lora_name="adapter" if lora else None,
-        lora_path=rng.choice(["/a/b", None]) if lora else None,
+        lora_path=rng.choice(["/a/b", "/adapters/sql-v2"]) if lora else None,
         mm=tuple(mm),
     )
 

@@ -97,6 +97,9 @@ def test_lora_keys_on_every_block_and_before_salt() -> None:
     assert d[0] == h.hash_block(None, toks[:4], (("lora", "sql", "/a/sql"), ("cache_salt", "s")))
     assert d[1] == h.hash_block(d[0], toks[4:], (("lora", "sql", "/a/sql"),))
     assert to_event_extra_keys((("lora", "sql", "/a/sql"), ("cache_salt", "s"))) == ("sql", "s")
+    # no path given: vLLM's LoRARequest.lora_path defaults to ""
+    d2 = h.block_digests(toks, ExtraKeys(lora_name="sql"))
+    assert d2[0] == h.hash_block(None, toks[:4], (("lora", "sql", ""),))
 
 
 def test_mm_keys_follow_vllm_block_walk() -> None:

@@ -55,12 +55,14 @@ class ExtraKeys:
     def is_empty(self) -> bool:
         return not (self.cache_salt or self.lora_name or self.mm)
 
-    def lora_keys(self) -> list[tuple[str, str, str | None]]:
+    def lora_keys(self) -> list[tuple[str, str, str]]:
         if not self.lora_name:
             # vLLM checks the LoRARequest object, which always has a name; an empty
             # name is treated as "no LoRA" here.
             return []
-        return [("lora", self.lora_name, self.lora_path)]
+        # vLLM's LoRARequest.lora_path is a str (it requires a non-empty one); a caller
+        # that only knows the name gets "" rather than None, so at least the type matches.
+        return [("lora", self.lora_name, self.lora_path if self.lora_path is not None else "")]
 
 
 def mm_start_index(mm: tuple[MMRange, ...], start_token_idx: int, block_size: int) -> int:
