@@ -112,3 +112,20 @@ def test_bad_chat_requests_name_the_problem(tiny_model_dir: Path, tmp_path: Path
         tok.apply_chat_template([{"role": "user", "content": "x"}, {"content": "no role"}])
     with pytest.raises(TokenizerError, match="not a directory"):
         load_tokenizer(tmp_path / "missing")
+
+
+def test_seeded_weights_and_lora_are_deterministic(tmp_path: Path) -> None:
+    from safetensors.numpy import load_file
+
+    from kvmesh.tokenization.tiny_model import weight_shapes, write_random_weights, write_tiny_lora
+
+    spec = TinyModelSpec()
+    a = write_random_weights(tmp_path, spec, seed=3).read_bytes()
+    (tmp_path / "b").mkdir()
+    assert write_random_weights(tmp_path / "b", spec, seed=3).read_bytes() == a
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert {k: v.shape for k, v in tensors.items()} == weight_shapes(spec)
+    l1 = write_tiny_lora(tmp_path / "l1")
+    l2 = write_tiny_lora(tmp_path / "l2")
+    assert _digest(l1) == _digest(l2)
+    assert json.loads((l1 / "adapter_config.json").read_text())["target_modules"] == ["q_proj", "v_proj"]

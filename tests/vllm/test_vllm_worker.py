@@ -11,7 +11,7 @@ import zmq
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.events.codec import BlockStored, decode_message
-from kvmesh.hashing import BlockHasher
+from kvmesh.hashing import BlockHasher, ExtraKeys
 from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.fixtures.vllm import VllmWorker
 
@@ -21,8 +21,9 @@ BS = 32
 
 
 @pytest.fixture(scope="module")
-def worker(vllm_workers) -> VllmWorker:
-    (w,) = vllm_workers([{"name": "vllm-w1", "kv_cache_bytes": 8 << 20, "max_model_len": 4096}])
+def worker(vllm_workers, tiny_lora_dir) -> VllmWorker:
+    (w,) = vllm_workers([{"name": "vllm-w1", "kv_cache_bytes": 8 << 20, "max_model_len": 4096,
+                          "vllm_options": {"lora_modules": {"ad1": str(tiny_lora_dir)}}}])
     return w
 
 
@@ -88,6 +89,39 @@ def test_events_reach_zmq_subscriber_with_kvmesh_hashes(worker: VllmWorker, stub
     expected = BlockHasher("sha256_cbor", BS).block_keys(prompt)
     assert stored[:5] == expected
     assert tokens[: 5 * BS] == prompt[: 5 * BS]
+
+
+def _collect_stored(sub, n_blocks: int, timeout_s: float = 20.0) -> list[BlockStored]:
+    got: list[BlockStored] = []
+    deadline = time.monotonic() + timeout_s
+    while sum(len(e.block_hashes) for e in got) < n_blocks and time.monotonic() < deadline:
+        if sub.poll(500):
+            got += [e for e in decode_message(sub.recv_multipart()).batch.events if isinstance(e, BlockStored)]
+    return got
+
+
+def test_lora_passes_through_and_enters_the_block_hash(worker: VllmWorker, stub, tiny_lora_dir) -> None:
+    info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+    assert list(info.lora_names) == ["ad1"]
+    p = _prompt(8, 3 * BS + 5)
+    _generate(stub, "lora-base", p)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(worker.events_endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, worker.topic.encode())
+    time.sleep(0.5)
+    try:
+        _, with_lora = _generate(stub, "lora-1", p, lora_name="ad1")
+        events = _collect_stored(sub, 3)
+    finally:
+        sub.close(0)
+    # The adapter's KV is not the base model's: no hit on the base model's blocks.
+    assert with_lora.usage.cached_tokens == 0
+    _, again = _generate(stub, "lora-2", p, lora_name="ad1")
+    assert again.usage.cached_tokens == 3 * BS
+    assert events and all(e.lora_name == "ad1" for e in events)
+    keys = [int(h) for e in events for h in e.block_hashes][:3]
+    expected = BlockHasher("sha256_cbor", BS).block_keys(p, ExtraKeys(lora_name="ad1", lora_path=str(tiny_lora_dir)))
+    assert keys == expected
 
 
 def test_shared_prefix_reports_cached_full_blocks(stub) -> None:

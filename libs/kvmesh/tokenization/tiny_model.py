@@ -308,3 +308,33 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwr
         write_random_weights(out, spec, weights_seed)
     logger.info("wrote tiny model", extra={"path": str(out), "vocab_size": spec.vocab_size})
     return out
+
+
+def write_tiny_lora(path: str | Path, spec: TinyModelSpec | None = None, seed: int = 1, rank: int = 8) -> Path:
+    """Write a PEFT LoRA adapter (q_proj/v_proj) for the tiny model, with seeded random weights.
+
+    Why: LoRA pass-through (the adapter name enters vLLM's block hash) can only
+    be tested against a real adapter; this one is tiny and made offline.
+    """
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    spec = spec or TinyModelSpec()
+    out = Path(path)
+    out.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    h, d = spec.hidden_size, spec.head_dim
+    outs = {"q_proj": spec.num_attention_heads * d, "v_proj": spec.num_key_value_heads * d}
+    tensors = {}
+    for n in range(spec.num_hidden_layers):
+        for mod, out_dim in outs.items():
+            base = f"base_model.model.model.layers.{n}.self_attn.{mod}"
+            tensors[f"{base}.lora_A.weight"] = rng.standard_normal((rank, h), dtype=np.float32) / np.float32(h ** 0.5)
+            tensors[f"{base}.lora_B.weight"] = rng.standard_normal((out_dim, rank), dtype=np.float32)
+    save_file(dict(sorted(tensors.items())), str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    _dump(out / "adapter_config.json", {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": 2 * rank, "lora_dropout": 0.0,
+        "target_modules": sorted(outs), "bias": "none", "fan_in_fan_out": False, "base_model_name_or_path": "",
+        "modules_to_save": None, "use_rslora": False, "use_dora": False,
+    })
+    return out
