@@ -426,16 +426,25 @@ def test_cli_bad_config_names_the_setting(tmp_path) -> None:
 
 
 def test_cli_serves_and_drains(tmp_path) -> None:
+    import urllib.request
+
     from kvmesh.indexer.v1 import indexer_pb2_grpc
     from kvmesh.testing.procs import ServiceProcess
 
-    port = free_port()
-    proc = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(port), "--models", MODELS],
-                          f"127.0.0.1:{port}", log_path=tmp_path / "indexer.log").start(timeout_s=60)
+    port, mport = free_port(), free_port()
+    quiet = f"quiet@{MODEL}@tcp://127.0.0.1:{free_port()}"
+    proc = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport)],
+                          f"127.0.0.1:{port}", env={"KVMESH_INDEXER_MODELS": MODELS, "KVMESH_INDEXER_ENGINES": quiet},
+                          log_path=tmp_path / "indexer.log").start(timeout_s=60)
     try:
         with grpc.insecure_channel(proc.grpc_address) as ch:
             stats = indexer_pb2_grpc.IndexerStub(ch).Stats(indexer_pb2.StatsRequest(), timeout=5)
             assert stats.backend == "memory"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+        assert "kvmesh_indexer_backend_up 1.0" in text
+        # The engine that never published is visible at a glance.
+        assert 'kvmesh_indexer_endpoint_published{endpoint="quiet"} 0.0' in text
+        assert 'kvmesh_indexer_seconds_since_last_event{endpoint="quiet"}' in text
     finally:
         assert proc.stop() == 0
 
@@ -491,3 +500,20 @@ async def test_spans_on_lookup_and_ingest_batch(start_indexer) -> None:
     assert spans["indexer.ingest_batch"].attributes["kvmesh.applied"] == 1
     assert spans["indexer.lookup"].attributes["kvmesh.best_combined"] == 2
     assert "index.lookup" in spans
+
+
+async def test_publisher_binds_indexer_connects(start_indexer, tmp_path) -> None:
+    addr = f"ipc://{tmp_path}/pub.sock"       # vLLM binds ipc endpoints; the indexer connects
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    pub = KvEventPublisher(addr, topic=make_topic("b0", MODEL), replay_endpoint=replay)
+    try:
+        spec = {"endpoint_id": "b0", "model": MODEL, "zmq_endpoint": addr, "replay_endpoint": replay}
+        ix = await start_indexer(models=MODELS, engines=f"[{_json(spec)}]")
+        toks = tokens(60, 3)
+        ev, keys = stored(toks)
+        pub.publish([ev])                      # likely before the SUB connected: replay recovers it
+        await asyncio.sleep(0.3)
+        pub.publish([stored(tokens(61, 1))[0]])
+        await wait_until(lambda: _eq(combined(ix.stub, keys, "b0"), 3), what="ingest over a connecting SUB")
+    finally:
+        pub.close(linger_ms=0)
