@@ -202,6 +202,8 @@ class Scheduler:
         self.blocks.free(seq.request_id)
         seq.status = SeqStatus.WAITING
         seq.num_computed = 0
+        # Restored KV lived in the freed blocks; what survives is found again as a prefix hit.
+        seq.external_cached = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.est_cached_tokens = 0
