@@ -254,7 +254,8 @@ def write_random_weights(out: Path, spec: TinyModelSpec, seed: int = 0) -> Path:
             arr = rng.standard_normal(shape, dtype=np.float32) * np.float32(1.0 / np.sqrt(shape[1]))
         tensors[name] = np.ascontiguousarray(arr)
     path = out / "model.safetensors"
-    save_file(tensors, str(path), metadata={"format": "pt", "kvmesh": f"tiny-random-seed-{seed}"})
+    # One metadata key only: safetensors writes metadata in hash-map order, which varies per run.
+    save_file(tensors, str(path), metadata={"format": "pt"})
     return path
 
 
