@@ -18,6 +18,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.index.base import BlockIndex
 from kvmesh.index.ingest import Ingestor
+from kvmesh.index.keys import ModelSpec
 from kvmesh.index.liveness import Liveness
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.index.metrics import IndexMetrics, InstrumentedIndex, MetricsObserver, StateCollector
@@ -102,6 +103,9 @@ class IndexerApp:
 def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> IndexerApp:
     """Wire backend, ingest, liveness and the gRPC server (not started)."""
     models = cfg.model_specs()
+    if cfg.default_model and cfg.default_model not in models:
+        # Token lookups for the default model work before any engine registers.
+        models[cfg.default_model] = ModelSpec(cfg.default_model, cfg.default_block_size, cfg.default_hash_algo)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = IndexMetrics(registry)
     index = InstrumentedIndex(build_index(cfg), metrics)
