@@ -230,3 +230,32 @@ async def test_store_down_is_unavailable_quickly() -> None:
             await c.contains(NS, [1])
         with pytest.raises(StoreUnavailable):
             await c.get(NS, [1])
+
+
+async def test_concurrent_puts_share_one_in_flight_budget(offload_factory) -> None:
+    import asyncio
+
+    st = await offload_factory(ram_capacity_bytes=1 << 20)
+    sent = asyncio.Event()
+
+    async def slow():
+        yield offload_pb2.PutRequest(header=offload_pb2.PutHeader(namespace=NS))
+        yield offload_pb2.PutRequest(chunk=offload_pb2.BlockChunk(key=1, data=b"a" * 600_000, last=True))
+        sent.set()
+        await asyncio.sleep(30)
+
+    async with grpc.aio.insecure_channel(st.address) as ch:
+        stub = offload_pb2_grpc.OffloadStub(ch)
+        first = stub.Put(slow())
+        await sent.wait()
+        await asyncio.sleep(0.2)
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await stub.Put(iter([offload_pb2.PutRequest(header=offload_pb2.PutHeader(namespace=NS)),
+                                 offload_pb2.PutRequest(chunk=offload_pb2.BlockChunk(key=2, data=b"b" * 600_000,
+                                                                                     last=True))]))
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "in flight" in ei.value.details()
+        first.cancel()
+        await asyncio.sleep(0.2)
+    assert st.servicer.inflight_put_bytes == 0
+    async with OffloadClient(st.address, use_shm=False) as c:
+        assert (await c.put(NS, [(3, b"c" * 600_000)])).stored == 1

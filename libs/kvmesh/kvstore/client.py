@@ -24,7 +24,7 @@ import grpc
 from opentelemetry import propagate, trace
 
 from kvmesh.common.v1 import common_pb2
-from kvmesh.kvstore.shm import Segment, SegmentPool, shm_available
+from kvmesh.kvstore.shm import Segment, SegmentPool, ShmError, shm_available
 from kvmesh.kvstore.wire import Chunk, decode_get_response, encode_put_chunk
 from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh.rpc.channel import aio_channel, channel_options
@@ -289,6 +289,14 @@ def _want_shm(address: str, use_shm: bool | None) -> bool:
     return True if use_shm else _is_local(address)
 
 
+def _first_guess(hint: int | None, n: int) -> int:
+    """Segment size for a shm Get: the known block size x chain, else a bounded guess
+    (a chain is often only partly present; the store says when more would fit)."""
+    if hint:
+        return hint * n
+    return min(n, 64) * (1 << 20)
+
+
 def _shm_get_request(namespace: str, keys: list[int], seg: Segment) -> offload_pb2.ShmRequest:
     return offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=namespace), segment=seg.name,
                                   keys=keys, capacity=seg.size)
@@ -365,8 +373,13 @@ class OffloadClient:
             return res
 
     async def _put_plan(self, plan: _PutPlan) -> PutResult:
+        seg = None
         if self._shm:
-            seg = await asyncio.to_thread(self._pool.acquire, plan.total)
+            try:
+                seg = await asyncio.to_thread(self._pool.acquire, plan.total)
+            except ShmError as exc:  # e.g. /dev/shm full: this call goes over gRPC
+                log.warning("no shared memory for this put; using gRPC", extra={"reason": str(exc)})
+        if seg is not None:
             try:
                 req = await asyncio.to_thread(_shm_put_request, plan, seg)
                 resp = await self._stub.PutShm(req, timeout=self.timeout_s, metadata=_trace_md())
@@ -412,10 +425,16 @@ class OffloadClient:
         return BlockLease(asm.blocks, asm.tiers)
 
     async def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
-        hint = self._block_size_hint.get(namespace, 1 << 20)
-        seg = await asyncio.to_thread(self._pool.acquire, hint * len(keys))
+        """None means: use gRPC for this call (shm unusable now or for good)."""
+        size = _first_guess(self._block_size_hint.get(namespace), len(keys))
+        seg: Segment | None = None
         try:
             while True:
+                try:
+                    seg = await asyncio.to_thread(self._pool.acquire, size)
+                except ShmError as exc:
+                    log.warning("no shared memory for this get; using gRPC", extra={"reason": str(exc)})
+                    return None
                 try:
                     resp = await self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s,
                                                    metadata=_trace_md())
@@ -424,21 +443,26 @@ class OffloadClient:
                         raise _map_error(exc, "get") from exc
                     self._disable_shm(exc)
                     self._pool.release(seg)
+                    seg = None
                     return None
                 if not resp.truncated:
                     break
                 # Grow to fit the whole chain at the largest block size seen, then retry.
-                biggest = max(resp.sizes, default=0) or seg.size
-                need = max(biggest * len(keys), seg.size * 2)
+                size = max(max(resp.sizes, default=0) * len(keys), seg.size * 2)
                 self._pool.release(seg)
-                seg = await asyncio.to_thread(self._pool.acquire, need)
+                seg = None
             if resp.sizes:
                 self._block_size_hint[namespace] = max(resp.sizes)
             views = _views_from_shm(resp, seg, self.verify_shm, keys)
         except BaseException:
-            self._pool.release(seg)
+            if seg is not None:
+                self._pool.release(seg)
             raise
-        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg))
+        if not views:
+            self._pool.release(seg)
+            return BlockLease([], [], True)
+        held = seg
+        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(held))
 
     async def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
         """The leading present blocks of ``keys`` (stops at the first miss), as bytes."""
@@ -519,8 +543,13 @@ class SyncOffloadClient:
         plan = _plan_put(namespace, blocks, token_ids, parent, block_size, session_id)
         if not plan.keys:
             return PutResult()
+        seg = None
         if self._shm:
-            seg = self._pool.acquire(plan.total)
+            try:
+                seg = self._pool.acquire(plan.total)
+            except ShmError as exc:  # e.g. /dev/shm full: this call goes over gRPC
+                log.warning("no shared memory for this put; using gRPC", extra={"reason": str(exc)})
+        if seg is not None:
             try:
                 resp = self._stub.PutShm(_shm_put_request(plan, seg), timeout=self.timeout_s)
                 return _put_result(resp, True)
@@ -555,11 +584,17 @@ class SyncOffloadClient:
         return BlockLease(asm.blocks, asm.tiers)
 
     def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
+        """None means: use gRPC for this call (shm unusable now or for good)."""
         with self._hint_lock:
-            hint = self._block_size_hint.get(namespace, 1 << 20)
-        seg = self._pool.acquire(hint * len(keys))
+            size = _first_guess(self._block_size_hint.get(namespace), len(keys))
+        seg: Segment | None = None
         try:
             while True:
+                try:
+                    seg = self._pool.acquire(size)
+                except ShmError as exc:
+                    log.warning("no shared memory for this get; using gRPC", extra={"reason": str(exc)})
+                    return None
                 try:
                     resp = self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s)
                 except grpc.RpcError as exc:
@@ -567,21 +602,26 @@ class SyncOffloadClient:
                         raise _map_error(exc, "get") from exc
                     self._disable_shm(exc)
                     self._pool.release(seg)
+                    seg = None
                     return None
                 if not resp.truncated:
                     break
-                biggest = max(resp.sizes, default=0) or seg.size
-                need = max(biggest * len(keys), seg.size * 2)
+                size = max(max(resp.sizes, default=0) * len(keys), seg.size * 2)
                 self._pool.release(seg)
-                seg = self._pool.acquire(need)
+                seg = None
             if resp.sizes:
                 with self._hint_lock:
                     self._block_size_hint[namespace] = max(resp.sizes)
             views = _views_from_shm(resp, seg, self.verify_shm, keys)
         except BaseException:
-            self._pool.release(seg)
+            if seg is not None:
+                self._pool.release(seg)
             raise
-        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg))
+        if not views:
+            self._pool.release(seg)
+            return BlockLease([], [], True)
+        held = seg
+        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(held))
 
     def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
         with self.fetch(namespace, keys) as lease:

@@ -56,14 +56,24 @@ class Segment:
             raise ShmError(f"cannot open shared-memory segment {name!r}: {exc}") from exc
         try:
             if create:
-                os.ftruncate(fd, size)
+                # Reserve the pages now: writing into a sparse tmpfs file that the
+                # host cannot back raises SIGBUS in whichever process touches it
+                # (possibly the store); fallocate fails cleanly with ENOSPC instead.
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as exc:
+                    os.close(fd)
+                    fd = -1
+                    self.path.unlink(missing_ok=True)
+                    raise ShmError(f"cannot reserve {size} bytes of shared memory: {exc}") from exc
             actual = os.fstat(fd).st_size
             if actual < size or actual == 0:
                 raise ShmError(f"segment {name!r} has {actual} bytes, need {size}")
             self.size = actual
             self.mm = mmap.mmap(fd, actual)
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.buf = memoryview(self.mm)
 
     @classmethod

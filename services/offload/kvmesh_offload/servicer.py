@@ -61,6 +61,9 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         self._segments = AttachCache()
         # Slabs for big blocks; a little headroom over RAM for blocks still held by readers.
         self.arena = Arena(int(store.ram.capacity * 1.25) + 64 * 1024 * 1024)
+        # Bytes buffered by all in-flight Put streams: many concurrent streams must not
+        # hold more than the RAM budget between them before anything is committed.
+        self.inflight_put_bytes = 0
 
     async def _guard(self, context: grpc.aio.ServicerContext, coro):  # noqa: ANN001, ANN202
         if self.draining:
@@ -81,6 +84,13 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         return await self._guard(context, self._put(request_iterator))
 
     async def _put(self, it: AsyncIterator[offload_pb2.PutRequest]) -> offload_pb2.PutResponse:
+        held = [0]
+        try:
+            return await self._put_stream(it, held)
+        finally:
+            self.inflight_put_bytes -= held[0]
+
+    async def _put_stream(self, it: AsyncIterator[offload_pb2.PutRequest], held: list[int]) -> offload_pb2.PutResponse:
         header: offload_pb2.PutHeader | None = None
         blocks: list[BlockIn] = []
         parts: list[bytes] = []
@@ -113,6 +123,10 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                              f"block {ch.key} exceeds the max block size of {self.max_block_bytes}")
             if total > cap:
                 raise StoreFullError(f"Put of at least {total} bytes exceeds the RAM capacity of {cap}")
+            held[0] += len(ch.data)
+            self.inflight_put_bytes += len(ch.data)
+            if self.inflight_put_bytes > cap:
+                raise StoreFullError(f"{self.inflight_put_bytes} bytes of Puts in flight exceed the RAM capacity {cap}")
             if not ch.last:
                 continue
             joined = parts[0] if len(parts) == 1 else b"".join(parts)
