@@ -15,7 +15,7 @@ import logging
 import grpc
 
 from kvmesh.common.v1 import common_pb2
-from kvmesh.config import add_dataclass_args, load_config
+from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.kvstore.arena import tune_malloc
 from kvmesh.kvstore.disk_tier import DiskTier
 from kvmesh.kvstore.eviction import make_policy
@@ -97,7 +97,10 @@ async def serve(cfg: OffloadConfig) -> int:
                                replay_endpoint=cfg.events_replay_endpoint or None)
         sink = EventBridge(pub)
     store = build_store(cfg, sink)
-    found = await asyncio.to_thread(store.open)
+    try:
+        found = await asyncio.to_thread(store.open)
+    except OSError as exc:
+        raise ConfigError(f"disk_path {cfg.disk_path!r} is not usable: {exc}") from exc
     bind_store(store)
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
