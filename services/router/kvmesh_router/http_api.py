@@ -19,6 +19,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf.json_format import MessageToDict
+from opentelemetry import propagate
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh_router import metrics
@@ -147,6 +148,7 @@ def build_app(service: RouterService) -> FastAPI:
         inp.lora_name = _str(body, "lora_name")
         inp.policy = _str(body, "kvmesh_policy") or request.headers.get("x-kvmesh-policy", "")
         inp.request_id = request.headers.get("x-request-id", "")
+        inp.trace_context = propagate.extract(dict(request.headers))
         inp.tenant = request.headers.get(cfg.tenant_header, "")
         auth = request.headers.get("authorization", "")
         inp.api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""

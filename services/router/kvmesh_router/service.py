@@ -33,7 +33,14 @@ from kvmesh.worker.v1 import worker_pb2
 from kvmesh_router import metrics
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
-from kvmesh_router.errors import BadRequest, DeadlineExceeded, StreamBroken, Unavailable, UpstreamError
+from kvmesh_router.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    RouterError,
+    StreamBroken,
+    Unavailable,
+    UpstreamError,
+)
 
 log = logging.getLogger(__name__)
 _tracer = tracer("kvmesh.router")
@@ -65,6 +72,7 @@ class GenInput:
     api_key: str = ""
     policy: str = ""
     deadline: float | None = None   # time.monotonic() deadline
+    trace_context: Any = None       # OTel context of the caller (HTTP traceparent); None = current
     add_special_tokens: bool = True
 
 
@@ -225,9 +233,13 @@ class RouterService:
     # -- the full request -------------------------------------------------------------
     async def generate(self, inp: GenInput) -> AsyncIterator[tuple[str, Any]]:
         """Yield ``("chunk", [ids])`` items then one ``("final", FinalInfo)``; raise ``RouterError``."""
-        with _tracer.start_as_current_span("router.generate") as span:
+        # The span is not made current across yields: a streaming consumer may resume this
+        # generator from another task/context. It is made current around outgoing calls only.
+        span = _tracer.start_span("router.generate", context=inp.trace_context)
+        try:
             t0 = time.perf_counter()
-            p = await self.prepare(inp)
+            with trace.use_span(span, end_on_exit=False):
+                p = await self.prepare(inp)
             span.set_attribute("kvmesh.request_id", p.request_id)
             span.set_attribute("kvmesh.prompt_tokens", len(p.tokens))
             span.set_attribute("kvmesh.hash.reused_blocks", p.reused_blocks)
@@ -239,14 +251,15 @@ class RouterService:
                 attempts += 1
                 if inp.deadline is not None and time.monotonic() >= inp.deadline:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
-                d, split = await self.decide(p, inp.policy, exclude)
+                with trace.use_span(span, end_on_exit=False):
+                    d, split = await self.decide(p, inp.policy, exclude)
                 overhead = time.perf_counter() - t0
                 if attempts == 1:
                     metrics.OVERHEAD.observe(overhead)
                 self._trace_decision(span, d, split, attempts)
                 self.record_routed(p, d)
                 try:
-                    async for item in self._run(p, inp, d, split, attempts, overhead):
+                    async for item in self._run(p, inp, d, split, attempts, overhead, span):
                         yield item
                     metrics.REQUESTS.labels(api="core", outcome="ok").inc()
                     return
@@ -266,6 +279,12 @@ class RouterService:
                 except BaseException:
                     self.core.on_finished(p.req, d, time.monotonic())
                     raise
+        except RouterError as exc:
+            span.set_attribute("kvmesh.error", type(exc).__name__)
+            span.set_status(trace.Status(trace.StatusCode.ERROR, exc.message))
+            raise
+        finally:
+            span.end()
 
     def _trace_decision(self, span: trace.Span, d: Decision, split: SplitDecision, attempts: int) -> None:
         span.set_attribute("kvmesh.route.policy", d.policy)
@@ -295,9 +314,10 @@ class RouterService:
             raise DeadlineExceeded("deadline exceeded")
         return rem
 
-    async def _prefill(self, p: Prepared, inp: GenInput, split: SplitDecision) -> common_pb2.KvHandle | None:
+    async def _prefill(self, p: Prepared, inp: GenInput, split: SplitDecision,
+                       parent: trace.Span) -> common_pb2.KvHandle | None:
         """Run the prompt on the prefill endpoint; None means "prefill locally instead"."""
-        with _tracer.start_as_current_span("router.prefill") as span:
+        with _tracer.start_as_current_span("router.prefill", context=trace.set_span_in_context(parent)) as span:
             span.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
             self.core.load.on_sent(split.prefill_endpoint, p.request_id + "-prefill", len(p.tokens),
                                    time.monotonic())
@@ -323,8 +343,8 @@ class RouterService:
             return resp.handle
 
     async def _run(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
-                   overhead: float) -> AsyncIterator[tuple[str, Any]]:
-        handle = await self._prefill(p, inp, split) if split.split else None
+                   overhead: float, span: trace.Span) -> AsyncIterator[tuple[str, Any]]:
+        handle = await self._prefill(p, inp, split, span) if split.split else None
         wreq = worker_pb2.GenerateRequest(
             request_id=p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}", model=inp.model,
             prompt_token_ids=p.tokens, sampling=inp.sampling, cache_salt=p.salt, lora_name=inp.lora_name,
@@ -334,7 +354,8 @@ class RouterService:
         if handle is not None:
             wreq.kv_handle.CopyFrom(handle)
         try:
-            call = self.cluster.stub(d.endpoint_id).Generate(wreq, timeout=self._remaining(inp))
+            with trace.use_span(span, end_on_exit=False):   # trace context goes out with the call
+                call = self.cluster.stub(d.endpoint_id).Generate(wreq, timeout=self._remaining(inp))
         except KeyError:
             raise _BeforeFirstToken("endpoint vanished") from None
         generated: list[int] = []
@@ -353,7 +374,8 @@ class RouterService:
                     generated.extend(ids)
                     yield "chunk", ids
                 if msg.finished:
-                    final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead)
+                    final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead,
+                                        span)
             if final is not None:
                 yield "final", final
                 return
@@ -377,7 +399,7 @@ class RouterService:
 
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
-               ttft: float, attempt: int, overhead: float) -> FinalInfo:
+               ttft: float, attempt: int, overhead: float, span: trace.Span) -> FinalInfo:
         usage = common_pb2.Usage()
         usage.CopyFrom(msg.usage)
         if not usage.prompt_tokens:
@@ -406,7 +428,6 @@ class RouterService:
                 log.info("predicted cached tokens differ from the engine's",
                          extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
                                 "predicted": d.predicted_cached_tokens, "actual": actual})
-        span = trace.get_current_span()
         span.set_attribute("kvmesh.usage.cached_tokens", actual)
         span.set_attribute("kvmesh.usage.completion_tokens", usage.completion_tokens)
         # OpenTelemetry GenAI semantic conventions, so trace UIs show the request's shape.
