@@ -52,6 +52,7 @@ class IndexerRegistration:
         self._channel = aio_channel(address)
         self._stub = indexer_pb2_grpc.IndexerStub(self._channel)
         self._task: asyncio.Task | None = None
+        self._closed = False
         self.registered = False
 
     async def register(self) -> bool:
@@ -92,6 +93,10 @@ class IndexerRegistration:
         self._task = asyncio.create_task(self._loop(), name="indexer-heartbeat")
 
     async def stop(self, deregister: bool = True) -> None:
+        """Stop heartbeating, deregister (so the index drops our blocks) and close. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._task is not None:
             self._task.cancel()
             try:
@@ -105,4 +110,5 @@ class IndexerRegistration:
                     indexer_pb2.DeregisterEndpointRequest(endpoint_id=self.endpoint.endpoint_id), timeout=2)
             except grpc.aio.AioRpcError as exc:
                 log.info("indexer deregistration failed", extra={"code": exc.code().name})
+            self.registered = False
         await self._channel.close()
