@@ -9,6 +9,8 @@ recomputation, and a one-token change of the prompt visibly changes them.
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -74,8 +76,6 @@ def _generate(stub, rid: str, prompt: list[int], max_tokens: int = 8, **kw):
 
 
 def _wait_in_store(store: ServiceProcess, namespace: str, keys: list[int], timeout_s: float = 20.0) -> int:
-    import time
-
     with SyncOffloadClient(store.grpc_address) as c:
         deadline = time.monotonic() + timeout_s
         while True:
@@ -145,6 +145,23 @@ def test_prefill_on_p_decode_on_d_with_kv_from_store(stubs) -> None:
     ref, ref_last = _generate(p, "B-ref", b, cache_salt="recompute")
     assert ref_last.usage.cached_tokens == 0
     assert toks == ref
+
+
+def test_prefill_hands_off_full_prompt_even_if_store_lost_it(stubs, store) -> None:
+    # P still caches B's prompt locally, but the store has lost it: the hand-off must re-save it.
+    p = stubs[0]
+    b = _prompt(21, 12 * BS + 9)
+    keys = BlockHasher("sha256_cbor", BS).block_keys(b)
+    first = p.Prefill(worker_pb2.PrefillRequest(request_id="B-p2", prompt_token_ids=b), timeout=120)
+    assert len(first.handle.block_keys) == 12
+    with SyncOffloadClient(store.grpc_address) as c:
+        assert c.delete(first.handle.namespace, keys) == 12
+        assert c.contains(first.handle.namespace, keys) == 0
+    t0 = time.monotonic()
+    again = p.Prefill(worker_pb2.PrefillRequest(request_id="B-p3", prompt_token_ids=b), timeout=120)
+    assert again.usage.cached_tokens_gpu == 12 * BS          # a local hit on P ...
+    assert list(again.handle.block_keys) == keys              # ... and still a complete hand-off
+    assert time.monotonic() - t0 < 10
 
 
 def test_unknown_namespace_or_missing_blocks_recompute(stubs) -> None:

@@ -68,6 +68,11 @@ def event_key(digest: Any) -> int:
     return int.from_bytes(bytes(digest), "big") & _MASK64
 
 
+def _is_prefill_only(request: Any) -> bool:
+    params = getattr(request, "kv_transfer_params", None) or {}
+    return bool((params.get(PARAMS_KEY) or {}).get("prefill_only"))
+
+
 # --------------------------------------------------------------------------- metadata (pickled to workers)
 
 
@@ -229,9 +234,13 @@ class KvmeshConnector(KVConnectorBase_V1):
                 continue
             request = st.request
             block_ids: list[int] | None = None
+            prefill_only = _is_prefill_only(request)
             if st.first_schedule:
-                # Blocks that were prefix hits (local or restored) need no save.
-                st.saved_upto = max(st.saved_upto, computed_before // bs)
+                # Prefix hits (local or restored) need no save -- except for a prefill
+                # hand-off, whose whole prompt must be in the store even if the store
+                # lost blocks this engine still caches (the saver skips present ones).
+                if not prefill_only:
+                    st.saved_upto = max(st.saved_upto, computed_before // bs)
                 st.first_schedule = False
             if st.pending_load is not None:
                 s, e = st.pending_load
@@ -239,7 +248,8 @@ class KvmeshConnector(KVConnectorBase_V1):
                 block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
                 keys = self._keys(request)
                 meta.loads.append(LoadOp(req_id, keys[s:e], block_ids[s:e]))
-                st.saved_upto = max(st.saved_upto, e)
+                if not prefill_only:
+                    st.saved_upto = max(st.saved_upto, e)
             if not self._save_enabled:
                 continue
             after = computed_before + scheduler_output.num_scheduled_tokens.get(req_id, 0)
@@ -252,7 +262,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             start = st.saved_upto
             st.saved_upto = full
             # Drop blocks this engine already saved recently (shared prefixes), keep chain order.
-            idx = [i for i in range(start, full) if keys[i] not in self._recent_saved]
+            idx = [i for i in range(start, full) if prefill_only or keys[i] not in self._recent_saved]
             if not idx:
                 continue
             tokens = request.all_token_ids
@@ -270,8 +280,7 @@ class KvmeshConnector(KVConnectorBase_V1):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         params: dict[str, Any] = {"loaded_tokens": st.loaded_tokens if st else 0}
-        asked = (request.kv_transfer_params or {}).get(PARAMS_KEY) or {}
-        if asked.get("prefill_only"):
+        if _is_prefill_only(request):
             n = len(request.prompt_token_ids or []) // self._block_size
             params["prompt_keys"] = self._keys(request)[:n]
             params["namespace"] = self._namespace

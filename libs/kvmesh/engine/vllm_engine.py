@@ -394,7 +394,7 @@ class VllmEngine(Engine):
         if req.prefill_only:
             max_tokens = 1
         extra: dict[str, Any] = {}
-        if req.kv_handle is not None or req.prefill_only:
+        if self.cfg.offload_address and (req.kv_handle is not None or req.prefill_only):
             extra["kv_transfer_params"] = {CONNECTOR_PARAMS_KEY: {
                 "prefill_only": req.prefill_only,
                 "has_handle": req.kv_handle is not None}}
@@ -433,6 +433,8 @@ class VllmEngine(Engine):
         self._inflight[req.request_id] = state
         n_out = 0
         cached = 0
+        stream = None
+        finished = False
         try:
             stream = llm.generate(prompt, params, req.request_id, lora_request=self._lora_request(req.lora_name),
                                   session_id=req.session_id or None)
@@ -448,6 +450,7 @@ class VllmEngine(Engine):
                     state.first_token = True
                     out.ttft_s = time.monotonic() - state.started
                 if ro.finished:
+                    finished = True
                     self._finish(out, ro, comp, req)
                     yield out
                     return
@@ -459,6 +462,13 @@ class VllmEngine(Engine):
             raise InvalidRequestError(str(exc)) from exc
         finally:
             self._inflight.pop(req.request_id, None)
+            if stream is not None and not finished:
+                # Our consumer went away (client cancel): close vLLM's stream now so it
+                # aborts the request and frees its blocks, instead of waiting for GC.
+                try:
+                    await stream.aclose()
+                except Exception:  # already failed or closed
+                    logger.debug("closing the vLLM stream failed", exc_info=True)
 
     def _finish(self, out: EngineOutput, ro: Any, comp: Any, req: EngineRequest) -> None:
         out.finished = True
