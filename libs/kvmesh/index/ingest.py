@@ -185,7 +185,7 @@ class Ingestor:
             st.resync_upto = max(st.resync_upto or 0, seq + 1)
 
     def pending_resync(self) -> list[EndpointState]:
-        return [st for st in self.endpoints.values() if st.needs_resync]
+        return [st for st in self.endpoints.copy().values() if st.needs_resync]
 
     def resync(self, endpoint: str, replay: ReplayFn | None) -> None:
         """Repair an endpoint whose batches were lost while the backend was down.
@@ -205,7 +205,7 @@ class Ingestor:
 
     def backend_reset(self) -> None:
         """The backend lost its data (e.g. Redis restarted): rebuild every endpoint from replay."""
-        for st in self.endpoints.values():
+        for st in self.endpoints.copy().values():
             upto = (st.last_seq + 1) if st.last_seq is not None else 0
             st.last_seq = None
             st.mapper.reset()

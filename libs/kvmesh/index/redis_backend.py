@@ -58,17 +58,17 @@ local field = ep .. '\\31' .. tier .. ';'
 local rkey = pre .. 'r:' .. ep .. ':' .. tier
 local added = 0
 local hkey = pre .. 'h'
+local first = ';' .. field
 for i = 1, #blob, 8 do
   local k = string.sub(blob, i, i + 7)
-  local v = redis.call('HGET', hkey, k)
-  if not v then
-    redis.call('HSET', hkey, k, ';' .. field)
+  -- The reverse set and the holder strings change together, so SADD says
+  -- whether this endpoint/tier already holds the block.
+  if redis.call('SADD', rkey, k) == 1 then
     added = added + 1
-  elseif not string.find(v, ';' .. field, 1, true) then
-    redis.call('HSET', hkey, k, v .. field)
-    added = added + 1
+    if redis.call('HSETNX', hkey, k, first) == 0 then
+      redis.call('HSET', hkey, k, redis.call('HGET', hkey, k) .. field)
+    end
   end
-  redis.call('SADD', rkey, k)
 end
 redis.call('SADD', ns .. ':eps:' .. ep, rkey)
 redis.call('SADD', ns .. ':endpoints', ep)

@@ -351,7 +351,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     async def ListEndpoints(self, request: indexer_pb2.ListEndpointsRequest, context: grpc.aio.ServicerContext
                             ) -> indexer_pb2.ListEndpointsResponse:
         resp = indexer_pb2.ListEndpointsResponse()
-        ids = set(self.liveness.records) | set(self.ingestor.endpoints)
+        ids = set(self.liveness.records) | set(self.ingestor.endpoints.copy())
         now = time.monotonic()
         for eid in sorted(ids):
             rec = self.liveness.records.get(eid)
@@ -377,7 +377,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         """(endpoint, seconds since last event or since first known, published?) for the metrics."""
         now = time.monotonic()
         out = []
-        for eid in sorted(set(self.first_seen) | set(self.ingestor.endpoints)):
+        for eid in sorted(set(self.first_seen.copy()) | set(self.ingestor.endpoints.copy())):
             st = self.ingestor.endpoints.get(eid)
             if st is not None and st.last_event_at is not None:
                 out.append((eid, now - st.last_event_at, True))
@@ -392,7 +392,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             counters: dict[str, int] = dict(self.counters)
             for k, v in st.counters.items():
                 counters[f"index_{k}"] = int(v)
-            for es in self.ingestor.endpoints.values():
+            for es in self.ingestor.endpoints.copy().values():
                 counters["events_applied"] = counters.get("events_applied", 0) + es.events_applied
                 counters["events_rejected"] = counters.get("events_rejected", 0) + es.events_rejected
                 counters["batches"] = counters.get("batches", 0) + es.batches
