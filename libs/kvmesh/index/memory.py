@@ -42,6 +42,7 @@ class MemoryIndex(BlockIndex):
 
     name = "memory"
     blocking = False
+    LOCK_CHUNK = 2048
 
     def __init__(self, max_entries: int = 0, now: Callable[[], float] = time.monotonic,
                  touch_on_lookup: bool = True, evict_batch_fraction: float = 1 / 64,
@@ -122,6 +123,13 @@ class MemoryIndex(BlockIndex):
     # ---- updates ---------------------------------------------------------------
     def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         tier = Tier(tier)
+        if len(keys) <= self.LOCK_CHUNK:
+            return self._add(model, endpoint, tier, keys)
+        # Release the lock between chunks so a big batch never stalls lookups for long.
+        return sum(self._add(model, endpoint, tier, keys[i:i + self.LOCK_CHUNK])
+                   for i in range(0, len(keys), self.LOCK_CHUNK))
+
+    def _add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         with self._lock:
             d = self._models.get(model)
             if d is None:
