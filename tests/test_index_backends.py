@@ -168,3 +168,66 @@ def test_redis_down_raises_unavailable_quickly() -> None:
         idx.lookup(M, [1, 2, 3])
     assert time.monotonic() - t0 < 1.0
     assert not idx.ping()
+
+
+class _Reference:
+    """Obviously-correct model of the index: a set of (model, key, endpoint, tier)."""
+
+    def __init__(self) -> None:
+        self.s: set[tuple[str, int, str, Tier]] = set()
+
+    def lookup(self, model: str, keys: list[int], filt=None, exclude=()) -> dict:  # noqa: ANN001
+        out = {}
+        eps = {e for (_, _, e, _) in self.s if (not filt or e in filt) and e not in exclude}
+        for e in eps:
+            tiers = {}
+            for t in Tier:
+                n = 0
+                while n < len(keys) and (model, keys[n], e, t) in self.s:
+                    n += 1
+                if n:
+                    tiers[t] = n
+            comb = 0
+            while comb < len(keys) and any((model, keys[comb], e, t) in self.s for t in Tier):
+                comb += 1
+            if comb:
+                out[e] = (tiers, comb)
+        return out
+
+
+@pytest.mark.parametrize("steps", [400])
+def test_random_operations_match_a_reference_model(any_index, steps: int) -> None:
+    import random
+
+    rng = random.Random(1234)
+    ref = _Reference()
+    eps = ["a", "b", "c", "d", "e"]
+    models = [M, "m2"]
+    space = list(range(1, 40))
+    for _ in range(steps):
+        op = rng.random()
+        model, ep, tier = rng.choice(models), rng.choice(eps), rng.choice(list(Tier))
+        if op < 0.45:
+            start = rng.randrange(len(space))
+            keys = space[start:start + rng.randrange(1, 12)]
+            assert any_index.add(model, ep, tier, keys) == sum((model, k, ep, tier) not in ref.s for k in keys)
+            ref.s.update((model, k, ep, tier) for k in keys)
+        elif op < 0.75:
+            keys = rng.sample(space, rng.randrange(1, 6))
+            assert any_index.remove(model, ep, tier, keys) == sum((model, k, ep, tier) in ref.s for k in keys)
+            ref.s.difference_update((model, k, ep, tier) for k in keys)
+        elif op < 0.8:
+            gone = {x for x in ref.s if x[2] == ep}
+            assert any_index.clear_endpoint(ep) == len(gone)
+            ref.s -= gone
+        else:
+            start = rng.randrange(len(space))
+            chain = space[start:start + rng.randrange(1, 30)]
+            filt = rng.sample(eps, 2) if rng.random() < 0.3 else None
+            excl = [rng.choice(eps)] if rng.random() < 0.2 else []
+            got = any_index.lookup(model, chain, filt, exclude=excl)
+            want = ref.lookup(model, chain, filt, excl)
+            assert {e: (m.tiers, m.combined) for e, m in got.matches.items()} == want
+        assert any_index.stats().entries == len(ref.s)
+    for ep in eps:
+        assert any_index.endpoint_blocks(ep) == sum(1 for x in ref.s if x[2] == ep)
