@@ -208,3 +208,66 @@ def test_engine_survives_bad_input_and_serves_concurrently(stub) -> None:
     # Greedy decoding is deterministic: the same prompt gives the same tokens again.
     again, _ = _generate(stub, "conc-again", _prompt(100, 90), max_tokens=8)
     assert again == results[0]
+
+
+def _descendants(pid: int) -> list[int]:
+    import os
+
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_engine_crash_gives_unavailable_and_not_serving(worker: VllmWorker, stub) -> None:
+    # Runs last in this module: it kills the module's engine.
+    import os
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cores = [p for p in _descendants(worker.proc.proc.pid) if "EngineCore" in _cmdline(p)]
+    assert cores, "vLLM EngineCore process not found"
+    stream = stub.Generate(worker_pb2.GenerateRequest(
+        request_id="crash-1", prompt_token_ids=_prompt(9, 64),
+        sampling=common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)), timeout=60)
+    next(stream)
+    for p in cores:
+        os.kill(p, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)   # the in-flight stream ends with an error, it never hangs
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+    assert time.monotonic() - t0 < 30
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(worker.address))
+    deadline = time.monotonic() + 20
+    status = None
+    while time.monotonic() < deadline:
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        time.sleep(0.2)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err2:
+        list(stub.Generate(worker_pb2.GenerateRequest(request_id="crash-2", prompt_token_ids=[5, 6, 7],
+                                                      sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=30))
+    assert err2.value.code() == grpc.StatusCode.UNAVAILABLE
