@@ -271,3 +271,28 @@ async def test_prefill_only_generate_hands_kv_to_store(offload_store) -> None:
         assert p.offload_saved_blocks >= 6
     finally:
         await p.stop()
+
+
+def test_digest_memo_is_exact() -> None:
+    """The sim's block-digest memo returns exactly what hashing returns (salt, divergence, reuse)."""
+    import random
+
+    from kvmesh.engine.sim.engine import _DigestMemo
+    from kvmesh.hashing import BlockHasher, ExtraKeys
+
+    h = BlockHasher("sha256_cbor", BS)
+    memo = _DigestMemo(h, capacity=64)
+    rng = random.Random(3)
+    base = [rng.randrange(32000) for _ in range(20 * BS + 5)]
+    salted = ExtraKeys(cache_salt="s1")
+    cases = [
+        (base, None), (base, None),                                    # cold, then all hits
+        (base[: 10 * BS] + [1] * (6 * BS), None),                       # shared prefix, then diverges
+        (base, salted), (base[: 12 * BS], salted),                      # salt changes every block
+        (base[: 12 * BS], ExtraKeys(lora_name="ad1")),
+        ([rng.randrange(32000) for _ in range(80 * BS)], None),         # overflows the memo (LRU)
+        (base, None),
+    ]
+    for toks, extra in cases:
+        assert memo.digests(toks, extra) == h.block_digests(toks, extra)
+    assert memo.hits > 0 and len(memo._memo) <= 64

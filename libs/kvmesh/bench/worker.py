@@ -54,7 +54,8 @@ class Workload:
 
 
 def _make_prompts(w: Workload, n: int) -> list[tuple[str, Any]]:
-    """Return n (session key, prompt builder) pairs; builders create token lists on demand."""
+    """Return n (session key, prompt builder) pairs; builders concatenate token lists on demand
+    (all random content is drawn here, before any timing)."""
     rng = random.Random(w.seed)
     shared = [rng.randrange(w.vocab) for _ in range(w.shared_prefix_tokens)]
     ctx_len0 = w.prompt_tokens - w.shared_prefix_tokens - w.turn_growth * 4
@@ -67,20 +68,18 @@ def _make_prompts(w: Workload, n: int) -> list[tuple[str, Any]]:
         if rng.random() < w.fanout_fraction:
             # Sub-agent: session context as of now, plus a private task.
             length = ctx_len0 + turns[s] * w.turn_growth - w.fanout_task_tokens
-            task_seed = rng.randrange(1 << 30)
-            out.append((f"s{s}", (s, length, task_seed)))
+            task = [rng.randrange(w.vocab) for _ in range(w.fanout_task_tokens)]
+            out.append((f"s{s}", (s, length, task)))
         else:
             turns[s] += 1
             length = ctx_len0 + turns[s] * w.turn_growth
             out.append((f"s{s}", (s, length, None)))
 
-    def build(spec: tuple[int, int, int | None]) -> list[int]:
-        s, length, task_seed = spec
+    def build(spec: tuple[int, int, list[int] | None]) -> list[int]:
+        # Cheap list concatenation: the client's side of building a prompt.
+        s, length, task = spec
         p = shared + contexts[s][:max(length, 0)]
-        if task_seed is not None:
-            r = random.Random(task_seed)
-            p = p + [r.randrange(w.vocab) for _ in range(w.fanout_task_tokens)]
-        return p
+        return p + task if task is not None else p
 
     return [(k, (lambda spec=spec: build(spec))) for k, spec in out]
 

@@ -23,7 +23,8 @@ import asyncio
 import logging
 import time
 import zlib
-from collections import deque
+from array import array
+from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ class SimEngineConfig:
     offload_address: str = ""
     offload_save: bool = True
     model_h2d: bool = True            # add the modelled host-to-device copy to each restore
+    hash_memo_blocks: int = -1        # exact block-digest memo size (-1 = 2 x num_blocks, 0 = off)
     kv_num_layers: int = 2
     kv_num_kv_heads: int = 2
     kv_head_dim: int = 32
@@ -113,6 +115,62 @@ class SimEngineConfig:
 
         return namespace_for(self.model, self.kv_num_layers, self.kv_num_kv_heads, self.kv_head_dim,
                              self.kv_dtype, self.block_size)
+
+
+class _DigestMemo:
+    """Exact memo of recently hashed blocks: (parent digest, token bytes, extra keys) -> digest.
+
+    Agent prompts repeat long prefixes, and hashing a 100k-token prompt is most of
+    a sim request's CPU. The key holds the full parent digest and the block's
+    token ids, so a hit returns exactly what hashing would; published events do
+    not change. Bounded LRU of ``capacity`` blocks (0 = off).
+    """
+
+    def __init__(self, hasher: Any, capacity: int) -> None:
+        self.hasher = hasher
+        self.capacity = capacity
+        self._memo: OrderedDict[tuple, bytes] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def digests(self, tokens: list[int], extra: Any) -> list[bytes]:
+        h = self.hasher
+        if self.capacity <= 0 or (extra is not None and extra.mm):
+            return h.block_digests(tokens, extra)
+        from kvmesh.hashing import block_extra_keys
+
+        bs = h.block_size
+        n = len(tokens) // bs
+        keys_first = block_extra_keys(extra, 0, bs, 0)[0] if extra is not None else None
+        keys_rest = block_extra_keys(extra, bs, 2 * bs, 0)[0] if extra is not None else None
+        memo = self._memo
+        get = memo.get
+        touch = memo.move_to_end
+        out: list[bytes] = []
+        prev: bytes | None = None
+        for i in range(n):
+            s = i * bs
+            key = (prev, array("I", tokens[s:s + bs]).tobytes(), keys_first if i == 0 else keys_rest)
+            d = get(key)
+            if d is None:
+                # First miss: hash the rest in one batch (the hasher's fast path), remember it.
+                rest = h.block_digests(tokens[s:n * bs], extra, prev, i)
+                for j, dj in enumerate(rest):
+                    sj = s + j * bs
+                    memo[(prev, array("I", tokens[sj:sj + bs]).tobytes(),
+                          keys_first if i + j == 0 else keys_rest)] = dj
+                    prev = dj
+                self.misses += len(rest)
+                self.hits += i
+                out.extend(rest)
+                while len(memo) > self.capacity:
+                    memo.popitem(last=False)
+                return out
+            touch(key)
+            out.append(d)
+            prev = d
+        self.hits += n
+        return out
 
 
 class _Outbox:
@@ -201,6 +259,8 @@ class SimEngine(Engine):
         from kvmesh.hashing import BlockHasher
 
         self.hasher = BlockHasher(c.hash_algo, c.block_size, c.hash_seed)
+        memo = 2 * c.num_blocks if c.hash_memo_blocks < 0 else c.hash_memo_blocks
+        self.digest_memo = _DigestMemo(self.hasher, memo)
         self.blocks = BlockManager(c.num_blocks, c.block_size, enable_events=c.enable_events)
         self.latency = LatencyModel(c.latency)
         self.scheduler = Scheduler(
@@ -407,7 +467,7 @@ class SimEngine(Engine):
             tokens = list(req.prompt_token_ids) if req.prompt_token_ids else None
         else:
             tokens = list(req.prompt_token_ids)
-            digests = self.hasher.block_digests(tokens, extra)
+            digests = self.digest_memo.digests(tokens, extra)
             keys = [int.from_bytes(d, "big") & _MASK64 for d in digests]
             last_digest = digests[-1] if digests else None
         stop = set(req.stop_token_ids)
