@@ -183,7 +183,17 @@ def test_store_keys_match_restore_count_for_partial_chain(stubs, store) -> None:
     assert last.usage.cached_tokens_offload == 4 * BS
 
 
-def test_store_down_workers_recompute_and_prefill_reports_unavailable(stubs, store) -> None:
+def _fallbacks(w: VllmWorker) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{w.metrics_port}/metrics", timeout=5).read().decode()
+    vals = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("kvmesh_worker_offload_fallbacks")]
+    assert vals, "kvmesh_worker_offload_fallbacks not exported"
+    return sum(vals)
+
+
+def test_store_down_workers_recompute_and_prefill_reports_unavailable(stubs, store, workers) -> None:
     # Runs last in this module: it stops the shared store.
     s1, s2 = stubs
     e = _prompt(51, 6 * BS + 3)
@@ -192,6 +202,7 @@ def test_store_down_workers_recompute_and_prefill_reports_unavailable(stubs, sto
     toks, last = _generate(s2, "E-1", e)
     assert toks == ref
     assert last.usage.cached_tokens_offload == 0
+    assert _fallbacks(workers[1]) >= 1, "the recompute fallback is counted in a metric"
     with pytest.raises(grpc.RpcError) as err:
         s1.Prefill(worker_pb2.PrefillRequest(request_id="E-p", prompt_token_ids=_prompt(52, 4 * BS + 1)), timeout=60)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE

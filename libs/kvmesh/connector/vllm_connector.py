@@ -110,6 +110,7 @@ class _ReqState:
     pending_load: tuple[int, int] | None = None    # block range to load this step
     loaded_tokens: int = 0
     first_schedule: bool = True
+    store_fallback: bool = False      # the store was down/slow when this request looked it up
 
 
 class KvmeshConnector(KVConnectorBase_V1):
@@ -186,7 +187,10 @@ class KvmeshConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _ReqState(request=request)
-        if not self._load_enabled or not self._store_usable():
+        if not self._load_enabled:
+            return 0, False
+        if not self._store_usable():
+            st.store_fallback = True
             return 0, False
         bs = self._block_size
         local_blocks = num_computed_tokens // bs
@@ -203,6 +207,7 @@ class KvmeshConnector(KVConnectorBase_V1):
                 present = self._store().contains(self._namespace, keys)
             except Exception as exc:  # store down/slow: recompute, never fail the request
                 self._mark_store_down(exc, "contains")
+                st.store_fallback = True
                 return 0, False
             hit_end = local_blocks + present
             st.lookup = (local_blocks, hit_end, now)
@@ -279,7 +284,8 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
-        params: dict[str, Any] = {"loaded_tokens": st.loaded_tokens if st else 0}
+        params: dict[str, Any] = {"loaded_tokens": st.loaded_tokens if st else 0,
+                                  "store_fallback": bool(st and st.store_fallback)}
         if _is_prefill_only(request):
             n = len(request.prompt_token_ids or []) // self._block_size
             params["prompt_keys"] = self._keys(request)[:n]

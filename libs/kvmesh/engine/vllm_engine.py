@@ -189,6 +189,9 @@ class VllmEngine(Engine):
         self._kv_dtype = (self.cfg.dtype if self.cfg.dtype != "auto"
                           else str(self._model_cfg.get("torch_dtype") or "bfloat16"))
         self._offload: Any = None
+        # Requests that could not use the offload store (down or slow) and recomputed;
+        # exported by the worker as kvmesh_worker_offload_fallbacks.
+        self.offload_fallbacks = 0
 
     # ------------------------------------------------------------------ setup
 
@@ -477,6 +480,8 @@ class VllmEngine(Engine):
         if reason in ("error",):
             out.finish_reason = "error"
         params = (ro.kv_transfer_params or {}).get(CONNECTOR_PARAMS_KEY) or {}
+        if params.get("store_fallback"):
+            self.offload_fallbacks += 1
         offload = min(int(params.get("loaded_tokens", 0)), out.num_cached_tokens)
         out.num_cached_tokens_offload = offload
         out.num_cached_tokens_gpu = out.num_cached_tokens - offload
@@ -527,6 +532,7 @@ class VllmEngine(Engine):
             try:
                 present = await self._offload.contains(self.namespace(), keys)
             except OffloadError as exc:
+                self.offload_fallbacks += 1
                 raise KvTransferError(f"offload store unreachable while handing off KV: {exc}") from exc
             if present >= len(keys) or time.monotonic() >= deadline:
                 break
