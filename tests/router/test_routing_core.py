@@ -272,3 +272,20 @@ def test_hash_cache_is_bounded():
         hc.chain(_tokens(1600, seed=i), None, f"s{i}")
         assert hc.blocks <= 500 or len(hc) == 1
     assert len(hc) <= 5
+
+
+def test_hash_cache_takes_protobuf_fields_and_concat_views():
+    from kvmesh.common.v1 import common_pb2
+    from kvmesh.routing.hash_cache import ConcatTokens
+
+    h = BlockHasher("sha256_cbor", BS)
+    hc = HashCache(h)
+    toks = _tokens(1000)
+    field = common_pb2.TokenIds(ids=toks).ids
+    assert hc.chain(field, None, "s").keys == h.block_keys(toks)
+    out = _tokens(40, 9)
+    view = ConcatTokens(field, out)
+    assert len(view) == 1040 and view[999] == toks[999] and view[1000] == out[0] and view[-1] == out[-1]
+    assert view[990:1010] == toks[990:] + out[:10]
+    res = hc.chain(view, None, "s")
+    assert res.keys == h.block_keys(toks + out) and res.source == "session" and res.reused_blocks == 1000 // BS

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.hashing import BlockHasher, ExtraKeys, event_key
@@ -39,16 +40,47 @@ class HashCacheConfig:
     max_per_head: int = field(default=32, metadata={"help": "chains kept per first-block digest"})
     verify: str = field(default="sampled", metadata={"help": "prefix check: sampled | full"})
     verify_samples: int = field(default=64, metadata={"help": "token positions compared when sampled"})
+    max_content_checks: int = field(default=4, metadata={"help": "recent same-head chains tried by content"})
 
     def validate(self) -> None:
         if self.verify not in ("sampled", "full"):
             raise ValueError(f"hash cache verify must be 'sampled' or 'full', got {self.verify!r}")
 
 
+class ConcatTokens(Sequence[int]):
+    """``a + b`` without copying: a prompt (list or protobuf repeated field) plus its output.
+
+    Copying a 200k-token protobuf field into a list costs ~10 ms; the hash cache only
+    needs ``len``, indexing and short slices, which this view gives in O(slice).
+    """
+
+    __slots__ = ("a", "b", "_na")
+
+    def __init__(self, a: Sequence[int], b: Sequence[int]) -> None:
+        self.a, self.b, self._na = a, b, len(a)
+
+    def __len__(self) -> int:
+        return self._na + len(self.b)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        na = self._na
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return [self[j] for j in range(start, stop, step)]
+            out = list(self.a[start:min(stop, na)]) if start < na else []
+            if stop > na:
+                out += list(self.b[max(start - na, 0): stop - na])
+            return out
+        if i < 0:
+            i += len(self)
+        return self.a[i] if i < na else self.b[i - na]
+
+
 class _Chain:
     __slots__ = ("tokens", "n_blocks", "digests", "keys", "head", "session")
 
-    def __init__(self, tokens: list[int], n_blocks: int, digests: list[bytes], keys: list[int],
+    def __init__(self, tokens: Sequence[int], n_blocks: int, digests: list[bytes], keys: list[int],
                  head: bytes, session: tuple | None) -> None:
         self.tokens = tokens
         self.n_blocks = n_blocks
@@ -92,8 +124,12 @@ class HashCache:
         return len(self._lru)
 
     # -- public ---------------------------------------------------------------
-    def chain(self, tokens: list[int], extra: ExtraKeys | None = None, session_id: str = "") -> ChainResult:
-        """Digests and event keys of every full block of ``tokens`` (as the engine computes them)."""
+    def chain(self, tokens: Sequence[int], extra: ExtraKeys | None = None, session_id: str = "") -> ChainResult:
+        """Digests and event keys of every full block of ``tokens`` (as the engine computes them).
+
+        ``tokens`` may be a list, a protobuf repeated field or a :class:`ConcatTokens`; it is
+        kept by reference (not copied) for later prefix checks, so it must not be mutated.
+        """
         bs = self.hasher.block_size
         n_full = len(tokens) // bs
         self.stats["lookups"] += 1
@@ -113,7 +149,8 @@ class HashCache:
         cands: list[tuple[str, _Chain]] = []
         if skey is not None and skey in self._sessions:
             cands.append(("session", self._sessions[skey]))
-        cands += [("content", c) for c in self._heads.get(head, ())]
+        # Most recent first, and only a few: each check is O(log n) but not free.
+        cands += [("content", c) for c in self._heads.get(head, ())[: self.cfg.max_content_checks]]
         seen: set[int] = set()
         for src, c in cands:
             if id(c) in seen or c.head != head:
@@ -138,8 +175,9 @@ class HashCache:
         hashed = n_full - best_len
         self.stats["reused_blocks"] += best_len
         self.stats["hashed_blocks"] += hashed
-        # A chain fully contained in the new one is superseded by it.
-        if best is not None and best_len == best.n_blocks:
+        # A chain fully contained in the new one is superseded by it; so is the session's
+        # previous chain when the session moved on (e.g. a re-rendered assistant turn).
+        if best is not None and (best_len == best.n_blocks or source == "session"):
             self._drop(best)
         elif best is not None:
             self._lru.move_to_end(id(best))
@@ -157,7 +195,7 @@ class HashCache:
         self._blocks = 0
 
     # -- internals -------------------------------------------------------------
-    def _common_blocks(self, c: _Chain, tokens: list[int], n_full: int) -> int:
+    def _common_blocks(self, c: _Chain, tokens: Sequence[int], n_full: int) -> int:
         limit = min(c.n_blocks, n_full)
         if limit == 0:
             return 0
@@ -173,7 +211,7 @@ class HashCache:
                 hi = mid - 1
         return lo
 
-    def _equal_upto(self, a: list[int], b: list[int], n_blocks: int) -> bool:
+    def _equal_upto(self, a: Sequence[int], b: Sequence[int], n_blocks: int) -> bool:
         """Do ``a`` and ``b`` agree on their first ``n_blocks`` blocks?"""
         bs = self.hasher.block_size
         end = n_blocks * bs

@@ -8,10 +8,11 @@ index. Keeping the pipeline here guarantees both make the same decisions.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.hashing import BlockHasher, ExtraKeys
-from kvmesh.routing.hash_cache import ChainResult, HashCache, HashCacheConfig
+from kvmesh.routing.hash_cache import ChainResult, ConcatTokens, HashCache, HashCacheConfig
 from kvmesh.routing.load import LoadView
 from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
 from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext, make_policy
@@ -82,7 +83,7 @@ class RouterCore:
                 and e.endpoint_id not in exclude]
 
     # -- pipeline --------------------------------------------------------------
-    def chain(self, tokens: list[int], extra: ExtraKeys | None = None, session_id: str = "") -> ChainResult:
+    def chain(self, tokens: Sequence[int], extra: ExtraKeys | None = None, session_id: str = "") -> ChainResult:
         return self.hash_cache.chain(tokens, extra, session_id)
 
     def decide(self, req: RouteRequest, matches: Matches | None, now: float, policy: str = "",
@@ -109,7 +110,7 @@ class RouterCore:
         self.load.on_first_token(req.request_id)
 
     def on_finished(self, req: RouteRequest, decision: Decision, now: float,
-                    prompt_tokens: list[int] | None = None, output_tokens: list[int] | None = None,
+                    prompt_tokens: Sequence[int] | None = None, output_tokens: list[int] | None = None,
                     extra: ExtraKeys | None = None) -> None:
         """Release in-flight counts; if the output is known, remember the blocks the engine now holds."""
         self.load.on_finished(req.request_id)
@@ -117,7 +118,7 @@ class RouterCore:
         if prompt_tokens is None or not output_tokens:
             return
         # The engine caches full blocks of prompt + output, except the last sampled token (never computed).
-        full = prompt_tokens + output_tokens[:-1]
+        full = ConcatTokens(prompt_tokens, output_tokens[:-1])
         n = len(full) // self.block_size
         if n <= len(req.keys):
             return
