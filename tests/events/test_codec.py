@@ -236,3 +236,40 @@ def test_fuzz_mutated_valid_payloads(data) -> None:
 @given(st.lists(st.one_of(st.binary(max_size=12), st.integers(), st.none()), max_size=5))
 def test_fuzz_frames(frames) -> None:
     _only_decode_error(decode_message, frames)
+
+
+_hash_st = st.one_of(st.integers(min_value=0, max_value=2**64 - 1), st.binary(min_size=16, max_size=32))
+_opt_str = st.one_of(st.none(), st.text(max_size=6))
+_opt_int = st.one_of(st.none(), st.integers(min_value=0, max_value=2**31))
+_stored_st = st.builds(
+    BlockStored,
+    block_hashes=st.lists(_hash_st, max_size=3),
+    parent_block_hash=st.one_of(st.none(), _hash_st),
+    token_ids=st.lists(st.integers(min_value=0, max_value=2**32), max_size=20),
+    block_size=st.integers(min_value=1, max_value=128),
+    lora_id=_opt_int,
+    medium=st.sampled_from([None, "GPU", "CPU", "STORAGE"]),
+    lora_name=_opt_str,
+    extra_keys=st.one_of(st.none(), st.lists(st.one_of(st.none(), st.tuples(st.text(max_size=4)), st.tuples(st.text(max_size=4), st.integers(-64, 64))), max_size=3)),
+    group_idx=_opt_int,
+    kv_cache_spec_kind=_opt_str,
+    kv_cache_spec_sliding_window=_opt_int,
+    locality=_opt_str,
+    ownership=_opt_str,
+    session_id=_opt_str,
+)
+_removed_st = st.builds(BlockRemoved, st.lists(_hash_st, max_size=2), st.sampled_from([None, "GPU"]), _opt_int, _opt_str, _opt_str)
+_event_st = st.one_of(_stored_st, _removed_st, st.just(AllBlocksCleared()))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(_event_st, max_size=6), st.floats(0, 2e9), st.one_of(st.none(), st.integers(0, 8)))
+def test_fast_and_tolerant_paths_agree(events, ts, rank) -> None:
+    from kvmesh.events import codec
+
+    batch = KVEventBatch(ts, events, rank)
+    payload = encode_batch(batch)
+    fast = codec._decode_fast(payload)
+    tolerant = codec._decode_obj(msgpack.unpackb(payload, raw=False, strict_map_key=False))
+    assert fast is not None and fast.errors == [] and tolerant.errors == []
+    assert fast.batch == tolerant.batch == batch
