@@ -49,3 +49,32 @@ async def test_decision_attributes_on_the_span(worker):
     with pytest.raises(BadRequest):
         await pick(svc, "other-model", tokens=[1, 2, 3])
     await svc.cluster.stop()
+
+
+async def test_limits_and_unavailable_in_process():
+    from kvmesh_router.errors import Unavailable
+
+    cfg = RouterConfig(model=MODEL, block_size=BLOCK, max_prompt_tokens=100, max_model_len=120, http_port=0,
+                       vocab_size=1000)
+    svc = build_service(cfg)
+
+    async def run(**kw):
+        inp = GenInput(model=kw.pop("model", MODEL), **kw)
+        return [x async for x in svc.generate(inp)]
+
+    cases = [
+        (dict(tokens=list(range(101))), "prompt", "over the limit"),
+        (dict(tokens=list(range(90)), sampling=common_pb2.SamplingParams(max_tokens=40)), "prompt", "max_model_len"),
+        (dict(tokens=[1, 2, 5000]), "prompt", "vocabulary"),
+        (dict(tokens=[]), "prompt", "empty"),
+        (dict(tokens=[1], lora_name="nope"), "lora_name", "LoRA"),
+        (dict(tokens=[1], model="x"), "model", "unknown model"),
+        (dict(tokens=[1], sampling=common_pb2.SamplingParams(max_tokens=500)), "max_tokens", "max_model_len"),
+    ]
+    for kw, param, words in cases:
+        with pytest.raises(BadRequest) as ei:
+            await run(**kw)
+        assert ei.value.param == param and words in ei.value.message, (kw, ei.value.message)
+    with pytest.raises(Unavailable):
+        await run(tokens=[1, 2, 3])
+    await svc.cluster.stop()
