@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--blocks-per-event", type=int, default=4)
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--repeats", type=int, default=31)
+    p.add_argument("--no-vllm", action="store_true", help="skip the vLLM baseline")
     p.set_defaults(func=run)
 
 
@@ -64,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         "encode": lambda: encode_batch(batch),
     }
     try:
+        if args.no_vllm:
+            raise ImportError("baseline disabled")
         import msgspec
         from vllm.distributed import kv_events as V
 

@@ -61,6 +61,8 @@ def as_token_list(token_ids: Iterable[Any]) -> list[int]:
 
     Raises TypeError for anything that is not an integer (floats, strings, None).
     """
+    if type(token_ids) is tuple:
+        token_ids = list(token_ids)
     if type(token_ids) is list:
         # One C-speed pass: the sum of plain ints is a plain int; any float, numpy int or
         # other number makes it something else, and non-numbers raise. (bools pass as
