@@ -203,20 +203,20 @@ def _only_decode_error(fn, *args) -> None:
         pass
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.binary(max_size=200))
 def test_fuzz_random_bytes(data: bytes) -> None:
     _only_decode_error(decode_batch, data)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(_msgpack_values)
 def test_fuzz_random_structures(value) -> None:
     _only_decode_error(decode_batch, msgpack.packb(value, use_bin_type=True))
     _only_decode_error(decode_batch, msgpack.packb([1.0, [value], 0], use_bin_type=True))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_fuzz_mutated_valid_payloads(data) -> None:
     payload = bytearray(encode_batch(sample_batch()))

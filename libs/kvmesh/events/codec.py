@@ -426,6 +426,8 @@ def decode_message(frames: list[bytes] | tuple[bytes, ...], max_bytes: int = MAX
         raise DecodeError(f"frames must be a list, got {type(frames).__name__}")
     if len(frames) != 3:
         raise DecodeError(f"expected 3 frames [topic, seq, payload], got {len(frames)}")
+    # zmq.Frame objects (recv_multipart(copy=False)) carry their bytes in .bytes
+    frames = [getattr(f, "bytes", f) if not isinstance(f, bytes) else f for f in frames]
     topic = decode_topic(frames[0])
     seq = decode_seq(frames[1])
     decoded = decode_batch(bytes(frames[2]) if isinstance(frames[2], bytearray | memoryview) else frames[2], max_bytes)
