@@ -74,9 +74,10 @@ class VllmEngineConfig:
     served_model_name: str = field(default="", metadata={"help": "model name in the API and topic (default: dir name)"})
     endpoint_id: str = field(default="worker-0", metadata={"help": "endpoint id used in the KV-event topic"})
     block_size: int = field(default=32, metadata={"help": "KV block size in tokens (multiple of 32 on CPU)"})
-    kv_cache_memory_bytes: int = field(default=64 << 20, metadata={"help": "KV cache size in bytes (0: vLLM's "
+    kv_cache_memory_bytes: int = field(default=128 << 20, metadata={"help": "KV cache size in bytes (0: vLLM's "
                                                                            "gpu_memory_utilization)"})
-    max_model_len: int = field(default=0, metadata={"help": "0: the model's max_position_embeddings"})
+    max_model_len: int = field(default=0, metadata={"help": "0: the model's max_position_embeddings, capped "
+                                                             "to what kv_cache_memory_bytes holds"})
     max_num_seqs: int = field(default=32, metadata={"help": "max running sequences"})
     max_num_batched_tokens: int = field(default=0, metadata={"help": "per-step token budget (0: vLLM default)"})
     max_waiting: int = field(default=1024, metadata={"help": "in-flight requests before RESOURCE_EXHAUSTED"})
@@ -181,13 +182,13 @@ class VllmEngine(Engine):
         self._stopped = False
         self._model_cfg = self._read_model_config()
         self._vocab_size = int(self._model_cfg.get("vocab_size", 0))
-        self._max_model_len = int(self.cfg.max_model_len or self._model_cfg.get("max_position_embeddings", 2048))
-        self._lora_ids = {name: i + 1 for i, name in enumerate(sorted(self.cfg.lora_modules))}
-        self._num_blocks = 0
-        self._namespace = ""
         # KV dtype for the store namespace: vLLM's "auto" means the checkpoint's dtype.
         self._kv_dtype = (self.cfg.dtype if self.cfg.dtype != "auto"
                           else str(self._model_cfg.get("torch_dtype") or "bfloat16"))
+        self._max_model_len = int(self.cfg.max_model_len or self._default_max_model_len())
+        self._lora_ids = {name: i + 1 for i, name in enumerate(sorted(self.cfg.lora_modules))}
+        self._num_blocks = 0
+        self._namespace = ""
         self._offload: Any = None
         # Requests that could not use the offload store (down or slow) and recomputed;
         # exported by the worker as kvmesh_worker_offload_fallbacks.
@@ -203,6 +204,25 @@ class VllmEngine(Engine):
             from kvmesh.config import ConfigError
 
             raise ConfigError(f"setting 'model': cannot read {path}: {exc}") from exc
+
+    def _default_max_model_len(self) -> int:
+        """The model's context length, capped to what the configured KV cache holds.
+
+        vLLM refuses to start when one full-length request cannot fit in the KV
+        cache, and it keeps one block in reserve; a small CPU cache would then
+        make the default configuration fail.
+        """
+        model_max = int(self._model_cfg.get("max_position_embeddings", 2048))
+        if not self.cfg.kv_cache_memory_bytes:
+            return model_max
+        from kvmesh.kvstore.layout import kv_bytes_per_token
+
+        try:
+            per_block = kv_bytes_per_token(*self._kv_shape(), self._kv_dtype) * self.cfg.block_size
+        except ValueError:
+            return model_max
+        fits = (self.cfg.kv_cache_memory_bytes // per_block - 1) * self.cfg.block_size
+        return max(self.cfg.block_size, min(model_max, fits))
 
     def _kv_shape(self) -> tuple[int, int, int]:
         c = self._model_cfg
