@@ -120,11 +120,57 @@ def test_picker_down_fails_closed_or_open_as_configured(deploy_stack, envoy_fact
     body = {"model": MODEL, "prompt": [11, 12, 13, 14], "max_tokens": 2}
     r = httpx.post(closed.base + "/v1/completions", json=body, timeout=30)
     assert r.status_code == 503, (r.status_code, r.text)
-    r = httpx.post(opened.base + "/v1/completions", json=body, timeout=30)
-    assert r.status_code == 200, r.text
+    for _ in range(5):   # deterministic, not a race with the body stream (the picker has no healthy host)
+        r = httpx.post(opened.base + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 200, r.text
     # served by a pool member through the fallback cluster, without a pick
     assert r.headers["x-kvmesh-endpoint"] in {"decode-1", "decode-2"}
     assert "x-kvmesh-picked-endpoint" not in r.headers
+
+
+async def test_picker_that_dies_fails_over_as_configured(deploy_stack, envoy_factory) -> None:
+    """The picker answers, then stops: fail-open keeps serving without picks, fail-closed says 503."""
+    target = deploy_stack.http_address("decode-2")
+
+    async def pick(_req):
+        return PickResult(address=target, endpoint_id="decode-2")
+
+    decode_ports = [deploy_stack.worker_http[e] for e in ("decode-1", "decode-2")]
+    server = await start_extproc_server(pick, 0, host="127.0.0.1", config=ExtProcConfig())
+    try:
+        opened = await asyncio.to_thread(envoy_factory, server.port, decode_ports, True, "dies-open")
+        closed = await asyncio.to_thread(envoy_factory, server.port, decode_ports, False, "dies-closed")
+        body = {"model": MODEL, "prompt": [21, 22, 23], "max_tokens": 1}
+        async with httpx.AsyncClient(timeout=30) as c:
+            for gw in (opened, closed):
+                r = await c.post(gw.base + "/v1/completions", json=body)
+                assert r.status_code == 200 and r.headers["x-kvmesh-picked-endpoint"] == target, r.text
+            await server.stop(0)
+            # Envoy's active health check (2 s interval) takes the picker out of its cluster.
+            for gw in (opened, closed):
+                await _wait_picker_unhealthy(c, gw)
+            for _ in range(5):
+                r = await c.post(closed.base + "/v1/completions", json=body)
+                assert r.status_code == 503, r.text
+            for _ in range(5):
+                r = await c.post(opened.base + "/v1/completions", json=body)
+                assert r.status_code == 200, r.text
+                assert "x-kvmesh-picked-endpoint" not in r.headers
+    finally:
+        await server.stop(0)
+
+
+async def _wait_picker_unhealthy(c: httpx.AsyncClient, gw, timeout_s: float = 15.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    text = ""
+    while asyncio.get_running_loop().time() < deadline:
+        text = (await c.get(f"http://127.0.0.1:{gw.admin_port}/clusters")).text
+        if any(line.startswith("kvmesh-epp::") and "health_flags::/failed_active_hc" in line
+               for line in text.splitlines()):
+            return
+        await asyncio.sleep(0.2)
+    raise AssertionError("envoy never marked the picker unhealthy:\n" +
+                         "\n".join(x for x in text.splitlines() if "health_flags" in x))
 
 
 async def _hold_connections(release: asyncio.Event) -> tuple[asyncio.AbstractServer, int]:
