@@ -118,3 +118,34 @@ def test_a_new_request_goes_where_the_engine_holds_its_prefix(istack):
     _, b = _gen(istack, doc + _rand(64, 42))
     assert b.routing.endpoint == a.routing.endpoint
     assert b.routing.predicted_cached_tokens == b.usage.cached_tokens >= 1152
+
+
+def test_offload_tier_is_credited_and_predicted_exactly(tmp_path, procs):
+    """A prefix only in the shared offload store: any endpoint restores it, the router predicts it."""
+    from kvmesh.testing.ports import free_port
+
+    idx = procs(start_indexer(tmp_path))
+    sp = free_port()
+    store = procs(ServiceProcess(
+        "offload", ["--host", "127.0.0.1", "--port", str(sp), "--model", MODEL, "--endpoint-id", "store-0",
+                    "--events-endpoint", f"tcp://*:{free_port()}", "--indexer-address", idx.grpc_address,
+                    "--advertise-host", "127.0.0.1"],
+        f"127.0.0.1:{sp}", log_path=tmp_path / "offload.log").start(60))
+    ws = start_workers(tmp_path, ["w1", "w2"], indexer=idx.grpc_address,
+                       extra=["--offload-address", store.grpc_address])
+    for w in ws.values():
+        procs(w)
+    router, http = start_router(tmp_path, [], indexer=idx.grpc_address, extra=["--speculative-ttl-s", "0.3"])
+    st = RouterStack(procs(router), http, ws, idx)
+    _wait_endpoints(st, 2)
+    doc = _rand(1000, 51)
+    _, first = _gen(st, doc)
+    holder = first.routing.endpoint
+    _indexed(st, doc[:64], "store-0")
+    ws[holder].kill()   # its GPU copy is gone; the store's copy remains
+    _, second = _gen(st, doc + _rand(100, 52))
+    r = second.routing
+    assert r.endpoint != holder
+    assert r.predicted_cached_tokens_offload == second.usage.cached_tokens_offload == 992
+    assert r.predicted_cached_tokens == second.usage.cached_tokens
+    st.close()
