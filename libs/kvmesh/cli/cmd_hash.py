@@ -20,8 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "hash",
         help="vLLM block hashes of token ids read as a JSON list on stdin",
-        description="Reads a JSON list of token ids on stdin; prints the JSON list of the 64-bit "
-        "event-form block hashes (what vLLM puts in BlockStored.block_hashes). Only full blocks are hashed.",
+        description="Reads a JSON list of token ids (or {\"prompt_token_ids\": [...]}) on stdin; prints the "
+        "JSON list of the 64-bit event-form block hashes (what vLLM puts in BlockStored.block_hashes). "
+        "Only full blocks are hashed; include generated tokens if the engine's blocks contain them.",
     )
     p.add_argument("--algo", default="sha256", choices=[a.value for a in HashAlgo], help="--prefix-caching-hash-algo")
     p.add_argument("--block-size", type=int, required=True, help="engine block size (tokens)")

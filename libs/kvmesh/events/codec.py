@@ -6,11 +6,12 @@ the legacy array-style events accepted) and strict where input is garbage: every
 malformed frame or payload raises :class:`DecodeError`, never anything else, and one bad
 event in a batch is reported in :attr:`DecodedBatch.errors` without losing the others.
 
-Encoding reproduces what vLLM's ``msgspec`` structs emit byte for byte:
-``KVEventBatch`` is ``array_like`` (``[ts, events, dp_rank]``, a None rank written as nil;
-older vLLMs sent ``[ts, events]``, which we decode too) and each event is a map tagged ``{"type": "<ClassName>", ...}`` whose
-required fields are always written (even when None) and whose defaulted fields are written
-only when not None.
+Encoding reproduces what vLLM's ``msgspec`` structs emit byte for byte: ``KVEventBatch``
+is ``array_like`` (``[ts, events, dp_rank]``, a None rank written as nil; a 2-element
+batch is decoded too) and each event is a map tagged ``{"type": "<ClassName>", ...}``
+whose required fields are always written (even when None) and whose defaulted fields are
+written only when not None. Well-formed batches are decoded by the typed msgspec mirror
+in :mod:`kvmesh.events.fastpath`; the Python validators below handle everything else.
 """
 
 from __future__ import annotations
