@@ -58,3 +58,21 @@ def test_unknown_algo_is_argparse_error(monkeypatch, capsys) -> None:
     with pytest.raises(SystemExit) as e:
         run(monkeypatch, capsys, "[]", "--block-size", "4", "--algo", "md5")
     assert e.value.code == 2
+
+
+def test_matches_hashes_recorded_from_vllm(monkeypatch, capsys) -> None:
+    """What a user would do: feed the request's tokens, compare with the engine's event."""
+    from pathlib import Path
+
+    vectors = json.loads((Path(__file__).parents[1] / "data" / "vllm_hash_vectors.json").read_text())
+    case = next(c for c in vectors["cases"] if c["name"] == "sha256_default")
+    rec = next(r for r in case["records"] if r["cache_salt"] and r["events"] and r["events"][0]["parent_block_hash"] is None)
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    rc, out, _ = run(
+        monkeypatch, capsys, json.dumps(rec["prompt_token_ids"] + rec["output_token_ids"]),
+        "--algo", "sha256", "--block-size", str(case["block_size"]), "--cache-salt", rec["cache_salt"],
+    )  # fmt: skip
+    assert rc == 0
+    got = json.loads(out)
+    want = rec["events"][0]["block_hashes"]
+    assert got[: len(want)] == want
