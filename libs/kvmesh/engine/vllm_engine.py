@@ -80,7 +80,8 @@ class VllmEngineConfig:
                                                              "to what kv_cache_memory_bytes holds"})
     max_num_seqs: int = field(default=32, metadata={"help": "max running sequences"})
     max_num_batched_tokens: int = field(default=0, metadata={"help": "per-step token budget (0: vLLM default)"})
-    max_waiting: int = field(default=1024, metadata={"help": "in-flight requests before RESOURCE_EXHAUSTED"})
+    max_waiting: int = field(default=1024, metadata={"help": "in-flight requests before RESOURCE_EXHAUSTED "
+                                                                 "(0 = unlimited)"})
     seed: int = field(default=0, metadata={"help": "engine seed; dummy weights are reproducible per seed"})
     load_format: str = field(default="dummy", metadata={"help": "'dummy' (random weights) or 'auto'"})
     dtype: str = field(default="auto", metadata={"help": "model dtype"})
@@ -384,7 +385,12 @@ class VllmEngine(Engine):
             raise EmptyPromptError("prompt_token_ids is empty")
         # vLLM does not check ids when the tokenizer is skipped: an out-of-range id
         # kills the engine core, so this check protects every other request too.
-        bad = next((t for t in ids if not isinstance(t, int) or t < 0 or t >= self._vocab_size), None)
+        try:
+            in_range = min(ids) >= 0 and max(ids) < self._vocab_size   # C-speed scan of long prompts
+        except TypeError:
+            in_range = False
+        bad = None if in_range else next(
+            (t for t in ids if not isinstance(t, int) or t < 0 or t >= self._vocab_size), None)
         if bad is not None:
             raise TokenOutOfVocabError(f"prompt token id {bad} is outside the vocabulary [0, {self._vocab_size})")
         if len(ids) + 1 > self._max_model_len:
@@ -406,7 +412,7 @@ class VllmEngine(Engine):
             raise InvalidRequestError(f"cache_salt longer than {MAX_CACHE_SALT_BYTES} bytes")
         if req.request_id in self._inflight:
             raise DuplicateRequestError(f"request_id {req.request_id!r} is already in flight")
-        if len(self._inflight) >= self.cfg.max_waiting:
+        if 0 < self.cfg.max_waiting <= len(self._inflight):
             raise QueueFullError(f"{len(self._inflight)} requests in flight (max {self.cfg.max_waiting})")
 
     def _sampling_params(self, req: EngineRequest) -> Any:
