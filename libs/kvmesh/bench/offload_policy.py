@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stagger-s", type=float, default=60.0, help="start offset between sessions")
     p.add_argument("--fractions", default="0.03,0.1,0.3", help="capacities as fractions of distinct blocks")
     p.add_argument("--policies", default="lru,agent,session-rate")
+    p.add_argument("--share-weight", type=float, default=None, help="agent policy: bonus per log2(sharers)")
+    p.add_argument("--session-weight", type=float, default=None, help="agent policy: bonus per log2(requests)")
     p.set_defaults(func=run)
 
 
@@ -44,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
         row: dict[str, object] = {"fraction": frac, "capacity_blocks": cap}
         for pol in [p.strip() for p in args.policies.split(",") if p.strip()]:
             t0 = time.perf_counter()
-            r = replay(reqs, pol, cap)
+            kw = {k: v for k, v in (("share_weight", args.share_weight), ("session_weight", args.session_weight))
+                  if v is not None} if pol == "agent" else {}
+            r = replay(reqs, pol, cap, **kw)
             row[f"hit_rate_{pol}"] = r.hit_rate
             row[f"evictions_{pol}"] = r.evictions
             row[f"seconds_{pol}"] = time.perf_counter() - t0
@@ -55,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         print(row)
     out = write_json(args.json, {"bench": "offload-policy", "requests": len(reqs), "distinct_blocks": unique,
                                  "infinite_cache_hit_rate": ceiling, "block_tokens": 64, "rows": rows,
-                                 "sessions": args.max_sessions or "all", "stagger_s": args.stagger_s})
+                                 "sessions": args.max_sessions or "all", "stagger_s": args.stagger_s,
+                                 "agent_weights": {"share_weight": args.share_weight, "session_weight": args.session_weight}})
     print({"infinite_cache_hit_rate": round(out["infinite_cache_hit_rate"], 4), "distinct_blocks": unique})
     return 0
