@@ -29,6 +29,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--jobs", type=int, default=None, help="parallel policy processes (default: CPUs)")
     p.add_argument("--no-table", action="store_true", help="do not print the table")
     add_dataclass_args(p, SimConfig)
+    from kvmesh.routing.scoring import ScoringConfig
+
+    add_dataclass_args(p.add_argument_group("router scoring (kvmesh.routing.scoring)"), ScoringConfig)
     p.set_defaults(func=_run)
 
 
@@ -37,10 +40,12 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh.clustersim.report import render_table, write_plots
     from kvmesh.clustersim.run import simulate_policies
     from kvmesh.routing.policy import available_policies
+    from kvmesh.routing.scoring import ScoringConfig
     from kvmesh.traffic.readers import TraceFormatError, load_trace
 
     try:
         cfg = load_config(SimConfig, args, env_prefix="KVMESH_SIM_")
+        scoring = load_config(ScoringConfig, args, env_prefix="KVMESH_SIM_SCORING_")
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
@@ -59,7 +64,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         trace = load_trace(args.trace, args.format, limit=args.limit_sessions)
-        report = simulate_policies(trace, cfg, policies, jobs=args.jobs)
+        report = simulate_policies(trace, cfg, policies, jobs=args.jobs, scoring=scoring)
     except (TraceFormatError, ValueError) as exc:
         print(f"error: {exc}")
         return 2

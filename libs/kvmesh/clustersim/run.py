@@ -16,6 +16,7 @@ from typing import Any
 
 from kvmesh.clustersim.config import SimConfig
 from kvmesh.clustersim.sim import ClusterSim, PolicyResult
+from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.traffic.ceilings import ceiling_infinite, ceiling_pooled
 from kvmesh.traffic.model import Trace
 from kvmesh.traffic.schedule import Schedule, ScheduleOptions, build_schedule, recorded_order
@@ -34,14 +35,14 @@ def schedule_for(trace: Trace, cfg: SimConfig) -> Schedule:
 
 
 def _run_one(policy: str) -> PolicyResult:
-    sim = ClusterSim(_STATE["trace"], _STATE["schedule"], _STATE["cfg"], policy)
+    sim = ClusterSim(_STATE["trace"], _STATE["schedule"], _STATE["cfg"], policy, scoring=_STATE.get("scoring"))
     res = sim.run()
     log.info("policy done", extra={"policy": policy, "wall_s": res.metrics["wall_s"]})
     return res
 
 
 def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: int | None = None,
-                      records: bool = False) -> dict[str, Any]:
+                      records: bool = False, scoring: ScoringConfig | None = None) -> dict[str, Any]:
     """Simulate every policy; returns the JSON-able report (``results`` keyed by policy).
 
     With ``records`` the report also holds every request's outcome under ``records[policy]``.
@@ -55,7 +56,7 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
     pooled_cap = cfg.decode_workers * cfg.kv_capacity_tokens + max(0, cfg.offload_capacity_tokens)
     ceil_inf = round(ceiling_infinite(order), 4)
     ceil_pool = round(ceiling_pooled(order, pooled_cap), 4)
-    _STATE.update(trace=trace, schedule=schedule, cfg=cfg)
+    _STATE.update(trace=trace, schedule=schedule, cfg=cfg, scoring=scoring)
     jobs = jobs if jobs is not None else min(len(policies), os.cpu_count() or 1)
     results: list[PolicyResult]
     if jobs > 1 and len(policies) > 1:
@@ -65,6 +66,7 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
         results = [_run_one(p) for p in policies]
     out: dict[str, Any] = {
         "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
+        "scoring": {k: getattr(scoring or ScoringConfig(), k) for k in ScoringConfig.__dataclass_fields__},
         "trace": {"format": trace.fmt, "sessions": len(trace.sessions), "requests": len(schedule),
                   "block_size": bs},
         "ceiling_infinite": ceil_inf,
