@@ -126,3 +126,31 @@ def test_client_process_dying_mid_put_leaves_nothing(offload_process, tmp_path: 
         assert c.contains(NS, [1, 2]) == 0
         assert c.stats().ram_blocks == 0
     assert proc.alive()
+
+
+def test_prometheus_metrics(offload_process, tmp_path: Path) -> None:
+    import urllib.request
+
+    from kvmesh.testing.ports import free_port
+
+    mport = free_port()
+    proc = offload_process("--ram-capacity-bytes", str(2 * BS), "--disk-path", str(tmp_path / "m"),
+                           "--metrics-port", str(mport))
+    a, b = chain(2, 7), chain(2, 8)
+    with SyncOffloadClient(proc.grpc_address, use_shm=True) as c:
+        c.put(NS, a)
+        c.put(NS, b)
+        assert len(c.get(NS, [k for k, _ in a] + [424242])) == 2      # from disk, then a miss
+    text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+
+    def value(prefix: str) -> float:
+        line = next(ln for ln in text.splitlines() if ln.startswith(prefix))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value('kvmesh_offload_bytes_stored_total{tier="cpu"}') == 4 * BS
+    assert value('kvmesh_offload_bytes_stored_total{tier="disk"}') >= 2 * BS
+    assert value('kvmesh_offload_hits_total{tier="disk"}') == 2
+    assert value("kvmesh_offload_misses_total") == 1
+    assert value('kvmesh_offload_evictions_total{tier="cpu"}') >= 2
+    assert value('kvmesh_offload_restore_latency_seconds_count{path="shm"}') == 1
+    assert value('kvmesh_offload_tier_capacity_bytes{tier="cpu"}') == 2 * BS
