@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 
 import grpc
+import httpx
 import pytest
 
 from kvmesh.common.v1 import common_pb2
@@ -97,8 +98,21 @@ def test_killed_worker_is_retried_around(pair):
 
 def test_deadline_cancel_midstream_death_and_no_endpoint(tmp_path, procs):
     w1 = procs(start_worker(tmp_path, "w1", extra=["--time-scale", "1", "--itl-s", "0.05"]))
-    router, _ = start_router(tmp_path, [("w1", w1.grpc_address)], extra=["--max-attempts", "2"])
+    router, http = start_router(tmp_path, [("w1", w1.grpc_address)], extra=["--max-attempts", "2"])
     procs(router)
+    # An HTTP client that disconnects mid-stream aborts the worker's request too.
+    with httpx.stream("POST", f"http://127.0.0.1:{http}/v1/completions", timeout=30,
+                      json={"model": MODEL, "prompt": _rand(100, 8), "max_tokens": 400, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                assert _running(w1.grpc_address) == 1
+                break
+    _wait_idle(w1.grpc_address)
+    # Same for a non-streaming request whose client gives up.
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=1.0,
+                   json={"model": MODEL, "prompt": _rand(100, 9), "max_tokens": 400})
+    _wait_idle(w1.grpc_address)
     with grpc.insecure_channel(router.grpc_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         # A deadline reaches the worker: its request is aborted.

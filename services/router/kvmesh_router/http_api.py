@@ -9,6 +9,7 @@ a ``kvmesh`` key. Errors use OpenAI's body shape
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -165,7 +166,21 @@ def build_app(service: RouterService) -> FastAPI:
     def routing_dict(fin: FinalInfo) -> dict[str, Any]:
         return MessageToDict(fin.routing, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
-    async def run(inp: GenInput, chat: bool, stream: bool, include_usage: bool):
+    def watch_disconnect(request: Request, inp: GenInput) -> tuple[asyncio.Task, dict[str, bool]]:
+        """Cancel the worker call when the HTTP client goes away (uvicorn does not cancel us)."""
+        state = {"gone": False}
+
+        async def watch() -> None:
+            while not await request.is_disconnected():
+                await asyncio.sleep(0.1)
+            state["gone"] = True
+            log.debug("client disconnected; cancelling the worker call", extra={"calls": len(inp.calls)})
+            for call in list(inp.calls):
+                call.cancel()
+
+        return asyncio.create_task(watch()), state
+
+    async def run(request: Request, inp: GenInput, chat: bool, stream: bool, include_usage: bool):
         api = "chat" if chat else "completions"
         oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         created = int(time.time())
@@ -183,6 +198,7 @@ def build_app(service: RouterService) -> FastAPI:
         if not stream:
             ids: list[int] = []
             fin: FinalInfo | None = None
+            watcher, state = watch_disconnect(request, inp)
             try:
                 async for kind, item in gen:
                     if kind == "chunk":
@@ -192,6 +208,13 @@ def build_app(service: RouterService) -> FastAPI:
             except RouterError as exc:
                 metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
                 return _err(exc)
+            except asyncio.CancelledError:
+                if not state["gone"]:
+                    raise
+                metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
+                return error_body(499, "client closed the request", "client_closed")
+            finally:
+                watcher.cancel()
             assert fin is not None
             metrics.REQUESTS.labels(api=api, outcome="ok").inc()
             text = service.tokenizer.decode(ids) if service.tokenizer is not None else ""
@@ -217,6 +240,7 @@ def build_app(service: RouterService) -> FastAPI:
 
         async def events() -> AsyncIterator[bytes]:
             items = [first] if first is not None else []
+            watcher, state = watch_disconnect(request, inp)
             try:
                 async def all_items():
                     for it in items:
@@ -246,7 +270,13 @@ def build_app(service: RouterService) -> FastAPI:
                 metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
                 yield sse({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
                                      "code": exc.http_status}})
+            except asyncio.CancelledError:
+                if not state["gone"]:
+                    raise
+                metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
+                return
             finally:
+                watcher.cancel()
                 await gen.aclose()
             yield b"data: [DONE]\n\n"
 
@@ -282,7 +312,7 @@ def build_app(service: RouterService) -> FastAPI:
         except RouterError as exc:
             metrics.REQUESTS.labels(api="completions", outcome=type(exc).__name__).inc()
             return _err(exc)
-        return await run(inp, False, stream, include_usage)
+        return await run(request, inp, False, stream, include_usage)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -320,7 +350,7 @@ def build_app(service: RouterService) -> FastAPI:
         except RouterError as exc:
             metrics.REQUESTS.labels(api="chat", outcome=type(exc).__name__).inc()
             return _err(exc)
-        return await run(inp, True, stream, include_usage)
+        return await run(request, inp, True, stream, include_usage)
 
     @app.get("/v1/models")
     async def models():

@@ -73,6 +73,9 @@ class GenInput:
     policy: str = ""
     deadline: float | None = None   # time.monotonic() deadline
     trace_context: Any = None       # OTel context of the caller (HTTP traceparent); None = current
+    # Worker calls in flight, so a front door that learns of a client disconnect
+    # out of band (HTTP) can cancel them.
+    calls: list[Any] = field(default_factory=list)
     add_special_tokens: bool = True
 
 
@@ -363,6 +366,7 @@ class RouterService:
         generated: list[int] = []
         ttft = 0.0
         t_start = time.monotonic()
+        inp.calls.append(call)
         try:
             final: FinalInfo | None = None
             async for msg in call:
@@ -396,6 +400,7 @@ class RouterService:
                 raise _BeforeFirstToken(f"{code.name}: {exc.details()}", mark_dead=False) from None
             raise UpstreamError(f"endpoint {d.endpoint_id}: {exc.details()}", code) from None
         finally:
+            inp.calls.remove(call)
             if not call.done():
                 call.cancel()
 
