@@ -232,3 +232,15 @@ def test_fast_paths_serialise_byte_identically(algo: str, bs: int, wide: bool) -
                 assert data == want, i
                 prev = digests[i]
             assert len(seen) == n_blocks
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+@pytest.mark.parametrize("parent", [b"abc", b"\x07" * 300, None])
+def test_vectorised_path_with_odd_parent_and_keys(algo: str, parent: bytes | None) -> None:
+    h = BlockHasher(algo, 16, seed=SEED)
+    rng = random.Random(3)
+    tokens = [rng.randrange(200_000) for _ in range(16 * 60)]
+    for extra in (None, ExtraKeys(cache_salt="s", lora_name="l", lora_path="/p")):
+        keys = h._keys(extra, 0, 60)
+        want = h._generic(list(tokens), keys, parent or h.none_hash, 60)
+        assert h.block_digests(tokens, extra, parent=parent) == want

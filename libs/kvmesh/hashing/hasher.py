@@ -191,20 +191,25 @@ class BlockHasher:
             return self._generic(as_token_list(token_ids), keys, prev, n_blocks)
         stream, bounds = fast
         digest = self._digest
-        out: list[bytes] = []
-        append = out.append
         join = b"".join
-        dsize = self.algo.digest_size
         enc_extra = cbor_fast.encode_extra
-        tuple3 = cbor_fast.TUPLE3
         head_arr = cbor_fast.head(4, bs)
-        head_digest = cbor_fast.head(2, dsize)
-        none_enc = cbor_fast.NONE_ENC
-        for i in range(n_blocks):
-            hp = head_digest if len(prev) == dsize else cbor_fast.head(2, len(prev))
-            k = none_enc if keys is None or keys[i] is None else enc_extra(keys[i])
-            prev = digest(join((tuple3, hp, prev, head_arr, stream[bounds[i] : bounds[i + 1]], k)))
-            append(prev)
+        # Block 0's parent may be a caller-supplied digest of another length; after it
+        # every parent is one of ours, so the tuple/bytes header is a constant prefix.
+        out = [digest(join((cbor_fast.TUPLE3, cbor_fast.encode_parent(prev), head_arr,
+                            stream[bounds[0] : bounds[1]], enc_extra(keys[0] if keys else None))))]  # fmt: skip
+        prev = out[0]
+        append = out.append
+        pre = cbor_fast.TUPLE3 + cbor_fast.head(2, len(prev))
+        if keys is None:
+            none_enc = cbor_fast.NONE_ENC
+            for i in range(1, n_blocks):
+                prev = digest(join((pre, prev, head_arr, stream[bounds[i] : bounds[i + 1]], none_enc)))
+                append(prev)
+        else:
+            for i in range(1, n_blocks):
+                prev = digest(join((pre, prev, head_arr, stream[bounds[i] : bounds[i + 1]], enc_extra(keys[i]))))
+                append(prev)
         return out
 
     def _generic(
