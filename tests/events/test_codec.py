@@ -59,6 +59,13 @@ def test_round_trip_batch_and_message() -> None:
     assert (m.topic, m.seq, m.batch, m.errors) == ("kv@ep1@m", 7, b, [])
 
 
+def test_encode_rejects_non_events() -> None:
+    with pytest.raises(TypeError, match="not a KV event"):
+        encode_batch(KVEventBatch(1.0, [object()]))  # type: ignore[list-item]
+    # int ts is written as a float, as vLLM's float field would be
+    assert msgpack.unpackb(encode_batch(KVEventBatch(5, [])))[0] == 5.0
+
+
 def test_wire_shape_matches_vllm_msgspec_settings() -> None:
     raw = msgpack.unpackb(encode_batch(sample_batch()), raw=False)
     assert isinstance(raw, list) and len(raw) == 3  # array_like batch
@@ -269,6 +276,7 @@ def test_fast_and_tolerant_paths_agree(events, ts, rank) -> None:
 
     batch = KVEventBatch(ts, events, rank)
     payload = encode_batch(batch)
+    assert payload == codec._encode_plain(batch)  # msgspec-struct encoder == dict encoder
     fast = codec._decode_fast(payload)
     tolerant = codec._decode_obj(msgpack.unpackb(payload, raw=False, strict_map_key=False))
     assert fast is not None and fast.errors == [] and tolerant.errors == []

@@ -133,8 +133,34 @@ def _event_to_wire(ev: KVEvent) -> dict[str, Any]:
     return out
 
 
+_TO_WIRE: dict[type, Any] = {
+    BlockStored: fastpath.BlockStoredW,
+    BlockRemoved: fastpath.BlockRemovedW,
+    AllBlocksCleared: fastpath.AllBlocksClearedW,
+}
+
+
 def encode_batch(batch: KVEventBatch) -> bytes:
-    """msgpack payload identical to ``msgspec.msgpack.encode(vllm KVEventBatch)``."""
+    """msgpack payload identical to ``msgspec.msgpack.encode(vllm KVEventBatch)``.
+
+    Encoded through the msgspec mirror structs (the same settings as vLLM's, so the same
+    bytes, ~3x faster than building dicts for msgpack).
+    """
+    events = []
+    for ev in batch.events:
+        wire_cls = _TO_WIRE.get(type(ev))
+        if wire_cls is None:
+            raise TypeError(f"not a KV event: {type(ev).__name__}")
+        events.append(wire_cls(*[getattr(ev, f) for f in ev.REQUIRED + ev.OPTIONAL]))
+    try:
+        return fastpath.encoder.encode(fastpath.TypedBatchW(float(batch.ts), events, batch.data_parallel_rank))
+    except (TypeError, OverflowError):
+        # Values msgspec cannot encode as typed: the dict path gives the same bytes for
+        # anything valid and a clear error otherwise.
+        return _encode_plain(batch)
+
+
+def _encode_plain(batch: KVEventBatch) -> bytes:
     # msgspec's omit_defaults does not drop trailing defaults of array_like structs:
     # a None rank is written as nil.
     wire = [float(batch.ts), [_event_to_wire(e) for e in batch.events], batch.data_parallel_rank]

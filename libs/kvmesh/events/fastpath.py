@@ -65,6 +65,7 @@ class TypedBatchW(msgspec.Struct, array_like=True, gc=False):
 
 
 typed_batch_decoder = msgspec.msgpack.Decoder(TypedBatchW)
+encoder = msgspec.msgpack.Encoder()
 batch_decoder = msgspec.msgpack.Decoder(BatchW)
 event_decoder = msgspec.msgpack.Decoder(BlockStoredW | BlockRemovedW | AllBlocksClearedW)
 DecodeFailure = msgspec.DecodeError  # ValidationError is a subclass
