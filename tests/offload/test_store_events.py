@@ -102,3 +102,36 @@ async def test_registered_store_blocks_are_restorable_in_the_index(offload_proce
             assert {t.tier: t.blocks for t in match.tiers}.get(common_pb2.TIER_CPU) == 5
     finally:
         indexer.stop(grace_s=3)
+
+
+async def test_store_with_host_form_events_endpoint_is_indexed(offload_process, tmp_path: Path) -> None:
+    """``tcp://127.0.0.1:P`` makes the store's publisher connect (vLLM's rule), so the indexer must bind."""
+    iport = free_port()
+    indexer = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(iport), "--models",
+                                         f"sim-model@{BS}@sha256_cbor"], f"127.0.0.1:{iport}",
+                             log_path=tmp_path / "indexer.log").start(timeout_s=30)
+    try:
+        events = f"tcp://127.0.0.1:{free_port()}"
+        store = offload_process("--indexer-address", indexer.grpc_address, "--events-endpoint", events,
+                                "--endpoint-id", "store-host", "--ram-capacity-bytes", str(16 << 20))
+        tokens = list(range(900, 900 + 3 * BS))
+        keys = _chain(tokens)
+        async with aio_channel(indexer.grpc_address) as ch:
+            stub = indexer_pb2_grpc.IndexerStub(ch)
+            match = None
+            with SyncOffloadClient(store.grpc_address) as c:
+                for _ in range(100):
+                    # Re-put until indexed: the first events can go out before the indexer's
+                    # bound SUB socket has accepted the store's connection (ZMQ slow joiner).
+                    c.put(NS, [(k, os.urandom(4096)) for k in keys], block_size=BS,
+                          token_ids=[tokens[i * BS:(i + 1) * BS] for i in range(3)])
+                    resp = await stub.Lookup(indexer_pb2.LookupRequest(
+                        model="sim-model", chain=indexer_pb2.BlockChain(keys=keys)), timeout=5)
+                    match = next((m for m in resp.matches if m.endpoint_id == "store-host"), None)
+                    if match is not None and match.combined_blocks == 3:
+                        break
+                    await asyncio.sleep(0.1)
+            assert match is not None and match.combined_blocks == 3
+            assert {t.tier: t.blocks for t in match.tiers}.get(common_pb2.TIER_CPU) == 3
+    finally:
+        indexer.stop(grace_s=3)

@@ -22,12 +22,12 @@ from typing import Any
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.engine.base import Engine
 from kvmesh.indexer.v1 import indexer_pb2
+from kvmesh.registration import IndexerRegistration, advertised_zmq_endpoint, kv_events_fields
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh.workerlib.config import ENV_PREFIX, WorkerConfig
 from kvmesh.workerlib.metrics import WorkerMetrics
-from kvmesh.workerlib.registration import IndexerRegistration, advertised_zmq_endpoint, publisher_binds
 from kvmesh.workerlib.servicer import HASH_ALGO, ROLE, WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -164,9 +164,8 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
         ep = indexer_pb2.Endpoint(
             endpoint_id=endpoint_id, model=cfg.model_name, role=ROLE.get(role, 0),
             grpc_address=f"{cfg.advertise_host}:{worker.port}", http_address=servicer.http_address,
-            kv_events_endpoint=servicer.kv_events_endpoint,
-            kv_events_replay_endpoint=servicer.kv_events_replay_endpoint,
-            subscriber_binds=bool(cfg.kv_events_endpoint) and not publisher_binds(cfg.kv_events_endpoint),
+            **kv_events_fields(cfg.kv_events_endpoint, cfg.advertise_host,
+                               replay_endpoint=cfg.kv_events_replay_endpoint),
             block_size=info.block_size, hash_algo=HASH_ALGO.get(info.hash_algo, 0),
             hash_seed_matches=info.hash_seed_matches, labels={"engine": info.engine, **cfg.labels},
         )

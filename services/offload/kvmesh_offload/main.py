@@ -9,20 +9,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-
-import grpc
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh.indexer.v1 import indexer_pb2
 from kvmesh.kvstore.arena import tune_malloc
 from kvmesh.kvstore.disk_tier import DiskTier
 from kvmesh.kvstore.eviction import make_policy
 from kvmesh.kvstore.store import OffloadStore
 from kvmesh.logs import setup_logging
 from kvmesh.offload.v1 import offload_pb2
-from kvmesh.rpc.channel import aio_channel
+from kvmesh.registration import IndexerRegistration, kv_events_fields
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
@@ -43,45 +41,14 @@ def build_store(cfg: OffloadConfig, event_sink=None) -> OffloadStore:  # noqa: A
                         evict_on_full=cfg.evict_on_full, event_sink=event_sink, max_block_bytes=cfg.max_block_bytes)
 
 
-def _advertised(endpoint: str, host: str) -> str:
-    """``tcp://0.0.0.0:5560`` -> ``tcp://<host>:5560`` for other processes."""
-    if endpoint.startswith("tcp://"):
-        port = endpoint.rsplit(":", 1)[1]
-        return f"tcp://{host}:{port}"
-    return endpoint
-
-
-async def _register_loop(cfg: OffloadConfig, grpc_port: int, pub) -> None:  # noqa: ANN001
-    from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
-
-    ep = indexer_pb2.Endpoint(
+def store_endpoint(cfg: OffloadConfig, grpc_port: int, pub) -> indexer_pb2.Endpoint:  # noqa: ANN001
+    """This store as a ``ROLE_STORE`` index endpoint (who binds the ZMQ pair follows the configured form)."""
+    return indexer_pb2.Endpoint(
         endpoint_id=cfg.endpoint_id, model=cfg.model, role=common_pb2.ROLE_STORE,
         grpc_address=f"{cfg.advertise_host}:{grpc_port}",
-        kv_events_endpoint=_advertised(pub.endpoint, cfg.advertise_host),
-        kv_events_replay_endpoint=_advertised(pub.replay_endpoint or "", cfg.advertise_host),
+        **kv_events_fields(cfg.events_endpoint, cfg.advertise_host, replay_endpoint=pub.replay_endpoint or "",
+                           opened_endpoint=pub.endpoint),
         labels={"kind": "offload"})
-    async with aio_channel(cfg.indexer_address) as ch:
-        stub = indexer_pb2_grpc.IndexerStub(ch)
-        registered = False
-        while True:
-            try:
-                if not registered:
-                    await stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=ep,
-                                                                                    ttl_s=cfg.register_ttl_s),
-                                                timeout=5)
-                    registered = True
-                    log.info("registered with indexer", extra={"indexer": cfg.indexer_address,
-                                                               "endpoint_id": cfg.endpoint_id})
-                else:
-                    await stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id=cfg.endpoint_id), timeout=5)
-            except grpc.RpcError as exc:
-                if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    registered = False  # the indexer forgot us (restart): register again
-                log.warning("indexer registration/heartbeat failed",
-                            extra={"indexer": cfg.indexer_address, "code": str(exc.code())})
-                await asyncio.sleep(1.0)
-                continue
-            await asyncio.sleep(max(0.5, cfg.register_ttl_s / 3))
 
 
 async def serve(cfg: OffloadConfig) -> int:
@@ -112,20 +79,21 @@ async def serve(cfg: OffloadConfig) -> int:
     port = await server.start()
     server.install_signal_handlers()
     start_metrics_server(cfg.metrics_port)
-    reg_task = None
-    if cfg.indexer_address and pub is not None:
-        reg_task = asyncio.create_task(_register_loop(cfg, port, pub))
     await server.set_ready(True)
+    registration = None
+    if cfg.indexer_address and pub is not None:
+        registration = IndexerRegistration(cfg.indexer_address, store_endpoint(cfg, port, pub),
+                                           heartbeat_s=max(0.5, cfg.register_ttl_s / 3), ttl_s=cfg.register_ttl_s,
+                                           retry_s=1.0)
+        await registration.start()
     log.info("offload store ready", extra={"port": port, "disk_blocks_recovered": found,
                                            "events": pub.endpoint if pub else None,
                                            "policy": store.policy_name})
     try:
         await server.wait()
     finally:
-        if reg_task is not None:
-            reg_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await reg_task
+        if registration is not None:
+            await registration.stop(deregister=False)
         servicer.close()
         if pub is not None:
             pub.close()

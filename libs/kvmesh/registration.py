@@ -1,11 +1,14 @@
-"""Self-registration of a worker with the indexer, kept alive by heartbeats.
+"""Self-registration of a KV-event source with the indexer, kept alive by heartbeats.
 
-Why it exists: the indexer must know each engine's KV-event publisher (and
-replay socket) to subscribe to it, and must notice when a worker goes away so
-its blocks stop attracting traffic. A worker registers on start, heartbeats
-every ``heartbeat_s`` (re-registering if the indexer forgot it, e.g. after an
-indexer restart) and deregisters on shutdown. An unreachable indexer is
-logged and retried; it never stops the worker from serving.
+Why it exists: the indexer must know each KV-event publisher (workers' engines
+and the offload store alike) and its replay socket to subscribe to it, and must
+notice when the source goes away so its blocks stop attracting traffic. Both
+the worker services and the offload service register through this one module,
+so they advertise endpoints and decide who binds the ZMQ pair the same way.
+A source registers on start, heartbeats every ``heartbeat_s`` (re-registering
+if the indexer forgot it, e.g. after an indexer restart) and may deregister on
+shutdown. An unreachable indexer is logged and retried; it never stops the
+source from serving.
 """
 
 from __future__ import annotations
@@ -40,15 +43,34 @@ def publisher_binds(endpoint: str) -> bool:
     return is_bind_endpoint(endpoint)
 
 
+def kv_events_fields(endpoint: str, advertise_host: str, *, replay_endpoint: str = "",
+                     opened_endpoint: str | None = None) -> dict[str, object]:
+    """The ``indexer_pb2.Endpoint`` KV-event fields for a publisher configured with ``endpoint``.
+
+    ``opened_endpoint`` is what the publisher actually opened when it differs
+    (``tcp://*:0`` resolves to ``tcp://0.0.0.0:<port>``); who binds is decided
+    from the configured form, because the resolved one no longer carries the ``*``.
+    """
+    return {
+        "kv_events_endpoint": advertised_zmq_endpoint(opened_endpoint or endpoint, advertise_host),
+        "kv_events_replay_endpoint": advertised_zmq_endpoint(replay_endpoint, advertise_host),
+        "subscriber_binds": bool(endpoint) and not publisher_binds(endpoint),
+    }
+
+
 class IndexerRegistration:
-    """Registers ``endpoint`` with the indexer at ``address`` and heartbeats until stopped."""
+    """Registers ``endpoint`` with the indexer at ``address`` and heartbeats until stopped.
+
+    While unregistered it retries every ``retry_s`` (default: ``heartbeat_s``).
+    """
 
     def __init__(self, address: str, endpoint: indexer_pb2.Endpoint, heartbeat_s: float = 2.0,
-                 ttl_s: float = 10.0) -> None:
+                 ttl_s: float = 10.0, retry_s: float | None = None) -> None:
         self.address = address
         self.endpoint = endpoint
         self.heartbeat_s = heartbeat_s
         self.ttl_s = ttl_s
+        self.retry_s = heartbeat_s if retry_s is None else retry_s
         self._channel = aio_channel(address)
         self._stub = indexer_pb2_grpc.IndexerStub(self._channel)
         self._task: asyncio.Task | None = None
@@ -86,7 +108,7 @@ class IndexerRegistration:
                     else:
                         log.warning("indexer heartbeat failed", extra={"indexer": self.address,
                                                                        "code": exc.code().name})
-            await asyncio.sleep(self.heartbeat_s)
+            await asyncio.sleep(self.heartbeat_s if self.registered else self.retry_s)
 
     async def start(self) -> None:
         await self.register()
