@@ -296,3 +296,40 @@ def test_digest_memo_is_exact() -> None:
     for toks, extra in cases:
         assert memo.digests(toks, extra) == h.block_digests(toks, extra)
     assert memo.hits > 0 and len(memo._memo) <= 64
+
+
+@pytest.mark.parametrize("lora_paths", [{"ad1": "/adapters/ad1"}, {}])
+async def test_lora_blocks_hash_the_configured_path_as_vllm_does(lora_paths) -> None:
+    """The sim hashes ``("lora", name, path)`` with its configured path ('' when none), as vLLM's hasher does."""
+    pytest.importorskip("vllm.v1.core.kv_cache_utils")
+    from vllm.lora.request import LoRARequest
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256_cbor
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    from kvmesh.hashing import BlockHasher, ExtraKeys
+
+    toks = list(range(300, 300 + 3 * BS + 2))
+    path = lora_paths.get("ad1", "")
+    if path:
+        init_none_hash(sha256_cbor)
+        r = Request("v", toks, SamplingParams(max_tokens=1), None, lora_request=LoRARequest("ad1", 1, path),
+                    block_hasher=get_request_block_hasher(BS, sha256_cbor))
+        want = [int.from_bytes(h, "big") & ((1 << 64) - 1) for h in r.block_hashes]
+    else:
+        # vLLM refuses an empty adapter path; the sim's default is kvmesh's hasher with "".
+        want = BlockHasher("sha256_cbor", BS).block_keys(toks, ExtraKeys(lora_name="ad1", lora_path=""))
+    eng = SimEngine(SimEngineConfig(block_size=BS, num_blocks=32, virtual_time=True, endpoint_id="e-lora",
+                                    lora_names=["ad1"], lora_paths=lora_paths,
+                                    kv_events_endpoint="tcp://*:0", kv_events_replay_endpoint="tcp://*:0",
+                                    clear_events_on_start=False))
+    await eng.start()
+    try:
+        assert eng.info().lora_paths == {"ad1": path}
+        await _run(eng, EngineRequest("s", toks, max_tokens=1, lora_name="ad1"))
+        msgs = await asyncio.to_thread(_replay_all, eng.kv_events_replay_endpoint.replace("0.0.0.0", "127.0.0.1"))
+    finally:
+        await eng.stop()
+    got = [h for m in msgs for e in m.batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    assert got == want and len(want) == 3

@@ -415,3 +415,14 @@ async def test_connecting_publisher_reaches_a_binding_subscriber() -> None:
     finally:
         sub.close(linger=0)
         await w.stop(0)
+
+
+async def test_info_reports_lora_paths_and_path_only_adapters_are_served() -> None:
+    w = await start_worker(_cfg(lora_paths={"ad2": "/adapters/ad2"}))
+    try:
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            info = await worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest())
+        assert list(info.lora_names) == ["ad1", "ad2"]
+        assert dict(info.lora_paths) == {"ad1": "", "ad2": "/adapters/ad2"}
+    finally:
+        await w.stop(0)

@@ -190,6 +190,8 @@ class EngineInfo:
     vocab_size: int = 32000
     kv_bytes_per_token: int = 0
     lora_names: list[str] = field(default_factory=list)
+    # Adapter name -> the path the engine hashes into each LoRA block (vLLM: LoRARequest.lora_path).
+    lora_paths: dict[str, str] = field(default_factory=dict)
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_topic: str = ""

@@ -351,6 +351,7 @@ class VllmEngine(Engine):
             hash_algo=self.cfg.hash_algo,  # type: ignore[arg-type]
             max_model_len=self._max_model_len, vocab_size=self._vocab_size, kv_bytes_per_token=bpt,
             lora_names=sorted(self.cfg.lora_modules),
+            lora_paths={n: str(path) for n, path in self.cfg.lora_modules.items()},
             kv_events_endpoint=self.cfg.kv_events_endpoint if self.cfg.enable_kv_events else "",
             kv_events_replay_endpoint=self.cfg.kv_events_replay_endpoint if self.cfg.enable_kv_events else "",
             kv_events_topic=kv_events_topic(self.cfg.endpoint_id, self.cfg.model_name),

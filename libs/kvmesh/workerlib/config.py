@@ -46,6 +46,8 @@ class WorkerConfig:
     eos_token_id: int = field(default=-1, metadata=_h("EOS token id (sim; -1 = none)"))
     default_max_tokens: int = field(default=16, metadata=_h("max_tokens when a request gives 0"))
     lora_names: list[str] = field(default_factory=list, metadata=_h("LoRA adapters served (comma list)"))
+    lora_paths: dict[str, str] = field(default_factory=dict, metadata=_h(
+        "sim: LoRA name -> path hashed into its blocks, as vLLM does (JSON; names are served too)"))
     kv_events_endpoint: str = field(default="tcp://*:0", metadata=_h(
         "ZMQ PUB endpoint for KV events ('' = off; '*' binds, a host connects)"))
     kv_events_replay_endpoint: str = field(default="tcp://*:0", metadata=_h("ZMQ ROUTER replay endpoint"))
@@ -115,7 +117,9 @@ class WorkerConfig:
             hash_algo=self.hash_algo, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens, max_model_len=self.max_model_len,
             max_waiting=self.max_waiting, vocab_size=self.vocab_size,
-            eos_token_id=self.eos_token_id if self.eos_token_id >= 0 else None, lora_names=list(self.lora_names),
+            eos_token_id=self.eos_token_id if self.eos_token_id >= 0 else None,
+            lora_names=[*self.lora_names, *(n for n in self.lora_paths if n not in self.lora_names)],
+            lora_paths=dict(self.lora_paths),
             time_scale=self.time_scale, virtual_time=self.virtual_time,
             kv_events_endpoint=self.kv_events_endpoint, kv_events_replay_endpoint=self.kv_events_replay_endpoint,
             offload_address=self.offload_address, model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,

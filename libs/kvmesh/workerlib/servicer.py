@@ -318,7 +318,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             endpoint_id=self.endpoint_id, model=self.model_name, block_size=info.block_size,
             hash_algo=HASH_ALGO.get(info.hash_algo, 0), role=ROLE.get(self.role, common_pb2.ROLE_BOTH),
             max_model_len=info.max_model_len, vocab_size=info.vocab_size, engine=info.engine,
-            kv_bytes_per_token=info.kv_bytes_per_token, lora_names=info.lora_names,
+            kv_bytes_per_token=info.kv_bytes_per_token, lora_names=info.lora_names, lora_paths=info.lora_paths,
             kv_events_endpoint=self.kv_events_endpoint or info.kv_events_endpoint,
             kv_events_replay_endpoint=self.kv_events_replay_endpoint or info.kv_events_replay_endpoint,
             http_address=self.http_address)

@@ -6,6 +6,12 @@ the routing core applies the staleness bound. An endpoint that fails a call is
 marked not alive until its next successful poll, so retries go elsewhere.
 The indexer may be down: ``lookup`` then returns None and the caller falls
 back, which is counted and logged (once per outage, not per request).
+
+Each endpoint's ``GetInfo`` is read when it (re)appears, for the LoRA adapter
+paths it loaded: vLLM hashes the path into every block of a LoRA request, so
+the router must hash with the path of the endpoint it scores (see
+:meth:`Cluster.lora_groups`). Static ``lora_modules`` cover endpoints whose
+GetInfo is unknown; GetInfo wins where it answered.
 """
 
 from __future__ import annotations
@@ -48,6 +54,10 @@ class Cluster:
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self.http_addresses: dict[str, str] = {}
         self.stores: set[str] = set()
+        # endpoint -> {LoRA name: path} from its GetInfo (absent: unknown, static config applies).
+        self.lora_paths: dict[str, dict[str, str]] = {}
+        self._conflicts_logged: set[str] = set()
+        self._no_info: set[str] = set()   # GetInfo unimplemented: don't ask on every poll
         self._indexer_ch = aio_channel(cfg.indexer, retry_attempts=1) if cfg.indexer else None
         self.indexer = indexer_pb2_grpc.IndexerStub(self._indexer_ch) if self._indexer_ch else None
         self.indexer_up = True
@@ -70,6 +80,8 @@ class Cluster:
         self.core.set_endpoint(ep)
 
     def _drop_channel(self, eid: str) -> None:
+        self.lora_paths.pop(eid, None)
+        self._no_info.discard(eid)
         ch = self._channels.pop(eid, None)
         self._stubs.pop(eid, None)
         if ch is not None:
@@ -159,9 +171,61 @@ class Cluster:
         self.core.load.update(eid, LoadReport(r.running, r.waiting, r.kv_usage, r.waiting_prefill_tokens,
                                               r.num_blocks, r.free_blocks, time.monotonic()))
         ep = self.core.endpoints.get(eid)
-        if ep is not None and not ep.alive:
+        revived = ep is not None and not ep.alive
+        # A revived endpoint may be a restarted worker with other adapters: read its info again.
+        if ep is not None and (revived or (eid not in self.lora_paths and eid not in self._no_info)):
+            await self.fetch_info(eid)
+        if revived:
             ep.alive = True
             log.info("endpoint up", extra={"endpoint": eid})
+
+    async def fetch_info(self, eid: str) -> None:
+        """Record the endpoint's LoRA name -> path map from ``GetInfo`` (kept unknown on failure)."""
+        try:
+            info = await self.stub(eid).GetInfo(worker_pb2.GetInfoRequest(),
+                                                timeout=max(0.5, self.cfg.load_poll_s * 2))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._no_info.add(eid)
+            log.debug("GetInfo failed; static lora_modules apply", extra={"endpoint": eid,
+                                                                         "code": exc.code().name})
+            return
+        paths = dict(info.lora_paths)
+        for name in info.lora_names:
+            # Older workers list names only; their path is unknown, so fall back to static config.
+            if name not in paths and name in self.cfg.lora_modules:
+                paths[name] = self.cfg.lora_modules[name]
+            paths.setdefault(name, "")
+        if self.lora_paths.get(eid) != paths:
+            log.info("endpoint LoRA adapters", extra={"endpoint": eid, "lora_paths": paths})
+        self.lora_paths[eid] = paths
+
+    def knows_lora(self, name: str) -> bool:
+        return name in self.cfg.lora_modules or any(name in m for m in self.lora_paths.values())
+
+    def lora_groups(self, name: str) -> tuple[dict[str, set[str]], set[str]]:
+        """Endpoints by the path they hash ``name`` with, and endpoints that don't serve it.
+
+        An endpoint whose GetInfo answered serves exactly its adapters; one whose info is
+        unknown is assumed to serve the static ``lora_modules`` entry. One path is the
+        common case; several mean the same adapter name was loaded from different paths,
+        so each group needs its own block keys (logged once per name).
+        """
+        groups: dict[str, set[str]] = {}
+        lacking: set[str] = set()
+        static = self.cfg.lora_modules.get(name)
+        for eid in self.core.endpoints:
+            known = self.lora_paths.get(eid)
+            path = known.get(name) if known is not None else static
+            if path is None:
+                lacking.add(eid)
+            else:
+                groups.setdefault(path, set()).add(eid)
+        if len(groups) > 1 and name not in self._conflicts_logged:
+            self._conflicts_logged.add(name)
+            log.warning("LoRA adapter loaded from different paths on different endpoints; hashing per path",
+                        extra={"lora_name": name, "paths": {p: sorted(e) for p, e in groups.items()}})
+        return groups, lacking
 
     async def poll_all(self) -> None:
         await asyncio.gather(*(self.poll_load(eid) for eid in list(self.core.endpoints)))

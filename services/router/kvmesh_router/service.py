@@ -88,6 +88,12 @@ class Prepared:
     req: RouteRequest
     reused_blocks: int = 0
     hashed_blocks: int = 0
+    # Only when the LoRA adapter is loaded from several paths: (endpoints, extra, request) per
+    # path; ``decide`` scores each group with its own keys and adopts the winner's.
+    variants: list[tuple[set[str], ExtraKeys, RouteRequest]] = field(default_factory=list)
+    # Endpoints that don't serve the request's LoRA adapter (never chosen).
+    lora_lacking: set[str] = field(default_factory=set)
+    lora_name: str = ""
 
 
 @dataclass
@@ -126,7 +132,7 @@ class RouterService:
             raise BadRequest(f"request_id longer than {MAX_REQUEST_ID} bytes", "request_id")
         if len(inp.cache_salt.encode()) > MAX_SALT:
             raise BadRequest(f"cache_salt longer than {MAX_SALT} bytes", "cache_salt")
-        if inp.lora_name and inp.lora_name not in self.cfg.lora_modules:
+        if inp.lora_name and not self.cluster.knows_lora(inp.lora_name):
             raise BadRequest(f"unknown LoRA adapter {inp.lora_name!r}", "lora_name")
         if inp.policy and inp.policy not in self._policies():
             raise BadRequest(f"unknown policy {inp.policy!r}; one of {', '.join(self._policies())}", "policy")
@@ -201,30 +207,74 @@ class RouterService:
         self.validate(inp)
         tokens = await self.tokenize(inp)
         salt = self.salt_for(inp)
-        extra = None
-        if salt or inp.lora_name:
-            extra = ExtraKeys(cache_salt=salt or None, lora_name=inp.lora_name or None,
-                              lora_path=self.cfg.lora_modules.get(inp.lora_name) if inp.lora_name else None)
         rid = inp.request_id or uuid.uuid4().hex
-        res = self.core.chain(tokens, extra, inp.session_id)
-        metrics.HASH_BLOCKS.labels(kind="reused").inc(res.reused_blocks)
-        metrics.HASH_BLOCKS.labels(kind="hashed").inc(res.hashed_blocks)
-        req = RouteRequest(rid, inp.model, res.keys, len(tokens), self.core.block_size, inp.session_id, inp.tenant)
-        return Prepared(rid, tokens, extra, salt, req, res.reused_blocks, res.hashed_blocks)
+        groups: dict[str, set[str]] = {}
+        lacking: set[str] = set()
+        paths: list[str | None] = [None]
+        if inp.lora_name:
+            # vLLM hashes the adapter's path: use the one the endpoints loaded (GetInfo, else static).
+            groups, lacking = self.cluster.lora_groups(inp.lora_name)
+            paths = list(groups) or [self.cfg.lora_modules.get(inp.lora_name, "")]
+
+        def hashed(path: str | None) -> tuple[ExtraKeys | None, RouteRequest, int, int]:
+            extra = None
+            if salt or inp.lora_name:
+                extra = ExtraKeys(cache_salt=salt or None, lora_name=inp.lora_name or None, lora_path=path)
+            res = self.core.chain(tokens, extra, inp.session_id)
+            metrics.HASH_BLOCKS.labels(kind="reused").inc(res.reused_blocks)
+            metrics.HASH_BLOCKS.labels(kind="hashed").inc(res.hashed_blocks)
+            req = RouteRequest(rid, inp.model, res.keys, len(tokens), self.core.block_size, inp.session_id,
+                               inp.tenant)
+            return extra, req, res.reused_blocks, res.hashed_blocks
+
+        extra, req, reused, n_hashed = hashed(paths[0])
+        p = Prepared(rid, tokens, extra, salt, req, reused, n_hashed, lora_lacking=lacking, lora_name=inp.lora_name)
+        if len(paths) > 1:
+            p.variants.append((groups[paths[0]], extra, req))  # type: ignore[arg-type]
+            for path in paths[1:]:
+                ex, rq, reused, n_hashed = hashed(path)
+                p.variants.append((groups[path], ex, rq))  # type: ignore[index, arg-type]
+                p.reused_blocks += reused
+                p.hashed_blocks += n_hashed
+        return p
 
     async def decide(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None = None
                      ) -> tuple[Decision, SplitDecision]:
-        pol = self.core.policy(policy) if policy else self.core.default_policy
-        matches = await self.cluster.lookup(p.req.keys) if pol.uses_index else None
         if subset is not None:
             exclude = exclude | {e for e in self.core.endpoints if e not in subset}
+        if p.lora_lacking:
+            exclude = exclude | p.lora_lacking
+        if not p.variants:
+            return await self._decide_keys(p.req, p.lora_name, policy, exclude)
+        best: tuple[Decision, SplitDecision, ExtraKeys, RouteRequest] | None = None
+        errors: list[str] = []
+        for eids, extra, req in p.variants:
+            others = {e for e in self.core.endpoints if e not in eids}
+            try:
+                d, split = await self._decide_keys(req, p.lora_name, policy, exclude | others)
+            except Unavailable as exc:
+                errors.append(exc.message)
+                continue
+            if best is None or d.score < best[0].score:
+                best = (d, split, extra, req)
+        if best is None:
+            raise Unavailable(errors[0] if errors else f"no live endpoint serves LoRA adapter {p.lora_name!r}")
+        # The request now carries the winning path's keys (speculative entries, completion).
+        p.extra, p.req = best[2], best[3]
+        return best[0], best[1]
+
+    async def _decide_keys(self, req: RouteRequest, lora_name: str, policy: str, exclude: set[str]
+                           ) -> tuple[Decision, SplitDecision]:
+        pol = self.core.policy(policy) if policy else self.core.default_policy
+        matches = await self.cluster.lookup(req.keys) if pol.uses_index else None
         try:
-            d = self.core.decide(p.req, matches, time.monotonic(), policy, exclude)
+            d = self.core.decide(req, matches, time.monotonic(), policy, exclude)
         except NoEndpointError as exc:
-            raise Unavailable(str(exc)) from None
+            msg = str(exc) + (f" serving LoRA adapter {lora_name!r}" if lora_name else "")
+            raise Unavailable(msg) from None
         if d.fallback:
             metrics.FALLBACKS.labels(reason="approx").inc()
-        split = self.core.decide_split(d, p.req, time.monotonic(), exclude)
+        split = self.core.decide_split(d, req, time.monotonic(), exclude)
         return d, split
 
     def record_routed(self, p: Prepared, d: Decision) -> None:

@@ -76,6 +76,8 @@ class SimEngineConfig:
     vocab_size: int = 32000
     eos_token_id: int | None = None
     lora_names: list[str] = field(default_factory=list)
+    # Adapter name -> path hashed into its blocks, as vLLM does (a name without one hashes "").
+    lora_paths: dict[str, str] = field(default_factory=dict)
     time_scale: float = 1.0
     virtual_time: bool = False
     kv_events_endpoint: str = ""
@@ -370,7 +372,8 @@ class SimEngine(Engine):
         return EngineInfo(
             engine="sim", model=c.model, block_size=c.block_size, hash_algo=self.hasher.algo.value,
             max_model_len=c.max_model_len, vocab_size=c.vocab_size, kv_bytes_per_token=c.kv_bytes_per_token,
-            lora_names=list(c.lora_names), kv_events_endpoint=self.kv_events_endpoint,
+            lora_names=list(c.lora_names), lora_paths={n: c.lora_paths.get(n, "") for n in c.lora_names},
+            kv_events_endpoint=self.kv_events_endpoint,
             kv_events_replay_endpoint=self.kv_events_replay_endpoint, kv_events_topic=self.topic,
             num_blocks=c.num_blocks, hash_seed_matches=not self.hasher.seed_is_random and c.hash_seed is None,
             eos_token_id=c.eos_token_id,
@@ -440,7 +443,9 @@ class SimEngine(Engine):
             return None
         from kvmesh.hashing import ExtraKeys
 
-        return ExtraKeys(cache_salt=req.cache_salt or None, lora_name=req.lora_name or None)
+        lora = req.lora_name or None
+        return ExtraKeys(cache_salt=req.cache_salt or None, lora_name=lora,
+                         lora_path=self.cfg.lora_paths.get(lora, "") if lora else None)
 
     def _extend_hashes(self, seq: Seq, n_full: int) -> None:
         """Hash output blocks as they fill (vLLM hashes generated tokens too)."""

@@ -110,7 +110,14 @@ class GetInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetInfoResponse(_message.Message):
-    __slots__ = ("endpoint_id", "model", "block_size", "hash_algo", "role", "max_model_len", "vocab_size", "engine", "kv_bytes_per_token", "lora_names", "kv_events_endpoint", "kv_events_replay_endpoint", "http_address")
+    __slots__ = ("endpoint_id", "model", "block_size", "hash_algo", "role", "max_model_len", "vocab_size", "engine", "kv_bytes_per_token", "lora_names", "kv_events_endpoint", "kv_events_replay_endpoint", "http_address", "lora_paths")
+    class LoraPathsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +131,7 @@ class GetInfoResponse(_message.Message):
     KV_EVENTS_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     KV_EVENTS_REPLAY_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     HTTP_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATHS_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: str
     model: str
     block_size: int
@@ -137,4 +145,5 @@ class GetInfoResponse(_message.Message):
     kv_events_endpoint: str
     kv_events_replay_endpoint: str
     http_address: str
-    def __init__(self, endpoint_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[_Union[_common_pb2.HashAlgo, str]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., http_address: _Optional[str] = ...) -> None: ...
+    lora_paths: _containers.ScalarMap[str, str]
+    def __init__(self, endpoint_id: _Optional[str] = ..., model: _Optional[str] = ..., block_size: _Optional[int] = ..., hash_algo: _Optional[_Union[_common_pb2.HashAlgo, str]] = ..., role: _Optional[_Union[_common_pb2.Role, str]] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., engine: _Optional[str] = ..., kv_bytes_per_token: _Optional[int] = ..., lora_names: _Optional[_Iterable[str]] = ..., kv_events_endpoint: _Optional[str] = ..., kv_events_replay_endpoint: _Optional[str] = ..., http_address: _Optional[str] = ..., lora_paths: _Optional[_Mapping[str, str]] = ...) -> None: ...
