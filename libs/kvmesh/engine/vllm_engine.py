@@ -37,9 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from kvmesh.engine.base import (
-    BadSamplingError,
-    DuplicateRequestError,
-    EmptyPromptError,
     Engine,
     EngineDeadError,
     EngineInfo,
@@ -51,17 +48,13 @@ from kvmesh.engine.base import (
     KvHandle,
     KvTransferError,
     PrefillResult,
-    PromptTooLongError,
-    QueueFullError,
-    TokenOutOfVocabError,
-    UnknownLoraError,
     kv_events_topic,
 )
+from kvmesh.engine.validation import validate_request
 
 logger = logging.getLogger(__name__)
 
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxhash", "xxhash_cbor")
-MAX_CACHE_SALT_BYTES = 256
 # Key under which the kvmesh connector reports per-request facts in kv_transfer_params.
 CONNECTOR_PARAMS_KEY = "kvmesh"
 
@@ -377,44 +370,11 @@ class VllmEngine(Engine):
     # ------------------------------------------------------------------ requests
 
     def _validate(self, req: EngineRequest) -> None:
-        if not req.request_id:
-            raise InvalidRequestError("request_id is required")
-        if len(req.request_id.encode()) > 128:
-            raise InvalidRequestError("request_id longer than 128 bytes")
-        ids = req.prompt_token_ids
-        if not ids:
-            raise EmptyPromptError("prompt_token_ids is empty")
         # vLLM does not check ids when the tokenizer is skipped: an out-of-range id
-        # kills the engine core, so this check protects every other request too.
-        try:
-            in_range = min(ids) >= 0 and max(ids) < self._vocab_size   # C-speed scan of long prompts
-        except TypeError:
-            in_range = False
-        bad = None if in_range else next(
-            (t for t in ids if not isinstance(t, int) or t < 0 or t >= self._vocab_size), None)
-        if bad is not None:
-            raise TokenOutOfVocabError(f"prompt token id {bad} is outside the vocabulary [0, {self._vocab_size})")
-        if len(ids) + 1 > self._max_model_len:
-            raise PromptTooLongError(f"prompt of {len(ids)} tokens leaves no room to generate within "
-                                     f"max_model_len {self._max_model_len}")
-        if req.max_tokens <= 0:
-            raise BadSamplingError(f"max_tokens must be > 0, got {req.max_tokens}")
-        if req.temperature < 0:
-            raise BadSamplingError(f"temperature must be >= 0, got {req.temperature}")
-        if not 0 < req.top_p <= 1:
-            raise BadSamplingError(f"top_p must be in (0, 1], got {req.top_p}")
-        bad_stop = next((t for t in req.stop_token_ids if t < 0 or t >= self._vocab_size), None)
-        if bad_stop is not None:
-            raise TokenOutOfVocabError(f"stop token id {bad_stop} is outside the vocabulary [0, {self._vocab_size})")
-        if req.lora_name and req.lora_name not in self._lora_ids:
-            known = ", ".join(sorted(self._lora_ids)) or "none"
-            raise UnknownLoraError(f"unknown LoRA adapter {req.lora_name!r} (loaded: {known})")
-        if len(req.cache_salt.encode()) > MAX_CACHE_SALT_BYTES:
-            raise InvalidRequestError(f"cache_salt longer than {MAX_CACHE_SALT_BYTES} bytes")
-        if req.request_id in self._inflight:
-            raise DuplicateRequestError(f"request_id {req.request_id!r} is already in flight")
-        if 0 < self.cfg.max_waiting <= len(self._inflight):
-            raise QueueFullError(f"{len(self._inflight)} requests in flight (max {self.cfg.max_waiting})")
+        # kills the engine core, so the vocabulary check protects every other request too.
+        validate_request(req, vocab_size=self._vocab_size, max_model_len=self._max_model_len,
+                         lora_names=self._lora_ids, in_flight=self._inflight, queued=len(self._inflight),
+                         max_queued=self.cfg.max_waiting, queued_what="in flight")
 
     def _sampling_params(self, req: EngineRequest) -> Any:
         from vllm import SamplingParams

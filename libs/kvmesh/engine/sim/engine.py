@@ -31,8 +31,6 @@ from typing import Any
 
 from kvmesh.engine.base import (
     BadSamplingError,
-    DuplicateRequestError,
-    EmptyPromptError,
     Engine,
     EngineDeadError,
     EngineInfo,
@@ -40,18 +38,15 @@ from kvmesh.engine.base import (
     EngineOutput,
     EngineRequest,
     EngineUnavailableError,
-    InvalidRequestError,
     KvHandle,
     PrefillResult,
     PromptTooLongError,
-    QueueFullError,
-    TokenOutOfVocabError,
-    UnknownLoraError,
     kv_events_topic,
 )
 from kvmesh.engine.sim.block_manager import BlockManager, Cleared, Removed, Stored
 from kvmesh.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
+from kvmesh.engine.validation import validate_request
 
 log = logging.getLogger(__name__)
 
@@ -399,42 +394,15 @@ class SimEngine(Engine):
 
     def _validate(self, req: EngineRequest) -> None:
         c = self.cfg
-        if not req.request_id:
-            raise InvalidRequestError("request_id is required")
-        if req.request_id in self._live:
-            raise DuplicateRequestError(f"request_id {req.request_id!r} is already in flight")
-        n = req.prompt_len
-        if n <= 0:
-            raise EmptyPromptError("prompt is empty: prompt_token_ids must hold at least one token")
-        if req.max_tokens <= 0:
-            raise BadSamplingError(f"max_tokens must be > 0, got {req.max_tokens}")
+        validate_request(req, vocab_size=c.vocab_size, max_model_len=c.max_model_len, lora_names=c.lora_names,
+                         in_flight=self._live, queued=self.scheduler.num_waiting, max_queued=c.max_waiting,
+                         allow_block_hashes=True)
+        # vLLM clamps max_tokens to the room left; the sim rejects it so callers see the mistake.
         if req.max_tokens > c.max_model_len:
             raise BadSamplingError(f"max_tokens {req.max_tokens} exceeds max_model_len {c.max_model_len}")
-        if n >= c.max_model_len:
-            raise PromptTooLongError(f"prompt has {n} tokens; max_model_len is {c.max_model_len} "
-                                     f"(prompt must leave room for at least one output token)")
-        if req.prompt_token_ids:
-            vocab = c.vocab_size
-            lo, hi = min(req.prompt_token_ids), max(req.prompt_token_ids)
-            if lo < 0 or hi >= vocab:
-                bad = lo if lo < 0 else hi
-                pos = req.prompt_token_ids.index(bad)
-                raise TokenOutOfVocabError(f"token id {bad} at position {pos} is outside the vocabulary "
-                                           f"[0, {vocab})")
-        elif req.block_hashes is None:
-            raise EmptyPromptError("prompt is empty: give prompt_token_ids (or block_hashes with num_prompt_tokens)")
-        if req.temperature < 0:
-            raise BadSamplingError(f"temperature must be >= 0, got {req.temperature}")
-        if not (0.0 < req.top_p <= 1.0):
-            raise BadSamplingError(f"top_p must be in (0, 1], got {req.top_p}")
-        if req.lora_name and req.lora_name not in c.lora_names:
-            known = ", ".join(c.lora_names) or "none"
-            raise UnknownLoraError(f"unknown LoRA adapter {req.lora_name!r} (loaded: {known})")
-        needed = -(-n // c.block_size)
+        needed = -(-req.prompt_len // c.block_size)
         if needed > c.num_blocks - 1:
             raise PromptTooLongError(f"prompt needs {needed} KV blocks but the cache holds {c.num_blocks - 1}")
-        if c.max_waiting and self.scheduler.num_waiting >= c.max_waiting:
-            raise QueueFullError(f"waiting queue is full ({c.max_waiting} requests)")
 
     # ------------------------------------------------------------------ hashing
 
