@@ -314,10 +314,72 @@ def _views_from_shm(resp: offload_pb2.ShmGetResponse, seg: Segment, verify: bool
     return views
 
 
+def _grown_size(resp: offload_pb2.ShmGetResponse, n_keys: int, seg: Segment) -> int:
+    """After a truncated GetShm: room for the whole chain at the largest block size seen, at least double."""
+    return max(max(resp.sizes, default=0) * n_keys, seg.size * 2)
+
+
+class _ClientCore:
+    """State and I/O-free steps shared by the async and the sync client (the calls differ only by ``await``)."""
+
+    def __init__(self, address: str, use_shm: bool | None, timeout_s: float, verify_checksums: bool | None,
+                 channel: grpc.Channel | grpc.aio.Channel) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.verify = verify_checksums is not False
+        self.verify_shm = bool(verify_checksums)
+        self._channel = channel
+        self._stub = offload_pb2_grpc.OffloadStub(channel)
+        self._get = channel.unary_stream(GET_METHOD, request_serializer=_ser,
+                                         response_deserializer=decode_get_response)
+        self._put = channel.stream_unary(PUT_METHOD, request_serializer=_identity,
+                                         response_deserializer=offload_pb2.PutResponse.FromString)
+        self._shm = _want_shm(address, use_shm)
+        self._pool = SegmentPool()
+        self._hint_lock = threading.Lock()
+        self._block_size_hint: dict[str, int] = {}
+
+    @property
+    def shm_enabled(self) -> bool:
+        return self._shm
+
+    def _shm_failed(self, exc: grpc.RpcError, what: str) -> None:
+        """A shm call failed: raise the mapped error, unless the store cannot do shm (then use gRPC for good)."""
+        if exc.code() not in _SHM_FALLBACK_CODES:
+            raise _map_error(exc, what) from exc
+        log.info("offload shm path unavailable, using gRPC", extra={"address": self.address,
+                                                                   "reason": exc.details()})
+        self._shm = False
+
+    def _first_shm_size(self, namespace: str, n_keys: int) -> int:
+        with self._hint_lock:
+            return _first_guess(self._block_size_hint.get(namespace), n_keys)
+
+    def _grpc_get_request(self, namespace: str, keys: list[int]) -> tuple[offload_pb2.GetRequest, _GetAssembler]:
+        return (offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES),
+                _GetAssembler(keys, self.verify))
+
+    def _shm_lease(self, namespace: str, keys: list[int], resp: offload_pb2.ShmGetResponse,
+                   seg: Segment) -> BlockLease:
+        """A complete GetShm answer as a lease holding ``seg`` (released here on error or when empty)."""
+        try:
+            if resp.sizes:
+                with self._hint_lock:
+                    self._block_size_hint[namespace] = max(resp.sizes)
+            views = _views_from_shm(resp, seg, self.verify_shm, keys)
+        except BaseException:
+            self._pool.release(seg)
+            raise
+        if not views:
+            self._pool.release(seg)
+            return BlockLease([], [], True)
+        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg))
+
+
 # ---------------------------------------------------------------------------------------------
 
 
-class OffloadClient:
+class OffloadClient(_ClientCore):
     """Async client. ``use_shm``: True forces the shm path, False disables it, None = auto (loopback).
 
     ``verify_checksums``: check each block's CRC32C on the client. None (default)
@@ -327,28 +389,8 @@ class OffloadClient:
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  verify_checksums: bool | None = None, channel: grpc.aio.Channel | None = None) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self.verify = verify_checksums is not False
-        self.verify_shm = bool(verify_checksums)
-        self._channel = channel or aio_channel(address, traced=False)
-        self._stub = offload_pb2_grpc.OffloadStub(self._channel)
-        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=_ser,
-                                               response_deserializer=decode_get_response)
-        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_identity,
-                                               response_deserializer=offload_pb2.PutResponse.FromString)
-        self._shm = _want_shm(address, use_shm)
-        self._pool = SegmentPool()
-        self._block_size_hint: dict[str, int] = {}
-
-    @property
-    def shm_enabled(self) -> bool:
-        return self._shm
-
-    def _disable_shm(self, exc: grpc.RpcError) -> None:
-        log.info("offload shm path unavailable, using gRPC", extra={"address": self.address,
-                                                                   "reason": exc.details()})
-        self._shm = False
+        super().__init__(address, use_shm, timeout_s, verify_checksums,
+                         channel or aio_channel(address, traced=False))
 
     async def contains(self, namespace: str, keys: Sequence[int]) -> int:
         req = offload_pb2.ContainsRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
@@ -385,9 +427,7 @@ class OffloadClient:
                 resp = await self._stub.PutShm(req, timeout=self.timeout_s, metadata=_trace_md())
                 return _put_result(resp, True)
             except grpc.RpcError as exc:
-                if exc.code() not in _SHM_FALLBACK_CODES:
-                    raise _map_error(exc, "put") from exc
-                self._disable_shm(exc)
+                self._shm_failed(exc, "put")
             finally:
                 self._pool.release(seg)
         try:
@@ -415,8 +455,7 @@ class OffloadClient:
             lease = await self._fetch_shm(namespace, keys)
             if lease is not None:
                 return lease
-        req = offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
-        asm = _GetAssembler(keys, self.verify)
+        req, asm = self._grpc_get_request(namespace, keys)
         try:
             async for resp in self._get(req, timeout=self.timeout_s, metadata=_trace_md()):
                 asm.feed(resp)
@@ -426,43 +465,26 @@ class OffloadClient:
 
     async def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
         """None means: use gRPC for this call (shm unusable now or for good)."""
-        size = _first_guess(self._block_size_hint.get(namespace), len(keys))
-        seg: Segment | None = None
-        try:
-            while True:
-                try:
-                    seg = await asyncio.to_thread(self._pool.acquire, size)
-                except ShmError as exc:
-                    log.warning("no shared memory for this get; using gRPC", extra={"reason": str(exc)})
-                    return None
-                try:
-                    resp = await self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s,
-                                                   metadata=_trace_md())
-                except grpc.RpcError as exc:
-                    if exc.code() not in _SHM_FALLBACK_CODES:
-                        raise _map_error(exc, "get") from exc
-                    self._disable_shm(exc)
-                    self._pool.release(seg)
-                    seg = None
-                    return None
-                if not resp.truncated:
-                    break
-                # Grow to fit the whole chain at the largest block size seen, then retry.
-                size = max(max(resp.sizes, default=0) * len(keys), seg.size * 2)
+        size = self._first_shm_size(namespace, len(keys))
+        while True:
+            try:
+                seg = await asyncio.to_thread(self._pool.acquire, size)
+            except ShmError as exc:
+                log.warning("no shared memory for this get; using gRPC", extra={"reason": str(exc)})
+                return None
+            try:
+                resp = await self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s,
+                                               metadata=_trace_md())
+            except BaseException as exc:
                 self._pool.release(seg)
-                seg = None
-            if resp.sizes:
-                self._block_size_hint[namespace] = max(resp.sizes)
-            views = _views_from_shm(resp, seg, self.verify_shm, keys)
-        except BaseException:
-            if seg is not None:
-                self._pool.release(seg)
-            raise
-        if not views:
+                if isinstance(exc, grpc.RpcError):
+                    self._shm_failed(exc, "get")
+                    return None
+                raise
+            if not resp.truncated:
+                return self._shm_lease(namespace, keys, resp, seg)
+            size = _grown_size(resp, len(keys), seg)
             self._pool.release(seg)
-            return BlockLease([], [], True)
-        held = seg
-        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(held))
 
     async def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
         """The leading present blocks of ``keys`` (stops at the first miss), as bytes."""
@@ -501,34 +523,13 @@ async def _aiter(it: Iterator[bytes]) -> AsyncIterator[bytes]:
         yield item
 
 
-class SyncOffloadClient:
+class SyncOffloadClient(_ClientCore):
     """Blocking client with the same methods, safe to share between threads (vLLM connector)."""
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  verify_checksums: bool | None = None) -> None:
-        self.address = address
-        self.timeout_s = timeout_s
-        self.verify = verify_checksums is not False
-        self.verify_shm = bool(verify_checksums)
-        self._channel = grpc.insecure_channel(address, options=channel_options())
-        self._stub = offload_pb2_grpc.OffloadStub(self._channel)
-        self._get = self._channel.unary_stream(GET_METHOD, request_serializer=_ser,
-                                               response_deserializer=decode_get_response)
-        self._put = self._channel.stream_unary(PUT_METHOD, request_serializer=_identity,
-                                               response_deserializer=offload_pb2.PutResponse.FromString)
-        self._shm = _want_shm(address, use_shm)
-        self._pool = SegmentPool()
-        self._hint_lock = threading.Lock()
-        self._block_size_hint: dict[str, int] = {}
-
-    @property
-    def shm_enabled(self) -> bool:
-        return self._shm
-
-    def _disable_shm(self, exc: grpc.RpcError) -> None:
-        log.info("offload shm path unavailable, using gRPC", extra={"address": self.address,
-                                                                   "reason": exc.details()})
-        self._shm = False
+        super().__init__(address, use_shm, timeout_s, verify_checksums,
+                         grpc.insecure_channel(address, options=channel_options()))
 
     def contains(self, namespace: str, keys: Sequence[int]) -> int:
         req = offload_pb2.ContainsRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
@@ -554,9 +555,7 @@ class SyncOffloadClient:
                 resp = self._stub.PutShm(_shm_put_request(plan, seg), timeout=self.timeout_s)
                 return _put_result(resp, True)
             except grpc.RpcError as exc:
-                if exc.code() not in _SHM_FALLBACK_CODES:
-                    raise _map_error(exc, "put") from exc
-                self._disable_shm(exc)
+                self._shm_failed(exc, "put")
             finally:
                 self._pool.release(seg)
         try:
@@ -574,8 +573,7 @@ class SyncOffloadClient:
             lease = self._fetch_shm(namespace, keys)
             if lease is not None:
                 return lease
-        req = offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
-        asm = _GetAssembler(keys, self.verify)
+        req, asm = self._grpc_get_request(namespace, keys)
         try:
             for resp in self._get(req, timeout=self.timeout_s):
                 asm.feed(resp)
@@ -585,43 +583,25 @@ class SyncOffloadClient:
 
     def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
         """None means: use gRPC for this call (shm unusable now or for good)."""
-        with self._hint_lock:
-            size = _first_guess(self._block_size_hint.get(namespace), len(keys))
-        seg: Segment | None = None
-        try:
-            while True:
-                try:
-                    seg = self._pool.acquire(size)
-                except ShmError as exc:
-                    log.warning("no shared memory for this get; using gRPC", extra={"reason": str(exc)})
-                    return None
-                try:
-                    resp = self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s)
-                except grpc.RpcError as exc:
-                    if exc.code() not in _SHM_FALLBACK_CODES:
-                        raise _map_error(exc, "get") from exc
-                    self._disable_shm(exc)
-                    self._pool.release(seg)
-                    seg = None
-                    return None
-                if not resp.truncated:
-                    break
-                size = max(max(resp.sizes, default=0) * len(keys), seg.size * 2)
+        size = self._first_shm_size(namespace, len(keys))
+        while True:
+            try:
+                seg = self._pool.acquire(size)
+            except ShmError as exc:
+                log.warning("no shared memory for this get; using gRPC", extra={"reason": str(exc)})
+                return None
+            try:
+                resp = self._stub.GetShm(_shm_get_request(namespace, keys, seg), timeout=self.timeout_s)
+            except BaseException as exc:
                 self._pool.release(seg)
-                seg = None
-            if resp.sizes:
-                with self._hint_lock:
-                    self._block_size_hint[namespace] = max(resp.sizes)
-            views = _views_from_shm(resp, seg, self.verify_shm, keys)
-        except BaseException:
-            if seg is not None:
-                self._pool.release(seg)
-            raise
-        if not views:
+                if isinstance(exc, grpc.RpcError):
+                    self._shm_failed(exc, "get")
+                    return None
+                raise
+            if not resp.truncated:
+                return self._shm_lease(namespace, keys, resp, seg)
+            size = _grown_size(resp, len(keys), seg)
             self._pool.release(seg)
-            return BlockLease([], [], True)
-        held = seg
-        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(held))
 
     def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
         with self.fetch(namespace, keys) as lease:

@@ -54,7 +54,47 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
-class LRUPolicy:
+class _LazyHeap:
+    """Min-heap of ``(priority, -depth, seq, key)`` with lazy deletion, the core of every policy.
+
+    Re-pushing a key supersedes its older entries (only the latest ``seq`` is live);
+    stale entries are skipped when they surface and compacted when they pile up.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, int, Hashable]] = []
+        self._live: dict[Hashable, int] = {}
+        self._seq = itertools.count()
+
+    def _push(self, key: Hashable, depth: int, priority: float) -> None:
+        seq = next(self._seq)
+        self._live[key] = seq
+        heapq.heappush(self._heap, (priority, -depth, seq, key))
+        if len(self._heap) > 4 * len(self._live) + 1024:
+            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
+            heapq.heapify(self._heap)
+
+    def _top(self) -> tuple[float, Hashable] | None:
+        """(priority, key) of the live entry to evict next."""
+        while self._heap:
+            prio, _, seq, key = self._heap[0]
+            if self._live.get(key) == seq:
+                return prio, key
+            heapq.heappop(self._heap)
+        return None
+
+    def remove(self, key: Hashable) -> None:
+        self._live.pop(key, None)
+
+    def victim(self) -> Hashable | None:
+        top = self._top()
+        return None if top is None else top[1]
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+
+class LRUPolicy(_LazyHeap):
     """Least recently used; inside one batch (one request) deeper blocks go first.
 
     The owner calls ``new_batch()`` once per operation; every touch in that
@@ -64,45 +104,21 @@ class LRUPolicy:
     name = "lru"
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, int, Hashable]] = []
-        self._live: dict[Hashable, int] = {}
+        super().__init__()
         self._batch = 0
-        self._seq = itertools.count()
 
     def new_batch(self) -> None:
         self._batch += 1
 
-    def _push(self, key: Hashable, depth: int) -> None:
-        seq = next(self._seq)
-        self._live[key] = seq
-        heapq.heappush(self._heap, (self._batch, -depth, seq, key))
-        if len(self._heap) > 4 * len(self._live) + 1024:
-            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
-            heapq.heapify(self._heap)
-
     def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
-        self._push(key, depth)
+        self._push(key, depth, self._batch)
 
     def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         if key in self._live:
-            self._push(key, depth)
-
-    def remove(self, key: Hashable) -> None:
-        self._live.pop(key, None)
-
-    def victim(self) -> Hashable | None:
-        while self._heap:
-            _, _, seq, key = self._heap[0]
-            if self._live.get(key) == seq:
-                return key
-            heapq.heappop(self._heap)
-        return None
-
-    def __len__(self) -> int:
-        return len(self._live)
+            self._push(key, depth, self._batch)
 
 
-class AgentAwarePolicy:
+class AgentAwarePolicy(_LazyHeap):
     """GreedyDual priority valuing shared blocks and long-lived sessions (see module doc)."""
 
     name = "agent"
@@ -110,8 +126,7 @@ class AgentAwarePolicy:
     def __init__(self, share_weight: float = 1.0, session_weight: float = 0.0) -> None:
         self.share_weight = share_weight
         self.session_weight = session_weight
-        self._heap: list[tuple[float, int, int, Hashable]] = []
-        self._live: dict[Hashable, int] = {}
+        super().__init__()
         self._sharers: dict[Hashable, int] = {}
         self._last_session: dict[Hashable, str] = {}
         self._activity: dict[str, int] = {}       # session -> operations seen (requests)
@@ -119,7 +134,6 @@ class AgentAwarePolicy:
         self._batch = 0
         self._inflation = 0.0
         self._batch_inflation = 0.0
-        self._seq = itertools.count()
 
     def new_batch(self) -> None:
         # One request's touches share the inflation of its start: otherwise evictions
@@ -136,20 +150,15 @@ class AgentAwarePolicy:
             self._activity[session] = self._activity.get(session, 0) + 1
         return self._activity[session]
 
-    def _push(self, key: Hashable, depth: int, activity: int) -> None:
-        seq = next(self._seq)
-        self._live[key] = seq
+    def _push_valued(self, key: Hashable, depth: int, activity: int) -> None:
         value = (1.0 + self.share_weight * math.log2(self._sharers.get(key, 1))
                  + self.session_weight * math.log2(activity))
-        heapq.heappush(self._heap, (self._batch_inflation + value, -depth, seq, key))
-        if len(self._heap) > 4 * len(self._live) + 1024:
-            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
-            heapq.heapify(self._heap)
+        self._push(key, depth, self._batch_inflation + value)
 
     def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         self._sharers[key] = 1
         self._last_session[key] = session
-        self._push(key, depth, self._note_session(session))
+        self._push_valued(key, depth, self._note_session(session))
 
     def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         if key not in self._live:
@@ -158,27 +167,22 @@ class AgentAwarePolicy:
             # Distinct-session count, approximated by "a different session than last time".
             self._sharers[key] = self._sharers.get(key, 1) + 1
             self._last_session[key] = session
-        self._push(key, depth, self._note_session(session))
+        self._push_valued(key, depth, self._note_session(session))
 
     def remove(self, key: Hashable) -> None:
-        self._live.pop(key, None)
+        super().remove(key)
         self._sharers.pop(key, None)
         self._last_session.pop(key, None)
 
     def victim(self) -> Hashable | None:
-        while self._heap:
-            prio, _, seq, key = self._heap[0]
-            if self._live.get(key) == seq:
-                self._inflation = max(self._inflation, prio)
-                return key
-            heapq.heappop(self._heap)
-        return None
-
-    def __len__(self) -> int:
-        return len(self._live)
+        top = self._top()
+        if top is None:
+            return None
+        self._inflation = max(self._inflation, top[0])
+        return top[1]
 
 
-class SessionRatePolicy:
+class SessionRatePolicy(_LazyHeap):
     """LRU on a per-session clock: a block's recency is its session's last request time
     minus ``gap_weight`` x the session's typical think time (EWMA of its request gaps).
 
@@ -194,14 +198,12 @@ class SessionRatePolicy:
         self.gap_weight = gap_weight
         self.ewma = ewma
         self.default_gap = default_gap
-        self._heap: list[tuple[float, int, int, Hashable]] = []
-        self._live: dict[Hashable, int] = {}
+        super().__init__()
         self._now = 0.0
         self._batch = 0
         self._last: dict[str, float] = {}
         self._gap: dict[str, float] = {}
         self._session_batch: dict[str, int] = {}
-        self._seq = itertools.count()
 
     def new_batch(self, now: float | None = None) -> None:
         self._batch += 1
@@ -217,34 +219,12 @@ class SessionRatePolicy:
             self._last[session] = self._now
         return self._now - self.gap_weight * self._gap.get(session, self.default_gap)
 
-    def _push(self, key: Hashable, depth: int, session: str) -> None:
-        seq = next(self._seq)
-        self._live[key] = seq
-        heapq.heappush(self._heap, (self._key(session), -depth, seq, key))
-        if len(self._heap) > 4 * len(self._live) + 1024:
-            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
-            heapq.heapify(self._heap)
-
     def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
-        self._push(key, depth, session)
+        self._push(key, depth, self._key(session))
 
     def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         if key in self._live:
-            self._push(key, depth, session)
-
-    def remove(self, key: Hashable) -> None:
-        self._live.pop(key, None)
-
-    def victim(self) -> Hashable | None:
-        while self._heap:
-            _, _, seq, key = self._heap[0]
-            if self._live.get(key) == seq:
-                return key
-            heapq.heappop(self._heap)
-        return None
-
-    def __len__(self) -> int:
-        return len(self._live)
+            self._push(key, depth, self._key(session))
 
 
 POLICIES = {"lru": LRUPolicy, "agent": AgentAwarePolicy, "session-rate": SessionRatePolicy}
