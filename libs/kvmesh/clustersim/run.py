@@ -34,6 +34,10 @@ def schedule_for(trace: Trace, cfg: SimConfig) -> Schedule:
                                                  max_think_s=cfg.max_think_s, seed=cfg.seed))
 
 
+def _init_state(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig | None) -> None:
+    _STATE.update(trace=trace, schedule=schedule, cfg=cfg, scoring=scoring)
+
+
 def _run_one(policy: str) -> PolicyResult:
     sim = ClusterSim(_STATE["trace"], _STATE["schedule"], _STATE["cfg"], policy, scoring=_STATE.get("scoring"))
     res = sim.run()
@@ -49,18 +53,21 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
     """
     t0 = time.perf_counter()
     for r in trace.requests():
-        _ = r.keys   # precompute chains once, before forking
+        _ = r.keys   # precompute chains once, before the workers start
     schedule = schedule_for(trace, cfg)
     order = recorded_order(schedule)
     bs = trace.block_size
     pooled_cap = cfg.decode_workers * cfg.kv_capacity_tokens + max(0, cfg.offload_capacity_tokens)
     ceil_inf = round(ceiling_infinite(order), 4)
     ceil_pool = round(ceiling_pooled(order, pooled_cap), 4)
-    _STATE.update(trace=trace, schedule=schedule, cfg=cfg, scoring=scoring)
+    _init_state(trace, schedule, cfg, scoring)
     jobs = jobs if jobs is not None else min(len(policies), os.cpu_count() or 1)
     results: list[PolicyResult]
     if jobs > 1 and len(policies) > 1:
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("fork")) as ex:
+        # spawn, not fork: forking a process that already runs threads (gRPC, logging, a test
+        # runner) can copy a held lock into the child and hang it.
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_state,
+                                 initargs=(trace, schedule, cfg, scoring)) as ex:
             results = list(ex.map(_run_one, policies))
     else:
         results = [_run_one(p) for p in policies]
