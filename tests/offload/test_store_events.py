@@ -114,23 +114,24 @@ async def test_store_with_host_form_events_endpoint_is_indexed(offload_process, 
         events = f"tcp://127.0.0.1:{free_port()}"
         store = offload_process("--indexer-address", indexer.grpc_address, "--events-endpoint", events,
                                 "--endpoint-id", "store-host", "--ram-capacity-bytes", str(16 << 20))
-        tokens = list(range(900, 900 + 3 * BS))
-        keys = _chain(tokens)
         async with aio_channel(indexer.grpc_address) as ch:
             stub = indexer_pb2_grpc.IndexerStub(ch)
             match = None
             with SyncOffloadClient(store.grpc_address) as c:
-                for _ in range(100):
-                    # Re-put until indexed: the first events can go out before the indexer's
-                    # bound SUB socket has accepted the store's connection (ZMQ slow joiner).
+                for attempt in range(100):
+                    # Fresh blocks each attempt: the first events can go out before the indexer has
+                    # registered the store and bound its SUB socket (ZMQ slow joiner), and a re-put
+                    # of present blocks publishes nothing.
+                    tokens = list(range(900 + attempt * 3 * BS, 900 + (attempt + 1) * 3 * BS))
+                    keys = _chain(tokens)
                     c.put(NS, [(k, os.urandom(4096)) for k in keys], block_size=BS,
                           token_ids=[tokens[i * BS:(i + 1) * BS] for i in range(3)])
+                    await asyncio.sleep(0.2)
                     resp = await stub.Lookup(indexer_pb2.LookupRequest(
                         model="sim-model", chain=indexer_pb2.BlockChain(keys=keys)), timeout=5)
                     match = next((m for m in resp.matches if m.endpoint_id == "store-host"), None)
                     if match is not None and match.combined_blocks == 3:
                         break
-                    await asyncio.sleep(0.1)
             assert match is not None and match.combined_blocks == 3
             assert {t.tier: t.blocks for t in match.tiers}.get(common_pb2.TIER_CPU) == 3
     finally:
