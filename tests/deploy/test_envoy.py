@@ -64,9 +64,11 @@ def test_requests_reach_the_endpoint_the_router_picked(deploy_stack, gateway) ->
 
 def test_session_turns_stick_to_their_kv(deploy_stack, gateway) -> None:
     """Two agent sessions, three turns each, interleaved: every turn lands where its KV is."""
+    # Agent-sized system prompts (~1k tokens): the cached prefix must outweigh the load
+    # differences a busy CI machine shows between two idle workers.
     sessions = {
-        "a": [{"role": "system", "content": "You are agent A. " + "alpha " * 120}],
-        "b": [{"role": "system", "content": "You are agent B. " + "bravo " * 120}],
+        "a": [{"role": "system", "content": "You are agent A. " + "alpha " * 600}],
+        "b": [{"role": "system", "content": "You are agent B. " + "bravo " * 600}],
     }
     home: dict[str, str] = {}
     with httpx.Client(base_url=gateway.base, timeout=30) as c:
