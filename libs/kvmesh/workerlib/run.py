@@ -130,9 +130,13 @@ async def _watch_engine(worker: Worker, period_s: float = 0.2) -> None:
 async def start_worker(cfg: WorkerConfig) -> Worker:
     """Start engine, gRPC server, metrics, HTTP API and registration; ready when this returns."""
     role = cfg.role or "both"
-    cfg.kv_events_endpoint = _pin_port(cfg.kv_events_endpoint) if cfg.kv_events_endpoint else ""
-    cfg.kv_events_replay_endpoint = (_pin_port(cfg.kv_events_replay_endpoint)
-                                     if cfg.kv_events_endpoint and cfg.kv_events_replay_endpoint else "")
+    if not cfg.kv_events_endpoint:
+        cfg.kv_events_replay_endpoint = ""
+    elif cfg.engine == "vllm":
+        # vLLM's publisher cannot report a port it picked, so choose them up front. The sim's
+        # publisher binds port 0 itself and reports the real port (no pick-then-bind race).
+        cfg.kv_events_endpoint = _pin_port(cfg.kv_events_endpoint)
+        cfg.kv_events_replay_endpoint = _pin_port(cfg.kv_events_replay_endpoint)
     port = cfg.port or _free_port()
     endpoint_id = cfg.resolve_endpoint_id(port)
     engine = build_engine(cfg, endpoint_id)
@@ -151,8 +155,11 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     except Exception:
         await server.stop(0)
         raise
-    servicer.kv_events_endpoint = advertised_zmq_endpoint(cfg.kv_events_endpoint, cfg.advertise_host)
-    servicer.kv_events_replay_endpoint = advertised_zmq_endpoint(cfg.kv_events_replay_endpoint, cfg.advertise_host)
+    info = engine.info()
+    opened_events = info.kv_events_endpoint or cfg.kv_events_endpoint
+    opened_replay = info.kv_events_replay_endpoint or cfg.kv_events_replay_endpoint
+    servicer.kv_events_endpoint = advertised_zmq_endpoint(opened_events, cfg.advertise_host)
+    servicer.kv_events_replay_endpoint = advertised_zmq_endpoint(opened_replay, cfg.advertise_host)
     metrics.serve(cfg.metrics_port)
     if cfg.http_port >= 0:
         worker.http = await _start_http(cfg, engine, endpoint_id)
@@ -160,12 +167,11 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
             servicer.http_address = f"{cfg.advertise_host}:{worker.http.port}"
     await server.set_ready(True)
     if cfg.indexer_address:
-        info = engine.info()
         ep = indexer_pb2.Endpoint(
             endpoint_id=endpoint_id, model=cfg.model_name, role=ROLE.get(role, 0),
             grpc_address=f"{cfg.advertise_host}:{worker.port}", http_address=servicer.http_address,
-            **kv_events_fields(cfg.kv_events_endpoint, cfg.advertise_host,
-                               replay_endpoint=cfg.kv_events_replay_endpoint),
+            **kv_events_fields(cfg.kv_events_endpoint, cfg.advertise_host, replay_endpoint=opened_replay,
+                               opened_endpoint=opened_events),
             block_size=info.block_size, hash_algo=HASH_ALGO.get(info.hash_algo, 0),
             hash_seed_matches=info.hash_seed_matches, labels={"engine": info.engine, **cfg.labels},
         )
