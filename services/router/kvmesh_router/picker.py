@@ -8,7 +8,6 @@ the request. ``done()`` on the result settles the in-flight bookkeeping.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +29,7 @@ class Picked:
 
     def done(self) -> None:
         if self._service is not None:
-            self._service.core.on_finished(self._prepared.req, self._decision, time.monotonic())
+            self._service.settle(self._prepared, self._decision)
             self._service = None
 
 

@@ -94,6 +94,7 @@ class Prepared:
     # Endpoints that don't serve the request's LoRA adapter (never chosen).
     lora_lacking: set[str] = field(default_factory=set)
     lora_name: str = ""
+    routed_at: float = 0.0   # time.monotonic() of the latest pick (retries re-pick)
 
 
 @dataclass
@@ -279,11 +280,29 @@ class RouterService:
 
     def record_routed(self, p: Prepared, d: Decision) -> None:
         now = time.monotonic()
+        p.routed_at = now
         self.core.on_routed(p.req, d, now)
         metrics.DECISIONS.labels(policy=d.policy, endpoint=d.endpoint_id, split="false").inc()
         t = asyncio.create_task(self.cluster.put_speculative(d.endpoint_id, p.req.keys, self.cfg.speculative_ttl_s))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
+
+    def settle(self, p: Prepared, d: Decision, generated: list[int] | None = None) -> None:
+        """The request is over: release its in-flight count, and drop a load report that counted it.
+
+        A ``GetLoad`` report taken while this request ran still shows it (running, queued
+        prefill, its KV blocks) until the next poll, but the client's next turn arrives right
+        after the response: its prefix's holder would look busy and the turn would leave its
+        KV. Without the report, the router's own in-flight requests still count; only traffic
+        from elsewhere goes unseen, until the next poll.
+        """
+        rep = self.core.load.reports.get(d.endpoint_id)
+        if rep is not None and rep.received_at >= p.routed_at:
+            self.core.load.forget(d.endpoint_id)
+        if generated is None:
+            self.core.on_finished(p.req, d, time.monotonic())
+        else:
+            self.core.on_finished(p.req, d, time.monotonic(), p.tokens, generated, p.extra)
 
     # -- the full request -------------------------------------------------------------
     async def generate(self, inp: GenInput) -> AsyncIterator[tuple[str, Any]]:
@@ -319,7 +338,7 @@ class RouterService:
                     metrics.REQUESTS.labels(api="core", outcome="ok").inc()
                     return
                 except _BeforeFirstToken as exc:
-                    self.core.on_finished(p.req, d, time.monotonic())
+                    self.settle(p, d)
                     failures.append(f"{d.endpoint_id}: {exc.why}")
                     if exc.mark_dead:
                         self.cluster.mark_dead(d.endpoint_id, exc.why)
@@ -332,7 +351,7 @@ class RouterService:
                     log.warning("retrying on another endpoint",
                                 extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "why": exc.why})
                 except BaseException:
-                    self.core.on_finished(p.req, d, time.monotonic())
+                    self.settle(p, d)
                     raise
         except RouterError as exc:
             span.set_attribute("kvmesh.error", type(exc).__name__)
@@ -494,6 +513,6 @@ class RouterService:
         span.set_attribute("gen_ai.usage.cached_tokens", actual)
         span.set_attribute("gen_ai.usage.cached_tokens_predicted", d.predicted_cached_tokens)
         span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
-        self.core.on_finished(p.req, d, time.monotonic(), p.tokens, generated, p.extra)
+        self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
                          ttft, generated)
