@@ -30,6 +30,7 @@ from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
+from kvmesh.routing.policy import make_policy
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
@@ -96,11 +97,15 @@ class ClusterSim:
         self.now = 0.0
         core_cfg = RouterCoreConfig(policy=policy, block_size=self.bs, speculative_ttl_s=cfg.speculative_ttl_s,
                                     approx_capacity_blocks=max(1, cfg.kv_capacity_tokens // self.bs),
-                                    offload_enabled=cfg.offload_capacity_tokens > 0, seed=cfg.seed,
+                                    offload_enabled=cfg.offload_capacity_tokens > 0,
                                     scoring=scoring or ScoringConfig(),
                                     split=SplitConfig(enabled=cfg.prefill_workers > 0,
                                                       threshold_tokens=cfg.split_threshold_tokens))
         self.core = RouterCore(core_cfg)
+        if policy == "random":
+            # RouterCore builds policies unseeded; a simulation must be reproducible.
+            self.core._policies["random"] = make_policy("random", core_cfg.scoring, seed=cfg.seed)
+            self.core.default_policy = self.core._policies["random"]
         self.policy = self.core.default_policy
         self.uses_index = bool(getattr(self.policy, "uses_index", False))
         # Only an index-driven policy needs KV events; the others skip that work.

@@ -37,11 +37,6 @@ class EffectiveLoad:
     kv_usage: float = 0.0
     inflight: int = 0
     stale: bool = True
-    # KV blocks held by running requests at the last report (vLLM's usage × blocks), and the
-    # new KV (uncached tokens) of the router's requests sent since: the decode work that will
-    # run there. Cached prefix blocks shared by siblings are counted once.
-    active_blocks: float = 0.0
-    inflight_tokens: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -90,7 +85,6 @@ class LoadView:
         since = rep.received_at if fresh and rep is not None else float("-inf")
         extra_req = 0
         extra_prefill = 0
-        extra_tokens = 0
         total = 0
         for f in self._inflight.values():
             if f.endpoint_id != endpoint_id:
@@ -99,13 +93,10 @@ class LoadView:
             # Requests sent before the report are assumed to be included in it.
             if f.sent_at > since:
                 extra_req += 1
-                extra_tokens += f.prefill_tokens
                 if f.prefilling:
                     extra_prefill += f.prefill_tokens
         if fresh and rep is not None:
             return EffectiveLoad(running=rep.running, waiting=rep.waiting + extra_req,
                                  prefill_tokens=rep.waiting_prefill_tokens + extra_prefill,
-                                 kv_usage=rep.kv_usage, inflight=total, stale=False,
-                                 active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_tokens=extra_tokens)
-        return EffectiveLoad(running=0, waiting=extra_req, prefill_tokens=extra_prefill, inflight=total, stale=True,
-                             inflight_tokens=extra_tokens)
+                                 kv_usage=rep.kv_usage, inflight=total, stale=False)
+        return EffectiveLoad(running=0, waiting=extra_req, prefill_tokens=extra_prefill, inflight=total, stale=True)

@@ -65,8 +65,7 @@ class Policy(abc.ABC):
 
     # Shared helpers ------------------------------------------------------
     def _candidates(self, req: RouteRequest, ctx: RouteContext,
-                    match_of: Callable[[str], TierMatch] | None = None,
-                    overlap: dict[str, int] | None = None) -> list[Candidate]:
+                    match_of: Callable[[str], TierMatch] | None = None) -> list[Candidate]:
         if not ctx.endpoints:
             raise NoEndpointError(f"no live endpoint for model {req.model!r}")
         store = ctx.matches.store if ctx.matches else TierMatch()
@@ -76,8 +75,7 @@ class Policy(abc.ABC):
         for e in ctx.endpoints:
             ld = ctx.load.effective(e.endpoint_id, ctx.now)
             out.append(evaluate(e.endpoint_id, match_of(e.endpoint_id), store, ld, req.num_tokens,
-                                req.block_size, self.scoring, ctx.offload_enabled,
-                                (overlap or {}).get(e.endpoint_id, 0)))
+                                req.block_size, self.scoring, ctx.offload_enabled))
         return out
 
     def _decision(self, req: RouteRequest, win: Candidate, reason: str, cands: list[Candidate],

@@ -15,7 +15,7 @@ from typing import Any
 from kvmesh.routing.approx import ApproxPolicy
 from kvmesh.routing.policy import Policy, RouteContext, register
 from kvmesh.routing.prefix_memory import SessionAffinity, SpeculativeIndex
-from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick, spread_key
+from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick
 from kvmesh.routing.types import Decision, RouteRequest, TierMatch
 
 
@@ -28,9 +28,6 @@ class PrecisePolicy(Policy):
                  session_ttl_s: float = 600.0, approx_capacity_blocks: int = 100_000, **options: Any) -> None:
         super().__init__(scoring, **options)
         self.speculative = SpeculativeIndex(ttl_s=speculative_ttl_s)
-        # Only the chains just sent (not completed ones): their prefill may still be queued
-        # where they went, computing the prefix a sibling needs (see scoring.evaluate).
-        self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
         self.fallback = ApproxPolicy(self.scoring, capacity_blocks=approx_capacity_blocks,
                                      session_ttl_s=session_ttl_s)
@@ -52,16 +49,13 @@ class PrecisePolicy(Policy):
                 m = TierMatch(m.gpu, m.cpu, m.disk, s)
             return m
 
-        cands = self._candidates(req, ctx, match_of, self.pending.match(req.keys, ctx.now))
-        mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring,
-                 req.block_size, ctx.offload_enabled)
-        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now),
-                        spread_key(req))
+        cands = self._candidates(req, ctx, match_of)
+        mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
+        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now))
         return self._decision(req, win, why, cands)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
         self.speculative.put(decision.endpoint_id, req.keys, now)
-        self.pending.put(decision.endpoint_id, req.keys, now)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
         self.fallback.on_routed(req, decision, now)
 
@@ -72,6 +66,5 @@ class PrecisePolicy(Policy):
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         self.speculative.forget_endpoint(endpoint_id)
-        self.pending.forget_endpoint(endpoint_id)
         self.sessions.forget_endpoint(endpoint_id)
         self.fallback.forget_endpoint(endpoint_id)

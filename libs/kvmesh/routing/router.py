@@ -32,7 +32,6 @@ class RouterCoreConfig:
     speculative_ttl_s: float = 2.0
     approx_capacity_blocks: int = 100_000
     offload_enabled: bool = True
-    seed: int | None = None          # for the policies that draw at random (reproducible simulations)
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     hash_cache: HashCacheConfig = field(default_factory=HashCacheConfig)
@@ -60,7 +59,7 @@ class RouterCore:
         if p is None:
             p = make_policy(name, self.cfg.scoring, speculative_ttl_s=self.cfg.speculative_ttl_s,
                             approx_capacity_blocks=self.cfg.approx_capacity_blocks,
-                            capacity_blocks=self.cfg.approx_capacity_blocks, seed=self.cfg.seed)
+                            capacity_blocks=self.cfg.approx_capacity_blocks)
             self._policies[name] = p
         return p
 

@@ -93,7 +93,6 @@ class Candidate:
     uncached_tokens: int
     queue: float
     prefill_tokens: float
-    load_blocks: float = 0.0     # request-independent part of the cost (queued prefill + decode load)
     hot: bool = False
     excluded: str = ""
 

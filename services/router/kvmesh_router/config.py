@@ -44,11 +44,10 @@ class RouterConfig:
     policy: str = field(default="precise", metadata={"help": "routing policy"})
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "speculative entry TTL"})
     gpu_credit: float = field(default=1.0, metadata={"help": "credit of a GPU-tier block"})
-    cpu_credit: float = field(default=0.95, metadata={"help": "credit of an offload-RAM block (1 - restore/recompute)"})
+    cpu_credit: float = field(default=0.75, metadata={"help": "credit of an offload-RAM block"})
     disk_credit: float = field(default=0.25, metadata={"help": "credit of an offload-disk block"})
-    queue_weight: float = field(default=1.0, metadata={"help": "weight of queued prefill tokens"})
+    queue_weight: float = field(default=0.25, metadata={"help": "weight of queued prefill tokens"})
     decode_load_scale: float = field(default=1.0, metadata={"help": "cost per running/waiting request"})
-    decode_block_scale: float = field(default=0.1, metadata={"help": "cost per KV block held by running requests"})
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
