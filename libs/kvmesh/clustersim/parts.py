@@ -68,7 +68,7 @@ class SimWorker:
         idx, model, ep = self.index, self.model, self.id
         for ev in self.bm.take_events():
             if type(ev) is Stored:
-                idx.add(model, ep, Tier.GPU, ev.block_hashes)
+                idx.add(model, ep, Tier.GPU, ev.block_hashes, [(0, ev.parent_block_hash)])
             elif type(ev) is Removed:
                 idx.remove(model, ep, Tier.GPU, (ev.block_hash,))
             else:

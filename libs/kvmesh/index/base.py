@@ -83,8 +83,16 @@ class BlockIndex(ABC):
     blocking: bool = False
 
     @abstractmethod
-    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
-        """Record that ``endpoint`` holds ``keys`` in ``tier``; returns entries newly added."""
+    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
+            chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
+        """Record that ``endpoint`` holds ``keys`` in ``tier``; returns entries newly added.
+
+        ``chain_starts`` gives the parent links, as a ``BlockStored`` does:
+        ``(offset, parent key or None for a first block)`` where a chain starts
+        in ``keys``; every other key is the child of the key before it. A
+        backend may use them to read fewer blocks per lookup; ``None`` (links
+        unknown) is always correct, only possibly slower.
+        """
 
     @abstractmethod
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:

@@ -300,24 +300,26 @@ class Ingestor:
         pending_kind: str | None = None
         pending_tier: Tier | None = None
         pending: list[int] = []
+        starts: list[tuple[int, int | None]] = []
         pending_events = 0
         index, model, ep = self.index, st.model, st.endpoint
 
         def flush() -> None:
-            nonlocal pending, pending_kind, pending_events
+            nonlocal pending, pending_kind, pending_events, starts
             if pending_kind == "stored":
-                index.add(model, ep, pending_tier, pending)  # type: ignore[arg-type]
+                index.add(model, ep, pending_tier, pending, chain_starts=starts)  # type: ignore[arg-type]
             elif pending_kind == "removed":
                 index.remove(model, ep, pending_tier, pending)  # type: ignore[arg-type]
             if pending_kind is not None:
                 self.observer.on_events(ep, pending_kind, pending_events)
-            pending, pending_kind, pending_events = [], None, 0
+            pending, pending_kind, pending_events, starts = [], None, 0, []
 
         for ev in batch.events:
             try:
                 if isinstance(ev, BlockStored):
                     tier = Tier.from_medium(ev.medium)
                     keys = st.mapper.stored_keys(ev)
+                    parent = st.mapper.parent_key(ev)
                     kind = "stored"
                 elif isinstance(ev, BlockRemoved):
                     tier = Tier.from_medium(ev.medium)
@@ -340,6 +342,8 @@ class Ingestor:
             if kind != pending_kind or tier != pending_tier:
                 flush()
                 pending_kind, pending_tier = kind, tier
+            if kind == "stored":
+                starts.append((len(pending), parent))
             pending.extend(keys)
             pending_events += 1
             applied += 1

@@ -179,6 +179,21 @@ class KeyMapper:
             log.warning("engine key map over budget; dropped oldest", extra={"dropped": drop})
         return out
 
+    def parent_key(self, ev: BlockStored) -> int | None:
+        """kvmesh key of the parent of an event's first block (None: a first block).
+
+        Call after ``stored_keys`` accepted the event, so a derived parent is mapped.
+        """
+        if ev.parent_block_hash is None:
+            return None
+        ph = normalize_hash(ev.parent_block_hash)
+        if self.fast:
+            return ph
+        got = self._map.get(ph)
+        if got is None:
+            raise KeyError_(f"parent block {ph:#x} unknown (missed its event)")
+        return event_key(got[0])
+
     def removed_keys(self, hashes: Sequence[int | bytes]) -> tuple[list[int], int]:
         """(kvmesh keys, count of unknown hashes) for a ``BlockRemoved``."""
         keys = [normalize_hash(h) for h in hashes]

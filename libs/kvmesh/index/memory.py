@@ -121,7 +121,9 @@ class MemoryIndex(BlockIndex):
         self._entries -= mask.bit_count()
 
     # ---- updates ---------------------------------------------------------------
-    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
+    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
+            chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
+        # The in-memory walk is already cheap per block; parent links are not needed.
         tier = Tier(tier)
         if len(keys) <= self.LOCK_CHUNK:
             return self._add(model, endpoint, tier, keys)

@@ -127,8 +127,9 @@ class InstrumentedIndex(BlockIndex):
         self.name = inner.name
         self.blocking = inner.blocking
 
-    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
-        return self.inner.add(model, endpoint, tier, keys)
+    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
+            chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
+        return self.inner.add(model, endpoint, tier, keys, chain_starts)
 
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         return self.inner.remove(model, endpoint, tier, keys)

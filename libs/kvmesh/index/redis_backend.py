@@ -10,18 +10,31 @@ binary strings, the shortest exact form of a uint64):
 - ``NS:{model}:h`` HASH ``<key8> -> ";<endpoint>\\x1f<tier>;..."`` (the holders of
   each block). One hash per model namespaces the keys and lets a lookup fetch a
   window of blocks with one HMGET, without building key names.
-- ``NS:{model}:r:<endpoint>:<tier>`` SET of ``<key8>`` -- the per-endpoint
-  reverse index, so clearing one endpoint costs O(its blocks), never a SCAN.
-- ``NS:eps:<endpoint>`` SET naming the endpoint's reverse-index sets.
+- ``NS:{model}:r:<endpoint>:<tier>`` HASH ``<key8> -> r<n> | p<parent8><n>``, the
+  per-endpoint reverse index (clearing one endpoint costs O(its blocks), never
+  a SCAN). It also records each block's parent and how many of its children
+  this holder has, which is what keeps the prefix-closed flag below exact.
+- ``NS:{model}:dirty`` SET of endpoints whose held blocks may not be
+  prefix-closed (a block stored without its parent, a removal that left
+  children behind, or a producer that gave no parent links).
+- ``NS:eps:<endpoint>`` SET naming the endpoint's reverse-index hashes.
 - ``NS:{model}:s:<key8>`` HASH ``endpoint -> expiry (ms)``: speculative
   entries; the key itself expires with its longest TTL.
+- ``NS:layout`` the layout version, checked at start.
+
+Why the prefix-closed flag: an engine stores a block only after its parent
+and evicts children before parents (vLLM frees a request's blocks tail
+first), so for a clean endpoint "holds block i of a chain" flips from true to
+false once. The lookup then reads every ``probe_stride``-th block and one
+stride-long gap per distinct run end, about ``n / stride + stride`` reads
+instead of ``n``; dirty endpoints are walked block by block. The answer is
+the same either way (tested against the in-memory backend).
 
 Every update and every lookup is one Lua script call (one round trip, atomic).
-The lookup script walks the chain server-side and stops at the first block no
-endpoint extends. Clearing runs as Lua chunks of ``clear_chunk`` members so a
-large endpoint never blocks Redis for long. The scripts build key names at
-run time, so this layout targets standalone Redis/Valkey (or one shard), not
-Redis Cluster.
+The lookup stops at the first probe no candidate holds. Clearing runs as Lua
+chunks of ``clear_chunk`` members so a large endpoint never blocks Redis for
+long. The scripts build key names at run time, so this layout targets
+standalone Redis/Valkey (or one shard), not Redis Cluster.
 
 Any connection error or timeout surfaces as ``IndexUnavailable``; the client
 never retries on its own, so a caller's deadline bounds every call.
@@ -32,6 +45,7 @@ from __future__ import annotations
 import logging
 import struct
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
@@ -51,30 +65,104 @@ log = logging.getLogger(__name__)
 
 _SEP = "\x1f"
 
-_ADD = """
+# Lua helpers shared by the scripts: chunked HMGET/HSET (Lua's unpack has a
+# stack limit) and the reverse-index value, 'r<children>' for a first block or
+# 'p<parent8><children>' where <children> counts this holder's blocks whose
+# parent is this block.
+_LIB = """
+local CH = 1000
+local function hmget_all(key, ks)
+  local out = {}
+  for lo = 1, #ks, CH do
+    local vs = redis.call('HMGET', key, unpack(ks, lo, math.min(#ks, lo + CH - 1)))
+    for j = 1, #vs do out[lo + j - 1] = vs[j] end
+  end
+  return out
+end
+local function hset_all(key, kv)
+  for lo = 1, #kv, 2 * CH do redis.call('HSET', key, unpack(kv, lo, math.min(#kv, lo + 2 * CH - 1))) end
+end
+local function rparse(v)
+  if string.sub(v, 1, 1) == 'r' then return nil, tonumber(string.sub(v, 2)) end
+  return string.sub(v, 2, 9), tonumber(string.sub(v, 10))
+end
+local function rval(par, n)
+  if par == nil then return 'r' .. n end
+  return 'p' .. par .. n
+end
+local function keys_of(blob)
+  local ks = {}
+  for i = 1, #blob / 8 do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
+  return ks
+end
+"""
+
+# ARGV: ns, model, ep, tier, blob, nstarts, (offset, parent8 or '')...
+# nstarts == 0 means the parent links are unknown.
+_ADD = _LIB + """
 local ns, model, ep, tier, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
+local nst = tonumber(ARGV[6])
+local starts = {}
+for j = 0, nst - 1 do starts[tonumber(ARGV[7 + 2 * j])] = ARGV[8 + 2 * j] end
 local pre = ns .. ':{' .. model .. '}:'
 local field = ep .. '\\31' .. tier .. ';'
 local rkey = pre .. 'r:' .. ep .. ':' .. tier
-local added = 0
 local hkey = pre .. 'h'
-local first = ';' .. field
-for i = 1, #blob, 8 do
-  local k = string.sub(blob, i, i + 7)
-  -- The reverse set and the holder strings change together, so SADD says
-  -- whether this endpoint/tier already holds the block.
-  if redis.call('SADD', rkey, k) == 1 then
-    added = added + 1
-    if redis.call('HSETNX', hkey, k, first) == 0 then
-      redis.call('HSET', hkey, k, redis.call('HGET', hkey, k) .. field)
+local ks = keys_of(blob)
+local have = hmget_all(rkey, ks)
+local dirty = nst == 0
+local newk, node, ext = {}, {}, {}
+local prev = nil
+for i = 1, #ks do
+  local k = ks[i]
+  local par = starts[i - 1]
+  if par == nil then par = prev elseif par == '' then par = false end
+  prev = k
+  if not have[i] and node[k] == nil then
+    newk[#newk + 1] = k
+    node[k] = {par, 0}
+    if par == nil then dirty = true
+    elseif par then
+      if node[par] then node[par][2] = node[par][2] + 1 else ext[par] = (ext[par] or 0) + 1 end
     end
   end
 end
+local out = {}
+for _, k in ipairs(newk) do
+  local nd = node[k]
+  out[#out + 1] = k
+  out[#out + 1] = rval(nd[1] or nil, nd[2])
+end
+local pk = {}
+for p, _ in pairs(ext) do pk[#pk + 1] = p end
+if #pk > 0 then
+  local pv = hmget_all(rkey, pk)
+  for j, p in ipairs(pk) do
+    if pv[j] then
+      local pp, n = rparse(pv[j])
+      out[#out + 1] = p
+      out[#out + 1] = rval(pp, n + ext[p])
+    else
+      dirty = true  -- an orphan: its parent is not held here
+    end
+  end
+end
+hset_all(rkey, out)
+if #newk > 0 then
+  local hv = hmget_all(hkey, newk)
+  local hout = {}
+  for j, k in ipairs(newk) do
+    hout[#hout + 1] = k
+    hout[#hout + 1] = (hv[j] or ';') .. field
+  end
+  hset_all(hkey, hout)
+end
+if dirty then redis.call('SADD', pre .. 'dirty', ep) end
 redis.call('SADD', ns .. ':eps:' .. ep, rkey)
 redis.call('SADD', ns .. ':endpoints', ep)
 redis.call('SADD', ns .. ':models', model)
-if added > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, added) end
-return added
+if #newk > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, #newk) end
+return #newk
 """
 
 # Removes ';<field>' from one block value; deletes the key when no holder is left.
@@ -90,45 +178,89 @@ local function unlink(hkey, k, field)
 end
 """
 
-_REMOVE = _UNLINK_FN + """
+# Removing a block that still has children here leaves orphans, so the
+# endpoint loses the prefix-closed guarantee (marked dirty). Children removed
+# in the same call do not count, whatever their order in the batch.
+_REMOVE = _LIB + _UNLINK_FN + """
 local ns, model, ep, tier, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local pre = ns .. ':{' .. model .. '}:'
 local field = ep .. '\\31' .. tier .. ';'
 local rkey = pre .. 'r:' .. ep .. ':' .. tier
-local removed = 0
-for i = 1, #blob, 8 do
-  local k = string.sub(blob, i, i + 7)
-  removed = removed + unlink(pre .. 'h', k, field)
-  redis.call('SREM', rkey, k)
+local hkey = pre .. 'h'
+local ks = keys_of(blob)
+local have = hmget_all(rkey, ks)
+local gone, order = {}, {}
+for i = 1, #ks do
+  local v = have[i]
+  if v and gone[ks[i]] == nil then
+    local par, n = rparse(v)
+    gone[ks[i]] = {par, n}
+    order[#order + 1] = ks[i]
+  end
 end
-if removed > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, -removed) end
-return removed
+local ext = {}
+for _, k in ipairs(order) do
+  local par = gone[k][1]
+  if par then
+    if gone[par] then gone[par][2] = gone[par][2] - 1 else ext[par] = (ext[par] or 0) + 1 end
+  end
+end
+local dirty = false
+for _, k in ipairs(order) do
+  if gone[k][2] > 0 then dirty = true end
+  unlink(hkey, k, field)
+end
+for lo = 1, #order, CH do redis.call('HDEL', rkey, unpack(order, lo, math.min(#order, lo + CH - 1))) end
+local pk = {}
+for p, _ in pairs(ext) do pk[#pk + 1] = p end
+if #pk > 0 then
+  local pv = hmget_all(rkey, pk)
+  local out = {}
+  for j, p in ipairs(pk) do
+    if pv[j] then
+      local pp, n = rparse(pv[j])
+      out[#out + 1] = p
+      out[#out + 1] = rval(pp, math.max(0, n - ext[p]))
+    end
+  end
+  hset_all(rkey, out)
+end
+if dirty then redis.call('SADD', pre .. 'dirty', ep) end
+if #order > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, -#order) end
+return #order
 """
 
-# Pops up to n members of one reverse-index set and unlinks them.
+# Pops up to n members of one reverse index and unlinks them.
 _CLEAR_CHUNK = _UNLINK_FN + """
 local ns, rkey, n, pre, ep, tier = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 local field = ep .. '\\31' .. tier .. ';'
-local members = redis.call('SPOP', rkey, n)
+local members = redis.call('HRANDFIELD', rkey, n)
 local removed = 0
 for _, k in ipairs(members) do
   removed = removed + unlink(pre .. 'h', k, field)
 end
+if #members > 0 then redis.call('HDEL', rkey, unpack(members)) end
 if removed > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, -removed) end
 return {#members, removed}
 """
 
-# ARGV: ns, model, spec(0/1), nallow, allow..., ndeny, deny..., blob, extra_model...
-# The chain is read with HMGET over galloping windows (128, 256, ... 4096
-# keys) and the walk stops at the first block that no candidate extends.
-# Runs of blocks with the same holders share one (interned) Lua string, so
-# the per-block work is one string comparison; holders are parsed only when
-# the value changes.
+# ARGV: ns, model, spec(0/1), stride, nallow, allow..., ndeny, deny..., blob, extra_model...
+#
+# Endpoints not in the model's dirty set hold prefix-closed block sets (every
+# block's parent is held in the same tier), so along a chain "holds block i"
+# can only go from true to false once. For them the script reads every
+# ``stride``-th block (galloping windows, stopping at the first probe no
+# candidate holds) and then only the one stride-long gap where each run ends.
+# Dirty endpoints are walked block by block (HMGET windows, stopping at the
+# first block none of them extends); runs of blocks with the same holders
+# share one interned Lua string, so that walk parses a value only when it
+# changes.
 _LOOKUP = """
 local ns, model = ARGV[1], ARGV[2]
 local pre = ns .. ':{' .. model .. '}:'
 local spec = ARGV[3] == '1'
-local idx = 4
+local S = tonumber(ARGV[4])
+local idx = 5
 local nallow = tonumber(ARGV[idx]); idx = idx + 1
 local allow = nil
 if nallow > 0 then
@@ -141,17 +273,88 @@ for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
 local blob = ARGV[idx]
 local nkeys = #blob / 8
 local run, erun = {}, {}
-local function walk(hkey)
+local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
+local function fields_of(v, want)
+  local fs = {}
+  if v then
+    for f in string.gmatch(v, '([^;]+)') do
+      if want(string.sub(f, 1, -3)) then fs[f] = true end
+    end
+  end
+  return fs
+end
+local function note(f, n)
+  if n > 0 then
+    run[f] = math.max(run[f] or 0, n)
+    local ep = string.sub(f, 1, -3)
+    erun[ep] = math.max(erun[ep] or 0, n)
+  end
+end
+local function probe_walk(hkey, want)
+  -- last[f]: index of the last probe (position j * S) that f holds
+  local last = {}
+  local alive = fields_of(redis.call('HGET', hkey, key(0)), want)
+  if next(alive) == nil then return end
+  for f, _ in pairs(alive) do last[f] = 0 end
+  local nprobe = math.floor((nkeys - 1) / S) + 1
+  local j, win = 1, 8
+  while next(alive) ~= nil and j < nprobe do
+    local hi = math.min(nprobe - 1, j + win - 1)
+    local args = {}
+    for q = j, hi do args[#args + 1] = key(q * S) end
+    local vals = redis.call('HMGET', hkey, unpack(args))
+    for q = j, hi do
+      local v = vals[q - j + 1]
+      local nxt = {}
+      if v then
+        for f, _ in pairs(alive) do
+          if string.find(v, ';' .. f .. ';', 1, true) then nxt[f] = true; last[f] = q end
+        end
+      end
+      alive = nxt
+      if next(alive) == nil then break end
+    end
+    j = hi + 1
+    win = math.min(win * 2, 256)
+  end
+  -- Each run ends inside the gap after its last probe; read each gap once.
+  local gaps = {}
+  for f, q in pairs(last) do
+    gaps[q] = gaps[q] or {}
+    gaps[q][#gaps[q] + 1] = f
+  end
+  for q, fs in pairs(gaps) do
+    local lo, hi = q * S + 1, math.min(nkeys - 1, q * S + S - 1)
+    local ends = {}
+    for _, f in ipairs(fs) do ends[f] = q * S + 1 end
+    if lo <= hi then
+      local args = {}
+      for p = lo, hi do args[#args + 1] = key(p) end
+      local vals = redis.call('HMGET', hkey, unpack(args))
+      for p = lo, hi do
+        local v = vals[p - lo + 1]
+        if not v then break end
+        local any = false
+        for _, f in ipairs(fs) do
+          if ends[f] == p and string.find(v, ';' .. f .. ';', 1, true) then ends[f] = p + 1; any = true end
+        end
+        if not any then break end
+      end
+    end
+    for f, n in pairs(ends) do note(f, n) end
+  end
+end
+local function block_walk(hkey, want)
   local cur, cure = nil, nil   -- active field / endpoint sets
   local prev = nil
   local pos = 0
   local stop = nil
   local win = 128
+  local frun = {}
   while stop == nil and pos < nkeys do
     local hi = math.min(nkeys, pos + win)
     local args = {}
-    local j = 1
-    for i = pos + 1, hi do args[j] = string.sub(blob, i * 8 - 7, i * 8); j = j + 1 end
+    for i = pos, hi - 1 do args[#args + 1] = key(i) end
     local vals = redis.call('HMGET', hkey, unpack(args))
     for j2 = 1, hi - pos do
       local v = vals[j2]
@@ -159,15 +362,13 @@ local function walk(hkey)
       if not v then stop = p; break end
       if v ~= prev then
         prev = v
-        local fields, eps = {}, {}
-        for f in string.gmatch(v, '([^;]+)') do
-          local ep = string.sub(f, 1, -3)
-          if (allow == nil or allow[ep]) and not deny[ep] then fields[f] = true; eps[ep] = true end
-        end
+        local fields = fields_of(v, want)
+        local eps = {}
+        for f, _ in pairs(fields) do eps[string.sub(f, 1, -3)] = true end
         if cur == nil then
           cur, cure = fields, eps
         else
-          for f, _ in pairs(cur) do if not fields[f] then run[f] = math.max(run[f] or 0, p); cur[f] = nil end end
+          for f, _ in pairs(cur) do if not fields[f] then frun[f] = p; cur[f] = nil end end
           for ep, _ in pairs(cure) do
             if not eps[ep] then erun[ep] = math.max(erun[ep] or 0, p); cure[ep] = nil end
           end
@@ -180,14 +381,24 @@ local function walk(hkey)
   end
   if stop == nil then stop = nkeys end
   if cur ~= nil then
-    for f, _ in pairs(cur) do run[f] = math.max(run[f] or 0, stop) end
+    for f, _ in pairs(cur) do frun[f] = stop end
     for ep, _ in pairs(cure) do erun[ep] = math.max(erun[ep] or 0, stop) end
   end
+  for f, n in pairs(frun) do if n > 0 then run[f] = math.max(run[f] or 0, n) end end
 end
-walk(pre .. 'h')
+local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
+local function search(p)
+  local dirty = {}
+  local nd = 0
+  for _, ep in ipairs(redis.call('SMEMBERS', p .. 'dirty')) do
+    if allowed(ep) then dirty[ep] = true; nd = nd + 1 end
+  end
+  probe_walk(p .. 'h', function(ep) return allowed(ep) and not dirty[ep] end)
+  if nd > 0 then block_walk(p .. 'h', function(ep) return dirty[ep] == true end) end
+end
+search(pre)
 -- Extra namespaces (offload stores that serve every model), in the same round trip.
-for j = idx + 1, #ARGV do walk(ns .. ':{' .. ARGV[j] .. '}:h') end
-for f, n in pairs(run) do if n == 0 then run[f] = nil end end
+for j = idx + 1, #ARGV do search(ns .. ':{' .. ARGV[j] .. '}:') end
 for ep, n in pairs(erun) do if n == 0 then erun[ep] = nil end end
 local out_t, out_e, out_s = {}, {}, {}
 for f, n in pairs(run) do out_t[#out_t + 1] = f; out_t[#out_t + 1] = n end
@@ -198,12 +409,11 @@ if spec then
   local srun, sexp = {}, {}
   local pos = 0
   while pos < nkeys do
-    local k = string.sub(blob, pos * 8 + 1, pos * 8 + 8)
-    local kv = redis.call('HGETALL', pre .. 's:' .. k)
+    local kv = redis.call('HGETALL', pre .. 's:' .. key(pos))
     local ext = false
     for j = 1, #kv, 2 do
       local ep, exp = kv[j], tonumber(kv[j + 1])
-      if exp > now and (allow == nil or allow[ep]) and not deny[ep] and (srun[ep] or 0) == pos then
+      if exp > now and allowed(ep) and (srun[ep] or 0) == pos then
         srun[ep] = pos + 1
         if sexp[ep] == nil or exp < sexp[ep] then sexp[ep] = exp end
         ext = true
@@ -235,14 +445,26 @@ return 1
 _ENDPOINT_BLOCKS = """
 local total = 0
 for _, rkey in ipairs(redis.call('SMEMBERS', ARGV[1] .. ':eps:' .. ARGV[2])) do
-  total = total + redis.call('SCARD', rkey)
+  total = total + redis.call('HLEN', rkey)
 end
 return total
 """
 
 
+LAYOUT_VERSION = "2"
+
+
 def _pack(keys: Sequence[int]) -> bytes:
     return struct.pack(f">{len(keys)}Q", *keys)
+
+
+def _starts_args(chain_starts: Sequence[tuple[int, int | None]] | None) -> list[Any]:
+    if chain_starts is None:
+        return [0]
+    out: list[Any] = [len(chain_starts)]
+    for off, parent in chain_starts:
+        out += [off, b"" if parent is None else parent.to_bytes(8, "big")]
+    return out
 
 
 class RedisIndex(BlockIndex):
@@ -252,12 +474,17 @@ class RedisIndex(BlockIndex):
     blocking = True
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "kvm",
-                 timeout_s: float = 1.0, clear_chunk: int = 2000, client: redis.Redis | None = None) -> None:
+                 timeout_s: float = 1.0, clear_chunk: int = 2000, client: redis.Redis | None = None,
+                 probe_stride: int = 32) -> None:
         if not url.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"redis url {url!r} must start with redis://, rediss:// or unix://")
         self.url = url
         self.namespace = namespace
         self.clear_chunk = clear_chunk
+        if probe_stride < 1:
+            raise ValueError(f"probe_stride must be >= 1, got {probe_stride}")
+        self.probe_stride = probe_stride
+        self._layout_checked = False
         self.timeout_s = timeout_s
         self.r = client or redis.Redis.from_url(
             url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
@@ -287,14 +514,37 @@ class RedisIndex(BlockIndex):
         return self.url
 
     # ---- updates -------------------------------------------------------------------
-    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
+    def check_layout(self) -> None:
+        """Raise ValueError for a namespace written by another layout; an unreachable Redis is checked later."""
+        try:
+            self._check_layout()
+        except IndexUnavailable:
+            pass
+
+    def _check_layout(self) -> None:
+        """Refuse a namespace written by an incompatible layout (once per client)."""
+        if self._layout_checked:
+            return
+        key = f"{self.namespace}:layout"
+        self._call(self.r.setnx, key, LAYOUT_VERSION)
+        got = self._call(self.r.get, key)
+        if got is not None and got.decode() != LAYOUT_VERSION:
+            raise ValueError(f"redis namespace {self.namespace!r} holds index layout v{got.decode()}, this "
+                             f"indexer writes v{LAYOUT_VERSION}; use another --redis-namespace or delete its keys")
+        self._layout_checked = True
+
+    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
+            chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
         if not keys:
             return 0
-        return int(self._call(self._add, [], [self.namespace, model, endpoint, int(Tier(tier)), _pack(keys)]))
+        self._check_layout()
+        return int(self._call(self._add, [], [self.namespace, model, endpoint, int(Tier(tier)), _pack(keys),
+                                              *_starts_args(chain_starts)]))
 
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         if not keys:
             return 0
+        self._check_layout()
         return int(self._call(self._remove, [], [self.namespace, model, endpoint, int(Tier(tier)), _pack(keys)]))
 
     def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
@@ -312,6 +562,9 @@ class RedisIndex(BlockIndex):
                 if int(popped) == 0:
                     break
             self._call(self.r.srem, reg, rkey)
+            if tier is None:
+                # Nothing of the endpoint is left under this model: it is prefix-closed again.
+                self._call(self.r.srem, f"{pre}dirty", endpoint)
         if tier is None:
             self._call(self.r.srem, f"{self.namespace}:endpoints", endpoint)
         return removed
@@ -329,7 +582,7 @@ class RedisIndex(BlockIndex):
             return result
         allow = list(endpoint_filter or [])
         deny = list(exclude or [])
-        args = [self.namespace, model, "1" if include_speculative else "0", len(allow), *allow,
+        args = [self.namespace, model, "1" if include_speculative else "0", self.probe_stride, len(allow), *allow,
                 len(deny), *deny, _pack(keys), *[m for m in extra_models if m != model]]
         tiers, combined, spec = self._call(self._lookup, [], args)
         for i in range(0, len(tiers), 2):

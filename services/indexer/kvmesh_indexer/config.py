@@ -51,6 +51,8 @@ class IndexerConfig:
         "help": "redis:// or rediss:// URL (user:password@ for AUTH)"})
     redis_namespace: str = field(default="kvm", metadata={"help": "key prefix in Redis"})
     redis_timeout_s: float = field(default=0.5, metadata={"help": "Redis socket timeout per call"})
+    redis_probe_stride: int = field(default=32, metadata={
+        "help": "Redis lookups read every Nth block of prefix-closed endpoints, then one gap per run end"})
     max_entries: int = field(default=20_000_000, metadata={
         "help": "memory backend: block-endpoint-tier entry budget (LRU eviction beyond it; 0 = unbounded)"})
     models: str = field(default="", metadata={"help": "models: JSON list or NAME@BLOCK_SIZE@ALGO[@SEED],..."})
@@ -79,6 +81,8 @@ class IndexerConfig:
                 raise ConfigError(f"setting {name!r} must be > 0")
         if not 0 < self.speculative_ttl_s <= 300:
             raise ConfigError("setting 'speculative_ttl_s' must be in (0, 300]")
+        if self.redis_probe_stride < 1:
+            raise ConfigError("setting 'redis_probe_stride' must be >= 1")
         if self.max_entries < 0:
             raise ConfigError("setting 'max_entries' must be >= 0")
         if self.default_block_size <= 0:

@@ -41,10 +41,15 @@ def build_index(cfg: IndexerConfig) -> BlockIndex:
         from kvmesh.index.redis_backend import RedisIndex
 
         try:
-            index = RedisIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s)
+            index = RedisIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s,
+                               probe_stride=cfg.redis_probe_stride)
             index.check_auth()
         except ValueError as exc:
             raise ConfigError(f"setting 'redis_url': {exc}") from None
+        try:
+            index.check_layout()
+        except ValueError as exc:
+            raise ConfigError(f"setting 'redis_namespace': {exc}") from None
         return index
     return MemoryIndex(max_entries=cfg.max_entries)
 
