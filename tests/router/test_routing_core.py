@@ -12,7 +12,7 @@ from kvmesh.routing.load import LoadReport, LoadView
 from kvmesh.routing.pd_split import SplitConfig, decide_split
 from kvmesh.routing.policy import NoEndpointError, available_policies, make_policy
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
-from kvmesh.routing.scoring import ScoringConfig, credit
+from kvmesh.routing.scoring import ScoringConfig, tier_split
 from kvmesh.routing.types import EndpointView, Matches, RouteRequest, TierMatch
 
 BS = 16
@@ -43,13 +43,19 @@ def test_registry_has_all_policies():
 
 
 def test_tier_credits_take_best_tier_per_block():
-    cfg = ScoringConfig()
-    c = credit(TierMatch(gpu=4), TierMatch(cpu=10, disk=20), cap_blocks=100, cfg=cfg)
-    assert c.credit_blocks == pytest.approx(4 * 1.0 + 6 * 0.75 + 10 * 0.25)
-    assert c.gpu_blocks == 4 and c.offload_blocks == 16
+    c = tier_split(TierMatch(gpu=4), TierMatch(cpu=10, disk=20), cap_blocks=100)
+    assert (c.gpu, c.cpu, c.disk) == (4, 6, 10) and c.offload == 16
+    # Speculative entries count as the engine's own cache (free), and are reported apart.
+    c = tier_split(TierMatch(gpu=2, speculative=5), TierMatch(cpu=3), cap_blocks=100)
+    assert (c.gpu, c.cpu, c.speculative) == (5, 0, 3)
     # The engine never reports the last token as cached: the cap bounds every tier.
-    c = credit(TierMatch(gpu=10), TierMatch(), cap_blocks=9, cfg=cfg)
-    assert c.gpu_blocks == 9
+    c = tier_split(TierMatch(gpu=10), TierMatch(cpu=20), cap_blocks=9)
+    assert c.gpu == 9 and c.offload == 0
+    # Without an offload tier the store's blocks are worth nothing.
+    assert tier_split(TierMatch(gpu=4), TierMatch(cpu=10), cap_blocks=100, offload_enabled=False).offload == 0
+    # Each tier is priced at what it really costs: GPU free, restore per token, a miss recomputed.
+    cfg = ScoringConfig()
+    assert cfg.cpu_restore_s_per_token < cfg.disk_restore_s_per_token < cfg.prefill_s_per_token
 
 
 def test_precise_prefers_the_endpoint_holding_the_prefix():
@@ -289,3 +295,128 @@ def test_hash_cache_takes_protobuf_fields_and_concat_views():
     assert view[990:1010] == toks[990:] + out[:10]
     res = hc.chain(view, None, "s")
     assert res.keys == h.block_keys(toks + out) and res.source == "session" and res.reused_blocks == 1000 // BS
+
+
+# ---------------------------------------------------------------- estimated-TTFT scoring
+
+
+def test_busy_home_loses_to_an_idle_endpoint_that_restores_from_offload():
+    core = _core(4)
+    n = 20_000
+    cap = (n - 1) // BS
+    req = _req(core, _tokens(n), "r", session="s")
+    home = TierMatch(gpu=cap)
+    # The session's home holds its whole context but has 12k tokens of prefill queued (~3 s).
+    core.load.update("e0", LoadReport(running=2, waiting=3, waiting_prefill_tokens=12_000, received_at=0.0))
+    for eid in ("e1", "e2", "e3"):
+        core.load.update(eid, LoadReport(received_at=0.0))
+    # Nowhere else holds it: recomputing 20k tokens costs more than the home's queue.
+    d = core.decide(req, Matches(per_endpoint={"e0": home}), now=0.1)
+    assert d.endpoint_id == "e0"
+    # The offload store holds it too: a restore (µs per token) beats the home's queue (seconds).
+    d = core.decide(req, Matches(per_endpoint={"e0": home}, store=TierMatch(cpu=cap)), now=0.1)
+    assert d.endpoint_id != "e0"
+    assert d.predicted_cached_tokens_offload == cap * BS and d.predicted_cached_tokens_gpu == 0
+    by = {c.endpoint_id: c for c in d.candidates}
+    assert by["e0"].wait_s > by[d.endpoint_id].own_s > 0
+    # Without an offload tier the store's blocks are not credited and the home keeps it.
+    nooff = _core(4, offload_enabled=False)
+    nooff.load = core.load
+    d = nooff.decide(req, Matches(per_endpoint={"e0": home}, store=TierMatch(cpu=cap)), now=0.1)
+    assert d.endpoint_id == "e0"
+    # An idle home still wins over a restore: the GPU hit is free.
+    core.load.update("e0", LoadReport(received_at=0.2))
+    d = core.decide(req, Matches(per_endpoint={"e0": home}, store=TierMatch(cpu=cap)), now=0.3)
+    assert d.endpoint_id == "e0" and d.predicted_cached_tokens_gpu == cap * BS
+
+
+def test_new_sessions_spread_on_ties_instead_of_piling_on_the_first_endpoint():
+    core = _core(4)
+    # Same instant, nothing cached, no load: every endpoint ties. The tie-break is a stable
+    # hash of the session, not the endpoint id (which would send all of them to e0).
+    picks = {}
+    for i in range(16):
+        req = _req(core, _tokens(300, seed=i), f"r{i}", session=f"s{i}")
+        picks[f"s{i}"] = core.decide(req, Matches(), now=0.0).endpoint_id
+    assert len(set(picks.values())) >= 3, picks
+    # Stable: the same session ties the same way again.
+    again = _req(core, _tokens(300, seed=3), "r3b", session="s3")
+    assert core.decide(again, Matches(), now=0.0).endpoint_id == picks["s3"]
+    # Load outranks the hash: with e2 the only idle endpoint, every new session goes there.
+    for eid in core.endpoints:
+        core.load.update(eid, LoadReport(running=1, waiting_prefill_tokens=4000, received_at=0.0))
+    core.load.update("e2", LoadReport(received_at=0.0))
+    for i in range(4):
+        req = _req(core, _tokens(300, seed=50 + i), f"q{i}", session=f"q{i}")
+        assert core.decide(req, Matches(), now=0.1).endpoint_id == "e2"
+
+
+def test_decode_load_of_long_contexts_is_weighed():
+    core = _core(2)
+    # Same queue length, but e0 runs a long context: every decode step there reads its KV.
+    core.load.update("e0", LoadReport(running=1, kv_usage=0.8, num_blocks=10_000, received_at=0.0))
+    core.load.update("e1", LoadReport(running=1, kv_usage=0.01, num_blocks=10_000, received_at=0.0))
+    for i in range(4):
+        req = _req(core, _tokens(200, seed=i), f"r{i}", session=f"s{i}")
+        assert core.decide(req, Matches(), now=0.1).endpoint_id == "e1"
+
+
+@pytest.mark.parametrize("policy", ["precise", "approx"])
+def test_burst_colocates_although_the_first_sibling_is_queued_there(policy):
+    core = _core(4, policy=policy)
+    for eid in core.endpoints:
+        core.load.update(eid, LoadReport(received_at=0.0))
+    shared = _tokens(3000, seed=2)
+    picks = []
+    for i in range(8):
+        req = _req(core, shared + _tokens(60, seed=200 + i), f"b{i}", session=f"agent-{i}")
+        d = core.decide(req, Matches() if policy == "precise" else None, now=0.1 + 0.001 * i)
+        core.on_routed(req, d, now=0.1 + 0.001 * i)
+        picks.append(d.endpoint_id)
+    # The first sibling's queued prefill computes the others' prefix: waiting for it is no
+    # extra delay, so all of them follow it even though its queue counts in full.
+    assert len(set(picks)) == 1, picks
+    ld = core.load.effective(picks[0], now=0.2)
+    assert ld.prefill_tokens >= 3000
+
+
+def test_pending_overlap_counts_only_queued_prefill_of_the_shared_prefix():
+    lv = LoadView()
+    keys = list(range(1, 11))
+    lv.on_sent("e", "a", 10 * BS - 4 * BS, now=0.0, keys=keys, num_tokens=10 * BS, cached_tokens=4 * BS)
+    # A sibling sharing 7 leading blocks: blocks 4..6 are being computed for it on e.
+    assert lv.pending_overlap(keys[:7] + [99, 98], BS) == {"e": 3 * BS}
+    assert lv.pending_overlap([77, 78], BS) == {}
+    lv.on_first_token("a")
+    assert lv.pending_overlap(keys, BS) == {}
+
+
+def test_split_request_charges_its_prefill_to_the_prefill_endpoint_only():
+    core = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100))
+    core.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    req = _req(core, _tokens(2000), "r")
+    d = core.decide(req, Matches(), now=0.0)
+    split = core.decide_split(d, req, now=0.0)
+    assert split.split
+    core.on_routed(req, d, now=0.0, split=split)
+    ld = core.load.effective(d.endpoint_id, now=0.0)
+    assert ld.queue == 1 and ld.prefill_tokens == 0
+
+
+def test_split_stays_local_when_two_restores_of_a_long_context_cost_more():
+    core = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100))
+    core.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    n = 200_000
+    cached = (n - 3000) // BS
+    req = _req(core, _tokens(n), "r", session="s")
+    # The home holds 197k tokens on GPU and the store holds them too; 3k are new.
+    m = Matches(per_endpoint={"e0": TierMatch(gpu=cached)}, store=TierMatch(cpu=cached))
+    d = core.decide(req, m, now=0.0)
+    assert d.endpoint_id == "e0" and d.uncached_tokens >= 100
+    s = core.decide_split(d, req, now=0.0)
+    # Splitting would restore 197k tokens on the prefill endpoint and 200k back on e0.
+    assert not s.split and "TTFT" in s.reason and s.inputs["split_extra_ttft_s"] > 0
+    # A fresh prompt with nothing cached splits: the decode endpoint stays free of prefill.
+    fresh = _req(core, _tokens(3000, seed=5), "f")
+    d = core.decide(fresh, Matches(), now=0.0)
+    assert core.decide_split(d, fresh, now=0.0).split

@@ -31,7 +31,7 @@ from kvmesh.index.memory import MemoryIndex
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.policy import make_policy
-from kvmesh.routing.router import RouterCore, RouterCoreConfig
+from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_id
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
 from kvmesh.traffic.model import Request, Trace
@@ -200,7 +200,7 @@ class ClusterSim:
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
         split = self.core.decide_split(decision, route, self.now)
-        self.core.on_routed(route, decision, self.now)
+        self.core.on_routed(route, decision, self.now, split)
         if split.split:
             job.split = True
             job.prefill_ep = self.by_id[split.prefill_endpoint]
@@ -331,6 +331,7 @@ class ClusterSim:
         job.error = why
         job.finish = self.now
         self.core.load.on_finished(job.route.request_id)
+        self.core.load.on_finished(prefill_request_id(job.route.request_id))
         for t, idx in self.runner.complete(job.node, self.now):
             self._push(t, RELEASE, idx)
 
@@ -361,6 +362,7 @@ class ClusterSim:
                 keys = seq.block_hashes[:n]
                 self.store.put(keys, self.store.leading(keys, n), job.req.session)
             if seq.prefill_only:
+                self.core.load.on_finished(prefill_request_id(job.route.request_id))
                 self._dispatch(job, job.decode_ep, prefill_only=False)
                 continue
             job.finish = now

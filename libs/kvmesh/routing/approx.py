@@ -12,7 +12,7 @@ from typing import Any
 
 from kvmesh.routing.policy import Policy, RouteContext, register
 from kvmesh.routing.prefix_memory import ApproxIndex, SessionAffinity
-from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick
+from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick, spread_key
 from kvmesh.routing.types import Decision, RouteRequest, TierMatch
 
 
@@ -30,7 +30,7 @@ class ApproxPolicy(Policy):
         seen = self.index.match(req.keys)
         cands = self._candidates(req, ctx, lambda ep: TierMatch(gpu=seen.get(ep, 0)))
         mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
-        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now))
+        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now), spread_key(req))
         return self._decision(req, win, why, cands)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvmesh.routing.prefix_memory import common_prefix
+
 
 @dataclass
 class LoadReport:
@@ -37,6 +39,10 @@ class EffectiveLoad:
     kv_usage: float = 0.0
     inflight: int = 0
     stale: bool = True
+    # KV the running requests hold (vLLM's usage x blocks at the last report, in blocks) plus the
+    # context tokens of the router's requests sent since: what every decode step must read there.
+    active_blocks: float = 0.0
+    inflight_ctx_tokens: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -49,6 +55,9 @@ class _InFlight:
     sent_at: float
     prefill_tokens: int
     prefilling: bool = True
+    keys: list[int] | None = None     # the prompt's block keys (what its prefill computes)
+    num_tokens: int = 0
+    cached_tokens: int = 0            # predicted cached at send: its prefill starts there
 
 
 @dataclass
@@ -65,8 +74,31 @@ class LoadView:
     def forget(self, endpoint_id: str) -> None:
         self.reports.pop(endpoint_id, None)
 
-    def on_sent(self, endpoint_id: str, request_id: str, prefill_tokens: int, now: float) -> None:
-        self._inflight[request_id] = _InFlight(endpoint_id, now, max(0, int(prefill_tokens)))
+    def on_sent(self, endpoint_id: str, request_id: str, prefill_tokens: int, now: float,
+                keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0) -> None:
+        self._inflight[request_id] = _InFlight(endpoint_id, now, max(0, int(prefill_tokens)), True, keys,
+                                               max(0, int(num_tokens)), max(0, int(cached_tokens)))
+
+    def pending_overlap(self, keys: list[int], block_size: int) -> dict[str, int]:
+        """Per endpoint: queued prefill tokens (of the router's in-flight requests) that compute
+        leading blocks of ``keys``.
+
+        A sibling sub-agent sent right after the first one of its burst shares its prefix. The
+        first one's prefill, still queued where it went, computes exactly what the sibling will
+        reuse there: waiting for it is no extra delay compared with recomputing it elsewhere.
+        """
+        out: dict[str, int] = {}
+        if not keys or block_size <= 0:
+            return out
+        head = keys[0]
+        for f in self._inflight.values():
+            if not f.prefilling or not f.keys or f.keys[0] != head or f.prefill_tokens <= 0:
+                continue
+            shared = min(common_prefix(f.keys, keys) * block_size, f.num_tokens or 1 << 62)
+            n = min(max(0, shared - f.cached_tokens), f.prefill_tokens)
+            if n > out.get(f.endpoint_id, 0):
+                out[f.endpoint_id] = n
+        return out
 
     def on_first_token(self, request_id: str) -> None:
         f = self._inflight.get(request_id)
@@ -85,6 +117,7 @@ class LoadView:
         since = rep.received_at if fresh and rep is not None else float("-inf")
         extra_req = 0
         extra_prefill = 0
+        extra_ctx = 0
         total = 0
         for f in self._inflight.values():
             if f.endpoint_id != endpoint_id:
@@ -93,10 +126,13 @@ class LoadView:
             # Requests sent before the report are assumed to be included in it.
             if f.sent_at > since:
                 extra_req += 1
+                extra_ctx += f.num_tokens
                 if f.prefilling:
                     extra_prefill += f.prefill_tokens
         if fresh and rep is not None:
             return EffectiveLoad(running=rep.running, waiting=rep.waiting + extra_req,
                                  prefill_tokens=rep.waiting_prefill_tokens + extra_prefill,
-                                 kv_usage=rep.kv_usage, inflight=total, stale=False)
-        return EffectiveLoad(running=0, waiting=extra_req, prefill_tokens=extra_prefill, inflight=total, stale=True)
+                                 kv_usage=rep.kv_usage, inflight=total, stale=False,
+                                 active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=extra_ctx)
+        return EffectiveLoad(running=0, waiting=extra_req, prefill_tokens=extra_prefill, inflight=total, stale=True,
+                             inflight_ctx_tokens=extra_ctx)

@@ -71,11 +71,12 @@ class Policy(abc.ABC):
         store = ctx.matches.store if ctx.matches else TierMatch()
         if match_of is None:
             match_of = (ctx.matches.get if ctx.matches else (lambda _e: TierMatch()))
+        shared = ctx.load.pending_overlap(req.keys, req.block_size)
         out = []
         for e in ctx.endpoints:
             ld = ctx.load.effective(e.endpoint_id, ctx.now)
             out.append(evaluate(e.endpoint_id, match_of(e.endpoint_id), store, ld, req.num_tokens,
-                                req.block_size, self.scoring, ctx.offload_enabled))
+                                req.block_size, self.scoring, ctx.offload_enabled, shared.get(e.endpoint_id, 0)))
         return out
 
     def _decision(self, req: RouteRequest, win: Candidate, reason: str, cands: list[Candidate],

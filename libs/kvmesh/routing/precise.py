@@ -15,7 +15,7 @@ from typing import Any
 from kvmesh.routing.approx import ApproxPolicy
 from kvmesh.routing.policy import Policy, RouteContext, register
 from kvmesh.routing.prefix_memory import SessionAffinity, SpeculativeIndex
-from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick
+from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick, spread_key
 from kvmesh.routing.types import Decision, RouteRequest, TierMatch
 
 
@@ -51,7 +51,7 @@ class PrecisePolicy(Policy):
 
         cands = self._candidates(req, ctx, match_of)
         mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
-        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now))
+        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now), spread_key(req))
         return self._decision(req, win, why, cands)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:

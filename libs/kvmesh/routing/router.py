@@ -13,13 +13,18 @@ from dataclasses import dataclass, field
 
 from kvmesh.hashing import BlockHasher, ExtraKeys
 from kvmesh.routing.hash_cache import ChainResult, ConcatTokens, HashCache, HashCacheConfig
-from kvmesh.routing.load import LoadView
+from kvmesh.routing.load import EffectiveLoad, LoadView
 from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
 from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext, make_policy
-from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.scoring import ScoringConfig, split_extra_s
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest
 
 log = logging.getLogger(__name__)
+
+
+def prefill_request_id(request_id: str) -> str:
+    """In-flight id of a split request's prefill half (the live service sends it under this id)."""
+    return request_id + "-prefill"
 
 
 @dataclass
@@ -100,10 +105,24 @@ class RouterCore:
                      exclude: set[str] | frozenset[str] = frozenset()) -> SplitDecision:
         pre = self.prefill_endpoints(req.model, exclude)
         loads = {e.endpoint_id: self.load.effective(e.endpoint_id, now) for e in pre}
-        return decide_split(decision.uncached_tokens, req.num_tokens, pre, loads, self.cfg.split)
+        win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
+        extra = None
+        if win is not None:
+            def extra(ld: EffectiveLoad) -> float:
+                return split_extra_s(win, req.num_tokens, req.block_size, ld.prefill_tokens, self.cfg.scoring)
+        return decide_split(decision.uncached_tokens, req.num_tokens, pre, loads, self.cfg.split, extra)
 
-    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
-        self.load.on_sent(decision.endpoint_id, req.request_id, decision.uncached_tokens, now)
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float,
+                  split: SplitDecision | None = None) -> None:
+        """The request was sent: count it on its endpoint (its prefill only where it runs)."""
+        local_prefill = decision.uncached_tokens
+        if split is not None and split.split:
+            # The prefill runs on the prefill endpoint (the live service records it there under
+            # the same id); the decode endpoint only restores the result.
+            local_prefill = 0
+            self.load.on_sent(split.prefill_endpoint, prefill_request_id(req.request_id), req.num_tokens, now)
+        self.load.on_sent(decision.endpoint_id, req.request_id, local_prefill, now, keys=req.keys,
+                          num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens)
         self.policy(decision.policy).on_routed(req, decision, now)
 
     def on_first_token(self, req: RouteRequest) -> None:

@@ -1,46 +1,86 @@
-"""Cost of serving a request on an endpoint: uncached prefill work plus queued load.
+"""Cost of serving a request on an endpoint: its estimated time to first token there.
 
-The shape follows NVIDIA Dynamo's KV router (prefill scale × max(active prefill +
-incoming − overlap credit, 0) + decode load, in blocks), with two changes that
-matter for agent traffic:
+The shape follows NVIDIA Dynamo's KV router and llm-d's scorers (queued prefill +
+this request's uncached prefill − what the cache saves, plus a decode-load term),
+but in *seconds*, from the same latency figures as the engine model
+(:mod:`kvmesh.engine.sim.latency`), so that every tier and every kind of load is
+weighed at its real price::
 
-* blocks are credited per tier (GPU 1.0, offload RAM 0.75, disk 0.25 by default)
-  and block by block, taking the best tier that holds each leading block;
-* the prefill already queued on an endpoint is weighted by ``queue_weight``
-  (< 1), because a sibling that shares that queued prefill's prefix will reuse
-  it instead of recomputing it elsewhere — with weight 1 a burst of sub-agents
-  would scatter and each recompute the shared context.
+    cost = wait + own + decode
+    wait   = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
+    own    = prefill_cost(uncached, context=cached)            (linear + attention)
+           + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
+    decode = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
 
-An overload guard marks endpoints whose queue is far above the least-loaded
-one as hot; a hot endpoint only takes requests with a large hit there, so
-misses never pile onto one busy endpoint (SGLang's "death spiral").
+* Each leading block counts at the best tier that holds it: the endpoint's own
+  GPU cache (or a speculative entry the router wrote for a request it just sent
+  there) is free; a block in the shared offload store is restorable by *every*
+  decode endpoint at the cost of the host-to-device copy (~7 µs/token for a 32B
+  model against ~250 µs/token to recompute); a miss is recomputed, attention
+  included, so a long uncached tail on a long context costs what it really costs.
+* ``queued_prefill`` is the prefill already waiting on the endpoint (last load
+  report plus what the router sent since). ``shared`` is the part of it that
+  computes leading blocks of *this* prompt (a sibling sub-agent's shared prefix,
+  :meth:`LoadView.pending_overlap`): the request would wait for it, but elsewhere
+  it would recompute it, so a burst co-locates instead of scattering.
+* The decode term is the KV every decode step must read there, over the steps the
+  request will decode alongside it: long contexts decoding on an endpoint slow
+  everything that runs there, and weighing them keeps busy time balanced.
+
+An overload guard marks endpoints whose queue is far above the least-loaded one
+(or whose KV cache is full) as hot; a hot endpoint only takes requests with a
+large hit there, so misses never pile onto one busy endpoint (SGLang's "death
+spiral"). Ties go to session affinity, then the least load, then a stable hash of
+the session (or prefix) — never the endpoint id, which would send every new
+session to the same first endpoint.
 """
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass, field
 
+from kvmesh.engine.sim.latency import LatencyParams
 from kvmesh.routing.load import EffectiveLoad
-from kvmesh.routing.types import Candidate, TierMatch
+from kvmesh.routing.types import Candidate, RouteRequest, TierMatch
+
+_H100 = LatencyParams()
 
 
 @dataclass
 class ScoringConfig:
-    """Weights of the cost function; every one is configuration."""
+    """Latency figures and weights of the cost (seconds); defaults: the H100-class engine model."""
 
-    gpu_credit: float = field(default=1.0, metadata={"help": "credit per block in the engine's own cache"})
-    cpu_credit: float = field(default=0.75, metadata={"help": "credit per block in the offload RAM tier"})
-    disk_credit: float = field(default=0.25, metadata={"help": "credit per block in the offload disk tier"})
-    speculative_credit: float = field(default=1.0, metadata={"help": "credit per block of a speculative entry"})
-    prefill_load_scale: float = field(default=1.0, metadata={"help": "weight of prefill work (blocks)"})
-    queue_weight: float = field(default=0.25, metadata={"help": "weight of prefill already queued on the endpoint"})
-    decode_load_scale: float = field(default=1.0, metadata={"help": "cost (in blocks) per running/waiting request"})
-    tie_epsilon: float = field(default=0.5, metadata={"help": "costs within this many blocks tie"})
+    prefill_s_per_token: float = field(default=_H100.prefill_s_per_token, metadata={
+        "help": "prefill time per uncached token (linear part)"})
+    attn_s_per_token_pair: float = field(default=_H100.attn_s_per_token_pair, metadata={
+        "help": "prefill attention time per (new token, context token) pair"})
+    cpu_restore_s_per_token: float = field(default=262_144 / _H100.h2d_bytes_per_s, metadata={
+        "help": "restore time per token from the offload RAM tier (KV bytes/token / H2D bandwidth)"})
+    disk_restore_s_per_token: float = field(default=262_144 / 5e9, metadata={
+        "help": "restore time per token from the offload disk tier (NVMe ~5 GB/s)"})
+    restore_overhead_s: float = field(default=_H100.restore_overhead_s, metadata={
+        "help": "fixed cost of one restore"})
+    queue_weight: float = field(default=1.0, metadata={
+        "help": "weight of the prefill already queued on the endpoint (minus what this prompt shares)"})
+    decode_s_per_seq: float = field(default=_H100.decode_s_per_seq, metadata={
+        "help": "decode step time per running sequence"})
+    decode_s_per_ctx_token: float = field(default=_H100.decode_s_per_ctx_token, metadata={
+        "help": "decode step time per context token held by running sequences (KV reads)"})
+    decode_horizon_steps: float = field(default=64.0, metadata={
+        "help": "decode steps the request is expected to share with the endpoint's running sequences"})
+    tie_epsilon_s: float = field(default=0.01, metadata={"help": "costs within this many seconds tie"})
     hot_abs: float = field(default=4.0, metadata={"help": "hot if queue exceeds the minimum by this many"})
     hot_rel: float = field(default=2.0, metadata={"help": "... and is this many times (min+1)"})
     hot_kv_usage: float = field(default=0.98, metadata={"help": "hot if KV usage reaches this"})
     hot_min_hit_ratio: float = field(default=0.5, metadata={"help": "a hot endpoint only takes hits >= this"})
     max_inflight: int = field(default=0, metadata={"help": "per-endpoint in-flight cap (0 = none)"})
+
+    def prefill_cost(self, tokens: float, context: float) -> float:
+        """Compute time of ``tokens`` new prompt tokens after ``context`` present ones."""
+        if tokens <= 0:
+            return 0.0
+        return tokens * self.prefill_s_per_token + tokens * (context + tokens / 2.0) * self.attn_s_per_token_pair
 
 
 def max_hit_blocks(num_tokens: int, block_size: int) -> int:
@@ -49,51 +89,76 @@ def max_hit_blocks(num_tokens: int, block_size: int) -> int:
 
 
 @dataclass
-class Credit:
-    credit_blocks: float
-    gpu_blocks: int        # predicted engine-cache hit (incl. speculative)
-    offload_blocks: int    # predicted restore from offload beyond the gpu hit
-    speculative_blocks: int
+class TierSplit:
+    """Leading blocks of a prompt by the tier they would come from on one endpoint."""
+
+    gpu: int            # engine cache, incl. speculative entries
+    cpu: int            # restored from offload RAM beyond the GPU hit
+    disk: int           # restored from offload disk beyond that
+    speculative: int    # of ``gpu``, only known from the router's speculative entries
+
+    @property
+    def offload(self) -> int:
+        return self.cpu + self.disk
+
+    @property
+    def cached(self) -> int:
+        return self.gpu + self.cpu + self.disk
 
 
-def credit(match: TierMatch, store: TierMatch, cap_blocks: int, cfg: ScoringConfig,
-           offload_enabled: bool = True) -> Credit:
-    """Credited leading blocks, each block counted at the best tier that holds it."""
+def tier_split(match: TierMatch, store: TierMatch, cap_blocks: int, offload_enabled: bool = True) -> TierSplit:
+    """Each leading block at the best tier that holds it (every count is a leading run)."""
+    real_gpu = min(match.gpu, cap_blocks)
     gpu = min(max(match.gpu, match.speculative), cap_blocks)
-    spec_only = max(0, min(match.speculative, cap_blocks) - min(match.gpu, cap_blocks))
-    tiers: list[tuple[int, float]] = [(min(match.gpu, cap_blocks), cfg.gpu_credit),
-                                      (min(match.speculative, cap_blocks), cfg.speculative_credit)]
-    if offload_enabled:
-        tiers += [(min(max(match.cpu, store.cpu), cap_blocks), cfg.cpu_credit),
-                  (min(max(match.disk, store.disk), cap_blocks), cfg.disk_credit)]
-    # Walk the tier boundaries from the longest coverage down; between boundaries the
-    # best credit is the max over tiers that still cover that stretch.
-    bounds = sorted({n for n, _ in tiers if n > 0})
-    total = 0.0
-    prev = 0
-    for b in bounds:
-        best = max(c for n, c in tiers if n >= b)
-        total += (b - prev) * best
-        prev = b
-    offload = max(0, prev - gpu) if offload_enabled else 0
-    return Credit(total, gpu, offload, spec_only)
+    spec = gpu - real_gpu
+    if not offload_enabled:
+        return TierSplit(gpu, 0, 0, spec)
+    cpu_end = max(gpu, min(max(match.cpu, store.cpu), cap_blocks))
+    disk_end = max(cpu_end, min(max(match.disk, store.disk), cap_blocks))
+    return TierSplit(gpu, cpu_end - gpu, disk_end - cpu_end, spec)
 
 
 def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: EffectiveLoad, num_tokens: int,
-             block_size: int, cfg: ScoringConfig, offload_enabled: bool = True) -> Candidate:
-    """Cost of one endpoint, in blocks of prefill-equivalent work (lower is better)."""
+             block_size: int, cfg: ScoringConfig, offload_enabled: bool = True,
+             shared_queued_tokens: int = 0) -> Candidate:
+    """Estimated seconds to first token of the request on one endpoint (lower is better)."""
     cap = max_hit_blocks(num_tokens, block_size)
-    c = credit(match, store, cap, cfg, offload_enabled)
-    bs = float(block_size)
-    incoming = num_tokens / bs
-    prefill = cfg.prefill_load_scale * max(cfg.queue_weight * load.prefill_tokens / bs + incoming - c.credit_blocks,
-                                           0.0)
-    cost = prefill + cfg.decode_load_scale * load.queue
-    cached_tokens = (c.gpu_blocks + c.offload_blocks) * block_size
-    return Candidate(endpoint_id=endpoint_id, cost=cost, credit_blocks=c.credit_blocks, gpu_blocks=c.gpu_blocks,
-                     offload_blocks=c.offload_blocks, speculative_blocks=c.speculative_blocks,
-                     uncached_tokens=max(0, num_tokens - cached_tokens), queue=load.queue,
-                     prefill_tokens=load.prefill_tokens)
+    split = tier_split(match, store, cap, offload_enabled)
+    cached_tokens = split.cached * block_size
+    uncached = max(0, num_tokens - cached_tokens)
+    restore = 0.0
+    if split.offload:
+        restore = (cfg.restore_overhead_s + split.cpu * block_size * cfg.cpu_restore_s_per_token
+                   + split.disk * block_size * cfg.disk_restore_s_per_token)
+    own = cfg.prefill_cost(uncached, cached_tokens) + restore
+    queued = max(load.prefill_tokens - shared_queued_tokens, 0.0)
+    wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
+    ctx = load.active_blocks * block_size + load.inflight_ctx_tokens
+    decode = cfg.decode_horizon_steps * (load.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
+    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode, credit_blocks=float(split.cached),
+                     gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
+                     uncached_tokens=uncached, queue=load.queue, prefill_tokens=load.prefill_tokens,
+                     wait_s=wait, own_s=own, decode_s=decode,
+                     store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0)
+
+
+def split_extra_s(win: Candidate, num_tokens: int, block_size: int, prefill_queued_tokens: float,
+                  cfg: ScoringConfig) -> float:
+    """Estimated TTFT a P/D split adds over prefilling on the chosen endpoint (negative: it saves).
+
+    Split: wait on the prefill endpoint, restore what the store holds there, compute the
+    rest, then the decode endpoint restores the whole prompt beyond its own GPU hit. For a
+    long cached context that is two restores of it against none at home.
+    """
+    remote_cached = win.store_blocks * block_size
+    remote = (prefill_queued_tokens * cfg.queue_weight * cfg.prefill_s_per_token
+              + cfg.prefill_cost(num_tokens - remote_cached, remote_cached)
+              + _restore(remote_cached, cfg) + _restore(num_tokens - win.gpu_blocks * block_size, cfg))
+    return remote - (win.wait_s + win.own_s)
+
+
+def _restore(tokens: float, cfg: ScoringConfig) -> float:
+    return cfg.restore_overhead_s + tokens * cfg.cpu_restore_s_per_token if tokens > 0 else 0.0
 
 
 def mark_hot(cands: list[Candidate], loads: dict[str, EffectiveLoad], cap_blocks: int,
@@ -114,19 +179,55 @@ def mark_hot(cands: list[Candidate], loads: dict[str, EffectiveLoad], cap_blocks
                 c.excluded = "hot"
 
 
-def pick(cands: list[Candidate], cfg: ScoringConfig, affinity: str = "") -> tuple[Candidate, str]:
-    """Lowest cost among non-excluded candidates; ties go to affinity, then reuse, then queue."""
+def spread_key(req: RouteRequest) -> tuple[str, bool]:
+    """What a tie is hashed on, and whether that hash outranks load.
+
+    A session's turn: its session id, after load (new sessions spread over the least
+    loaded). Without a session id: the prompt's first block key, *before* load —
+    requests that share a prefix and are decided at the same moment (a burst, before
+    any of it is recorded) meet on one endpoint even if a load report lands between
+    their decisions. Neither: the request id.
+    """
+    if req.session_id:
+        return "s:" + req.session_id, False
+    if req.keys:
+        return f"k:{req.keys[0]}", True
+    return "r:" + req.request_id, False
+
+
+def _rank(key: str, endpoint_id: str) -> int:
+    """Stable per-(key, endpoint) rank (rendezvous hashing): the same in every process."""
+    return zlib.crc32(f"{key}\x00{endpoint_id}".encode())
+
+
+def pick(cands: list[Candidate], cfg: ScoringConfig, affinity: str = "",
+         spread: tuple[str, bool] = ("", False)) -> tuple[Candidate, str]:
+    """Lowest cost among non-excluded candidates.
+
+    Costs within ``tie_epsilon_s`` tie; ties go to session affinity, then the most
+    blocks already in the engine's cache (no restore traffic), then the least load,
+    then a stable hash of ``spread`` (see :func:`spread_key`).
+    """
     pool = [c for c in cands if not c.excluded] or list(cands)
     best_cost = min(c.cost for c in pool)
-    tied = [c for c in pool if c.cost <= best_cost + cfg.tie_epsilon]
-    tied.sort(key=lambda c: (c.endpoint_id != affinity, -c.credit_blocks, c.queue, c.cost, c.endpoint_id))
+    tied = [c for c in pool if c.cost <= best_cost + cfg.tie_epsilon_s]
+    key, hash_first = spread
+
+    def order(c: Candidate) -> tuple:
+        load = round(c.wait_s + c.decode_s, 4)
+        h = _rank(key, c.endpoint_id)
+        rest = (h, load) if hash_first else (load, h)
+        return (c.endpoint_id != affinity, -c.gpu_blocks, *rest, c.endpoint_id)
+
+    tied.sort(key=order)
     win = tied[0]
     if len(tied) > 1 and affinity and win.endpoint_id == affinity:
         why = "tie broken by session affinity"
     elif win.credit_blocks > 0:
-        why = f"best cost with {win.credit_blocks:.1f} credited blocks"
+        why = (f"least estimated TTFT {win.cost:.3f}s with {win.gpu_blocks} cached and "
+               f"{win.offload_blocks} restorable blocks")
     else:
-        why = "no prefix anywhere; least loaded"
+        why = f"no prefix anywhere; least estimated TTFT {win.cost:.3f}s"
     if len(pool) < len(cands):
         why += f"; {len(cands) - len(pool)} overloaded endpoint(s) skipped"
     return win, why

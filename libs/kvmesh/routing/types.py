@@ -85,14 +85,18 @@ class Candidate:
     """One endpoint's evaluation; kept on the decision for traces and debugging."""
 
     endpoint_id: str
-    cost: float
-    credit_blocks: float
+    cost: float                  # estimated seconds to first token there (see routing.scoring)
+    credit_blocks: float         # leading blocks cached or restorable there
     gpu_blocks: int
     offload_blocks: int
     speculative_blocks: int
     uncached_tokens: int
     queue: float
     prefill_tokens: float
+    wait_s: float = 0.0          # queued prefill ahead of it (minus what it shares)
+    own_s: float = 0.0           # its own uncached prefill + restore
+    decode_s: float = 0.0        # decode load it would run alongside
+    store_blocks: int = 0        # leading blocks any endpoint could restore from the offload store
     hot: bool = False
     excluded: str = ""
 

@@ -6,6 +6,9 @@ from dataclasses import dataclass, field
 
 from kvmesh.config import ConfigError
 from kvmesh.routing.policy import available_policies
+from kvmesh.routing.scoring import ScoringConfig
+
+_SC = ScoringConfig()
 
 
 @dataclass
@@ -43,11 +46,21 @@ class RouterConfig:
     # Policy
     policy: str = field(default="precise", metadata={"help": "routing policy"})
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "speculative entry TTL"})
-    gpu_credit: float = field(default=1.0, metadata={"help": "credit of a GPU-tier block"})
-    cpu_credit: float = field(default=0.75, metadata={"help": "credit of an offload-RAM block"})
-    disk_credit: float = field(default=0.25, metadata={"help": "credit of an offload-disk block"})
-    queue_weight: float = field(default=0.25, metadata={"help": "weight of queued prefill tokens"})
-    decode_load_scale: float = field(default=1.0, metadata={"help": "cost per running/waiting request"})
+    # Scoring: an estimated time to first token per endpoint (kvmesh.routing.scoring); set the
+    # latency figures to the served model and hardware (defaults: H100, ~32B dense).
+    prefill_s_per_token: float = field(default=_SC.prefill_s_per_token, metadata={
+        "help": "prefill time per uncached token"})
+    attn_s_per_token_pair: float = field(default=_SC.attn_s_per_token_pair, metadata={
+        "help": "prefill attention time per (new, context) token pair"})
+    cpu_restore_s_per_token: float = field(default=_SC.cpu_restore_s_per_token, metadata={
+        "help": "restore time per token from offload RAM"})
+    disk_restore_s_per_token: float = field(default=_SC.disk_restore_s_per_token, metadata={
+        "help": "restore time per token from offload disk"})
+    queue_weight: float = field(default=_SC.queue_weight, metadata={"help": "weight of queued prefill"})
+    decode_s_per_ctx_token: float = field(default=_SC.decode_s_per_ctx_token, metadata={
+        "help": "decode step time per context token running on the endpoint"})
+    decode_horizon_steps: float = field(default=_SC.decode_horizon_steps, metadata={
+        "help": "decode steps a request shares with the endpoint's running sequences"})
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})

@@ -33,8 +33,12 @@ def core_config(cfg: RouterConfig) -> RouterCoreConfig:
     return RouterCoreConfig(
         policy=cfg.policy, block_size=cfg.block_size, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed or None,
         load_staleness_s=cfg.load_staleness_s, speculative_ttl_s=cfg.speculative_ttl_s,
-        scoring=ScoringConfig(gpu_credit=cfg.gpu_credit, cpu_credit=cfg.cpu_credit, disk_credit=cfg.disk_credit,
-                              queue_weight=cfg.queue_weight, decode_load_scale=cfg.decode_load_scale),
+        scoring=ScoringConfig(prefill_s_per_token=cfg.prefill_s_per_token,
+                              attn_s_per_token_pair=cfg.attn_s_per_token_pair,
+                              cpu_restore_s_per_token=cfg.cpu_restore_s_per_token,
+                              disk_restore_s_per_token=cfg.disk_restore_s_per_token,
+                              queue_weight=cfg.queue_weight, decode_s_per_ctx_token=cfg.decode_s_per_ctx_token,
+                              decode_horizon_steps=cfg.decode_horizon_steps),
         split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens),
         hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks))
 

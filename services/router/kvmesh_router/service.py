@@ -278,10 +278,10 @@ class RouterService:
         split = self.core.decide_split(d, req, time.monotonic(), exclude)
         return d, split
 
-    def record_routed(self, p: Prepared, d: Decision) -> None:
+    def record_routed(self, p: Prepared, d: Decision, split: SplitDecision | None = None) -> None:
         now = time.monotonic()
         p.routed_at = now
-        self.core.on_routed(p.req, d, now)
+        self.core.on_routed(p.req, d, now, split)
         metrics.DECISIONS.labels(policy=d.policy, endpoint=d.endpoint_id, split="false").inc()
         t = asyncio.create_task(self.cluster.put_speculative(d.endpoint_id, p.req.keys, self.cfg.speculative_ttl_s))
         self._bg.add(t)
@@ -331,7 +331,7 @@ class RouterService:
                 if attempts == 1:
                     metrics.OVERHEAD.observe(overhead)
                 self._trace_decision(span, d, split, attempts)
-                self.record_routed(p, d)
+                self.record_routed(p, d, split)
                 try:
                     async for item in self._run(p, inp, d, split, attempts, overhead, span):
                         yield item
@@ -372,7 +372,7 @@ class RouterService:
         span.set_attribute("kvmesh.route.fallback", d.fallback)
         span.set_attribute("kvmesh.route.attempt", attempts)
         span.set_attribute("kvmesh.route.candidates",
-                           [f"{c.endpoint_id}:cost={c.cost:.1f}:credit={c.credit_blocks:.1f}:q={c.queue:g}"
+                           [f"{c.endpoint_id}:cost={c.cost:.3f}s:cached={c.credit_blocks:g}:q={c.queue:g}"
                             + (f":{c.excluded}" if c.excluded else "") for c in d.candidates[:16]])
         span.set_attribute("kvmesh.split", split.split)
         span.set_attribute("kvmesh.split.reason", split.reason)
