@@ -9,7 +9,13 @@ import pytest
 
 from kvmesh.kvstore.arena import Arena
 from kvmesh.kvstore.block import StoredBlock
-from kvmesh.kvstore.eviction import AgentAwarePolicy, LRUPolicy, SessionRatePolicy, make_policy
+from kvmesh.kvstore.eviction import (
+    AgentAwarePolicy,
+    DepthDiscountedPolicy,
+    LRUPolicy,
+    SessionRatePolicy,
+    make_policy,
+)
 from kvmesh.kvstore.layout import kv_bytes_per_block, kv_bytes_per_token, namespace_for
 from kvmesh.kvstore.policysim import TraceRequest, infinite_hit_rate, replay
 from kvmesh.kvstore.ram_tier import RamTier
@@ -32,7 +38,7 @@ def test_layout() -> None:
         namespace_for("m", 0, 2, 32, "bf16", 16)
 
 
-@pytest.mark.parametrize("policy", ["lru", "agent", "session-rate"])
+@pytest.mark.parametrize("policy", ["lru", "agent", "greedy-dual", "session-rate"])
 def test_policies_evict_deepest_first_within_a_request(policy: str) -> None:
     tier = RamTier(6, make_policy(policy))
     tier.new_batch()
@@ -46,8 +52,10 @@ def test_policies_evict_deepest_first_within_a_request(policy: str) -> None:
     assert [("n", d) in tier for d in range(4)] == [True, True, False, False]
 
 
-def test_agent_policy_keeps_blocks_shared_across_sessions() -> None:
-    lru, agent = RamTier(4, LRUPolicy()), RamTier(4, AgentAwarePolicy(share_weight=2.0))
+@pytest.mark.parametrize("agent_policy", [lambda: AgentAwarePolicy(share_weight=2.0),
+                                          lambda: DepthDiscountedPolicy(clock=_Ticks())])
+def test_agent_policy_keeps_blocks_shared_across_sessions(agent_policy) -> None:  # noqa: ANN001
+    lru, agent = RamTier(4, LRUPolicy()), RamTier(4, agent_policy())
     for tier in (lru, agent):
         tier.new_batch()
         tier.add(("n", 1), StoredBlock(size=1, session="main"))          # system prompt
@@ -61,6 +69,72 @@ def test_agent_policy_keeps_blocks_shared_across_sessions() -> None:
         tier.make_room(1)
         tier.add(("n", 9), StoredBlock(size=1, session="sub5"))
     assert ("n", 1) not in lru and ("n", 1) in agent
+
+
+class _Ticks:
+    """A clock that advances one second per reading (one request per second)."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        self.t += 1.0
+        return self.t
+
+
+def test_agent_policy_keeps_chain_heads_of_many_sessions_over_one_deep_tail() -> None:
+    # Capacity 8. Session a stores a 4-block chain at t=0, then b a 6-block chain at t=1.
+    # LRU keeps b's whole chain and a's head only; the depth-discounted policy drops
+    # b's deep tail instead, so both sessions keep a usable head.
+    def run(policy) -> set[tuple[str, int]]:  # noqa: ANN001
+        tier = RamTier(8, policy)
+        for t, sess, base, n in ((0.0, "a", 0, 4), (1.0, "b", 100, 6)):
+            policy.new_batch(t) if isinstance(policy, DepthDiscountedPolicy) else tier.new_batch()
+            for d in range(n):
+                if not tier.admits(1, d):
+                    break
+                tier.make_room(1)
+                tier.add(("n", base + d), StoredBlock(size=1, depth=d, session=sess))
+        return set(tier)
+
+    lru = run(LRUPolicy())
+    agent = run(DepthDiscountedPolicy(depth_cost_s=0.5, share_s=0.0))
+    assert lru == {("n", d) for d in (0, 1)} | {("n", 100 + d) for d in range(6)}
+    # priorities: a = 0 - 0.5d, b = 1 - 0.5d; b5 (-1.5) would evict a block worth more: not stored
+    assert agent == {("n", d) for d in range(3)} | {("n", 100 + d) for d in range(5)}
+
+
+def test_agent_policy_never_orphans_a_child() -> None:
+    """Chain-aware: whatever the touches, a block is never evicted before its descendants."""
+    import random
+
+    rng = random.Random(7)
+    pol = DepthDiscountedPolicy(depth_cost_s=0.01, share_s=5.0)
+    tier = RamTier(40, pol)
+    chains = {s: [rng.randrange(1 << 30) for _ in range(30)] for s in "abcdef"}
+    chains["shared"] = chains["a"][:10]  # sub-agent sessions share a's head
+    for t in range(300):
+        sess = rng.choice(list(chains))
+        pol.new_batch(float(t))
+        chain = chains[sess][: rng.randrange(1, 31)]
+        for d, k in enumerate(chain):
+            if ("n", k) in tier:
+                tier.touch(("n", k), sess)
+                continue
+            if not tier.admits(1, d):
+                break
+            for vid, _ in tier.make_room(1):
+                # the victim's descendants in every chain are gone already
+                for c in chains.values():
+                    if vid[1] in c:
+                        i = c.index(vid[1])
+                        assert not any(("n", x) in tier for x in c[i + 1:]), (t, sess, vid)
+            tier.add(("n", k), StoredBlock(size=1, depth=d, session=sess))
+
+
+def test_agent_policy_rejects_negative_costs() -> None:
+    with pytest.raises(ValueError, match="depth_cost_s"):
+        DepthDiscountedPolicy(depth_cost_s=-1)
 
 
 def test_session_rate_prefers_fast_loop_sessions() -> None:
@@ -145,5 +219,5 @@ def test_policy_replay_on_a_small_synthetic_agent_trace() -> None:
     assert 0 < ceiling < 1 and unique == 15 + 12
     big = replay(reqs, "lru", 1000)
     assert big.hit_rate == pytest.approx(ceiling) and big.evictions == 0
-    small = {p: replay(reqs, p, 12).hit_rate for p in ("lru", "agent", "session-rate")}
+    small = {p: replay(reqs, p, 12).hit_rate for p in ("lru", "agent", "greedy-dual", "session-rate")}
     assert all(0 < v <= ceiling for v in small.values())

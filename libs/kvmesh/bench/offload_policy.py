@@ -21,15 +21,15 @@ DEFAULT_TRACES = Path(__file__).resolve().parents[3].parent / "shared" / "traces
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("offload-policy", help="offload eviction policies (lru vs agent) on Claude Code traces")
+    p = sub.add_parser("offload-policy", help="offload eviction policies (agent vs lru) on Claude Code traces")
     p.add_argument("--json", default=None)
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="folder of claude-code *.json.gz")
     p.add_argument("--max-sessions", type=int, default=0, help="0 = all")
     p.add_argument("--stagger-s", type=float, default=60.0, help="start offset between sessions")
     p.add_argument("--fractions", default="0.03,0.1,0.3", help="capacities as fractions of distinct blocks")
-    p.add_argument("--policies", default="lru,agent,session-rate")
-    p.add_argument("--share-weight", type=float, default=None, help="agent policy: bonus per log2(sharers)")
-    p.add_argument("--session-weight", type=float, default=None, help="agent policy: bonus per log2(requests)")
+    p.add_argument("--policies", default="lru,agent,greedy-dual,session-rate")
+    p.add_argument("--depth-cost-s", type=float, default=None, help="agent policy: seconds of recency per block of depth")
+    p.add_argument("--share-s", type=float, default=None, help="agent policy: seconds of credit per log2(sharers)")
     p.set_defaults(func=run)
 
 
@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
         row: dict[str, object] = {"fraction": frac, "capacity_blocks": cap}
         for pol in [p.strip() for p in args.policies.split(",") if p.strip()]:
             t0 = time.perf_counter()
-            kw = {k: v for k, v in (("share_weight", args.share_weight), ("session_weight", args.session_weight))
+            kw = {k: v for k, v in (("depth_cost_s", args.depth_cost_s), ("share_s", args.share_s))
                   if v is not None} if pol == "agent" else {}
             r = replay(reqs, pol, cap, **kw)
             row[f"hit_rate_{pol}"] = r.hit_rate
@@ -60,6 +60,6 @@ def run(args: argparse.Namespace) -> int:
     out = write_json(args.json, {"bench": "offload-policy", "requests": len(reqs), "distinct_blocks": unique,
                                  "infinite_cache_hit_rate": ceiling, "block_tokens": 64, "rows": rows,
                                  "sessions": args.max_sessions or "all", "stagger_s": args.stagger_s,
-                                 "agent_weights": {"share_weight": args.share_weight, "session_weight": args.session_weight}})
+                                 "agent_params": {"depth_cost_s": args.depth_cost_s, "share_s": args.share_s}})
     print({"infinite_cache_hit_rate": round(out["infinite_cache_hit_rate"], 4), "distinct_blocks": unique})
     return 0

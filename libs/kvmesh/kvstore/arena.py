@@ -7,6 +7,11 @@ from large NumPy slabs (NumPy asks the kernel for transparent huge pages on big
 allocations) and slots are reused, so a warm store copies at close to memcpy
 speed.
 
+With ``shared=True`` the slabs are POSIX shared-memory segments
+(``/dev/shm/kvmesh-slab-<pid>-*``): a client on the same host maps them
+read-only and copies a block straight into its destination (one copy, no
+intermediate buffer); ``Slot.location()`` names the segment and offset.
+
 Slot lifetime follows Python reference counting: a ``Slot`` returns itself to
 the free list in ``__del__``, i.e. only once the store *and* every in-flight
 reader (a Get streaming it, a shm copy) have dropped it. Readers therefore never
@@ -23,9 +28,12 @@ from collections import deque
 
 import numpy as np
 
+from kvmesh.kvstore.shm import Segment, ShmError, prune_stale
+
 log = logging.getLogger(__name__)
 
 MIN_SLAB_BYTES = 32 * 1024 * 1024
+SLAB_PREFIX = "kvmesh-slab-"
 
 
 class Slot:
@@ -44,16 +52,33 @@ class Slot:
     def __del__(self) -> None:
         self._cls.free.append(self._idx)
 
+    def location(self) -> tuple[str, int] | None:
+        """(shared segment name, byte offset) of this slot, or None for private memory."""
+        return self._cls.location(self._idx)
+
 
 class _SizeClass:
-    def __init__(self, size: int, slab_bytes: int) -> None:
+    def __init__(self, size: int, slab_bytes: int, shared: bool = False) -> None:
         self.size = size
         self.per_slab = max(1, slab_bytes // size)
         self.slabs: list[memoryview] = []
+        self.segments: list[Segment] = []
+        self.shared = shared
         self.free: deque[int] = deque()
 
     def grow(self) -> int:
-        arr = np.empty(self.per_slab * self.size, dtype=np.uint8)
+        nbytes = self.per_slab * self.size
+        arr = None
+        if self.shared:
+            try:
+                seg = Segment.create(nbytes, prefix=SLAB_PREFIX)
+                self.segments.append(seg)
+                arr = np.frombuffer(seg.mm, dtype=np.uint8, count=nbytes)
+            except ShmError as exc:  # /dev/shm full: private memory, served by copy
+                log.warning("shared slab unavailable, using private memory", extra={"reason": str(exc)})
+                self.shared = False
+        if arr is None:
+            arr = np.empty(nbytes, dtype=np.uint8)
         base = len(self.slabs) * self.per_slab
         self.slabs.append(memoryview(arr))
         self.free.extend(range(base, base + self.per_slab))
@@ -63,6 +88,12 @@ class _SizeClass:
         slab, i = divmod(idx, self.per_slab)
         return self.slabs[slab][i * self.size:(i + 1) * self.size]
 
+    def location(self, idx: int) -> tuple[str, int] | None:
+        slab, i = divmod(idx, self.per_slab)
+        if slab >= len(self.segments):
+            return None  # slabs after a shm failure are private (segments are always the first ones)
+        return self.segments[slab].name, i * self.size
+
 
 class Arena:
     """Size-classed slab allocator for blocks of ``min_block`` bytes or more.
@@ -71,8 +102,12 @@ class Arena:
     and the caller keeps a plain ``bytes`` copy instead.
     """
 
-    def __init__(self, limit_bytes: int, min_block: int = 256 * 1024, slab_bytes: int = MIN_SLAB_BYTES) -> None:
+    def __init__(self, limit_bytes: int, min_block: int = 256 * 1024, slab_bytes: int = MIN_SLAB_BYTES,
+                 shared: bool = False) -> None:
         self.limit = limit_bytes
+        self.shared = shared
+        if shared:
+            prune_stale(SLAB_PREFIX)
         self.min_block = min_block
         self.slab_bytes = slab_bytes
         self.allocated = 0
@@ -85,7 +120,7 @@ class Arena:
         with self._lock:
             cls = self._classes.get(size)
             if cls is None:
-                cls = self._classes[size] = _SizeClass(size, max(self.slab_bytes, size))
+                cls = self._classes[size] = _SizeClass(size, max(self.slab_bytes, size), self.shared)
             if not cls.free:
                 need = cls.per_slab * size
                 if self.allocated + need > self.limit:
@@ -93,6 +128,14 @@ class Arena:
                 self.allocated += cls.grow()
             idx = cls.free.popleft()
             return Slot(cls, idx, cls.view(idx))
+
+    def close(self) -> None:
+        """Unlink the shared slabs (their memory goes once every mapping is gone)."""
+        with self._lock:
+            classes = list(self._classes.values())
+        for cls in classes:
+            for seg in cls.segments:
+                seg.path.unlink(missing_ok=True)
 
     def copy_in(self, data: bytes | memoryview) -> bytes | memoryview | Slot:
         """``data`` in arena memory when it qualifies (a Slot), else unchanged."""

@@ -24,7 +24,7 @@ import grpc
 from opentelemetry import propagate, trace
 
 from kvmesh.common.v1 import common_pb2
-from kvmesh.kvstore.shm import Segment, SegmentPool, ShmError, shm_available
+from kvmesh.kvstore.shm import SHM_DIR, Segment, SegmentPool, ShmError, shm_available
 from kvmesh.kvstore.wire import Chunk, decode_get_response, encode_put_chunk
 from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh.rpc.channel import aio_channel, channel_options
@@ -123,20 +123,43 @@ class BlockLease:
     """Fetched blocks as zero-copy views; valid until ``release()`` (or the ``with`` block ends).
 
     On the shm path the views point into the client's segment, which is reused by
-    later calls once released, so copy what you keep.
+    later calls once released, or straight into the store's shared memory, which
+    the store keeps for this lease until it is released; copy what you keep.
+    ``valid`` turns False if the store reports that the lease had expired before
+    the release (the bytes read may then have been reused: discard them).
     """
 
     views: list[memoryview]
     tiers: list[int]
     via_shm: bool = False
-    _release: object = None
+    _release: object = None     # frees the client's segment
+    _end: object = None         # ends the store's lease (blocking, or in the background)
+    _aend: object = None        # ends the store's lease, awaitable (async client)
+    valid: bool = True
 
-    def release(self) -> None:
-        rel, self._release = self._release, None
+    def _drop(self) -> tuple[object, object]:
+        rel, end, aend = self._release, self._end, self._aend
+        self._release = self._end = self._aend = None
         for v in self.views:
             v.release()
         if callable(rel):
             rel()
+        return end, aend
+
+    def release(self) -> None:
+        end, _ = self._drop()
+        if callable(end) and end() is False:
+            self.valid = False
+
+    async def arelease(self) -> None:
+        """Like ``release``, awaiting the store's answer (async client)."""
+        end, aend = self._drop()
+        if callable(aend):
+            held = await aend()
+        else:
+            held = end() if callable(end) else None
+        if held is False:
+            self.valid = False
 
     def __enter__(self) -> BlockLease:
         return self
@@ -148,7 +171,22 @@ class BlockLease:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.release()
+        await self.arelease()
+
+
+def _copy_into(views: list[memoryview], dests: Sequence[object]) -> int:
+    """Copy each view into the matching caller buffer (one memcpy per block)."""
+    if len(dests) < len(views):
+        raise InvalidOffloadRequest(f"{len(dests)} destination buffers for {len(views)} blocks")
+    for i, v in enumerate(views):
+        d = memoryview(dests[i]).cast("B")  # type: ignore[arg-type]
+        if d.readonly:
+            raise InvalidOffloadRequest(f"destination buffer {i} is read-only")
+        n = len(v)
+        if len(d) < n:
+            raise InvalidOffloadRequest(f"destination buffer {i} has {len(d)} bytes, block has {n}")
+        d[:n] = v
+    return len(views)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,15 +337,58 @@ def _first_guess(hint: int | None, n: int) -> int:
 
 def _shm_get_request(namespace: str, keys: list[int], seg: Segment) -> offload_pb2.ShmRequest:
     return offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=namespace), segment=seg.name,
-                                  keys=keys, capacity=seg.size)
+                                  keys=keys, capacity=seg.size, map_store=True)
+
+
+class _StoreMaps:
+    """Read-only mappings of the store's shared slabs, by segment name.
+
+    Slabs live as long as the store, so a mapping is kept; when an unknown name
+    shows up (new slab, or a restarted store) mappings of unlinked slabs are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[str, Segment] = {}
+
+    def get(self, name: str) -> Segment:
+        with self._lock:
+            seg = self._maps.get(name)
+        if seg is not None:
+            return seg
+        self._prune()
+        seg = Segment.attach(name, readonly=True)
+        with self._lock:
+            old = self._maps.setdefault(name, seg)
+        if old is not seg:
+            seg.close()
+        return old
+
+    def _prune(self) -> None:
+        with self._lock:
+            stale = [n for n in self._maps if not (SHM_DIR / n).exists()]
+            segs = [self._maps.pop(n) for n in stale]
+        for seg in segs:
+            seg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            segs, self._maps = list(self._maps.values()), {}
+        for seg in segs:
+            seg.close()
 
 
 def _views_from_shm(resp: offload_pb2.ShmGetResponse, seg: Segment, verify: bool,
-                    keys: list[int]) -> list[memoryview]:
+                    keys: list[int], store_maps: _StoreMaps | None = None) -> list[memoryview]:
     views = []
+    names = resp.segments
     for i in range(resp.leading_present):
         off, size = resp.offsets[i], resp.sizes[i]
-        v = seg.buf[off:off + size]
+        name = names[i] if i < len(names) else ""
+        src = store_maps.get(name) if name and store_maps is not None else seg
+        if off + size > src.size:
+            raise OffloadError(f"block {keys[i]}: shm answer points past segment {src.name}")
+        v = src.buf[off:off + size]
         if verify and i < len(resp.crc32c) and resp.crc32c[i] and crc32c(v) != resp.crc32c[i]:
             raise OffloadError(f"block {keys[i]}: checksum mismatch in shared memory")
         views.append(v)
@@ -336,6 +417,7 @@ class _ClientCore:
                                          response_deserializer=offload_pb2.PutResponse.FromString)
         self._shm = _want_shm(address, use_shm)
         self._pool = SegmentPool()
+        self._store_maps = _StoreMaps()
         self._hint_lock = threading.Lock()
         self._block_size_hint: dict[str, int] = {}
 
@@ -361,19 +443,33 @@ class _ClientCore:
 
     def _shm_lease(self, namespace: str, keys: list[int], resp: offload_pb2.ShmGetResponse,
                    seg: Segment) -> BlockLease:
-        """A complete GetShm answer as a lease holding ``seg`` (released here on error or when empty)."""
+        """A complete GetShm answer as a lease holding ``seg`` and the store's lease
+        (both released here on error or when empty)."""
         try:
             if resp.sizes:
                 with self._hint_lock:
                     self._block_size_hint[namespace] = max(resp.sizes)
-            views = _views_from_shm(resp, seg, self.verify_shm, keys)
+            views = _views_from_shm(resp, seg, self.verify_shm, keys, self._store_maps)
         except BaseException:
             self._pool.release(seg)
+            if resp.lease:
+                self._end_store_lease(resp.lease)
             raise
         if not views:
             self._pool.release(seg)
             return BlockLease([], [], True)
-        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg))
+        lid = resp.lease
+        lease = BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg))
+        if lid:
+            lease._end = lambda: self._end_store_lease(lid)
+            lease._aend = self._aend_store_lease(lid)
+        return lease
+
+    def _end_store_lease(self, lease_id: int) -> bool | None:
+        raise NotImplementedError
+
+    def _aend_store_lease(self, lease_id: int) -> object:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -391,6 +487,7 @@ class OffloadClient(_ClientCore):
                  verify_checksums: bool | None = None, channel: grpc.aio.Channel | None = None) -> None:
         super().__init__(address, use_shm, timeout_s, verify_checksums,
                          channel or aio_channel(address, traced=False))
+        self._bg: set[asyncio.Task] = set()
 
     async def contains(self, namespace: str, keys: Sequence[int]) -> int:
         req = offload_pb2.ContainsRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
@@ -490,9 +587,48 @@ class OffloadClient(_ClientCore):
         """The leading present blocks of ``keys`` (stops at the first miss), as bytes."""
         lease = await self.fetch(namespace, keys)
         try:
-            return [bytes(v) for v in lease.views]
+            out = [bytes(v) for v in lease.views]
         finally:
-            lease.release()
+            await lease.arelease()
+        if not lease.valid:
+            raise OffloadError("offload get: the store's lease expired while reading")
+        return out
+
+    async def get_into(self, namespace: str, keys: Sequence[int], dests: Sequence[object]) -> int:
+        """Copy the leading present blocks straight into ``dests[i]`` (writable, pre-allocated
+        buffers, e.g. slices of a KV cache); returns how many blocks were copied.
+
+        Same host: one copy per block, from the store's shared memory into the buffer.
+        """
+        lease = await self.fetch(namespace, keys)
+        try:
+            n = _copy_into(lease.views, dests)
+        finally:
+            await lease.arelease()
+        if not lease.valid:
+            raise OffloadError("offload get: the store's lease expired while copying")
+        return n
+
+    def _end_store_lease(self, lease_id: int) -> bool | None:
+        # Sync release() of an async lease: end it in the background (use arelease() to wait).
+        try:
+            task = asyncio.get_running_loop().create_task(self._release_rpc(lease_id))
+        except RuntimeError:
+            return None  # no loop any more: the store expires the lease
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+        return None
+
+    def _aend_store_lease(self, lease_id: int) -> object:
+        return lambda: self._release_rpc(lease_id)
+
+    async def _release_rpc(self, lease_id: int) -> bool | None:
+        try:
+            resp = await self._stub.ReleaseShm(offload_pb2.ShmRelease(lease=lease_id), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            log.warning("offload lease release failed", extra={"lease": lease_id, "error": str(exc)})
+            return None
+        return resp.held
 
     async def delete(self, namespace: str, keys: Sequence[int]) -> int:
         req = offload_pb2.DeleteRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
@@ -508,7 +644,10 @@ class OffloadClient(_ClientCore):
             raise _map_error(exc, "stats") from exc
 
     async def close(self) -> None:
+        if self._bg:
+            await asyncio.gather(*self._bg, return_exceptions=True)
         self._pool.close()
+        self._store_maps.close()
         await self._channel.close()
 
     async def __aenter__(self) -> OffloadClient:
@@ -605,7 +744,25 @@ class SyncOffloadClient(_ClientCore):
 
     def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
         with self.fetch(namespace, keys) as lease:
-            return [bytes(v) for v in lease.views]
+            out = [bytes(v) for v in lease.views]
+        if not lease.valid:
+            raise OffloadError("offload get: the store's lease expired while reading")
+        return out
+
+    def get_into(self, namespace: str, keys: Sequence[int], dests: Sequence[object]) -> int:
+        """See ``OffloadClient.get_into``."""
+        with self.fetch(namespace, keys) as lease:
+            n = _copy_into(lease.views, dests)
+        if not lease.valid:
+            raise OffloadError("offload get: the store's lease expired while copying")
+        return n
+
+    def _end_store_lease(self, lease_id: int) -> bool | None:
+        try:
+            return self._stub.ReleaseShm(offload_pb2.ShmRelease(lease=lease_id), timeout=self.timeout_s).held
+        except grpc.RpcError as exc:
+            log.warning("offload lease release failed", extra={"lease": lease_id, "error": str(exc)})
+            return None
 
     def delete(self, namespace: str, keys: Sequence[int]) -> int:
         req = offload_pb2.DeleteRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
@@ -622,6 +779,7 @@ class SyncOffloadClient(_ClientCore):
 
     def close(self) -> None:
         self._pool.close()
+        self._store_maps.close()
         self._channel.close()
 
     def __enter__(self) -> SyncOffloadClient:

@@ -10,19 +10,24 @@ first (vLLM's free queue does the same by freeing a request's blocks tail first)
 The owner calls ``new_batch()`` once per request.
 
 - ``lru``: least recently used, the baseline.
-- ``agent``: GreedyDual priority ``H = L + value`` where ``L`` is the priority
-  of the last victim *as of the start of the request* (time ages everything, as
-  in LRU) and ``value = 1 + share_weight * log2(sharers) + session_weight *
-  log2(session requests)``. ``sharers`` counts distinct sessions that touched the
-  block, so a system prompt and tool definitions shared by a main agent and its
-  sub-agents outlive one sub-agent's private tail.
+- ``agent`` (default): recency in *time*, discounted by depth and credited for
+  sharing: ``priority = last_touch_s - depth_cost_s * depth + share_s *
+  log2(sharers)``; the lowest priority goes first. A block deep in a long chain
+  must be "fresher" than a chain head to stay, so under memory pressure the
+  store keeps the heads of many sessions' chains rather than the whole chain of
+  the few most recent ones (a returning session hits its head first, and a head
+  is cheap). ``sharers`` counts sessions that touched the block (a system prompt
+  and tools shared by a main agent and its sub-agents). Chain-safe by
+  construction: a parent is touched whenever its child is, is never deeper and
+  has at least as many sharers, so it never ranks below its child and the
+  policy never leaves a child whose parent was evicted.
+- ``greedy-dual``: the earlier agent policy, GreedyDual ``H = L + value`` with a
+  sharing bonus (kept for comparison).
 - ``session-rate``: LRU on a per-session clock that charges each session its
   typical think time (EWMA of its request gaps).
 
 Measured on the Claude Code traces with ``kvmesh bench offload-policy`` (see
-docs/offload.md): all three are within a fraction of a percentage point of each
-other; deepest-first LRU is already close to the infinite-cache ceiling from
-10% capacity up, and ``agent`` with the default weights edges it slightly.
+docs/offload.md for the figures and the variants that did *not* help).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import time
 from collections.abc import Hashable
 from typing import Protocol
 
@@ -83,8 +89,15 @@ class _LazyHeap:
             heapq.heappop(self._heap)
         return None
 
+    def _top_entry(self) -> tuple[float, int, int, Hashable] | None:
+        return self._heap[0] if self._top() is not None else None
+
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
+
+    def admits(self, depth: int) -> bool:
+        """Whether a new block at ``depth`` is worth storing now (see ``DepthDiscountedPolicy``)."""
+        return True
 
     def victim(self) -> Hashable | None:
         top = self._top()
@@ -118,10 +131,71 @@ class LRUPolicy(_LazyHeap):
             self._push(key, depth, self._batch)
 
 
-class AgentAwarePolicy(_LazyHeap):
-    """GreedyDual priority valuing shared blocks and long-lived sessions (see module doc)."""
+class DepthDiscountedPolicy(_LazyHeap):
+    """Time recency minus a per-depth cost plus a sharing credit (the ``agent`` policy, see module doc).
+
+    Time comes from ``new_batch(now)`` (virtual time in the simulator and the
+    trace replay) or the monotonic clock. ``depth_cost_s`` is in seconds per
+    block of depth; the default was tuned on 64-token blocks (0.015 s per block,
+    i.e. a block 1,000 deep must have been touched 15 s later than a chain head
+    to outrank it).
+    """
 
     name = "agent"
+
+    def __init__(self, depth_cost_s: float = 0.015, share_s: float = 30.0,
+                 clock: object = time.monotonic) -> None:
+        if depth_cost_s < 0 or share_s < 0:
+            raise ValueError("depth_cost_s and share_s must be >= 0")
+        self.depth_cost_s = depth_cost_s
+        self.share_s = share_s
+        self._clock = clock
+        super().__init__()
+        self._now = 0.0
+        self._sharers: dict[Hashable, int] = {}
+        self._last_session: dict[Hashable, str] = {}
+
+    def new_batch(self, now: float | None = None) -> None:
+        self._now = float(self._clock()) if now is None else float(now)  # type: ignore[operator]
+
+    def _value(self, key: Hashable, depth: int) -> float:
+        n = self._sharers.get(key, 1)
+        bonus = self.share_s * math.log2(n) if n > 1 else 0.0
+        return self._now - self.depth_cost_s * depth + bonus
+
+    def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        self._sharers.setdefault(key, 1)
+        self._last_session[key] = session
+        self._push(key, depth, self._value(key, depth))
+
+    def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
+        if key not in self._live:
+            return
+        if session and session != self._last_session.get(key):
+            # Distinct-session count, approximated by "a different session than last time".
+            self._sharers[key] = self._sharers.get(key, 1) + 1
+            self._last_session[key] = session
+        self._push(key, depth, self._value(key, depth))
+
+    def remove(self, key: Hashable) -> None:
+        super().remove(key)
+        self._sharers.pop(key, None)
+        self._last_session.pop(key, None)
+
+    def admits(self, depth: int) -> bool:
+        """Whether a new block at ``depth`` outranks the next victim. When it does not,
+        storing it would evict a block worth more (often its own parent, leaving it an
+        orphan), so the caller stops storing that chain here."""
+        top = self._top_entry()
+        if top is None:
+            return True
+        return (top[0], top[1]) < (self._now - self.depth_cost_s * depth, -depth)
+
+
+class AgentAwarePolicy(_LazyHeap):
+    """GreedyDual priority valuing shared blocks and long-lived sessions (the earlier agent policy)."""
+
+    name = "greedy-dual"
 
     def __init__(self, share_weight: float = 1.0, session_weight: float = 0.0) -> None:
         self.share_weight = share_weight
@@ -227,7 +301,9 @@ class SessionRatePolicy(_LazyHeap):
             self._push(key, depth, self._key(session))
 
 
-POLICIES = {"lru": LRUPolicy, "agent": AgentAwarePolicy, "session-rate": SessionRatePolicy}
+POLICIES = {"lru": LRUPolicy, "agent": DepthDiscountedPolicy, "greedy-dual": AgentAwarePolicy,
+            "session-rate": SessionRatePolicy}
+TIMED_POLICIES = frozenset({"agent", "session-rate"})  # new_batch(now) takes a clock reading
 
 
 def make_policy(name: str, **kwargs: float) -> EvictionPolicy:

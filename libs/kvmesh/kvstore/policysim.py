@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.kvstore.block import CapacityError, StoredBlock
-from kvmesh.kvstore.eviction import make_policy
+from kvmesh.kvstore.eviction import TIMED_POLICIES, make_policy
 from kvmesh.kvstore.ram_tier import RamTier
 
 
@@ -74,7 +74,7 @@ class ReplayResult:
 def replay(requests: Iterable[TraceRequest], policy: str, capacity_blocks: int, **policy_kw: float) -> ReplayResult:
     tier = RamTier(capacity_blocks, make_policy(policy, **policy_kw))
     hits = total = 0
-    timed = hasattr(tier.policy, "new_batch") and policy == "session-rate"
+    timed = policy in TIMED_POLICIES  # these take the trace's clock, not the wall clock
     for req in requests:
         if timed:
             tier.policy.new_batch(req.t)  # type: ignore[call-arg]
@@ -92,11 +92,13 @@ def replay(requests: Iterable[TraceRequest], policy: str, capacity_blocks: int, 
             if bid in tier:
                 tier.touch(bid, sess)
                 continue
+            if not tier.admits(1, depth):
+                break  # the rest of this chain ranks below what it would evict
             try:
                 tier.make_room(1)
             except CapacityError:
                 break
-            tier.add(bid, StoredBlock(size=1, depth=depth, session=sess))
+            tier.add(bid, StoredBlock(size=1, depth=depth, session=sess, block_size=64))
     return ReplayResult(policy, capacity_blocks, hits, total, tier.evictions)
 
 

@@ -54,6 +54,14 @@ class RamTier:
         if blk is not None:
             self.policy.touch(bid, blk.depth, session)
 
+    def admits(self, size: int, depth: int) -> bool:
+        """Whether a block of ``size`` at ``depth`` should be stored: always when it fits,
+        else when the policy ranks it above the next victim."""
+        if self.used + size <= self.capacity:
+            return True
+        admits = getattr(self.policy, "admits", None)
+        return admits is None or bool(admits(depth))
+
     def can_fit(self, size: int) -> bool:
         return size <= self.capacity
 

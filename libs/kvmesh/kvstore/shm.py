@@ -18,6 +18,7 @@ import os
 import re
 import secrets
 import threading
+import weakref
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -43,11 +44,12 @@ def validate_name(name: str) -> str:
 class Segment:
     """One mapped shared-memory segment; the creator owns (and unlinks) it."""
 
-    def __init__(self, name: str, size: int, *, create: bool) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, readonly: bool = False) -> None:
         self.name = validate_name(name)
         self.path = SHM_DIR / name
         self.owner = create
-        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        readonly = readonly and not create
+        flags = (os.O_RDONLY if readonly else os.O_RDWR) | (os.O_CREAT | os.O_EXCL if create else 0)
         try:
             fd = os.open(self.path, flags, 0o600)
         except FileNotFoundError:
@@ -70,19 +72,22 @@ class Segment:
             if actual < size or actual == 0:
                 raise ShmError(f"segment {name!r} has {actual} bytes, need {size}")
             self.size = actual
-            self.mm = mmap.mmap(fd, actual)
+            self.mm = mmap.mmap(fd, actual, prot=mmap.PROT_READ) if readonly else mmap.mmap(fd, actual)
         finally:
             if fd >= 0:
                 os.close(fd)
         self.buf = memoryview(self.mm)
+        # An owner that exits without close() (or is collected) still unlinks its file;
+        # only a killed process leaves one behind, for prune_stale() to find.
+        self._unlink_at_exit = weakref.finalize(self, _unlink, str(self.path)) if create else None
 
     @classmethod
-    def create(cls, size: int) -> Segment:
-        return cls(f"{NAME_PREFIX}{os.getpid()}-{secrets.token_hex(6)}", max(size, mmap.PAGESIZE), create=True)
+    def create(cls, size: int, prefix: str = NAME_PREFIX) -> Segment:
+        return cls(f"{prefix}{os.getpid()}-{secrets.token_hex(6)}", max(size, mmap.PAGESIZE), create=True)
 
     @classmethod
-    def attach(cls, name: str, min_size: int = 0) -> Segment:
-        return cls(name, min_size, create=False)
+    def attach(cls, name: str, min_size: int = 0, readonly: bool = False) -> Segment:
+        return cls(name, min_size, create=False, readonly=readonly)
 
     def close(self) -> None:
         try:
@@ -95,6 +100,8 @@ class Segment:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+            if self._unlink_at_exit is not None:
+                self._unlink_at_exit.detach()
 
     def __enter__(self) -> Segment:
         return self
@@ -110,6 +117,7 @@ class SegmentPool:
     """
 
     def __init__(self, max_idle: int = 4) -> None:
+        _prune_once()
         self._idle: list[Segment] = []
         self._lock = threading.Lock()
         self._max_idle = max_idle
@@ -152,8 +160,9 @@ class AttachCache:
     A cached mapping is dropped when its file is gone or was replaced.
     """
 
-    def __init__(self, max_entries: int = 8) -> None:
+    def __init__(self, max_entries: int = 8, readonly: bool = False) -> None:
         self._max = max_entries
+        self._readonly = readonly
         self._lock = threading.Lock()
         self._maps: dict[str, tuple[int, Segment]] = {}
 
@@ -172,7 +181,7 @@ class AttachCache:
                 return hit[1]
         if hit is not None:
             hit[1].close()
-        seg = Segment.attach(name)
+        seg = Segment.attach(name, readonly=self._readonly)
         with self._lock:
             self._maps[name] = (st.st_ino, seg)
             while len(self._maps) > self._max:
@@ -199,3 +208,39 @@ class AttachCache:
             maps, self._maps = self._maps, {}
         for _, seg in maps.values():
             seg.close()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+_pruned = False
+
+
+def _prune_once() -> None:
+    """Client segments of dead processes hold host memory: drop them once per process."""
+    global _pruned
+    if not _pruned and shm_available():
+        _pruned = True
+        prune_stale(NAME_PREFIX)
+
+
+def prune_stale(prefix: str) -> int:
+    """Unlink ``<prefix><pid>-*`` segments left by processes that no longer exist
+    (a store that was killed cannot unlink its slabs). Returns how many went."""
+    gone = 0
+    for path in SHM_DIR.glob(f"{prefix}*"):
+        pid_part = path.name[len(prefix):].split("-", 1)[0]
+        if not pid_part.isdigit() or int(pid_part) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid_part), 0)
+        except ProcessLookupError:
+            path.unlink(missing_ok=True)
+            gone += 1
+        except PermissionError:
+            pass  # alive, another user's
+    return gone

@@ -9,7 +9,9 @@ cancels mid-stream leaves nothing visible.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 
@@ -31,6 +33,7 @@ MAX_CHUNK_BYTES = 4 * 1024 * 1024
 MAX_KEYS = 65_536
 MAX_U64 = (1 << 64) - 1
 DEFAULT_CHUNK = 1024 * 1024
+DEFAULT_LEASE_TTL_S = 120.0
 _TIER = {CPU: common_pb2.TIER_CPU, "DISK": common_pb2.TIER_DISK}
 
 
@@ -53,14 +56,20 @@ def _check_keys(n: int) -> None:
 
 class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     def __init__(self, store: OffloadStore, *, shm_enabled: bool = True,
-                 max_block_bytes: int = 64 * 1024 * 1024) -> None:
+                 max_block_bytes: int = 64 * 1024 * 1024, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
         self.store = store
         self.shm_enabled = shm_enabled
         self.max_block_bytes = max_block_bytes
         self.draining = False
         self._segments = AttachCache()
         # Slabs for big blocks; a little headroom over RAM for blocks still held by readers.
-        self.arena = Arena(int(store.ram.capacity * 1.25) + 64 * 1024 * 1024)
+        # Shared slabs let same-host clients read blocks in place (GetShm map_store).
+        self.arena = Arena(int(store.ram.capacity * 1.25) + 64 * 1024 * 1024, shared=shm_enabled)
+        # GetShm leases: id -> (blocks kept alive while a client reads them in place, expiry).
+        self.lease_ttl_s = lease_ttl_s
+        self._leases: dict[int, tuple[list[Found], float]] = {}
+        self._lease_ids = itertools.count(1)
+        self._lease_lock = threading.Lock()
         # Bytes buffered by all in-flight Put streams: many concurrent streams must not
         # hold more than the RAM budget between them before anything is committed.
         self.inflight_put_bytes = 0
@@ -277,10 +286,71 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
 
     def _get_into(self, req: offload_pb2.ShmRequest, seg: Segment) -> offload_pb2.ShmGetResponse:
         found = self.store.get(req.header.namespace, list(req.keys))
+        if req.map_store and req.capacity:
+            return self._map_out(req, seg, found)
         return self._copy_out(req, seg, found)
+
+    def _map_out(self, req: offload_pb2.ShmRequest, seg: Segment, found: list[Found]) -> offload_pb2.ShmGetResponse:
+        """Blocks in shared slabs are named, not copied, and leased until ReleaseShm;
+        the others are packed into the client's segment as in ``_copy_out``."""
+        limit = min(req.capacity, seg.size)
+        resp = offload_pb2.ShmGetResponse()
+        off = 0
+        leased: list[Found] = []
+        for f in found:
+            data = f.block.data
+            loc = data.location() if isinstance(data, Slot) else None
+            if loc is not None:
+                resp.segments.append(loc[0])
+                resp.offsets.append(loc[1])
+                resp.sizes.append(len(data))
+                leased.append(f)
+            else:
+                buf = buffer_of(data)
+                n = len(buf)
+                if off + n > limit:
+                    resp.truncated = True
+                    resp.sizes.append(n)
+                    break
+                seg.buf[off:off + n] = buf
+                resp.segments.append("")
+                resp.offsets.append(off)
+                resp.sizes.append(n)
+                off += n
+            resp.tiers.append(_TIER[f.medium])
+            resp.crc32c.append(f.block.crc32c)
+            resp.leading_present += 1
+        if leased:
+            resp.lease = self._add_lease(leased)
+        return resp
+
+    def _add_lease(self, found: list[Found]) -> int:
+        now = time.monotonic()
+        with self._lease_lock:
+            for lid in [k for k, (_, exp) in self._leases.items() if exp < now]:
+                del self._leases[lid]  # expired: the client's ReleaseShm will say held=false
+            lid = next(self._lease_ids)
+            self._leases[lid] = (found, now + self.lease_ttl_s)
+        return lid
+
+    async def ReleaseShm(self, request: offload_pb2.ShmRelease,
+                         context: grpc.aio.ServicerContext) -> offload_pb2.ShmReleaseResponse:
+        with self._lease_lock:
+            hit = self._leases.pop(request.lease, None)
+        held = hit is not None and hit[1] >= time.monotonic()
+        del hit  # drops the last references: slots return to the arena here
+        return offload_pb2.ShmReleaseResponse(held=held)
+
+    @property
+    def open_leases(self) -> int:
+        with self._lease_lock:
+            return len(self._leases)
 
     def close(self) -> None:
         self._segments.close()
+        with self._lease_lock:
+            self._leases.clear()
+        self.arena.close()
 
     @staticmethod
     def _copy_out(req: offload_pb2.ShmRequest, seg: Segment, found: list[Found]) -> offload_pb2.ShmGetResponse:
@@ -345,6 +415,9 @@ def add_offload_servicer(servicer: OffloadServicer, server: grpc.aio.Server) -> 
                                                       response_serializer=pb.PutResponse.SerializeToString),
         "GetShm": grpc.unary_unary_rpc_method_handler(servicer.GetShm, request_deserializer=pb.ShmRequest.FromString,
                                                       response_serializer=pb.ShmGetResponse.SerializeToString),
+        "ReleaseShm": grpc.unary_unary_rpc_method_handler(
+            servicer.ReleaseShm, request_deserializer=pb.ShmRelease.FromString,
+            response_serializer=pb.ShmReleaseResponse.SerializeToString),
     }
     name = pb.DESCRIPTOR.services_by_name["Offload"].full_name
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))

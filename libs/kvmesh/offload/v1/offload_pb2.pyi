@@ -135,7 +135,7 @@ class StatsResponse(_message.Message):
     def __init__(self, ram_bytes: _Optional[int] = ..., ram_capacity_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., ram_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
 
 class ShmRequest(_message.Message):
-    __slots__ = ("header", "segment", "keys", "offsets", "sizes", "crc32c", "tokens", "capacity")
+    __slots__ = ("header", "segment", "keys", "offsets", "sizes", "crc32c", "tokens", "capacity", "map_store")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class ShmRequest(_message.Message):
     CRC32C_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    MAP_STORE_FIELD_NUMBER: _ClassVar[int]
     header: PutHeader
     segment: str
     keys: _containers.RepeatedScalarFieldContainer[int]
@@ -152,7 +153,8 @@ class ShmRequest(_message.Message):
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedCompositeFieldContainer[TokenBlock]
     capacity: int
-    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segment: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., capacity: _Optional[int] = ...) -> None: ...
+    map_store: bool
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segment: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., capacity: _Optional[int] = ..., map_store: _Optional[bool] = ...) -> None: ...
 
 class TokenBlock(_message.Message):
     __slots__ = ("ids",)
@@ -161,17 +163,33 @@ class TokenBlock(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShmGetResponse(_message.Message):
-    __slots__ = ("leading_present", "sizes", "tiers", "offsets", "truncated", "crc32c")
+    __slots__ = ("leading_present", "sizes", "tiers", "offsets", "truncated", "crc32c", "segments", "lease")
     LEADING_PRESENT_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     leading_present: int
     sizes: _containers.RepeatedScalarFieldContainer[int]
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     truncated: bool
     crc32c: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., truncated: _Optional[bool] = ..., crc32c: _Optional[_Iterable[int]] = ...) -> None: ...
+    segments: _containers.RepeatedScalarFieldContainer[str]
+    lease: int
+    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., truncated: _Optional[bool] = ..., crc32c: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[str]] = ..., lease: _Optional[int] = ...) -> None: ...
+
+class ShmRelease(_message.Message):
+    __slots__ = ("lease",)
+    LEASE_FIELD_NUMBER: _ClassVar[int]
+    lease: int
+    def __init__(self, lease: _Optional[int] = ...) -> None: ...
+
+class ShmReleaseResponse(_message.Message):
+    __slots__ = ("held",)
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    held: bool
+    def __init__(self, held: _Optional[bool] = ...) -> None: ...

@@ -69,6 +69,11 @@ class OffloadStub:
                 request_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRequest.SerializeToString,
                 response_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmGetResponse.FromString,
                 _registered_method=True)
+        self.ReleaseShm = channel.unary_unary(
+                '/kvmesh.offload.v1.Offload/ReleaseShm',
+                request_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRelease.SerializeToString,
+                response_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmReleaseResponse.FromString,
+                _registered_method=True)
 
 
 class OffloadServicer:
@@ -120,6 +125,13 @@ class OffloadServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReleaseShm(self, request, context):
+        """Ends a GetShm lease (map_store): the store may reuse the leased blocks' memory.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OffloadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +169,11 @@ def add_OffloadServicer_to_server(servicer, server):
                     servicer.GetShm,
                     request_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRequest.FromString,
                     response_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmGetResponse.SerializeToString,
+            ),
+            'ReleaseShm': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseShm,
+                    request_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRelease.FromString,
+                    response_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmReleaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +365,33 @@ class Offload:
             '/kvmesh.offload.v1.Offload/GetShm',
             kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRequest.SerializeToString,
             kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseShm(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.offload.v1.Offload/ReleaseShm',
+            kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRelease.SerializeToString,
+            kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

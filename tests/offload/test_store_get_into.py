@@ -1,0 +1,104 @@
+"""``get_into``: blocks copied straight into caller buffers; same-host reads from the store's shared slabs under a lease."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+
+from kvmesh.kvstore.client import InvalidOffloadRequest, OffloadClient, OffloadError, SyncOffloadClient
+
+pytestmark = pytest.mark.timeout(60)
+NS = "tiny-llama/L2-H2-D32-bf16-bs32"
+BIG = 512 * 1024    # held in shared slabs (arena blocks are >= 256 KiB)
+SMALL = 64 * 1024   # held as plain bytes: copied into the client's segment
+
+
+def _blocks() -> list[tuple[int, bytes]]:
+    sizes = [BIG, BIG, SMALL, BIG]
+    return [(i + 1, os.urandom(n)) for i, n in enumerate(sizes)]
+
+
+@pytest.fixture(params=["grpc", "shm"])
+def path(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+async def test_get_into_fills_caller_buffers(offload_factory, path: str) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+    keys = [k for k, _ in data]
+    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+        await c.put(NS, data)
+        dst = np.zeros(BIG * len(data), dtype=np.uint8)  # e.g. a KV cache, one slot per block
+        views = [dst[i * BIG:(i + 1) * BIG] for i in range(len(data))]
+        # a miss after the second block: only the leading two are copied
+        assert await c.get_into(NS, [keys[0], keys[1], 999], views) == 2
+        assert await c.get_into(NS, keys, views) == len(data)
+        for i, (_, d) in enumerate(data):
+            assert views[i][:len(d)].tobytes() == d
+        if path == "shm":
+            # big blocks were read in place from the store's slabs, and the lease is over
+            assert c._store_maps._maps, "expected mapped store slabs"
+        assert st.servicer.open_leases == 0
+
+
+async def test_sync_client_get_into(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+
+    def run() -> list[bytes]:
+        with SyncOffloadClient(st.address, use_shm=True) as c:
+            c.put(NS, data)
+            bufs = [bytearray(BIG) for _ in data]
+            assert c.get_into(NS, [k for k, _ in data], bufs) == len(data)
+            return [bytes(b[:len(d)]) for b, (_, d) in zip(bufs, data, strict=True)]
+
+    assert await asyncio.to_thread(run) == [d for _, d in data]
+    assert st.servicer.open_leases == 0
+
+
+async def test_leased_blocks_survive_delete_and_reuse_until_released(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    first = [(i + 1, os.urandom(BIG)) for i in range(4)]
+    async with OffloadClient(st.address, use_shm=True) as c:
+        await c.put(NS, first)
+        lease = await c.fetch(NS, [k for k, _ in first])
+        assert st.servicer.open_leases == 1
+        # the store drops the blocks and stores others of the same size: freed slots would be reused
+        assert await c.delete(NS, [k for k, _ in first]) == 4
+        await c.put(NS, [(100 + i, os.urandom(BIG)) for i in range(8)])
+        assert [bytes(v) for v in lease.views] == [d for _, d in first]
+        with pytest.raises(TypeError):
+            lease.views[0][0] = 0  # store memory is mapped read-only
+        await lease.arelease()
+        assert lease.valid and st.servicer.open_leases == 0
+
+
+async def test_expired_lease_is_reported_not_trusted(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    st.servicer.lease_ttl_s = 0.0  # every lease has expired by the time it is released
+    data = _blocks()
+    async with OffloadClient(st.address, use_shm=True) as c:
+        await c.put(NS, data)
+        with pytest.raises(OffloadError, match="lease expired"):
+            await c.get(NS, [k for k, _ in data])
+        with pytest.raises(OffloadError, match="lease expired"):
+            await c.get_into(NS, [k for k, _ in data], [bytearray(BIG) for _ in data])
+
+
+async def test_get_into_rejects_unusable_buffers(offload_factory, path: str) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+    keys = [k for k, _ in data]
+    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+        await c.put(NS, data)
+        with pytest.raises(InvalidOffloadRequest, match="has 10 bytes"):
+            await c.get_into(NS, keys, [bytearray(10)] * len(data))
+        with pytest.raises(InvalidOffloadRequest, match="read-only"):
+            await c.get_into(NS, keys, [bytes(BIG)] * len(data))
+        with pytest.raises(InvalidOffloadRequest, match="destination buffers"):
+            await c.get_into(NS, keys, [bytearray(BIG)])
+        assert st.servicer.open_leases == 0  # released on errors too
