@@ -21,7 +21,7 @@ def _blocks() -> list[tuple[int, bytes]]:
     return [(i + 1, os.urandom(n)) for i, n in enumerate(sizes)]
 
 
-@pytest.fixture(params=["grpc", "shm"])
+@pytest.fixture(params=["grpc", "bulk", "shm"])
 def path(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -30,7 +30,7 @@ async def test_get_into_fills_caller_buffers(offload_factory, path: str) -> None
     st = await offload_factory(ram_capacity_bytes=64 << 20)
     data = _blocks()
     keys = [k for k, _ in data]
-    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
         await c.put(NS, data)
         dst = np.zeros(BIG * len(data), dtype=np.uint8)  # e.g. a KV cache, one slot per block
         views = [dst[i * BIG:(i + 1) * BIG] for i in range(len(data))]
@@ -93,7 +93,7 @@ async def test_get_into_rejects_unusable_buffers(offload_factory, path: str) -> 
     st = await offload_factory(ram_capacity_bytes=64 << 20)
     data = _blocks()
     keys = [k for k, _ in data]
-    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
         await c.put(NS, data)
         with pytest.raises(InvalidOffloadRequest, match="has 10 bytes"):
             await c.get_into(NS, keys, [bytearray(10)] * len(data))
@@ -102,3 +102,63 @@ async def test_get_into_rejects_unusable_buffers(offload_factory, path: str) -> 
         with pytest.raises(InvalidOffloadRequest, match="destination buffers"):
             await c.get_into(NS, keys, [bytearray(BIG)])
         assert st.servicer.open_leases == 0  # released on errors too
+
+
+async def test_bulk_path_falls_back_to_grpc_streams(offload_factory) -> None:
+    data = _blocks()
+    keys = [k for k, _ in data]
+    off = await offload_factory(ram_capacity_bytes=64 << 20, bulk_port=-1)  # store without a bulk port
+    async with OffloadClient(off.address, use_shm=False) as c:
+        await c.put(NS, data)
+        assert await c.get(NS, keys) == [d for _, d in data]
+        assert not c._bulk  # FAILED_PRECONDITION: gRPC streams from now on
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    async with OffloadClient(st.address, use_shm=False) as c:
+        await c.put(NS, data)
+        st.servicer.bulk.close()  # port unreachable (e.g. firewalled)
+        assert await c.get(NS, keys) == [d for _, d in data]
+        assert not c._bulk and st.servicer.open_leases == 0  # the unused lease was ended
+
+
+async def test_bulk_port_serves_only_live_leases(offload_factory) -> None:
+    import socket
+
+    from kvmesh.kvstore.bulk import ANSWER, MAGIC, NO_LEASE, REQUEST
+
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+    async with OffloadClient(st.address, use_shm=False) as c:
+        await c.put(NS, data)
+
+    def probe() -> tuple[int, bytes]:
+        with socket.create_connection(("127.0.0.1", st.servicer.bulk.port), timeout=5) as s:
+            s.sendall(REQUEST.pack(MAGIC, 12345))  # never handed out
+            (answer,) = ANSWER.unpack(s.recv(ANSWER.size, socket.MSG_WAITALL))
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")   # not the protocol: the store hangs up
+            try:
+                return answer, s.recv(1)
+            except ConnectionResetError:
+                return answer, b""
+
+    answer, rest = await asyncio.to_thread(probe)
+    assert answer == NO_LEASE and rest == b""
+    st.servicer.lease_ttl_s = 0.0
+    async with OffloadClient(st.address, use_shm=False) as c:
+        with pytest.raises(OffloadError, match="unknown or expired"):
+            await c.get_into(NS, [k for k, _ in data], [bytearray(BIG) for _ in data])
+
+
+async def test_sync_client_bulk_get_into(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+
+    def run() -> list[bytes]:
+        with SyncOffloadClient(st.address, use_shm=False) as c:
+            c.put(NS, data)
+            bufs = [bytearray(BIG) for _ in data]
+            assert c.get_into(NS, [k for k, _ in data], bufs) == len(data)
+            assert c._bulk
+            return [bytes(b[:len(d)]) for b, (_, d) in zip(bufs, data, strict=True)]
+
+    assert await asyncio.to_thread(run) == [d for _, d in data]
+    assert st.servicer.open_leases == 0

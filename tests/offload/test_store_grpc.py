@@ -27,14 +27,14 @@ def blocks(n: int, size: int, seed: int = 0) -> list[tuple[int, bytes]]:
     return [(1000 * seed + i + 1, os.urandom(size)) for i in range(n)]
 
 
-@pytest.fixture(params=["grpc", "shm"])
+@pytest.fixture(params=["grpc", "bulk", "shm"])
 def path(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
 async def test_roundtrip_contains_get_delete_stats(offload_factory, path: str) -> None:
     st = await offload_factory(ram_capacity_bytes=64 << 20)
-    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
         data = blocks(3, 64 * 1024) + [(99, os.urandom(CHUNK_BYTES * 2 + 123))]  # one multi-chunk block
         res = await c.put(NS, data, token_ids=[[1, 2]] * 4, parent=7, block_size=2, session_id="s1")
         assert (res.stored, res.already_present, res.via_shm) == (4, 0, path == "shm")
@@ -57,7 +57,7 @@ async def test_roundtrip_contains_get_delete_stats(offload_factory, path: str) -
 
 async def test_wrong_namespace_is_a_miss(offload_factory, path: str) -> None:
     st = await offload_factory(ram_capacity_bytes=8 << 20)
-    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
         data = blocks(2, 4096)
         await c.put(NS, data)
         other = NS.replace("bf16", "fp16")
@@ -67,7 +67,7 @@ async def test_wrong_namespace_is_a_miss(offload_factory, path: str) -> None:
 
 async def test_eviction_keeps_budget_and_reports(offload_factory, path: str) -> None:
     st = await offload_factory(ram_capacity_bytes=10 * 4096, eviction_policy="lru")
-    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
         first = blocks(6, 4096, seed=1)
         second = blocks(6, 4096, seed=2)
         await c.put(NS, first)
@@ -82,7 +82,7 @@ async def test_eviction_keeps_budget_and_reports(offload_factory, path: str) -> 
 
 async def test_store_full_is_resource_exhausted_and_changes_nothing(offload_factory, path: str) -> None:
     st = await offload_factory(ram_capacity_bytes=8 * 4096, evict_on_full=False)
-    async with OffloadClient(st.address, use_shm=path == "shm") as c:
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
         kept = blocks(6, 4096, seed=1)
         await c.put(NS, kept)
         refused = blocks(3, 4096, seed=2)
@@ -92,7 +92,7 @@ async def test_store_full_is_resource_exhausted_and_changes_nothing(offload_fact
         assert await c.get(NS, [k for k, _ in kept]) == [d for _, d in kept]
         # bigger than the whole store: refused even when eviction is allowed
     st2 = await offload_factory(ram_capacity_bytes=4 * 4096)
-    async with OffloadClient(st2.address, use_shm=path == "shm") as c:
+    async with OffloadClient(st2.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
         with pytest.raises(StoreFull):
             await c.put(NS, blocks(5, 4096))
         assert (await c.stats()).ram_blocks == 0

@@ -21,6 +21,10 @@ How each figure is measured (GB = 1e9 bytes; every figure is the median of
 - ``get_gbps_grpc``: ``fetch`` over the gRPC stream (the received messages,
   viewed without a copy); ``get_into_gbps_grpc`` adds the copy into the
   caller buffer.
+- ``get_gbps_bulk``: ``get_into`` over the bulk path a client on another host
+  uses (``GetBulk`` over gRPC, then the bytes over a plain TCP connection,
+  received straight into the caller buffer), on loopback here;
+  ``get_gbps_bulk_fetch`` receives into a pooled client buffer instead.
 - ``put_gbps_*``: ``put`` of the same blocks after deleting them.
 
 Bulk copies and glibc: ``memcpy`` switches to non-temporal stores only above
@@ -127,12 +131,13 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
     res: dict[str, list[float]] = {k: [] for k in (
         "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc", "put_gbps_shm", "get_gbps_shm",
         "get_gbps_shm_views", "get_gbps_shm_bytes", "restore_ms_grpc", "restore_ms_shm",
-        "get_shm_client_page_faults")}
+        "get_shm_client_page_faults", "get_gbps_bulk", "get_gbps_bulk_fetch", "restore_ms_bulk")}
     # The caller's destination (a KV cache stand-in): allocated and touched once, reused.
     dst = np.empty(total, dtype=np.uint8)
     dst.fill(1)
     dests = [dst[i * bsize:(i + 1) * bsize] for i in range(nblocks)]
-    grpc_c = OffloadClient(address, use_shm=False, timeout_s=600)
+    grpc_c = OffloadClient(address, use_shm=False, use_bulk=False, timeout_s=600)
+    bulk_c = OffloadClient(address, use_shm=False, use_bulk=True, timeout_s=600)
     shm_c = OffloadClient(address, use_shm=True, timeout_s=600)
     try:
         # Repeat 0 is a warm-up, not recorded: it grows the store's slabs, creates the
@@ -141,7 +146,7 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
             keep = rep > 0
             if keep:
                 memcpy.sample()
-            for path, c in (("grpc", grpc_c), ("shm", shm_c)):
+            for path, c in (("grpc", grpc_c), ("bulk", bulk_c), ("shm", shm_c)):
                 await c.delete(ns, keys)
                 t0 = time.perf_counter()
                 pr = await c.put(ns, blocks)
@@ -159,8 +164,13 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
                 faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 assert n == nblocks
                 if keep:
-                    res[f"put_gbps_{path}"].append(total / dt_put / 1e9)
-                    if path == "shm":
+                    if path != "bulk":  # the bulk client puts over the same gRPC stream
+                        res[f"put_gbps_{path}"].append(total / dt_put / 1e9)
+                    if path == "bulk":
+                        res["get_gbps_bulk"].append(total / dt_into / 1e9)
+                        res["get_gbps_bulk_fetch"].append(total / dt_views / 1e9)
+                        res["restore_ms_bulk"].append(dt_into * 1e3)
+                    elif path == "shm":
                         res["get_gbps_shm"].append(total / dt_into / 1e9)
                         res["get_gbps_shm_views"].append(total / dt_views / 1e9)
                         res["restore_ms_shm"].append(dt_into * 1e3)
@@ -179,10 +189,12 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
         stats = await grpc_c.stats()
     finally:
         await grpc_c.close()
+        await bulk_c.close()
         await shm_c.close()
     out: dict[str, Any] = {k: median(v) for k, v in res.items() if not k.startswith("restore_ms")}
     out["restore_p50_ms_1gib"] = percentile(res["restore_ms_shm"], 50) * (1024 * MiB / total)
     out["restore_p50_ms_1gib_grpc"] = percentile(res["restore_ms_grpc"], 50) * (1024 * MiB / total)
+    out["restore_p50_ms_1gib_bulk"] = percentile(res["restore_ms_bulk"], 50) * (1024 * MiB / total)
     out["samples"] = res
     out["bytes_per_op"] = total
     out["block_bytes"] = bsize
@@ -301,6 +313,7 @@ def run(args: argparse.Namespace) -> int:
     res["samples"]["memcpy_to_shm_gbps"] = memcpy.shm_rates
     res["get_shm_vs_memcpy_to_shm"] = res["get_gbps_shm"] / res["memcpy_to_shm_gbps"]
     res["get_grpc_vs_memcpy"] = res["get_gbps_grpc"] / base
+    res["get_bulk_vs_memcpy"] = res["get_gbps_bulk"] / base
     res["get_shm_vs_memcpy"] = res["get_gbps_shm"] / base
     res["grpc_raw_vs_memcpy"] = res["grpc_raw_stream_gbps"] / base
     res["targets"] = {"get_grpc_vs_memcpy_min": 0.25, "get_shm_vs_memcpy_min": 0.70,
@@ -313,6 +326,7 @@ def run(args: argparse.Namespace) -> int:
     summary = {k: round(out[k], 3) for k in ("memcpy_gbps", "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc",
                                              "put_gbps_shm", "get_gbps_shm", "get_gbps_shm_views",
                                              "get_gbps_shm_bytes", "restore_p50_ms_1gib", "grpc_raw_stream_gbps",
-                                             "memcpy_to_shm_gbps", "get_grpc_vs_memcpy", "get_shm_vs_memcpy")}
+                                             "memcpy_to_shm_gbps", "get_gbps_bulk", "get_grpc_vs_memcpy",
+                                             "get_bulk_vs_memcpy", "get_shm_vs_memcpy")}
     print(summary)
     return 0

@@ -356,6 +356,9 @@ class KvmeshConnector(KVConnectorBase_V1):
                         dst = kv.select(self._block_dim[name], bid)
                         dst.copy_(src[off:off + n].view(kv.dtype).view(dst.shape))
                         off += n
+        if not lease.valid:
+            # The store's lease on its memory expired while we copied: the bytes may be reused ones.
+            raise RuntimeError("offload store lease expired during the copy")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete inside start_load_kv

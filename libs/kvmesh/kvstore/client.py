@@ -24,6 +24,7 @@ import grpc
 from opentelemetry import propagate, trace
 
 from kvmesh.common.v1 import common_pb2
+from kvmesh.kvstore.bulk import BulkConnections, BulkLeaseExpired, host_of
 from kvmesh.kvstore.shm import SHM_DIR, Segment, SegmentPool, ShmError, shm_available
 from kvmesh.kvstore.wire import Chunk, decode_get_response, encode_put_chunk
 from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
@@ -174,18 +175,25 @@ class BlockLease:
         await self.arelease()
 
 
-def _copy_into(views: list[memoryview], dests: Sequence[object]) -> int:
-    """Copy each view into the matching caller buffer (one memcpy per block)."""
-    if len(dests) < len(views):
-        raise InvalidOffloadRequest(f"{len(dests)} destination buffers for {len(views)} blocks")
-    for i, v in enumerate(views):
+def _check_dests(sizes: list[int], dests: Sequence[object]) -> list[memoryview]:
+    """Writable byte views of the caller's buffers, cut to the block sizes."""
+    if len(dests) < len(sizes):
+        raise InvalidOffloadRequest(f"{len(dests)} destination buffers for {len(sizes)} blocks")
+    out = []
+    for i, n in enumerate(sizes):
         d = memoryview(dests[i]).cast("B")  # type: ignore[arg-type]
         if d.readonly:
             raise InvalidOffloadRequest(f"destination buffer {i} is read-only")
-        n = len(v)
         if len(d) < n:
             raise InvalidOffloadRequest(f"destination buffer {i} has {len(d)} bytes, block has {n}")
-        d[:n] = v
+        out.append(d[:n])
+    return out
+
+
+def _copy_into(views: list[memoryview], dests: Sequence[object]) -> int:
+    """Copy each view into the matching caller buffer (one memcpy per block)."""
+    for d, v in zip(_check_dests([len(v) for v in views], dests), views, strict=True):
+        d[:] = v
     return len(views)
 
 
@@ -404,7 +412,7 @@ class _ClientCore:
     """State and I/O-free steps shared by the async and the sync client (the calls differ only by ``await``)."""
 
     def __init__(self, address: str, use_shm: bool | None, timeout_s: float, verify_checksums: bool | None,
-                 channel: grpc.Channel | grpc.aio.Channel) -> None:
+                 channel: grpc.Channel | grpc.aio.Channel, use_bulk: bool | None = None) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.verify = verify_checksums is not False
@@ -418,6 +426,12 @@ class _ClientCore:
         self._shm = _want_shm(address, use_shm)
         self._pool = SegmentPool()
         self._store_maps = _StoreMaps()
+        # Bulk TCP path for Gets that do not use shm (None = use it when the store offers it).
+        self._bulk_host = host_of(address)
+        self._bulk = use_bulk is not False and self._bulk_host is not None
+        self._conns = BulkConnections()
+        self._recv_lock = threading.Lock()
+        self._recv_idle: bytearray | None = None
         self._hint_lock = threading.Lock()
         self._block_size_hint: dict[str, int] = {}
 
@@ -432,6 +446,62 @@ class _ClientCore:
         log.info("offload shm path unavailable, using gRPC", extra={"address": self.address,
                                                                    "reason": exc.details()})
         self._shm = False
+
+    def _bulk_failed(self, exc: grpc.RpcError) -> None:
+        if exc.code() not in _SHM_FALLBACK_CODES:
+            raise _map_error(exc, "get") from exc
+        log.info("offload bulk path unavailable, using gRPC streams", extra={"address": self.address,
+                                                                            "reason": exc.details()})
+        self._bulk = False
+
+    def _bulk_receive(self, resp: offload_pb2.BulkGetResponse, dests: list[memoryview], keys: list[int]) -> bool:
+        """Blocking: read the leased blocks into ``dests``. False = the bulk port cannot be
+        reached (bulk turned off for good; the caller ends the lease and uses gRPC)."""
+        assert self._bulk_host is not None
+        try:
+            sock = self._conns.connect(self._bulk_host, resp.bulk_port, self.timeout_s)
+        except OSError as exc:
+            log.warning("offload bulk port unreachable, using gRPC streams",
+                        extra={"address": self.address, "port": resp.bulk_port, "reason": str(exc)})
+            self._bulk = False
+            return False
+        try:
+            self._conns.transfer(sock, self._bulk_host, resp.bulk_port, resp.lease, dests, self.timeout_s)
+        except BulkLeaseExpired as exc:
+            raise OffloadError(f"offload get: {exc}") from None
+        except OSError as exc:
+            raise StoreUnavailable(f"offload get: bulk transfer failed: {exc}") from exc
+        if self.verify:
+            for i, d in enumerate(dests):
+                if resp.crc32c[i] and crc32c(d) != resp.crc32c[i]:
+                    raise OffloadError(f"block {keys[i]}: checksum mismatch on the bulk path")
+        return True
+
+    def _recv_buffer(self, n: int) -> bytearray:
+        with self._recv_lock:
+            buf, self._recv_idle = self._recv_idle, None
+        if buf is None or len(buf) < n:
+            buf = bytearray(n)
+        return buf
+
+    def _recv_done(self, buf: bytearray) -> None:
+        with self._recv_lock:
+            if self._recv_idle is None or len(self._recv_idle) < len(buf):
+                self._recv_idle = buf
+
+    def _bulk_plan(self, resp: offload_pb2.BulkGetResponse,
+                   dests: Sequence[object] | None) -> tuple[list[memoryview], bytearray | None]:
+        """Receive buffers: the caller's (checked) or views of one pooled buffer."""
+        sizes = list(resp.sizes[:resp.leading_present])
+        if dests is not None:
+            return _check_dests(sizes, dests), None
+        buf = self._recv_buffer(sum(sizes))
+        mv = memoryview(buf)
+        out, off = [], 0
+        for n in sizes:
+            out.append(mv[off:off + n])
+            off += n
+        return out, buf
 
     def _first_shm_size(self, namespace: str, n_keys: int) -> int:
         with self._hint_lock:
@@ -484,9 +554,10 @@ class OffloadClient(_ClientCore):
     """
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 verify_checksums: bool | None = None, channel: grpc.aio.Channel | None = None) -> None:
+                 verify_checksums: bool | None = None, channel: grpc.aio.Channel | None = None,
+                 use_bulk: bool | None = None) -> None:
         super().__init__(address, use_shm, timeout_s, verify_checksums,
-                         channel or aio_channel(address, traced=False))
+                         channel or aio_channel(address, traced=False), use_bulk)
         self._bg: set[asyncio.Task] = set()
 
     async def contains(self, namespace: str, keys: Sequence[int]) -> int:
@@ -552,6 +623,11 @@ class OffloadClient(_ClientCore):
             lease = await self._fetch_shm(namespace, keys)
             if lease is not None:
                 return lease
+        if self._bulk:
+            got = await self._bulk_get(namespace, keys, None)
+            if got is not None:
+                views, tiers, buf = got
+                return BlockLease(views, tiers, False, (lambda: self._recv_done(buf)) if buf is not None else None)
         req, asm = self._grpc_get_request(namespace, keys)
         try:
             async for resp in self._get(req, timeout=self.timeout_s, metadata=_trace_md()):
@@ -559,6 +635,35 @@ class OffloadClient(_ClientCore):
         except grpc.RpcError as exc:
             raise _map_error(exc, "get") from exc
         return BlockLease(asm.blocks, asm.tiers)
+
+    async def _bulk_get(self, namespace: str, keys: list[int], dests: Sequence[object] | None,
+                        ) -> tuple[list[memoryview], list[int], bytearray | None] | None:
+        """Blocks over the bulk path; None = use a gRPC stream for this call."""
+        req = offload_pb2.GetRequest(namespace=namespace, keys=keys)
+        try:
+            resp = await self._stub.GetBulk(req, timeout=self.timeout_s, metadata=_trace_md())
+        except grpc.RpcError as exc:
+            self._bulk_failed(exc)
+            return None
+        if not resp.leading_present:
+            return [], [], None
+        try:
+            views, buf = self._bulk_plan(resp, dests)
+        except BaseException:
+            await self._release_rpc(resp.lease)
+            raise
+        try:
+            ok = await asyncio.to_thread(self._bulk_receive, resp, views, keys)
+        except BaseException:
+            if buf is not None:
+                self._recv_done(buf)
+            raise
+        if not ok:
+            await self._release_rpc(resp.lease)
+            if buf is not None:
+                self._recv_done(buf)
+            return None
+        return views, list(resp.tiers), buf
 
     async def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
         """None means: use gRPC for this call (shm unusable now or for good)."""
@@ -599,7 +704,16 @@ class OffloadClient(_ClientCore):
         buffers, e.g. slices of a KV cache); returns how many blocks were copied.
 
         Same host: one copy per block, from the store's shared memory into the buffer.
+        Other hosts (bulk path): received straight into the buffers.
         """
+        _check_ns(namespace)
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        if not self._shm and self._bulk:
+            got = await self._bulk_get(namespace, keys, dests)
+            if got is not None:
+                return len(got[0])
         lease = await self.fetch(namespace, keys)
         try:
             n = _copy_into(lease.views, dests)
@@ -646,6 +760,7 @@ class OffloadClient(_ClientCore):
     async def close(self) -> None:
         if self._bg:
             await asyncio.gather(*self._bg, return_exceptions=True)
+        self._conns.close()
         self._pool.close()
         self._store_maps.close()
         await self._channel.close()
@@ -666,9 +781,9 @@ class SyncOffloadClient(_ClientCore):
     """Blocking client with the same methods, safe to share between threads (vLLM connector)."""
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 verify_checksums: bool | None = None) -> None:
+                 verify_checksums: bool | None = None, use_bulk: bool | None = None) -> None:
         super().__init__(address, use_shm, timeout_s, verify_checksums,
-                         grpc.insecure_channel(address, options=channel_options()))
+                         grpc.insecure_channel(address, options=channel_options()), use_bulk)
 
     def contains(self, namespace: str, keys: Sequence[int]) -> int:
         req = offload_pb2.ContainsRequest(namespace=_check_ns(namespace), keys=_check_keys(keys))
@@ -712,6 +827,11 @@ class SyncOffloadClient(_ClientCore):
             lease = self._fetch_shm(namespace, keys)
             if lease is not None:
                 return lease
+        if self._bulk:
+            got = self._bulk_get(namespace, keys, None)
+            if got is not None:
+                views, tiers, buf = got
+                return BlockLease(views, tiers, False, (lambda: self._recv_done(buf)) if buf is not None else None)
         req, asm = self._grpc_get_request(namespace, keys)
         try:
             for resp in self._get(req, timeout=self.timeout_s):
@@ -719,6 +839,35 @@ class SyncOffloadClient(_ClientCore):
         except grpc.RpcError as exc:
             raise _map_error(exc, "get") from exc
         return BlockLease(asm.blocks, asm.tiers)
+
+    def _bulk_get(self, namespace: str, keys: list[int], dests: Sequence[object] | None,
+                  ) -> tuple[list[memoryview], list[int], bytearray | None] | None:
+        """See ``OffloadClient._bulk_get``."""
+        req = offload_pb2.GetRequest(namespace=namespace, keys=keys)
+        try:
+            resp = self._stub.GetBulk(req, timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self._bulk_failed(exc)
+            return None
+        if not resp.leading_present:
+            return [], [], None
+        try:
+            views, buf = self._bulk_plan(resp, dests)
+        except BaseException:
+            self._end_store_lease(resp.lease)
+            raise
+        try:
+            ok = self._bulk_receive(resp, views, keys)
+        except BaseException:
+            if buf is not None:
+                self._recv_done(buf)
+            raise
+        if not ok:
+            self._end_store_lease(resp.lease)
+            if buf is not None:
+                self._recv_done(buf)
+            return None
+        return views, list(resp.tiers), buf
 
     def _fetch_shm(self, namespace: str, keys: list[int]) -> BlockLease | None:
         """None means: use gRPC for this call (shm unusable now or for good)."""
@@ -751,6 +900,14 @@ class SyncOffloadClient(_ClientCore):
 
     def get_into(self, namespace: str, keys: Sequence[int], dests: Sequence[object]) -> int:
         """See ``OffloadClient.get_into``."""
+        _check_ns(namespace)
+        keys = _check_keys(keys)
+        if not keys:
+            return 0
+        if not self._shm and self._bulk:
+            got = self._bulk_get(namespace, keys, dests)
+            if got is not None:
+                return len(got[0])
         with self.fetch(namespace, keys) as lease:
             n = _copy_into(lease.views, dests)
         if not lease.valid:
@@ -778,6 +935,7 @@ class SyncOffloadClient(_ClientCore):
             raise _map_error(exc, "stats") from exc
 
     def close(self) -> None:
+        self._conns.close()
         self._pool.close()
         self._store_maps.close()
         self._channel.close()

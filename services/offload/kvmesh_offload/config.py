@@ -25,6 +25,10 @@ class OffloadConfig:
         "help": "evict to make room; if false a Put that does not fit gets RESOURCE_EXHAUSTED"})
     max_block_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "largest accepted block"})
     shm_enabled: bool = field(default=True, metadata={"help": "serve PutShm/GetShm (same-host fast path)"})
+    bulk_port: int = field(default=0, metadata={
+        "help": "TCP port of the bulk Get data plane for other hosts (0 = any free port, -1 = off)"})
+    lease_ttl_s: float = field(default=120.0, metadata={
+        "help": "how long a GetShm/GetBulk lease keeps blocks for a reader that has not released them"})
     endpoint_id: str = field(default="offload-0", metadata={"help": "this store's endpoint id in the index"})
     model: str = field(default="any", metadata={"help": "model name in the KV-event topic and registration"})
     events_endpoint: str = field(default="", metadata={
@@ -41,6 +45,10 @@ class OffloadConfig:
             raise ConfigError("disk_capacity_bytes must be > 0 when disk_path is set")
         if self.eviction_policy not in POLICIES:
             raise ConfigError(f"eviction_policy {self.eviction_policy!r} unknown; choose from {sorted(POLICIES)}")
+        if not -1 <= self.bulk_port <= 65535:
+            raise ConfigError("bulk_port must be -1 (off), 0 (any) or a port number")
+        if self.lease_ttl_s <= 0:
+            raise ConfigError("lease_ttl_s must be > 0")
         if not 0 < self.max_block_bytes <= 64 * 1024 * 1024:
             raise ConfigError("max_block_bytes must be in (0, 64 MiB]")
         if not self.endpoint_id or "@" in self.endpoint_id:

@@ -69,7 +69,9 @@ async def serve(cfg: OffloadConfig) -> int:
     except OSError as exc:
         raise ConfigError(f"disk_path {cfg.disk_path!r} is not usable: {exc}") from exc
     bind_store(store)
-    servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes)
+    servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes,
+                               lease_ttl_s=cfg.lease_ttl_s, bulk_host=cfg.host,
+                               bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
 
@@ -87,6 +89,7 @@ async def serve(cfg: OffloadConfig) -> int:
                                            retry_s=1.0)
         await registration.start()
     log.info("offload store ready", extra={"port": port, "disk_blocks_recovered": found,
+                                           "bulk_port": servicer.bulk.port if servicer.bulk else None,
                                            "events": pub.endpoint if pub else None,
                                            "policy": store.policy_name})
     try:

@@ -25,6 +25,7 @@ from kvmesh.kvstore.shm import AttachCache, Segment, ShmError
 from kvmesh.kvstore.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
 from kvmesh.kvstore.wire import Chunk, decode_put_request, encode_get_response
 from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
+from kvmesh_offload.bulk import BulkServer
 from kvmesh_offload.metrics import RESTORE_LATENCY
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,8 @@ def _check_keys(n: int) -> None:
 
 class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     def __init__(self, store: OffloadStore, *, shm_enabled: bool = True,
-                 max_block_bytes: int = 64 * 1024 * 1024, lease_ttl_s: float = DEFAULT_LEASE_TTL_S) -> None:
+                 max_block_bytes: int = 64 * 1024 * 1024, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
+                 bulk_host: str = "127.0.0.1", bulk_port: int | None = None) -> None:
         self.store = store
         self.shm_enabled = shm_enabled
         self.max_block_bytes = max_block_bytes
@@ -70,6 +72,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         self._leases: dict[int, tuple[list[Found], float]] = {}
         self._lease_ids = itertools.count(1)
         self._lease_lock = threading.Lock()
+        # Bulk TCP data plane (GetBulk); None = off, 0 = any free port.
+        self.bulk = BulkServer(bulk_host, bulk_port, self._take_lease) if bulk_port is not None else None
         # Bytes buffered by all in-flight Put streams: many concurrent streams must not
         # hold more than the RAM budget between them before anything is committed.
         self.inflight_put_bytes = 0
@@ -333,6 +337,28 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             self._leases[lid] = (found, now + self.lease_ttl_s)
         return lid
 
+    def _take_lease(self, lease_id: int) -> list[Found] | None:
+        """The leased blocks (ending the lease), or None if unknown or expired."""
+        with self._lease_lock:
+            hit = self._leases.pop(lease_id, None)
+        if hit is None or hit[1] < time.monotonic():
+            return None
+        return hit[0]
+
+    async def GetBulk(self, request: offload_pb2.GetRequest,
+                      context: grpc.aio.ServicerContext) -> offload_pb2.BulkGetResponse:
+        if self.bulk is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "bulk path is disabled on this store")
+        found = await self._guard(context, self._lookup(request.namespace, request.keys))
+        resp = offload_pb2.BulkGetResponse(leading_present=len(found), bulk_port=self.bulk.port)  # type: ignore[union-attr]
+        for f in found:
+            resp.sizes.append(len(buffer_of(f.block.data)))
+            resp.tiers.append(_TIER[f.medium])
+            resp.crc32c.append(f.block.crc32c)
+        if found:
+            resp.lease = self._add_lease(found)
+        return resp
+
     async def ReleaseShm(self, request: offload_pb2.ShmRelease,
                          context: grpc.aio.ServicerContext) -> offload_pb2.ShmReleaseResponse:
         with self._lease_lock:
@@ -348,6 +374,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
 
     def close(self) -> None:
         self._segments.close()
+        if self.bulk is not None:
+            self.bulk.close()
         with self._lease_lock:
             self._leases.clear()
         self.arena.close()
@@ -415,6 +443,9 @@ def add_offload_servicer(servicer: OffloadServicer, server: grpc.aio.Server) -> 
                                                       response_serializer=pb.PutResponse.SerializeToString),
         "GetShm": grpc.unary_unary_rpc_method_handler(servicer.GetShm, request_deserializer=pb.ShmRequest.FromString,
                                                       response_serializer=pb.ShmGetResponse.SerializeToString),
+        "GetBulk": grpc.unary_unary_rpc_method_handler(
+            servicer.GetBulk, request_deserializer=pb.GetRequest.FromString,
+            response_serializer=pb.BulkGetResponse.SerializeToString),
         "ReleaseShm": grpc.unary_unary_rpc_method_handler(
             servicer.ReleaseShm, request_deserializer=pb.ShmRelease.FromString,
             response_serializer=pb.ShmReleaseResponse.SerializeToString),

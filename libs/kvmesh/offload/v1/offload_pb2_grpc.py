@@ -74,6 +74,11 @@ class OffloadStub:
                 request_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRelease.SerializeToString,
                 response_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmReleaseResponse.FromString,
                 _registered_method=True)
+        self.GetBulk = channel.unary_unary(
+                '/kvmesh.offload.v1.Offload/GetBulk',
+                request_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.BulkGetResponse.FromString,
+                _registered_method=True)
 
 
 class OffloadServicer:
@@ -132,6 +137,15 @@ class OffloadServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetBulk(self, request, context):
+        """Bulk path for clients on other hosts: the store leases the leading present
+        blocks and the client reads their bytes over a plain TCP connection to
+        `bulk_port` (no gRPC framing or per-message copies), presenting the lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OffloadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -174,6 +188,11 @@ def add_OffloadServicer_to_server(servicer, server):
                     servicer.ReleaseShm,
                     request_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRelease.FromString,
                     response_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmReleaseResponse.SerializeToString,
+            ),
+            'GetBulk': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetBulk,
+                    request_deserializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.GetRequest.FromString,
+                    response_serializer=kvmesh_dot_offload_dot_v1_dot_offload__pb2.BulkGetResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -392,6 +411,33 @@ class Offload:
             '/kvmesh.offload.v1.Offload/ReleaseShm',
             kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmRelease.SerializeToString,
             kvmesh_dot_offload_dot_v1_dot_offload__pb2.ShmReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetBulk(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.offload.v1.Offload/GetBulk',
+            kvmesh_dot_offload_dot_v1_dot_offload__pb2.GetRequest.SerializeToString,
+            kvmesh_dot_offload_dot_v1_dot_offload__pb2.BulkGetResponse.FromString,
             options,
             channel_credentials,
             insecure,
