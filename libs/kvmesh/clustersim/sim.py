@@ -61,6 +61,8 @@ class Job:
     gpu_hit_blocks: int = 0          # on the computing worker at dispatch
     external: int = 0                # tokens restored at dispatch
     store_hit: int = 0               # leading blocks present in the store at dispatch
+    planned_restore: int = 0         # tokens whose restore was charged at the latest dispatch
+    admitted: bool = True            # the latest dispatch's sequence has been scheduled
     error: str = ""
 
 
@@ -217,10 +219,16 @@ class ClusterSim:
         keys = req.keys
         gpu = w.gpu_hit_blocks(keys, req.input_tokens)
         ext_blocks = 0
+        backed = 0
         delay = 0.0
         store_hit = 0
         if self.store is not None:
             store_hit = self.store.leading(keys, cap)
+            # The store also backs the GPU hit: if the GPU evicts those blocks before the
+            # request is scheduled (running requests grow into free cached blocks), vLLM's
+            # offloading connector, asked at scheduling time, restores them then instead of
+            # the engine recomputing them; that late restore is charged in _plan.
+            backed = store_hit
             if store_hit > gpu:
                 ext_blocks = store_hit
                 n = store_hit - gpu
@@ -233,7 +241,10 @@ class ClusterSim:
             job.store_hit = store_hit
         seq = Seq(request_id=req.uid + ("#p" if prefill_only else ""), prompt_len=req.input_tokens,
                   max_tokens=1 if prefill_only else max(1, req.output_tokens), block_hashes=list(keys),
-                  arrival=self.now, prefill_only=prefill_only, meta=job, external_cached=ext_blocks * self.bs)
+                  arrival=self.now, prefill_only=prefill_only, meta=job,
+                  external_cached=max(ext_blocks, backed) * self.bs)
+        job.planned_restore = (ext_blocks - gpu) * self.bs if ext_blocks else 0
+        job.admitted = False
         if delay > 0:
             self._push(self.now + delay, ARRIVE, (widx, seq))
         else:
@@ -313,6 +324,8 @@ class ClusterSim:
             plan = w.sched.plan(self.now)
             w.publish()
             if not plan.empty:
+                if self.store is not None:
+                    plan.duration += self._late_restores(w, plan)
                 w.plan = plan
                 w.busy_s += plan.duration
                 w.steps += 1
@@ -325,6 +338,22 @@ class ClusterSim:
             w.sched.abort(head.request_id)
             self._fail(head.meta, f"prompt of {head.prompt_len} tokens does not fit the KV cache of {w.id}")
         w.plan = None
+
+    def _late_restores(self, w: SimWorker, plan: Any) -> float:
+        """Restore time of requests first scheduled in ``plan`` whose GPU hit was evicted while
+        they waited, so the store (which backed it) supplied more than was restored at dispatch."""
+        extra = 0
+        for seq, _n in plan.scheduled:
+            job: Job = seq.meta
+            if job.admitted or seq.num_cached_tokens < 0:
+                continue
+            job.admitted = True
+            restored = seq.num_cached_tokens - seq.num_cached_gpu
+            if restored > job.planned_restore:
+                self.store.touch(seq.block_hashes[seq.num_cached_gpu // self.bs:seq.num_cached_tokens // self.bs],  # type: ignore[union-attr]
+                                 job.req.session)
+                extra += restored - job.planned_restore
+        return w.latency.restore_time(extra * self.cfg.kv_bytes_per_token) if extra else 0.0
 
     def _fail(self, job: Job, why: str) -> None:
         self.errors += 1

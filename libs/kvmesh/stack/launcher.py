@@ -127,6 +127,8 @@ class LocalStack:
         self.http_address = f"http://{h}:{http_port}"
         args = ["--host", h, "--port", str(r_port), "--http-port", str(http_port), "--model", c.model,
                 "--block-size", str(c.block_size), "--vocab-size", str(c.vocab_size), "--policy", c.policy,
+                # approx, the baseline, is told the workers' real capacity (fair to it).
+                "--approx-capacity-blocks", str(c.num_blocks),
                 "--indexer", self.indexer_address,
                 "--endpoints", ",".join(f"{k}={v}" for k, v in self.decode_addresses.items())]
         if self.prefill_addresses:

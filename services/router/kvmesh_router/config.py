@@ -46,6 +46,8 @@ class RouterConfig:
     # Policy
     policy: str = field(default="precise", metadata={"help": "routing policy"})
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "speculative entry TTL"})
+    approx_capacity_blocks: int = field(default=100_000, metadata={
+        "help": "blocks the approx policy assumes each endpoint keeps (set to the engines' KV blocks)"})
     # Scoring: an estimated time to first token per endpoint (kvmesh.routing.scoring); set the
     # latency figures to the served model and hardware (defaults: H100, ~32B dense).
     prefill_s_per_token: float = field(default=_SC.prefill_s_per_token, metadata={
@@ -78,6 +80,12 @@ class RouterConfig:
             raise ConfigError("setting 'block_size' must be > 0")
         if self.max_attempts < 1:
             raise ConfigError("setting 'max_attempts' must be >= 1")
+        if self.approx_capacity_blocks < 1:
+            raise ConfigError("setting 'approx_capacity_blocks' must be >= 1")
+        for name in ("prefill_s_per_token", "attn_s_per_token_pair", "cpu_restore_s_per_token",
+                     "disk_restore_s_per_token", "queue_weight", "decode_s_per_ctx_token", "decode_horizon_steps"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"setting {name!r} must be >= 0")
         if self.hash_cache_verify not in ("sampled", "full"):
             raise ConfigError("setting 'hash_cache_verify' must be sampled or full")
         for spec in [*self.endpoints, *self.prefill_endpoints]:

@@ -33,6 +33,7 @@ def core_config(cfg: RouterConfig) -> RouterCoreConfig:
     return RouterCoreConfig(
         policy=cfg.policy, block_size=cfg.block_size, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed or None,
         load_staleness_s=cfg.load_staleness_s, speculative_ttl_s=cfg.speculative_ttl_s,
+        approx_capacity_blocks=cfg.approx_capacity_blocks,
         scoring=ScoringConfig(prefill_s_per_token=cfg.prefill_s_per_token,
                               attn_s_per_token_pair=cfg.attn_s_per_token_pair,
                               cpu_restore_s_per_token=cfg.cpu_restore_s_per_token,
