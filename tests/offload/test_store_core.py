@@ -221,3 +221,57 @@ def test_policy_replay_on_a_small_synthetic_agent_trace() -> None:
     assert big.hit_rate == pytest.approx(ceiling) and big.evictions == 0
     small = {p: replay(reqs, p, 12).hit_rate for p in ("lru", "agent", "greedy-dual", "session-rate")}
     assert all(0 < v <= ceiling for v in small.values())
+
+
+def test_agent_policy_clock_sources() -> None:
+    from kvmesh.kvstore.store import OffloadStore
+
+    store = OffloadStore(1 << 20, policy="agent")
+    assert store.ram.policy._clock is not None  # the service ranks by wall-clock seconds
+    # No clock and no time given (e.g. a simulator): one tick per batch, batch-unit costs.
+    pol = DepthDiscountedPolicy(depth_cost_batches=0.5, share_s=0.0)
+    tier = RamTier(8, pol)
+    for sess, base, n in (("a", 0, 4), ("b", 100, 6)):
+        tier.new_batch()
+        for d in range(n):
+            if not tier.admits(1, d):
+                break
+            tier.make_room(1)
+            tier.add(("n", base + d), StoredBlock(size=1, depth=d, session=sess))
+    assert set(tier) == {("n", d) for d in range(3)} | {("n", 100 + d) for d in range(5)}
+
+
+def test_shared_arena_falls_back_to_private_memory(monkeypatch) -> None:  # noqa: ANN001
+    from kvmesh.kvstore import arena as arena_mod
+    from kvmesh.kvstore import shm as shm_mod
+    from kvmesh.kvstore.shm import ShmError
+
+    a = arena_mod.Arena(64 << 20, slab_bytes=4 << 20, shared=True)
+    slot = a.alloc(1 << 20)
+    name, off = slot.location()
+    assert name.startswith(arena_mod.SLAB_PREFIX) and off == 0
+    a.close()
+    assert not (shm_mod.SHM_DIR / name).exists()
+
+    def no_shm(*_a: object, **_k: object) -> None:
+        raise ShmError("no room in /dev/shm")
+
+    monkeypatch.setattr(arena_mod.Segment, "create", no_shm)
+    b = arena_mod.Arena(64 << 20, slab_bytes=4 << 20, shared=True)
+    s2 = b.copy_in(b"\x07" * (1 << 20))
+    assert s2.location() is None and bytes(s2.view[:2]) == b"\x07\x07"
+
+
+def test_segments_of_dead_processes_are_pruned() -> None:
+    from kvmesh.kvstore.shm import NAME_PREFIX, SHM_DIR, prune_stale
+
+    dead = SHM_DIR / f"{NAME_PREFIX}999999999-deadbeef"   # no such pid
+    alive = SHM_DIR / f"{NAME_PREFIX}{os.getpid()}-cafe"
+    for p in (dead, alive):
+        p.write_bytes(b"x")
+    try:
+        assert prune_stale(NAME_PREFIX) >= 1
+        assert not dead.exists() and alive.exists()
+    finally:
+        dead.unlink(missing_ok=True)
+        alive.unlink(missing_ok=True)

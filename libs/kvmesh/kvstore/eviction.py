@@ -35,7 +35,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
-import time
 from collections.abc import Hashable
 from typing import Protocol
 
@@ -134,34 +133,48 @@ class LRUPolicy(_LazyHeap):
 class DepthDiscountedPolicy(_LazyHeap):
     """Time recency minus a per-depth cost plus a sharing credit (the ``agent`` policy, see module doc).
 
-    Time comes from ``new_batch(now)`` (virtual time in the simulator and the
-    trace replay) or the monotonic clock. ``depth_cost_s`` is in seconds per
+    Time comes from ``new_batch(now)`` (the trace replay), else from ``clock``
+    (the store passes ``time.monotonic``). ``depth_cost_s`` is in seconds per
     block of depth; the default was tuned on 64-token blocks (0.015 s per block,
     i.e. a block 1,000 deep must have been touched 15 s later than a chain head
-    to outrank it).
+    to outrank it). Without either (a caller with no notion of time, such as the
+    cluster simulator today), each batch is one tick and the costs are
+    ``depth_cost_batches`` per block (0.001, the best batch-unit value on the
+    traces) and the sharing credit scaled alike.
     """
 
     name = "agent"
 
     def __init__(self, depth_cost_s: float = 0.015, share_s: float = 30.0,
-                 clock: object = time.monotonic) -> None:
-        if depth_cost_s < 0 or share_s < 0:
-            raise ValueError("depth_cost_s and share_s must be >= 0")
+                 clock: object = None, depth_cost_batches: float = 0.001) -> None:
+        if depth_cost_s < 0 or share_s < 0 or depth_cost_batches < 0:
+            raise ValueError("depth_cost_s, share_s and depth_cost_batches must be >= 0")
         self.depth_cost_s = depth_cost_s
         self.share_s = share_s
+        self.depth_cost_batches = depth_cost_batches
         self._clock = clock
         super().__init__()
         self._now = 0.0
+        self._ticks = 0
+        self._cost = depth_cost_s
+        self._share = share_s
         self._sharers: dict[Hashable, int] = {}
         self._last_session: dict[Hashable, str] = {}
 
     def new_batch(self, now: float | None = None) -> None:
-        self._now = float(self._clock()) if now is None else float(now)  # type: ignore[operator]
+        if now is None and self._clock is None:
+            self._ticks += 1
+            self._now = float(self._ticks)
+            self._cost = self.depth_cost_batches
+            self._share = self.share_s * (self.depth_cost_batches / self.depth_cost_s) if self.depth_cost_s else 0.0
+            return
+        self._now = float(self._clock()) if now is None else float(now)  # type: ignore[misc]
+        self._cost, self._share = self.depth_cost_s, self.share_s
 
     def _value(self, key: Hashable, depth: int) -> float:
         n = self._sharers.get(key, 1)
-        bonus = self.share_s * math.log2(n) if n > 1 else 0.0
-        return self._now - self.depth_cost_s * depth + bonus
+        bonus = self._share * math.log2(n) if n > 1 else 0.0
+        return self._now - self._cost * depth + bonus
 
     def insert(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         self._sharers.setdefault(key, 1)
@@ -189,7 +202,7 @@ class DepthDiscountedPolicy(_LazyHeap):
         top = self._top_entry()
         if top is None:
             return True
-        return (top[0], top[1]) < (self._now - self.depth_cost_s * depth, -depth)
+        return (top[0], top[1]) < (self._now - self._cost * depth, -depth)
 
 
 class AgentAwarePolicy(_LazyHeap):

@@ -87,7 +87,9 @@ class OffloadStore:
                  disk: DiskTier | RamTier | None = None, evict_on_full: bool = True,
                  event_sink: EventSink | None = None, metadata_only: bool = False,
                  max_block_bytes: int = 64 * 1024 * 1024) -> None:
-        pol = make_policy(policy) if isinstance(policy, str) else policy
+        # The store's clock is the wall clock (the agent policy's recency is in seconds).
+        pol = (make_policy(policy, **({"clock": time.monotonic} if policy == "agent" else {}))
+               if isinstance(policy, str) else policy)
         self.ram = RamTier(ram_capacity, pol)
         self.disk = disk
         self.evict_on_full = evict_on_full
