@@ -14,16 +14,25 @@ router/indexer compute — inside a namespace naming the model and KV layout.
 Scheduler side (EngineCore process):
 - ``get_num_new_matched_tokens`` asks the store how many blocks *after* the
   engine's own prefix hit are present (one ``Contains`` call, cached per
-  request) and offers them as externally computed tokens (synchronous load).
+  request) and offers them as externally computed tokens, loaded
+  asynchronously by default (``async_load``): the request waits in
+  WAITING_FOR_REMOTE_KVS while other requests keep stepping.
 - ``build_connector_meta`` turns pending loads into (keys, block ids) and plans
   saves of every block that became full and computed in this step.
 - ``request_finished`` reports ``loaded_tokens`` (and, for the prefill role,
   the prompt's block keys) back through ``kv_transfer_params``.
 
 Worker side (model-runner process):
-- ``start_load_kv`` fetches the planned blocks and writes them into the paged
-  cache before the forward pass; a failed fetch is reported through
-  ``get_block_ids_with_load_errors`` and vLLM recomputes (policy "recompute").
+- ``start_load_kv`` hands the planned loads to one background thread that
+  fetches the blocks and writes them into the paged cache (blocks vLLM reserved
+  for the waiting request, so nothing else touches them); ``get_finished``
+  reports finished loads. With ``async_load: false`` it loads inline, before
+  the forward pass. A failed fetch is reported through
+  ``get_block_ids_with_load_errors`` (no later than the pass that reports the
+  load finished) and vLLM recomputes (policy "recompute").
+- A request finished (e.g. aborted) while its async load is in flight keeps
+  its blocks until vLLM sees the load finish (``request_finished`` asks for the
+  delay; the scheduler frees them on ``finished_recving``).
 - ``wait_for_save`` copies the step's newly full blocks out of the paged cache
   and queues them for the background ``BlockSaver``; it never waits on the
   network.
@@ -32,9 +41,11 @@ Worker side (model-runner process):
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import warnings
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +92,7 @@ class LoadOp:
     req_id: str
     keys: list[int]
     block_ids: list[int]
+    async_load: bool = False
 
 
 @dataclass
@@ -131,12 +143,14 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._save_enabled = bool(extra.get("save", True))
         self._load_enabled = bool(extra.get("load", True))
         self._use_shm = extra.get("use_shm")
+        self._async_load = bool(extra.get("async_load", True))
         self._store_down_until = 0.0
         self._client: Any = None
         # scheduler side
         self._reqs: dict[str, _ReqState] = {}
         self._recent_saved: OrderedDict[int, None] = OrderedDict()
         self._recent_cap = int(extra.get("recent_saved_keys", 100_000))
+        self._loads_in_flight: set[str] = set()   # async loads issued, not yet seen finished
         self.fallbacks = 0
         # worker side
         self._kv_caches: dict[str, torch.Tensor] = {}
@@ -144,6 +158,9 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._layer_bytes: dict[str, int] = {}
         self._block_bytes = 0
         self._load_errors: set[int] = set()
+        self._errors_lock = threading.Lock()
+        self._loader: ThreadPoolExecutor | None = None
+        self._pending_loads: dict[str, Future] = {}
         self._saver: BlockSaver | None = None
         self._max_pending = int(extra.get("max_pending_bytes", 256 << 20))
         logger.info("kvmesh connector up", extra={"role": role.name, "store": self._address,
@@ -213,7 +230,7 @@ class KvmeshConnector(KVConnectorBase_V1):
             st.lookup = (local_blocks, hit_end, now)
         if hit_end <= local_blocks:
             return 0, False
-        return (hit_end - local_blocks) * bs, False
+        return (hit_end - local_blocks) * bs, self._async_load
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
@@ -233,6 +250,18 @@ class KvmeshConnector(KVConnectorBase_V1):
         cached = scheduler_output.scheduled_cached_reqs
         sched += list(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
         bs = self._block_size
+        if self._async_load:
+            # Requests waiting for their KV are not scheduled: their loads go out now.
+            for req_id, st in self._reqs.items():
+                if st.pending_load is None:
+                    continue
+                s, e = st.pending_load
+                st.pending_load = None
+                block_ids = list(self._kv_cache_manager.get_block_ids(req_id)[0])
+                meta.loads.append(LoadOp(req_id, self._keys(st.request)[s:e], block_ids[s:e], async_load=True))
+                self._loads_in_flight.add(req_id)
+                if not _is_prefill_only(st.request):
+                    st.saved_upto = max(st.saved_upto, e)
         for req_id, computed_before in sched:
             st = self._reqs.get(req_id)
             if st is None:
@@ -282,15 +311,23 @@ class KvmeshConnector(KVConnectorBase_V1):
                 self._recent_saved.popitem(last=False)
         return meta
 
+    def update_connector_output(self, connector_output: Any) -> None:
+        for req_id in connector_output.finished_recving or ():
+            self._loads_in_flight.discard(req_id)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
+        # A load still writing into this request's blocks: vLLM frees them once the
+        # worker reports the load finished (finished_recving of a finished request).
+        delay = request.request_id in self._loads_in_flight
+        self._loads_in_flight.discard(request.request_id)
         params: dict[str, Any] = {"loaded_tokens": st.loaded_tokens if st else 0,
                                   "store_fallback": bool(st and st.store_fallback)}
         if _is_prefill_only(request):
             n = len(request.prompt_token_ids or []) // self._block_size
             params["prompt_keys"] = self._keys(request)[:n]
             params["namespace"] = self._namespace
-        return False, {PARAMS_KEY: params}
+        return delay, {PARAMS_KEY: params}
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -332,12 +369,28 @@ class KvmeshConnector(KVConnectorBase_V1):
             return
         self._ensure_caches(forward_context)
         for op in meta.loads:
-            try:
-                self._load(op)
-            except Exception as exc:
+            if op.async_load:
+                if self._loader is None:
+                    # One thread: loads run in order and never compete with each other for memory bandwidth.
+                    self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmesh-load")
+                self._pending_loads[op.req_id] = self._loader.submit(self._load_logged, op)
+            else:
+                self._load_logged(op)
+
+    def _load_logged(self, op: LoadOp) -> None:
+        try:
+            self._load(op)
+        except Exception as exc:
+            with self._errors_lock:
                 self._load_errors.update(op.block_ids)
-                logger.warning("restoring KV from the offload store failed; vLLM recomputes",
-                               extra={"req_id": op.req_id, "blocks": len(op.keys), "error": str(exc)})
+            logger.warning("restoring KV from the offload store failed; vLLM recomputes",
+                           extra={"req_id": op.req_id, "blocks": len(op.keys), "error": str(exc)})
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = {rid for rid, fut in self._pending_loads.items() if fut.done()}
+        for rid in done:
+            del self._pending_loads[rid]
+        return None, done or None
 
     def _load(self, op: LoadOp) -> None:
         with self._store().fetch(self._namespace, op.keys) as lease:
@@ -390,10 +443,14 @@ class KvmeshConnector(KVConnectorBase_V1):
                                        self._block_size, op.session_id))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errs, self._load_errors = self._load_errors, set()
+        with self._errors_lock:
+            errs, self._load_errors = self._load_errors, set()
         return errs
 
     def shutdown(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+            self._loader = None
         if self._saver is not None:
             self._saver.close()
             self._saver = None
