@@ -162,3 +162,15 @@ async def test_sync_client_bulk_get_into(offload_factory) -> None:
 
     assert await asyncio.to_thread(run) == [d for _, d in data]
     assert st.servicer.open_leases == 0
+
+
+async def test_truncated_shm_answer_ends_its_lease_and_retries(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    async with OffloadClient(st.address, use_shm=True) as c:
+        await c.put(NS, [(1, b"x" * 1024)])
+        assert await c.get(NS, [1]) == [b"x" * 1024]  # the client now guesses 1 KiB per block
+        chain = [(10, os.urandom(BIG))] + [(11 + i, os.urandom(200 * 1024)) for i in range(8)]
+        await c.put(NS, chain)
+        # BIG is leased in place; the small blocks overflow the 1 MiB segment: truncated, retried
+        assert await c.get(NS, [k for k, _ in chain]) == [d for _, d in chain]
+        assert st.servicer.open_leases == 0

@@ -687,6 +687,8 @@ class OffloadClient(_ClientCore):
                 return self._shm_lease(namespace, keys, resp, seg)
             size = _grown_size(resp, len(keys), seg)
             self._pool.release(seg)
+            if resp.lease:
+                await self._release_rpc(resp.lease)  # retried below with a bigger segment
 
     async def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
         """The leading present blocks of ``keys`` (stops at the first miss), as bytes."""
@@ -890,6 +892,8 @@ class SyncOffloadClient(_ClientCore):
                 return self._shm_lease(namespace, keys, resp, seg)
             size = _grown_size(resp, len(keys), seg)
             self._pool.release(seg)
+            if resp.lease:
+                self._end_store_lease(resp.lease)  # retried below with a bigger segment
 
     def get(self, namespace: str, keys: Sequence[int]) -> list[bytes]:
         with self.fetch(namespace, keys) as lease:
