@@ -162,6 +162,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         return await self._commit(header, blocks)
 
     async def _commit(self, header: offload_pb2.PutHeader, blocks: list[BlockIn]) -> offload_pb2.PutResponse:
+        self._sweep_leases()  # expired leases pin slab memory a Put may need
         out = await asyncio.to_thread(
             self.store.put, header.namespace, blocks, parent=header.parent_key if header.has_parent else None,
             session=header.session_id, block_size=header.block_size)
@@ -328,11 +329,17 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             resp.lease = self._add_lease(leased)
         return resp
 
-    def _add_lease(self, found: list[Found]) -> int:
+    def _sweep_leases(self) -> None:
+        """Drop expired leases (a reader that died never releases); run on every lease and Put."""
         now = time.monotonic()
         with self._lease_lock:
             for lid in [k for k, (_, exp) in self._leases.items() if exp < now]:
                 del self._leases[lid]  # expired: the client's ReleaseShm will say held=false
+
+    def _add_lease(self, found: list[Found]) -> int:
+        self._sweep_leases()
+        now = time.monotonic()
+        with self._lease_lock:
             lid = next(self._lease_ids)
             self._leases[lid] = (found, now + self.lease_ttl_s)
         return lid
