@@ -23,15 +23,18 @@ DEMO_POLICIES = "precise,approx,round_robin"
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("demo", help="bring up the stack and compare routing policies on agent traffic")
     p.add_argument("--policies", default=DEMO_POLICIES, help=f"comma-separated (default {DEMO_POLICIES})")
-    p.add_argument("--sessions", type=int, default=6, help="generated agent sessions")
+    # 8 sessions of up to 16k tokens (+ sub-agents) against 4 x 16k tokens of GPU KV and a
+    # store of ~16k tokens: caches are under pressure, so where a prefix really is (after
+    # evictions) matters, not only where it was sent.
+    p.add_argument("--sessions", type=int, default=8, help="generated agent sessions")
     p.add_argument("--seed", type=int, default=7, help="workload seed")
     p.add_argument("--time-scale", type=float, default=10.0, help="sim workers and think times run this much faster")
     p.add_argument("--concurrency", type=int, default=32, help="max requests in flight")
     p.add_argument("--decode-workers", type=int, default=4)
     p.add_argument("--prefill-workers", type=int, default=2)
     p.add_argument("--num-blocks", type=int, default=256, help="KV blocks per worker (64 tokens each)")
-    p.add_argument("--offload-ram-bytes", type=int, default=32 << 20,
-                   help="offload store RAM (sim KV is 512 B/token: 32 MiB holds ~1k blocks)")
+    p.add_argument("--offload-ram-bytes", type=int, default=8 << 20,
+                   help="offload store RAM (sim KV is 512 B/token: 8 MiB holds ~256 blocks)")
     p.add_argument("--split", action="store_true",
                    help="enable the P/D split (the router then reports a split request's restored prefill KV "
                         "as offload hits, which inflates the hit rate of cache-blind policies)")
