@@ -135,8 +135,8 @@ class DepthDiscountedPolicy(_LazyHeap):
 
     Time comes from ``new_batch(now)`` (the trace replay), else from ``clock``
     (the store passes ``time.monotonic``). ``depth_cost_s`` is in seconds per
-    block of depth; the default was tuned on 64-token blocks (0.015 s per block,
-    i.e. a block 1,000 deep must have been touched 15 s later than a chain head
+    block of depth; the default was tuned on 64-token blocks (0.008 s per block,
+    i.e. a block 1,000 deep must have been touched 8 s later than a chain head
     to outrank it). Without either (a caller with no notion of time, such as the
     cluster simulator today), each batch is one tick and the costs are
     ``depth_cost_batches`` per block (0.001, the best batch-unit value on the
@@ -145,7 +145,7 @@ class DepthDiscountedPolicy(_LazyHeap):
 
     name = "agent"
 
-    def __init__(self, depth_cost_s: float = 0.015, share_s: float = 30.0,
+    def __init__(self, depth_cost_s: float = 0.008, share_s: float = 30.0,
                  clock: object = None, depth_cost_batches: float = 0.001) -> None:
         if depth_cost_s < 0 or share_s < 0 or depth_cost_batches < 0:
             raise ValueError("depth_cost_s, share_s and depth_cost_batches must be >= 0")
