@@ -11,6 +11,7 @@ evictions → index removals) and keep per-worker counters.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvmesh.engine.sim.block_manager import BlockManager, Removed, Stored
@@ -19,6 +20,7 @@ from kvmesh.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPla
 from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.kvstore.block import StoredBlock
+from kvmesh.kvstore.eviction import TIMED_POLICIES
 from kvmesh.kvstore.eviction import make_policy as make_eviction
 from kvmesh.kvstore.ram_tier import RamTier
 
@@ -83,8 +85,11 @@ class SimOffload:
 
     NS = "sim"
 
-    def __init__(self, capacity_blocks: int, eviction: str, index: MemoryIndex | None, model: str) -> None:
+    def __init__(self, capacity_blocks: int, eviction: str, index: MemoryIndex | None, model: str,
+                 clock: Callable[[], float] | None = None) -> None:
         self.tier = RamTier(capacity_blocks, make_eviction(eviction))
+        # Time-aware policies read the simulation's virtual clock, as the store reads the wall clock.
+        self._clock = clock if eviction in TIMED_POLICIES else None
         self.index = index
         self.model = model
         self.puts = 0
@@ -101,8 +106,14 @@ class SimOffload:
             n += 1
         return n
 
+    def _new_batch(self) -> None:
+        if self._clock is not None:
+            self.tier.policy.new_batch(self._clock())  # type: ignore[call-arg]
+        else:
+            self.tier.new_batch()
+
     def touch(self, keys: list[int], session: str) -> None:
-        self.tier.new_batch()
+        self._new_batch()
         ns = self.NS
         for k in keys:
             self.tier.touch((ns, k), session)
@@ -113,7 +124,7 @@ class SimOffload:
         tier = self.tier
         if tier.capacity <= 0:
             return
-        tier.new_batch()
+        self._new_batch()
         ns = self.NS
         present = self._present
         added: list[int] = []

@@ -127,7 +127,8 @@ class ClusterSim:
         self.by_id = {w.id: i for i, w in enumerate(self.workers)}
         for w in self.workers:
             self.core.set_endpoint(EndpointView(endpoint_id=w.id, model=cfg.model, role=w.role, block_size=self.bs))
-        self.store = (SimOffload(cfg.offload_capacity_tokens // self.bs, cfg.offload_eviction, self.index, cfg.model)
+        self.store = (SimOffload(cfg.offload_capacity_tokens // self.bs, cfg.offload_eviction, self.index, cfg.model,
+                                 clock=lambda: self.now)
                       if cfg.offload_capacity_tokens > 0 else None)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
