@@ -59,6 +59,13 @@ class EvictionPolicy(Protocol):
     def __len__(self) -> int: ...
 
 
+def _count_sharer(sharers: dict[Hashable, int], last: dict[Hashable, str], key: Hashable, session: str) -> None:
+    """Distinct-session count of a block, approximated by "a different session than last time"."""
+    if session and session != last.get(key):
+        sharers[key] = sharers.get(key, 1) + 1
+        last[key] = session
+
+
 class _LazyHeap:
     """Min-heap of ``(priority, -depth, seq, key)`` with lazy deletion, the core of every policy.
 
@@ -184,10 +191,7 @@ class DepthDiscountedPolicy(_LazyHeap):
     def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         if key not in self._live:
             return
-        if session and session != self._last_session.get(key):
-            # Distinct-session count, approximated by "a different session than last time".
-            self._sharers[key] = self._sharers.get(key, 1) + 1
-            self._last_session[key] = session
+        _count_sharer(self._sharers, self._last_session, key, session)
         self._push(key, depth, self._value(key, depth))
 
     def remove(self, key: Hashable) -> None:
@@ -250,10 +254,7 @@ class AgentAwarePolicy(_LazyHeap):
     def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         if key not in self._live:
             return
-        if session and session != self._last_session.get(key):
-            # Distinct-session count, approximated by "a different session than last time".
-            self._sharers[key] = self._sharers.get(key, 1) + 1
-            self._last_session[key] = session
+        _count_sharer(self._sharers, self._last_session, key, session)
         self._push_valued(key, depth, self._note_session(session))
 
     def remove(self, key: Hashable) -> None:
