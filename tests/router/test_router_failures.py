@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 
@@ -15,7 +14,7 @@ from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.testing.ports import free_port
 from kvmesh.testing.procs import ServiceProcess
 from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
-from tests.fixtures.router import MODEL, start_router, start_worker, start_workers
+from tests.fixtures.router import MODEL, rand_tokens, start_router, start_worker, start_workers
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -30,9 +29,6 @@ def _final(stub, req, timeout=30) -> router_pb2.Final:
     return msgs[-1].final
 
 
-def _rand(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 30000) for _ in range(n)]
 
 
 def _running(addr: str) -> int:
@@ -73,9 +69,9 @@ def test_indexer_down_falls_back_to_approx_not_an_error(pair):
     router, _ = pair
     with grpc.insecure_channel(router.grpc_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        tokens = _rand(500, 6)
+        tokens = rand_tokens(500, 6)
         a = _final(stub, _req(tokens))
-        b = _final(stub, _req(tokens + _rand(64, 7)))
+        b = _final(stub, _req(tokens + rand_tokens(64, 7)))
         assert a.routing.policy == "precise" and "fallback" in b.routing.reason
         assert b.routing.endpoint == a.routing.endpoint
         assert b.routing.predicted_cached_tokens == b.usage.cached_tokens > 0
@@ -86,11 +82,11 @@ def test_killed_worker_is_retried_around(pair):
     router, workers = pair
     with grpc.insecure_channel(router.grpc_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
-        tokens = _rand(600, 1)
+        tokens = rand_tokens(600, 1)
         first = _final(stub, _req(tokens, session_id="s"))
         holder = first.routing.endpoint
         workers[holder].kill()
-        again = _final(stub, _req(tokens + _rand(50, 2), session_id="s"))
+        again = _final(stub, _req(tokens + rand_tokens(50, 2), session_id="s"))
         assert again.routing.endpoint != holder
         assert again.routing.attempts == 2
         assert again.usage.completion_tokens == 4
@@ -102,7 +98,7 @@ def test_deadline_cancel_midstream_death_and_no_endpoint(tmp_path, procs):
     procs(router)
     # An HTTP client that disconnects mid-stream aborts the worker's request too.
     with httpx.stream("POST", f"http://127.0.0.1:{http}/v1/completions", timeout=30,
-                      json={"model": MODEL, "prompt": _rand(100, 8), "max_tokens": 400, "stream": True}) as r:
+                      json={"model": MODEL, "prompt": rand_tokens(100, 8), "max_tokens": 400, "stream": True}) as r:
         for line in r.iter_lines():
             if line.startswith("data: {"):
                 assert _running(w1.grpc_address) == 1
@@ -111,17 +107,17 @@ def test_deadline_cancel_midstream_death_and_no_endpoint(tmp_path, procs):
     # Same for a non-streaming request whose client gives up.
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"http://127.0.0.1:{http}/v1/completions", timeout=1.0,
-                   json={"model": MODEL, "prompt": _rand(100, 9), "max_tokens": 400})
+                   json={"model": MODEL, "prompt": rand_tokens(100, 9), "max_tokens": 400})
     _wait_idle(w1.grpc_address)
     with grpc.insecure_channel(router.grpc_address) as ch:
         stub = router_pb2_grpc.RouterStub(ch)
         # A deadline reaches the worker: its request is aborted.
         with pytest.raises(grpc.RpcError) as ei:
-            list(stub.Generate(_req(_rand(100, 4), max_tokens=400), timeout=0.5))
+            list(stub.Generate(_req(rand_tokens(100, 4), max_tokens=400), timeout=0.5))
         assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         _wait_idle(w1.grpc_address)
         # So does a client cancel.
-        call = stub.Generate(_req(_rand(100, 5), max_tokens=400), timeout=30)
+        call = stub.Generate(_req(rand_tokens(100, 5), max_tokens=400), timeout=30)
         next(iter(call))
         assert _running(w1.grpc_address) == 1
         call.cancel()
@@ -129,7 +125,7 @@ def test_deadline_cancel_midstream_death_and_no_endpoint(tmp_path, procs):
         # The worker dies after tokens were streamed: a clean error saying what was generated.
         got = 0
         with pytest.raises(grpc.RpcError) as ei:
-            for msg in stub.Generate(_req(_rand(100, 3), max_tokens=400), timeout=30):
+            for msg in stub.Generate(_req(rand_tokens(100, 3), max_tokens=400), timeout=30):
                 if msg.HasField("chunk"):
                     got += len(msg.chunk.token_ids)
                     if got >= 2 and w1.alive():

@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import concurrent.futures
-import random
 import time
 from collections.abc import Iterator
 
-import grpc
 import pytest
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.router.v1 import router_pb2
 from kvmesh.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, start_indexer, start_router, start_workers
+from tests.fixtures.router import MODEL, RouterStack, rand_tokens, start_indexer, start_router, start_workers
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -54,56 +50,31 @@ def _wait_endpoints(st: RouterStack, n: int, timeout: float = 20.0) -> None:
     raise AssertionError("router did not discover the workers from the indexer registry")
 
 
-def _gen(st: RouterStack, tokens: list[int], max_tokens: int = 4, **kw) -> tuple[list[int], router_pb2.Final]:
-    req = router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=tokens),
-                                     sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw)
-    out: list[int] = []
-    final = None
-    for msg in st.stub.Generate(req, timeout=30):
-        if msg.HasField("chunk"):
-            out.extend(msg.chunk.token_ids)
-        else:
-            final = msg.final
-    return out, final
 
 
-def _rand(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def _indexed(st: RouterStack, tokens_keys: list[int], endpoint: str, timeout: float = 5.0) -> None:
-    """Wait until the indexer holds the chain on ``endpoint`` (engine events landed)."""
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(st.indexer.grpc_address) as ch:
-        stub = indexer_pb2_grpc.IndexerStub(ch)
-        while time.monotonic() < deadline:
-            r = stub.Lookup(indexer_pb2.LookupRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=tokens_keys)),
-                            timeout=5)
-            if any(m.endpoint_id == endpoint and m.combined_blocks for m in r.matches):
-                return
-            time.sleep(0.05)
 
 
 def test_session_turns_on_engine_events_with_exact_predictions(istack):
-    tokens = _rand(800, 21)
+    tokens = rand_tokens(800, 21)
     holder = None
     for turn in range(5):
-        out, fin = _gen(istack, tokens, session_id="s-idx")
+        out, fin = istack.generate(tokens, session_id="s-idx")
         holder = holder or fin.routing.endpoint
         assert fin.routing.endpoint == holder
         assert fin.routing.predicted_cached_tokens == fin.usage.cached_tokens, (turn, fin)
         assert not fin.routing.reason.startswith("fallback")
-        tokens = tokens + out + _rand(90, 100 + turn)
-        _indexed(istack, tokens[:64], holder)
+        tokens = tokens + out + rand_tokens(90, 100 + turn)
+        istack.wait_indexed(holder, tokens=tokens[:64])
         time.sleep(0.6)   # past the speculative TTL: the next prediction rests on engine events alone
 
 
 def test_sibling_burst_colocates_before_events_arrive(istack):
-    shared = _rand(1600, 31)
+    shared = rand_tokens(1600, 31)
 
     def one(i: int) -> router_pb2.Final:
-        return _gen(istack, shared + _rand(40, 2000 + i), max_tokens=2)[1]
+        return istack.generate(shared + rand_tokens(40, 2000 + i), max_tokens=2)[1]
 
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         finals = list(ex.map(one, range(8)))
@@ -111,11 +82,11 @@ def test_sibling_burst_colocates_before_events_arrive(istack):
 
 
 def test_a_new_request_goes_where_the_engine_holds_its_prefix(istack):
-    doc = _rand(1200, 41)
-    _, a = _gen(istack, doc)
-    _indexed(istack, doc[:64], a.routing.endpoint)
+    doc = rand_tokens(1200, 41)
+    _, a = istack.generate(doc)
+    istack.wait_indexed(a.routing.endpoint, tokens=doc[:64])
     time.sleep(0.6)
-    _, b = _gen(istack, doc + _rand(64, 42))
+    _, b = istack.generate(doc + rand_tokens(64, 42))
     assert b.routing.endpoint == a.routing.endpoint
     assert b.routing.predicted_cached_tokens == b.usage.cached_tokens >= 1152
 
@@ -138,12 +109,12 @@ def test_offload_tier_is_credited_and_predicted_exactly(tmp_path, procs):
     router, http = start_router(tmp_path, [], indexer=idx.grpc_address, extra=["--speculative-ttl-s", "0.3"])
     st = RouterStack(procs(router), http, ws, idx)
     _wait_endpoints(st, 2)
-    doc = _rand(1000, 51)
-    _, first = _gen(st, doc)
+    doc = rand_tokens(1000, 51)
+    _, first = st.generate(doc)
     holder = first.routing.endpoint
-    _indexed(st, doc[:64], "store-0")
+    st.wait_indexed("store-0", tokens=doc[:64])
     ws[holder].kill()   # its GPU copy is gone; the store's copy remains
-    _, second = _gen(st, doc + _rand(100, 52))
+    _, second = st.generate(doc + rand_tokens(100, 52))
     r = second.routing
     assert r.endpoint != holder
     assert r.predicted_cached_tokens_offload == second.usage.cached_tokens_offload == 992

@@ -9,20 +9,25 @@ exactly as vLLM would for the same adapter path.
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 from collections.abc import Iterator
 
 import grpc
 import pytest
 
-from kvmesh.common.v1 import common_pb2
 from kvmesh.hashing import BlockHasher, ExtraKeys
-from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.router.v1 import router_pb2
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
 from kvmesh.testing.procs import ServiceProcess
-from tests.fixtures.router import BLOCK, MODEL, RouterStack, start_indexer, start_router, start_worker
+from tests.fixtures.router import (
+    BLOCK,
+    MODEL,
+    RouterStack,
+    rand_tokens,
+    start_indexer,
+    start_router,
+    start_worker,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -63,50 +68,24 @@ def lstack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
             p.stop(grace_s=3)
 
 
-def _gen(st: RouterStack, tokens: list[int], **kw) -> tuple[list[int], router_pb2.Final]:
-    req = router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=tokens),
-                                     sampling=common_pb2.SamplingParams(max_tokens=4), **kw)
-    out: list[int] = []
-    final = None
-    for msg in st.stub.Generate(req, timeout=30):
-        if msg.HasField("chunk"):
-            out.extend(msg.chunk.token_ids)
-        else:
-            final = msg.final
-    assert final is not None
-    return out, final
 
 
-def _rand(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 30000) for _ in range(n)]
 
 
-def _wait_indexed(st: RouterStack, keys: list[int], endpoint: str, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(st.indexer.grpc_address) as ch:
-        stub = indexer_pb2_grpc.IndexerStub(ch)
-        while time.monotonic() < deadline:
-            r = stub.Lookup(indexer_pb2.LookupRequest(model=MODEL, chain=indexer_pb2.BlockChain(keys=keys)),
-                            timeout=5)
-            if any(m.endpoint_id == endpoint and m.combined_blocks for m in r.matches):
-                return
-            time.sleep(0.05)
-    raise AssertionError(f"the engine's events for these keys never reached the indexer on {endpoint}")
 
 
 def test_lora_second_turn_prediction_equals_engine_hit(lstack):
-    tokens = _rand(700, 7)
-    out, first = _gen(lstack, tokens, lora_name="ad1", session_id="lora-s")
+    tokens = rand_tokens(700, 7)
+    out, first = lstack.generate(tokens, lora_name="ad1", session_id="lora-s")
     holder = first.routing.endpoint
     path = PATH_A if holder == "w1" else PATH_B
     # The engine hashed with its own adapter path (as vLLM does): its events carry these keys.
     keys = BlockHasher("sha256_cbor", BLOCK).block_keys(tokens[:BLOCK * 2], ExtraKeys(lora_name="ad1",
                                                                                        lora_path=path))
-    _wait_indexed(lstack, keys, holder)
+    lstack.wait_indexed(holder, keys=keys)
     time.sleep(0.4)   # past the speculative TTL: the prediction rests on engine events alone
-    tokens = tokens + out + _rand(80, 8)
-    _, second = _gen(lstack, tokens, lora_name="ad1", session_id="lora-s")
+    tokens = tokens + out + rand_tokens(80, 8)
+    _, second = lstack.generate(tokens, lora_name="ad1", session_id="lora-s")
     r = second.routing
     assert r.endpoint == holder
     assert second.usage.cached_tokens >= 640
@@ -114,10 +93,10 @@ def test_lora_second_turn_prediction_equals_engine_hit(lstack):
 
 
 def test_same_prompt_without_lora_or_other_path_is_not_a_hit(lstack):
-    tokens = _rand(500, 9)
-    _, a = _gen(lstack, tokens, lora_name="ad1")
+    tokens = rand_tokens(500, 9)
+    _, a = lstack.generate(tokens, lora_name="ad1")
     time.sleep(0.4)
-    _, base = _gen(lstack, tokens)
+    _, base = lstack.generate(tokens)
     if base.routing.endpoint == a.routing.endpoint:
         assert base.usage.cached_tokens == 0
     assert base.routing.predicted_cached_tokens == base.usage.cached_tokens
@@ -125,7 +104,7 @@ def test_same_prompt_without_lora_or_other_path_is_not_a_hit(lstack):
 
 def test_unknown_adapter_is_rejected_with_its_name(lstack):
     with pytest.raises(grpc.RpcError) as exc:
-        _gen(lstack, [1, 2, 3], lora_name="nope")
+        lstack.generate([1, 2, 3], lora_name="nope")
     assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "nope" in exc.value.details()
 
 

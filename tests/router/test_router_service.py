@@ -7,7 +7,6 @@ speculative entries); the indexer-backed variants are in test_router_indexer.py.
 from __future__ import annotations
 
 import concurrent.futures
-import random
 from collections.abc import Iterator
 
 import grpc
@@ -17,7 +16,15 @@ from kvmesh.common.v1 import common_pb2
 from kvmesh.router.v1 import router_pb2
 from kvmesh.testing.ports import free_port
 from kvmesh.testing.procs import ServiceProcess
-from tests.fixtures.router import BLOCK, MODEL, RouterStack, start_router, start_worker, start_workers
+from tests.fixtures.router import (
+    BLOCK,
+    MODEL,
+    RouterStack,
+    rand_tokens,
+    start_router,
+    start_worker,
+    start_workers,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -55,31 +62,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
             p.stop(grace_s=3)
 
 
-def _gen(stack: RouterStack, tokens: list[int], max_tokens: int = 4, **kw) -> tuple[list[int], router_pb2.Final]:
-    req = router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=tokens),
-                                     sampling=common_pb2.SamplingParams(max_tokens=max_tokens), **kw)
-    out: list[int] = []
-    final = None
-    for msg in stack.stub.Generate(req, timeout=30):
-        if msg.HasField("chunk"):
-            out.extend(msg.chunk.token_ids)
-        else:
-            final = msg.final
-    assert final is not None
-    return out, final
 
 
-def _rand(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 30000) for _ in range(n)]
 
 
 @pytest.mark.parametrize("policy", ["precise", "approx"])
 def test_session_turns_follow_their_prefix_and_predictions_are_exact(stack, policy):
-    tokens = _rand(700, seed=hash(policy) % 1000)
+    tokens = rand_tokens(700, seed=hash(policy) % 1000)
     first = None
     for turn in range(6):
-        out, fin = _gen(stack, tokens, session_id=f"sess-{policy}", policy=policy)
+        out, fin = stack.generate(tokens, session_id=f"sess-{policy}", policy=policy)
         r = fin.routing
         first = first or r.endpoint
         assert r.endpoint == first, f"turn {turn} moved from {first} to {r.endpoint}"
@@ -87,14 +79,14 @@ def test_session_turns_follow_their_prefix_and_predictions_are_exact(stack, poli
         if turn:
             # Everything but the new tail was cached (prompt + output of the previous turn).
             assert fin.usage.cached_tokens >= len(tokens) - 150
-        tokens = tokens + out + _rand(100, seed=turn)
+        tokens = tokens + out + rand_tokens(100, seed=turn)
 
 
 def test_burst_of_sibling_requests_colocates(stack):
-    shared = _rand(1500, seed=77)
+    shared = rand_tokens(1500, seed=77)
 
     def one(i: int) -> router_pb2.Final:
-        return _gen(stack, shared + _rand(40, seed=1000 + i), max_tokens=2)[1]
+        return stack.generate(shared + rand_tokens(40, seed=1000 + i), max_tokens=2)[1]
 
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         finals = list(ex.map(one, range(8)))
@@ -103,20 +95,20 @@ def test_burst_of_sibling_requests_colocates(stack):
 
 
 def test_two_tenants_never_share_a_prefix_hit(stack):
-    tokens = _rand(900, seed=5)
-    _, a1 = _gen(stack, tokens, tenant="key-a")
-    _, a2 = _gen(stack, tokens, tenant="key-a")
-    _, b1 = _gen(stack, tokens, tenant="key-b")
-    _, s1 = _gen(stack, tokens, cache_salt="explicit-salt")
+    tokens = rand_tokens(900, seed=5)
+    _, a1 = stack.generate(tokens, tenant="key-a")
+    _, a2 = stack.generate(tokens, tenant="key-a")
+    _, b1 = stack.generate(tokens, tenant="key-b")
+    _, s1 = stack.generate(tokens, cache_salt="explicit-salt")
     assert a1.usage.cached_tokens == 0 and a2.usage.cached_tokens > 0
     assert b1.usage.cached_tokens == 0 and b1.routing.predicted_cached_tokens == 0
     assert s1.usage.cached_tokens == 0
 
 
 def test_split_triggers_above_threshold_only(stack):
-    _, small = _gen(stack, _rand(600, seed=11))
+    _, small = stack.generate(rand_tokens(600, seed=11))
     assert not small.routing.split and "threshold" in small.routing.reason
-    _, big = _gen(stack, _rand(2000, seed=12))
+    _, big = stack.generate(rand_tokens(2000, seed=12))
     r = big.routing
     assert r.split and r.prefill_endpoint == "p1", r
     assert r.uncached_tokens >= 1024
@@ -152,9 +144,9 @@ def test_list_models(stack):
 def test_metrics_count_decisions_predictions_and_hits(stack):
     import httpx
 
-    tokens = _rand(700, seed=99)
-    _gen(stack, tokens)
-    _gen(stack, tokens + _rand(70, seed=98))
+    tokens = rand_tokens(700, seed=99)
+    stack.generate(tokens)
+    stack.generate(tokens + rand_tokens(70, seed=98))
     text = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).text
     for name in ("kvmesh_router_decisions_total", "kvmesh_router_cached_tokens_diff_bucket",
                  "kvmesh_router_cached_tokens_mismatch_total", "kvmesh_router_routing_overhead_seconds_bucket",
