@@ -36,6 +36,8 @@ def test_fast_path_uses_engine_hashes_and_reduces_raw_digests() -> None:
     ev, hashes = engine_event(SPEC.hasher(), TOKS, 0, 6, raw_bytes=True)
     assert mapper.stored_keys(ev) == SPEC.hasher().block_keys(TOKS)
     assert mapper.removed_keys([hashes[2]]) == ([event_key(hashes[2])], 0)
+    tail, _ = engine_event(SPEC.hasher(), TOKS, 4, 2, raw_bytes=True)
+    assert mapper.parent_key(tail) == event_key(hashes[3])
 
 
 @pytest.mark.parametrize("engine_algo", ["sha256", "xxhash_cbor"])
@@ -47,6 +49,8 @@ def test_derived_keys_match_kvmesh_hashing_across_events(engine_algo: str) -> No
     ev1, _ = engine_event(engine_hasher, TOKS, 0, 2)
     ev2, hashes = engine_event(engine_hasher, TOKS, 2, 4)  # continues from the parent of event 1
     assert mapper.stored_keys(ev1) + mapper.stored_keys(ev2) == want
+    # Parent links for the index come out in kvmesh keys too.
+    assert mapper.parent_key(ev1) is None and mapper.parent_key(ev2) == want[1]
     assert hashes[0] != want[0]
     keys, unknown = mapper.removed_keys([hashes[5], 0xDEAD])
     assert keys == [want[5]] and unknown == 1

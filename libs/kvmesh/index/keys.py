@@ -147,13 +147,7 @@ class KeyMapper:
         bs = self.model.block_size
         if len(ev.token_ids) != bs * len(engine_keys):
             raise KeyError_(f"token_ids has {len(ev.token_ids)} ids for {len(engine_keys)} blocks of {bs}")
-        if ev.parent_block_hash is None:
-            parent: bytes | None = None
-        else:
-            got = self._map.get(normalize_hash(ev.parent_block_hash))
-            if got is None:
-                raise KeyError_(f"parent block {normalize_hash(ev.parent_block_hash):#x} unknown (missed its event)")
-            parent = got[0]
+        parent = self._parent_digest(ev)
         extras = ev.extra_keys or []
         if extras and len(extras) != len(engine_keys):
             raise KeyError_(f"extra_keys has {len(extras)} entries for {len(engine_keys)} blocks")
@@ -184,15 +178,19 @@ class KeyMapper:
 
         Call after ``stored_keys`` accepted the event, so a derived parent is mapped.
         """
+        if self.fast:
+            return None if ev.parent_block_hash is None else normalize_hash(ev.parent_block_hash)
+        digest = self._parent_digest(ev)
+        return None if digest is None else event_key(digest)
+
+    def _parent_digest(self, ev: BlockStored) -> bytes | None:
+        """Derived mode: the kvmesh digest of the event's parent block (None: a first block)."""
         if ev.parent_block_hash is None:
             return None
-        ph = normalize_hash(ev.parent_block_hash)
-        if self.fast:
-            return ph
-        got = self._map.get(ph)
+        got = self._map.get(normalize_hash(ev.parent_block_hash))
         if got is None:
-            raise KeyError_(f"parent block {ph:#x} unknown (missed its event)")
-        return event_key(got[0])
+            raise KeyError_(f"parent block {normalize_hash(ev.parent_block_hash):#x} unknown (missed its event)")
+        return got[0]
 
     def removed_keys(self, hashes: Sequence[int | bytes]) -> tuple[list[int], int]:
         """(kvmesh keys, count of unknown hashes) for a ``BlockRemoved``."""
