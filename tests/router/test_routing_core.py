@@ -420,3 +420,51 @@ def test_split_stays_local_when_two_restores_of_a_long_context_cost_more():
     fresh = _req(core, _tokens(3000, seed=5), "f")
     d = core.decide(fresh, Matches(), now=0.0)
     assert core.decide_split(d, fresh, now=0.0).split
+
+
+def _split_core() -> RouterCore:
+    core = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100))
+    for p in ("p0", "p1"):
+        core.set_endpoint(EndpointView(p, "", "m", role="prefill"))
+    return core
+
+
+def test_split_goes_to_the_prefill_endpoint_that_still_holds_the_prefix():
+    core = _split_core()
+    n = 8000
+    req = _req(core, _tokens(n), "r", session="s")
+    # No decode endpoint and no store holds the prompt any more; p1's GPU still holds 400 blocks.
+    m = Matches(per_endpoint={"p1": TierMatch(gpu=400)})
+    d = core.decide(req, m, now=0.0)
+    assert d.uncached_tokens == n
+    s = core.decide_split(d, req, now=0.0, matches=m)
+    assert s.split and s.prefill_endpoint == "p1"
+    assert s.inputs["prefill_uncached_tokens"] == n - 400 * BS
+    # Without the index's answer the choice is by queue only (p0 first on a tie).
+    assert core.decide_split(d, req, now=0.0).prefill_endpoint == "p0"
+    # Load is charged where the prefill really runs: only its uncached part, on p1.
+    core.on_routed(req, d, now=0.0, split=s)
+    assert core.load.effective("p1", 0.0).prefill_tokens == n - 400 * BS
+    assert core.load.effective(d.endpoint_id, 0.0).prefill_tokens == 0
+
+
+def test_sibling_of_a_split_request_follows_its_prefill_and_splits_too():
+    core = _split_core()
+    shared = _tokens(6000)
+    a = _req(core, shared + _tokens(200, seed=1), "a", session="a")
+    da = core.decide(a, Matches(), now=0.0)
+    sa = core.decide_split(da, a, now=0.0, matches=Matches())
+    assert sa.split
+    core.on_routed(a, da, now=0.0, split=sa)
+    # The sibling (same 6k-token prefix) arrives before any event. It co-locates with the
+    # first on its decode endpoint, which holds the prefix only once the prefill is done and
+    # restored: pending blocks, never a local GPU hit that would make it compute them itself.
+    b = _req(core, shared + _tokens(200, seed=2), "b", session="b")
+    db = core.decide(b, Matches(), now=0.01)
+    win = next(c for c in db.candidates if c.endpoint_id == db.endpoint_id)
+    assert db.endpoint_id == da.endpoint_id and win.pending_blocks == 6000 // BS
+    assert db.predicted_cached_tokens_gpu == 0
+    sb = core.decide_split(db, b, now=0.01, matches=Matches())
+    assert sb.split and sb.prefill_endpoint == sa.prefill_endpoint
+    # It computes only its own tail there, and does not wait for the sibling's queued prefill.
+    assert sb.inputs["prefill_uncached_tokens"] == b.num_tokens - (6000 // BS) * BS

@@ -202,7 +202,7 @@ class ClusterSim:
         decision = self.core.decide(route, matches, self.now)
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
-        split = self.core.decide_split(decision, route, self.now)
+        split = self.core.decide_split(decision, route, self.now, matches=matches)
         self.core.on_routed(route, decision, self.now, split)
         if split.split:
             job.split = True

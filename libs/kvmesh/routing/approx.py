@@ -33,7 +33,7 @@ class ApproxPolicy(Policy):
         win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now), spread_key(req))
         return self._decision(req, win, why, cands)
 
-    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         self.index.insert(decision.endpoint_id, req.keys)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
 

@@ -5,11 +5,14 @@ time prefilling (many uncached tokens) and a prefill endpoint can start soon.
 Short or mostly-cached prompts stay local: the KV transfer through the
 offload store would cost more than it saves. Given an estimate of the TTFT the
 split adds (``kvmesh.routing.scoring.split_extra_s``: the prefill endpoint's
-queue and the restores of a long cached context, against the chosen endpoint's
-queue), a split that would delay the first token by more than
-``max_extra_ttft_s`` stays local too — a split buys decode endpoints a
-prefill-free batch, not at any price. The decision and every input go
-on the response and the trace so a wrong split can be explained.
+queue, what it already caches, and the restores of a long cached context,
+against the chosen endpoint's queue), a split that would delay the first token
+by more than ``max_extra_ttft_s`` stays local too — a split buys decode
+endpoints a prefill-free batch, not at any price. Among prefill endpoints with
+room the one with the least added TTFT wins, so a prefix that survives only in
+one prefill endpoint's cache is reused there (as Dynamo's KV-aware prefill
+router does) instead of recomputed. The decision and every input go on the
+response and the trace so a wrong split can be explained.
 """
 
 from __future__ import annotations
@@ -43,10 +46,15 @@ class SplitDecision:
 
 def decide_split(uncached_tokens: int, prompt_tokens: int, prefill_endpoints: list[EndpointView],
                  loads: dict[str, EffectiveLoad], cfg: SplitConfig,
-                 extra_s: Callable[[EffectiveLoad], float] | None = None) -> SplitDecision:
+                 extra_s: Callable[[str, EffectiveLoad], float] | None = None,
+                 remote_uncached: Callable[[str], int] | None = None) -> SplitDecision:
     """Split iff enabled, ``uncached_tokens >= threshold``, some prefill endpoint has room and
-    (given ``extra_s``, the TTFT the split adds with that endpoint's load) it delays the
-    first token by at most ``max_extra_ttft_s``."""
+    (given ``extra_s``, the TTFT the split adds on that endpoint with its load) it delays the
+    first token by at most ``max_extra_ttft_s``.
+
+    ``remote_uncached`` gives the tokens a prefill endpoint would compute (its own cache
+    and the store counted); without it, the decode endpoint's ``uncached_tokens``.
+    """
     inputs: dict[str, Any] = {"uncached_tokens": uncached_tokens, "prompt_tokens": prompt_tokens,
                               "threshold_tokens": cfg.threshold_tokens,
                               "prefill_endpoints": len(prefill_endpoints)}
@@ -58,17 +66,19 @@ def decide_split(uncached_tokens: int, prompt_tokens: int, prefill_endpoints: li
     roomy = []
     for e in prefill_endpoints:
         ld = loads.get(e.endpoint_id) or EffectiveLoad()
-        if ld.queue < cfg.prefill_max_queue and ld.prefill_tokens + uncached_tokens <= cfg.prefill_max_tokens:
-            roomy.append((ld.prefill_tokens, ld.queue, e.endpoint_id))
+        need = remote_uncached(e.endpoint_id) if remote_uncached is not None else uncached_tokens
+        if ld.queue < cfg.prefill_max_queue and ld.prefill_tokens + need <= cfg.prefill_max_tokens:
+            extra = extra_s(e.endpoint_id, ld) if extra_s is not None else 0.0
+            roomy.append((extra, ld.prefill_tokens, ld.queue, need, e.endpoint_id))
     inputs["prefill_with_room"] = len(roomy)
     if not roomy:
         return SplitDecision(False, reason="no prefill endpoint has room", inputs=inputs)
     roomy.sort()
-    chosen = roomy[0][2]
-    inputs["prefill_queue"] = roomy[0][1]
-    inputs["prefill_queued_tokens"] = roomy[0][0]
+    extra, queued, queue, need, chosen = roomy[0]
+    inputs["prefill_queue"] = queue
+    inputs["prefill_queued_tokens"] = queued
+    inputs["prefill_uncached_tokens"] = need
     if extra_s is not None:
-        extra = extra_s(loads.get(chosen) or EffectiveLoad())
         inputs["split_extra_ttft_s"] = round(extra, 4)
         if extra > cfg.max_extra_ttft_s:
             return SplitDecision(False, reason=f"split would add {extra:.2f}s to TTFT "

@@ -51,9 +51,14 @@ class Policy(abc.ABC):
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
         """Pick an endpoint; raise ``NoEndpointError`` if there is none."""
 
-    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
-        """The request was sent to ``decision.endpoint_id``."""
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
+        """The request was sent to ``decision.endpoint_id`` (its prefill to ``prefill_endpoint`` if split)."""
         return None
+
+    def pending_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
+        """Per endpoint, leading blocks of ``req`` that requests just sent there are computing
+        (known before the engine's events say so); empty for policies that do not track them."""
+        return {}
 
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
         """The request finished; ``cached_keys`` are the full blocks the engine now holds for it."""

@@ -28,6 +28,8 @@ class PrecisePolicy(Policy):
                  session_ttl_s: float = 600.0, approx_capacity_blocks: int = 100_000, **options: Any) -> None:
         super().__init__(scoring, **options)
         self.speculative = SpeculativeIndex(ttl_s=speculative_ttl_s)
+        # Decode endpoints of split requests: they hold the prefix once its prefill is done.
+        self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
         self.fallback = ApproxPolicy(self.scoring, capacity_blocks=approx_capacity_blocks,
                                      session_ttl_s=session_ttl_s)
@@ -40,13 +42,15 @@ class PrecisePolicy(Policy):
             d.reason = f"fallback to approx: {d.reason}"
             return d
         spec = self.speculative.match(req.keys, ctx.now)
+        pending = self.pending.match(req.keys, ctx.now)
         matches = ctx.matches
 
         def match_of(ep: str) -> TierMatch:
             m = matches.get(ep)
             s = spec.get(ep, 0)
-            if s > m.speculative:
-                m = TierMatch(m.gpu, m.cpu, m.disk, s)
+            p = pending.get(ep, 0)
+            if s > m.speculative or p > m.pending:
+                m = TierMatch(m.gpu, m.cpu, m.disk, max(s, m.speculative), max(p, m.pending))
             return m
 
         cands = self._candidates(req, ctx, match_of)
@@ -54,10 +58,23 @@ class PrecisePolicy(Policy):
         win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now), spread_key(req))
         return self._decision(req, win, why, cands)
 
-    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
-        self.speculative.put(decision.endpoint_id, req.keys, now)
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
+        # A split request's blocks are computed on the prefill endpoint; the decode endpoint
+        # holds them only after that prefill and a restore. Crediting the decode endpoint's
+        # GPU now would send a sibling there to recompute the whole prefix itself; as pending
+        # blocks they draw the sibling there and make it split to the same prefill endpoint.
+        # The blocks exist once the prefill is done, and the index knows them one event
+        # delivery later: an entry lives for the estimated time to first token plus the TTL,
+        # so a sibling arriving behind a long prefill still finds it.
+        ttl = self.speculative.ttl_s + max(decision.score, 0.0)
+        self.speculative.put(prefill_endpoint or decision.endpoint_id, req.keys, now, ttl)
+        if prefill_endpoint:
+            self.pending.put(decision.endpoint_id, req.keys, now, ttl)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
-        self.fallback.on_routed(req, decision, now)
+        self.fallback.on_routed(req, decision, now, prefill_endpoint)
+
+    def pending_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
+        return self.speculative.match(req.keys, now)
 
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
         # The engine now holds prompt + output blocks; cover them until its events land.
@@ -66,5 +83,6 @@ class PrecisePolicy(Policy):
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         self.speculative.forget_endpoint(endpoint_id)
+        self.pending.forget_endpoint(endpoint_id)
         self.sessions.forget_endpoint(endpoint_id)
         self.fallback.forget_endpoint(endpoint_id)

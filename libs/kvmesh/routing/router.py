@@ -16,7 +16,7 @@ from kvmesh.routing.hash_cache import ChainResult, ConcatTokens, HashCache, Hash
 from kvmesh.routing.load import EffectiveLoad, LoadView
 from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
 from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext, make_policy
-from kvmesh.routing.scoring import ScoringConfig, split_extra_s
+from kvmesh.routing.scoring import ScoringConfig, max_hit_blocks, split_extra_s
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -102,28 +102,61 @@ class RouterCore:
         return pol.choose(req, ctx)
 
     def decide_split(self, decision: Decision, req: RouteRequest, now: float,
-                     exclude: set[str] | frozenset[str] = frozenset()) -> SplitDecision:
+                     exclude: set[str] | frozenset[str] = frozenset(),
+                     matches: Matches | None = None) -> SplitDecision:
+        """Split rule over the prefill endpoints.
+
+        A prefill endpoint's own cache counts: what the index (``matches``) says it holds,
+        or what requests just split there are computing (the policy's pending blocks; its
+        queued prefill of them is not a wait this request would avoid elsewhere). So a
+        burst's siblings follow the first one's prefill, and a prefix that survives only on
+        one prefill endpoint is reused there.
+        """
         pre = self.prefill_endpoints(req.model, exclude)
         loads = {e.endpoint_id: self.load.effective(e.endpoint_id, now) for e in pre}
         win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
-        extra = None
-        if win is not None:
-            def extra(ld: EffectiveLoad) -> float:
-                return split_extra_s(win, req.num_tokens, req.block_size, ld.prefill_tokens, self.cfg.scoring)
-        return decide_split(decision.uncached_tokens, req.num_tokens, pre, loads, self.cfg.split, extra)
+        if win is None:
+            return decide_split(decision.uncached_tokens, req.num_tokens, pre, loads, self.cfg.split)
+        cap = max_hit_blocks(req.num_tokens, req.block_size)
+        pol = self.policy(decision.policy)
+        known: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+
+        def remote(ep: str) -> tuple[int, int]:
+            """(leading blocks cached on ``ep``, its queued prefill tokens that compute them)."""
+            if not known:
+                known["x"] = (pol.pending_blocks(req, now), self.load.pending_overlap(req.keys, req.block_size))
+            pending, overlap = known["x"]
+            gpu = max(matches.get(ep).gpu if matches is not None else 0, pending.get(ep, 0))
+            return min(gpu, cap), overlap.get(ep, 0)
+
+        def extra(ep: str, ld: EffectiveLoad) -> float:
+            gpu, shared = remote(ep)
+            return split_extra_s(win, req.num_tokens, req.block_size, max(ld.prefill_tokens - shared, 0.0),
+                                 self.cfg.scoring, gpu)
+
+        def remote_uncached(ep: str) -> int:
+            return max(0, req.num_tokens - max(win.store_blocks, remote(ep)[0]) * req.block_size)
+        # Blocks credited only as a split sibling's pending prefill are not there to reuse
+        # without a split: they count as uncached for the threshold.
+        uncached = decision.uncached_tokens + win.pending_blocks * req.block_size
+        return decide_split(uncached, req.num_tokens, pre, loads, self.cfg.split, extra, remote_uncached)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float,
                   split: SplitDecision | None = None) -> None:
         """The request was sent: count it on its endpoint (its prefill only where it runs)."""
         local_prefill = decision.uncached_tokens
+        prefill_ep = ""
         if split is not None and split.split:
             # The prefill runs on the prefill endpoint (the live service records it there under
             # the same id); the decode endpoint only restores the result.
             local_prefill = 0
-            self.load.on_sent(split.prefill_endpoint, prefill_request_id(req.request_id), req.num_tokens, now)
+            prefill_ep = split.prefill_endpoint
+            todo = int(split.inputs.get("prefill_uncached_tokens", decision.uncached_tokens))
+            self.load.on_sent(prefill_ep, prefill_request_id(req.request_id), todo, now, keys=req.keys,
+                              num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo)
         self.load.on_sent(decision.endpoint_id, req.request_id, local_prefill, now, keys=req.keys,
                           num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens)
-        self.policy(decision.policy).on_routed(req, decision, now)
+        self.policy(decision.policy).on_routed(req, decision, now, prefill_ep)
 
     def on_first_token(self, req: RouteRequest) -> None:
         self.load.on_first_token(req.request_id)

@@ -96,6 +96,7 @@ class TierSplit:
     cpu: int            # restored from offload RAM beyond the GPU hit
     disk: int           # restored from offload disk beyond that
     speculative: int    # of ``gpu``, only known from the router's speculative entries
+    pending: int = 0    # of ``cpu``, only there after a sibling's split prefill (TierMatch.pending)
 
     @property
     def offload(self) -> int:
@@ -113,9 +114,12 @@ def tier_split(match: TierMatch, store: TierMatch, cap_blocks: int, offload_enab
     spec = gpu - real_gpu
     if not offload_enabled:
         return TierSplit(gpu, 0, 0, spec)
-    cpu_end = max(gpu, min(max(match.cpu, store.cpu), cap_blocks))
-    disk_end = max(cpu_end, min(max(match.disk, store.disk), cap_blocks))
-    return TierSplit(gpu, cpu_end - gpu, disk_end - cpu_end, spec)
+    real_cpu_end = max(gpu, min(max(match.cpu, store.cpu), cap_blocks))
+    real_disk_end = min(max(match.disk, store.disk), cap_blocks)
+    cpu_end = max(real_cpu_end, min(match.pending, cap_blocks))
+    disk_end = max(cpu_end, real_disk_end)
+    pending = max(0, cpu_end - max(real_cpu_end, real_disk_end))
+    return TierSplit(gpu, cpu_end - gpu, disk_end - cpu_end, spec, pending)
 
 
 def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: EffectiveLoad, num_tokens: int,
@@ -139,22 +143,32 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
                      uncached_tokens=uncached, queue=load.queue, prefill_tokens=load.prefill_tokens,
                      wait_s=wait, own_s=own, decode_s=decode,
-                     store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0)
+                     store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
+                     pending_blocks=split.pending)
 
 
 def split_extra_s(win: Candidate, num_tokens: int, block_size: int, prefill_queued_tokens: float,
-                  cfg: ScoringConfig) -> float:
+                  cfg: ScoringConfig, remote_gpu_blocks: int = 0) -> float:
     """Estimated TTFT a P/D split adds over prefilling on the chosen endpoint (negative: it saves).
 
-    Split: wait on the prefill endpoint, restore what the store holds there, compute the
-    rest, then the decode endpoint restores the whole prompt beyond its own GPU hit. For a
-    long cached context that is two restores of it against none at home.
+    Split: wait on the prefill endpoint, take what its own GPU cache holds
+    (``remote_gpu_blocks``, leading), restore what the store holds beyond that, compute
+    the rest, then the decode endpoint restores the whole prompt beyond its own GPU hit.
+    For a long cached context that is two restores of it against none at home.
     """
-    remote_cached = win.store_blocks * block_size
+    remote_cached = max(win.store_blocks, remote_gpu_blocks) * block_size
+    restored = max(win.store_blocks - remote_gpu_blocks, 0) * block_size
     remote = (prefill_queued_tokens * cfg.queue_weight * cfg.prefill_s_per_token
               + cfg.prefill_cost(num_tokens - remote_cached, remote_cached)
-              + _restore(remote_cached, cfg) + _restore(num_tokens - win.gpu_blocks * block_size, cfg))
-    return remote - (win.wait_s + win.own_s)
+              + _restore(restored, cfg) + _restore(num_tokens - win.gpu_blocks * block_size, cfg))
+    local = win.wait_s + win.own_s
+    if win.pending_blocks:
+        # Without a split, a sibling's pending prefix is not there yet: it is computed locally.
+        p = win.pending_blocks * block_size
+        rest = (win.gpu_blocks + win.offload_blocks) * block_size - p
+        local += (cfg.prefill_cost(win.uncached_tokens + p, rest) - cfg.prefill_cost(win.uncached_tokens, rest + p)
+                  - p * cfg.cpu_restore_s_per_token)
+    return remote - local
 
 
 def _restore(tokens: float, cfg: ScoringConfig) -> float:

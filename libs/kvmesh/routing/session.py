@@ -28,7 +28,7 @@ class SessionPolicy(Policy):
         win = min(cands, key=lambda c: (c.queue, c.prefill_tokens, c.endpoint_id))
         return self._decision(req, win, "new session; least loaded", cands)
 
-    def on_routed(self, req: RouteRequest, decision: Decision, now: float) -> None:
+    def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         self.sessions.set(req.session_id, decision.endpoint_id, now)
 
     def forget_endpoint(self, endpoint_id: str) -> None:

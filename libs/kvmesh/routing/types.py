@@ -44,14 +44,17 @@ class TierMatch:
     cpu: int = 0
     disk: int = 0
     speculative: int = 0
+    # Blocks a sibling's split prefill is computing for this decode endpoint: here only once
+    # that prefill is done and restored, so they are worth a restore, and only with a split.
+    pending: int = 0
 
     def merged(self, other: TierMatch) -> TierMatch:
         return TierMatch(max(self.gpu, other.gpu), max(self.cpu, other.cpu), max(self.disk, other.disk),
-                         max(self.speculative, other.speculative))
+                         max(self.speculative, other.speculative), max(self.pending, other.pending))
 
     @property
     def any(self) -> int:
-        return max(self.gpu, self.cpu, self.disk, self.speculative)
+        return max(self.gpu, self.cpu, self.disk, self.speculative, self.pending)
 
 
 @dataclass
@@ -97,6 +100,7 @@ class Candidate:
     own_s: float = 0.0           # its own uncached prefill + restore
     decode_s: float = 0.0        # decode load it would run alongside
     store_blocks: int = 0        # leading blocks any endpoint could restore from the offload store
+    pending_blocks: int = 0      # of offload_blocks, only there after a sibling's split prefill
     hot: bool = False
     excluded: str = ""
 

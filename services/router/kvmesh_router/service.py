@@ -275,15 +275,19 @@ class RouterService:
             raise Unavailable(msg) from None
         if d.fallback:
             metrics.FALLBACKS.labels(reason="approx").inc()
-        split = self.core.decide_split(d, req, time.monotonic(), exclude)
+        split = self.core.decide_split(d, req, time.monotonic(), exclude, matches)
         return d, split
 
     def record_routed(self, p: Prepared, d: Decision, split: SplitDecision | None = None) -> None:
         now = time.monotonic()
         p.routed_at = now
         self.core.on_routed(p.req, d, now, split)
-        metrics.DECISIONS.labels(policy=d.policy, endpoint=d.endpoint_id, split="false").inc()
-        t = asyncio.create_task(self.cluster.put_speculative(d.endpoint_id, p.req.keys, self.cfg.speculative_ttl_s))
+        split_to = split.prefill_endpoint if split is not None and split.split else ""
+        metrics.DECISIONS.labels(policy=d.policy, endpoint=d.endpoint_id, split=str(bool(split_to)).lower()).inc()
+        # A split request's prefix is computed on the prefill endpoint first: other router
+        # replicas should send its siblings' prefills there (the decode endpoint has it later).
+        t = asyncio.create_task(self.cluster.put_speculative(split_to or d.endpoint_id, p.req.keys,
+                                                             self.cfg.speculative_ttl_s))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
