@@ -90,3 +90,14 @@ def test_cli_writes_json_and_plots(tmp_path: Path) -> None:
     bad = subprocess.run([sys.executable, "-m", "kvmesh.cli.main", "simulate", "--trace", str(trace_path),
                           "--format", "native", "--policy", "nope"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "unknown policy" in bad.stdout
+
+
+def test_split_needs_the_store_that_carries_the_kv() -> None:
+    # Long uncached prompts split to the prefill worker when the store can carry their KV ...
+    cfg = dict(split_threshold_tokens=512)
+    yes = simulate_policies(_trace(), _cfg(**cfg), ["round_robin"], jobs=1)["results"]["round_robin"]
+    assert yes["split_requests"] > 0
+    # ... and never without one: the decode worker would have to compute the prompt again.
+    no = simulate_policies(_trace(), _cfg(offload_capacity_tokens=0, **cfg), ["round_robin"], jobs=1)
+    assert no["results"]["round_robin"]["split_requests"] == 0
+    assert no["results"]["round_robin"]["errors"] == 0

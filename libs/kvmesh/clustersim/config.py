@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 @dataclass
 class SimConfig:
     decode_workers: int = field(default=8, metadata={"help": "decode workers"})
-    prefill_workers: int = field(default=2, metadata={"help": "prefill workers (0 = no P/D split)"})
+    prefill_workers: int = field(default=2, metadata={
+        "help": "prefill workers (0 = no P/D split; the split also needs the offload store, which carries the KV)"})
     kv_capacity_tokens: int = field(default=1_000_000, metadata={"help": "GPU KV capacity per worker (tokens)"})
     offload_capacity_tokens: int = field(default=32_000_000, metadata={
         "help": "shared offload store capacity (tokens; 0 = no offload)"})

@@ -101,7 +101,9 @@ class ClusterSim:
                                     approx_capacity_blocks=max(1, cfg.kv_capacity_tokens // self.bs),
                                     offload_enabled=cfg.offload_capacity_tokens > 0,
                                     scoring=scoring or ScoringConfig(),
-                                    split=SplitConfig(enabled=cfg.prefill_workers > 0,
+                                    # The prefill's KV reaches the decode worker through the
+                                    # store: without one there is no split (prefill workers idle).
+                                    split=SplitConfig(enabled=cfg.prefill_workers > 0 and cfg.offload_capacity_tokens > 0,
                                                       threshold_tokens=cfg.split_threshold_tokens))
         self.core = RouterCore(core_cfg)
         if policy == "random":
