@@ -55,7 +55,7 @@ class Policy(abc.ABC):
         """The request was sent to ``decision.endpoint_id`` (its prefill to ``prefill_endpoint`` if split)."""
         return None
 
-    def pending_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
+    def speculative_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
         """Per endpoint, leading blocks of ``req`` that requests just sent there are computing
         (known before the engine's events say so); empty for policies that do not track them."""
         return {}

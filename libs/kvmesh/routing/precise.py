@@ -73,7 +73,7 @@ class PrecisePolicy(Policy):
         self.sessions.set(req.session_id, decision.endpoint_id, now)
         self.fallback.on_routed(req, decision, now, prefill_endpoint)
 
-    def pending_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
+    def speculative_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
         return self.speculative.match(req.keys, now)
 
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:

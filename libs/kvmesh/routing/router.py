@@ -7,6 +7,7 @@ index. Keeping the pipeline here guarantees both make the same decisions.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -119,14 +120,16 @@ class RouterCore:
             return decide_split(decision.uncached_tokens, req.num_tokens, pre, loads, self.cfg.split)
         cap = max_hit_blocks(req.num_tokens, req.block_size)
         pol = self.policy(decision.policy)
-        known: dict[str, tuple[dict[str, int], dict[str, int]]] = {}
+
+        @functools.cache
+        def in_flight() -> tuple[dict[str, int], dict[str, int]]:
+            # Only needed once the threshold passes, which most requests never do.
+            return pol.speculative_blocks(req, now), self.load.pending_overlap(req.keys, req.block_size)
 
         def remote(ep: str) -> tuple[int, int]:
             """(leading blocks cached on ``ep``, its queued prefill tokens that compute them)."""
-            if not known:
-                known["x"] = (pol.pending_blocks(req, now), self.load.pending_overlap(req.keys, req.block_size))
-            pending, overlap = known["x"]
-            gpu = max(matches.get(ep).gpu if matches is not None else 0, pending.get(ep, 0))
+            spec, overlap = in_flight()
+            gpu = max(matches.get(ep).gpu if matches is not None else 0, spec.get(ep, 0))
             return min(gpu, cap), overlap.get(ep, 0)
 
         def extra(ep: str, ld: EffectiveLoad) -> float:
