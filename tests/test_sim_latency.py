@@ -128,3 +128,19 @@ def test_abort_frees_blocks_and_emits_nothing_removed() -> None:
     s.abort("a")
     assert s.blocks.num_free_blocks == 63
     assert not [e for e in s.blocks.take_events() if isinstance(e, Removed)]
+
+
+def test_waiting_prefill_counts_a_queued_siblings_prefix_once() -> None:
+    s = _sched(budget=64)
+    shared = list(range(1, 7))                     # 6 blocks = 96 tokens of shared prefix
+    s.add(_seq("first", 100, shared, max_tokens=1))
+    # A sibling arriving while the first still queues: nothing is cached yet, but the first
+    # computes the shared blocks before the sibling is scheduled (FCFS), so only its tail counts.
+    s.add(_seq("sib", 130, shared + [70, 71], max_tokens=1))
+    assert s.waiting_prefill_tokens() == 100 + (130 - 96)
+    # An unrelated prompt counts in full.
+    s.add(_seq("other", 50, [900, 901, 902], max_tokens=1))
+    assert s.waiting_prefill_tokens() == 100 + 34 + 50
+    while s.has_work:
+        s.complete(s.plan())
+    assert s.get("sib") is None and s.waiting_prefill_tokens() == 0

@@ -50,12 +50,6 @@ def _wait_endpoints(st: RouterStack, n: int, timeout: float = 20.0) -> None:
     raise AssertionError("router did not discover the workers from the indexer registry")
 
 
-
-
-
-
-
-
 def test_session_turns_on_engine_events_with_exact_predictions(istack):
     tokens = rand_tokens(800, 21)
     holder = None

@@ -209,6 +209,9 @@ def test_load_view_staleness_and_optimistic_inflight():
     assert not eff.stale and eff.queue == 5 and eff.prefill_tokens == 170
     lv.on_first_token("new")
     assert lv.effective("e", now=10.6).prefill_tokens == 100
+    # "old" was in the report; once its first token is out, its prefill is no longer queued there.
+    lv.on_first_token("old")
+    assert lv.effective("e", now=10.6).prefill_tokens == 50
     stale = lv.effective("e", now=20.0)
     assert stale.stale and stale.queue == 2      # only the router's own in-flight requests
     lv.on_finished("new")
@@ -422,8 +425,8 @@ def test_split_stays_local_when_two_restores_of_a_long_context_cost_more():
     assert core.decide_split(d, fresh, now=0.0).split
 
 
-def _split_core() -> RouterCore:
-    core = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100))
+def _split_core(policy: str = "precise") -> RouterCore:
+    core = _core(2, policy=policy, split=SplitConfig(enabled=True, threshold_tokens=100))
     for p in ("p0", "p1"):
         core.set_endpoint(EndpointView(p, "", "m", role="prefill"))
     return core
@@ -448,8 +451,9 @@ def test_split_goes_to_the_prefill_endpoint_that_still_holds_the_prefix():
     assert core.load.effective(d.endpoint_id, 0.0).prefill_tokens == 0
 
 
-def test_sibling_of_a_split_request_follows_its_prefill_and_splits_too():
-    core = _split_core()
+@pytest.mark.parametrize("policy", ["precise", "approx"])
+def test_sibling_of_a_split_request_follows_its_prefill_and_splits_too(policy: str):
+    core = _split_core(policy)
     shared = _tokens(6000)
     a = _req(core, shared + _tokens(200, seed=1), "a", session="a")
     da = core.decide(a, Matches(), now=0.0)

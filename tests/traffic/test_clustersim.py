@@ -101,3 +101,23 @@ def test_split_needs_the_store_that_carries_the_kv() -> None:
     no = simulate_policies(_trace(), _cfg(offload_capacity_tokens=0, **cfg), ["round_robin"], jobs=1)
     assert no["results"]["round_robin"]["split_requests"] == 0
     assert no["results"]["round_robin"]["errors"] == 0
+
+
+def test_scale_bench_writes_json(tmp_path: Path) -> None:
+    from kvmesh.bench.simulate import peak_concurrent_sessions
+    from kvmesh.cli.main import main
+
+    recs = [{"uid": "a/main/1", "release_s": 0.0, "ttft_s": 5.0}, {"uid": "b/main/1", "release_s": 1.0, "ttft_s": 1.0},
+            {"uid": "a/main/2", "release_s": 9.0, "ttft_s": 1.0}, {"uid": "c/main/1", "release_s": 11.0, "ttft_s": 1.0}]
+    assert peak_concurrent_sessions(recs) == 2   # a spans 0..10, b 1..2, c 11..12
+    out = tmp_path / "sim.json"
+    rc = main(["bench", "simulate", "--json", str(out), "--sessions", "12", "--turns-median", "3",
+               "--decode-workers", "16", "--prefill-workers", "2", "--baseline-decode-workers", "4",
+               "--baseline-prefill-workers", "1", "--start-window-s", "30"])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["large"]["workers"] == 18 and data["baseline"]["workers"] == 5
+    assert data["baseline"]["sessions"] == 3
+    for side in ("large", "baseline"):
+        assert data[side]["requests"] > 0 and data[side]["errors"] == 0 and data[side]["peak_concurrent_sessions"] >= 1
+    assert data["ms_per_request_ratio_vs_baseline"] > 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.routing.policy import Policy, RouteContext, register
-from kvmesh.routing.prefix_memory import ApproxIndex, SessionAffinity
+from kvmesh.routing.prefix_memory import ApproxIndex, SessionAffinity, SpeculativeIndex
 from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick, spread_key
 from kvmesh.routing.types import Decision, RouteRequest, TierMatch
 
@@ -21,20 +21,39 @@ class ApproxPolicy(Policy):
     name = "approx"
 
     def __init__(self, scoring: ScoringConfig | None = None, *, capacity_blocks: int = 100_000,
-                 session_ttl_s: float = 600.0, **options: Any) -> None:
+                 session_ttl_s: float = 600.0, speculative_ttl_s: float = 2.0, **options: Any) -> None:
         super().__init__(scoring, **options)
         self.index = ApproxIndex(capacity_blocks)
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
+        # Split requests still prefilling: their decode endpoints hold the prefix only after that
+        # prefill (pending, see precise); their prefill endpoints are computing it.
+        self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
+        self.prefilling = SpeculativeIndex(ttl_s=speculative_ttl_s)
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
         seen = self.index.match(req.keys)
-        cands = self._candidates(req, ctx, lambda ep: TierMatch(gpu=seen.get(ep, 0)))
+        pending = self.pending.match(req.keys, ctx.now)
+
+        def match_of(ep: str) -> TierMatch:
+            n, p = seen.get(ep, 0), pending.get(ep, 0)
+            # When the only reason to believe the prefix is there is a split still in flight,
+            # it is there only after that prefill: pending, not a hit.
+            return TierMatch(pending=p) if p >= n > 0 else TierMatch(gpu=n)
+
+        cands = self._candidates(req, ctx, match_of)
         mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
         win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now), spread_key(req))
         return self._decision(req, win, why, cands)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         self.index.insert(decision.endpoint_id, req.keys)
+        if prefill_endpoint:
+            ttl = self.pending.ttl_s + max(decision.score, 0.0)
+            self.pending.put(decision.endpoint_id, req.keys, now, ttl)
+            self.prefilling.put(prefill_endpoint, req.keys, now, ttl)
+
+    def speculative_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
+        return self.prefilling.match(req.keys, now)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
 
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
@@ -44,3 +63,5 @@ class ApproxPolicy(Policy):
     def forget_endpoint(self, endpoint_id: str) -> None:
         self.index.forget_endpoint(endpoint_id)
         self.sessions.forget_endpoint(endpoint_id)
+        self.pending.forget_endpoint(endpoint_id)
+        self.prefilling.forget_endpoint(endpoint_id)

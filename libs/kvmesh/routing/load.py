@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.routing.prefix_memory import common_prefix
+from kvmesh.hashing.prefix import common_prefix
 
 
 @dataclass
@@ -102,8 +102,15 @@ class LoadView:
 
     def on_first_token(self, request_id: str) -> None:
         f = self._inflight.get(request_id)
-        if f is not None:
-            f.prefilling = False
+        if f is None:
+            return
+        f.prefilling = False
+        # A report taken since the request was sent still counts its prefill as queued; left
+        # as it is, the endpoint would look busy with work that is done until the next poll,
+        # and a burst's late siblings would leave the endpoint that holds their prefix.
+        rep = self.reports.get(f.endpoint_id)
+        if rep is not None and rep.received_at >= f.sent_at and f.prefill_tokens:
+            rep.waiting_prefill_tokens = max(0, rep.waiting_prefill_tokens - f.prefill_tokens)
 
     def on_finished(self, request_id: str) -> None:
         self._inflight.pop(request_id, None)

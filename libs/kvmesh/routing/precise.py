@@ -32,7 +32,7 @@ class PrecisePolicy(Policy):
         self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
         self.fallback = ApproxPolicy(self.scoring, capacity_blocks=approx_capacity_blocks,
-                                     session_ttl_s=session_ttl_s)
+                                     session_ttl_s=session_ttl_s, speculative_ttl_s=speculative_ttl_s)
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
         if ctx.matches is None:

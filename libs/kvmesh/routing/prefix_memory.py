@@ -14,17 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the common leading run of two key chains (chained hashes: equality is monotone)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[mid - 1] == b[mid - 1]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+from kvmesh.hashing.prefix import common_prefix
 
 
 class _ChainSet:

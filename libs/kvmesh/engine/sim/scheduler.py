@@ -29,6 +29,7 @@ from typing import Any
 
 from kvmesh.engine.sim.block_manager import BlockManager
 from kvmesh.engine.sim.latency import LatencyModel, PrefillChunk
+from kvmesh.hashing.prefix import common_prefix
 
 _MASK64 = (1 << 64) - 1
 
@@ -145,10 +146,28 @@ class Scheduler:
         if seq.request_id in self._seqs:
             raise KeyError(f"request id {seq.request_id!r} already in flight")
         hit = self.blocks.find_longest_hit(seq.block_hashes, seq.num_tokens)
-        seq.est_cached_tokens = max(len(hit) * self.blocks.block_size, seq.external_cached)
+        bs = self.blocks.block_size
+        queued = min(self._queued_prefix(seq.block_hashes), max(0, (seq.num_tokens - 1) // bs))
+        seq.est_cached_tokens = max(max(len(hit), queued) * bs, seq.external_cached)
         self._seqs[seq.request_id] = seq
         self.waiting.append(seq)
         self._waiting_uncached += seq.prompt_len - seq.est_cached_tokens
+
+    def _queued_prefix(self, hashes: list[int]) -> int:
+        """Leading blocks of ``hashes`` that a request already here computes first (FCFS).
+
+        A burst's siblings arrive while the first one still computes their shared prefix:
+        none of it is cached yet, but each will find it cached when scheduled. Counting it
+        as uncached would report the burst's prefix once per sibling as queued work.
+        """
+        if not hashes:
+            return 0
+        head = hashes[0]
+        best = 0
+        for s in (*self.running, *self.waiting):
+            if s.block_hashes and s.block_hashes[0] == head:
+                best = max(best, min(common_prefix(s.block_hashes, hashes), s.prompt_len // self.blocks.block_size))
+        return best
 
     def get(self, request_id: str) -> Seq | None:
         return self._seqs.get(request_id)
