@@ -67,6 +67,9 @@ class LoadView:
     staleness_s: float = 2.0
     reports: dict[str, LoadReport] = field(default_factory=dict)
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
+    # The same requests by endpoint: scoring reads every endpoint's load per decision, and a
+    # scan of all in-flight requests per endpoint would cost endpoints x requests at fleet scale.
+    _by_endpoint: dict[str, dict[str, _InFlight]] = field(default_factory=dict)
 
     def update(self, endpoint_id: str, report: LoadReport) -> None:
         self.reports[endpoint_id] = report
@@ -76,8 +79,11 @@ class LoadView:
 
     def on_sent(self, endpoint_id: str, request_id: str, prefill_tokens: int, now: float,
                 keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0) -> None:
-        self._inflight[request_id] = _InFlight(endpoint_id, now, max(0, int(prefill_tokens)), True, keys,
-                                               max(0, int(num_tokens)), max(0, int(cached_tokens)))
+        self.on_finished(request_id)
+        f = _InFlight(endpoint_id, now, max(0, int(prefill_tokens)), True, keys, max(0, int(num_tokens)),
+                      max(0, int(cached_tokens)))
+        self._inflight[request_id] = f
+        self._by_endpoint.setdefault(endpoint_id, {})[request_id] = f
 
     def pending_overlap(self, keys: list[int], block_size: int) -> dict[str, int]:
         """Per endpoint: queued prefill tokens (of the router's in-flight requests) that compute
@@ -113,10 +119,16 @@ class LoadView:
             rep.waiting_prefill_tokens = max(0, rep.waiting_prefill_tokens - f.prefill_tokens)
 
     def on_finished(self, request_id: str) -> None:
-        self._inflight.pop(request_id, None)
+        f = self._inflight.pop(request_id, None)
+        if f is not None:
+            mine = self._by_endpoint.get(f.endpoint_id)
+            if mine is not None:
+                mine.pop(request_id, None)
+                if not mine:
+                    del self._by_endpoint[f.endpoint_id]
 
     def inflight_count(self, endpoint_id: str) -> int:
-        return sum(1 for f in self._inflight.values() if f.endpoint_id == endpoint_id)
+        return len(self._by_endpoint.get(endpoint_id, ()))
 
     def effective(self, endpoint_id: str, now: float) -> EffectiveLoad:
         rep = self.reports.get(endpoint_id)
@@ -126,9 +138,7 @@ class LoadView:
         extra_prefill = 0
         extra_ctx = 0
         total = 0
-        for f in self._inflight.values():
-            if f.endpoint_id != endpoint_id:
-                continue
+        for f in self._by_endpoint.get(endpoint_id, {}).values():
             total += 1
             # Requests sent before the report are assumed to be included in it.
             if f.sent_at > since:

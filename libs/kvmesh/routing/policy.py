@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.routing.load import EffectiveLoad, LoadView
@@ -32,9 +32,14 @@ class RouteContext:
     now: float
     matches: Matches | None = None       # None: no index answer (unavailable or not asked)
     offload_enabled: bool = True
+    _loads: dict[str, EffectiveLoad] | None = field(default=None, repr=False)
 
     def loads(self) -> dict[str, EffectiveLoad]:
-        return {e.endpoint_id: self.load.effective(e.endpoint_id, self.now) for e in self.endpoints}
+        """Every endpoint's effective load, computed once per decision (scoring and the overload
+        guard both read it; at fleet scale it is the decision's main cost)."""
+        if self._loads is None:
+            self._loads = {e.endpoint_id: self.load.effective(e.endpoint_id, self.now) for e in self.endpoints}
+        return self._loads
 
 
 class Policy(abc.ABC):
@@ -77,9 +82,10 @@ class Policy(abc.ABC):
         if match_of is None:
             match_of = (ctx.matches.get if ctx.matches else (lambda _e: TierMatch()))
         shared = ctx.load.pending_overlap(req.keys, req.block_size)
+        loads = ctx.loads()
         out = []
         for e in ctx.endpoints:
-            ld = ctx.load.effective(e.endpoint_id, ctx.now)
+            ld = loads[e.endpoint_id]
             out.append(evaluate(e.endpoint_id, match_of(e.endpoint_id), store, ld, req.num_tokens,
                                 req.block_size, self.scoring, ctx.offload_enabled, shared.get(e.endpoint_id, 0)))
         return out
