@@ -472,3 +472,24 @@ def test_sibling_of_a_split_request_follows_its_prefill_and_splits_too(policy: s
     assert sb.split and sb.prefill_endpoint == sa.prefill_endpoint
     # It computes only its own tail there, and does not wait for the sibling's queued prefill.
     assert sb.inputs["prefill_uncached_tokens"] == b.num_tokens - (6000 // BS) * BS
+
+
+@pytest.mark.parametrize("policy", ["precise", "approx"])
+def test_session_affinity_breaks_ties(policy: str):
+    from kvmesh.routing.scoring import _rank
+
+    core = _core(2, policy=policy)
+    # Sessions whose stable hash alone would send a tie to e0: only affinity keeps them on e1.
+    sessions = [s for s in (f"sess{i}" for i in range(100)) if _rank("s:" + s, "e0") < _rank("s:" + s, "e1")]
+    for i, s in enumerate(sessions[:8]):
+        core.load.update("e0", LoadReport(running=9, waiting=9, waiting_prefill_tokens=50_000, received_at=float(i)))
+        core.load.update("e1", LoadReport(received_at=float(i)))
+        r1 = _req(core, _tokens(300, seed=100 + i), f"a{i}", session=s)
+        d1 = core.decide(r1, Matches(), now=float(i))
+        assert d1.endpoint_id == "e1"                  # e0 is busy
+        core.on_routed(r1, d1, now=float(i))
+        core.on_finished(r1, d1, now=float(i) + 0.1)
+        # e0 is idle again: a fresh prompt of the same session ties, and goes home.
+        core.load.update("e0", LoadReport(received_at=float(i) + 0.2))
+        r2 = _req(core, _tokens(300, seed=200 + i), f"b{i}", session=s)
+        assert core.decide(r2, Matches(), now=float(i) + 0.2).endpoint_id == "e1", s

@@ -47,6 +47,7 @@ class ApproxPolicy(Policy):
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         self.index.insert(decision.endpoint_id, req.keys)
+        self.sessions.set(req.session_id, decision.endpoint_id, now)
         if prefill_endpoint:
             ttl = self.pending.ttl_s + max(decision.score, 0.0)
             self.pending.put(decision.endpoint_id, req.keys, now, ttl)
@@ -54,7 +55,6 @@ class ApproxPolicy(Policy):
 
     def speculative_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
         return self.prefilling.match(req.keys, now)
-        self.sessions.set(req.session_id, decision.endpoint_id, now)
 
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
         if len(cached_keys) > len(req.keys):
