@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="cluster simulator at fleet scale (sessions x workers)")
     p.add_argument("--json", default=None)
-    p.add_argument("--sessions", type=int, default=2000, help="generated agent sessions")
+    p.add_argument("--sessions", type=int, default=1000, help="generated agent sessions")
     p.add_argument("--turns-median", type=int, default=8, help="median main-agent turns per session")
     p.add_argument("--start-window-s", type=float, default=600.0, help="sessions start within this window")
     p.add_argument("--decode-workers", type=int, default=512)
