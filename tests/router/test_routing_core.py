@@ -475,7 +475,7 @@ def test_sibling_of_a_split_request_follows_its_prefill_and_splits_too(policy: s
 
 
 @pytest.mark.parametrize("policy", ["precise", "approx"])
-def test_session_affinity_breaks_ties(policy: str):
+def test_session_affinity_outranks_the_stable_hash_on_a_tie(policy: str):
     from kvmesh.routing.scoring import _rank
 
     core = _core(2, policy=policy)
