@@ -49,7 +49,7 @@ class ApproxPolicy(Policy):
         self.index.insert(decision.endpoint_id, req.keys)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
         if prefill_endpoint:
-            ttl = self.pending.ttl_s + max(decision.score, 0.0)
+            ttl = self.pending.ttl_after(decision.score)
             self.pending.put(decision.endpoint_id, req.keys, now, ttl)
             self.prefilling.put(prefill_endpoint, req.keys, now, ttl)
 

@@ -40,6 +40,7 @@ class SplitConfig:
 class SplitDecision:
     split: bool
     prefill_endpoint: str = ""
+    prefill_uncached_tokens: int = 0   # what the prefill endpoint computes (its cache and the store counted)
     reason: str = ""
     inputs: dict[str, Any] = field(default_factory=dict)
 
@@ -83,5 +84,5 @@ def decide_split(uncached_tokens: int, prompt_tokens: int, prefill_endpoints: li
         if extra > cfg.max_extra_ttft_s:
             return SplitDecision(False, reason=f"split would add {extra:.2f}s to TTFT "
                                                f"(> {cfg.max_extra_ttft_s:g}s; long cached context)", inputs=inputs)
-    return SplitDecision(True, prefill_endpoint=chosen,
+    return SplitDecision(True, prefill_endpoint=chosen, prefill_uncached_tokens=need,
                          reason=f"uncached {uncached_tokens} >= threshold {cfg.threshold_tokens}", inputs=inputs)

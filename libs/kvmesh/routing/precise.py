@@ -63,10 +63,7 @@ class PrecisePolicy(Policy):
         # holds them only after that prefill and a restore. Crediting the decode endpoint's
         # GPU now would send a sibling there to recompute the whole prefix itself; as pending
         # blocks they draw the sibling there and make it split to the same prefill endpoint.
-        # The blocks exist once the prefill is done, and the index knows them one event
-        # delivery later: an entry lives for the estimated time to first token plus the TTL,
-        # so a sibling arriving behind a long prefill still finds it.
-        ttl = self.speculative.ttl_s + max(decision.score, 0.0)
+        ttl = self.speculative.ttl_after(decision.score)
         self.speculative.put(prefill_endpoint or decision.endpoint_id, req.keys, now, ttl)
         if prefill_endpoint:
             self.pending.put(decision.endpoint_id, req.keys, now, ttl)

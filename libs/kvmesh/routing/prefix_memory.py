@@ -77,6 +77,12 @@ class SpeculativeIndex:
     def __len__(self) -> int:
         return len(self._order)
 
+    def ttl_after(self, estimated_ttft_s: float) -> float:
+        """TTL of an entry for a request just sent: its blocks exist once its prefill is done
+        (the estimated TTFT) and the index has them one event delivery later (the TTL), so a
+        sibling arriving behind a long prefill still finds the entry."""
+        return self.ttl_s + max(estimated_ttft_s, 0.0)
+
     def put(self, endpoint_id: str, keys: list[int], now: float, ttl_s: float | None = None) -> None:
         if not keys:
             return

@@ -108,8 +108,8 @@ class RouterCore:
         """Split rule over the prefill endpoints.
 
         A prefill endpoint's own cache counts: what the index (``matches``) says it holds,
-        or what requests just split there are computing (the policy's pending blocks; its
-        queued prefill of them is not a wait this request would avoid elsewhere). So a
+        or what requests just split there are computing (the policy's speculative blocks;
+        its queued prefill of them is not a wait this request would avoid elsewhere). So a
         burst's siblings follow the first one's prefill, and a prefix that survives only on
         one prefill endpoint is reused there.
         """
@@ -154,7 +154,7 @@ class RouterCore:
             # the same id); the decode endpoint only restores the result.
             local_prefill = 0
             prefill_ep = split.prefill_endpoint
-            todo = int(split.inputs.get("prefill_uncached_tokens", decision.uncached_tokens))
+            todo = split.prefill_uncached_tokens
             self.load.on_sent(prefill_ep, prefill_request_id(req.request_id), todo, now, keys=req.keys,
                               num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo)
         self.load.on_sent(decision.endpoint_id, req.request_id, local_prefill, now, keys=req.keys,
