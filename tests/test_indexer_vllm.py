@@ -85,7 +85,7 @@ class VllmEngine:
         self.proc: subprocess.Popen | None = None
         self.log = workdir / "engine.log"
 
-    def start(self, timeout_s: float = 180.0) -> None:
+    def start(self, timeout_s: float = 180.0, retry_on_port_clash: bool = True) -> None:
         env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "nobind", "HF_HUB_OFFLINE": "1",
                "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1", "OMP_NUM_THREADS": "1",
                # The engine core in the driver process starts ~3x faster here; events are the same.
@@ -103,6 +103,10 @@ class VllmEngine:
                 break
         tail = self.log.read_text(errors="replace")[-3000:]
         self.stop()
+        if retry_on_port_clash and "Address already in use" in tail:
+            # Another process took the replay port between picking and binding; only the port is at fault.
+            self.replay = self.cfg["replay"] = f"tcp://127.0.0.1:{free_port()}"
+            return self.start(timeout_s, retry_on_port_clash=False)
         raise RuntimeError(f"vLLM engine did not start; log tail:\n{tail}")
 
     def call(self, op: str, **kw) -> dict:  # noqa: ANN003

@@ -1,11 +1,5 @@
-"""Free loopback ports for tests, benchmarks and the local stack."""
+"""Free loopback ports for tests, benchmarks and the local stack (see :mod:`kvmesh.rpc.ports`)."""
 
-from __future__ import annotations
+from kvmesh.rpc.ports import free_port
 
-import socket
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+__all__ = ["free_port"]

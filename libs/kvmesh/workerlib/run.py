@@ -15,7 +15,6 @@ import argparse
 import asyncio
 import dataclasses
 import logging
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +22,7 @@ from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.engine.base import Engine
 from kvmesh.indexer.v1 import indexer_pb2
 from kvmesh.registration import IndexerRegistration, advertised_zmq_endpoint, kv_events_fields
+from kvmesh.rpc.ports import free_port
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
@@ -35,16 +35,10 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = worker_pb2.DESCRIPTOR.services_by_name["Worker"].full_name
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _pin_port(endpoint: str) -> str:
     """``tcp://*:0`` -> a concrete free port, so the address can be advertised before binding."""
     if endpoint.startswith("tcp://") and endpoint.endswith(":0"):
-        return endpoint[:-1] + str(_free_port())
+        return endpoint[:-1] + str(free_port())
     return endpoint
 
 
@@ -137,7 +131,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
         # publisher binds port 0 itself and reports the real port (no pick-then-bind race).
         cfg.kv_events_endpoint = _pin_port(cfg.kv_events_endpoint)
         cfg.kv_events_replay_endpoint = _pin_port(cfg.kv_events_replay_endpoint)
-    port = cfg.port or _free_port()
+    port = cfg.port or free_port()
     endpoint_id = cfg.resolve_endpoint_id(port)
     engine = build_engine(cfg, endpoint_id)
     metrics = WorkerMetrics(engine, cfg.model_name, role, endpoint_id)
