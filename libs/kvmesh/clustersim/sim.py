@@ -99,7 +99,7 @@ class ClusterSim:
         self.now = 0.0
         core_cfg = RouterCoreConfig(policy=policy, block_size=self.bs, speculative_ttl_s=cfg.speculative_ttl_s,
                                     approx_capacity_blocks=max(1, cfg.kv_capacity_tokens // self.bs),
-                                    offload_enabled=cfg.offload_capacity_tokens > 0,
+                                    offload_enabled=cfg.offload_capacity_tokens > 0, report_candidates=1,
                                     scoring=scoring or ScoringConfig(),
                                     # The prefill's KV reaches the decode worker through the
                                     # store: without one there is no split (prefill workers idle).
@@ -108,7 +108,8 @@ class ClusterSim:
         self.core = RouterCore(core_cfg)
         if policy == "random":
             # RouterCore builds policies unseeded; a simulation must be reproducible.
-            self.core._policies["random"] = make_policy("random", core_cfg.scoring, seed=cfg.seed)
+            self.core._policies["random"] = make_policy("random", core_cfg.scoring, seed=cfg.seed,
+                                                           report_candidates=1)
             self.core.default_policy = self.core._policies["random"]
         self.policy = self.core.default_policy
         self.uses_index = bool(getattr(self.policy, "uses_index", False))
@@ -134,7 +135,12 @@ class ClusterSim:
                       if cfg.offload_capacity_tokens > 0 else None)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        self._last_poll = [-1e18] * len(self.workers)
+        # (time of the worker's last load report, worker): the workers due for a poll are a
+        # prefix of this heap, so a decision does not visit every worker of a large fleet.
+        self._polls: list[tuple[float, int]] = [(-1e18, i) for i in range(len(self.workers))]
+        # Workers whose engine changed since their last report; the others report the same again.
+        self._changed = [True] * len(self.workers)
+        self._match_objs: dict[tuple[int, int, int], TierMatch] = {}
         self.jobs: list[Job] = []
         self.errors = 0
 
@@ -169,24 +175,38 @@ class ClusterSim:
         now = self.now
         poll = self.cfg.load_poll_s
         view = self.core.load
-        for i, w in enumerate(self.workers):
-            if now - self._last_poll[i] >= poll:
-                self._last_poll[i] = now
+        polls = self._polls
+        while polls and now - polls[0][0] >= poll:
+            i = heapq.heappop(polls)[1]
+            w = self.workers[i]
+            if self._changed[i]:
+                self._changed[i] = False
                 s = w.sched
                 bm = w.bm
                 view.update(w.id, LoadReport(running=s.num_running, waiting=s.num_waiting, kv_usage=bm.usage,
                                              waiting_prefill_tokens=s.waiting_prefill_tokens(),
                                              num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
                                              received_at=now))
+            else:
+                view.reconfirm(w.id, now)
+            heapq.heappush(polls, (now, i))
 
     def _matches(self, keys: list[int]) -> Matches:
         assert self.index is not None
         res = self.index.lookup(self.cfg.model, keys)
         per: dict[str, TierMatch] = {}
         store = TierMatch()
+        # Most endpoints of a fleet match the same way (the shared system prompt only): one
+        # object per distinct match, never mutated.
+        shared = self._match_objs
+        if len(shared) > 4096:
+            shared.clear()
         for name, em in res.matches.items():
-            tm = TierMatch(gpu=em.tiers.get(Tier.GPU, 0), cpu=em.tiers.get(Tier.CPU, 0),
-                           disk=em.tiers.get(Tier.DISK, 0))
+            t = em.tiers
+            key = (t.get(Tier.GPU, 0), t.get(Tier.CPU, 0), t.get(Tier.DISK, 0))
+            tm = shared.get(key)
+            if tm is None:
+                tm = shared[key] = TierMatch(*key)
             if name == STORE_ENDPOINT:
                 store = tm
             else:
@@ -255,6 +275,7 @@ class ClusterSim:
 
     def _on_arrive(self, widx: int, seq: Seq) -> None:
         w = self.workers[widx]
+        self._changed[widx] = True
         w.sched.add(seq)
         if w.macro is not None:
             self._truncate_macro(w, widx)
@@ -312,6 +333,7 @@ class ClusterSim:
         if gen != w.gen or w.macro is None:
             return   # superseded by a truncation
         n = w.macro[1]
+        self._changed[widx] = True
         for seq in w.sched.running:
             seq.num_computed += n
             seq.num_output += n
@@ -321,6 +343,7 @@ class ClusterSim:
 
     def _plan(self, widx: int) -> None:
         w = self.workers[widx]
+        self._changed[widx] = True
         if self.cfg.macro_steps and self._try_macro(w, widx):
             return
         while w.sched.has_work:
@@ -369,6 +392,7 @@ class ClusterSim:
 
     def _on_step(self, widx: int) -> None:
         w = self.workers[widx]
+        self._changed[widx] = True
         plan = w.plan
         assert plan is not None
         w.plan = None

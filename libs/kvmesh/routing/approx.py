@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvmesh.routing.candidate_table import MatchColumns
 from kvmesh.routing.policy import Policy, RouteContext, register
 from kvmesh.routing.prefix_memory import ApproxIndex, SessionAffinity, SpeculativeIndex
-from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick, spread_key
-from kvmesh.routing.types import Decision, RouteRequest, TierMatch
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.types import Decision, RouteRequest
 
 
 @register
@@ -33,17 +34,12 @@ class ApproxPolicy(Policy):
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
         seen = self.index.match(req.keys)
         pending = self.pending.match(req.keys, ctx.now)
-
-        def match_of(ep: str) -> TierMatch:
-            n, p = seen.get(ep, 0), pending.get(ep, 0)
-            # When the only reason to believe the prefix is there is a split still in flight,
-            # it is there only after that prefill: pending, not a hit.
-            return TierMatch(pending=p) if p >= n > 0 else TierMatch(gpu=n)
-
-        cands = self._candidates(req, ctx, match_of)
-        mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
-        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now), spread_key(req))
-        return self._decision(req, win, why, cands)
+        # When the only reason to believe the prefix is there is a split still in flight,
+        # it is there only after that prefill: pending, not a hit.
+        split = {ep: p for ep, p in pending.items() if p >= seen.get(ep, 0) > 0}
+        matches = (MatchColumns(ctx.pos).raise_to("gpu", {ep: n for ep, n in seen.items() if ep not in split})
+                   .raise_to("pending", split))
+        return self._scored_choice(req, ctx, matches, self.sessions.get(req.session_id, ctx.now))
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         self.index.insert(decision.endpoint_id, req.keys)

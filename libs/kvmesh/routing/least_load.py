@@ -11,6 +11,6 @@ class LeastLoadPolicy(Policy):
     name = "least_load"
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
-        cands = self._candidates(req, ctx)
-        win = min(cands, key=lambda c: (c.queue, c.prefill_tokens, c.endpoint_id))
-        return self._decision(req, win, f"least loaded (queue {win.queue:g})", cands)
+        table = self._table(req, ctx)
+        win = table.least_loaded()
+        return self._decision(req, win, f"least loaded (queue {table.loads.queue[win]:g})", table)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvmesh.hashing.prefix import common_prefix
 
 
@@ -59,6 +61,85 @@ class _InFlight:
     num_tokens: int = 0
     cached_tokens: int = 0            # predicted cached at send: its prefill starts there
 
+    @property
+    def queued_prefill(self) -> int:
+        return self.prefill_tokens if self.prefilling else 0
+
+
+@dataclass
+class LoadColumns:
+    """Every asked endpoint's effective load at once, as numpy arrays in the order asked.
+
+    Element ``i`` equals the matching field of ``LoadView.effective(ids[i], now)``, computed
+    with the same operations in the same order, so vectorized scoring decides exactly as
+    scoring endpoint by endpoint does.
+    """
+
+    queue: np.ndarray
+    prefill_tokens: np.ndarray
+    kv_usage: np.ndarray
+    inflight: np.ndarray
+    active_blocks: np.ndarray
+    inflight_ctx_tokens: np.ndarray
+
+
+class _Sums:
+    """Per-endpoint sums over the router's in-flight requests, kept as they change, with a
+    numpy mirror (one slot per endpoint) so that a decision reads all endpoints at once.
+
+    ``all_*`` cover every in-flight request; ``new_*`` those sent after the endpoint's last
+    report (which that report cannot include yet).
+    """
+
+    FIELDS = ("has_report", "received_at", "running", "waiting", "report_prefill", "kv_usage", "report_blocks",
+              "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx")
+
+    def __init__(self) -> None:
+        self.slot: dict[str, int] = {}
+        self.cols = {f: np.zeros(16) for f in self.FIELDS}
+        # The same in-flight sums as Python ints: ``effective`` returns exactly what it did
+        # when it summed the requests one by one.
+        self.py: list[list[int]] = []
+
+    def slot_of(self, endpoint_id: str) -> int:
+        i = self.slot.get(endpoint_id)
+        if i is None:
+            i = self.slot[endpoint_id] = len(self.slot)
+            self.py.append([0] * 6)
+            if i >= len(self.cols["all_req"]):
+                self.cols = {f: np.concatenate([a, np.zeros(len(a))]) for f, a in self.cols.items()}
+        return i
+
+    def add(self, i: int, req: int, prefill: int, ctx: int, new: bool) -> None:
+        py, cols = self.py[i], self.cols
+        py[0] += req
+        py[1] += prefill
+        py[2] += ctx
+        cols["all_req"][i], cols["all_prefill"][i], cols["all_ctx"][i] = py[0], py[1], py[2]
+        if new:
+            py[3] += req
+            py[4] += prefill
+            py[5] += ctx
+            cols["new_req"][i], cols["new_prefill"][i], cols["new_ctx"][i] = py[3], py[4], py[5]
+
+    def set_new(self, i: int, req: int, prefill: int, ctx: int) -> None:
+        self.py[i][3:6] = [req, prefill, ctx]
+        cols = self.cols
+        cols["new_req"][i], cols["new_prefill"][i], cols["new_ctx"][i] = req, prefill, ctx
+
+    def set_report(self, i: int, rep: LoadReport | None) -> None:
+        cols = self.cols
+        if rep is None:
+            cols["has_report"][i] = 0.0
+            return
+        cols["has_report"][i] = 1.0
+        cols["received_at"][i] = rep.received_at
+        cols["running"][i] = rep.running
+        cols["waiting"][i] = rep.waiting
+        cols["report_prefill"][i] = rep.waiting_prefill_tokens
+        cols["kv_usage"][i] = rep.kv_usage
+        cols["report_blocks"][i] = max(rep.num_blocks, 0)
+
 
 @dataclass
 class LoadView:
@@ -67,15 +148,51 @@ class LoadView:
     staleness_s: float = 2.0
     reports: dict[str, LoadReport] = field(default_factory=dict)
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
-    # The same requests by endpoint: scoring reads every endpoint's load per decision, and a
-    # scan of all in-flight requests per endpoint would cost endpoints x requests at fleet scale.
+    # The same requests by endpoint and by first block key: at fleet scale, a scan of all
+    # in-flight requests per endpoint or per decision would dominate the decision.
     _by_endpoint: dict[str, dict[str, _InFlight]] = field(default_factory=dict)
+    _by_head: dict[int, dict[str, _InFlight]] = field(default_factory=dict)
+    _sums: _Sums = field(default_factory=_Sums)
 
     def update(self, endpoint_id: str, report: LoadReport) -> None:
         self.reports[endpoint_id] = report
+        i = self._sums.slot_of(endpoint_id)
+        self._sums.set_report(i, report)
+        self._sums.set_new(i, *self._new_since(self._by_endpoint.get(endpoint_id, {}), report.received_at))
+
+    @staticmethod
+    def _new_since(inflight: dict[str, _InFlight], received_at: float) -> tuple[int, int, int]:
+        """(requests, queued prefill, context tokens) sent after a report: it cannot include them."""
+        req = prefill = ctx = 0
+        for f in inflight.values():
+            if f.sent_at > received_at:
+                req += 1
+                prefill += f.queued_prefill
+                ctx += f.num_tokens
+        return req, prefill, ctx
+
+    def reconfirm(self, endpoint_id: str, received_at: float) -> None:
+        """The endpoint reported the same figures as last time, now at ``received_at``; a
+        simulator whose engine did not change uses it instead of building the report again."""
+        rep = self.reports.get(endpoint_id)
+        if rep is None:
+            return
+        rep.received_at = received_at
+        i = self._sums.slot_of(endpoint_id)
+        self._sums.cols["received_at"][i] = received_at
+        mine = self._by_endpoint.get(endpoint_id)
+        if mine or any(self._sums.py[i][3:6]):
+            self._sums.set_new(i, *self._new_since(mine or {}, received_at))
 
     def forget(self, endpoint_id: str) -> None:
-        self.reports.pop(endpoint_id, None)
+        if self.reports.pop(endpoint_id, None) is not None:
+            i = self._sums.slot_of(endpoint_id)
+            self._sums.set_report(i, None)
+            self._sums.set_new(i, *self._sums.py[i][:3])   # without a report, every request is new
+
+    def _after_report(self, f: _InFlight) -> bool:
+        rep = self.reports.get(f.endpoint_id)
+        return rep is None or f.sent_at > rep.received_at
 
     def on_sent(self, endpoint_id: str, request_id: str, prefill_tokens: int, now: float,
                 keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0) -> None:
@@ -84,6 +201,9 @@ class LoadView:
                       max(0, int(cached_tokens)))
         self._inflight[request_id] = f
         self._by_endpoint.setdefault(endpoint_id, {})[request_id] = f
+        if keys:
+            self._by_head.setdefault(keys[0], {})[request_id] = f
+        self._sums.add(self._sums.slot_of(endpoint_id), 1, f.prefill_tokens, f.num_tokens, self._after_report(f))
 
     def pending_overlap(self, keys: list[int], block_size: int) -> dict[str, int]:
         """Per endpoint: queued prefill tokens (of the router's in-flight requests) that compute
@@ -96,11 +216,10 @@ class LoadView:
         out: dict[str, int] = {}
         if not keys or block_size <= 0:
             return out
-        head = keys[0]
-        for f in self._inflight.values():
-            if not f.prefilling or not f.keys or f.keys[0] != head or f.prefill_tokens <= 0:
+        for f in self._by_head.get(keys[0], {}).values():
+            if not f.prefilling or f.prefill_tokens <= 0:
                 continue
-            shared = min(common_prefix(f.keys, keys) * block_size, f.num_tokens or 1 << 62)
+            shared = min(common_prefix(f.keys, keys) * block_size, f.num_tokens or 1 << 62)  # type: ignore[arg-type]
             n = min(max(0, shared - f.cached_tokens), f.prefill_tokens)
             if n > out.get(f.endpoint_id, 0):
                 out[f.endpoint_id] = n
@@ -108,8 +227,9 @@ class LoadView:
 
     def on_first_token(self, request_id: str) -> None:
         f = self._inflight.get(request_id)
-        if f is None:
+        if f is None or not f.prefilling:
             return
+        self._sums.add(self._sums.slot_of(f.endpoint_id), 0, -f.prefill_tokens, 0, self._after_report(f))
         f.prefilling = False
         # A report taken since the request was sent still counts its prefill as queued; left
         # as it is, the endpoint would look busy with work that is done until the next poll,
@@ -117,39 +237,46 @@ class LoadView:
         rep = self.reports.get(f.endpoint_id)
         if rep is not None and rep.received_at >= f.sent_at and f.prefill_tokens:
             rep.waiting_prefill_tokens = max(0, rep.waiting_prefill_tokens - f.prefill_tokens)
+            self._sums.set_report(self._sums.slot_of(f.endpoint_id), rep)
 
     def on_finished(self, request_id: str) -> None:
         f = self._inflight.pop(request_id, None)
-        if f is not None:
-            mine = self._by_endpoint.get(f.endpoint_id)
+        if f is None:
+            return
+        for index, key in ((self._by_endpoint, f.endpoint_id), (self._by_head, f.keys[0] if f.keys else None)):
+            mine = index.get(key)  # type: ignore[call-overload]
             if mine is not None:
                 mine.pop(request_id, None)
                 if not mine:
-                    del self._by_endpoint[f.endpoint_id]
+                    del index[key]  # type: ignore[arg-type]
+        self._sums.add(self._sums.slot_of(f.endpoint_id), -1, -f.queued_prefill, -f.num_tokens,
+                       self._after_report(f))
 
     def inflight_count(self, endpoint_id: str) -> int:
         return len(self._by_endpoint.get(endpoint_id, ()))
 
     def effective(self, endpoint_id: str, now: float) -> EffectiveLoad:
         rep = self.reports.get(endpoint_id)
-        fresh = rep is not None and (now - rep.received_at) <= self.staleness_s
-        since = rep.received_at if fresh and rep is not None else float("-inf")
-        extra_req = 0
-        extra_prefill = 0
-        extra_ctx = 0
-        total = 0
-        for f in self._by_endpoint.get(endpoint_id, {}).values():
-            total += 1
-            # Requests sent before the report are assumed to be included in it.
-            if f.sent_at > since:
-                extra_req += 1
-                extra_ctx += f.num_tokens
-                if f.prefilling:
-                    extra_prefill += f.prefill_tokens
-        if fresh and rep is not None:
-            return EffectiveLoad(running=rep.running, waiting=rep.waiting + extra_req,
-                                 prefill_tokens=rep.waiting_prefill_tokens + extra_prefill,
+        i = self._sums.slot.get(endpoint_id)
+        total, all_prefill, all_ctx, new_req, new_prefill, new_ctx = self._sums.py[i] if i is not None else [0] * 6
+        if rep is not None and (now - rep.received_at) <= self.staleness_s:
+            return EffectiveLoad(running=rep.running, waiting=rep.waiting + new_req,
+                                 prefill_tokens=rep.waiting_prefill_tokens + new_prefill,
                                  kv_usage=rep.kv_usage, inflight=total, stale=False,
-                                 active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=extra_ctx)
-        return EffectiveLoad(running=0, waiting=extra_req, prefill_tokens=extra_prefill, inflight=total, stale=True,
-                             inflight_ctx_tokens=extra_ctx)
+                                 active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx)
+        return EffectiveLoad(running=0, waiting=total, prefill_tokens=all_prefill, inflight=total, stale=True,
+                             inflight_ctx_tokens=all_ctx)
+
+    def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
+        """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
+        idx = np.fromiter((self._sums.slot_of(e) for e in endpoint_ids), dtype=np.intp, count=len(endpoint_ids))
+        c = {f: a[idx] for f, a in self._sums.cols.items()}
+        fresh = (c["has_report"] > 0) & ((now - c["received_at"]) <= self.staleness_s)
+        running = np.where(fresh, c["running"], 0.0)
+        waiting = np.where(fresh, c["waiting"] + c["new_req"], c["all_req"])
+        kv = np.where(fresh, c["kv_usage"], 0.0)
+        return LoadColumns(queue=running + waiting,
+                           prefill_tokens=np.where(fresh, c["report_prefill"] + c["new_prefill"], c["all_prefill"]),
+                           kv_usage=kv, inflight=c["all_req"],
+                           active_blocks=np.where(fresh, c["kv_usage"] * c["report_blocks"], 0.0),
+                           inflight_ctx_tokens=np.where(fresh, c["new_ctx"], c["all_ctx"]))

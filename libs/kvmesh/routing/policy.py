@@ -10,13 +10,14 @@ engine ended up holding, so policies that remember their own decisions
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from typing import Any
 
-from kvmesh.routing.load import EffectiveLoad, LoadView
-from kvmesh.routing.scoring import ScoringConfig, evaluate
-from kvmesh.routing.types import Candidate, Decision, EndpointView, Matches, RouteRequest, TierMatch
+from kvmesh.routing.candidate_table import REPORTED_CANDIDATES, CandidateTable, MatchColumns
+from kvmesh.routing.load import LoadView
+from kvmesh.routing.scoring import ScoringConfig, spread_key
+from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
 
 
 class NoEndpointError(RuntimeError):
@@ -32,14 +33,15 @@ class RouteContext:
     now: float
     matches: Matches | None = None       # None: no index answer (unavailable or not asked)
     offload_enabled: bool = True
-    _loads: dict[str, EffectiveLoad] | None = field(default=None, repr=False)
 
-    def loads(self) -> dict[str, EffectiveLoad]:
-        """Every endpoint's effective load, computed once per decision (scoring and the overload
-        guard both read it; at fleet scale it is the decision's main cost)."""
-        if self._loads is None:
-            self._loads = {e.endpoint_id: self.load.effective(e.endpoint_id, self.now) for e in self.endpoints}
-        return self._loads
+    @functools.cached_property
+    def ids(self) -> list[str]:
+        return [e.endpoint_id for e in self.endpoints]
+
+    @functools.cached_property
+    def pos(self) -> dict[str, int]:
+        """Endpoint id -> its index in ``endpoints`` (the order of every per-endpoint array)."""
+        return {e: i for i, e in enumerate(self.ids)}
 
 
 class Policy(abc.ABC):
@@ -48,8 +50,10 @@ class Policy(abc.ABC):
     name: str = ""
     uses_index: bool = False   # wants the indexer's matches in the context
 
-    def __init__(self, scoring: ScoringConfig | None = None, **options: Any) -> None:
+    def __init__(self, scoring: ScoringConfig | None = None, *, report_candidates: int = REPORTED_CANDIDATES,
+                 **options: Any) -> None:
         self.scoring = scoring or ScoringConfig()
+        self.report_candidates = report_candidates   # Candidate objects kept on a decision (traces)
         self.options = options
 
     @abc.abstractmethod
@@ -74,28 +78,35 @@ class Policy(abc.ABC):
         return None
 
     # Shared helpers ------------------------------------------------------
-    def _candidates(self, req: RouteRequest, ctx: RouteContext,
-                    match_of: Callable[[str], TierMatch] | None = None) -> list[Candidate]:
+    def _table(self, req: RouteRequest, ctx: RouteContext, matches: MatchColumns | None = None) -> CandidateTable:
+        """Every endpoint scored for ``req`` (by default with the index's matches, if any)."""
         if not ctx.endpoints:
             raise NoEndpointError(f"no live endpoint for model {req.model!r}")
+        if matches is None:
+            matches = MatchColumns(ctx.pos)
+            if ctx.matches:
+                matches.put(ctx.matches.per_endpoint)
         store = ctx.matches.store if ctx.matches else TierMatch()
-        if match_of is None:
-            match_of = (ctx.matches.get if ctx.matches else (lambda _e: TierMatch()))
-        shared = ctx.load.pending_overlap(req.keys, req.block_size)
-        loads = ctx.loads()
-        out = []
-        for e in ctx.endpoints:
-            ld = loads[e.endpoint_id]
-            out.append(evaluate(e.endpoint_id, match_of(e.endpoint_id), store, ld, req.num_tokens,
-                                req.block_size, self.scoring, ctx.offload_enabled, shared.get(e.endpoint_id, 0)))
-        return out
+        return CandidateTable(req, ctx.ids, ctx.load, ctx.now, matches, store,
+                              ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled)
 
-    def _decision(self, req: RouteRequest, win: Candidate, reason: str, cands: list[Candidate],
+    def _scored_choice(self, req: RouteRequest, ctx: RouteContext, matches: MatchColumns,
+                       affinity: str) -> Decision:
+        """The cost rule of :mod:`kvmesh.routing.scoring`: overload guard, then the least
+        estimated TTFT, ties to ``affinity`` and then as :func:`scoring.pick` says."""
+        table = self._table(req, ctx, matches)
+        table.mark_hot()
+        choice = table.pick(affinity, spread_key(req))
+        return self._decision(req, choice.index, choice.reason, table)
+
+    def _decision(self, req: RouteRequest, win: int, reason: str, table: CandidateTable,
                   fallback: str = "") -> Decision:
-        return Decision(endpoint_id=win.endpoint_id, policy=self.name,
-                        predicted_cached_tokens_gpu=win.gpu_blocks * req.block_size,
-                        predicted_cached_tokens_offload=win.offload_blocks * req.block_size,
-                        uncached_tokens=win.uncached_tokens, score=win.cost, reason=reason,
+        cands = table.reported(win, self.report_candidates)
+        c = cands[0]
+        return Decision(endpoint_id=c.endpoint_id, policy=self.name,
+                        predicted_cached_tokens_gpu=c.gpu_blocks * req.block_size,
+                        predicted_cached_tokens_offload=c.offload_blocks * req.block_size,
+                        uncached_tokens=c.uncached_tokens, score=c.cost, reason=reason,
                         fallback=fallback, candidates=cands)
 
 

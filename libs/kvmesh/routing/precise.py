@@ -13,10 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.routing.approx import ApproxPolicy
+from kvmesh.routing.candidate_table import MatchColumns
 from kvmesh.routing.policy import Policy, RouteContext, register
 from kvmesh.routing.prefix_memory import SessionAffinity, SpeculativeIndex
-from kvmesh.routing.scoring import ScoringConfig, mark_hot, max_hit_blocks, pick, spread_key
-from kvmesh.routing.types import Decision, RouteRequest, TierMatch
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.types import Decision, RouteRequest
 
 
 @register
@@ -31,7 +32,8 @@ class PrecisePolicy(Policy):
         # Decode endpoints of split requests: they hold the prefix once its prefill is done.
         self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
-        self.fallback = ApproxPolicy(self.scoring, capacity_blocks=approx_capacity_blocks,
+        self.fallback = ApproxPolicy(self.scoring, report_candidates=self.report_candidates,
+                                     capacity_blocks=approx_capacity_blocks,
                                      session_ttl_s=session_ttl_s, speculative_ttl_s=speculative_ttl_s)
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
@@ -41,22 +43,10 @@ class PrecisePolicy(Policy):
             d.fallback = "indexer unavailable; approx"
             d.reason = f"fallback to approx: {d.reason}"
             return d
-        spec = self.speculative.match(req.keys, ctx.now)
-        pending = self.pending.match(req.keys, ctx.now)
-        matches = ctx.matches
-
-        def match_of(ep: str) -> TierMatch:
-            m = matches.get(ep)
-            s = spec.get(ep, 0)
-            p = pending.get(ep, 0)
-            if s > m.speculative or p > m.pending:
-                m = TierMatch(m.gpu, m.cpu, m.disk, max(s, m.speculative), max(p, m.pending))
-            return m
-
-        cands = self._candidates(req, ctx, match_of)
-        mark_hot(cands, ctx.loads(), max_hit_blocks(req.num_tokens, req.block_size), self.scoring)
-        win, why = pick(cands, self.scoring, self.sessions.get(req.session_id, ctx.now), spread_key(req))
-        return self._decision(req, win, why, cands)
+        matches = (MatchColumns(ctx.pos).put(ctx.matches.per_endpoint)
+                   .raise_to("speculative", self.speculative.match(req.keys, ctx.now))
+                   .raise_to("pending", self.pending.match(req.keys, ctx.now)))
+        return self._scored_choice(req, ctx, matches, self.sessions.get(req.session_id, ctx.now))
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         # A split request's blocks are computed on the prefill endpoint; the decode endpoint

@@ -19,5 +19,6 @@ class RandomPolicy(Policy):
         self._rng = random.Random(seed)
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
-        cands = sorted(self._candidates(req, ctx), key=lambda c: c.endpoint_id)
-        return self._decision(req, self._rng.choice(cands), "random", cands)
+        table = self._table(req, ctx)
+        order = sorted(range(len(ctx.ids)), key=ctx.ids.__getitem__)
+        return self._decision(req, self._rng.choice(order), "random", table)

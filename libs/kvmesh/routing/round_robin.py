@@ -18,7 +18,8 @@ class RoundRobinPolicy(Policy):
         self._next = 0
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
-        cands = sorted(self._candidates(req, ctx), key=lambda c: c.endpoint_id)
-        win = cands[self._next % len(cands)]
+        table = self._table(req, ctx)
+        order = sorted(range(len(ctx.ids)), key=ctx.ids.__getitem__)
+        win = order[self._next % len(order)]
         self._next += 1
-        return self._decision(req, win, "round robin", cands)
+        return self._decision(req, win, "round robin", table)

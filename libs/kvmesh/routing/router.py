@@ -38,6 +38,9 @@ class RouterCoreConfig:
     speculative_ttl_s: float = 2.0
     approx_capacity_blocks: int = 100_000
     offload_enabled: bool = True
+    # Candidates kept on each decision for traces and logs (the winner first); the simulator
+    # keeps only the winner, since building the others is most of a decision at fleet scale.
+    report_candidates: int = 16
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     hash_cache: HashCacheConfig = field(default_factory=HashCacheConfig)
@@ -65,7 +68,8 @@ class RouterCore:
         if p is None:
             p = make_policy(name, self.cfg.scoring, speculative_ttl_s=self.cfg.speculative_ttl_s,
                             approx_capacity_blocks=self.cfg.approx_capacity_blocks,
-                            capacity_blocks=self.cfg.approx_capacity_blocks)
+                            capacity_blocks=self.cfg.approx_capacity_blocks,
+                            report_candidates=self.cfg.report_candidates)
             self._policies[name] = p
         return p
 

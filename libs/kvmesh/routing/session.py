@@ -20,13 +20,11 @@ class SessionPolicy(Policy):
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
-        cands = self._candidates(req, ctx)
-        by_id = {c.endpoint_id: c for c in cands}
-        sticky = self.sessions.get(req.session_id, ctx.now)
-        if sticky in by_id:
-            return self._decision(req, by_id[sticky], "session affinity", cands)
-        win = min(cands, key=lambda c: (c.queue, c.prefill_tokens, c.endpoint_id))
-        return self._decision(req, win, "new session; least loaded", cands)
+        table = self._table(req, ctx)
+        sticky = ctx.pos.get(self.sessions.get(req.session_id, ctx.now))
+        if sticky is not None:
+            return self._decision(req, sticky, "session affinity", table)
+        return self._decision(req, table.least_loaded(), "new session; least loaded", table)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         self.sessions.set(req.session_id, decision.endpoint_id, now)

@@ -1,0 +1,212 @@
+"""Every endpoint's cost for one request at once, as numpy arrays.
+
+:func:`kvmesh.routing.scoring.evaluate`, :func:`~kvmesh.routing.scoring.mark_hot` and
+:func:`~kvmesh.routing.scoring.pick` state the routing rule one endpoint at a time; they
+are the reference. At fleet scale (hundreds of endpoints, and every one of them holds
+the shared system prompt, so every one is a candidate) scoring endpoint by endpoint in
+Python was most of a decision. This table applies the same rule to all endpoints at
+once, with the same floating-point operations in the same order, so it reaches exactly
+the same decision (``tests/router/test_candidate_table.py`` checks that on random
+clusters). ``Candidate`` objects are built only for the endpoints a decision reports.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from kvmesh.routing.load import LoadColumns, LoadView
+from kvmesh.routing.scoring import ScoringConfig, evaluate, max_hit_blocks
+from kvmesh.routing.types import Candidate, RouteRequest, TierMatch
+
+REPORTED_CANDIDATES = 16   # the winner and the cheapest others, kept on the decision for traces
+
+
+class MatchColumns:
+    """Per-endpoint matched blocks (the ``TierMatch`` fields), aligned with a list of endpoints."""
+
+    FIELDS = ("gpu", "cpu", "disk", "speculative", "pending")
+
+    def __init__(self, pos: Mapping[str, int]) -> None:
+        self.pos = pos
+        n = len(pos)
+        self.cols: dict[str, list[int]] = {f: [0] * n for f in self.FIELDS}
+
+    def put(self, per_endpoint: Mapping[str, TierMatch]) -> MatchColumns:
+        pos = self.pos
+        gpu, cpu, disk, spec, pend = (self.cols[f] for f in self.FIELDS)
+        for ep, m in per_endpoint.items():
+            i = pos.get(ep)
+            if i is not None:
+                gpu[i], cpu[i], disk[i], spec[i], pend[i] = m.gpu, m.cpu, m.disk, m.speculative, m.pending
+        return self
+
+    def raise_to(self, name: str, blocks: Mapping[str, int]) -> MatchColumns:
+        """Field ``name`` becomes at least ``blocks[ep]`` (a leading run known from another source)."""
+        col, pos = self.cols[name], self.pos
+        for ep, n in blocks.items():
+            i = pos.get(ep)
+            if i is not None and n > col[i]:
+                col[i] = n
+        return self
+
+    def at(self, i: int) -> TierMatch:
+        c = self.cols
+        return TierMatch(c["gpu"][i], c["cpu"][i], c["disk"][i], c["speculative"][i], c["pending"][i])
+
+    def array(self, name: str) -> np.ndarray:
+        return np.asarray(self.cols[name], dtype=np.int64)
+
+
+@dataclass
+class Choice:
+    index: int
+    reason: str
+
+
+class CandidateTable:
+    """Costs, tiers and overload flags of one request on every endpoint (numpy, endpoint order)."""
+
+    def __init__(self, req: RouteRequest, ids: list[str], load: LoadView, now: float, matches: MatchColumns,
+                 store: TierMatch, shared: Mapping[str, int], cfg: ScoringConfig,
+                 offload_enabled: bool = True) -> None:
+        self.req, self.ids, self.load, self.now = req, ids, load, now
+        self.matches, self.store, self.cfg, self.offload_enabled = matches, store, cfg, offload_enabled
+        self.shared = shared
+        self.cap = cap = max_hit_blocks(req.num_tokens, req.block_size)
+        lc: LoadColumns = load.columns(ids, now)
+        self.loads = lc
+        bs = req.block_size
+        g, sp = matches.array("gpu"), matches.array("speculative")
+        # scoring.tier_split, element-wise.
+        real_gpu = np.minimum(g, cap)
+        gpu = np.minimum(np.maximum(g, sp), cap)
+        if offload_enabled:
+            real_cpu_end = np.maximum(gpu, np.minimum(np.maximum(matches.array("cpu"), store.cpu), cap))
+            real_disk_end = np.minimum(np.maximum(matches.array("disk"), store.disk), cap)
+            cpu_end = np.maximum(real_cpu_end, np.minimum(matches.array("pending"), cap))
+            disk_end = np.maximum(cpu_end, real_disk_end)
+            n_cpu, n_disk = cpu_end - gpu, disk_end - cpu_end
+        else:
+            n_cpu = n_disk = np.zeros(len(ids), dtype=np.int64)
+        self.gpu, self.speculative = gpu, gpu - real_gpu
+        self.offload = n_cpu + n_disk
+        # scoring.evaluate, element-wise.
+        cached_tokens = (gpu + n_cpu + n_disk) * bs
+        uncached = np.maximum(0, req.num_tokens - cached_tokens)
+        restore = np.where(self.offload > 0, cfg.restore_overhead_s + (n_cpu * bs) * cfg.cpu_restore_s_per_token
+                           + (n_disk * bs) * cfg.disk_restore_s_per_token, 0.0)
+        compute = np.where(uncached > 0, uncached * cfg.prefill_s_per_token
+                           + uncached * (cached_tokens + uncached / 2.0) * cfg.attn_s_per_token_pair, 0.0)
+        own = compute + restore
+        self.shared_arr = np.zeros(len(ids))
+        for ep, n in shared.items():
+            i = matches.pos.get(ep)
+            if i is not None:
+                self.shared_arr[i] = n
+        queued = np.maximum(lc.prefill_tokens - self.shared_arr, 0.0)
+        self.wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
+        ctx = lc.active_blocks * bs + lc.inflight_ctx_tokens
+        self.decode = cfg.decode_horizon_steps * (lc.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
+        self.cost = self.wait + own + self.decode
+        self.hot = np.zeros(len(ids), dtype=bool)
+        self.excluded_inflight = np.zeros(len(ids), dtype=bool)
+        self.excluded_hot = np.zeros(len(ids), dtype=bool)
+
+    # -- the overload guard (scoring.mark_hot) ---------------------------------
+    def mark_hot(self) -> None:
+        cfg, q = self.cfg, self.loads.queue
+        if not len(q):
+            return
+        min_q = q.min()
+        self.hot = ((q - min_q >= cfg.hot_abs) & (q >= cfg.hot_rel * (min_q + 1))) | (self.loads.kv_usage >= cfg.hot_kv_usage)
+        if cfg.max_inflight:
+            self.excluded_inflight = self.loads.inflight >= cfg.max_inflight
+        ratio = (self.gpu + self.offload) / self.cap if self.cap else np.zeros(len(q))
+        self.excluded_hot = self.hot & ~self.excluded_inflight & (ratio < cfg.hot_min_hit_ratio)
+
+    def excluded(self, i: int) -> str:
+        return "max_inflight" if self.excluded_inflight[i] else "hot" if self.excluded_hot[i] else ""
+
+    # -- the choice (scoring.pick) ---------------------------------------------
+    def pick(self, affinity: str = "", spread: tuple[str, bool] = ("", False)) -> Choice:
+        """Lowest cost among non-excluded endpoints; ties as in :func:`kvmesh.routing.scoring.pick`."""
+        n = len(self.ids)
+        pool = ~(self.excluded_inflight | self.excluded_hot)
+        skipped = n - int(pool.sum())
+        if not pool.any():
+            pool, skipped = np.ones(n, dtype=bool), 0
+        best = self.cost[pool].min()
+        tied = np.flatnonzero(pool & (self.cost <= best + self.cfg.tie_epsilon_s))
+        aff = self.matches.pos.get(affinity) if affinity else None
+        if aff is not None and aff in set(tied.tolist()):
+            win = aff
+        else:
+            win = self._break_tie(tied, spread)
+        c = self.candidate(win)
+        if len(tied) > 1 and affinity and win == aff:
+            why = "tie broken by session affinity"
+        elif c.credit_blocks > 0:
+            why = (f"least estimated TTFT {c.cost:.3f}s with {c.gpu_blocks} cached and "
+                   f"{c.offload_blocks} restorable blocks")
+        else:
+            why = f"no prefix anywhere; least estimated TTFT {c.cost:.3f}s"
+        if skipped:
+            why += f"; {skipped} overloaded endpoint(s) skipped"
+        return Choice(win, why)
+
+    def _break_tie(self, tied: np.ndarray, spread: tuple[str, bool]) -> int:
+        # Order of scoring.pick: most GPU blocks, then (hash, load) or (load, hash), then the id.
+        if len(tied) > 1:
+            g = self.gpu[tied]
+            tied = tied[g == g.max()]
+        if len(tied) == 1:
+            return int(tied[0])
+        key, hash_first = spread
+        base = zlib.crc32(f"{key}\x00".encode())
+        ids = self.ids
+
+        def rank(i: int) -> int:   # == scoring._rank(key, ids[i])
+            return zlib.crc32(ids[i].encode(), base)
+
+        def load(i: int) -> float:
+            return round(float(self.wait[i] + self.decode[i]), 4)
+
+        idx = tied.tolist()
+        if not hash_first:
+            wd = self.wait[tied] + self.decode[tied]
+            # round() is monotone, so only those within a rounding step of the least can tie on it.
+            idx = tied[wd <= wd.min() + 2e-4].tolist()
+            low = min(load(i) for i in idx)
+            idx = [i for i in idx if load(i) == low]
+            return min(idx, key=lambda i: (rank(i), ids[i]))
+        ranks = {i: rank(i) for i in idx}
+        low_r = min(ranks.values())
+        idx = [i for i in idx if ranks[i] == low_r]
+        return min(idx, key=lambda i: (load(i), ids[i]))
+
+    def least_loaded(self) -> int:
+        """Fewest running + waiting requests, then least queued prefill, then the id."""
+        q, p = self.loads.queue, self.loads.prefill_tokens
+        sel = np.flatnonzero(q == q.min())
+        sel = sel[p[sel] == p[sel].min()]
+        return min(sel.tolist(), key=self.ids.__getitem__)
+
+    # -- Candidate objects -----------------------------------------------------
+    def candidate(self, i: int) -> Candidate:
+        """Endpoint ``i`` as :func:`kvmesh.routing.scoring.evaluate` scores it, with its guard flags."""
+        ep = self.ids[i]
+        c = evaluate(ep, self.matches.at(i), self.store, self.load.effective(ep, self.now), self.req.num_tokens,
+                     self.req.block_size, self.cfg, self.offload_enabled, self.shared.get(ep, 0))
+        c.hot = bool(self.hot[i])
+        c.excluded = self.excluded(i)
+        return c
+
+    def reported(self, win: int, k: int = REPORTED_CANDIDATES) -> list[Candidate]:
+        """The winner, then the cheapest other endpoints by cost (at most ``k`` in all)."""
+        order = np.argsort(self.cost, kind="stable")[:k].tolist()
+        rest = [i for i in order if i != win][: k - 1]
+        return [self.candidate(i) for i in [win, *rest]]
