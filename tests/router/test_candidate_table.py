@@ -47,7 +47,7 @@ def _random_load(rng: random.Random, ids: list[str], now: float) -> LoadView:
         elif op < 0.95 and live:
             lv.on_finished(live.pop(rng.randrange(len(live))))
         elif op < 0.97:
-            lv.reconfirm(ep, t)
+            lv.reconfirm([ep, rng.choice(ids)], t)
         else:
             lv.forget(ep)
     return lv

@@ -170,7 +170,8 @@ def test_simple_policies_route_and_fail_cleanly(name):
         assert len(seen) == 1
     elif name in ("round_robin", "least_load"):
         assert len(seen) == 3
-    core.endpoints.clear()
+    for eid in list(core.endpoints):
+        core.remove_endpoint(eid)
     with pytest.raises(NoEndpointError):
         core.decide(_req(core, _tokens(10), "x"), Matches(), now=0.0)
 
@@ -493,3 +494,16 @@ def test_session_affinity_outranks_the_stable_hash_on_a_tie(policy: str):
         core.load.update("e0", LoadReport(received_at=float(i) + 0.2))
         r2 = _req(core, _tokens(300, seed=200 + i), f"b{i}", session=s)
         assert core.decide(r2, Matches(), now=float(i) + 0.2).endpoint_id == "e1", s
+
+
+def test_marking_an_endpoint_down_and_up_changes_the_eligible_set_at_once():
+    core = _core(3)
+    assert {e.endpoint_id for e in core.decode_endpoints("m")} == {"e0", "e1", "e2"}
+    assert core.set_alive("e1", False) and not core.set_alive("e1", False)
+    assert {e.endpoint_id for e in core.decode_endpoints("m")} == {"e0", "e2"}
+    for i in range(6):
+        assert core.decide(_req(core, _tokens(50, seed=i), f"r{i}"), Matches(), now=0.0).endpoint_id != "e1"
+    core.set_alive("e1", True)
+    assert {e.endpoint_id for e in core.decode_endpoints("m")} == {"e0", "e1", "e2"}
+    core.decode_endpoints("m").clear()   # callers get a copy: the cached list is not theirs to change
+    assert len(core.decode_endpoints("m")) == 3

@@ -19,6 +19,7 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -135,9 +136,10 @@ class ClusterSim:
                       if cfg.offload_capacity_tokens > 0 else None)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
-        # (time of the worker's last load report, worker): the workers due for a poll are a
-        # prefix of this heap, so a decision does not visit every worker of a large fleet.
-        self._polls: list[tuple[float, int]] = [(-1e18, i) for i in range(len(self.workers))]
+        # Workers by the time of their last load report, oldest first. A poll sets that time to
+        # the decision's, so workers polled together stay together: a decision pops the due
+        # groups instead of visiting every worker of a large fleet.
+        self._polls: deque[tuple[float, list[int]]] = deque([(-1e18, list(range(len(self.workers))))])
         # Workers whose engine changed since their last report; the others report the same again.
         self._changed = [True] * len(self.workers)
         self._match_objs: dict[tuple[int, int, int], TierMatch] = {}
@@ -174,22 +176,29 @@ class ClusterSim:
     def _refresh_load(self) -> None:
         now = self.now
         poll = self.cfg.load_poll_s
-        view = self.core.load
         polls = self._polls
+        if not polls or now - polls[0][0] < poll:
+            return
+        due: list[int] = []
         while polls and now - polls[0][0] >= poll:
-            i = heapq.heappop(polls)[1]
+            due.extend(polls.popleft()[1])
+        view = self.core.load
+        changed = self._changed
+        same: list[str] = []
+        for i in due:
             w = self.workers[i]
-            if self._changed[i]:
-                self._changed[i] = False
-                s = w.sched
-                bm = w.bm
-                view.update(w.id, LoadReport(running=s.num_running, waiting=s.num_waiting, kv_usage=bm.usage,
-                                             waiting_prefill_tokens=s.waiting_prefill_tokens(),
-                                             num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
-                                             received_at=now))
-            else:
-                view.reconfirm(w.id, now)
-            heapq.heappush(polls, (now, i))
+            if not changed[i]:
+                same.append(w.id)
+                continue
+            changed[i] = False
+            s = w.sched
+            bm = w.bm
+            view.update(w.id, LoadReport(running=s.num_running, waiting=s.num_waiting, kv_usage=bm.usage,
+                                         waiting_prefill_tokens=s.waiting_prefill_tokens(),
+                                         num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
+                                         received_at=now))
+        view.reconfirm(same, now)
+        polls.append((now, due))
 
     def _matches(self, keys: list[int]) -> Matches:
         assert self.index is not None

@@ -100,6 +100,7 @@ class _Sums:
         # The same in-flight sums as Python ints: ``effective`` returns exactly what it did
         # when it summed the requests one by one.
         self.py: list[list[int]] = []
+        self._slots_cache: dict[tuple[str, ...], np.ndarray] = {}
 
     def slot_of(self, endpoint_id: str) -> int:
         i = self.slot.get(endpoint_id)
@@ -109,6 +110,17 @@ class _Sums:
             if i >= len(self.cols["all_req"]):
                 self.cols = {f: np.concatenate([a, np.zeros(len(a))]) for f, a in self.cols.items()}
         return i
+
+    def slots(self, endpoint_ids: list[str]) -> np.ndarray:
+        """Slots of ``endpoint_ids`` in order; a decision asks for the same list again and again."""
+        key = tuple(endpoint_ids)
+        idx = self._slots_cache.get(key)
+        if idx is None:
+            if len(self._slots_cache) > 64:
+                self._slots_cache.clear()
+            idx = self._slots_cache[key] = np.fromiter((self.slot_of(e) for e in endpoint_ids), dtype=np.intp,
+                                                       count=len(endpoint_ids))
+        return idx
 
     def add(self, i: int, req: int, prefill: int, ctx: int, new: bool) -> None:
         py, cols = self.py[i], self.cols
@@ -171,18 +183,21 @@ class LoadView:
                 ctx += f.num_tokens
         return req, prefill, ctx
 
-    def reconfirm(self, endpoint_id: str, received_at: float) -> None:
-        """The endpoint reported the same figures as last time, now at ``received_at``; a
-        simulator whose engine did not change uses it instead of building the report again."""
-        rep = self.reports.get(endpoint_id)
-        if rep is None:
-            return
-        rep.received_at = received_at
-        i = self._sums.slot_of(endpoint_id)
-        self._sums.cols["received_at"][i] = received_at
-        mine = self._by_endpoint.get(endpoint_id)
-        if mine or any(self._sums.py[i][3:6]):
-            self._sums.set_new(i, *self._new_since(mine or {}, received_at))
+    def reconfirm(self, endpoint_ids: list[str], received_at: float) -> None:
+        """These endpoints reported the same figures as last time, now at ``received_at``. A
+        simulator whose engines did not change uses it instead of building every report again."""
+        sums, reports, by_ep, slot = self._sums, self.reports, self._by_endpoint, self._sums.slot
+        slots = []
+        for e in endpoint_ids:
+            rep = reports.get(e)
+            if rep is None:
+                continue
+            rep.received_at = received_at
+            slots.append(slot[e])
+            # Without requests in flight the sums of requests sent since the report are zero.
+            if e in by_ep:
+                sums.set_new(slot[e], *self._new_since(by_ep[e], received_at))
+        sums.cols["received_at"][slots] = received_at
 
     def forget(self, endpoint_id: str) -> None:
         if self.reports.pop(endpoint_id, None) is not None:
@@ -269,7 +284,7 @@ class LoadView:
 
     def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
         """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
-        idx = np.fromiter((self._sums.slot_of(e) for e in endpoint_ids), dtype=np.intp, count=len(endpoint_ids))
+        idx = self._sums.slots(endpoint_ids)
         c = {f: a[idx] for f, a in self._sums.cols.items()}
         fresh = (c["has_report"] > 0) & ((now - c["received_at"]) <= self.staleness_s)
         running = np.where(fresh, c["running"], 0.0)

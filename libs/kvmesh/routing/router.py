@@ -55,6 +55,7 @@ class RouterCore:
         self.hash_cache = HashCache(self.hasher, self.cfg.hash_cache)
         self.load = LoadView(staleness_s=self.cfg.load_staleness_s)
         self.endpoints: dict[str, EndpointView] = {}
+        self._eligible: dict[tuple[str, frozenset[str], int], list[EndpointView]] = {}
         self._policies: dict[str, Policy] = {}
         self.default_policy = self.policy(self.cfg.policy)
 
@@ -76,16 +77,35 @@ class RouterCore:
     # -- endpoints -------------------------------------------------------------
     def set_endpoint(self, ep: EndpointView) -> None:
         self.endpoints[ep.endpoint_id] = ep
+        self._eligible.clear()
+
+    def set_alive(self, endpoint_id: str, alive: bool) -> bool:
+        """Mark an endpoint up or down; True if that changed anything."""
+        ep = self.endpoints.get(endpoint_id)
+        if ep is None or ep.alive == alive:
+            return False
+        ep.alive = alive
+        self._eligible.clear()
+        return True
 
     def remove_endpoint(self, endpoint_id: str) -> None:
+        self._eligible.clear()
         if self.endpoints.pop(endpoint_id, None) is not None:
             self.load.forget(endpoint_id)
             for p in self._policies.values():
                 p.forget_endpoint(endpoint_id)
 
     def decode_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
-        return [e for e in self.endpoints.values()
-                if e.alive and e.decodes and (not e.model or e.model == model) and e.endpoint_id not in exclude]
+        """Live decode endpoints for ``model``; kept until an endpoint is added, removed or marked
+        up or down (through this class), since every decision asks and fleets are large."""
+        key = (model, frozenset(exclude), len(self.endpoints))
+        got = self._eligible.get(key)
+        if got is None:
+            if len(self._eligible) > 256:
+                self._eligible.clear()
+            got = self._eligible[key] = [e for e in self.endpoints.values() if e.alive and e.decodes
+                                         and (not e.model or e.model == model) and e.endpoint_id not in exclude]
+        return list(got)
 
     def prefill_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
         return [e for e in self.endpoints.values()

@@ -97,9 +97,7 @@ class Cluster:
         return st
 
     def mark_dead(self, eid: str, why: str) -> None:
-        ep = self.core.endpoints.get(eid)
-        if ep is not None and ep.alive:
-            ep.alive = False
+        if self.core.set_alive(eid, False):
             log.warning("endpoint marked down", extra={"endpoint": eid, "why": why})
 
     def live_decode_count(self) -> int:
@@ -175,8 +173,7 @@ class Cluster:
         # A revived endpoint may be a restarted worker with other adapters: read its info again.
         if ep is not None and (revived or (eid not in self.lora_paths and eid not in self._no_info)):
             await self.fetch_info(eid)
-        if revived:
-            ep.alive = True
+        if revived and self.core.set_alive(eid, True):
             log.info("endpoint up", extra={"endpoint": eid})
 
     async def fetch_info(self, eid: str) -> None:
