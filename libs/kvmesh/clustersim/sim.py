@@ -16,10 +16,13 @@ store contents all come from the shared components (see ``parts``).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import heapq
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +85,26 @@ def _pct(values: list[float], q: float) -> float:
     s = sorted(values)
     k = max(0, min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1)))))
     return s[k]
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Run without the cyclic garbage collector.
+
+    A fleet's block managers, index and store hold millions of long-lived objects, and each
+    full collection walks all of them: about a fifth of a 544-worker run's wall time. The loop
+    makes no reference cycles that matter (measured: the same peak RSS with the collector off).
+    """
+    was = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was:
+            gc.enable()
 
 
 class ClusterSim:
@@ -156,6 +179,12 @@ class ClusterSim:
         self.runner = ScheduleRunner(self.schedule)
         for t, idx in self.runner.initial():
             self._push(t, RELEASE, idx)
+        with _no_cyclic_gc():
+            self._loop()
+        wall = time.perf_counter() - wall0
+        return self._result(wall)
+
+    def _loop(self) -> None:
         heap = self._heap
         pop = heapq.heappop
         while heap:
@@ -169,8 +198,6 @@ class ClusterSim:
                 self._on_release(payload)
             else:
                 self._on_arrive(*payload)
-        wall = time.perf_counter() - wall0
-        return self._result(wall)
 
     # ------------------------------------------------------------------ routing
     def _refresh_load(self) -> None:

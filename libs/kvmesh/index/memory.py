@@ -25,6 +25,8 @@ from array import array
 from collections.abc import Callable, Iterable, Sequence
 from itertools import islice
 
+import numpy as np
+
 from kvmesh.index.base import TIERS, BlockIndex, EndpointMatch, IndexStats, LookupResult, Tier
 
 _BITS_PER_SLOT = 4
@@ -34,10 +36,18 @@ _TIER_OF_BIT: tuple[Tier | None, ...] = (None, Tier.GPU, Tier.CPU, Tier.DISK)
 
 
 def _positions(mask: int) -> Iterable[int]:
+    """Set bit positions, lowest first."""
+    if mask.bit_count() > 32:
+        # With hundreds of endpoints a lookup drops hundreds of bits at once (all that share
+        # only the system prompt); unpacking the bytes beats peeling bits off a big int.
+        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+    out = []
     while mask:
         low = mask & -mask
-        yield low.bit_length() - 1
+        out.append(low.bit_length() - 1)
         mask ^= low
+    return out
 
 
 class MemoryIndex(BlockIndex):

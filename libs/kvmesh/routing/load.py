@@ -165,6 +165,8 @@ class LoadView:
     _by_endpoint: dict[str, dict[str, _InFlight]] = field(default_factory=dict)
     _by_head: dict[int, dict[str, _InFlight]] = field(default_factory=dict)
     _sums: _Sums = field(default_factory=_Sums)
+    _version: int = 0   # bumped by every change to the in-flight requests
+    _overlap_memo: tuple[list[int], int, int, dict[str, int]] | None = None
 
     def update(self, endpoint_id: str, report: LoadReport) -> None:
         self.reports[endpoint_id] = report
@@ -212,6 +214,7 @@ class LoadView:
     def on_sent(self, endpoint_id: str, request_id: str, prefill_tokens: int, now: float,
                 keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0) -> None:
         self.on_finished(request_id)
+        self._version += 1
         f = _InFlight(endpoint_id, now, max(0, int(prefill_tokens)), True, keys, max(0, int(num_tokens)),
                       max(0, int(cached_tokens)))
         self._inflight[request_id] = f
@@ -228,6 +231,9 @@ class LoadView:
         first one's prefill, still queued where it went, computes exactly what the sibling will
         reuse there: waiting for it is no extra delay compared with recomputing it elsewhere.
         """
+        memo = self._overlap_memo
+        if memo is not None and memo[0] is keys and memo[1] == block_size and memo[2] == self._version:
+            return dict(memo[3])
         out: dict[str, int] = {}
         if not keys or block_size <= 0:
             return out
@@ -238,12 +244,15 @@ class LoadView:
             n = min(max(0, shared - f.cached_tokens), f.prefill_tokens)
             if n > out.get(f.endpoint_id, 0):
                 out[f.endpoint_id] = n
+        # A decision asks twice (scoring, then the split rule) with nothing sent in between.
+        self._overlap_memo = (keys, block_size, self._version, dict(out))
         return out
 
     def on_first_token(self, request_id: str) -> None:
         f = self._inflight.get(request_id)
         if f is None or not f.prefilling:
             return
+        self._version += 1
         self._sums.add(self._sums.slot_of(f.endpoint_id), 0, -f.prefill_tokens, 0, self._after_report(f))
         f.prefilling = False
         # A report taken since the request was sent still counts its prefill as queued; left
@@ -258,6 +267,7 @@ class LoadView:
         f = self._inflight.pop(request_id, None)
         if f is None:
             return
+        self._version += 1
         for index, key in ((self._by_endpoint, f.endpoint_id), (self._by_head, f.keys[0] if f.keys else None)):
             mine = index.get(key)  # type: ignore[call-overload]
             if mine is not None:
