@@ -121,3 +121,29 @@ def test_scale_bench_writes_json(tmp_path: Path) -> None:
     for side in ("large", "baseline"):
         assert data[side]["requests"] > 0 and data[side]["errors"] == 0 and data[side]["peak_concurrent_sessions"] >= 1
     assert data["ms_per_request_ratio_vs_baseline"] > 0
+
+
+class _AlwaysChanged(list):
+    """Every worker counts as changed: each poll builds its report from the engine again."""
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204
+        return True
+
+
+@pytest.mark.parametrize("policy", ["precise", "approx"])
+def test_reconfirmed_reports_decide_as_rebuilt_ones(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose engine did not change is reconfirmed instead of polled; that must never
+    change a decision (a missed change would leave a stale report standing)."""
+    from kvmesh.clustersim.run import schedule_for
+    from kvmesh.clustersim.sim import ClusterSim
+
+    cfg = _cfg(decode_workers=5, prefill_workers=2, load_poll_s=0.05)
+    runs = []
+    for rebuild in (False, True):
+        tr = _trace(seed=5)
+        sim = ClusterSim(tr, schedule_for(tr, cfg), cfg, policy)
+        if rebuild:
+            sim._changed = _AlwaysChanged(sim._changed)
+        res = sim.run()
+        runs.append([(r["uid"], r["endpoint"], r["split"], r["cached_gpu"], r["ttft_s"]) for r in res.records])
+    assert runs[0] == runs[1] and len(runs[0]) > 50
