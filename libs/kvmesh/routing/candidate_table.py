@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmesh.routing.load import LoadColumns, LoadView
-from kvmesh.routing.scoring import ScoringConfig, evaluate, max_hit_blocks
+from kvmesh.routing.scoring import ScoringConfig, evaluate, max_hit_blocks, pick_reason
 from kvmesh.routing.types import Candidate, RouteRequest, TierMatch
 
 REPORTED_CANDIDATES = 16   # the winner and the cheapest others, kept on the decision for traces
@@ -146,17 +146,7 @@ class CandidateTable:
             win = aff
         else:
             win = self._break_tie(tied, spread)
-        c = self.candidate(win)
-        if len(tied) > 1 and affinity and win == aff:
-            why = "tie broken by session affinity"
-        elif c.credit_blocks > 0:
-            why = (f"least estimated TTFT {c.cost:.3f}s with {c.gpu_blocks} cached and "
-                   f"{c.offload_blocks} restorable blocks")
-        else:
-            why = f"no prefix anywhere; least estimated TTFT {c.cost:.3f}s"
-        if skipped:
-            why += f"; {skipped} overloaded endpoint(s) skipped"
-        return Choice(win, why)
+        return Choice(win, pick_reason(self.candidate(win), len(tied) > 1 and win == aff, skipped))
 
     def _break_tie(self, tied: np.ndarray, spread: tuple[str, bool]) -> int:
         # Order of scoring.pick: most GPU blocks, then (hash, load) or (load, hash), then the id.

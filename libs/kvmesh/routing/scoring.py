@@ -235,13 +235,19 @@ def pick(cands: list[Candidate], cfg: ScoringConfig, affinity: str = "",
 
     tied.sort(key=order)
     win = tied[0]
-    if len(tied) > 1 and affinity and win.endpoint_id == affinity:
+    by_affinity = len(tied) > 1 and bool(affinity) and win.endpoint_id == affinity
+    return win, pick_reason(win, by_affinity, len(cands) - len(pool))
+
+
+def pick_reason(win: Candidate, by_affinity: bool, skipped: int) -> str:
+    """Why ``win`` was picked, for the decision's log and trace."""
+    if by_affinity:
         why = "tie broken by session affinity"
     elif win.credit_blocks > 0:
         why = (f"least estimated TTFT {win.cost:.3f}s with {win.gpu_blocks} cached and "
                f"{win.offload_blocks} restorable blocks")
     else:
         why = f"no prefix anywhere; least estimated TTFT {win.cost:.3f}s"
-    if len(pool) < len(cands):
-        why += f"; {len(cands) - len(pool)} overloaded endpoint(s) skipped"
-    return win, why
+    if skipped:
+        why += f"; {skipped} overloaded endpoint(s) skipped"
+    return why
