@@ -115,6 +115,7 @@ class CandidateTable:
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)
+        self._built: dict[int, Candidate] = {}   # the winner is built for its reason, then reported
 
     # -- the overload guard (scoring.mark_hot) ---------------------------------
     def mark_hot(self) -> None:
@@ -127,6 +128,7 @@ class CandidateTable:
             self.excluded_inflight = self.loads.inflight >= cfg.max_inflight
         ratio = (self.gpu + self.offload) / self.cap if self.cap else np.zeros(len(q))
         self.excluded_hot = self.hot & ~self.excluded_inflight & (ratio < cfg.hot_min_hit_ratio)
+        self._built.clear()   # their guard flags changed
 
     def excluded(self, i: int) -> str:
         return "max_inflight" if self.excluded_inflight[i] else "hot" if self.excluded_hot[i] else ""
@@ -142,7 +144,7 @@ class CandidateTable:
         best = self.cost[pool].min()
         tied = np.flatnonzero(pool & (self.cost <= best + self.cfg.tie_epsilon_s))
         aff = self.matches.pos.get(affinity) if affinity else None
-        if aff is not None and aff in set(tied.tolist()):
+        if aff is not None and bool((tied == aff).any()):
             win = aff
         else:
             win = self._break_tie(tied, spread)
@@ -188,15 +190,20 @@ class CandidateTable:
     # -- Candidate objects -----------------------------------------------------
     def candidate(self, i: int) -> Candidate:
         """Endpoint ``i`` as :func:`kvmesh.routing.scoring.evaluate` scores it, with its guard flags."""
-        ep = self.ids[i]
-        c = evaluate(ep, self.matches.at(i), self.store, self.load.effective(ep, self.now), self.req.num_tokens,
-                     self.req.block_size, self.cfg, self.offload_enabled, self.shared.get(ep, 0))
-        c.hot = bool(self.hot[i])
-        c.excluded = self.excluded(i)
+        c = self._built.get(i)
+        if c is None:
+            ep = self.ids[i]
+            c = evaluate(ep, self.matches.at(i), self.store, self.load.effective(ep, self.now), self.req.num_tokens,
+                         self.req.block_size, self.cfg, self.offload_enabled, self.shared.get(ep, 0))
+            c.hot = bool(self.hot[i])
+            c.excluded = self.excluded(i)
+            self._built[i] = c
         return c
 
     def reported(self, win: int, k: int = REPORTED_CANDIDATES) -> list[Candidate]:
         """The winner, then the cheapest other endpoints by cost (at most ``k`` in all)."""
+        if k <= 1:
+            return [self.candidate(win)]   # the simulator's case: no ranking needed
         order = np.argsort(self.cost, kind="stable")[:k].tolist()
         rest = [i for i in order if i != win][: k - 1]
         return [self.candidate(i) for i in [win, *rest]]

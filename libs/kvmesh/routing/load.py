@@ -172,14 +172,13 @@ class LoadView:
         self.reports[endpoint_id] = report
         i = self._sums.slot_of(endpoint_id)
         self._sums.set_report(i, report)
-        self._sums.set_new(i, *self._new_since(self._by_endpoint.get(endpoint_id, {}), report.received_at))
+        self._sums.set_new(i, *self._new_since(self._by_endpoint.get(endpoint_id, {})))
 
-    @staticmethod
-    def _new_since(inflight: dict[str, _InFlight], received_at: float) -> tuple[int, int, int]:
-        """(requests, queued prefill, context tokens) sent after a report: it cannot include them."""
+    def _new_since(self, inflight: dict[str, _InFlight]) -> tuple[int, int, int]:
+        """(requests, queued prefill, context tokens) sent after their endpoint's current report."""
         req = prefill = ctx = 0
         for f in inflight.values():
-            if f.sent_at > received_at:
+            if self._after_report(f):
                 req += 1
                 prefill += f.queued_prefill
                 ctx += f.num_tokens
@@ -198,7 +197,7 @@ class LoadView:
             slots.append(slot[e])
             # Without requests in flight the sums of requests sent since the report are zero.
             if e in by_ep:
-                sums.set_new(slot[e], *self._new_since(by_ep[e], received_at))
+                sums.set_new(slot[e], *self._new_since(by_ep[e]))
         sums.cols["received_at"][slots] = received_at
 
     def forget(self, endpoint_id: str) -> None:
@@ -208,6 +207,7 @@ class LoadView:
             self._sums.set_new(i, *self._sums.py[i][:3])   # without a report, every request is new
 
     def _after_report(self, f: _InFlight) -> bool:
+        """Sent after its endpoint's last report, so the report cannot include it."""
         rep = self.reports.get(f.endpoint_id)
         return rep is None or f.sent_at > rep.received_at
 
