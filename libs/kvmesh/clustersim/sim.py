@@ -26,12 +26,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvmesh.clustersim.config import SimConfig
 from kvmesh.clustersim.parts import STORE_ENDPOINT, SimOffload, SimWorker, WorkerSpec
 from kvmesh.engine.sim.latency import LatencyParams
 from kvmesh.engine.sim.scheduler import SchedulerConfig, Seq
-from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex
+from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.policy import make_policy
@@ -165,7 +167,10 @@ class ClusterSim:
         self._polls: deque[tuple[float, list[int]]] = deque([(-1e18, list(range(len(self.workers))))])
         # Workers whose engine changed since their last report; the others report the same again.
         self._changed = [True] * len(self.workers)
-        self._match_objs: dict[tuple[int, int, int], TierMatch] = {}
+        self._layout = ColumnLayout([w.id for w in self.workers])
+        self._rows_version = -1
+        self._worker_rows = np.zeros(0, dtype=np.intp)
+        self._store_row = -1
         self.jobs: list[Job] = []
         self.errors = 0
 
@@ -229,25 +234,20 @@ class ClusterSim:
 
     def _matches(self, keys: list[int]) -> Matches:
         assert self.index is not None
-        res = self.index.lookup(self.cfg.model, keys)
-        per: dict[str, TierMatch] = {}
-        store = TierMatch()
-        # Most endpoints of a fleet match the same way (the shared system prompt only): one
-        # object per distinct match, never mutated.
-        shared = self._match_objs
-        if len(shared) > 4096:
-            shared.clear()
-        for name, em in res.matches.items():
-            t = em.tiers
-            key = (t.get(Tier.GPU, 0), t.get(Tier.CPU, 0), t.get(Tier.DISK, 0))
-            tm = shared.get(key)
-            if tm is None:
-                tm = shared[key] = TierMatch(*key)
-            if name == STORE_ENDPOINT:
-                store = tm
-            else:
-                per[name] = tm
-        return Matches(per_endpoint=per, store=store)
+        rows = self.index.lookup_rows(self.cfg.model, keys)
+        if self._rows_version != self.index.slots_version:
+            # Each worker's row (or the zero row past the end while it has none).
+            slot_of = self.index.slot_of
+            self._worker_rows = np.asarray([-1 if (r := slot_of(w.id)) is None else r for w in self.workers],
+                                           dtype=np.intp)
+            store = slot_of(STORE_ENDPOINT)
+            self._store_row = -1 if store is None else store
+            self._rows_version = self.index.slots_version
+        rows = np.concatenate((rows, np.zeros((1, rows.shape[1]), dtype=rows.dtype)))
+        mine = rows[self._worker_rows]
+        s = rows[self._store_row]
+        return Matches(store=TierMatch(int(s[1]), int(s[2]), int(s[3])),
+                       columns=EndpointColumns(self._layout, mine[:, 1], mine[:, 2], mine[:, 3]))
 
     def _on_release(self, node_idx: int) -> None:
         req = self.schedule.nodes[node_idx].req

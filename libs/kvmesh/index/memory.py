@@ -80,6 +80,7 @@ class MemoryIndex(BlockIndex):
         self._spec: dict[str, dict[str, dict[int, float]]] = {}
         self._spec_count = 0
         self.evicted = 0
+        self.slots_version = 0   # bumped when an endpoint gets or loses a slot
 
     # ---- slots -----------------------------------------------------------------
     def _slot(self, endpoint: str) -> int:
@@ -97,6 +98,7 @@ class MemoryIndex(BlockIndex):
                 self._slot_log.append({})
                 self._any_base |= 1 << (slot * _BITS_PER_SLOT)
             self._slot_of[endpoint] = slot
+            self.slots_version += 1
         return slot
 
     def _release_slot(self, slot: int) -> None:
@@ -104,6 +106,7 @@ class MemoryIndex(BlockIndex):
         if name is not None:
             self._slot_of.pop(name, None)
         self._slot_names[slot] = None
+        self.slots_version += 1
         self._slot_log[slot] = {}
         self._slot_entries[slot] = 0
         self._free_slots.append(slot)
@@ -311,14 +314,39 @@ class MemoryIndex(BlockIndex):
             for name in dict.fromkeys((model, *extra_models)):
                 d = self._models.get(name)
                 if d and keys and allowed:
-                    self._walk(d, keys, allowed, result)
+                    self._fill(self._walk(d, keys, allowed), result)
             if include_speculative and keys:
                 self._spec_lookup(model, keys, endpoint_filter, exclude, result)
             return result
 
-    def _walk(self, d: dict[int, int], keys: Sequence[int], allowed: int, result: LookupResult) -> None:
+    def lookup_rows(self, model: str, keys: Sequence[int]) -> np.ndarray:
+        """Leading matched blocks of ``keys`` per endpoint slot, as rows ``[any tier, GPU, CPU,
+        DISK]`` indexed by :meth:`slot_of` (no filters, no speculative entries).
+
+        The same walk as :meth:`lookup`, answered as one array: at fleet scale every endpoint
+        holds the shared system prompt, and building a match object per endpoint was most of
+        a lookup.
+        """
+        with self._lock:
+            out = np.zeros(len(self._slot_names) * _BITS_PER_SLOT, dtype=np.int64)
+            d = self._models.get(model)
+            if d and keys:
+                for mask, length in self._walk(d, keys, -1):
+                    if mask:
+                        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+                        out[np.flatnonzero(np.unpackbits(raw, bitorder="little"))] = length
+            return out.reshape(-1, _BITS_PER_SLOT)
+
+    def slot_of(self, endpoint: str) -> int | None:
+        """The row of ``endpoint`` in :meth:`lookup_rows`; rows change only when
+        :attr:`slots_version` does."""
+        return self._slot_of.get(endpoint)
+
+    def _walk(self, d: dict[int, int], keys: Sequence[int], allowed: int) -> list[tuple[int, int]]:
+        """How far each bit (slot and tier) matches ``keys``: ``(bits, length)`` pairs, every
+        matching bit in exactly one, in the order they stopped matching."""
         any_of = self._any
-        lengths: dict[int, int] = {}
+        drops: list[tuple[int, int]] = []
         cur = cur_any = 0
         prev: int | None = -1
         i = 0
@@ -342,39 +370,40 @@ class MemoryIndex(BlockIndex):
                 continue
             nxt = cur & m
             if nxt != cur:
-                for pos in _positions(cur ^ nxt):
-                    lengths[pos] = i
+                drops.append((cur ^ nxt, i))
                 cur = nxt
             nxt_a = cur_any & any_of(m)
             if nxt_a != cur_any:
-                for pos in _positions(cur_any ^ nxt_a):
-                    lengths[pos] = i
+                drops.append((cur_any ^ nxt_a, i))
                 cur_any = nxt_a
                 if not cur_any:
                     break
             i += 1
-        for pos in _positions(cur | cur_any):
-            lengths[pos] = i
+        drops.append((cur | cur_any, i))
         # Keeping LRU order costs a re-insert per matched key; it only matters
         # once eviction is near, so skip it while the index is under half its budget.
         if i and self.touch_on_lookup and self.max_entries and self._entries * 2 > self.max_entries:
             pop = d.pop
             for k in keys[:i]:
                 d[k] = pop(k)
+        return drops
+
+    def _fill(self, drops: list[tuple[int, int]], result: LookupResult) -> None:
         names = self._slot_names
-        for pos, length in lengths.items():
-            slot, tier = pos >> 2, pos & 3
-            name = names[slot]
-            if name is None:
-                continue
-            em = result.matches.get(name)
-            if em is None:
-                em = result.matches[name] = EndpointMatch(name)
-            if tier == 0:
-                em.combined = max(em.combined, length)
-            else:
-                t = _TIER_OF_BIT[tier]
-                em.tiers[t] = max(em.tiers.get(t, 0), length)
+        for mask, length in drops:
+            for pos in _positions(mask):
+                slot, tier = pos >> 2, pos & 3
+                name = names[slot]
+                if name is None:
+                    continue
+                em = result.matches.get(name)
+                if em is None:
+                    em = result.matches[name] = EndpointMatch(name)
+                if tier == 0:
+                    em.combined = max(em.combined, length)
+                else:
+                    t = _TIER_OF_BIT[tier]
+                    em.tiers[t] = max(em.tiers.get(t, 0), length)
 
     def _spec_lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None,
                      exclude: Iterable[str] | None, result: LookupResult) -> None:

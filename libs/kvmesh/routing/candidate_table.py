@@ -20,7 +20,7 @@ import numpy as np
 
 from kvmesh.routing.load import LoadColumns, LoadView
 from kvmesh.routing.scoring import ScoringConfig, evaluate, max_hit_blocks, pick_reason
-from kvmesh.routing.types import Candidate, RouteRequest, TierMatch
+from kvmesh.routing.types import Candidate, Matches, RouteRequest, TierMatch
 
 REPORTED_CANDIDATES = 16   # the winner and the cheapest others, kept on the decision for traces
 
@@ -33,7 +33,7 @@ class MatchColumns:
     def __init__(self, pos: Mapping[str, int]) -> None:
         self.pos = pos
         n = len(pos)
-        self.cols: dict[str, list[int]] = {f: [0] * n for f in self.FIELDS}
+        self.cols: dict[str, np.ndarray] = {f: np.zeros(n, dtype=np.int64) for f in self.FIELDS}
 
     def put(self, per_endpoint: Mapping[str, TierMatch]) -> MatchColumns:
         pos = self.pos
@@ -44,21 +44,40 @@ class MatchColumns:
                 gpu[i], cpu[i], disk[i], spec[i], pend[i] = m.gpu, m.cpu, m.disk, m.speculative, m.pending
         return self
 
+    def put_matches(self, matches: Matches) -> MatchColumns:
+        """The index's answer, as a dict or (the simulator's) as arrays."""
+        c = matches.columns
+        if c is None:
+            return self.put(matches.per_endpoint)
+        src, dst = c.align(self.pos)
+        for f in ("gpu", "cpu", "disk"):
+            self.cols[f][dst] = getattr(c, f)[src]
+        return self
+
     def raise_to(self, name: str, blocks: Mapping[str, int]) -> MatchColumns:
         """Field ``name`` becomes at least ``blocks[ep]`` (a leading run known from another source)."""
-        col, pos = self.cols[name], self.pos
+        if not blocks:
+            return self
+        pos = self.pos
+        idx: list[int] = []
+        val: list[int] = []
         for ep, n in blocks.items():
             i = pos.get(ep)
-            if i is not None and n > col[i]:
-                col[i] = n
+            if i is not None:
+                idx.append(i)
+                val.append(n)
+        if idx:
+            col, at = self.cols[name], np.asarray(idx)
+            col[at] = np.maximum(col[at], np.asarray(val, dtype=np.int64))
         return self
 
     def at(self, i: int) -> TierMatch:
         c = self.cols
-        return TierMatch(c["gpu"][i], c["cpu"][i], c["disk"][i], c["speculative"][i], c["pending"][i])
+        return TierMatch(int(c["gpu"][i]), int(c["cpu"][i]), int(c["disk"][i]), int(c["speculative"][i]),
+                         int(c["pending"][i]))
 
     def array(self, name: str) -> np.ndarray:
-        return np.asarray(self.cols[name], dtype=np.int64)
+        return self.cols[name]
 
 
 @dataclass

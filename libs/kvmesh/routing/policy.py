@@ -10,7 +10,6 @@ engine ended up holding, so policies that remember their own decisions
 from __future__ import annotations
 
 import abc
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,15 +32,17 @@ class RouteContext:
     now: float
     matches: Matches | None = None       # None: no index answer (unavailable or not asked)
     offload_enabled: bool = True
+    # Endpoint ids, and id -> index in ``endpoints`` (the order of every per-endpoint array).
+    # Derived when not given; the router core passes the same (read-only) objects while its
+    # endpoint set is unchanged.
+    ids: list[str] = None  # type: ignore[assignment]
+    pos: dict[str, int] = None  # type: ignore[assignment]
 
-    @functools.cached_property
-    def ids(self) -> list[str]:
-        return [e.endpoint_id for e in self.endpoints]
-
-    @functools.cached_property
-    def pos(self) -> dict[str, int]:
-        """Endpoint id -> its index in ``endpoints`` (the order of every per-endpoint array)."""
-        return {e: i for i, e in enumerate(self.ids)}
+    def __post_init__(self) -> None:
+        if self.ids is None:
+            self.ids = [e.endpoint_id for e in self.endpoints]
+        if self.pos is None:
+            self.pos = {e: i for i, e in enumerate(self.ids)}
 
 
 class Policy(abc.ABC):
@@ -85,7 +86,7 @@ class Policy(abc.ABC):
         if matches is None:
             matches = MatchColumns(ctx.pos)
             if ctx.matches:
-                matches.put(ctx.matches.per_endpoint)
+                matches.put_matches(ctx.matches)
         store = ctx.matches.store if ctx.matches else TierMatch()
         return CandidateTable(req, ctx.ids, ctx.load, ctx.now, matches, store,
                               ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled)

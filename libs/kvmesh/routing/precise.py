@@ -43,7 +43,7 @@ class PrecisePolicy(Policy):
             d.fallback = "indexer unavailable; approx"
             d.reason = f"fallback to approx: {d.reason}"
             return d
-        matches = (MatchColumns(ctx.pos).put(ctx.matches.per_endpoint)
+        matches = (MatchColumns(ctx.pos).put_matches(ctx.matches)
                    .raise_to("speculative", self.speculative.match(req.keys, ctx.now))
                    .raise_to("pending", self.pending.match(req.keys, ctx.now)))
         return self._scored_choice(req, ctx, matches, self.sessions.get(req.session_id, ctx.now))

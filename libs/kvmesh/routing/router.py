@@ -46,6 +46,15 @@ class RouterCoreConfig:
     hash_cache: HashCacheConfig = field(default_factory=HashCacheConfig)
 
 
+@dataclass(frozen=True)
+class _Eligible:
+    """The live decode endpoints of one model, their ids and positions (read-only, shared)."""
+
+    endpoints: list[EndpointView]
+    ids: list[str]
+    pos: dict[str, int]
+
+
 class RouterCore:
     """Hash cache + policies + load view + endpoint table + split rule."""
 
@@ -55,7 +64,7 @@ class RouterCore:
         self.hash_cache = HashCache(self.hasher, self.cfg.hash_cache)
         self.load = LoadView(staleness_s=self.cfg.load_staleness_s)
         self.endpoints: dict[str, EndpointView] = {}
-        self._eligible: dict[tuple[str, frozenset[str], int], list[EndpointView]] = {}
+        self._eligible: dict[tuple[str, frozenset[str], int], _Eligible] = {}
         self._policies: dict[str, Policy] = {}
         self.default_policy = self.policy(self.cfg.policy)
 
@@ -96,16 +105,23 @@ class RouterCore:
                 p.forget_endpoint(endpoint_id)
 
     def decode_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
-        """Live decode endpoints for ``model``; kept until an endpoint is added, removed or marked
-        up or down (through this class), since every decision asks and fleets are large."""
+        """Live decode endpoints for ``model``."""
+        return list(self._decode_set(model, exclude).endpoints)
+
+    def _decode_set(self, model: str, exclude: set[str] | frozenset[str]) -> _Eligible:
+        # Kept until an endpoint is added, removed or marked up or down (through this class),
+        # since every decision asks and fleets are large; the same ids and positions objects
+        # across decisions also let per-endpoint arrays be aligned once.
         key = (model, frozenset(exclude), len(self.endpoints))
         got = self._eligible.get(key)
         if got is None:
             if len(self._eligible) > 256:
                 self._eligible.clear()
-            got = self._eligible[key] = [e for e in self.endpoints.values() if e.alive and e.decodes
-                                         and (not e.model or e.model == model) and e.endpoint_id not in exclude]
-        return list(got)
+            eps = [e for e in self.endpoints.values() if e.alive and e.decodes
+                   and (not e.model or e.model == model) and e.endpoint_id not in exclude]
+            ids = [e.endpoint_id for e in eps]
+            got = self._eligible[key] = _Eligible(eps, ids, {e: i for i, e in enumerate(ids)})
+        return got
 
     def prefill_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
         return [e for e in self.endpoints.values()
@@ -119,11 +135,11 @@ class RouterCore:
     def decide(self, req: RouteRequest, matches: Matches | None, now: float, policy: str = "",
                exclude: set[str] | frozenset[str] = frozenset()) -> Decision:
         pol = self.policy(policy) if policy else self.default_policy
-        eps = self.decode_endpoints(req.model, exclude)
-        if not eps:
+        eps = self._decode_set(req.model, exclude)
+        if not eps.endpoints:
             raise NoEndpointError(f"no live endpoint for model {req.model!r}")
-        ctx = RouteContext(endpoints=eps, load=self.load, now=now, matches=matches,
-                           offload_enabled=self.cfg.offload_enabled)
+        ctx = RouteContext(endpoints=list(eps.endpoints), load=self.load, now=now, matches=matches,
+                           offload_enabled=self.cfg.offload_enabled, ids=eps.ids, pos=eps.pos)
         return pol.choose(req, ctx)
 
     def decide_split(self, decision: Decision, req: RouteRequest, now: float,

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvmesh.routing.endpoint_columns import EndpointColumns
 
 ROLE_DECODE = "decode"
 ROLE_PREFILL = "prefill"
@@ -65,8 +68,13 @@ class Matches:
     # Blocks restorable from the shared offload store by any decode endpoint.
     store: TierMatch = field(default_factory=TierMatch)
     source: str = "indexer"   # indexer | approx | none
+    # The per-endpoint matches as arrays instead of ``per_endpoint`` (the simulator's index
+    # answers this way; see kvmesh.routing.endpoint_columns).
+    columns: EndpointColumns | None = None
 
     def get(self, endpoint_id: str) -> TierMatch:
+        if self.columns is not None:
+            return self.columns.get(endpoint_id)
         return self.per_endpoint.get(endpoint_id) or TierMatch()
 
 
