@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kvmesh.hashing.prefix import common_prefix
+from kvmesh.hashing.prefix import common_prefix_near
 
 
 @dataclass
@@ -237,10 +237,12 @@ class LoadView:
         out: dict[str, int] = {}
         if not keys or block_size <= 0:
             return out
+        near = 0
         for f in self._by_head.get(keys[0], {}).values():
             if not f.prefilling or f.prefill_tokens <= 0:
                 continue
-            shared = min(common_prefix(f.keys, keys) * block_size, f.num_tokens or 1 << 62)  # type: ignore[arg-type]
+            near = common_prefix_near(f.keys, keys, near)  # type: ignore[arg-type]
+            shared = min(near * block_size, f.num_tokens or 1 << 62)
             n = min(max(0, shared - f.cached_tokens), f.prefill_tokens)
             if n > out.get(f.endpoint_id, 0):
                 out[f.endpoint_id] = n

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvmesh.hashing.prefix import common_prefix
+from kvmesh.hashing.prefix import common_prefix_near, extends
 
 
 class _ChainSet:
@@ -28,7 +28,7 @@ class _ChainSet:
         """Remember a chain; an older chain of the same endpoint that it extends is replaced."""
         lst = self.by_head.setdefault(keys[0], [])
         for ent in lst:
-            if ent[0] == endpoint and common_prefix(ent[1], keys) == len(ent[1]):
+            if ent[0] == endpoint and extends(ent[1], keys):
                 ent[1] = keys if len(keys) >= len(ent[1]) else ent[1]
                 ent[2] = max(ent[2], value)
                 return None
@@ -39,14 +39,17 @@ class _ChainSet:
             del lst[0]
         return ent
 
-    def best(self, keys: list[int], valid) -> dict[str, int]:
+    def best(self, keys: list[int], live_after: float | None = None) -> dict[str, int]:
+        """Per endpoint, the longest leading run of ``keys`` in its chains (those whose value
+        is above ``live_after``, if given)."""
         out: dict[str, int] = {}
         if not keys:
             return out
+        near = 0
         for ent in self.by_head.get(keys[0], ()):
-            if not valid(ent):
+            if live_after is not None and ent[2] <= live_after:
                 continue
-            n = common_prefix(ent[1], keys)
+            n = near = common_prefix_near(ent[1], keys, near)
             if n > out.get(ent[0], 0):
                 out[ent[0]] = n
         return out
@@ -108,7 +111,7 @@ class SpeculativeIndex:
 
     def match(self, keys: list[int], now: float) -> dict[str, int]:
         """Leading speculative blocks per endpoint (only unexpired entries)."""
-        return self._set.best(keys, lambda e: e[2] > now)
+        return self._set.best(keys, now)
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         self._set.drop_endpoint(endpoint_id)
@@ -137,7 +140,7 @@ class ApproxIndex:
         self._clock += 1
         lru = self._lru.setdefault(endpoint_id, OrderedDict())
         for ent in self._set.by_head.get(keys[0], ()):
-            if ent[0] == endpoint_id and common_prefix(ent[1], keys) == len(ent[1]):
+            if ent[0] == endpoint_id and extends(ent[1], keys):
                 # Extends (or repeats) a remembered chain: grow it in place and refresh.
                 self._blocks[endpoint_id] = self._blocks.get(endpoint_id, 0) + max(0, len(keys) - len(ent[1]))
                 if len(keys) > len(ent[1]):
@@ -158,7 +161,7 @@ class ApproxIndex:
                 lst.remove(victim)
 
     def match(self, keys: list[int]) -> dict[str, int]:
-        return self._set.best(keys, lambda e: True)
+        return self._set.best(keys)
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         self._set.drop_endpoint(endpoint_id)

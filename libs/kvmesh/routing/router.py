@@ -64,7 +64,7 @@ class RouterCore:
         self.hash_cache = HashCache(self.hasher, self.cfg.hash_cache)
         self.load = LoadView(staleness_s=self.cfg.load_staleness_s)
         self.endpoints: dict[str, EndpointView] = {}
-        self._eligible: dict[tuple[str, frozenset[str], int], _Eligible] = {}
+        self._eligible: dict[tuple[str, str, frozenset[str], int], _Eligible] = {}
         self._policies: dict[str, Policy] = {}
         self.default_policy = self.policy(self.cfg.policy)
 
@@ -106,27 +106,26 @@ class RouterCore:
 
     def decode_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
         """Live decode endpoints for ``model``."""
-        return list(self._decode_set(model, exclude).endpoints)
+        return list(self._eligible_set("decode", model, exclude).endpoints)
 
-    def _decode_set(self, model: str, exclude: set[str] | frozenset[str]) -> _Eligible:
+    def _eligible_set(self, role: str, model: str, exclude: set[str] | frozenset[str]) -> _Eligible:
         # Kept until an endpoint is added, removed or marked up or down (through this class),
         # since every decision asks and fleets are large; the same ids and positions objects
         # across decisions also let per-endpoint arrays be aligned once.
-        key = (model, frozenset(exclude), len(self.endpoints))
+        key = (role, model, frozenset(exclude), len(self.endpoints))
         got = self._eligible.get(key)
         if got is None:
             if len(self._eligible) > 256:
                 self._eligible.clear()
-            eps = [e for e in self.endpoints.values() if e.alive and e.decodes
+            eps = [e for e in self.endpoints.values()
+                   if e.alive and (e.decodes if role == "decode" else e.role == "prefill")
                    and (not e.model or e.model == model) and e.endpoint_id not in exclude]
             ids = [e.endpoint_id for e in eps]
             got = self._eligible[key] = _Eligible(eps, ids, {e: i for i, e in enumerate(ids)})
         return got
 
     def prefill_endpoints(self, model: str, exclude: set[str] | frozenset[str] = frozenset()) -> list[EndpointView]:
-        return [e for e in self.endpoints.values()
-                if e.alive and e.role == "prefill" and (not e.model or e.model == model)
-                and e.endpoint_id not in exclude]
+        return list(self._eligible_set("prefill", model, exclude).endpoints)
 
     # -- pipeline --------------------------------------------------------------
     def chain(self, tokens: Sequence[int], extra: ExtraKeys | None = None, session_id: str = "") -> ChainResult:
@@ -135,7 +134,7 @@ class RouterCore:
     def decide(self, req: RouteRequest, matches: Matches | None, now: float, policy: str = "",
                exclude: set[str] | frozenset[str] = frozenset()) -> Decision:
         pol = self.policy(policy) if policy else self.default_policy
-        eps = self._decode_set(req.model, exclude)
+        eps = self._eligible_set("decode", req.model, exclude)
         if not eps.endpoints:
             raise NoEndpointError(f"no live endpoint for model {req.model!r}")
         ctx = RouteContext(endpoints=list(eps.endpoints), load=self.load, now=now, matches=matches,
@@ -154,10 +153,16 @@ class RouterCore:
         one prefill endpoint is reused there.
         """
         pre = self.prefill_endpoints(req.model, exclude)
-        loads = {e.endpoint_id: self.load.effective(e.endpoint_id, now) for e in pre}
         win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
+        # Blocks credited only as a split sibling's pending prefill are not there to reuse
+        # without a split: they count as uncached for the threshold.
+        uncached = decision.uncached_tokens + (win.pending_blocks * req.block_size if win is not None else 0)
+        if not self.cfg.split.enabled or uncached < self.cfg.split.threshold_tokens:
+            # The rule stops before it looks at any prefill endpoint (most requests).
+            return decide_split(uncached, req.num_tokens, pre, {}, self.cfg.split)
+        loads = {e.endpoint_id: self.load.effective(e.endpoint_id, now) for e in pre}
         if win is None:
-            return decide_split(decision.uncached_tokens, req.num_tokens, pre, loads, self.cfg.split)
+            return decide_split(uncached, req.num_tokens, pre, loads, self.cfg.split)
         cap = max_hit_blocks(req.num_tokens, req.block_size)
         pol = self.policy(decision.policy)
 
@@ -179,9 +184,6 @@ class RouterCore:
 
         def remote_uncached(ep: str) -> int:
             return max(0, req.num_tokens - max(win.store_blocks, remote(ep)[0]) * req.block_size)
-        # Blocks credited only as a split sibling's pending prefill are not there to reuse
-        # without a split: they count as uncached for the threshold.
-        uncached = decision.uncached_tokens + win.pending_blocks * req.block_size
         return decide_split(uncached, req.num_tokens, pre, loads, self.cfg.split, extra, remote_uncached)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float,
