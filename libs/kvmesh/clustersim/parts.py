@@ -99,12 +99,11 @@ class SimOffload:
 
     def leading(self, keys: list[int], cap: int) -> int:
         present = self._present
-        n = 0
-        for k in keys[:cap] if cap < len(keys) else keys:
+        run = keys[:cap] if cap < len(keys) else keys
+        for n, k in enumerate(run):
             if k not in present:
-                break
-            n += 1
-        return n
+                return n
+        return len(run)
 
     def _new_batch(self) -> None:
         if self._clock is not None:

@@ -286,12 +286,13 @@ class BlockManager:
         hashes = self._hash
         first: list[int] = []
         last: list[int] = []
+        caching = self.enable_caching
         for b in reversed(r.blocks):
             if b == NULL_BLOCK:
                 continue
-            ref[b] -= 1
-            if ref[b] == 0:
-                if hashes[b] is None or not self.enable_caching:
+            n = ref[b] = ref[b] - 1
+            if n == 0:
+                if hashes[b] is None or not caching:
                     first.append(b)
                 else:
                     last.append(b)
