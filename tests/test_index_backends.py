@@ -231,3 +231,41 @@ def test_random_operations_match_a_reference_model(any_index, steps: int) -> Non
         assert any_index.stats().entries == len(ref.s)
     for ep in eps:
         assert any_index.endpoint_blocks(ep) == sum(1 for x in ref.s if x[2] == ep)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_memory_rows_answer_as_lookup(seed: int) -> None:
+    """``lookup_rows`` (the simulator's array answer) equals ``lookup``, slot by slot, also
+    after endpoints leave and their slots are reused."""
+    import random
+
+    rng = random.Random(seed)
+    idx = MemoryIndex()
+    chains = [chain(rng.randrange(4), rng.randrange(1, 40)) for _ in range(6)]
+    eps = [f"e{i}" for i in range(rng.randrange(1, 12))]
+    for _ in range(rng.randrange(1, 60)):
+        ep, c, tier = rng.choice(eps), rng.choice(chains), rng.choice(list(Tier))
+        op = rng.random()
+        if op < 0.7:
+            a = rng.randrange(len(c))
+            idx.add(M, ep, tier, c[a:rng.randrange(a, len(c)) + 1] if rng.random() < 0.3 else c[:rng.randrange(len(c)) + 1])
+        elif op < 0.9:
+            idx.remove(M, ep, tier, rng.sample(c, rng.randrange(len(c))))
+        else:
+            had, version = idx.slot_of(ep), idx.slots_version
+            idx.clear_endpoint(ep)
+            assert idx.slot_of(ep) is None
+            assert idx.slots_version == version + (had is not None)   # rows moved: the reader re-maps
+    for c in chains + [chain(99, 5), []]:
+        rows = idx.lookup_rows(M, c)
+        res = idx.lookup(M, c)
+        for ep in eps:
+            slot = idx.slot_of(ep)
+            m = res.matches.get(ep)
+            if slot is None:
+                assert m is None
+                continue
+            row = rows[slot].tolist()
+            want = [0, 0, 0, 0] if m is None else [m.combined, *(m.tiers.get(t, 0) for t in (Tier.GPU, Tier.CPU, Tier.DISK))]
+            assert row == want, (ep, row, want)
+    assert idx.lookup_rows("other", chains[0]).sum() == 0

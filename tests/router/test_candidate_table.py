@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 
 from kvmesh.routing.candidate_table import CandidateTable, MatchColumns
+from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
 from kvmesh.routing.load import LoadReport, LoadView
 from kvmesh.routing.scoring import ScoringConfig, evaluate, mark_hot, max_hit_blocks, pick, spread_key
-from kvmesh.routing.types import Candidate, RouteRequest, TierMatch
+from kvmesh.routing.types import Candidate, Matches, RouteRequest, TierMatch
 
 BS = 16
 
@@ -139,3 +141,31 @@ def test_load_columns_equal_effective(seed: int) -> None:
         assert (cols.queue[i], cols.prefill_tokens[i], cols.kv_usage[i], cols.inflight[i], cols.active_blocks[i],
                 cols.inflight_ctx_tokens[i]) == (eff.queue, eff.prefill_tokens, eff.kv_usage, eff.inflight,
                                                  eff.active_blocks, eff.inflight_ctx_tokens)
+
+
+@pytest.mark.parametrize("seed", range(50))
+def test_index_rows_read_as_the_per_endpoint_dict(seed: int) -> None:
+    """Matches given as arrays (the simulator's index) fill the table as the dict form does,
+    whatever the arrays' endpoint order, and with endpoints the router does not route to."""
+    rng = random.Random(seed)
+    ids = [f"e{i}" for i in rng.sample(range(50), rng.randrange(1, 24))]
+    pos = {e: i for i, e in enumerate(ids)}
+    per = {e: TierMatch(rng.randrange(9), rng.randrange(9), rng.randrange(9)) for e in ids if rng.random() < 0.7}
+    order = ids + [f"p{i}" for i in range(rng.randrange(3))]
+    rng.shuffle(order)
+    rows = {e: per.get(e, TierMatch(rng.randrange(9), 0, 0) if e.startswith("p") else TierMatch()) for e in order}
+    cols = EndpointColumns(ColumnLayout(order), *(np.asarray([getattr(rows[e], f) for e in order], dtype=np.int64)
+                                                  for f in ("gpu", "cpu", "disk")))
+    m = Matches(columns=cols)
+    from_rows = MatchColumns(pos).put_matches(m)
+    from_dict = MatchColumns(pos).put_matches(Matches(per_endpoint=per))
+    for f in MatchColumns.FIELDS:
+        assert from_rows.array(f).tolist() == from_dict.array(f).tolist()
+    for e in order:
+        assert m.get(e) == rows[e]
+    assert m.get("nobody") == TierMatch()
+    # The alignment is kept for the same positions object and redone for another.
+    assert MatchColumns(pos).put_matches(m).array("gpu").tolist() == from_dict.array("gpu").tolist()
+    pos2 = {e: i for i, e in enumerate(reversed(ids))}
+    assert MatchColumns(pos2).put_matches(m).array("gpu").tolist() == \
+        MatchColumns(pos2).put(per).array("gpu").tolist()
