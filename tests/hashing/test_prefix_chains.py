@@ -25,8 +25,10 @@ def test_near_equals_binary_search_whatever_the_guess() -> None:
         for a in chains:
             for b in chains:
                 want = common_prefix(a, b)
-                for guess in {0, want, want - 1, want + 1, len(a), len(b), rng.randrange(-2, 70)}:
+                guesses = [0, want, want - 1, want + 1, len(a), len(b), rng.randrange(-2, 70)]
+                for guess in guesses:
                     assert common_prefix_near(a, b, guess) == want
+                    assert common_prefix_near(a, b, guess, rng.choice(guesses)) == want
 
 
 def test_extends_is_a_full_common_prefix() -> None:

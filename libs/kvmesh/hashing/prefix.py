@@ -23,15 +23,18 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return lo
 
 
-def common_prefix_near(a: Sequence[int], b: Sequence[int], guess: int) -> int:
-    """:func:`common_prefix`, tried first at ``guess``: two comparisons when it is right.
+def common_prefix_near(a: Sequence[int], b: Sequence[int], guess: int, alt: int = -1) -> int:
+    """:func:`common_prefix`, tried first at ``guess`` and then at ``alt``: two comparisons
+    for each.
 
-    Many remembered chains leave one prompt at the same depth (the end of the system prompt
-    every session shares), so the previous answer is a good guess for the next chain.
+    Many remembered chains leave one prompt at one of a few depths (the end of the system
+    prompt every session shares, the end of this session's shared context), so the last
+    two answers are good guesses for the next chain.
     """
     n = min(len(a), len(b))
-    if 0 <= guess <= n and (guess == 0 or a[guess - 1] == b[guess - 1]) and (guess == n or a[guess] != b[guess]):
-        return guess
+    for g in (guess, alt):
+        if 0 <= g <= n and (g == 0 or a[g - 1] == b[g - 1]) and (g == n or a[g] != b[g]):
+            return g
     return common_prefix(a, b)
 
 

@@ -82,7 +82,9 @@ class _LazyHeap:
         seq = next(self._seq)
         self._live[key] = seq
         heapq.heappush(self._heap, (priority, -depth, seq, key))
-        if len(self._heap) > 4 * len(self._live) + 1024:
+        # Stale entries hold old (low) priorities, so they surface first and each would cost a
+        # pop on a large heap; dropping them in one pass is far cheaper per entry.
+        if len(self._heap) > 2 * len(self._live) + 1024:
             self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
             heapq.heapify(self._heap)
 

@@ -12,6 +12,7 @@ ignored and only the router's own in-flight requests count.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -153,6 +154,14 @@ class _Sums:
         cols["report_blocks"][i] = max(rep.num_blocks, 0)
 
 
+def _drop(index: dict[Any, dict[str, _InFlight]], key: Any, request_id: str) -> None:
+    mine = index.get(key)
+    if mine is not None:
+        mine.pop(request_id, None)
+        if not mine:
+            del index[key]
+
+
 @dataclass
 class LoadView:
     """Per-endpoint load with a staleness bound and optimistic in-flight counting."""
@@ -160,10 +169,11 @@ class LoadView:
     staleness_s: float = 2.0
     reports: dict[str, LoadReport] = field(default_factory=dict)
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
-    # The same requests by endpoint and by first block key: at fleet scale, a scan of all
-    # in-flight requests per endpoint or per decision would dominate the decision.
+    # The same requests by endpoint, and those still queued for prefill by first block key:
+    # at fleet scale, a scan of all in-flight requests per endpoint or per decision would
+    # dominate the decision.
     _by_endpoint: dict[str, dict[str, _InFlight]] = field(default_factory=dict)
-    _by_head: dict[int, dict[str, _InFlight]] = field(default_factory=dict)
+    _prefilling_by_head: dict[int, dict[str, _InFlight]] = field(default_factory=dict)
     _sums: _Sums = field(default_factory=_Sums)
     _version: int = 0   # bumped by every change to the in-flight requests
     _overlap_memo: tuple[list[int], int, int, dict[str, int]] | None = None
@@ -219,8 +229,8 @@ class LoadView:
                       max(0, int(cached_tokens)))
         self._inflight[request_id] = f
         self._by_endpoint.setdefault(endpoint_id, {})[request_id] = f
-        if keys:
-            self._by_head.setdefault(keys[0], {})[request_id] = f
+        if keys and f.prefill_tokens > 0:
+            self._prefilling_by_head.setdefault(keys[0], {})[request_id] = f
         self._sums.add(self._sums.slot_of(endpoint_id), 1, f.prefill_tokens, f.num_tokens, self._after_report(f))
 
     def pending_overlap(self, keys: list[int], block_size: int) -> dict[str, int]:
@@ -237,12 +247,12 @@ class LoadView:
         out: dict[str, int] = {}
         if not keys or block_size <= 0:
             return out
-        near = 0
-        for f in self._by_head.get(keys[0], {}).values():
-            if not f.prefilling or f.prefill_tokens <= 0:
-                continue
-            near = common_prefix_near(f.keys, keys, near)  # type: ignore[arg-type]
-            shared = min(near * block_size, f.num_tokens or 1 << 62)
+        near = far = 0
+        for f in self._prefilling_by_head.get(keys[0], {}).values():
+            c = common_prefix_near(f.keys, keys, near, far)  # type: ignore[arg-type]
+            if c != near:
+                near, far = c, near
+            shared = min(c * block_size, f.num_tokens or 1 << 62)
             n = min(max(0, shared - f.cached_tokens), f.prefill_tokens)
             if n > out.get(f.endpoint_id, 0):
                 out[f.endpoint_id] = n
@@ -257,6 +267,7 @@ class LoadView:
         self._version += 1
         self._sums.add(self._sums.slot_of(f.endpoint_id), 0, -f.prefill_tokens, 0, self._after_report(f))
         f.prefilling = False
+        _drop(self._prefilling_by_head, f.keys[0] if f.keys else None, request_id)
         # A report taken since the request was sent still counts its prefill as queued; left
         # as it is, the endpoint would look busy with work that is done until the next poll,
         # and a burst's late siblings would leave the endpoint that holds their prefix.
@@ -270,12 +281,8 @@ class LoadView:
         if f is None:
             return
         self._version += 1
-        for index, key in ((self._by_endpoint, f.endpoint_id), (self._by_head, f.keys[0] if f.keys else None)):
-            mine = index.get(key)  # type: ignore[call-overload]
-            if mine is not None:
-                mine.pop(request_id, None)
-                if not mine:
-                    del index[key]  # type: ignore[arg-type]
+        _drop(self._by_endpoint, f.endpoint_id, request_id)
+        _drop(self._prefilling_by_head, f.keys[0] if f.keys else None, request_id)
         self._sums.add(self._sums.slot_of(f.endpoint_id), -1, -f.queued_prefill, -f.num_tokens,
                        self._after_report(f))
 

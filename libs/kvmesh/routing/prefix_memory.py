@@ -12,9 +12,12 @@ block are ever compared.
 
 from __future__ import annotations
 
+import operator
 from collections import OrderedDict
 
 from kvmesh.hashing.prefix import common_prefix_near, extends
+
+_VALUE = operator.itemgetter(2)
 
 
 class _ChainSet:
@@ -35,7 +38,7 @@ class _ChainSet:
         ent = [endpoint, keys, value]
         lst.append(ent)
         if len(lst) > self.max_per_head:
-            lst.sort(key=lambda e: e[2])
+            lst.sort(key=_VALUE)
             del lst[0]
         return ent
 
@@ -45,11 +48,13 @@ class _ChainSet:
         out: dict[str, int] = {}
         if not keys:
             return out
-        near = 0
+        near = far = 0
         for ent in self.by_head.get(keys[0], ()):
             if live_after is not None and ent[2] <= live_after:
                 continue
-            n = near = common_prefix_near(ent[1], keys, near)
+            n = common_prefix_near(ent[1], keys, near, far)
+            if n != near:
+                near, far = n, near
             if n > out.get(ent[0], 0):
                 out[ent[0]] = n
         return out
