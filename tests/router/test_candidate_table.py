@@ -14,11 +14,13 @@ import random
 import numpy as np
 import pytest
 
+from kvmesh.hashing.prefix import common_prefix
 from kvmesh.routing.candidate_table import CandidateTable, MatchColumns
 from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
 from kvmesh.routing.load import LoadReport, LoadView
 from kvmesh.routing.scoring import ScoringConfig, evaluate, mark_hot, max_hit_blocks, pick, spread_key
 from kvmesh.routing.types import Candidate, Matches, RouteRequest, TierMatch
+from kvmesh.traffic.model import chain_keys
 
 BS = 16
 
@@ -40,7 +42,7 @@ def _random_load(rng: random.Random, ids: list[str], now: float) -> LoadView:
         elif op < 0.65:
             rid = f"r{step}"
             n = rng.randrange(1, 40)
-            keys = [rng.choice(heads)] + [rng.randrange(4) for _ in range(n - 1)]
+            keys = chain_keys("t", [rng.choice(heads)] + [rng.randrange(4) for _ in range(n - 1)])
             lv.on_sent(ep, rid, rng.choice([0, rng.randrange(n * BS)]), t, keys=keys, num_tokens=n * BS,
                        cached_tokens=rng.choice([0, BS * rng.randrange(n)]))
             live.append(rid)
@@ -68,7 +70,7 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
     now = 10.0
     load = _random_load(rng, ids, now)
     nblocks = rng.randrange(1, 30)
-    keys = [rng.randrange(3)] + [rng.randrange(4) for _ in range(nblocks - 1)]
+    keys = chain_keys("t", [rng.randrange(3)] + [rng.randrange(4) for _ in range(nblocks - 1)])
     req = RouteRequest(request_id="q", model="m", keys=keys, num_tokens=nblocks * BS + rng.randrange(BS),
                        block_size=BS, session_id=rng.choice(["", "s1", "s2"]))
     cap = max_hit_blocks(req.num_tokens, BS)
@@ -127,6 +129,18 @@ def _scan(lv: LoadView, endpoint_id: str, now: float) -> tuple:
             sum(f.num_tokens for f in new), len(mine))
 
 
+def _overlap_scan(load: LoadView, keys: list[int]) -> dict[str, int]:
+    """``pending_overlap`` from scratch: every in-flight request still queued for prefill."""
+    out: dict[str, int] = {}
+    for f in load._inflight.values():
+        if f.prefilling and f.prefill_tokens > 0 and f.keys and f.keys[0] == keys[0]:
+            shared = min(common_prefix(f.keys, keys) * BS, f.num_tokens or 1 << 62)
+            n = min(max(0, shared - f.cached_tokens), f.prefill_tokens)
+            if n > out.get(f.endpoint_id, 0):
+                out[f.endpoint_id] = n
+    return out
+
+
 @pytest.mark.parametrize("seed", range(100))
 def test_load_columns_equal_effective(seed: int) -> None:
     rng = random.Random(seed)
@@ -134,6 +148,9 @@ def test_load_columns_equal_effective(seed: int) -> None:
     now = 10.0
     load = _random_load(rng, ids, now)
     asked = ids + ["never-seen"]
+    for _ in range(5):
+        query = chain_keys("t", [rng.randrange(3)] + [rng.randrange(4) for _ in range(rng.randrange(40))])
+        assert load.pending_overlap(query, BS) == _overlap_scan(load, query)
     cols = load.columns(asked, now)
     for i, e in enumerate(asked):
         eff = load.effective(e, now)
