@@ -275,3 +275,16 @@ def test_segments_of_dead_processes_are_pruned() -> None:
     finally:
         dead.unlink(missing_ok=True)
         alive.unlink(missing_ok=True)
+
+
+def test_put_depth_is_the_depth_in_the_chain() -> None:
+    """Workers put from the first block the store lacks; the depth the eviction policy ranks
+    by continues from the parent's, in RAM or on disk, and starts at 0 without one."""
+    store = OffloadStore(100, metadata_only=True, disk=RamTier(100))
+    store.put("n", [BlockIn(key=k, data=None) for k in (1, 2, 3)])
+    store.put("n", [BlockIn(key=k, data=None) for k in (4, 5)], parent=3)
+    assert [store.ram.depth_of(("n", k)) for k in (1, 2, 3, 4, 5)] == [0, 1, 2, 3, 4]
+    store.disk.add(("n", 9), StoredBlock(size=1, depth=40))   # type: ignore[union-attr]
+    store.put("n", [BlockIn(key=10, data=None)], parent=9)
+    store.put("n", [BlockIn(key=20, data=None)], parent=777)
+    assert (store.ram.depth_of(("n", 10)), store.ram.depth_of(("n", 20))) == (41, 0)

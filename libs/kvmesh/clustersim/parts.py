@@ -19,7 +19,7 @@ from kvmesh.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, pseudo_block_hash
 from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex
-from kvmesh.kvstore.block import StoredBlock
+from kvmesh.kvstore.block import CapacityError, StoredBlock
 from kvmesh.kvstore.eviction import TIMED_POLICIES
 from kvmesh.kvstore.eviction import make_policy as make_eviction
 from kvmesh.kvstore.ram_tier import RamTier
@@ -93,6 +93,7 @@ class SimOffload:
         self.index = index
         self.model = model
         self.puts = 0
+        self.refused = 0          # puts larger than the whole store (the service answers RESOURCE_EXHAUSTED)
         self.restored_blocks = 0
         # Mirror of the tier's keys as plain ints: membership without building a tuple per block.
         self._present: set[int] = set()
@@ -119,31 +120,44 @@ class SimOffload:
         self.restored_blocks += len(keys)
 
     def put(self, keys: list[int], start: int, session: str) -> None:
-        """Write-through of a request's computed blocks (those the store lacks), from ``start``."""
+        """Write-through of a request's computed blocks from ``start`` (the first the store
+        lacks), as the store service's Put takes them: blocks already there are touched, room
+        for the new ones is made at once and the put's own blocks never push each other out;
+        a put that cannot fit is refused whole."""
         tier = self.tier
         if tier.capacity <= 0:
             return
         self._new_batch()
         ns = self.NS
         present = self._present
-        added: list[int] = []
-        gone: list[int] = []
+        seen: set[tuple[str, int]] = set()
+        new: list[tuple[int, int]] = []
         for i in range(start, len(keys)):
             k = keys[i]
-            if k in present:
+            bid = (ns, k)
+            if bid in seen:
                 continue
-            if tier.used + 1 > tier.capacity:
-                for b, _ in tier.make_room(1):
-                    present.discard(b[1])
-                    gone.append(b[1])
+            seen.add(bid)
+            if k in present:
+                tier.touch(bid, session)
+            else:
+                new.append((i, k))
+        if not new:
+            return
+        try:
+            gone = [bid[1] for bid, _ in tier.make_room(len(new), protect=seen)]
+        except CapacityError:
+            # Refused whole, as the service answers; what was evicted before the tier gave up stays gone.
+            self.refused += 1
+            gone = [k for k in present if (ns, k) not in tier]
+            new = []
+        present.difference_update(gone)
+        for i, k in new:
             tier.add((ns, k), StoredBlock(size=1, depth=i, session=session))
             present.add(k)
-            added.append(k)
-        if gone:
-            added = [k for k in added if k in present]
-        self.puts += len(added)
+        self.puts += len(new)
         if self.index is not None:
             if gone:
                 self.index.remove(self.model, STORE_ENDPOINT, Tier.CPU, gone)
-            if added:
-                self.index.add(self.model, STORE_ENDPOINT, Tier.CPU, added)
+            if new:
+                self.index.add(self.model, STORE_ENDPOINT, Tier.CPU, [k for _, k in new])

@@ -203,6 +203,10 @@ class DiskTier:
         self.policy.touch(bid, ent.depth, session)
         return blk
 
+    def depth_of(self, bid: BlockId) -> int | None:
+        ent = self._index.get(bid)
+        return None if ent is None else ent.depth
+
     def touch(self, bid: BlockId, session: str = "") -> None:
         ent = self._index.get(bid)
         if ent is not None:

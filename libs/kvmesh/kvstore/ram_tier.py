@@ -42,6 +42,10 @@ class RamTier:
     def peek(self, bid: BlockId) -> StoredBlock | None:
         return self._blocks.get(bid)
 
+    def depth_of(self, bid: BlockId) -> int | None:
+        blk = self._blocks.get(bid)
+        return None if blk is None else blk.depth
+
     def get(self, bid: BlockId, session: str = "") -> StoredBlock | None:
         """The block (and a recency touch), or None."""
         blk = self._blocks.get(bid)

@@ -131,6 +131,16 @@ class OffloadStore:
 
     # -- queries ------------------------------------------------------------------------------
 
+    def _depth_after(self, namespace: str, parent: int | None) -> int:
+        """Chain depth of the block after ``parent`` (0 when the parent is unknown here)."""
+        if parent is None:
+            return 0
+        for tier in (self.ram, self.disk):
+            d = tier.depth_of((namespace, parent)) if tier is not None else None
+            if d is not None:
+                return d + 1
+        return 0
+
     def _where(self, bid: BlockId) -> str | None:
         if bid in self.ram:
             return CPU
@@ -168,7 +178,9 @@ class OffloadStore:
             new: list[tuple[BlockId, StoredBlock]] = []
             seen: set[BlockId] = set()
             prev = parent
-            for depth, b in enumerate(blocks):
+            # Depth in the chain, not in this put: workers skip the leading blocks the store
+            # already has, and the eviction policies rank blocks by their depth in the chain.
+            for depth, b in enumerate(blocks, start=self._depth_after(namespace, parent)):
                 bid = (namespace, b.key)
                 size = self._size_of(b)
                 blk = StoredBlock(size=size, data=None if self.metadata_only else b.data, crc32c=b.crc32c,
