@@ -48,7 +48,7 @@ class RouterCoreConfig:
 
 @dataclass(frozen=True)
 class _Eligible:
-    """The live decode endpoints of one model, their ids and positions (read-only, shared)."""
+    """The live endpoints of one role and model, their ids and positions (read-only, shared)."""
 
     endpoints: list[EndpointView]
     ids: list[str]
