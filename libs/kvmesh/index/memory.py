@@ -35,13 +35,18 @@ _BITS_PER_SLOT = 4
 _TIER_OF_BIT: tuple[Tier | None, ...] = (None, Tier.GPU, Tier.CPU, Tier.DISK)
 
 
+def _bit_array(mask: int) -> np.ndarray:
+    """Set bit positions of a non-negative mask, lowest first, by unpacking its bytes."""
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little"))
+
+
 def _positions(mask: int) -> Iterable[int]:
     """Set bit positions, lowest first."""
     if mask.bit_count() > 32:
         # With hundreds of endpoints a lookup drops hundreds of bits at once (all that share
         # only the system prompt); unpacking the bytes beats peeling bits off a big int.
-        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
-        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+        return _bit_array(mask).tolist()
     out = []
     while mask:
         low = mask & -mask
@@ -332,9 +337,7 @@ class MemoryIndex(BlockIndex):
             d = self._models.get(model)
             if d and keys:
                 for mask, length in self._walk(d, keys, -1):
-                    if mask:
-                        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
-                        out[np.flatnonzero(np.unpackbits(raw, bitorder="little"))] = length
+                    out[_bit_array(mask)] = length
             return out.reshape(-1, _BITS_PER_SLOT)
 
     def slot_of(self, endpoint: str) -> int | None:
