@@ -67,34 +67,54 @@ def _count_sharer(sharers: dict[Hashable, int], last: dict[Hashable, str], key: 
 
 
 class _LazyHeap:
-    """Min-heap of ``(priority, -depth, seq, key)`` with lazy deletion, the core of every policy.
+    """Min-heap of ``(priority, -depth, seq, key)`` with lazy updates, the core of every policy.
 
-    Re-pushing a key supersedes its older entries (only the latest ``seq`` is live);
-    stale entries are skipped when they surface and compacted when they pile up.
+    Each live key has its true entry (the latest push) in ``_live`` and exactly one
+    representative in the heap (``_rep``), never above the true entry. A re-push that only
+    raises a key's rank (every touch in the time- and batch-based policies) just records the
+    new entry; the representative is swapped for it when it surfaces. Touches far outnumber
+    evictions (a restore touches a whole chain), so most of them cost no heap operation, and
+    the heap stays about the size of the store. The order is exactly that of a heap holding
+    every key's true entry: the top representative, when it is its key's true entry, is no
+    greater than any other key's representative, hence than any other key's true entry.
     """
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, int, Hashable]] = []
-        self._live: dict[Hashable, int] = {}
+        self._live: dict[Hashable, tuple[float, int, int, Hashable]] = {}
+        self._rep: dict[Hashable, tuple[float, int, int, Hashable]] = {}
         self._seq = itertools.count()
 
     def _push(self, key: Hashable, depth: int, priority: float) -> None:
-        seq = next(self._seq)
-        self._live[key] = seq
-        heapq.heappush(self._heap, (priority, -depth, seq, key))
-        # Stale entries hold old (low) priorities, so they surface first and each would cost a
-        # pop on a large heap; dropping them in one pass is far cheaper per entry.
+        ent = (priority, -depth, next(self._seq), key)
+        self._live[key] = ent
+        rep = self._rep.get(key)
+        if rep is not None and rep < ent:
+            return
+        # A new key, or a rank lowered (a session-rate gap grew): the heap needs this entry now.
+        self._rep[key] = ent
+        heapq.heappush(self._heap, ent)
+        # Entries of removed keys and superseded representatives only leave when they
+        # surface; dropping them in one pass is far cheaper per entry than a pop each.
         if len(self._heap) > 2 * len(self._live) + 1024:
-            self._heap = [e for e in self._heap if self._live.get(e[3]) == e[2]]
+            rep_of = self._rep
+            self._heap = [e for e in self._heap if rep_of.get(e[3]) is e]
             heapq.heapify(self._heap)
 
     def _top(self) -> tuple[float, Hashable] | None:
         """(priority, key) of the live entry to evict next."""
-        while self._heap:
-            prio, _, seq, key = self._heap[0]
-            if self._live.get(key) == seq:
-                return prio, key
-            heapq.heappop(self._heap)
+        heap, live, rep_of = self._heap, self._live, self._rep
+        while heap:
+            top = heap[0]
+            key = top[3]
+            if rep_of.get(key) is not top:
+                heapq.heappop(heap)
+                continue
+            true = live[key]
+            if true is top:
+                return top[0], key
+            rep_of[key] = true
+            heapq.heapreplace(heap, true)
         return None
 
     def _top_entry(self) -> tuple[float, int, int, Hashable] | None:
@@ -102,6 +122,7 @@ class _LazyHeap:
 
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
+        self._rep.pop(key, None)
 
     def admits(self, depth: int) -> bool:
         """Whether a new block at ``depth`` is worth storing now (see ``DepthDiscountedPolicy``)."""
