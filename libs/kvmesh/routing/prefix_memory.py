@@ -20,6 +20,13 @@ from kvmesh.hashing.prefix import common_prefix_near, extends
 _VALUE = operator.itemgetter(2)
 
 
+def speculative_ttl(ttl_s: float, estimated_ttft_s: float) -> float:
+    """TTL of a speculative entry for a request just sent: its blocks exist once its prefill
+    is done (the estimated TTFT) and the index has them one event delivery later (``ttl_s``),
+    so a sibling arriving behind a long prefill still finds the entry."""
+    return ttl_s + max(estimated_ttft_s, 0.0)
+
+
 class _ChainSet:
     """Chains grouped by head key, each tagged with an endpoint and a value (expiry or order)."""
 
@@ -49,13 +56,22 @@ class _ChainSet:
         if not keys:
             return out
         near = far = 0
+        lk = len(keys)
+        get = out.get
         for ent in self.by_head.get(keys[0], ()):
             if live_after is not None and ent[2] <= live_after:
                 continue
-            n = common_prefix_near(ent[1], keys, near, far)
-            if n != near:
-                near, far = n, near
-            if n > out.get(ent[0], 0):
+            a = ent[1]
+            # Nearly every chain leaves this prompt where the last one did (the end of a
+            # shared system prompt): that guess is checked here, without a call.
+            if 0 < near <= lk and near <= len(a) and a[near - 1] == keys[near - 1] and (
+                    near == lk or near == len(a) or a[near] != keys[near]):
+                n = near
+            else:
+                n = common_prefix_near(a, keys, far)
+                if n != near:
+                    near, far = n, near
+            if n > get(ent[0], 0):
                 out[ent[0]] = n
         return out
 
@@ -86,10 +102,8 @@ class SpeculativeIndex:
         return len(self._order)
 
     def ttl_after(self, estimated_ttft_s: float) -> float:
-        """TTL of an entry for a request just sent: its blocks exist once its prefill is done
-        (the estimated TTFT) and the index has them one event delivery later (the TTL), so a
-        sibling arriving behind a long prefill still finds the entry."""
-        return self.ttl_s + max(estimated_ttft_s, 0.0)
+        """TTL of an entry for a request just sent (see :func:`speculative_ttl`)."""
+        return speculative_ttl(self.ttl_s, estimated_ttft_s)
 
     def put(self, endpoint_id: str, keys: list[int], now: float, ttl_s: float | None = None) -> None:
         if not keys:
