@@ -85,6 +85,28 @@ def test_a_new_request_goes_where_the_engine_holds_its_prefix(istack):
     assert b.routing.predicted_cached_tokens == b.usage.cached_tokens >= 1152
 
 
+def test_shared_speculative_entry_lives_until_the_estimated_prefill_is_done(istack):
+    """Other router replicas see a pick through the indexer's speculative entry; it must outlive
+    the prefill the router expects (its score), not only the configured 0.5 s event delay."""
+    import grpc
+
+    from kvmesh.common.v1 import common_pb2
+    from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+
+    doc = rand_tokens(4000, 61)   # uncached: about a second of prefill by the router's estimate
+    sent = time.monotonic()
+    _, fin = istack.generate(doc, max_tokens=1)
+    with grpc.insecure_channel(istack.indexer.grpc_address) as ch:
+        r = indexer_pb2_grpc.IndexerStub(ch).Lookup(indexer_pb2.LookupRequest(
+            model=MODEL, tokens=common_pb2.TokenIds(ids=doc), include_speculative=True), timeout=5)
+    elapsed = time.monotonic() - sent
+    (m,) = [m for m in r.matches if m.endpoint_id == fin.routing.endpoint]
+    assert fin.routing.score > 0.5, fin.routing
+    assert m.speculative_blocks > 0
+    # The workers run 20x faster than the estimate, so the entry is still young.
+    assert 0.5 + fin.routing.score - elapsed <= m.speculative_ttl_s <= 0.5 + fin.routing.score + 1e-6
+
+
 def test_offload_tier_is_credited_and_predicted_exactly(tmp_path, procs):
     """A prefix only in the shared offload store: any endpoint restores it, the router predicts it."""
     from kvmesh.testing.ports import free_port

@@ -15,6 +15,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+# Longest speculative entry the indexer takes: an entry stands for KV an engine is about
+# to hold, and no prefill in this field takes minutes.
+MAX_SPECULATIVE_TTL_S = 300.0
+
 
 class Tier(enum.IntEnum):
     """Where a block lives; values equal ``kvmesh.common.v1.Tier``."""

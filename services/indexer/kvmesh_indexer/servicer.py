@@ -21,7 +21,7 @@ from opentelemetry import trace
 from kvmesh.common.v1 import common_pb2
 from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.hashing import BlockHasher, ExtraKeys, HashAlgo, MMRange
-from kvmesh.index.base import BlockIndex, IndexUnavailable, LookupResult, Tier
+from kvmesh.index.base import MAX_SPECULATIVE_TTL_S, BlockIndex, IndexUnavailable, LookupResult, Tier
 from kvmesh.index.ingest import Ingestor
 from kvmesh.index.keys import EngineHashing, ModelSpec, check_block_size
 from kvmesh.index.liveness import Liveness
@@ -199,8 +199,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint_id is required")
             model = self._model_name(request.model)
             ttl = request.ttl_s or self.cfg.speculative_ttl_s
-            if not 0 < ttl <= 300:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"ttl_s {request.ttl_s} must be in (0, 300]")
+            if not 0 < ttl <= MAX_SPECULATIVE_TTL_S:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"ttl_s {request.ttl_s} must be in (0, {MAX_SPECULATIVE_TTL_S:g}]")
             if len(request.keys) > MAX_CHAIN:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(request.keys)} keys exceed {MAX_CHAIN}")
             if request.keys:

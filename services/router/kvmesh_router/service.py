@@ -23,9 +23,11 @@ from opentelemetry import trace
 
 from kvmesh.common.v1 import common_pb2
 from kvmesh.hashing import ExtraKeys
+from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
 from kvmesh.router.v1 import router_pb2
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
+from kvmesh.routing.prefix_memory import speculative_ttl
 from kvmesh.routing.router import RouterCore
 from kvmesh.routing.types import Decision, RouteRequest
 from kvmesh.telemetry import tracer
@@ -286,8 +288,10 @@ class RouterService:
         metrics.DECISIONS.labels(policy=d.policy, endpoint=d.endpoint_id, split=str(bool(split_to)).lower()).inc()
         # A split request's prefix is computed on the prefill endpoint first: other router
         # replicas should send its siblings' prefills there (the decode endpoint has it later).
-        t = asyncio.create_task(self.cluster.put_speculative(split_to or d.endpoint_id, p.req.keys,
-                                                             self.cfg.speculative_ttl_s))
+        # Lives as long as the router's own entry: until the prefill should be done, plus one
+        # event delivery.
+        ttl = min(speculative_ttl(self.cfg.speculative_ttl_s, d.score), MAX_SPECULATIVE_TTL_S)
+        t = asyncio.create_task(self.cluster.put_speculative(split_to or d.endpoint_id, p.req.keys, ttl))
         self._bg.add(t)
         t.add_done_callback(self._bg.discard)
 
