@@ -18,7 +18,7 @@ from kvmesh.clustersim.config import SimConfig
 from kvmesh.clustersim.sim import ClusterSim, PolicyResult
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.traffic.ceilings import ceiling_infinite, ceiling_pooled
-from kvmesh.traffic.model import Trace
+from kvmesh.traffic.model import Trace, share_chain_keys
 from kvmesh.traffic.schedule import Schedule, ScheduleOptions, build_schedule, recorded_order
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,7 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
     With ``records`` the report also holds every request's outcome under ``records[policy]``.
     """
     t0 = time.perf_counter()
-    for r in trace.requests():
-        _ = r.keys   # precompute chains once, before the workers start
+    share_chain_keys(trace.requests())   # once, before the workers start
     schedule = schedule_for(trace, cfg)
     order = recorded_order(schedule)
     bs = trace.block_size

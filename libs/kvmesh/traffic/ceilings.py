@@ -12,7 +12,8 @@ a request's blocks after it is served (its own blocks can't hit itself).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from itertools import islice, takewhile
 
 from kvmesh.traffic.model import Request
 
@@ -21,16 +22,18 @@ def _cap(req: Request) -> int:
     return min(len(req.hash_ids), max(0, (req.input_tokens - 1) // req.block_size))
 
 
+def _leading(keys: list[int], cap: int, cached: Callable[[int], bool]) -> int:
+    """Leading keys (at most ``cap``) that ``cached`` holds, scanned in C (a fleet-scale trace
+    has about 10^8 blocks)."""
+    return len(list(takewhile(cached, islice(keys, cap))))
+
+
 def ceiling_infinite(requests: Iterable[Request]) -> float:
     seen: set[int] = set()
     hit = total = 0
     for r in requests:
         keys = r.keys
-        n = 0
-        cap = _cap(r)
-        while n < cap and keys[n] in seen:
-            n += 1
-        hit += n * r.block_size
+        hit += _leading(keys, _cap(r), seen.__contains__) * r.block_size
         total += r.input_tokens
         seen.update(keys)
     return hit / total if total else 0.0
@@ -45,11 +48,7 @@ def ceiling_pooled(requests: Iterable[Request], capacity_tokens: int) -> float:
         if cap_blocks is None:
             cap_blocks = max(0, capacity_tokens // r.block_size)
         keys = r.keys
-        n = 0
-        cap = _cap(r)
-        while n < cap and keys[n] in lru:
-            n += 1
-        hit += n * r.block_size
+        hit += _leading(keys, _cap(r), lru.__contains__) * r.block_size
         total += r.input_tokens
         if cap_blocks == 0:
             continue

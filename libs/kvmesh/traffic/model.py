@@ -16,6 +16,7 @@ real block manager and index without per-token work.
 from __future__ import annotations
 
 import zlib
+from collections import deque
 from dataclasses import dataclass, field
 
 _MASK64 = (1 << 64) - 1
@@ -33,12 +34,59 @@ def chain_keys(namespace: str, hash_ids: list[int]) -> list[int]:
     are salted), fast, and collision-free enough for simulation at 10^8 blocks.
     """
     ns = namespace_seed(namespace)
-    out: list[int] = []
-    prev = ns
+    return _extend_chain([], ns, ns, hash_ids)
+
+
+def _extend_chain(out: list[int], ns: int, prev: int, hash_ids: list[int]) -> list[int]:
     for hid in hash_ids:
         prev = hash((prev, ns, hid)) & _MASK64
         out.append(prev)
     return out
+
+
+def _common_len(a: list[int], b: list[int]) -> int:
+    """Length of the common leading run of two id lists (slice comparisons run in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n - 1          # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def share_chain_keys(requests: list[Request], recent: int = 4) -> None:
+    """Compute every request's chained keys once, reusing the keys of the recent request
+    (same namespace, one of the last ``recent``) that shares the most leading ids.
+
+    An agent's turn repeats its previous input and adds to it, so most of a request's keys
+    are its predecessor's: the list then shares those key objects instead of holding equal
+    copies. At fleet scale the keys are most of the simulator's memory (tens of millions of
+    blocks), and shared objects also make equal keys identical for every dict lookup. The
+    values are exactly :func:`chain_keys`'s.
+    """
+    last: dict[str, deque[Request]] = {}
+    for r in requests:
+        if r._keys is not None:
+            continue
+        seen = last.setdefault(r.namespace, deque(maxlen=recent))
+        base: Request | None = None
+        k = 0
+        for p in seen:
+            n = _common_len(p.hash_ids, r.hash_ids)
+            if n > k:
+                base, k = p, n
+        ns = namespace_seed(r.namespace)
+        if base is None:
+            r._keys = _extend_chain([], ns, ns, r.hash_ids)
+        else:
+            keys = base.keys
+            r._keys = _extend_chain(keys[:k], ns, keys[k - 1], r.hash_ids[k:])
+        seen.append(r)
 
 
 @dataclass(slots=True)
