@@ -147,3 +147,24 @@ def test_reconfirmed_reports_decide_as_rebuilt_ones(policy: str, monkeypatch: py
         res = sim.run()
         runs.append([(r["uid"], r["endpoint"], r["split"], r["cached_gpu"], r["ttft_s"]) for r in res.records])
     assert runs[0] == runs[1] and len(runs[0]) > 50
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(kv_capacity_tokens=16000), dict(prefill_workers=0, offload_capacity_tokens=0)])
+def test_decode_fast_forward_changes_nothing(kw: dict) -> None:
+    """Stretches of pure decode run as one event (``macro_steps``); step by step gives the same JSON,
+    per-request records included, with caches that evict and requests preempted."""
+    tr = generate(GeneratorConfig(sessions=8, seed=5, turns_median=6, system_tokens=2048, first_user_tokens=400,
+                                  growth_median=300, growth_p99=2000, output_median=150, output_p99=700,
+                                  think_median_s=0.5, think_p99_s=5.0, max_context_tokens=14000,
+                                  subagent_group_prob=0.3, group_max=6, subagent_system_tokens=1024,
+                                  subagent_task_tokens=200, subagent_turns_median=3))
+    policies = ["precise", "round_robin"]
+    fast = simulate_policies(tr, _cfg(macro_steps=True, **kw), policies, jobs=1, records=True)
+    slow = simulate_policies(tr, _cfg(macro_steps=False, **kw), policies, jobs=1, records=True)
+    fast, slow = _strip(fast), _strip(slow)
+    assert fast["config"].pop("macro_steps") and not slow["config"].pop("macro_steps")
+    assert fast == slow
+    m = fast["results"]["precise"]
+    assert m["steps"] > 0 and m["errors"] == 0 and m["requests"] == len(tr.requests())
+    if "kv_capacity_tokens" in kw:
+        assert m["preemptions"] > 0
