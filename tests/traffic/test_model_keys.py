@@ -39,7 +39,7 @@ def test_a_sessions_turns_share_their_key_objects() -> None:
     share_chain_keys(trace.requests())
     main = [r for r in trace.sessions[0].requests() if r.agent == "main"]
     assert len(main) >= 2
-    for a, b in zip(main, main[1:]):
+    for a, b in zip(main, main[1:], strict=False):
         n = _common_len(a.hash_ids, b.hash_ids)
-        assert n > 0 and all(x is y for x, y in zip(a.keys[:n], b.keys[:n]))
+        assert n > 0 and all(x is y for x, y in zip(a.keys[:n], b.keys[:n], strict=True))
         assert b.keys == chain_keys(b.namespace, b.hash_ids)

@@ -34,5 +34,6 @@ class SimConfig:
     think_scale: float = field(default=1.0, metadata={"help": "multiply recorded think times"})
     max_think_s: float | None = field(default=3600.0, metadata={"help": "cap on one recorded gap (s)"})
     macro_steps: bool = field(default=True, metadata={
-        "help": "run pure-decode stretches as one event (exact; off = one event per engine step)"})
+        "help": "run pure-decode stretches as one event (the same decisions and hits, times to float "
+                "rounding; off = one event per engine step)"})
     time_buckets: int = field(default=60, metadata={"help": "points of the hit-rate-over-time series"})

@@ -60,7 +60,7 @@ class SimWorker:
         self.busy_s = 0.0
         self.steps = 0
         self.plan: StepPlan | None = None
-        self.macro: tuple[float, int, float, float] | None = None   # decode fast-forward in progress
+        self.macro: list | None = None   # decode fast-forward in progress: [start, n, d0, slope, applied]
         self.gen = 0
 
     def publish(self) -> None:

@@ -45,7 +45,7 @@ from kvmesh.traffic.schedule import Schedule, ScheduleRunner
 
 log = logging.getLogger(__name__)
 
-RELEASE, ARRIVE, STEP, MACRO = 0, 1, 2, 3
+RELEASE, ARRIVE, STEP, MACRO, BOUNDARY = 0, 1, 2, 3, 4
 
 
 @dataclass(slots=True)
@@ -199,6 +199,8 @@ class ClusterSim:
                 self._on_step(payload)
             elif kind == MACRO:
                 self._on_macro(*payload)
+            elif kind == BOUNDARY:
+                self._on_boundary(*payload)
             elif kind == RELEASE:
                 self._on_release(payload)
             else:
@@ -319,39 +321,104 @@ class ClusterSim:
             self._plan(widx)
 
     # -- decode fast-forward ---------------------------------------------------
-    # A stretch of pure-decode steps (nothing waiting, every running sequence
-    # decoding, no block boundary, no finish) changes nothing but counters, and
-    # its step times come from the same latency model. It is run as one event;
-    # an arrival cuts it at the end of the step in progress, exactly where the
-    # step-by-step loop would have admitted the newcomer.
+    # A stretch of pure-decode steps (nothing waiting, every running sequence decoding, no
+    # finish) changes nothing but counters, except at a block boundary: the step that fills
+    # a block caches it (a Stored event) and the next one allocates a block (which may evict
+    # a cached one). Its step times come from the same latency model. The stretch runs as
+    # one event; each boundary step's block work runs as its own small event at that step's
+    # start, exactly as plan() does it (sequences brought up to that step first), so the
+    # engine and the index hold what they would step by step at every moment. An arrival
+    # cuts the stretch at the end of the step in progress, where the step-by-step loop would
+    # admit the newcomer; a boundary that would have to preempt ends it before that step.
+    # Macro state: [start, n, d0, slope, applied] (``applied``: steps whose counters are in).
     def _try_macro(self, w: SimWorker, widx: int) -> bool:
         s = w.sched
         if s.waiting or not s.running:
             return False
-        bs = self.bs
         max_len = self.cfg.max_model_len
         n = 1 << 30
         for seq in s.running:
             if seq.num_tokens - seq.num_computed != 1 or seq.num_computed < seq.prompt_len:
                 return False
-            r = seq.num_computed % bs
-            if r == 0:
-                return False
-            n = min(n, bs - r - 1, seq.max_tokens - seq.num_output - 1, max_len - seq.num_tokens - 1)
+            n = min(n, seq.max_tokens - seq.num_output - 1, max_len - seq.num_tokens - 1)
         if n < 2:
             return False
+        first = self._next_boundary(w, -1)
+        if first == 0 and not self._block_work(w):
+            return False   # the first step must preempt: the step-by-step path does it
         ctx = [seq.num_computed for seq in s.running]
         d0 = w.latency.step_time((), ctx)
         slope = w.latency.step_time((), [c + 1 for c in ctx]) - d0   # step time is linear in context
         w.gen += 1
-        w.macro = (self.now, n, d0, slope)
+        w.macro = [self.now, n, d0, slope, 0]
         end = self.now + n * d0 + slope * n * (n - 1) / 2
         w.busy_s += end - self.now
         self._push(end, MACRO, (widx, w.gen))
+        self._push_boundary(w, widx, 0)
         return True
 
+    def _next_boundary(self, w: SimWorker, after: int) -> int:
+        """The first step after step ``after`` of the stretch (-1: from its start) that fills or
+        starts a block of some running sequence (counters are at ``w.macro``'s applied step)."""
+        bs = self.bs
+        applied = w.macro[4] if w.macro is not None else 0
+        k = bs
+        for seq in w.sched.running:
+            r = (seq.num_computed + (after + 1 - applied)) % bs
+            # Steps until the token computed starts a block (r == 0) or fills one (r == bs - 1).
+            k = min(k, (bs - r) % bs, (bs - 1 - r) % bs)
+        return after + 1 + k
+
+    def _push_boundary(self, w: SimWorker, widx: int, after: int) -> None:
+        start, n, d0, slope, _applied = w.macro  # type: ignore[misc]
+        j = self._next_boundary(w, after)
+        if j < n:
+            self._push(start + j * d0 + slope * j * (j - 1) / 2, BOUNDARY, (widx, w.gen, j))
+
+    def _advance(self, w: SimWorker, step: int) -> None:
+        """Bring the running sequences' counters to the start of ``step`` of the stretch."""
+        m = w.macro
+        k = step - m[4]  # type: ignore[index]
+        if k:
+            for seq in w.sched.running:
+                seq.num_computed += k
+                seq.num_output += k
+            m[4] = step  # type: ignore[index]
+
+    def _block_work(self, w: SimWorker) -> bool:
+        """One decode step's allocations and cached blocks, as plan() does them, or False
+        (nothing changed) when some allocation would not fit and plan() would preempt."""
+        s = w.sched
+        bm = w.bm
+        if sum(bm.blocks_to_allocate(seq.request_id, seq.num_computed + 1) for seq in s.running) > bm.num_free_blocks:
+            return False
+        for seq in s.running:
+            target = seq.num_computed + 1
+            bm.allocate(seq.request_id, target)
+            s._ensure_hashes(seq, target)
+            bm.cache_blocks(seq.request_id, seq.block_hashes, target)
+        w.publish()
+        return True
+
+    def _on_boundary(self, widx: int, gen: int, step: int) -> None:
+        w = self.workers[widx]
+        if gen != w.gen or w.macro is None:
+            return   # the stretch was cut before this step
+        self._changed[widx] = True
+        self._advance(w, step)
+        if self._block_work(w):
+            self._push_boundary(w, widx, step)
+            return
+        # This step would preempt: the stretch ends at its start and the step runs for real.
+        start, n, d0, slope, _applied = w.macro
+        w.busy_s -= (start + n * d0 + slope * n * (n - 1) / 2) - self.now
+        w.steps += step
+        w.gen += 1
+        w.macro = None
+        self._plan(widx)
+
     def _truncate_macro(self, w: SimWorker, widx: int) -> None:
-        start, n, d0, slope = w.macro  # type: ignore[misc]
+        start, n, d0, slope, applied = w.macro  # type: ignore[misc]
         old_end = start + n * d0 + slope * n * (n - 1) / 2
         m = 1
         while m < n and start + m * d0 + slope * m * (m - 1) / 2 < self.now:
@@ -361,7 +428,7 @@ class ClusterSim:
         end = start + m * d0 + slope * m * (m - 1) / 2
         w.busy_s -= old_end - end
         w.gen += 1
-        w.macro = (start, m, d0, slope)
+        w.macro = [start, m, d0, slope, applied]
         self._push(end, MACRO, (widx, w.gen))
 
     def _on_macro(self, widx: int, gen: int) -> None:
@@ -370,9 +437,7 @@ class ClusterSim:
             return   # superseded by a truncation
         n = w.macro[1]
         self._changed[widx] = True
-        for seq in w.sched.running:
-            seq.num_computed += n
-            seq.num_output += n
+        self._advance(w, n)
         w.steps += n
         w.macro = None
         self._plan(widx)
