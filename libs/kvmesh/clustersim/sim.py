@@ -390,9 +390,13 @@ class ClusterSim:
         (nothing changed) when some allocation would not fit and plan() would preempt."""
         s = w.sched
         bm = w.bm
-        if sum(bm.blocks_to_allocate(seq.request_id, seq.num_computed + 1) for seq in s.running) > bm.num_free_blocks:
+        bs = self.bs
+        # Only a sequence whose next token starts a block (allocation) or fills one (caching)
+        # has work; plan() finds nothing to do for the others.
+        at = [seq for seq in s.running if seq.num_computed % bs in (0, bs - 1)]
+        if sum(bm.blocks_to_allocate(seq.request_id, seq.num_computed + 1) for seq in at) > bm.num_free_blocks:
             return False
-        for seq in s.running:
+        for seq in at:
             target = seq.num_computed + 1
             bm.allocate(seq.request_id, target)
             s._ensure_hashes(seq, target)
