@@ -66,7 +66,7 @@ up: install
 	$(KVMESH) up
 
 # Tiers: unit+integration (no vLLM), then the real-vLLM interop tier. CI runs both.
-test: install install-vllm test-integration test-vllm
+test: install install-vllm lint test-integration test-vllm
 
 test-integration: install
 	$(PY) -m pytest -m "not vllm" -q $(PYTEST_ARGS)
