@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 from kvmesh.traffic.generator import GeneratorConfig, generate
-from kvmesh.traffic.model import Request, _common_len, chain_keys, share_chain_keys
+from kvmesh.traffic.model import Request, chain_keys, common_len, share_chain_keys
 
 
 def test_common_len_is_the_leading_run() -> None:
@@ -16,7 +16,7 @@ def test_common_len_is_the_leading_run() -> None:
         want = 0
         while want < min(len(a), len(b)) and a[want] == b[want]:
             want += 1
-        assert _common_len(a, b) == want == _common_len(b, a)
+        assert common_len(a, b) == want == common_len(b, a)
 
 
 def test_shared_keys_equal_each_chain_alone() -> None:
@@ -40,6 +40,6 @@ def test_a_sessions_turns_share_their_key_objects() -> None:
     main = [r for r in trace.sessions[0].requests() if r.agent == "main"]
     assert len(main) >= 2
     for a, b in zip(main, main[1:], strict=False):
-        n = _common_len(a.hash_ids, b.hash_ids)
+        n = common_len(a.hash_ids, b.hash_ids)
         assert n > 0 and all(x is y for x, y in zip(a.keys[:n], b.keys[:n], strict=True))
         assert b.keys == chain_keys(b.namespace, b.hash_ids)

@@ -331,6 +331,12 @@ class ClusterSim:
     # cuts the stretch at the end of the step in progress, where the step-by-step loop would
     # admit the newcomer; a boundary that would have to preempt ends it before that step.
     # Macro state: [start, n, d0, slope, applied] (``applied``: steps whose counters are in).
+    @staticmethod
+    def _macro_time(start: float, steps: int, d0: float, slope: float) -> float:
+        """When ``steps`` steps of a stretch starting at ``start`` are done (step time is
+        ``d0 + slope * step``)."""
+        return start + steps * d0 + slope * steps * (steps - 1) / 2
+
     def _try_macro(self, w: SimWorker, widx: int) -> bool:
         s = w.sched
         if s.waiting or not s.running:
@@ -343,25 +349,24 @@ class ClusterSim:
             n = min(n, seq.max_tokens - seq.num_output - 1, max_len - seq.num_tokens - 1)
         if n < 2:
             return False
-        first = self._next_boundary(w, -1)
-        if first == 0 and not self._block_work(w):
+        if not self._block_work(w):
             return False   # the first step must preempt: the step-by-step path does it
         ctx = [seq.num_computed for seq in s.running]
         d0 = w.latency.step_time((), ctx)
         slope = w.latency.step_time((), [c + 1 for c in ctx]) - d0   # step time is linear in context
         w.gen += 1
         w.macro = [self.now, n, d0, slope, 0]
-        end = self.now + n * d0 + slope * n * (n - 1) / 2
+        end = self._macro_time(self.now, n, d0, slope)
         w.busy_s += end - self.now
         self._push(end, MACRO, (widx, w.gen))
         self._push_boundary(w, widx, 0)
         return True
 
     def _next_boundary(self, w: SimWorker, after: int) -> int:
-        """The first step after step ``after`` of the stretch (-1: from its start) that fills or
-        starts a block of some running sequence (counters are at ``w.macro``'s applied step)."""
+        """The first step after step ``after`` of the stretch that fills or starts a block of
+        some running sequence (counters are at ``w.macro``'s applied step)."""
         bs = self.bs
-        applied = w.macro[4] if w.macro is not None else 0
+        applied = w.macro[4]  # type: ignore[index]
         k = bs
         for seq in w.sched.running:
             r = (seq.num_computed + (after + 1 - applied)) % bs
@@ -373,7 +378,7 @@ class ClusterSim:
         start, n, d0, slope, _applied = w.macro  # type: ignore[misc]
         j = self._next_boundary(w, after)
         if j < n:
-            self._push(start + j * d0 + slope * j * (j - 1) / 2, BOUNDARY, (widx, w.gen, j))
+            self._push(self._macro_time(start, j, d0, slope), BOUNDARY, (widx, w.gen, j))
 
     def _advance(self, w: SimWorker, step: int) -> None:
         """Bring the running sequences' counters to the start of ``step`` of the stretch."""
@@ -399,8 +404,7 @@ class ClusterSim:
         for seq in at:
             target = seq.num_computed + 1
             bm.allocate(seq.request_id, target)
-            s._ensure_hashes(seq, target)
-            bm.cache_blocks(seq.request_id, seq.block_hashes, target)
+            s.cache_computed(seq, target)
         w.publish()
         return True
 
@@ -414,25 +418,23 @@ class ClusterSim:
             self._push_boundary(w, widx, step)
             return
         # This step would preempt: the stretch ends at its start and the step runs for real.
-        start, n, d0, slope, _applied = w.macro
-        w.busy_s -= (start + n * d0 + slope * n * (n - 1) / 2) - self.now
+        w.busy_s -= self._macro_time(*w.macro[:4]) - self.now
         w.steps += step
         w.gen += 1
         w.macro = None
         self._plan(widx)
 
     def _truncate_macro(self, w: SimWorker, widx: int) -> None:
-        start, n, d0, slope, applied = w.macro  # type: ignore[misc]
-        old_end = start + n * d0 + slope * n * (n - 1) / 2
+        start, n, d0, slope, _applied = w.macro  # type: ignore[misc]
         m = 1
-        while m < n and start + m * d0 + slope * m * (m - 1) / 2 < self.now:
+        while m < n and self._macro_time(start, m, d0, slope) < self.now:
             m += 1
         if m >= n:
             return
-        end = start + m * d0 + slope * m * (m - 1) / 2
-        w.busy_s -= old_end - end
+        end = self._macro_time(start, m, d0, slope)
+        w.busy_s -= self._macro_time(start, n, d0, slope) - end
         w.gen += 1
-        w.macro = [start, m, d0, slope, applied]
+        w.macro[1] = m  # type: ignore[index]
         self._push(end, MACRO, (widx, w.gen))
 
     def _on_macro(self, widx: int, gen: int) -> None:

@@ -12,7 +12,7 @@ import statistics
 from typing import Any
 
 from kvmesh.traffic.ceilings import ceiling_infinite, ceiling_pooled
-from kvmesh.traffic.model import Agent, Request, Trace
+from kvmesh.traffic.model import Agent, Request, Trace, common_len
 from kvmesh.traffic.schedule import ScheduleOptions, build_schedule, recorded_order
 
 
@@ -32,14 +32,6 @@ def distribution(values: list[float]) -> dict[str, float]:
             "max": float(max(values)), "total": float(sum(values))}
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
-
-
 def turn_reuse(agent: Agent) -> list[float]:
     """For each request after the first of an agent: reused share of the previous input."""
     out: list[float] = []
@@ -47,7 +39,7 @@ def turn_reuse(agent: Agent) -> list[float]:
     for it in agent.items:
         if isinstance(it, Request):
             if prev is not None and prev.input_tokens > 0:
-                shared = _common_prefix(prev.keys, it.keys) * it.block_size
+                shared = common_len(prev.keys, it.keys) * it.block_size
                 out.append(min(1.0, shared / prev.input_tokens))
             prev = it
         else:

@@ -44,7 +44,7 @@ def _extend_chain(out: list[int], ns: int, prev: int, hash_ids: list[int]) -> li
     return out
 
 
-def _common_len(a: list[int], b: list[int]) -> int:
+def common_len(a: list[int], b: list[int]) -> int:
     """Length of the common leading run of two id lists (slice comparisons run in C)."""
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
@@ -77,7 +77,7 @@ def share_chain_keys(requests: list[Request], recent: int = 4) -> None:
         base: Request | None = None
         k = 0
         for p in seen:
-            n = _common_len(p.hash_ids, r.hash_ids)
+            n = common_len(p.hash_ids, r.hash_ids)
             if n > k:
                 base, k = p, n
         ns = namespace_seed(r.namespace)

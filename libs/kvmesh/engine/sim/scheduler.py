@@ -212,10 +212,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ stepping
 
-    def _ensure_hashes(self, seq: Seq, num_tokens: int) -> None:
+    def cache_computed(self, seq: Seq, num_tokens: int) -> None:
+        """Cache the sequence's full blocks up to ``num_tokens`` (hashing output blocks first),
+        as a step does once its slots are allocated; emits the ``Stored`` event."""
         n_full = num_tokens // self.blocks.block_size
         if len(seq.block_hashes) < n_full:
             self.extend_hashes(seq, n_full)
+        self.blocks.cache_blocks(seq.request_id, seq.block_hashes, num_tokens)
 
     def _preempt(self, seq: Seq) -> None:
         self.blocks.free(seq.request_id)
@@ -257,8 +260,7 @@ class Scheduler:
                     break
             if seq.status is not SeqStatus.RUNNING:
                 break
-            self._ensure_hashes(seq, min(target, seq.num_tokens))
-            bm.cache_blocks(seq.request_id, seq.block_hashes, min(target, seq.num_tokens))
+            self.cache_computed(seq, min(target, seq.num_tokens))
             scheduled.append((seq, n))
             budget -= n
             if seq.num_computed >= seq.prompt_len and n == 1:
@@ -295,8 +297,7 @@ class Scheduler:
             seq.num_computed = computed
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
-            self._ensure_hashes(seq, min(target, num_tokens))
-            bm.cache_blocks(seq.request_id, seq.block_hashes, min(target, num_tokens))
+            self.cache_computed(seq, min(target, num_tokens))
             scheduled.append((seq, n))
             budget -= n
             chunks.append(PrefillChunk(n, computed))
