@@ -8,7 +8,7 @@ import os
 import pytest
 
 from kvmesh.kvstore.arena import Arena
-from kvmesh.kvstore.block import StoredBlock
+from kvmesh.kvstore.block import CapacityError, StoredBlock
 from kvmesh.kvstore.eviction import (
     AgentAwarePolicy,
     DepthDiscountedPolicy,
@@ -159,6 +159,26 @@ def test_store_put_is_atomic_and_full_store_refuses() -> None:
     assert store.contains("ns", [10]) == (0, 0) and store.contains("ns", [0, 1, 2, 3]) == (4, 4)
     with pytest.raises(StoreFullError):
         OffloadStore(10).put("ns", [BlockIn(1, b"z" * 11, 0)])
+
+
+def test_a_refused_put_evicts_nothing() -> None:
+    """A put that cannot fit even after evicting everything it does not itself hold is refused
+    before any eviction: the blocks already accepted stay, and stay reported."""
+    store = OffloadStore(10)
+    store.put("ns", [BlockIn(i, b"x" * 2, 0) for i in range(3)])     # 6 of 10 bytes
+    store.put("ns", [BlockIn(9, b"w" * 2, 0)])                       # 8 of 10
+    chain = [BlockIn(i, b"x" * 2, 0) for i in range(3)] + [BlockIn(20 + i, b"y" * 2, 0) for i in range(3)]
+    with pytest.raises(StoreFullError, match="of this same put"):
+        store.put("ns", chain)                                       # 6 held + 6 new > 10
+    assert store.contains("ns", [9]) == (1, 1) and store.contains("ns", [0, 1, 2]) == (3, 3)
+    assert store.contains("ns", [20]) == (0, 0)
+    tier = RamTier(4)
+    for k in range(4):
+        tier.add(("n", k), StoredBlock(size=1, depth=k))
+    with pytest.raises(CapacityError):
+        tier.make_room(2, protect={("n", 0), ("n", 1), ("n", 2)})
+    assert len(tier) == 4 and tier.evictions == 0
+    assert [b for b, _ in tier.make_room(1, protect={("n", 0), ("n", 1), ("n", 2)})] == [("n", 3)]
 
 
 def test_metadata_only_store_with_a_ram_lower_tier() -> None:

@@ -93,7 +93,7 @@ class SimOffload:
         self.index = index
         self.model = model
         self.puts = 0
-        self.refused = 0          # puts larger than the whole store (the service answers RESOURCE_EXHAUSTED)
+        self.refused = 0          # puts that cannot fit, whole (the service answers RESOURCE_EXHAUSTED)
         self.restored_blocks = 0
         # Mirror of the tier's keys as plain ints: membership without building a tuple per block.
         self._present: set[int] = set()
@@ -147,10 +147,9 @@ class SimOffload:
         try:
             gone = [bid[1] for bid, _ in tier.make_room(len(new), protect=seen)]
         except CapacityError:
-            # Refused whole, as the service answers; what was evicted before the tier gave up stays gone.
+            # Refused whole, as the service answers; the tier evicts nothing for a refused put.
             self.refused += 1
-            gone = [k for k in present if (ns, k) not in tier]
-            new = []
+            return
         present.difference_update(gone)
         for i, k in new:
             tier.add((ns, k), StoredBlock(size=1, depth=i, session=session))

@@ -71,19 +71,28 @@ class RamTier:
 
     def make_room(self, size: int, protect: frozenset[BlockId] | set[BlockId] = frozenset(),
                   allow_evict: bool = True) -> list[tuple[BlockId, StoredBlock]]:
-        """Evict until ``size`` fits; return the victims (for demotion). Raises CapacityError."""
+        """Evict until ``size`` fits; return the victims (for demotion).
+
+        All or nothing: a request that cannot be met raises CapacityError before anything
+        is evicted, so a refused put costs the store no block (the caller has no victims
+        to demote or report, and none is lost unreported)."""
         if size > self.capacity:
             raise CapacityError(f"{size} exceeds the tier capacity of {self.capacity}")
+        if self.used + size > self.capacity:
+            if not allow_evict:
+                raise CapacityError(f"tier full ({self.used}/{self.capacity}) and eviction is disabled")
+            blocks = self._blocks
+            pinned = sum(blocks[b].size for b in protect if b in blocks)
+            if pinned + size > self.capacity:
+                raise CapacityError(f"tier cannot free {size}: {pinned} of its {self.capacity} hold blocks "
+                                    "of this same put")
         victims: list[tuple[BlockId, StoredBlock]] = []
         skipped: list[BlockId] = []
         while self.used + size > self.capacity:
-            if not allow_evict:
-                self._restore(skipped)
-                raise CapacityError(f"tier full ({self.used}/{self.capacity}) and eviction is disabled")
             bid = self.policy.victim()
-            if bid is None:
+            if bid is None:  # the policy lost track of blocks the tier holds: a bug, not a full tier
                 self._restore(skipped)
-                raise CapacityError(f"tier cannot free {size} (used {self.used}/{self.capacity})")
+                raise RuntimeError(f"eviction policy ran dry with {self.used}/{self.capacity} used")
             if bid in protect:
                 # Blocks of the put being committed must not push each other out.
                 self.policy.remove(bid)
