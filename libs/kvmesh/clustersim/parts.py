@@ -81,7 +81,12 @@ class SimWorker:
 
 
 class SimOffload:
-    """The shared offload store in metadata-only mode (capacity in blocks)."""
+    """The shared offload store in metadata-only mode (capacity in blocks).
+
+    One namespace, so the tier's keys are the block keys themselves: the service's
+    ``(namespace, key)`` ids would cost a tuple per block on every touch, put and eviction
+    (a fleet run makes tens of millions of them), and policies treat keys as opaque.
+    """
 
     NS = "sim"
 
@@ -95,8 +100,7 @@ class SimOffload:
         self.puts = 0
         self.refused = 0          # puts that cannot fit, whole (the service answers RESOURCE_EXHAUSTED)
         self.restored_blocks = 0
-        # Mirror of the tier's keys as plain ints: membership without building a tuple per block.
-        self._present: set[int] = set()
+        self._present = self.tier.keys()   # a live view: membership without a method call
 
     def leading(self, keys: list[int], cap: int) -> int:
         present = self._present
@@ -114,9 +118,9 @@ class SimOffload:
 
     def touch(self, keys: list[int], session: str) -> None:
         self._new_batch()
-        ns = self.NS
+        touch = self.tier.touch
         for k in keys:
-            self.tier.touch((ns, k), session)
+            touch(k, session)  # type: ignore[arg-type]
         self.restored_blocks += len(keys)
 
     def put(self, keys: list[int], start: int, session: str) -> None:
@@ -128,35 +132,32 @@ class SimOffload:
         if tier.capacity <= 0:
             return
         self._new_batch()
-        ns = self.NS
         present = self._present
-        seen: set[tuple[str, int]] = set()
+        touch = tier.touch
+        seen: set[int] = set()
         new: list[tuple[int, int]] = []
         for i in range(start, len(keys)):
             k = keys[i]
-            bid = (ns, k)
-            if bid in seen:
+            if k in seen:
                 continue
-            seen.add(bid)
+            seen.add(k)
             if k in present:
-                tier.touch(bid, session)
+                touch(k, session)  # type: ignore[arg-type]
             else:
                 new.append((i, k))
         if not new:
             return
         try:
-            gone = [bid[1] for bid, _ in tier.make_room(len(new), protect=seen)]
+            gone = [k for k, _ in tier.make_room(len(new), protect=seen)]  # type: ignore[arg-type]
         except CapacityError:
             # Refused whole, as the service answers; the tier evicts nothing for a refused put.
             self.refused += 1
             return
-        present.difference_update(gone)
+        add = tier.add
         for i, k in new:
-            tier.add((ns, k), StoredBlock(size=1, depth=i, session=session))
-            present.add(k)
+            add(k, StoredBlock(size=1, depth=i, session=session))  # type: ignore[arg-type]
         self.puts += len(new)
         if self.index is not None:
             if gone:
                 self.index.remove(self.model, STORE_ENDPOINT, Tier.CPU, gone)
-            if new:
-                self.index.add(self.model, STORE_ENDPOINT, Tier.CPU, [k for _, k in new])
+            self.index.add(self.model, STORE_ENDPOINT, Tier.CPU, [k for _, k in new])

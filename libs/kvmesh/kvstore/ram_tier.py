@@ -7,7 +7,7 @@ capacity counted in blocks or tokens instead of bytes).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, KeysView
 
 from kvmesh.kvstore.block import BlockId, CapacityError, StoredBlock
 from kvmesh.kvstore.eviction import EvictionPolicy, LRUPolicy
@@ -31,6 +31,10 @@ class RamTier:
 
     def __iter__(self) -> Iterator[BlockId]:
         return iter(self._blocks)
+
+    def keys(self) -> KeysView[BlockId]:
+        """The held ids, as a live view (membership at dict speed)."""
+        return self._blocks.keys()
 
     @property
     def free(self) -> int:
