@@ -67,70 +67,103 @@ def _count_sharer(sharers: dict[Hashable, int], last: dict[Hashable, str], key: 
 
 
 class _LazyHeap:
-    """Min-heap of ``(priority, -depth, seq, key)`` with lazy updates, the core of every policy.
+    """Priority order of ``(priority, -depth, seq, key)`` entries with lazy updates, the core of every policy.
 
-    Each live key has its true entry (the latest push) in ``_live`` and exactly one
-    representative in the heap (``_rep``), never above the true entry. A re-push that only
-    raises a key's rank (every touch in the time- and batch-based policies) just records the
-    new entry; the representative is swapped for it when it surfaces. Touches far outnumber
-    evictions (a restore touches a whole chain), so most of them cost no heap operation, and
-    the heap stays about the size of the store. The order is exactly that of a heap holding
-    every key's true entry: the top representative, when it is its key's true entry, is no
-    greater than any other key's representative, hence than any other key's true entry.
+    A key's true entry is its latest push (``_live``); older entries of it are stale and
+    are skipped when they surface. Pushes are appended to an open batch, which is sorted
+    into a *run* when the next victim is asked for; a heap orders the runs by their
+    smallest entry. The victim is the smallest entry of the first run once stale ones are
+    skipped: each run is sorted and every other run's entries are no smaller than its head,
+    which is no smaller than the first run's head, so the order is exactly that of a heap
+    holding every key's true entry.
+
+    Why runs: touches far outnumber evictions (a restore touches a whole chain) and cost
+    one append each. Evictions take whole stretches of one run (a put's blocks, deepest
+    first), which need no heap operation while the run's next entry stays below the next
+    run's head; a plain heap paid a sift of a million-entry heap per victim and per
+    re-ranked key. Stale entries are dropped in one pass once they outnumber the live ones.
     """
 
+    _SLACK = 1024   # stale entries tolerated on top of one per live key before a cleanup pass
+
     def __init__(self) -> None:
-        self._heap: list[tuple[float, int, int, Hashable]] = []
         self._live: dict[Hashable, tuple[float, int, int, Hashable]] = {}
-        self._rep: dict[Hashable, tuple[float, int, int, Hashable]] = {}
+        self._open: list[tuple[float, int, int, Hashable]] = []
+        # (head entry, run number, run sorted descending: its head is run[-1])
+        self._runs: list[tuple[tuple[float, int, int, Hashable], int, list[tuple[float, int, int, Hashable]]]] = []
+        self._held = 0      # entries in runs and the open batch, stale ones included
         self._seq = itertools.count()
+        self._run_seq = itertools.count()
 
     def _push(self, key: Hashable, depth: int, priority: float) -> None:
         ent = (priority, -depth, next(self._seq), key)
         self._live[key] = ent
-        rep = self._rep.get(key)
-        if rep is not None and rep < ent:
-            return
-        # A new key, or a rank lowered (a session-rate gap grew): the heap needs this entry now.
-        self._rep[key] = ent
-        heapq.heappush(self._heap, ent)
-        # Entries of removed keys and superseded representatives only leave when they
-        # surface; dropping them in one pass is far cheaper per entry than a pop each.
-        if len(self._heap) > 2 * len(self._live) + 1024:
-            rep_of = self._rep
-            self._heap = [e for e in self._heap if rep_of.get(e[3]) is e]
-            heapq.heapify(self._heap)
+        self._open.append(ent)
+        self._held += 1
+        if self._held > 2 * len(self._live) + self._SLACK:
+            self._compact()
+
+    def _compact(self) -> None:
+        live = self._live
+        runs = []
+        held = 0
+        for _, n, run in self._runs:
+            run = [e for e in run if live.get(e[3]) is e]
+            if run:
+                runs.append((run[-1], n, run))
+                held += len(run)
+        heapq.heapify(runs)
+        self._runs = runs
+        self._open = [e for e in self._open if live.get(e[3]) is e]
+        self._held = held + len(self._open)
+
+    def _seal(self) -> None:
+        run = sorted(self._open, reverse=True)
+        self._open = []
+        heapq.heappush(self._runs, (run[-1], next(self._run_seq), run))
+
+    def _top_entry(self) -> tuple[float, int, int, Hashable] | None:
+        """The live entry to evict next."""
+        if self._open:
+            self._seal()
+        runs, live = self._runs, self._live
+        while runs:
+            head, n, run = runs[0]
+            while run and live.get(run[-1][3]) is not run[-1]:
+                run.pop()
+                self._held -= 1
+            if not run:
+                heapq.heappop(runs)
+                continue
+            top = run[-1]
+            if top is head:
+                return top
+            # The run's head moved up: it stays first, in place, while it is below both
+            # children; otherwise it sinks to its place.
+            nxt = len(runs)
+            if (nxt < 2 or top < runs[1][0]) and (nxt < 3 or top < runs[2][0]):
+                runs[0] = (top, n, run)
+                return top
+            heapq.heapreplace(runs, (top, n, run))
+        return None
 
     def _top(self) -> tuple[float, Hashable] | None:
         """(priority, key) of the live entry to evict next."""
-        heap, live, rep_of = self._heap, self._live, self._rep
-        while heap:
-            top = heap[0]
-            key = top[3]
-            if rep_of.get(key) is not top:
-                heapq.heappop(heap)
-                continue
-            true = live[key]
-            if true is top:
-                return top[0], key
-            rep_of[key] = true
-            heapq.heapreplace(heap, true)
-        return None
-
-    def _top_entry(self) -> tuple[float, int, int, Hashable] | None:
-        return self._heap[0] if self._top() is not None else None
+        top = self._top_entry()
+        return None if top is None else (top[0], top[3])
 
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
-        self._rep.pop(key, None)
+        if self._held > 2 * len(self._live) + self._SLACK:
+            self._compact()
 
     def admits(self, depth: int) -> bool:
         """Whether a new block at ``depth`` is worth storing now (see ``DepthDiscountedPolicy``)."""
         return True
 
     def victim(self) -> Hashable | None:
-        top = self._top()
-        return None if top is None else top[1]
+        top = self._top_entry()
+        return None if top is None else top[3]
 
     def __len__(self) -> int:
         return len(self._live)
