@@ -72,6 +72,13 @@ def test_offload_serves_what_gpus_evicted() -> None:
     assert no["results"]["round_robin"]["offload_hit_rate"] == 0.0
     assert yes["results"]["round_robin"]["offload_hit_rate"] > 0.0
     assert yes["results"]["round_robin"]["prefix_hit_rate"] > no["results"]["round_robin"]["prefix_hit_rate"]
+    m = no["results"]["round_robin"]
+    assert m["offload_blocks_stored"] == m["offload_evictions"] == m["offload_refused_puts"] == 0
+    # A store too small for the sessions' contexts churns, and holds at most its capacity.
+    small = simulate_policies(_trace(), _cfg(prefill_workers=0, offload_capacity_tokens=4000), ["round_robin"],
+                              jobs=1)["results"]["round_robin"]
+    assert small["offload_evictions"] > 0
+    assert 0 < small["offload_blocks_stored"] - small["offload_evictions"] <= 4000 // _trace().block_size
 
 
 def test_cli_writes_json_and_plots(tmp_path: Path) -> None:

@@ -66,7 +66,8 @@ def _one(trace, decode: int, prefill: int, args: argparse.Namespace) -> dict[str
     wall = time.perf_counter() - t0
     m = rep["results"][args.policy]
     out = {k: m[k] for k in ("requests", "errors", "prefix_hit_rate", "ttft_p50_s", "ttft_p90_s",
-                             "load_imbalance", "virtual_time_s", "steps")}
+                             "load_imbalance", "virtual_time_s", "steps", "offload_blocks_stored",
+                             "offload_evictions")}
     out.update(workers=decode + prefill, decode_workers=decode, prefill_workers=prefill, wall_s=round(wall, 2),
                ms_per_request=round(1000 * wall / max(1, m["requests"]), 3),
                virtual_s_per_wall_s=round(m["virtual_time_s"] / wall, 1) if wall > 0 else 0.0,

@@ -563,6 +563,11 @@ class ClusterSim:
             "load_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 0.0,
             "preemptions": sum(w.sched.num_preemptions for w in self.workers),
             "split_requests": sum(1 for j in done if j.split),
+            # How hard the shared store churns: a store far smaller than the sessions' contexts
+            # evicts about one block per block it stores.
+            "offload_blocks_stored": self.store.puts if self.store is not None else 0,
+            "offload_evictions": self.store.tier.evictions if self.store is not None else 0,
+            "offload_refused_puts": self.store.refused if self.store is not None else 0,
             "prompt_tokens": prompt,
             "cached_tokens_gpu": gpu,
             "cached_tokens_offload": off,
