@@ -18,10 +18,12 @@ def _scan_victim(pol: _LazyHeap):  # noqa: ANN202
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("slack", [1024, 4])
-def test_victims_equal_a_full_scan(name: str, seed: int, slack: int) -> None:
+@pytest.mark.parametrize("small_batch", [4, 0])
+def test_victims_equal_a_full_scan(name: str, seed: int, slack: int, small_batch: int) -> None:
     rng = random.Random(seed)
     pol = POLICIES[name]()
     pol._SLACK = slack   # 4: the stale-entry cleanup runs every few operations
+    pol._SMALL_BATCH = small_batch   # 0: every batch becomes a run
     depth: dict[int, int] = {}
     t = 0.0
     checked = 0
@@ -50,7 +52,7 @@ def test_victims_equal_a_full_scan(name: str, seed: int, slack: int) -> None:
                 pol.remove(expected)
                 depth.pop(expected)
         assert len(pol) == len(pol._live)
-        held = [e for _, _, run in pol._runs for e in run] + pol._open
+        held = [e for _, _, run in pol._runs for e in run] + pol._open + pol._small
         assert pol._held == len(held) <= 2 * len(pol) + slack
         assert set(pol._live.values()) <= set(held)     # every latest entry is still held
         for head, _, run in pol._runs:

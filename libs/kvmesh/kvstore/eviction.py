@@ -71,11 +71,12 @@ class _LazyHeap:
 
     A key's true entry is its latest push (``_live``); older entries of it are stale and
     are skipped when they surface. Pushes are appended to an open batch, which is sorted
-    into a *run* when the next victim is asked for; a heap orders the runs by their
-    smallest entry. The victim is the smallest entry of the first run once stale ones are
-    skipped: each run is sorted and every other run's entries are no smaller than its head,
-    which is no smaller than the first run's head, so the order is exactly that of a heap
-    holding every key's true entry.
+    into a *run* when the next victim is asked for (a batch of a few entries goes into a
+    plain heap instead); a heap orders the runs by their smallest entry. The victim is the
+    smaller of the plain heap's top and the first run's head, once stale ones are skipped:
+    each run is sorted and every other run's entries are no smaller than its head, which is
+    no smaller than the first run's head, so the order is exactly that of a heap holding
+    every key's true entry.
 
     Why runs: touches far outnumber evictions (a restore touches a whole chain) and cost
     one append each. Evictions take whole stretches of one run (a put's blocks, deepest
@@ -85,10 +86,14 @@ class _LazyHeap:
     """
 
     _SLACK = 1024   # stale entries tolerated on top of one per live key before a cleanup pass
+    # A batch this small goes into a plain heap instead of becoming a run: a caller that asks
+    # for a victim after every block (the admission replay) would otherwise make a run of each.
+    _SMALL_BATCH = 4
 
     def __init__(self) -> None:
         self._live: dict[Hashable, tuple[float, int, int, Hashable]] = {}
         self._open: list[tuple[float, int, int, Hashable]] = []
+        self._small: list[tuple[float, int, int, Hashable]] = []   # a plain heap of entries from tiny batches
         # (head entry, run number, run sorted descending: its head is run[-1])
         self._runs: list[tuple[tuple[float, int, int, Hashable], int, list[tuple[float, int, int, Hashable]]]] = []
         self._held = 0      # entries in runs and the open batch, stale ones included
@@ -115,17 +120,34 @@ class _LazyHeap:
         heapq.heapify(runs)
         self._runs = runs
         self._open = [e for e in self._open if live.get(e[3]) is e]
-        self._held = held + len(self._open)
+        self._small = [e for e in self._small if live.get(e[3]) is e]
+        heapq.heapify(self._small)
+        self._held = held + len(self._open) + len(self._small)
 
     def _seal(self) -> None:
-        run = sorted(self._open, reverse=True)
+        batch = self._open
         self._open = []
+        if len(batch) <= self._SMALL_BATCH:
+            for ent in batch:
+                heapq.heappush(self._small, ent)
+            return
+        run = sorted(batch, reverse=True)
         heapq.heappush(self._runs, (run[-1], next(self._run_seq), run))
 
     def _top_entry(self) -> tuple[float, int, int, Hashable] | None:
         """The live entry to evict next."""
         if self._open:
             self._seal()
+        small, live = self._small, self._live
+        while small and live.get(small[0][3]) is not small[0]:
+            heapq.heappop(small)
+            self._held -= 1
+        top = self._run_top()
+        if small and (top is None or small[0] < top):
+            return small[0]
+        return top
+
+    def _run_top(self) -> tuple[float, int, int, Hashable] | None:
         runs, live = self._runs, self._live
         while runs:
             head, n, run = runs[0]
