@@ -96,7 +96,7 @@ class _LazyHeap:
         self._small: list[tuple[float, int, int, Hashable]] = []   # a plain heap of entries from tiny batches
         # (head entry, run number, run sorted descending: its head is run[-1])
         self._runs: list[tuple[tuple[float, int, int, Hashable], int, list[tuple[float, int, int, Hashable]]]] = []
-        self._held = 0      # entries in runs and the open batch, stale ones included
+        self._held = 0      # entries in runs, the small heap and the open batch, stale ones included
         self._seq = itertools.count()
         self._run_seq = itertools.count()
 
