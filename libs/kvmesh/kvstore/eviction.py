@@ -169,11 +169,6 @@ class _LazyHeap:
             heapq.heapreplace(runs, (top, n, run))
         return None
 
-    def _top(self) -> tuple[float, Hashable] | None:
-        """(priority, key) of the live entry to evict next."""
-        top = self._top_entry()
-        return None if top is None else (top[0], top[3])
-
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
         if self._held > 2 * len(self._live) + self._SLACK:
@@ -341,11 +336,11 @@ class AgentAwarePolicy(_LazyHeap):
         self._last_session.pop(key, None)
 
     def victim(self) -> Hashable | None:
-        top = self._top()
+        top = self._top_entry()
         if top is None:
             return None
         self._inflation = max(self._inflation, top[0])
-        return top[1]
+        return top[3]
 
 
 class SessionRatePolicy(_LazyHeap):
