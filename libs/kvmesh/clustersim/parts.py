@@ -4,8 +4,8 @@ index) behind the few calls the event loop needs.
 
 Why it exists: the event loop should only move time; what a worker caches,
 evicts and how long a step takes must come from the same code the services run.
-These wrappers only translate (block-manager events → index updates, store
-evictions → index removals) and keep per-worker counters.
+These wrappers only translate (block-manager events → index updates) and keep
+per-worker counters.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from kvmesh.kvstore.eviction import TIMED_POLICIES
 from kvmesh.kvstore.eviction import make_policy as make_eviction
 from kvmesh.kvstore.ram_tier import RamTier
 
-STORE_ENDPOINT = "offload-0"
 _MASK64 = (1 << 64) - 1
 
 
@@ -86,17 +85,19 @@ class SimOffload:
     One namespace, so the tier's keys are the block keys themselves: the service's
     ``(namespace, key)`` ids would cost a tuple per block on every touch, put and eviction
     (a fleet run makes tens of millions of them), and policies treat keys as opaque.
+
+    The router's view of the store is read off the tier itself (:meth:`leading`), not off
+    the index: the indexer mirrors the store's events, and in virtual time it does so at
+    once, so the two agree block for block, while a fleet's store stores and evicts a block
+    per block it keeps (millions of index updates that would only restate the tier).
     """
 
     NS = "sim"
 
-    def __init__(self, capacity_blocks: int, eviction: str, index: MemoryIndex | None, model: str,
-                 clock: Callable[[], float] | None = None) -> None:
+    def __init__(self, capacity_blocks: int, eviction: str, clock: Callable[[], float] | None = None) -> None:
         self.tier = RamTier(capacity_blocks, make_eviction(eviction))
         # Time-aware policies read the simulation's virtual clock, as the store reads the wall clock.
         self._clock = clock if eviction in TIMED_POLICIES else None
-        self.index = index
-        self.model = model
         self.puts = 0
         self.refused = 0          # puts that cannot fit, whole (the service answers RESOURCE_EXHAUSTED)
         self.restored_blocks = 0
@@ -148,7 +149,7 @@ class SimOffload:
         if not new:
             return
         try:
-            gone = [k for k, _ in tier.make_room(len(new), protect=seen)]  # type: ignore[arg-type]
+            tier.make_room(len(new), protect=seen)  # type: ignore[arg-type]
         except CapacityError:
             # Refused whole, as the service answers; the tier evicts nothing for a refused put.
             self.refused += 1
@@ -157,7 +158,3 @@ class SimOffload:
         for i, k in new:
             add(k, StoredBlock(size=1, depth=i, session=session))  # type: ignore[arg-type]
         self.puts += len(new)
-        if self.index is not None:
-            if gone:
-                self.index.remove(self.model, STORE_ENDPOINT, Tier.CPU, gone)
-            self.index.add(self.model, STORE_ENDPOINT, Tier.CPU, [k for _, k in new])

@@ -3,7 +3,7 @@ real router core, served by simulated workers, in virtual time.
 
 Event kinds (one heap, ordered by time then insertion):
 - RELEASE: a request is sent (its dependencies finished + think time);
-  the router decides (precise: index lookup incl. the store's tier), maybe
+  the router decides (precise: index lookup, and the store's tier), maybe
   splits to a prefill worker, and dispatches.
 - ARRIVE: the request reaches a worker after its KV restore from the offload
   store (restore time from the latency model), and joins the scheduler queue.
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.clustersim.config import SimConfig
-from kvmesh.clustersim.parts import STORE_ENDPOINT, SimOffload, SimWorker, WorkerSpec
+from kvmesh.clustersim.parts import SimOffload, SimWorker, WorkerSpec
 from kvmesh.engine.sim.latency import LatencyParams
 from kvmesh.engine.sim.scheduler import SchedulerConfig, Seq
 from kvmesh.index.memory import MemoryIndex
@@ -156,8 +156,7 @@ class ClusterSim:
         self.by_id = {w.id: i for i, w in enumerate(self.workers)}
         for w in self.workers:
             self.core.set_endpoint(EndpointView(endpoint_id=w.id, model=cfg.model, role=w.role, block_size=self.bs))
-        self.store = (SimOffload(cfg.offload_capacity_tokens // self.bs, cfg.offload_eviction, self.index, cfg.model,
-                                 clock=lambda: self.now)
+        self.store = (SimOffload(cfg.offload_capacity_tokens // self.bs, cfg.offload_eviction, clock=lambda: self.now)
                       if cfg.offload_capacity_tokens > 0 else None)
         self._heap: list[tuple[float, int, int, Any]] = []
         self._seq = 0
@@ -170,7 +169,6 @@ class ClusterSim:
         self._layout = ColumnLayout([w.id for w in self.workers])
         self._rows_version = -1
         self._worker_rows = np.zeros(0, dtype=np.intp)
-        self._store_row = -1
         self.jobs: list[Job] = []
         self.errors = 0
 
@@ -242,13 +240,12 @@ class ClusterSim:
             slot_of = self.index.slot_of
             self._worker_rows = np.asarray([-1 if (r := slot_of(w.id)) is None else r for w in self.workers],
                                            dtype=np.intp)
-            store = slot_of(STORE_ENDPOINT)
-            self._store_row = -1 if store is None else store
             self._rows_version = self.index.slots_version
         rows = np.concatenate((rows, np.zeros((1, rows.shape[1]), dtype=rows.dtype)))
         mine = rows[self._worker_rows]
-        s = rows[self._store_row]
-        return Matches(store=TierMatch(int(s[1]), int(s[2]), int(s[3])),
+        # The store's row, as the indexer (which mirrors the store) would give it.
+        store = TierMatch(0, self.store.leading(keys, len(keys)), 0) if self.store is not None else TierMatch()
+        return Matches(store=store,
                        columns=EndpointColumns(self._layout, mine[:, 1], mine[:, 2], mine[:, 3]))
 
     def _on_release(self, node_idx: int) -> None:
