@@ -78,3 +78,54 @@ def test_touches_keep_memory_bounded_and_cost_no_heap_operation() -> None:
     assert len(pol._runs) <= runs                 # touches only append to the open batch (cleanups drop runs)
     assert pol._held <= 2 * len(pol) + pol._SLACK
     assert pol.victim() == 99   # the deepest of the last batch
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("seed", range(6))
+def test_batch_forms_push_what_one_call_per_key_pushes(name: str, seed: int) -> None:
+    """``insert_many``/``touch_many`` (a put's and a restore's blocks in one call) leave every
+    key with the same entry, and so the same victims, as ``insert``/``touch`` key by key."""
+    rng = random.Random(seed)
+    one, many = POLICIES[name](), POLICIES[name]()
+    for pol in (one, many):
+        pol._SLACK = 8
+    depth: dict[int, int] = {}
+    t = 0.0
+    for _ in range(600):
+        op = rng.random()
+        session = f"s{rng.randrange(5)}"
+        if op < 0.1:
+            t += rng.choice([0.0, 0.5, 3.0])
+            for pol in (one, many):
+                pol.new_batch(t) if name in ("agent", "session-rate") else pol.new_batch()
+        elif op < 0.4:
+            keys = rng.sample(range(300), rng.randrange(1, 12))
+            for k in keys:
+                depth.setdefault(k, rng.randrange(60))
+            for k in keys:
+                one.insert(k, depth[k], session)
+            many.insert_many(keys, [depth[k] for k in keys], session)
+        elif op < 0.75:
+            keys = rng.sample(range(300), rng.randrange(1, 12))   # some not held: skipped
+            for k in keys:
+                if k in depth:
+                    one.touch(k, depth[k], session)
+            many.touch_many(keys, session)
+        elif op < 0.85:
+            k = rng.randrange(300)
+            one.remove(k)
+            many.remove(k)
+            depth.pop(k, None)
+        else:
+            v = one.victim()
+            assert many.victim() == v
+            if v is not None:
+                one.remove(v)
+                many.remove(v)
+                depth.pop(v)
+        assert one._live == many._live
+    while (v := one.victim()) is not None:
+        assert many.victim() == v
+        one.remove(v)
+        many.remove(v)
+    assert many.victim() is None

@@ -308,3 +308,20 @@ def test_put_depth_is_the_depth_in_the_chain() -> None:
     store.put("n", [BlockIn(key=10, data=None)], parent=9)
     store.put("n", [BlockIn(key=20, data=None)], parent=777)
     assert (store.ram.depth_of(("n", 10)), store.ram.depth_of(("n", 20))) == (41, 0)
+
+
+def test_tier_add_many_takes_new_blocks_only() -> None:
+    """The simulator's one-call put: new metadata-only blocks, counted and ranked as ``add``
+    ranks them; a block the tier already holds is an error, not a silent double count."""
+    tier, ref = RamTier(8), RamTier(8)
+    tier.new_batch()
+    ref.new_batch()
+    tier.add_many([("n", 5), ("n", 6), ("n", 7)], [0, 1, 2], "s")
+    for d, k in enumerate((5, 6, 7)):
+        ref.add(("n", k), StoredBlock(size=1, depth=d, session="s"))
+    assert tier.used == ref.used == 3 and set(tier) == set(ref)
+    assert tier.peek(("n", 6)).depth == 1   # type: ignore[union-attr]
+    with pytest.raises(ValueError, match="already held"):
+        tier.add_many([("n", 9), ("n", 6)], [0, 1], "s")
+    assert ("n", 9) not in tier and tier.used == 3   # refused whole
+    assert [b for b, _ in tier.make_room(7)] == [b for b, _ in ref.make_room(7)] == [("n", 7), ("n", 6)]

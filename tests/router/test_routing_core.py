@@ -155,6 +155,25 @@ def test_precise_falls_back_to_approx_without_index():
     assert d2.predicted_cached_tokens == 800 // BS * BS
 
 
+def test_a_cold_fallback_learns_nothing_and_changes_no_decision_with_an_index():
+    """``warm_fallback=False`` (the simulator, whose index always answers): the approx
+    fallback is not trained, and every decision made with the index's answer is the same."""
+    warm, cold = _core(3), _core(3, warm_fallback=False)
+    for i in range(12):
+        toks = _tokens(200 + 40 * (i % 3), seed=i % 4)
+        picks = []
+        for core in (warm, cold):
+            r = _req(core, toks, f"r{i}", session=f"s{i % 2}")
+            d = core.decide(r, Matches(), now=float(i))
+            core.on_routed(r, d, float(i))
+            core.on_finished(r, d, float(i) + 0.5)
+            picks.append((d.endpoint_id, d.predicted_cached_tokens, d.reason))
+        assert picks[0] == picks[1]
+    keys = _req(warm, _tokens(200, seed=0), "q").keys
+    assert warm.default_policy.fallback.index.match(keys)   # type: ignore[attr-defined]
+    assert not cold.default_policy.fallback.index.match(keys)   # type: ignore[attr-defined]
+
+
 @pytest.mark.parametrize("name", ["approx", "session", "least_load", "round_robin", "random"])
 def test_simple_policies_route_and_fail_cleanly(name):
     core = _core(3, policy=name)

@@ -41,4 +41,7 @@ def test_puts_keep_what_the_store_service_keeps(seed: int) -> None:
         held = {bid[1] for bid in real.ram}
         assert sim._present == held
         assert set(sim.tier) == held
+        for cap in (len(keys) + 3, rng.randrange(len(keys) + 1), 0):   # the first call fills the memo
+            want = next((i for i, k in enumerate(keys[:cap]) if k not in held), min(cap, len(keys)))
+            assert sim.leading(keys, cap) == want
     assert sim.refused == refused

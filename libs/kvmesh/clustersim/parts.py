@@ -19,7 +19,7 @@ from kvmesh.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, pseudo_block_hash
 from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex
-from kvmesh.kvstore.block import CapacityError, StoredBlock
+from kvmesh.kvstore.block import CapacityError
 from kvmesh.kvstore.eviction import TIMED_POLICIES
 from kvmesh.kvstore.eviction import make_policy as make_eviction
 from kvmesh.kvstore.ram_tier import RamTier
@@ -102,14 +102,26 @@ class SimOffload:
         self.refused = 0          # puts that cannot fit, whole (the service answers RESOURCE_EXHAUSTED)
         self.restored_blocks = 0
         self._present = self.tier.keys()   # a live view: membership without a method call
+        self._version = 0                  # bumped whenever the store's contents change
+        self._memo: tuple[list[int] | None, int, int] = (None, -1, 0)   # (keys, version, leading)
 
     def leading(self, keys: list[int], cap: int) -> int:
+        """How many of ``keys[:cap]`` the store holds, from the first on."""
+        memo = self._memo
+        if memo[0] is keys and memo[1] == self._version:
+            # Asked again for the same prompt with nothing stored in between (the decision,
+            # then its dispatch).
+            return min(memo[2], cap)
         present = self._present
-        run = keys[:cap] if cap < len(keys) else keys
-        for n, k in enumerate(run):
+        n = len(keys)
+        for i, k in enumerate(keys):
+            if i >= cap:
+                return cap
             if k not in present:
-                return n
-        return len(run)
+                n = i
+                break
+        self._memo = (keys, self._version, n)
+        return min(n, cap)
 
     def _new_batch(self) -> None:
         if self._clock is not None:
@@ -119,9 +131,7 @@ class SimOffload:
 
     def touch(self, keys: list[int], session: str) -> None:
         self._new_batch()
-        touch = self.tier.touch
-        for k in keys:
-            touch(k, session)  # type: ignore[arg-type]
+        self.tier.touch_many(keys, session)  # type: ignore[arg-type]
         self.restored_blocks += len(keys)
 
     def put(self, keys: list[int], start: int, session: str) -> None:
@@ -134,18 +144,22 @@ class SimOffload:
             return
         self._new_batch()
         present = self._present
-        touch = tier.touch
         seen: set[int] = set()
-        new: list[tuple[int, int]] = []
+        held: list[int] = []
+        new: list[int] = []
+        depths: list[int] = []
         for i in range(start, len(keys)):
             k = keys[i]
             if k in seen:
                 continue
             seen.add(k)
             if k in present:
-                touch(k, session)  # type: ignore[arg-type]
+                held.append(k)
             else:
-                new.append((i, k))
+                new.append(k)
+                depths.append(i)
+        if held:
+            tier.touch_many(held, session)  # type: ignore[arg-type]
         if not new:
             return
         try:
@@ -154,7 +168,6 @@ class SimOffload:
             # Refused whole, as the service answers; the tier evicts nothing for a refused put.
             self.refused += 1
             return
-        add = tier.add
-        for i, k in new:
-            add(k, StoredBlock(size=1, depth=i, session=session))  # type: ignore[arg-type]
+        tier.add_many(new, depths, session)  # type: ignore[arg-type]
+        self._version += 1
         self.puts += len(new)

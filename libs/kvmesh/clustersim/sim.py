@@ -126,6 +126,7 @@ class ClusterSim:
         core_cfg = RouterCoreConfig(policy=policy, block_size=self.bs, speculative_ttl_s=cfg.speculative_ttl_s,
                                     approx_capacity_blocks=max(1, cfg.kv_capacity_tokens // self.bs),
                                     offload_enabled=cfg.offload_capacity_tokens > 0, report_candidates=1,
+                                    warm_fallback=False,   # its index always answers
                                     scoring=scoring or ScoringConfig(),
                                     # The prefill's KV reaches the decode worker through the
                                     # store: without one there is no split (prefill workers idle).

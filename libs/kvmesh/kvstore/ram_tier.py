@@ -7,7 +7,7 @@ capacity counted in blocks or tokens instead of bytes).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, KeysView
+from collections.abc import Iterable, Iterator, KeysView, Sequence
 
 from kvmesh.kvstore.block import BlockId, CapacityError, StoredBlock
 from kvmesh.kvstore.eviction import EvictionPolicy, LRUPolicy
@@ -61,6 +61,10 @@ class RamTier:
         blk = self._blocks.get(bid)
         if blk is not None:
             self.policy.touch(bid, blk.depth, session)
+
+    def touch_many(self, bids: Iterable[BlockId], session: str = "") -> None:
+        """``touch`` each held block, in order (the depth each was stored at is the policy's)."""
+        self.policy.touch_many(bids, session)
 
     def admits(self, size: int, depth: int) -> bool:
         """Whether a block of ``size`` at ``depth`` should be stored: always when it fits,
@@ -121,6 +125,18 @@ class RamTier:
         self._blocks[bid] = blk
         self.used += blk.size
         self.policy.insert(bid, blk.depth, blk.session)
+
+    def add_many(self, bids: Sequence[BlockId], depths: Sequence[int], session: str, size: int = 1) -> None:
+        """Insert metadata-only blocks the tier does not hold yet, in order (one put's new
+        blocks, as the cluster simulator stores them); the caller made room first."""
+        blocks = self._blocks
+        held = next((bid for bid in bids if bid in blocks), None)
+        if held is not None:
+            raise ValueError(f"block {held!r} is already held; add_many takes new blocks only")
+        for bid, depth in zip(bids, depths, strict=True):
+            blocks[bid] = StoredBlock(size=size, depth=depth, session=session)
+        self.used += size * len(bids)
+        self.policy.insert_many(bids, depths, session)
 
     def _pop(self, bid: BlockId) -> StoredBlock:
         blk = self._blocks.pop(bid)

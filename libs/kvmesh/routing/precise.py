@@ -26,8 +26,12 @@ class PrecisePolicy(Policy):
     uses_index = True
 
     def __init__(self, scoring: ScoringConfig | None = None, *, speculative_ttl_s: float = 2.0,
-                 session_ttl_s: float = 600.0, approx_capacity_blocks: int = 100_000, **options: Any) -> None:
+                 session_ttl_s: float = 600.0, approx_capacity_blocks: int = 100_000,
+                 warm_fallback: bool = True, **options: Any) -> None:
         super().__init__(scoring, **options)
+        # A caller that always has the index's answer (the cluster simulator) never falls
+        # back, and keeping approx warm is then a chain insert per decision for nothing.
+        self.warm_fallback = warm_fallback
         self.speculative = SpeculativeIndex(ttl_s=speculative_ttl_s)
         # Decode endpoints of split requests: they hold the prefix once its prefill is done.
         self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
@@ -58,7 +62,8 @@ class PrecisePolicy(Policy):
         if prefill_endpoint:
             self.pending.put(decision.endpoint_id, req.keys, now, ttl)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
-        self.fallback.on_routed(req, decision, now, prefill_endpoint)
+        if self.warm_fallback:
+            self.fallback.on_routed(req, decision, now, prefill_endpoint)
 
     def speculative_blocks(self, req: RouteRequest, now: float) -> dict[str, int]:
         return self.speculative.match(req.keys, now)
@@ -66,7 +71,8 @@ class PrecisePolicy(Policy):
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
         # The engine now holds prompt + output blocks; cover them until its events land.
         self.speculative.put(endpoint_id, cached_keys, now)
-        self.fallback.on_completed(req, endpoint_id, cached_keys, now)
+        if self.warm_fallback:
+            self.fallback.on_completed(req, endpoint_id, cached_keys, now)
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         self.speculative.forget_endpoint(endpoint_id)

@@ -41,6 +41,9 @@ class RouterCoreConfig:
     # Candidates kept on each decision for traces and logs (the winner first); the simulator
     # keeps only the winner, since building the others is most of a decision at fleet scale.
     report_candidates: int = 16
+    # Keep ``precise``'s approx fallback trained on every decision, for when the indexer is
+    # unreachable; off where the index always answers (the simulator).
+    warm_fallback: bool = True
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     hash_cache: HashCacheConfig = field(default_factory=HashCacheConfig)
@@ -79,7 +82,7 @@ class RouterCore:
             p = make_policy(name, self.cfg.scoring, speculative_ttl_s=self.cfg.speculative_ttl_s,
                             approx_capacity_blocks=self.cfg.approx_capacity_blocks,
                             capacity_blocks=self.cfg.approx_capacity_blocks,
-                            report_candidates=self.cfg.report_candidates)
+                            report_candidates=self.cfg.report_candidates, warm_fallback=self.cfg.warm_fallback)
             self._policies[name] = p
         return p
 
