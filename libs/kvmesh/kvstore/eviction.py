@@ -64,6 +64,10 @@ class EvictionPolicy(Protocol):
         """The key to evict next (not removed; the tier calls ``remove``)."""
         ...
 
+    def pop_victim(self) -> Hashable | None:
+        """``victim`` and ``remove`` of it in one call (a tier making room)."""
+        ...
+
     def __len__(self) -> int: ...
 
 
@@ -208,6 +212,22 @@ class _LazyHeap:
     def victim(self) -> Hashable | None:
         top = self._top_entry()
         return None if top is None else top[3]
+
+    def pop_victim(self) -> Hashable | None:
+        key = self.victim()   # through the subclass: greedy-dual notes its victims
+        if key is None:
+            return None
+        # The victim's entry is on top of the small heap or last in the first run: taken off
+        # there now, it is not met again as a stale entry on the next call.
+        ent = self._live[key]
+        small = self._small
+        if small and small[0] is ent:
+            heapq.heappop(small)
+        else:
+            self._runs[0][2].pop()
+        self._held -= 1
+        self.remove(key)
+        return key
 
     def __len__(self) -> int:
         return len(self._live)

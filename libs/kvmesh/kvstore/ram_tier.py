@@ -96,17 +96,19 @@ class RamTier:
                                     "of this same put")
         victims: list[tuple[BlockId, StoredBlock]] = []
         skipped: list[BlockId] = []
+        pop_victim, blocks = self.policy.pop_victim, self._blocks
         while self.used + size > self.capacity:
-            bid = self.policy.victim()
+            bid = pop_victim()
             if bid is None:  # the policy lost track of blocks the tier holds: a bug, not a full tier
                 self._restore(skipped)
                 raise RuntimeError(f"eviction policy ran dry with {self.used}/{self.capacity} used")
             if bid in protect:
                 # Blocks of the put being committed must not push each other out.
-                self.policy.remove(bid)
                 skipped.append(bid)
                 continue
-            victims.append((bid, self._pop(bid)))
+            blk = blocks.pop(bid)   # out of the policy already
+            self.used -= blk.size
+            victims.append((bid, blk))
         self._restore(skipped)
         self.evictions += len(victims)
         return victims
