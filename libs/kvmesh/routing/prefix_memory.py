@@ -12,6 +12,7 @@ block are ever compared.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections import OrderedDict
 
@@ -57,20 +58,25 @@ class _ChainSet:
             return out
         near = far = 0
         lk = len(keys)
+        before = after = None    # keys[near - 1] and keys[near], None where out of range
+        cutoff = -math.inf if live_after is None else live_after
         get = out.get
         for ent in self.by_head.get(keys[0], ()):
-            if live_after is not None and ent[2] <= live_after:
+            if ent[2] <= cutoff:
                 continue
             a = ent[1]
+            la = len(a)
             # Nearly every chain leaves this prompt where the last one did (the end of a
             # shared system prompt): that guess is checked here, without a call.
-            if 0 < near <= lk and near <= len(a) and a[near - 1] == keys[near - 1] and (
-                    near == lk or near == len(a) or a[near] != keys[near]):
+            if before is not None and near <= la and a[near - 1] == before and (
+                    after is None or near == la or a[near] != after):
                 n = near
             else:
                 n = common_prefix_near(a, keys, far)
                 if n != near:
                     near, far = n, near
+                    before = keys[n - 1] if n > 0 else None
+                    after = keys[n] if n < lk else None
             if n > get(ent[0], 0):
                 out[ent[0]] = n
         return out
