@@ -96,7 +96,7 @@ class RamTier:
                                     "of this same put")
         victims: list[tuple[BlockId, StoredBlock]] = []
         skipped: list[BlockId] = []
-        pop_victim, blocks = self.policy.pop_victim, self._blocks
+        pop_victim = self.policy.pop_victim
         while self.used + size > self.capacity:
             bid = pop_victim()
             if bid is None:  # the policy lost track of blocks the tier holds: a bug, not a full tier
@@ -106,9 +106,7 @@ class RamTier:
                 # Blocks of the put being committed must not push each other out.
                 skipped.append(bid)
                 continue
-            blk = blocks.pop(bid)   # out of the policy already
-            self.used -= blk.size
-            victims.append((bid, blk))
+            victims.append((bid, self._take(bid)))   # out of the policy already
         self._restore(skipped)
         self.evictions += len(victims)
         return victims
@@ -140,9 +138,14 @@ class RamTier:
         self.used += size * len(bids)
         self.policy.insert_many(bids, depths, session)
 
-    def _pop(self, bid: BlockId) -> StoredBlock:
+    def _take(self, bid: BlockId) -> StoredBlock:
+        """Drop a block from the budget (the policy's order is the caller's business)."""
         blk = self._blocks.pop(bid)
         self.used -= blk.size
+        return blk
+
+    def _pop(self, bid: BlockId) -> StoredBlock:
+        blk = self._take(bid)
         self.policy.remove(bid)
         return blk
 
