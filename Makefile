@@ -55,9 +55,9 @@ $(VLLM_STAMP): $(STAMP)
 
 install-vllm: $(VLLM_STAMP)
 
-# Stubs are committed (libs/kvmesh/*/v1); tests/test_layout_rules.py fails when stale.
+# Stubs are committed (libs/kvmesh_api/*/v1); tests/test_layout_rules.py fails when stale.
 protos: $(STAMP)
-	$(PY) -m kvmesh.tools.genprotos
+	$(PY) -m kvmesh_tools.genprotos
 
 demo: install
 	$(KVMESH) demo

@@ -6,7 +6,7 @@ import ast
 import filecmp
 from pathlib import Path
 
-from kvmesh.tools.genprotos import generate
+from kvmesh_tools.genprotos import generate
 
 REPO = Path(__file__).resolve().parents[1]
 SERVICES = ["router", "indexer", "prefill", "decode", "offload"]
@@ -34,7 +34,7 @@ def find_cross_service_imports(repo: Path = REPO) -> list[str]:
         for py in (repo / "services" / svc).rglob("*.py"):
             bad = (_imports(py) & service_pkgs) - {f"kvmesh_{svc}"}
             violations += [f"{py.relative_to(repo)} imports {b}" for b in sorted(bad)]
-    for py in (repo / "libs").rglob("*.py"):
+    for py in [*(repo / "libs" / "kvmesh").rglob("*.py"), *(repo / "libs" / "kvmesh_api").rglob("*.py")]:
         bad = _imports(py) & service_pkgs
         violations += [f"{py.relative_to(repo)} imports {b}" for b in sorted(bad)]
     return violations

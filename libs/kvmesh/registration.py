@@ -19,8 +19,8 @@ import re
 
 import grpc
 
-from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.rpc.channel import aio_channel
+from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 
 log = logging.getLogger(__name__)
 

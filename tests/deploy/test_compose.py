@@ -92,7 +92,7 @@ def test_stack_services_and_health(base: dict[str, Any]) -> None:
     for name in KVMESH:
         svc = services[name]
         test = svc["healthcheck"]["test"]
-        assert test[:4] == ["CMD", "python", "-m", "kvmesh.tools.healthcheck"], (name, test)
+        assert test[:4] == ["CMD", "python", "-m", "kvmesh.rpc.healthcheck"], (name, test)
         dockerfile = ROOT / svc["build"]["dockerfile"]
         assert dockerfile.exists(), dockerfile
         assert svc["environment"]["OTEL_EXPORTER_OTLP_ENDPOINT"].startswith("http://otel-collector:")

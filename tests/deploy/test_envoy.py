@@ -16,8 +16,8 @@ import sys
 import httpx
 import pytest
 
-from kvmesh.testing.ports import free_port
 from kvmesh_router.extproc import EXTPROC_SERVICE_NAME, ExtProcConfig, PickResult, start_extproc_server
+from kvmesh_tools.testing.ports import free_port
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(300)]
 MODEL = "tiny"
@@ -36,7 +36,7 @@ def served_by(r: httpx.Response, stack) -> tuple[str, str]:
 
 
 def test_extproc_health_serves_its_service_name(deploy_stack) -> None:
-    r = subprocess.run([sys.executable, "-m", "kvmesh.tools.healthcheck", f"127.0.0.1:{deploy_stack.extproc_port}",
+    r = subprocess.run([sys.executable, "-m", "kvmesh.rpc.healthcheck", f"127.0.0.1:{deploy_stack.extproc_port}",
                         "--service", EXTPROC_SERVICE_NAME], capture_output=True, text=True, timeout=30)
     assert r.returncode == 0 and "SERVING" in r.stdout, r.stderr
 

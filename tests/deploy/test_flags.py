@@ -2,7 +2,7 @@
 
 The deployment files are written against the services' command lines; this keeps
 them honest as the services evolve: each ``--flag`` must appear in that service's
-own ``--help`` (run through the container entrypoint, ``kvmesh.tools.serve``).
+own ``--help`` (run through the container entrypoint, ``kvmesh.serve``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.timeout(180)
 
 @cache
 def service_flags(svc: str) -> frozenset[str]:
-    out = subprocess.run([sys.executable, "-m", "kvmesh.tools.serve", svc, "--help"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "kvmesh.serve", svc, "--help"], capture_output=True,
                          text=True, timeout=90)
     assert out.returncode == 0, f"{svc} --help failed:\n{out.stderr[-2000:]}"
     return frozenset(re.findall(r"(--[a-z0-9][a-z0-9-]*)", out.stdout))

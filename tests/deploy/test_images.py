@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.rpc.server import ServerOptions, ServiceServer
-from kvmesh.testing.ports import free_port
+from kvmesh_tools.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVICES = ["router", "indexer", "offload", "prefill", "decode"]
@@ -48,8 +48,8 @@ def test_dockerfile_shape(svc: str) -> None:
     user = re.findall(r"(?m)^USER\s+(\S+)", runtime)
     assert user and user[-1].split(":")[0] not in ("0", "root"), "runtime must not run as root"
     assert "pip" not in re.sub(r"#.*", "", runtime), "no package installs in the runtime stage"
-    assert re.search(r'HEALTHCHECK .*\n?.*"kvmesh\.tools\.healthcheck", "127\.0\.0\.1:50051"', text)
-    assert f'ENTRYPOINT ["python", "-m", "kvmesh.tools.serve", "{svc}"]' in text
+    assert re.search(r'HEALTHCHECK .*\n?.*"kvmesh\.rpc\.healthcheck", "127\.0\.0\.1:50051"', text)
+    assert f'ENTRYPOINT ["python", "-m", "kvmesh.serve", "{svc}"]' in text
     for src in re.findall(r"(?m)^COPY (?!--from)(\S+)", text):
         if "*" in src:
             assert list(ROOT.glob(src)), f"COPY {src} matches nothing"
@@ -99,7 +99,7 @@ def _imports(path: Path, modname: str) -> set[str]:
 def third_party_imports(entry: str, first_party: tuple[str, ...]) -> dict[str, str]:
     """Top-level third-party modules reachable from ``entry`` -> an importing module."""
     seen: set[str] = set()
-    todo = [entry, "kvmesh.tools.serve", "kvmesh.tools.healthcheck"]
+    todo = [entry, "kvmesh.serve", "kvmesh.rpc.healthcheck"]
     found: dict[str, str] = {}
     stdlib = set(sys.stdlib_module_names)
     while todo:
@@ -128,7 +128,7 @@ def test_requirements_cover_every_import(svc: str) -> None:
     if _module_file(entry) is None:
         pytest.fail(f"{entry} not importable")
     # The other services' packages are absent from this image (see the Dockerfile).
-    found = third_party_imports(entry, ("kvmesh", f"kvmesh_{svc}"))
+    found = third_party_imports(entry, ("kvmesh", "kvmesh_api", f"kvmesh_{svc}"))
     listed = _requirement_names(ROOT / "services" / svc / "requirements.txt")
     vllm_file = ROOT / "services" / svc / "requirements-vllm.txt"
     optional = _requirement_names(vllm_file) if vllm_file.exists() else set()
@@ -150,7 +150,7 @@ def test_requirements_cover_every_import(svc: str) -> None:
 
 
 def _run_check(address: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvmesh.tools.healthcheck", address, "--timeout", "2", *extra],
+    return subprocess.run([sys.executable, "-m", "kvmesh.rpc.healthcheck", address, "--timeout", "2", *extra],
                           capture_output=True, text=True, timeout=30)
 
 
@@ -175,15 +175,15 @@ async def test_healthcheck_tool_follows_readiness() -> None:
 
 
 def test_healthcheck_tool_rejects_bad_usage() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvmesh.tools.healthcheck", "no-port-here"],
+    r = subprocess.run([sys.executable, "-m", "kvmesh.rpc.healthcheck", "no-port-here"],
                        capture_output=True, text=True, timeout=30)
     assert r.returncode == 64 and "HOST:PORT" in r.stderr
-    r = subprocess.run([sys.executable, "-m", "kvmesh.tools.healthcheck", f"127.0.0.1:{free_port()}",
+    r = subprocess.run([sys.executable, "-m", "kvmesh.rpc.healthcheck", f"127.0.0.1:{free_port()}",
                         "--timeout", "0.5"], capture_output=True, text=True, timeout=30)
     assert r.returncode == 2
 
 
 def test_serve_launcher_lists_services_on_bad_name() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvmesh.tools.serve", "nope"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "kvmesh.serve", "nope"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 64 and "router" in r.stderr

@@ -10,8 +10,8 @@ import httpx
 import pytest
 import pytest_asyncio
 
-from kvmesh.engine.sim.engine import SimEngine, SimEngineConfig
-from kvmesh.workerlib.http_api import ENDPOINT_HEADER, HttpApiServer, start_http_api
+from kvmesh.worker.engine.sim.engine import SimEngine, SimEngineConfig
+from kvmesh.worker.http_api import ENDPOINT_HEADER, HttpApiServer, start_http_api
 
 # One engine + server (and one tokenizer load) for the whole module.
 pytestmark = [pytest.mark.timeout(120), pytest.mark.asyncio(loop_scope="module")]

@@ -23,12 +23,12 @@ import crc32c as _crc32c
 import grpc
 from opentelemetry import propagate, trace
 
-from kvmesh.common.v1 import common_pb2
 from kvmesh.kvstore.bulk import BulkConnections, BulkLeaseExpired, host_of
 from kvmesh.kvstore.shm import SHM_DIR, Segment, SegmentPool, ShmError, shm_available
 from kvmesh.kvstore.wire import Chunk, decode_get_response, encode_put_chunk
-from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh.rpc.channel import aio_channel, channel_options
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvmesh.offload.v1 import offload_pb2
+from kvmesh_api.offload.v1 import offload_pb2
 
 
 def _varint(n: int) -> bytes:

@@ -6,7 +6,7 @@ are the reference. At fleet scale (hundreds of endpoints, and every one of them 
 the shared system prompt, so every one is a candidate) scoring endpoint by endpoint in
 Python was most of a decision. This table applies the same rule to all endpoints at
 once, with the same floating-point operations in the same order, so it reaches exactly
-the same decision (``tests/router/test_candidate_table.py`` checks that on random
+the same decision (``tests/libs/routing/test_candidate_table.py`` checks that on random
 clusters). ``Candidate`` objects are built only for the endpoints a decision reports.
 """
 

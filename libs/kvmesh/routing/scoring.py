@@ -3,7 +3,7 @@
 The shape follows NVIDIA Dynamo's KV router and llm-d's scorers (queued prefill +
 this request's uncached prefill − what the cache saves, plus a decode-load term),
 but in *seconds*, from the same latency figures as the engine model
-(:mod:`kvmesh.engine.sim.latency`), so that every tier and every kind of load is
+(:mod:`kvmesh.worker.engine.sim.latency`), so that every tier and every kind of load is
 weighed at its real price::
 
     cost = wait + own + decode
@@ -40,9 +40,9 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
-from kvmesh.engine.sim.latency import LatencyParams
 from kvmesh.routing.load import EffectiveLoad
 from kvmesh.routing.types import Candidate, RouteRequest, TierMatch
+from kvmesh.worker.engine.sim.latency import LatencyParams
 
 _H100 = LatencyParams()
 

@@ -1,14 +1,14 @@
 """The decode worker service: generates tokens, restoring a prefill worker's KV from
 the offload store when the request carries a handle, else doing its own prefill.
 
-Thin by design: all behaviour lives in ``kvmesh.workerlib`` (shared with prefill).
+Thin by design: all behaviour lives in ``kvmesh.worker`` (shared with prefill).
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvmesh.workerlib.run import run_worker
+from kvmesh.worker.run import run_worker
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
-from kvmesh.index.keys import EngineHashing, ModelSpec, check_block_size
+from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
 
 ENV_PREFIX = "KVMESH_INDEXER_"
 BACKENDS = ("memory", "redis")

@@ -17,20 +17,20 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.index.base import BlockIndex
-from kvmesh.index.ingest import Ingestor
-from kvmesh.index.keys import ModelSpec
-from kvmesh.index.liveness import Liveness
 from kvmesh.index.memory import MemoryIndex
-from kvmesh.index.metrics import IndexMetrics, InstrumentedIndex, MetricsObserver, StateCollector
-from kvmesh.index.pump import IngestPump
-from kvmesh.index.zmq_subscriber import ZmqSubscriber
-from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.logs import setup_logging
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
+from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_indexer.config import ENV_PREFIX, IndexerConfig
+from kvmesh_indexer.ingest import Ingestor
+from kvmesh_indexer.keys import ModelSpec
+from kvmesh_indexer.liveness import Liveness
+from kvmesh_indexer.metrics import IndexMetrics, InstrumentedIndex, MetricsObserver, StateCollector
+from kvmesh_indexer.pump import IngestPump
 from kvmesh_indexer.servicer import IndexerServicer
+from kvmesh_indexer.zmq_subscriber import ZmqSubscriber
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name
@@ -38,7 +38,7 @@ SERVICE_NAME = indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name
 
 def build_index(cfg: IndexerConfig) -> BlockIndex:
     if cfg.backend == "redis":
-        from kvmesh.index.redis_backend import RedisIndex
+        from kvmesh_indexer.redis_backend import RedisIndex
 
         try:
             index = RedisIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s,

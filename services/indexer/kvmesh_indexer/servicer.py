@@ -18,17 +18,17 @@ from typing import Any, TypeVar
 import grpc
 from opentelemetry import trace
 
-from kvmesh.common.v1 import common_pb2
 from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.hashing import BlockHasher, ExtraKeys, HashAlgo, MMRange
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S, BlockIndex, IndexUnavailable, LookupResult, Tier
-from kvmesh.index.ingest import Ingestor
-from kvmesh.index.keys import EngineHashing, ModelSpec, check_block_size
-from kvmesh.index.liveness import Liveness
-from kvmesh.index.pump import EndpointSource, IngestPump
-from kvmesh.index.zmq_subscriber import ZmqSubscriber
-from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_indexer.config import EngineConfig, IndexerConfig
+from kvmesh_indexer.ingest import Ingestor
+from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
+from kvmesh_indexer.liveness import Liveness
+from kvmesh_indexer.pump import EndpointSource, IngestPump
+from kvmesh_indexer.zmq_subscriber import ZmqSubscriber
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.indexer")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from kvmesh.kvstore.block import buffer_of
 from kvmesh.kvstore.bulk import ANSWER, MAGIC, NO_LEASE, REQUEST, SOCKET_BUFFER_BYTES
-from kvmesh.kvstore.store import Found
+from kvmesh_offload.store import Found
 
 log = logging.getLogger(__name__)
 

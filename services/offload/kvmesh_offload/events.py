@@ -10,7 +10,7 @@ import logging
 
 from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from kvmesh.events.publisher import KvEventPublisher
-from kvmesh.kvstore.store import StoreEvent
+from kvmesh_offload.store import StoreEvent
 
 log = logging.getLogger(__name__)
 

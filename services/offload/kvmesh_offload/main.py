@@ -11,22 +11,22 @@ import argparse
 import asyncio
 import logging
 
-from kvmesh.common.v1 import common_pb2
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
-from kvmesh.indexer.v1 import indexer_pb2
-from kvmesh.kvstore.arena import tune_malloc
-from kvmesh.kvstore.disk_tier import DiskTier
 from kvmesh.kvstore.eviction import make_policy
-from kvmesh.kvstore.store import OffloadStore
 from kvmesh.logs import setup_logging
-from kvmesh.offload.v1 import offload_pb2
 from kvmesh.registration import IndexerRegistration, kv_events_fields
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.indexer.v1 import indexer_pb2
+from kvmesh_api.offload.v1 import offload_pb2
+from kvmesh_offload.arena import tune_malloc
 from kvmesh_offload.config import OffloadConfig
+from kvmesh_offload.disk_tier import DiskTier
 from kvmesh_offload.metrics import bind_store
 from kvmesh_offload.servicer import OffloadServicer, add_offload_servicer
+from kvmesh_offload.store import OffloadStore
 
 log = logging.getLogger(__name__)
 ENV_PREFIX = "KVMESH_OFFLOAD_"

@@ -13,7 +13,7 @@ from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from kvmesh.kvstore.store import OffloadStore
+from kvmesh_offload.store import OffloadStore
 
 RESTORE_LATENCY = Histogram(
     "kvmesh_offload_restore_latency_seconds",

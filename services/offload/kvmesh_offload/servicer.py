@@ -18,15 +18,15 @@ from collections.abc import AsyncIterator
 import crc32c as _crc32c
 import grpc
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.kvstore.arena import Arena, Slot
 from kvmesh.kvstore.block import buffer_of
 from kvmesh.kvstore.shm import AttachCache, Segment, ShmError
-from kvmesh.kvstore.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
 from kvmesh.kvstore.wire import Chunk, decode_put_request, encode_get_response
-from kvmesh.offload.v1 import offload_pb2, offload_pb2_grpc
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
+from kvmesh_offload.arena import Arena, Slot
 from kvmesh_offload.bulk import BulkServer
 from kvmesh_offload.metrics import RESTORE_LATENCY
+from kvmesh_offload.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
 
 log = logging.getLogger(__name__)
 

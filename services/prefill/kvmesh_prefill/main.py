@@ -1,14 +1,14 @@
 """The prefill worker service: computes a prompt's KV, samples at most one token,
 and hands the KV to the offload store, returning a handle a decode worker restores.
 
-Thin by design: all behaviour lives in ``kvmesh.workerlib`` (shared with decode).
+Thin by design: all behaviour lives in ``kvmesh.worker`` (shared with decode).
 """
 
 from __future__ import annotations
 
 import sys
 
-from kvmesh.workerlib.run import run_worker
+from kvmesh.worker.run import run_worker
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,8 +22,6 @@ import time
 
 import grpc
 
-from kvmesh.common.v1 import common_pb2
-from kvmesh.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.router import RouterCore
 from kvmesh.routing.types import (
@@ -36,7 +34,9 @@ from kvmesh.routing.types import (
     TierMatch,
 )
 from kvmesh.rpc.channel import aio_channel
-from kvmesh.worker.v1 import worker_pb2, worker_pb2_grpc
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh_router import metrics
 from kvmesh_router.config import RouterConfig, parse_endpoint
 

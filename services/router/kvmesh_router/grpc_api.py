@@ -7,7 +7,7 @@ import time
 
 import grpc
 
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
 from kvmesh_router.service import GenInput, RouterService

@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate
 
-from kvmesh.common.v1 import common_pb2
+from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError
 from kvmesh_router.service import FinalInfo, GenInput, RouterService

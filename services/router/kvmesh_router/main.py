@@ -12,7 +12,6 @@ import uvicorn
 
 from kvmesh.config import add_dataclass_args, load_config
 from kvmesh.hashing import BlockHasher
-from kvmesh.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh.routing.hash_cache import HashCacheConfig
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
@@ -20,6 +19,7 @@ from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
+from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.grpc_api import RouterServicer

@@ -21,17 +21,17 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
-from kvmesh.common.v1 import common_pb2
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
-from kvmesh.router.v1 import router_pb2
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
 from kvmesh.routing.prefix_memory import speculative_ttl
 from kvmesh.routing.router import RouterCore
 from kvmesh.routing.types import Decision, RouteRequest
 from kvmesh.telemetry import tracer
-from kvmesh.worker.v1 import worker_pb2
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.router.v1 import router_pb2
+from kvmesh_api.worker.v1 import worker_pb2
 from kvmesh_router import metrics
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig

@@ -1,1 +1,0 @@
-"""Engine backends behind one interface (``kvmesh.engine.base``): ``sim`` and ``vllm``."""

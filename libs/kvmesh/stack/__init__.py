@@ -1,5 +1,0 @@
-"""The local kvmesh stack as child processes (``kvmesh up``, ``kvmesh demo``, live tests)."""
-
-from kvmesh.stack.launcher import LocalStack, StackConfig
-
-__all__ = ["LocalStack", "StackConfig"]

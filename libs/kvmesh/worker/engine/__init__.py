@@ -1,0 +1,1 @@
+"""Engine backends behind one interface (``kvmesh.worker.engine.base``): ``sim`` and ``vllm``."""

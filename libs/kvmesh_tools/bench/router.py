@@ -1,0 +1,198 @@
+"""``kvmesh bench router``: time one routing decision on a 100k→200k-token agent session.
+
+Set-up: everything in-process — the routing core, an embedded memory index
+holding 16 endpoints' blocks (one of them the session's), token ids given.
+Each turn appends ~600 tokens. A decision is timed from "token ids in" to
+"decision out": block hashing, index lookup, scoring, and recording the pick.
+The same turn is routed twice in the same run: once with incremental hashing
+(the hash cache) and once by a second core that re-hashes the whole prompt
+(the baseline). Tokenizing the turn's full text with the model's tokenizer is
+timed separately, on a sample of turns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import random
+import tempfile
+import time
+from typing import Any
+
+from kvmesh.hashing import BlockHasher
+from kvmesh.index.base import Tier
+from kvmesh.index.memory import MemoryIndex
+from kvmesh.routing.hash_cache import HashCacheConfig
+from kvmesh.routing.index_adapter import matches_from_lookup
+from kvmesh.routing.router import RouterCore, RouterCoreConfig
+from kvmesh.routing.types import EndpointView, RouteRequest
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_tools.bench.common import median, percentile, write_json
+
+log = logging.getLogger(__name__)
+MODEL = "bench-model"
+
+
+def _core(block_size: int, endpoints: int, incremental: bool, verify: str) -> RouterCore:
+    cfg = RouterCoreConfig(policy="precise", block_size=block_size,
+                           hash_cache=HashCacheConfig(enabled=incremental, verify=verify))
+    core = RouterCore(cfg, BlockHasher("sha256_cbor", block_size))
+    for i in range(endpoints):
+        core.set_endpoint(EndpointView(f"e{i:02d}", f"127.0.0.1:{9000 + i}", MODEL))
+    return core
+
+
+def _route(core: RouterCore, index: MemoryIndex, tokens: list[int], rid: str, session: str, now: float):
+    c0 = time.thread_time()
+    t0 = time.perf_counter()
+    chain = core.chain(tokens, None, session)
+    t1 = time.perf_counter()
+    res = index.lookup(MODEL, chain.keys)
+    t2 = time.perf_counter()
+    req = RouteRequest(rid, MODEL, chain.keys, len(tokens), core.block_size, session)
+    d = core.decide(req, matches_from_lookup(res), now)
+    core.on_routed(req, d, now)
+    t3 = time.perf_counter()
+    cpu = time.thread_time() - c0
+    return req, d, (t3 - t0), (t1 - t0), (t2 - t1), (t3 - t2), cpu
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    bs = args.block_size
+    index = MemoryIndex()
+    incr = _core(bs, args.endpoints, True, args.verify)
+    full = _core(bs, args.endpoints, False, args.verify)
+    # The gRPC front door hands the routing core the request's protobuf field, not a list.
+    grpc_core = _core(bs, args.endpoints, True, args.verify)
+    vocab = 32000
+    # Other endpoints hold unrelated contexts (so lookups see a realistic, populated index).
+    noise_hasher = BlockHasher("sha256_cbor", bs)
+    for i in range(args.endpoints):
+        other = [rng.randrange(vocab) for _ in range(args.noise_tokens)]
+        index.add(MODEL, f"e{i:02d}", Tier.GPU, noise_hasher.block_keys(other))
+    tokens = [rng.randrange(vocab) for _ in range(args.start_tokens)]
+    # The session's first turn was served before: its blocks are on one endpoint.
+    index.add(MODEL, "e07", Tier.GPU, noise_hasher.block_keys(tokens))
+    incr.chain(tokens, None, "agent")
+    grpc_core.chain(tokens, None, "agent")
+    grpc_ms: list[float] = []
+
+    route_ms: list[float] = []
+    cpu_ms: list[float] = []
+    hash_ms: list[float] = []
+    lookup_ms: list[float] = []
+    score_ms: list[float] = []
+    full_ms: list[float] = []
+    mismatches = 0
+    turn = 0
+    now = 0.0
+    while len(tokens) + args.turn_tokens <= args.end_tokens:
+        turn += 1
+        now += 5.0
+        tokens = tokens + [rng.randrange(vocab) for _ in range(args.turn_tokens)]
+        req, d, total, th, tl, ts, cpu = _route(incr, index, tokens, f"t{turn}", "agent", now)
+        route_ms.append(total * 1e3)
+        cpu_ms.append(cpu * 1e3)
+        hash_ms.append(th * 1e3)
+        lookup_ms.append(tl * 1e3)
+        score_ms.append(ts * 1e3)
+        if turn % args.full_every == 0:
+            freq, fd, ftotal, *_ = _route(full, index, tokens, f"f{turn}", "agent", now)
+            full_ms.append(ftotal * 1e3)
+            if freq.keys != req.keys or fd.endpoint_id != d.endpoint_id:
+                mismatches += 1
+            full.on_finished(freq, fd, now)
+        field = common_pb2.TokenIds(ids=tokens).ids   # what gRPC parsing produced (not timed)
+        greq, gd, gtotal, *_ = _route(grpc_core, index, field, f"g{turn}", "agent", now)
+        grpc_ms.append(gtotal * 1e3)
+        if greq.keys != req.keys:
+            mismatches += 1
+        grpc_core.on_finished(greq, gd, now)
+        # The engine now holds the prompt: its events reach the index (not timed).
+        index.add(MODEL, d.endpoint_id, Tier.GPU, req.keys)
+        incr.on_finished(req, d, now)
+
+    tok_ms = _tokenize_times(args, rng)
+    r50 = percentile(route_ms, 50)
+    f50 = percentile(full_ms, 50)
+    return {
+        "bench": "router",
+        "endpoints": args.endpoints,
+        "block_size": bs,
+        "turns": turn,
+        "start_tokens": args.start_tokens,
+        "end_tokens": len(tokens),
+        "turn_tokens": args.turn_tokens,
+        "hash_cache_verify": args.verify,
+        "route_p50_ms": r50,
+        "route_p99_ms": percentile(route_ms, 99),
+        "route_mean_ms": sum(route_ms) / len(route_ms),
+        # CPU time of the deciding thread: the same work without the time the OS gave other
+        # processes (this machine is shared; wall-clock tails include preemption).
+        "route_cpu_p50_ms": percentile(cpu_ms, 50),
+        "route_cpu_p99_ms": percentile(cpu_ms, 99),
+        "load_avg_1m": os.getloadavg()[0],
+        "route_hash_p50_ms": percentile(hash_ms, 50),
+        "route_lookup_p50_ms": percentile(lookup_ms, 50),
+        "route_score_p50_ms": percentile(score_ms, 50),
+        "route_grpc_field_p50_ms": percentile(grpc_ms, 50),
+        "route_grpc_field_p99_ms": percentile(grpc_ms, 99),
+        "route_full_hash_p50_ms": f50,
+        "route_full_hash_samples": len(full_ms),
+        "full_over_incremental_p50": f50 / r50 if r50 else float("nan"),
+        "incremental_vs_full_disagreements": mismatches,
+        "tokenize_p50_ms": median(tok_ms),
+        "tokenize_samples": len(tok_ms),
+        "targets": {"route_p99_ms_le_2": percentile(route_ms, 99) <= 2.0,
+                    "full_hash_ge_10x": bool(r50) and f50 >= 10 * r50},
+    }
+
+
+def _tokenize_times(args: argparse.Namespace, rng: random.Random) -> list[float]:
+    """Tokenize a text of the session's size (start and end of the range) with the tiny model's tokenizer."""
+    if args.tokenize_samples <= 0:
+        return []
+    from kvmesh.tokenization import load_tokenizer
+    from kvmesh.tokenization.tiny_model import write_tiny_model
+
+    with tempfile.TemporaryDirectory() as d:
+        tok = load_tokenizer(write_tiny_model(f"{d}/tiny"))
+        words = ["agent", "tool", "call", "result", "def", "return", "file", "path", "error", "the", "a", "of",
+                 "{", "}", "(", ")", "import", "class", "self", "value", "0", "1", "2", "\n"]
+        text = " ".join(rng.choice(words) for _ in range(args.end_tokens))
+        out = []
+        for i in range(args.tokenize_samples):
+            frac = args.start_tokens / args.end_tokens + (1 - args.start_tokens / args.end_tokens) * i / max(
+                1, args.tokenize_samples - 1)
+            sample = text[: int(len(text) * frac)]
+            t0 = time.perf_counter()
+            tok.encode(sample)
+            out.append((time.perf_counter() - t0) * 1e3)
+        return out
+
+
+def _main(args: argparse.Namespace) -> int:
+    result = run(args)
+    write_json(args.json, result)
+    keys = ("route_p50_ms", "route_p99_ms", "route_full_hash_p50_ms", "tokenize_p50_ms", "full_over_incremental_p50")
+    print({k: round(result[k], 3) for k in keys}, result["targets"])
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="routing decision latency on a growing 100k-200k token agent session")
+    p.add_argument("--json", default=None, help="write the result here")
+    p.add_argument("--endpoints", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--start-tokens", type=int, default=100_000)
+    p.add_argument("--end-tokens", type=int, default=200_000)
+    p.add_argument("--turn-tokens", type=int, default=600)
+    p.add_argument("--noise-tokens", type=int, default=50_000, help="unrelated context held by each endpoint")
+    p.add_argument("--full-every", type=int, default=4, help="also route with full re-hashing every Nth turn")
+    p.add_argument("--tokenize-samples", type=int, default=8)
+    p.add_argument("--verify", choices=["sampled", "full"], default="sampled",
+                   help="hash-cache prefix check (see kvmesh.routing.hash_cache)")
+    p.add_argument("--seed", type=int, default=1)
+    p.set_defaults(func=_main)

@@ -1,0 +1,58 @@
+"""``kvmesh bench NAME --json PATH``: the benchmarks that check speed and memory targets.
+
+Every module in ``kvmesh_tools.bench`` with a ``register(subparsers)`` adds one
+benchmark. ``kvmesh bench all --json-dir DIR`` runs each with its defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import pkgutil
+import sys
+from pathlib import Path
+
+import kvmesh_tools.bench as bench_pkg
+
+log = logging.getLogger(__name__)
+
+
+def _bench_modules() -> list[str]:
+    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.name != "common")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run benchmarks (writes JSON)")
+    bsub = p.add_subparsers(dest="bench", metavar="BENCH")
+    names: list[str] = []
+    for name in _bench_modules():
+        mod = importlib.import_module(f"kvmesh_tools.bench.{name}")
+        if hasattr(mod, "register"):
+            mod.register(bsub)
+            names.append(name)
+    pall = bsub.add_parser("all", help="run every benchmark with its defaults")
+    pall.add_argument("--json-dir", default="out/bench")
+    pall.set_defaults(func=lambda a: _run_all(a, bsub))
+    p.set_defaults(func=lambda a: (p.print_help(), 2)[1])
+
+
+def _run_all(args: argparse.Namespace, bsub: argparse._SubParsersAction) -> int:
+    out = Path(args.json_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = []
+    for name, parser in bsub.choices.items():
+        if name == "all":
+            continue
+        sub_args = parser.parse_args(["--json", str(out / f"{name}.json")])
+        log.info("running benchmark", extra={"bench": name})
+        try:
+            rc = sub_args.func(sub_args)
+        except Exception:  # noqa: BLE001 - one failing bench must not hide the others
+            log.exception("benchmark failed", extra={"bench": name})
+            rc = 1
+        if rc:
+            failed.append(name)
+    if failed:
+        sys.stderr.write(f"failed benchmarks: {', '.join(failed)}\n")
+    return 1 if failed else 0

@@ -1,0 +1,173 @@
+"""The simulated workers and offload store: thin wrappers that put the real
+components (C's block manager + scheduler + latency model, E's RAM tier, B's
+index) behind the few calls the event loop needs.
+
+Why it exists: the event loop should only move time; what a worker caches,
+evicts and how long a step takes must come from the same code the services run.
+These wrappers only translate (block-manager events → index updates) and keep
+per-worker counters.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvmesh.index.base import Tier
+from kvmesh.index.memory import MemoryIndex
+from kvmesh.kvstore.block import CapacityError
+from kvmesh.kvstore.eviction import TIMED_POLICIES
+from kvmesh.kvstore.eviction import make_policy as make_eviction
+from kvmesh.kvstore.ram_tier import RamTier
+from kvmesh.worker.engine.sim.block_manager import BlockManager, Removed, Stored
+from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
+from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, pseudo_block_hash
+
+_MASK64 = (1 << 64) - 1
+
+
+def stable_extender(seq: Seq, n_full: int) -> None:
+    """Keys for output blocks, stable across processes (str hashing is salted per process)."""
+    hs = seq.block_hashes
+    rk = zlib.crc32(seq.request_id.encode())
+    while len(hs) < n_full:
+        hs.append(pseudo_block_hash(hs[-1] if hs else 0, rk, len(hs)))
+
+
+@dataclass
+class WorkerSpec:
+    endpoint_id: str
+    role: str                  # decode | prefill
+    num_blocks: int
+    block_size: int
+
+
+class SimWorker:
+    """One engine: real scheduler + block manager; publishes to the index when asked."""
+
+    def __init__(self, spec: WorkerSpec, latency: LatencyParams, sched_cfg: SchedulerConfig,
+                 index: MemoryIndex | None, model: str) -> None:
+        self.spec = spec
+        self.id = spec.endpoint_id
+        self.role = spec.role
+        self.bm = BlockManager(spec.num_blocks + 1, spec.block_size, enable_events=index is not None)
+        self.latency = LatencyModel(latency)
+        self.sched = Scheduler(self.bm, self.latency, sched_cfg, extend_hashes=stable_extender)
+        self.index = index
+        self.model = model
+        self.busy_s = 0.0
+        self.steps = 0
+        self.plan: StepPlan | None = None
+        self.macro: list | None = None   # decode fast-forward in progress: [start, n, d0, slope, applied]
+        self.gen = 0
+
+    def publish(self) -> None:
+        """Apply the block manager's KV events to the index (what the indexer would ingest)."""
+        if self.index is None:
+            return
+        idx, model, ep = self.index, self.model, self.id
+        for ev in self.bm.take_events():
+            if type(ev) is Stored:
+                idx.add(model, ep, Tier.GPU, ev.block_hashes, [(0, ev.parent_block_hash)])
+            elif type(ev) is Removed:
+                idx.remove(model, ep, Tier.GPU, (ev.block_hash,))
+            else:
+                idx.clear_endpoint(ep)
+
+    def gpu_hit_blocks(self, keys: list[int], num_tokens: int) -> int:
+        return len(self.bm.find_longest_hit(keys, num_tokens))
+
+
+class SimOffload:
+    """The shared offload store in metadata-only mode (capacity in blocks).
+
+    One namespace, so the tier's keys are the block keys themselves: the service's
+    ``(namespace, key)`` ids would cost a tuple per block on every touch, put and eviction
+    (a fleet run makes tens of millions of them), and policies treat keys as opaque.
+
+    The router's view of the store is read off the tier itself (:meth:`leading`), not off
+    the index: the indexer mirrors the store's events, and in virtual time it does so at
+    once, so the two agree block for block, while a fleet's store stores and evicts a block
+    per block it keeps (millions of index updates that would only restate the tier).
+    """
+
+    NS = "sim"
+
+    def __init__(self, capacity_blocks: int, eviction: str, clock: Callable[[], float] | None = None) -> None:
+        self.tier = RamTier(capacity_blocks, make_eviction(eviction))
+        # Time-aware policies read the simulation's virtual clock, as the store reads the wall clock.
+        self._clock = clock if eviction in TIMED_POLICIES else None
+        self.puts = 0
+        self.refused = 0          # puts that cannot fit, whole (the service answers RESOURCE_EXHAUSTED)
+        self.restored_blocks = 0
+        self._present = self.tier.keys()   # a live view: membership without a method call
+        self._version = 0                  # bumped whenever the store's contents change
+        self._memo: tuple[list[int] | None, int, int] = (None, -1, 0)   # (keys, version, leading)
+
+    def leading(self, keys: list[int], cap: int) -> int:
+        """How many of ``keys[:cap]`` the store holds, from the first on."""
+        memo = self._memo
+        if memo[0] is keys and memo[1] == self._version:
+            # Asked again for the same prompt with nothing stored in between (the decision,
+            # then its dispatch).
+            return min(memo[2], cap)
+        present = self._present
+        n = len(keys)
+        for i, k in enumerate(keys):
+            if i >= cap:
+                return cap
+            if k not in present:
+                n = i
+                break
+        self._memo = (keys, self._version, n)
+        return min(n, cap)
+
+    def _new_batch(self) -> None:
+        if self._clock is not None:
+            self.tier.policy.new_batch(self._clock())  # type: ignore[call-arg]
+        else:
+            self.tier.new_batch()
+
+    def touch(self, keys: list[int], session: str) -> None:
+        self._new_batch()
+        self.tier.touch_many(keys, session)  # type: ignore[arg-type]
+        self.restored_blocks += len(keys)
+
+    def put(self, keys: list[int], start: int, session: str) -> None:
+        """Write-through of a request's computed blocks from ``start`` (the first the store
+        lacks), as the store service's Put takes them: blocks already there are touched, room
+        for the new ones is made at once and the put's own blocks never push each other out;
+        a put that cannot fit is refused whole."""
+        tier = self.tier
+        if tier.capacity <= 0:
+            return
+        self._new_batch()
+        present = self._present
+        seen: set[int] = set()
+        held: list[int] = []
+        new: list[int] = []
+        depths: list[int] = []
+        for i in range(start, len(keys)):
+            k = keys[i]
+            if k in seen:
+                continue
+            seen.add(k)
+            if k in present:
+                held.append(k)
+            else:
+                new.append(k)
+                depths.append(i)
+        if held:
+            tier.touch_many(held, session)  # type: ignore[arg-type]
+        if not new:
+            return
+        try:
+            tier.make_room(len(new), protect=seen)  # type: ignore[arg-type]
+        except CapacityError:
+            # Refused whole, as the service answers; the tier evicts nothing for a refused put.
+            self.refused += 1
+            return
+        tier.add_many(new, depths, session)  # type: ignore[arg-type]
+        self._version += 1
+        self.puts += len(new)

@@ -1,0 +1,56 @@
+"""Human-facing output of a simulation: a rich table and PNG plots.
+
+Why it exists: the JSON is for machines; a platform team reads the table (hit
+rate against the ceilings, TTFT, balance) and the plots (hit rate over time per
+policy, TTFT CDF) to decide.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from kvmesh_tools.plotting import plot_hit_rate_over_time, plot_ttft_cdf
+
+COLUMNS = [
+    ("prefix_hit_rate", "hit"), ("gpu_hit_rate", "gpu"), ("offload_hit_rate", "offload"),
+    ("share_of_ceiling_pooled", "of pooled"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "p90 s"),
+    ("ttft_p99_s", "p99 s"), ("output_tok_per_s", "out tok/s"), ("load_imbalance", "imbalance"),
+    ("preemptions", "preempt"), ("requests", "requests"), ("wall_s", "wall s"),
+]
+
+
+def _console():
+    import sys
+
+    from rich.console import Console
+
+    # Piped output (CI logs, files) gets a wide fixed width instead of 80 columns of wrapped cells.
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None:
+    from rich.table import Table
+
+    t = Table(title=f"{title}  (ceiling_infinite {report['ceiling_infinite']:.4f}, "
+                    f"ceiling_pooled {report['ceiling_pooled']:.4f})")
+    t.add_column("policy")
+    for _, name in COLUMNS:
+        t.add_column(name, justify="right")
+    for pol, m in report["results"].items():
+        t.add_row(pol, *[f"{m.get(k, '')}" for k, _ in COLUMNS])
+    _console().print(t)
+
+
+def write_plots(report: dict[str, Any], out_dir: str | Path, prefix: str = "simulate") -> list[Path]:
+    """hit rate over time per policy, and the TTFT CDF; returns the PNG paths."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    series = report["series"]
+    return [
+        plot_hit_rate_over_time({pol: [(t / 60.0, h) for t, h in s.get("hit_rate_over_time") or []]
+                                 for pol, s in series.items()},
+                                out / f"{prefix}_hit_rate.png", xlabel="time (min)",
+                                ceiling=report["ceiling_pooled"]),
+        plot_ttft_cdf({pol: s.get("ttft_s") or [] for pol, s in series.items()}, out / f"{prefix}_ttft_cdf.png"),
+    ]

@@ -1,0 +1,594 @@
+"""The discrete-event loop: requests released by the agent schedule, routed by the
+real router core, served by simulated workers, in virtual time.
+
+Event kinds (one heap, ordered by time then insertion):
+- RELEASE: a request is sent (its dependencies finished + think time);
+  the router decides (precise: index lookup, and the store's tier), maybe
+  splits to a prefill worker, and dispatches.
+- ARRIVE: the request reaches a worker after its KV restore from the offload
+  store (restore time from the latency model), and joins the scheduler queue.
+- STEP: a worker's engine step finishes; outputs are applied, first tokens and
+  completions recorded, the next step is planned at once if work remains.
+
+Only time is virtual: caching, eviction, step durations, routing decisions and
+store contents all come from the shared components (see ``parts``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import heapq
+import logging
+import time
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from kvmesh.index.memory import MemoryIndex
+from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
+from kvmesh.routing.load import LoadReport
+from kvmesh.routing.pd_split import SplitConfig
+from kvmesh.routing.policy import make_policy
+from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_id
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
+from kvmesh.worker.engine.sim.latency import LatencyParams
+from kvmesh.worker.engine.sim.scheduler import SchedulerConfig, Seq
+from kvmesh_tools.clustersim.config import SimConfig
+from kvmesh_tools.clustersim.parts import SimOffload, SimWorker, WorkerSpec
+from kvmesh_tools.traffic.model import Request, Trace
+from kvmesh_tools.traffic.schedule import Schedule, ScheduleRunner
+
+log = logging.getLogger(__name__)
+
+RELEASE, ARRIVE, STEP, MACRO, BOUNDARY = 0, 1, 2, 3, 4
+
+
+@dataclass(slots=True)
+class Job:
+    """One request's life in the simulation."""
+
+    node: int
+    req: Request
+    route: RouteRequest
+    release: float
+    decision: Decision | None = None
+    split: bool = False
+    prefill_ep: int = -1
+    decode_ep: int = -1
+    first_token: float | None = None
+    finish: float | None = None
+    cached_gpu: int = 0
+    cached_offload: int = 0
+    gpu_hit_blocks: int = 0          # on the computing worker at dispatch
+    external: int = 0                # tokens restored at dispatch
+    store_hit: int = 0               # leading blocks present in the store at dispatch
+    planned_restore: int = 0         # tokens whose restore was charged at the latest dispatch
+    admitted: bool = True            # the latest dispatch's sequence has been scheduled
+    error: str = ""
+
+
+@dataclass
+class PolicyResult:
+    policy: str
+    metrics: dict[str, Any]
+    ttfts: list[float] = field(default_factory=list)
+    hit_series: list[tuple[float, float]] = field(default_factory=list)   # (time s, hit rate in bucket)
+    records: list[dict[str, Any]] = field(default_factory=list)            # per request, in release order
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1)))))
+    return s[k]
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc() -> Iterator[None]:
+    """Run without the cyclic garbage collector.
+
+    A fleet's block managers, index and store hold millions of long-lived objects, and each
+    full collection walks all of them: about a fifth of a 544-worker run's wall time. The loop
+    makes no reference cycles that matter (measured: the same peak RSS with the collector off).
+    """
+    was = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+        if was:
+            gc.enable()
+
+
+class ClusterSim:
+    """One policy over one schedule on one simulated cluster."""
+
+    def __init__(self, trace: Trace, schedule: Schedule, cfg: SimConfig, policy: str,
+                 latency: LatencyParams | None = None, scoring: ScoringConfig | None = None) -> None:
+        self.trace = trace
+        self.schedule = schedule
+        self.cfg = cfg
+        self.policy_name = policy
+        self.bs = trace.block_size
+        if cfg.block_size and cfg.block_size != self.bs:
+            raise ValueError(f"--block-size {cfg.block_size} differs from the trace's {self.bs}: the simulator "
+                             "runs at the trace's block size (hash ids are per trace block)")
+        self.now = 0.0
+        core_cfg = RouterCoreConfig(policy=policy, block_size=self.bs, speculative_ttl_s=cfg.speculative_ttl_s,
+                                    approx_capacity_blocks=max(1, cfg.kv_capacity_tokens // self.bs),
+                                    offload_enabled=cfg.offload_capacity_tokens > 0, report_candidates=1,
+                                    warm_fallback=False,   # its index always answers
+                                    scoring=scoring or ScoringConfig(),
+                                    # The prefill's KV reaches the decode worker through the
+                                    # store: without one there is no split (prefill workers idle).
+                                    split=SplitConfig(enabled=cfg.prefill_workers > 0 and cfg.offload_capacity_tokens > 0,
+                                                      threshold_tokens=cfg.split_threshold_tokens))
+        self.core = RouterCore(core_cfg)
+        if policy == "random":
+            # RouterCore builds policies unseeded; a simulation must be reproducible.
+            self.core._policies["random"] = make_policy("random", core_cfg.scoring, seed=cfg.seed,
+                                                           report_candidates=1)
+            self.core.default_policy = self.core._policies["random"]
+        self.policy = self.core.default_policy
+        self.uses_index = bool(getattr(self.policy, "uses_index", False))
+        # Only an index-driven policy needs KV events; the others skip that work.
+        self.index = MemoryIndex(now=lambda: self.now) if self.uses_index else None
+        sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                                    max_model_len=cfg.max_model_len, max_waiting=0)
+        lat = latency or LatencyParams()
+        self.lat = lat
+        nblocks = max(2, cfg.kv_capacity_tokens // self.bs)
+        self.workers: list[SimWorker] = []
+        for i in range(cfg.decode_workers):
+            self.workers.append(SimWorker(WorkerSpec(f"decode-{i}", "decode", nblocks, self.bs), lat, sched_cfg,
+                                          self.index, cfg.model))
+        for i in range(cfg.prefill_workers):
+            self.workers.append(SimWorker(WorkerSpec(f"prefill-{i}", "prefill", nblocks, self.bs), lat, sched_cfg,
+                                          self.index, cfg.model))
+        self.by_id = {w.id: i for i, w in enumerate(self.workers)}
+        for w in self.workers:
+            self.core.set_endpoint(EndpointView(endpoint_id=w.id, model=cfg.model, role=w.role, block_size=self.bs))
+        self.store = (SimOffload(cfg.offload_capacity_tokens // self.bs, cfg.offload_eviction, clock=lambda: self.now)
+                      if cfg.offload_capacity_tokens > 0 else None)
+        self._heap: list[tuple[float, int, int, Any]] = []
+        self._seq = 0
+        # Workers by the time of their last load report, oldest first. A poll sets that time to
+        # the decision's, so workers polled together stay together: a decision pops the due
+        # groups instead of visiting every worker of a large fleet.
+        self._polls: deque[tuple[float, list[int]]] = deque([(-1e18, list(range(len(self.workers))))])
+        # Workers whose engine changed since their last report; the others report the same again.
+        self._changed = [True] * len(self.workers)
+        self._layout = ColumnLayout([w.id for w in self.workers])
+        self._rows_version = -1
+        self._worker_rows = np.zeros(0, dtype=np.intp)
+        self.jobs: list[Job] = []
+        self.errors = 0
+
+    # ------------------------------------------------------------------ events
+    def _push(self, t: float, kind: int, payload: Any) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, kind, payload))
+
+    def run(self) -> PolicyResult:
+        wall0 = time.perf_counter()
+        self.runner = ScheduleRunner(self.schedule)
+        for t, idx in self.runner.initial():
+            self._push(t, RELEASE, idx)
+        with _no_cyclic_gc():
+            self._loop()
+        wall = time.perf_counter() - wall0
+        return self._result(wall)
+
+    def _loop(self) -> None:
+        heap = self._heap
+        pop = heapq.heappop
+        while heap:
+            t, _, kind, payload = pop(heap)
+            self.now = t
+            if kind == STEP:
+                self._on_step(payload)
+            elif kind == MACRO:
+                self._on_macro(*payload)
+            elif kind == BOUNDARY:
+                self._on_boundary(*payload)
+            elif kind == RELEASE:
+                self._on_release(payload)
+            else:
+                self._on_arrive(*payload)
+
+    # ------------------------------------------------------------------ routing
+    def _refresh_load(self) -> None:
+        now = self.now
+        poll = self.cfg.load_poll_s
+        polls = self._polls
+        if not polls or now - polls[0][0] < poll:
+            return
+        due: list[int] = []
+        while polls and now - polls[0][0] >= poll:
+            due.extend(polls.popleft()[1])
+        view = self.core.load
+        changed = self._changed
+        same: list[str] = []
+        for i in due:
+            w = self.workers[i]
+            if not changed[i]:
+                same.append(w.id)
+                continue
+            changed[i] = False
+            s = w.sched
+            bm = w.bm
+            view.update(w.id, LoadReport(running=s.num_running, waiting=s.num_waiting, kv_usage=bm.usage,
+                                         waiting_prefill_tokens=s.waiting_prefill_tokens(),
+                                         num_blocks=bm.num_blocks, free_blocks=bm.num_free_blocks,
+                                         received_at=now))
+        view.reconfirm(same, now)
+        polls.append((now, due))
+
+    def _matches(self, keys: list[int]) -> Matches:
+        assert self.index is not None
+        rows = self.index.lookup_rows(self.cfg.model, keys)
+        if self._rows_version != self.index.slots_version:
+            # Each worker's row (or the zero row past the end while it has none).
+            slot_of = self.index.slot_of
+            self._worker_rows = np.asarray([-1 if (r := slot_of(w.id)) is None else r for w in self.workers],
+                                           dtype=np.intp)
+            self._rows_version = self.index.slots_version
+        rows = np.concatenate((rows, np.zeros((1, rows.shape[1]), dtype=rows.dtype)))
+        mine = rows[self._worker_rows]
+        # The store's row, as the indexer (which mirrors the store) would give it.
+        store = TierMatch(0, self.store.leading(keys, len(keys)), 0) if self.store is not None else TierMatch()
+        return Matches(store=store,
+                       columns=EndpointColumns(self._layout, mine[:, 1], mine[:, 2], mine[:, 3]))
+
+    def _on_release(self, node_idx: int) -> None:
+        req = self.schedule.nodes[node_idx].req
+        route = RouteRequest(request_id=req.uid, model=self.cfg.model, keys=req.keys, num_tokens=req.input_tokens,
+                             block_size=self.bs, session_id=f"{req.session}/{req.agent}")
+        job = Job(node=node_idx, req=req, route=route, release=self.now)
+        self.jobs.append(job)
+        self._refresh_load()
+        matches = self._matches(req.keys) if self.uses_index else None
+        decision = self.core.decide(route, matches, self.now)
+        job.decision = decision
+        job.decode_ep = self.by_id[decision.endpoint_id]
+        split = self.core.decide_split(decision, route, self.now, matches=matches)
+        self.core.on_routed(route, decision, self.now, split)
+        if split.split:
+            job.split = True
+            job.prefill_ep = self.by_id[split.prefill_endpoint]
+            self._dispatch(job, job.prefill_ep, prefill_only=True)
+        else:
+            self._dispatch(job, job.decode_ep, prefill_only=False)
+
+    # ------------------------------------------------------------------ workers
+    def _dispatch(self, job: Job, widx: int, prefill_only: bool) -> None:
+        """Send to a worker: restore what the store has beyond the worker's own cache, then queue."""
+        w = self.workers[widx]
+        req = job.req
+        cap = max(0, (req.input_tokens - 1) // self.bs)
+        keys = req.keys
+        gpu = w.gpu_hit_blocks(keys, req.input_tokens)
+        ext_blocks = 0
+        backed = 0
+        delay = 0.0
+        store_hit = 0
+        if self.store is not None:
+            store_hit = self.store.leading(keys, cap)
+            # The store also backs the GPU hit: if the GPU evicts those blocks before the
+            # request is scheduled (running requests grow into free cached blocks), vLLM's
+            # offloading connector, asked at scheduling time, restores them then instead of
+            # the engine recomputing them; that late restore is charged in _plan.
+            backed = store_hit
+            if store_hit > gpu:
+                ext_blocks = store_hit
+                n = store_hit - gpu
+                self.store.touch(keys[gpu:store_hit], req.session)
+                delay = w.latency.restore_time(n * self.bs * self.cfg.kv_bytes_per_token)
+        compute_phase = prefill_only or not job.split
+        if compute_phase:
+            job.gpu_hit_blocks = gpu
+            job.external = ext_blocks * self.bs
+            job.store_hit = store_hit
+        seq = Seq(request_id=req.uid + ("#p" if prefill_only else ""), prompt_len=req.input_tokens,
+                  max_tokens=1 if prefill_only else max(1, req.output_tokens), block_hashes=list(keys),
+                  arrival=self.now, prefill_only=prefill_only, meta=job,
+                  external_cached=max(ext_blocks, backed) * self.bs)
+        job.planned_restore = (ext_blocks - gpu) * self.bs if ext_blocks else 0
+        job.admitted = False
+        if delay > 0:
+            self._push(self.now + delay, ARRIVE, (widx, seq))
+        else:
+            self._on_arrive(widx, seq)
+
+    def _on_arrive(self, widx: int, seq: Seq) -> None:
+        w = self.workers[widx]
+        self._changed[widx] = True
+        w.sched.add(seq)
+        if w.macro is not None:
+            self._truncate_macro(w, widx)
+        elif w.plan is None:
+            self._plan(widx)
+
+    # -- decode fast-forward ---------------------------------------------------
+    # A stretch of pure-decode steps (nothing waiting, every running sequence decoding, no
+    # finish) changes nothing but counters, except at a block boundary: the step that fills
+    # a block caches it (a Stored event) and the next one allocates a block (which may evict
+    # a cached one). Its step times come from the same latency model. The stretch runs as
+    # one event; each boundary step's block work runs as its own small event at that step's
+    # start, exactly as plan() does it (sequences brought up to that step first), so the
+    # engine and the index hold what they would step by step at every moment. An arrival
+    # cuts the stretch at the end of the step in progress, where the step-by-step loop would
+    # admit the newcomer; a boundary that would have to preempt ends it before that step.
+    # Macro state: [start, n, d0, slope, applied] (``applied``: steps whose counters are in).
+    @staticmethod
+    def _macro_time(start: float, steps: int, d0: float, slope: float) -> float:
+        """When ``steps`` steps of a stretch starting at ``start`` are done (step time is
+        ``d0 + slope * step``)."""
+        return start + steps * d0 + slope * steps * (steps - 1) / 2
+
+    def _try_macro(self, w: SimWorker, widx: int) -> bool:
+        s = w.sched
+        if s.waiting or not s.running:
+            return False
+        max_len = self.cfg.max_model_len
+        n = 1 << 30
+        for seq in s.running:
+            if seq.num_tokens - seq.num_computed != 1 or seq.num_computed < seq.prompt_len:
+                return False
+            n = min(n, seq.max_tokens - seq.num_output - 1, max_len - seq.num_tokens - 1)
+        if n < 2:
+            return False
+        if not self._block_work(w):
+            return False   # the first step must preempt: the step-by-step path does it
+        ctx = [seq.num_computed for seq in s.running]
+        d0 = w.latency.step_time((), ctx)
+        slope = w.latency.step_time((), [c + 1 for c in ctx]) - d0   # step time is linear in context
+        w.gen += 1
+        w.macro = [self.now, n, d0, slope, 0]
+        end = self._macro_time(self.now, n, d0, slope)
+        w.busy_s += end - self.now
+        self._push(end, MACRO, (widx, w.gen))
+        self._push_boundary(w, widx, 0)
+        return True
+
+    def _next_boundary(self, w: SimWorker, after: int) -> int:
+        """The first step after step ``after`` of the stretch that fills or starts a block of
+        some running sequence (counters are at ``w.macro``'s applied step)."""
+        bs = self.bs
+        applied = w.macro[4]  # type: ignore[index]
+        k = bs
+        for seq in w.sched.running:
+            r = (seq.num_computed + (after + 1 - applied)) % bs
+            # Steps until the token computed starts a block (r == 0) or fills one (r == bs - 1).
+            k = min(k, (bs - r) % bs, (bs - 1 - r) % bs)
+        return after + 1 + k
+
+    def _push_boundary(self, w: SimWorker, widx: int, after: int) -> None:
+        start, n, d0, slope, _applied = w.macro  # type: ignore[misc]
+        j = self._next_boundary(w, after)
+        if j < n:
+            self._push(self._macro_time(start, j, d0, slope), BOUNDARY, (widx, w.gen, j))
+
+    def _advance(self, w: SimWorker, step: int) -> None:
+        """Bring the running sequences' counters to the start of ``step`` of the stretch."""
+        m = w.macro
+        k = step - m[4]  # type: ignore[index]
+        if k:
+            for seq in w.sched.running:
+                seq.num_computed += k
+                seq.num_output += k
+            m[4] = step  # type: ignore[index]
+
+    def _block_work(self, w: SimWorker) -> bool:
+        """One decode step's allocations and cached blocks, as plan() does them, or False
+        (nothing changed) when some allocation would not fit and plan() would preempt."""
+        s = w.sched
+        bm = w.bm
+        bs = self.bs
+        # Only a sequence whose next token starts a block (allocation) or fills one (caching)
+        # has work; plan() finds nothing to do for the others.
+        at = [seq for seq in s.running if seq.num_computed % bs in (0, bs - 1)]
+        if sum(bm.blocks_to_allocate(seq.request_id, seq.num_computed + 1) for seq in at) > bm.num_free_blocks:
+            return False
+        for seq in at:
+            target = seq.num_computed + 1
+            bm.allocate(seq.request_id, target)
+            s.cache_computed(seq, target)
+        w.publish()
+        return True
+
+    def _on_boundary(self, widx: int, gen: int, step: int) -> None:
+        w = self.workers[widx]
+        if gen != w.gen or w.macro is None:
+            return   # the stretch was cut before this step
+        self._changed[widx] = True
+        self._advance(w, step)
+        if self._block_work(w):
+            self._push_boundary(w, widx, step)
+            return
+        # This step would preempt: the stretch ends at its start and the step runs for real.
+        w.busy_s -= self._macro_time(*w.macro[:4]) - self.now
+        w.steps += step
+        w.gen += 1
+        w.macro = None
+        self._plan(widx)
+
+    def _truncate_macro(self, w: SimWorker, widx: int) -> None:
+        start, n, d0, slope, _applied = w.macro  # type: ignore[misc]
+        m = 1
+        while m < n and self._macro_time(start, m, d0, slope) < self.now:
+            m += 1
+        if m >= n:
+            return
+        end = self._macro_time(start, m, d0, slope)
+        w.busy_s -= self._macro_time(start, n, d0, slope) - end
+        w.gen += 1
+        w.macro[1] = m  # type: ignore[index]
+        self._push(end, MACRO, (widx, w.gen))
+
+    def _on_macro(self, widx: int, gen: int) -> None:
+        w = self.workers[widx]
+        if gen != w.gen or w.macro is None:
+            return   # superseded by a truncation
+        n = w.macro[1]
+        self._changed[widx] = True
+        self._advance(w, n)
+        w.steps += n
+        w.macro = None
+        self._plan(widx)
+
+    def _plan(self, widx: int) -> None:
+        w = self.workers[widx]
+        self._changed[widx] = True
+        if self.cfg.macro_steps and self._try_macro(w, widx):
+            return
+        while w.sched.has_work:
+            plan = w.sched.plan(self.now)
+            w.publish()
+            if not plan.empty:
+                if self.store is not None:
+                    plan.duration += self._late_restores(w, plan)
+                w.plan = plan
+                w.busy_s += plan.duration
+                w.steps += 1
+                self._push(self.now + plan.duration, STEP, widx)
+                return
+            if w.sched.running:
+                break
+            # Nothing running and the head of the queue cannot get blocks: it never will.
+            head = w.sched.waiting[0]
+            w.sched.abort(head.request_id)
+            self._fail(head.meta, f"prompt of {head.prompt_len} tokens does not fit the KV cache of {w.id}")
+        w.plan = None
+
+    def _late_restores(self, w: SimWorker, plan: Any) -> float:
+        """Restore time of requests first scheduled in ``plan`` whose GPU hit was evicted while
+        they waited, so the store (which backed it) supplied more than was restored at dispatch."""
+        extra = 0
+        for seq, _n in plan.scheduled:
+            job: Job = seq.meta
+            if job.admitted or seq.num_cached_tokens < 0:
+                continue
+            job.admitted = True
+            restored = seq.num_cached_tokens - seq.num_cached_gpu
+            if restored > job.planned_restore:
+                self.store.touch(seq.block_hashes[seq.num_cached_gpu // self.bs:seq.num_cached_tokens // self.bs],  # type: ignore[union-attr]
+                                 job.req.session)
+                extra += restored - job.planned_restore
+        return w.latency.restore_time(extra * self.cfg.kv_bytes_per_token) if extra else 0.0
+
+    def _fail(self, job: Job, why: str) -> None:
+        self.errors += 1
+        job.error = why
+        job.finish = self.now
+        self.core.load.on_finished(job.route.request_id)
+        self.core.load.on_finished(prefill_request_id(job.route.request_id))
+        for t, idx in self.runner.complete(job.node, self.now):
+            self._push(t, RELEASE, idx)
+
+    def _on_step(self, widx: int) -> None:
+        w = self.workers[widx]
+        self._changed[widx] = True
+        plan = w.plan
+        assert plan is not None
+        w.plan = None
+        now = self.now
+        res = w.sched.complete(plan, now)
+        for seq, _tok in res.sampled:
+            if seq.num_output != 1:
+                continue
+            job: Job = seq.meta
+            if seq.prefill_only or not job.split:
+                # Same accounting as the sim engine: the scheduler's own GPU hit, the rest restored.
+                cached = max(0, seq.num_cached_tokens)
+                job.cached_gpu = min(seq.num_cached_gpu, cached)
+                job.cached_offload = cached - job.cached_gpu
+            if not seq.prefill_only:
+                job.first_token = now
+                self.core.on_first_token(job.route)
+        for seq in res.finished:
+            job = seq.meta
+            if self.store is not None:
+                # Like the sim engine: on finish, save the computed blocks the store lacks (leading check).
+                n = seq.num_computed // self.bs
+                keys = seq.block_hashes[:n]
+                self.store.put(keys, self.store.leading(keys, n), job.req.session)
+            if seq.prefill_only:
+                self.core.load.on_finished(prefill_request_id(job.route.request_id))
+                self._dispatch(job, job.decode_ep, prefill_only=False)
+                continue
+            job.finish = now
+            assert job.decision is not None
+            self.core.on_finished(job.route, job.decision, now)
+            self.policy.on_completed(job.route, job.decision.endpoint_id, job.req.keys, now)
+            for t, idx in self.runner.complete(job.node, now):
+                self._push(t, RELEASE, idx)
+        self._plan(widx)
+
+    # ------------------------------------------------------------------ results
+    def _result(self, wall_s: float) -> PolicyResult:
+        done = [j for j in self.jobs if not j.error and j.first_token is not None]
+        prompt = sum(j.req.input_tokens for j in done)
+        gpu = sum(j.cached_gpu for j in done)
+        off = sum(j.cached_offload for j in done)
+        ttfts = [j.first_token - j.release for j in done]  # type: ignore[operator]
+        out_tokens = sum(j.req.output_tokens for j in done)
+        t0 = min((j.release for j in self.jobs), default=0.0)
+        t1 = max((j.finish or j.release for j in self.jobs), default=0.0)
+        span = max(t1 - t0, 1e-9)
+        decode = [w for w in self.workers if w.role == "decode"]
+        busy = [w.busy_s for w in decode]
+        mean_busy = sum(busy) / len(busy) if busy else 0.0
+        metrics: dict[str, Any] = {
+            "prefix_hit_rate": round((gpu + off) / prompt, 4) if prompt else 0.0,
+            "gpu_hit_rate": round(gpu / prompt, 4) if prompt else 0.0,
+            "offload_hit_rate": round(off / prompt, 4) if prompt else 0.0,
+            "ttft_p50_s": round(_pct(ttfts, 50), 4),
+            "ttft_p90_s": round(_pct(ttfts, 90), 4),
+            "ttft_p99_s": round(_pct(ttfts, 99), 4),
+            "output_tok_per_s": round(out_tokens / span, 2),
+            "requests": len(done),
+            "errors": self.errors,
+            "load_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 0.0,
+            "preemptions": sum(w.sched.num_preemptions for w in self.workers),
+            "split_requests": sum(1 for j in done if j.split),
+            # How hard the shared store churns: a store far smaller than the sessions' contexts
+            # evicts about one block per block it stores.
+            "offload_blocks_stored": self.store.puts if self.store is not None else 0,
+            "offload_evictions": self.store.tier.evictions if self.store is not None else 0,
+            "offload_refused_puts": self.store.refused if self.store is not None else 0,
+            "prompt_tokens": prompt,
+            "cached_tokens_gpu": gpu,
+            "cached_tokens_offload": off,
+            "output_tokens": out_tokens,
+            "virtual_time_s": round(span, 3),
+            "decode_busy_s": [round(b, 3) for b in busy],
+            "prefill_busy_s": [round(w.busy_s, 3) for w in self.workers if w.role == "prefill"],
+            "steps": sum(w.steps for w in self.workers),
+            "wall_s": round(wall_s, 2),
+        }
+        records = [{"uid": j.req.uid, "endpoint": self.workers[j.decode_ep].id, "split": j.split,
+                    "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "release_s": round(j.release, 6),
+                    "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),
+                    "error": j.error} for j in self.jobs]
+        return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1), records)
+
+    def _series(self, done: list[Job], t0: float, t1: float) -> list[tuple[float, float]]:
+        n = max(1, self.cfg.time_buckets)
+        width = max((t1 - t0) / n, 1e-9)
+        num = [0] * n
+        den = [0] * n
+        for j in done:
+            b = min(n - 1, int((j.release - t0) / width))
+            num[b] += j.cached_gpu + j.cached_offload
+            den[b] += j.req.input_tokens
+        return [(round(t0 + (i + 0.5) * width, 3), round(num[i] / den[i], 4)) for i in range(n) if den[i]]

@@ -1,0 +1,159 @@
+"""The two ways to talk to the router: gRPC ``Generate`` and OpenAI HTTP ``/v1/completions``.
+
+Both return the same ``Outcome`` so the replayer does not care which front door it used.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import grpc
+import httpx
+
+from kvmesh.rpc.channel import aio_channel
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
+
+
+@dataclass
+class Outcome:
+    sent: float = 0.0
+    first_token: float | None = None
+    finish: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached: int = 0
+    cached_gpu: int = 0
+    cached_offload: int = 0
+    predicted: int | None = None
+    endpoint: str = ""
+    split: bool = False
+    error: str = ""
+
+
+@dataclass
+class Call:
+    request_id: str
+    tokens: list[int]
+    max_tokens: int
+    session_id: str
+    policy: str = ""
+
+
+class GrpcTransport:
+    def __init__(self, target: str, model: str, timeout_s: float) -> None:
+        self.target = target
+        self.model = model
+        self.timeout_s = timeout_s
+        self.channel = aio_channel(target)
+        self.stub = router_pb2_grpc.RouterStub(self.channel)
+
+    async def models(self) -> list[str]:
+        resp = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s)
+        return [m.id for m in resp.models]
+
+    async def call(self, c: Call) -> Outcome:
+        out = Outcome(sent=time.monotonic(), prompt_tokens=len(c.tokens))
+        req = router_pb2.GenerateRequest(
+            request_id=c.request_id, model=self.model, tokens=common_pb2.TokenIds(ids=c.tokens),
+            sampling=common_pb2.SamplingParams(max_tokens=c.max_tokens, ignore_eos=True, temperature=0.0),
+            session_id=c.session_id, policy=c.policy)
+        try:
+            async for msg in self.stub.Generate(req, timeout=self.timeout_s):
+                now = time.monotonic()
+                if msg.HasField("chunk"):
+                    if msg.chunk.token_ids:
+                        if out.first_token is None:
+                            out.first_token = now
+                        out.chunk_times.append(now)
+                        out.output_tokens += len(msg.chunk.token_ids)
+                else:
+                    f = msg.final
+                    out.finish = now
+                    u = f.usage
+                    out.prompt_tokens = u.prompt_tokens or out.prompt_tokens
+                    out.output_tokens = u.completion_tokens or out.output_tokens
+                    out.cached, out.cached_gpu, out.cached_offload = (u.cached_tokens, u.cached_tokens_gpu,
+                                                                      u.cached_tokens_offload)
+                    out.predicted = f.routing.predicted_cached_tokens
+                    out.endpoint = f.routing.endpoint
+                    out.split = f.routing.split
+        except grpc.aio.AioRpcError as exc:
+            out.error = f"{exc.code().name}: {exc.details()}"
+        if out.finish is None and not out.error:
+            out.error = "stream ended without a final message"
+        return out
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+class HttpTransport:
+    """OpenAI ``/v1/completions`` with a token-id prompt, streamed, usage included."""
+
+    def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
+        self.base = base_url.rstrip("/")
+        self.model = model
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1024))
+
+    async def models(self) -> list[str]:
+        r = await self.client.get(f"{self.base}/v1/models")
+        r.raise_for_status()
+        return [m["id"] for m in r.json().get("data", [])]
+
+    async def call(self, c: Call) -> Outcome:
+        out = Outcome(sent=time.monotonic(), prompt_tokens=len(c.tokens))
+        body = {"model": self.model, "prompt": c.tokens, "max_tokens": c.max_tokens, "stream": True,
+                "stream_options": {"include_usage": True}, "temperature": 0.0, "ignore_eos": True,
+                "session_id": c.session_id}
+        if c.policy:
+            body["kvmesh_policy"] = c.policy
+        try:
+            async with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
+                if r.status_code != 200:
+                    text = (await r.aread()).decode(errors="replace")[:300]
+                    out.error = f"HTTP {r.status_code}: {text}"
+                    return out
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    data = line[6:]
+                    if data == "[DONE]":
+                        break
+                    doc = json.loads(data)
+                    now = time.monotonic()
+                    if "error" in doc:
+                        out.error = str(doc["error"].get("message"))
+                        continue
+                    for ch in doc.get("choices") or []:
+                        n = len(ch.get("token_ids") or [])
+                        if n:
+                            if out.first_token is None:
+                                out.first_token = now
+                            out.chunk_times.append(now)
+                            out.output_tokens += n
+                    if doc.get("kvmesh"):
+                        k = doc["kvmesh"]
+                        out.predicted = k.get("predicted_cached_tokens")
+                        out.endpoint = k.get("endpoint", "")
+                        out.split = bool(k.get("split"))
+                    if doc.get("usage"):
+                        u = doc["usage"]
+                        d = u.get("prompt_tokens_details") or {}
+                        out.prompt_tokens = u.get("prompt_tokens", out.prompt_tokens)
+                        out.output_tokens = u.get("completion_tokens", out.output_tokens)
+                        out.cached = d.get("cached_tokens", 0)
+                        out.cached_gpu = d.get("cached_tokens_gpu", 0)
+                        out.cached_offload = d.get("cached_tokens_offload", 0)
+                        out.finish = now
+        except (httpx.HTTPError, json.JSONDecodeError) as exc:
+            out.error = f"{type(exc).__name__}: {exc}"
+        if out.finish is None and not out.error:
+            out.error = "stream ended without usage"
+        return out
+
+    async def close(self) -> None:
+        await self.client.aclose()

@@ -1,0 +1,56 @@
+"""Start and stop a real ``redis-server`` process on loopback (tests, bench, demo)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import redis
+
+from kvmesh_tools.testing.ports import free_port
+
+
+@dataclass
+class RedisProcess:
+    port: int = 0
+    password: str | None = None
+    proc: subprocess.Popen | None = None
+    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvmesh-redis-")))
+
+    @property
+    def url(self) -> str:
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            raise RuntimeError("redis-server not found; run `make install` (apt-get install -y redis-server)")
+        self.port = self.port or free_port()
+        args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                "--dir", str(self.workdir)]
+        if self.password:
+            args += ["--requirepass", self.password]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                redis.Redis.from_url(self.url, socket_timeout=0.5).ping()
+                return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.proc = None

@@ -1,0 +1,126 @@
+"""ZMQ SUB sockets that receive engines' KV events in vLLM's wire format.
+
+Why one socket per engine: vLLM's publisher either binds (endpoint with
+``*``/``::``, ipc, inproc) and the indexer connects, or connects and the
+indexer binds; which one is a per-engine choice. A per-engine socket also
+ties every message to its endpoint even when the engine's topic is not
+kvmesh's ``kv@<endpoint>@<model>`` (vLLM's default topic is empty).
+
+Frames are handed to the ingest pump undecoded (decoding happens on the
+endpoint's worker), so a burst from one engine never stalls the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from kvmesh.events.codec import DecodeError, decode_seq
+from kvmesh.events.topic import parse_topic
+from kvmesh_indexer.pump import EndpointSource, IngestPump
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Subscription:
+    source: EndpointSource
+    zmq_endpoint: str
+    bind: bool
+    socket: zmq.asyncio.Socket
+    task: asyncio.Task
+    messages: int = 0
+
+
+class ZmqSubscriber:
+    def __init__(self, pump: IngestPump, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000) -> None:
+        self.pump = pump
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.rcvhwm = rcvhwm
+        self.subs: dict[str, Subscription] = {}
+
+    async def add(self, source: EndpointSource, zmq_endpoint: str, bind: bool = False) -> Subscription:
+        """Subscribe to one engine (replacing an earlier subscription of the same endpoint)."""
+        if source.endpoint in self.subs:
+            old = self.subs[source.endpoint]
+            if old.zmq_endpoint == zmq_endpoint and old.bind == bind:
+                self.pump.configure(source)
+                old.source = source
+                return old
+            await self.remove(source.endpoint)
+        self.pump.configure(source)
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        try:
+            if bind:
+                sock.bind(zmq_endpoint)
+            else:
+                sock.connect(zmq_endpoint)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise ValueError(f"cannot {'bind' if bind else 'connect'} KV-event socket {zmq_endpoint!r} for "
+                             f"endpoint {source.endpoint!r}: {exc}") from exc
+        task = asyncio.create_task(self._recv_loop(source.endpoint, sock), name=f"zmq-sub-{source.endpoint}")
+        sub = Subscription(source, zmq_endpoint, bind, sock, task)
+        self.subs[source.endpoint] = sub
+        log.info("subscribed to kv events", extra={"endpoint": source.endpoint, "zmq": zmq_endpoint,
+                                                   "mode": "bind" if bind else "connect",
+                                                   "replay": source.replay_endpoint or ""})
+        return sub
+
+    async def _recv_loop(self, endpoint: str, sock: zmq.asyncio.Socket) -> None:
+        observer = self.pump.ingestor.observer
+        while True:
+            try:
+                frames = await sock.recv_multipart()
+            except asyncio.CancelledError:
+                raise
+            except zmq.ZMQError as exc:
+                log.warning("kv-event socket error", extra={"endpoint": endpoint, "error": str(exc)})
+                await asyncio.sleep(0.1)
+                continue
+            sub = self.subs.get(endpoint)
+            if sub is not None:
+                sub.messages += 1
+            if len(frames) != 3:
+                observer.on_rejected(endpoint, "malformed_frames", 1)
+                log.warning("malformed kv-event message", extra={"endpoint": endpoint, "frames": len(frames)})
+                continue
+            topic, seq_b, payload = frames
+            try:
+                seq = decode_seq(seq_b)
+            except DecodeError as exc:
+                observer.on_rejected(endpoint, "malformed_frames", 1)
+                log.warning("malformed kv-event sequence", extra={"endpoint": endpoint, "error": str(exc)})
+                continue
+            model = None
+            if topic:
+                with contextlib.suppress(ValueError):
+                    topic_ep, model = parse_topic(topic)
+                    if topic_ep != endpoint:
+                        log.debug("topic endpoint differs from configured id",
+                                  extra={"endpoint": endpoint, "topic": topic_ep})
+            src = self.pump.sources.get(endpoint)
+            if src is not None:
+                model = src.model  # configuration wins over the topic
+            self.pump.submit_nowait(endpoint, seq, payload=payload, model=model)
+
+    async def remove(self, endpoint: str) -> None:
+        sub = self.subs.pop(endpoint, None)
+        if sub is None:
+            return
+        sub.task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await sub.task
+        sub.socket.close(linger=0)
+
+    async def close(self) -> None:
+        for ep in list(self.subs):
+            await self.remove(ep)

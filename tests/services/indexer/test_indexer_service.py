@@ -1,0 +1,519 @@
+"""The indexer service over real gRPC, real ZMQ publishers and a real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import grpc
+import pytest
+import zmq
+
+from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from kvmesh.events.publisher import KvEventPublisher
+from kvmesh.events.topic import make_topic
+from kvmesh.hashing import BlockHasher
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.indexer.v1 import indexer_pb2
+from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.redis_server import RedisProcess
+from tests.fixtures.indexer import wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+BS = 16
+MODEL = "tiny"
+MODELS = f"{MODEL}@{BS}@sha256_cbor"
+HASHER = BlockHasher("sha256_cbor", BS)
+
+
+def tokens(seed: int, n_blocks: int, extra: int = 5) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 32000) for _ in range(n_blocks * BS + extra)]
+
+
+def stored(toks: list[int], medium: str | None = "GPU", start_block: int = 0, parent: int | None = None
+           ) -> tuple[BlockStored, list[int]]:
+    """A BlockStored for blocks [start_block:] of ``toks`` hashed like kvmesh (fast path)."""
+    keys = HASHER.block_keys(toks)
+    sel = keys[start_block:]
+    n = len(keys)
+    ev = BlockStored(block_hashes=sel, parent_block_hash=keys[start_block - 1] if start_block else parent,
+                     token_ids=toks[start_block * BS:n * BS], block_size=BS, medium=medium)
+    return ev, keys
+
+
+def chain_req(keys: list[int], **kw) -> indexer_pb2.LookupRequest:  # noqa: ANN003
+    return indexer_pb2.LookupRequest(model=MODEL, chain=indexer_pb2.BlockChain(keys=keys), **kw)
+
+
+def match_of(resp: indexer_pb2.LookupResponse, endpoint: str) -> indexer_pb2.EndpointMatch | None:
+    for m in resp.matches:
+        if m.endpoint_id == endpoint:
+            return m
+    return None
+
+
+async def combined(stub, keys: list[int], endpoint: str) -> int:  # noqa: ANN001
+    m = match_of(await stub.Lookup(chain_req(keys), timeout=5), endpoint)
+    return m.combined_blocks if m else 0
+
+
+class Engine:
+    """A KvEventPublisher that connects to the indexer's bound SUB (vLLM's connect mode) + replay."""
+
+    def __init__(self, endpoint_id: str, replay: bool = True) -> None:
+        self.endpoint_id = endpoint_id
+        self.sub_port = free_port()
+        self.zmq = f"tcp://127.0.0.1:{self.sub_port}"
+        self.replay = f"tcp://127.0.0.1:{free_port()}" if replay else None
+        self.pub: KvEventPublisher | None = None
+
+    def engine_spec(self) -> dict:
+        return {"endpoint_id": self.endpoint_id, "model": MODEL, "zmq_endpoint": self.zmq,
+                "replay_endpoint": self.replay, "bind": True}
+
+    def start(self) -> KvEventPublisher:
+        self.pub = KvEventPublisher(self.zmq, topic=make_topic(self.endpoint_id, MODEL), replay_endpoint=self.replay)
+        return self.pub
+
+    def publish(self, *events) -> int:  # noqa: ANN002
+        assert self.pub is not None
+        return self.pub.publish(list(events))
+
+    def publish_lost(self, *events) -> int:  # noqa: ANN002
+        """Publish a batch that never reaches subscribers (but stays in the replay buffer)."""
+        assert self.pub is not None
+        real = self.pub._pub
+        self.pub._pub = _Blackhole()
+        try:
+            return self.pub.publish(list(events))
+        finally:
+            self.pub._pub = real
+
+    def stop(self) -> None:
+        if self.pub is not None:
+            self.pub.close(linger_ms=0)
+            self.pub = None
+
+
+class _Blackhole:
+    def send_multipart(self, *a, **k) -> None:  # noqa: ANN002, ANN003
+        pass
+
+
+@pytest.fixture
+def engines():  # noqa: ANN201
+    made: list[Engine] = []
+
+    def make(endpoint_id: str, replay: bool = True) -> Engine:
+        e = Engine(endpoint_id, replay)
+        made.append(e)
+        return e
+    yield make
+    for e in made:
+        e.stop()
+
+
+async def _connected(eng: Engine, ix, warm_keys: list[int] | None = None) -> None:  # noqa: ANN001
+    """ZMQ connects asynchronously: wait until a first batch lands (replay covers anything earlier)."""
+    toks = tokens(999, 1)
+    ev, keys = stored(toks)
+    deadline = time.monotonic() + 10
+    while not await combined(ix.stub, keys, eng.endpoint_id):
+        assert time.monotonic() < deadline, "engine's events never reached the indexer"
+        eng.publish(ev)  # the same block again: idempotent for the index
+        await asyncio.sleep(0.1)
+
+
+async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> None:
+    eng = engines("e0")
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
+    eng.start()
+    await _connected(eng, ix)
+    toks = tokens(1, 6)
+    ev, keys = stored(toks)
+    eng.publish(ev)
+    await wait_until(lambda: combined(ix.stub, keys, "e0"), what="blocks ingested")
+    by_chain = await ix.stub.Lookup(chain_req(keys + [12345]), timeout=5)
+    m = match_of(by_chain, "e0")
+    assert m.combined_blocks == 6 and [(t.tier, t.blocks) for t in m.tiers] == [(common_pb2.TIER_GPU, 6)]
+    assert by_chain.chain_length == 7 and by_chain.block_size == BS
+    by_tokens = await ix.stub.Lookup(indexer_pb2.LookupRequest(
+        model=MODEL, tokens=common_pb2.TokenIds(ids=toks + [7] * 40)), timeout=5)
+    assert list(by_tokens.keys)[:6] == keys and match_of(by_tokens, "e0").combined_blocks == 6
+    # A cache_salt changes the chain: nothing matches.
+    salted = await ix.stub.Lookup(indexer_pb2.LookupRequest(
+        model=MODEL, tokens=common_pb2.TokenIds(ids=toks), extra_keys=common_pb2.ExtraKeys(cache_salt="t1")),
+        timeout=5)
+    assert match_of(salted, "e0") is None
+    # Remove block 3: the leading match shrinks to 3.
+    eng.publish(BlockRemoved(block_hashes=[keys[3]], medium="GPU"))
+    await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="removal applied")
+    assert ix.metric("kvmesh_indexer_events_total", {"type": "stored"}) >= 2
+    assert ix.metric("kvmesh_indexer_blocks", {"tier": "GPU"}) == 6  # warm-up 1 + 6 - 1
+
+
+async def test_gap_is_repaired_by_replay(start_indexer, engines) -> None:
+    eng = engines("e0", replay=True)
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
+    eng.start()
+    await _connected(eng, ix)
+    toks = tokens(2, 8)
+    keys = HASHER.block_keys(toks)
+    first, _ = stored(toks[: 4 * BS])
+    lost, _ = stored(toks, start_block=4)
+    lost.block_hashes, lost.token_ids = keys[4:6], toks[4 * BS:6 * BS]
+    last, _ = stored(toks, start_block=6)
+    eng.publish(first)
+    eng.publish_lost(lost)        # seq gap: the indexer never sees this one
+    eng.publish(last)
+    await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 8), what="gap repaired")
+    assert ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": "e0"}) == 1
+    assert ix.metric("kvmesh_indexer_replays_total", {"endpoint": "e0", "outcome": "complete"}) == 1
+    assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "gap"}) is None
+
+
+async def test_gap_without_replay_clears_endpoint(start_indexer, engines) -> None:
+    eng = engines("e0", replay=False)
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
+    eng.start()
+    await _connected(eng, ix)
+    a = tokens(3, 4)
+    ev_a, keys_a = stored(a)
+    eng.publish(ev_a)
+    await wait_until(lambda: _eq(combined(ix.stub, keys_a, "e0"), 4), what="a ingested")
+    b = tokens(4, 2)
+    ev_b, keys_b = stored(b)
+    eng.publish_lost(BlockRemoved(block_hashes=[keys_a[0]], medium="GPU"))
+    eng.publish(ev_b)
+    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 2), what="b ingested")
+    # The lost removal could have made anything stale: the endpoint was cleared first.
+    assert await combined(ix.stub, keys_a, "e0") == 0
+    assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "gap"}) == 1
+
+
+async def test_engine_restart_and_all_blocks_cleared_clear_the_endpoint(start_indexer, engines) -> None:
+    eng = engines("e0", replay=False)
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
+    eng.start()
+    await _connected(eng, ix)
+    a = tokens(5, 3)
+    ev, keys = stored(a)
+    eng.publish(ev)
+    await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="a ingested")
+    eng.stop()
+    eng.start()  # a new process: seq restarts at 0
+    b = tokens(6, 2)
+    ev_b, keys_b = stored(b)
+    await asyncio.sleep(0.3)
+    eng.publish(ev_b)
+    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 2), timeout_s=10, what="post-restart batch")
+    assert await combined(ix.stub, keys, "e0") == 0
+    assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "seq_reset"}) == 1
+    eng.publish(AllBlocksCleared())
+    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 0), what="AllBlocksCleared applied")
+
+
+async def test_malformed_input_is_counted_and_skipped(start_indexer) -> None:
+    port = free_port()
+    spec = {"endpoint_id": "raw", "model": MODEL, "zmq_endpoint": f"tcp://127.0.0.1:{port}", "bind": True}
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(spec)}]")
+    ctx = zmq.Context.instance()
+    pub = ctx.socket(zmq.PUB)
+    pub.setsockopt(zmq.LINGER, 0)
+    pub.connect(spec["zmq_endpoint"])
+    try:
+        topic = make_topic("raw", MODEL).encode()
+        toks = tokens(7, 3)
+        good, keys = stored(toks)
+        await asyncio.sleep(0.3)
+        seq = 0
+
+        def send(payload: bytes, frames: list[bytes] | None = None) -> None:
+            nonlocal seq
+            pub.send_multipart(frames or [topic, seq.to_bytes(8, "big"), payload])
+            seq += 1
+
+        send(b"", frames=[topic, b"only two frames"])                  # wrong frame count
+        send(b"", frames=[topic, b"\x00\x01", b"x"])                     # bad seq frame
+        send(b"\xc1\xc1 not msgpack")                                   # garbage payload
+        mixed = KVEventBatch(time.time(), [good])
+        raw = bytearray(encode_batch(mixed))
+        # One good event plus an unknown type and a wrong-typed hash in the same batch:
+        import msgpack
+        obj = msgpack.unpackb(bytes(raw), raw=False)
+        obj[1].append({"type": "NoSuchEvent", "x": 1})
+        obj[1].append({"type": "BlockRemoved", "block_hashes": ["not-a-hash"], "medium": "GPU"})
+        send(msgpack.packb(obj))
+        await wait_until(lambda: combined(ix.stub, keys, "raw"), what="good event of the mixed batch")
+        assert await combined(ix.stub, keys, "raw") == 3
+        rejected = sum(s.value for m in ix.registry.collect() if m.name == "kvmesh_indexer_rejected"
+                       for s in m.samples if s.name.endswith("_total") and s.labels["endpoint"] == "raw")
+        assert rejected >= 5  # 2 bad frames + 1 bad payload + 2 bad events
+        assert ix.app.server._server is not None  # still serving
+    finally:
+        pub.close(linger=0)
+
+
+async def test_grpc_ingest_structured_and_vllm_payload(start_indexer) -> None:
+    ix = await start_indexer(models=MODELS)
+    toks = tokens(8, 4)
+    ev, keys = stored(toks)
+    payload = encode_batch(KVEventBatch(time.time(), [ev]))
+    removal = indexer_pb2.KvEvent(removed=indexer_pb2.BlockRemoved(block_hashes=[keys[2]], tier=common_pb2.TIER_GPU))
+    cpu = indexer_pb2.KvEvent(stored=indexer_pb2.BlockStored(block_hashes=keys, block_size=BS,
+                                                             token_ids=toks[:4 * BS], tier=common_pb2.TIER_CPU))
+    reqs = [
+        indexer_pb2.IngestEventsRequest(endpoint_id="g0", model=MODEL, seq=0, vllm_payload=payload),
+        indexer_pb2.IngestEventsRequest(endpoint_id="g0", model=MODEL, seq=1,
+                                        batch=indexer_pb2.EventBatch(ts=1.0, events=[removal, cpu])),
+        indexer_pb2.IngestEventsRequest(model=MODEL, seq=2, vllm_payload=payload),          # no endpoint id
+        indexer_pb2.IngestEventsRequest(endpoint_id="g0", seq=2, vllm_payload=b"\x93garbage"),
+        indexer_pb2.IngestEventsRequest(endpoint_id="g0", model="nope", seq=3, vllm_payload=payload),
+        indexer_pb2.IngestEventsRequest(endpoint_id="g0", seq=3, batch=indexer_pb2.EventBatch(
+            events=[indexer_pb2.KvEvent(cleared=indexer_pb2.AllBlocksCleared())] * 10_001)),
+    ]
+    resp = await ix.stub.IngestEvents(iter(reqs), timeout=10)
+    assert resp.batches_accepted == 2 and resp.batches_rejected == 4
+    assert resp.events_applied == 3
+    m = match_of(await ix.stub.Lookup(chain_req(keys), timeout=5), "g0")
+    tiers = {t.tier: t.blocks for t in m.tiers}
+    assert tiers == {common_pb2.TIER_GPU: 2, common_pb2.TIER_CPU: 4} and m.combined_blocks == 4
+    stats = await ix.stub.Stats(indexer_pb2.StatsRequest(), timeout=5)
+    assert stats.backend == "memory" and stats.entries == 7 and stats.counters["entries_cpu"] == 4
+
+
+async def test_lookup_and_speculative_validation(start_indexer) -> None:
+    ix = await start_indexer(models=MODELS)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await ix.stub.Lookup(chain_req([]), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty chain" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await ix.stub.Lookup(indexer_pb2.LookupRequest(model="nope", tokens=common_pb2.TokenIds(ids=[1] * 32)),
+                             timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown model" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await ix.stub.Lookup(chain_req(list(range(1, 65_538))), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id="x", keys=[1],
+                                                                       ttl_s=301), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s" in e.value.details()
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await ix.stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="ghost"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id="s", keys=[5, 6, 7]),
+                                 timeout=5)
+    m = match_of(await ix.stub.Lookup(chain_req([5, 6, 9], include_speculative=True), timeout=5), "s")
+    assert m.speculative_blocks == 2 and 0 < m.speculative_ttl_s <= 2.0 and m.combined_blocks == 0
+
+
+async def test_registration_subscribes_and_dead_endpoint_disappears(start_indexer, engines) -> None:
+    ix = await start_indexer(models=MODELS, heartbeat_ttl_s=0.6)
+    eng = engines("w1", replay=True)
+    ep = indexer_pb2.Endpoint(endpoint_id="w1", model=MODEL, role=common_pb2.ROLE_DECODE,
+                              kv_events_endpoint=eng.zmq, kv_events_replay_endpoint=eng.replay,
+                              subscriber_binds=True, block_size=BS, hash_algo=common_pb2.HASH_ALGO_SHA256_CBOR,
+                              hash_seed_matches=True)
+    await ix.stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=ep, ttl_s=0.6), timeout=5)
+    eng.start()
+    await _connected(eng, ix)
+    toks = tokens(9, 3)
+    ev, keys = stored(toks)
+    eng.publish(ev)
+    await wait_until(lambda: _eq(combined(ix.stub, keys, "w1"), 3), what="registered engine ingested")
+    listed = await ix.stub.ListEndpoints(indexer_pb2.ListEndpointsRequest(model=MODEL), timeout=5)
+    st = {s.endpoint.endpoint_id: s for s in listed.endpoints}["w1"]
+    assert st.alive and st.blocks == 4 and st.seconds_since_event >= 0
+    # Heartbeats stop: excluded from answers as soon as the TTL passes, then purged.
+    await asyncio.sleep(0.7)
+    assert await combined(ix.stub, keys, "w1") == 0
+    await wait_until(lambda: ix.app.servicer.index.endpoint_blocks("w1") == 0, what="dead endpoint purged")
+    listed = await ix.stub.ListEndpoints(indexer_pb2.ListEndpointsRequest(), timeout=5)
+    assert not {s.endpoint.endpoint_id: s for s in listed.endpoints}["w1"].alive
+    with pytest.raises(grpc.aio.AioRpcError) as e:  # expired: it must register again
+        await ix.stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="w1"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    # Register again, then deregister: purged and unknown.
+    await ix.stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=ep, ttl_s=5), timeout=5)
+    await ix.stub.DeregisterEndpoint(indexer_pb2.DeregisterEndpointRequest(endpoint_id="w1"), timeout=5)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await ix.stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="w1"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_registration_with_other_block_size_is_rejected(start_indexer) -> None:
+    ix = await start_indexer(models=MODELS)
+    ep = indexer_pb2.Endpoint(endpoint_id="w2", model=MODEL, block_size=32)
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        await ix.stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=ep), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block_size 32" in e.value.details()
+
+
+async def test_silent_engine_is_visible_in_metrics(start_indexer, engines) -> None:
+    eng = engines("quiet", replay=False)
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
+    await asyncio.sleep(0.2)
+    assert ix.metric("kvmesh_indexer_endpoint_published", {"endpoint": "quiet"}) == 0
+    assert ix.metric("kvmesh_indexer_seconds_since_last_event", {"endpoint": "quiet"}) >= 0.2
+
+
+async def test_two_replicas_on_one_redis_answer_identically(start_indexer, redis_server) -> None:
+    ns = f"rep{random.randrange(1 << 30)}"
+    a = await start_indexer(models=MODELS, backend="redis", redis_url=redis_server.url, redis_namespace=ns)
+    b = await start_indexer(models=MODELS, backend="redis", redis_url=redis_server.url, redis_namespace=ns)
+    chains = []
+    for i, ep in enumerate(["x", "y", "z"]):
+        toks = tokens(20 + i, 5)
+        ev, keys = stored(toks)
+        ev.block_hashes, ev.token_ids = keys[: 2 + i], toks[: (2 + i) * BS]
+        chains.append(keys)
+        await a.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+            endpoint_id=ep, model=MODEL, seq=0, vllm_payload=encode_batch(KVEventBatch(0.0, [ev])))]), timeout=5)
+    await b.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id="y", keys=chains[0][:3],
+                                                                  ttl_s=30), timeout=5)
+    for keys in chains:
+        ra = await a.stub.Lookup(chain_req(keys, include_speculative=True), timeout=5)
+        rb = await b.stub.Lookup(chain_req(keys, include_speculative=True), timeout=5)
+        for m in list(ra.matches) + list(rb.matches):
+            m.speculative_ttl_s = 0  # remaining TTL differs by the ms between the two calls
+        assert ra == rb and len(ra.matches) >= 1
+    ra = await a.stub.Lookup(chain_req(chains[0], include_speculative=True), timeout=5)
+    assert match_of(ra, "y").speculative_blocks == 3
+    sa = await a.stub.Stats(indexer_pb2.StatsRequest(), timeout=5)
+    sb = await b.stub.Stats(indexer_pb2.StatsRequest(), timeout=5)
+    assert sa.entries == sb.entries == 2 + 3 + 4
+
+
+async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer, engines) -> None:
+    redis = RedisProcess().start()
+    try:
+        eng = engines("e0", replay=True)
+        ix = await start_indexer(models=MODELS, backend="redis", redis_url=redis.url, redis_timeout_s=0.3,
+                                 lookup_timeout_s=0.5, engines=f"[{_json(eng.engine_spec())}]")
+        eng.start()
+        await _connected(eng, ix)
+        toks = tokens(30, 6)
+        keys = HASHER.block_keys(toks)
+        ev1, _ = stored(toks[: 3 * BS])
+        eng.publish(ev1)
+        await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="before outage")
+        redis.stop()
+        t0 = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ix.stub.Lookup(chain_req(keys), timeout=3)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert time.monotonic() - t0 < 1.5
+        ev2, _ = stored(toks, start_block=3)
+        eng.publish(ev2)              # cannot be applied while Redis is down
+        await asyncio.sleep(0.5)
+        redis.start()                 # same port, empty: the indexer notices the new run id
+        await wait_until(lambda: _ok_eq(combined(ix.stub, keys, "e0"), 6), timeout_s=10,
+                         what="index rebuilt from replay after Redis came back")
+    finally:
+        redis.stop()
+
+
+def test_cli_bad_config_names_the_setting(tmp_path) -> None:
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-m", "kvmesh_tools.cli.main", "serve", "indexer", "--port", "0",
+                          "--models", "tiny@abc@sha256_cbor"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert "setting 'models'" in out.stderr and "block_size" in out.stderr
+
+
+def test_cli_serves_and_drains(tmp_path) -> None:
+    import urllib.request
+
+    from kvmesh_api.indexer.v1 import indexer_pb2_grpc
+    from kvmesh_tools.testing.procs import ServiceProcess
+
+    port, mport = free_port(), free_port()
+    quiet = f"quiet@{MODEL}@tcp://127.0.0.1:{free_port()}"
+    proc = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport)],
+                          f"127.0.0.1:{port}", env={"KVMESH_INDEXER_MODELS": MODELS, "KVMESH_INDEXER_ENGINES": quiet},
+                          log_path=tmp_path / "indexer.log").start(timeout_s=60)
+    try:
+        with grpc.insecure_channel(proc.grpc_address) as ch:
+            stats = indexer_pb2_grpc.IndexerStub(ch).Stats(indexer_pb2.StatsRequest(), timeout=5)
+            assert stats.backend == "memory"
+        text = urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=5).read().decode()
+        assert "kvmesh_indexer_backend_up 1.0" in text
+        # The engine that never published is visible at a glance.
+        assert 'kvmesh_indexer_endpoint_published{endpoint="quiet"} 0.0' in text
+        assert 'kvmesh_indexer_seconds_since_last_event{endpoint="quiet"}' in text
+    finally:
+        assert proc.stop() == 0
+
+
+# ---- small helpers ----------------------------------------------------------------------------
+def _json(obj: dict) -> str:
+    import json
+    return json.dumps(obj)
+
+
+async def _eq(coro, value: int) -> bool:  # noqa: ANN001
+    return (await coro) == value
+
+
+async def _ok_eq(coro, value: int) -> bool:  # noqa: ANN001
+    try:
+        return (await coro) == value
+    except grpc.aio.AioRpcError:
+        await asyncio.sleep(0.1)
+        return False
+
+
+async def test_offload_store_blocks_answer_under_their_own_endpoint_and_tier(start_indexer) -> None:
+    ix = await start_indexer(models=MODELS)
+    store = indexer_pb2.Endpoint(endpoint_id="offload-0", model="any", role=common_pb2.ROLE_STORE)
+    await ix.stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=store, ttl_s=30), timeout=5)
+    toks = tokens(40, 5)
+    ev, keys = stored(toks, medium="CPU")
+    disk, _ = stored(toks[: 2 * BS], medium="STORAGE")
+    resp = await ix.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+        endpoint_id="offload-0", seq=0, vllm_payload=encode_batch(KVEventBatch(0.0, [ev, disk])))]), timeout=5)
+    assert resp.events_applied == 2
+    m = match_of(await ix.stub.Lookup(chain_req(keys), timeout=5), "offload-0")
+    assert {t.tier: t.blocks for t in m.tiers} == {common_pb2.TIER_CPU: 5, common_pb2.TIER_DISK: 2}
+    assert m.combined_blocks == 5
+
+
+async def test_spans_on_lookup_and_ingest_batch(start_indexer) -> None:
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from kvmesh.telemetry import setup_tracing
+
+    exporter = InMemorySpanExporter()
+    setup_tracing("kvmesh-indexer-test", exporter)
+    ix = await start_indexer(models=MODELS)
+    toks = tokens(50, 2)
+    ev, keys = stored(toks)
+    await ix.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+        endpoint_id="t0", model=MODEL, seq=0, vllm_payload=encode_batch(KVEventBatch(0.0, [ev])))]), timeout=5)
+    await ix.stub.Lookup(chain_req(keys), timeout=5)
+    spans = {s.name: s for s in exporter.get_finished_spans()}
+    assert spans["indexer.ingest_batch"].attributes["kvmesh.endpoint"] == "t0"
+    assert spans["indexer.ingest_batch"].attributes["kvmesh.applied"] == 1
+    assert spans["indexer.lookup"].attributes["kvmesh.best_combined"] == 2
+    assert "index.lookup" in spans
+
+
+async def test_publisher_binds_indexer_connects(start_indexer, tmp_path) -> None:
+    addr = f"ipc://{tmp_path}/pub.sock"       # vLLM binds ipc endpoints; the indexer connects
+    replay = f"tcp://127.0.0.1:{free_port()}"
+    pub = KvEventPublisher(addr, topic=make_topic("b0", MODEL), replay_endpoint=replay)
+    try:
+        spec = {"endpoint_id": "b0", "model": MODEL, "zmq_endpoint": addr, "replay_endpoint": replay}
+        ix = await start_indexer(models=MODELS, engines=f"[{_json(spec)}]")
+        toks = tokens(60, 3)
+        ev, keys = stored(toks)
+        pub.publish([ev])                      # likely before the SUB connected: replay recovers it
+        await asyncio.sleep(0.3)
+        pub.publish([stored(tokens(61, 1))[0]])
+        await wait_until(lambda: _eq(combined(ix.stub, keys, "b0"), 3), what="ingest over a connecting SUB")
+    finally:
+        pub.close(linger_ms=0)

@@ -1,0 +1,156 @@
+"""The router as a real process in front of real sim workers (static endpoints, no indexer).
+
+Without an indexer, ``precise`` runs on its fallback (``approx`` plus its own
+speculative entries); the indexer-backed variants are in test_router_indexer.py.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Iterator
+
+import grpc
+import pytest
+
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.router.v1 import router_pb2
+from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.procs import ServiceProcess
+from tests.fixtures.router import (
+    BLOCK,
+    MODEL,
+    RouterStack,
+    rand_tokens,
+    start_router,
+    start_worker,
+    start_workers,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
+    tmp = tmp_path_factory.mktemp("router-stack")
+    started: list[ServiceProcess] = []
+    try:
+        store_port = free_port()
+        store = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(store_port), "--model", MODEL,
+                                           "--events-endpoint", "", "--events-replay-endpoint", ""],
+                               f"127.0.0.1:{store_port}", log_path=tmp / "offload.log").start(60, wait=False)
+        started.append(store)
+        off = ["--offload-address", store.grpc_address]
+        pre = start_worker(tmp, "p1", role="prefill", extra=off, wait=False)
+        started.append(pre)
+        workers = start_workers(tmp, ["w1", "w2", "w3"], extra=off)
+        started.extend(workers.values())
+        store.wait_ready(60)
+        pre.wait_ready(90)
+        metrics_port = free_port()
+        router, http = start_router(
+            tmp, [(e, w.grpc_address) for e, w in workers.items()],
+            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024", "--metrics-port", str(metrics_port),
+                   "--tenant-salts", '{"key-a": "salt-a", "key-b": "salt-b"}'],
+            prefill=[("p1", pre.grpc_address)])
+        started.append(router)
+        st = RouterStack(router, http, workers)
+        st.metrics_port = metrics_port  # type: ignore[attr-defined]
+        yield st
+        st.close()
+    finally:
+        for p in reversed(started):
+            p.stop(grace_s=3)
+
+
+
+
+
+
+@pytest.mark.parametrize("policy", ["precise", "approx"])
+def test_session_turns_follow_their_prefix_and_predictions_are_exact(stack, policy):
+    tokens = rand_tokens(700, seed=hash(policy) % 1000)
+    first = None
+    for turn in range(6):
+        out, fin = stack.generate(tokens, session_id=f"sess-{policy}", policy=policy)
+        r = fin.routing
+        first = first or r.endpoint
+        assert r.endpoint == first, f"turn {turn} moved from {first} to {r.endpoint}"
+        assert r.predicted_cached_tokens == fin.usage.cached_tokens, (turn, r, fin.usage)
+        if turn:
+            # Everything but the new tail was cached (prompt + output of the previous turn).
+            assert fin.usage.cached_tokens >= len(tokens) - 150
+        tokens = tokens + out + rand_tokens(100, seed=turn)
+
+
+def test_burst_of_sibling_requests_colocates(stack):
+    shared = rand_tokens(1500, seed=77)
+
+    def one(i: int) -> router_pb2.Final:
+        return stack.generate(shared + rand_tokens(40, seed=1000 + i), max_tokens=2)[1]
+
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        finals = list(ex.map(one, range(8)))
+    eps = {f.routing.endpoint for f in finals}
+    assert len(eps) == 1, [f.routing.endpoint for f in finals]
+
+
+def test_two_tenants_never_share_a_prefix_hit(stack):
+    tokens = rand_tokens(900, seed=5)
+    _, a1 = stack.generate(tokens, tenant="key-a")
+    _, a2 = stack.generate(tokens, tenant="key-a")
+    _, b1 = stack.generate(tokens, tenant="key-b")
+    _, s1 = stack.generate(tokens, cache_salt="explicit-salt")
+    assert a1.usage.cached_tokens == 0 and a2.usage.cached_tokens > 0
+    assert b1.usage.cached_tokens == 0 and b1.routing.predicted_cached_tokens == 0
+    assert s1.usage.cached_tokens == 0
+
+
+def test_split_triggers_above_threshold_only(stack):
+    _, small = stack.generate(rand_tokens(600, seed=11))
+    assert not small.routing.split and "threshold" in small.routing.reason
+    _, big = stack.generate(rand_tokens(2000, seed=12))
+    r = big.routing
+    assert r.split and r.prefill_endpoint == "p1", r
+    assert r.uncached_tokens >= 1024
+    assert r.kv_from_prefill and big.usage.cached_tokens_offload > 0
+
+
+def test_grpc_bad_input_names_the_field(stack):
+    cases = [
+        (router_pb2.GenerateRequest(model=MODEL), "input"),
+        (router_pb2.GenerateRequest(model="nope", tokens=common_pb2.TokenIds(ids=[1, 2])), "model"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]),
+                                    sampling=common_pb2.SamplingParams(temperature=-1)), "temperature"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]),
+                                    sampling=common_pb2.SamplingParams(top_p=1.5)), "top_p"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]), policy="bogus"), "policy"),
+        (router_pb2.GenerateRequest(model=MODEL, tokens=common_pb2.TokenIds(ids=[1]), cache_salt="x" * 300),
+         "cache_salt"),
+        (router_pb2.GenerateRequest(model=MODEL, text="hello"), "tokenizer"),
+    ]
+    for req, word in cases:
+        with pytest.raises(grpc.RpcError) as ei:
+            list(stack.stub.Generate(req, timeout=10))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (req, ei.value.details())
+        assert word in ei.value.details(), ei.value.details()
+
+
+def test_list_models(stack):
+    resp = stack.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5)
+    assert resp.models[0].id == MODEL and resp.models[0].block_size == BLOCK
+    assert set(resp.models[0].endpoints) >= {"w1", "w2", "w3"}
+
+
+def test_metrics_count_decisions_predictions_and_hits(stack):
+    import httpx
+
+    tokens = rand_tokens(700, seed=99)
+    stack.generate(tokens)
+    stack.generate(tokens + rand_tokens(70, seed=98))
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).text
+    for name in ("kvmesh_router_decisions_total", "kvmesh_router_cached_tokens_diff_bucket",
+                 "kvmesh_router_cached_tokens_mismatch_total", "kvmesh_router_routing_overhead_seconds_bucket",
+                 "kvmesh_router_prompt_tokens_total", "kvmesh_router_cached_tokens_total",
+                 "kvmesh_router_hash_blocks_total"):
+        assert name in text, name
+    assert 'kvmesh_router_hash_blocks_total{kind="reused"}' in text

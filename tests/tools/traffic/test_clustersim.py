@@ -1,0 +1,191 @@
+"""The virtual-time simulator: determinism, sane accounting, policy contrasts, the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh_tools.clustersim import SimConfig, simulate_policies
+from kvmesh_tools.traffic.generator import GeneratorConfig, generate
+from kvmesh_tools.traffic.native import write_native
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _trace(seed: int = 1):
+    return generate(GeneratorConfig(sessions=6, seed=seed, turns_median=8, system_tokens=2048,
+                                    first_user_tokens=400, growth_median=200, growth_p99=2000,
+                                    output_median=16, output_p99=64, think_median_s=1.0, think_p99_s=20.0,
+                                    max_context_tokens=12000, subagent_group_prob=0.2, group_max=8,
+                                    subagent_system_tokens=1024, subagent_task_tokens=200,
+                                    subagent_turns_median=3))
+
+
+def _cfg(**kw) -> SimConfig:
+    base = dict(decode_workers=3, prefill_workers=1, kv_capacity_tokens=20000, offload_capacity_tokens=200000,
+                start_window_s=5.0, seed=3)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def _strip(rep: dict) -> dict:
+    rep = json.loads(json.dumps(rep))
+    rep.pop("wall_s")
+    for m in rep["results"].values():
+        m.pop("wall_s")
+    return rep
+
+
+def test_same_seed_same_json() -> None:
+    tr = _trace()
+    a = simulate_policies(tr, _cfg(), ["precise", "round_robin", "random"], jobs=1)
+    b = simulate_policies(_trace(), _cfg(), ["precise", "round_robin", "random"], jobs=2)
+    assert _strip(a) == _strip(b)
+    c = simulate_policies(_trace(), _cfg(seed=4), ["random"], jobs=1)
+    assert _strip(c)["results"]["random"] != _strip(a)["results"]["random"]
+
+
+def test_accounting_and_contract_keys() -> None:
+    rep = simulate_policies(_trace(), _cfg(), ["precise", "round_robin"], jobs=1)
+    n = len(_trace().requests())
+    for m in rep["results"].values():
+        for k in ("prefix_hit_rate", "gpu_hit_rate", "offload_hit_rate", "ceiling_infinite", "ceiling_pooled",
+                  "ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tok_per_s", "requests", "load_imbalance",
+                  "preemptions"):
+            assert k in m
+        assert m["requests"] == n and m["errors"] == 0
+        assert m["prefix_hit_rate"] == pytest.approx(m["gpu_hit_rate"] + m["offload_hit_rate"], abs=2e-4)
+        assert 0 < m["prefix_hit_rate"] <= m["ceiling_infinite"] + 1e-9
+        assert m["ttft_p50_s"] <= m["ttft_p90_s"] <= m["ttft_p99_s"]
+    # precise routes by cache contents: more GPU hits than cache-blind round robin
+    assert rep["results"]["precise"]["gpu_hit_rate"] > rep["results"]["round_robin"]["gpu_hit_rate"]
+
+
+def test_offload_serves_what_gpus_evicted() -> None:
+    tr = _trace()
+    no = simulate_policies(tr, _cfg(offload_capacity_tokens=0, prefill_workers=0), ["round_robin"], jobs=1)
+    yes = simulate_policies(_trace(), _cfg(prefill_workers=0), ["round_robin"], jobs=1)
+    assert no["results"]["round_robin"]["offload_hit_rate"] == 0.0
+    assert yes["results"]["round_robin"]["offload_hit_rate"] > 0.0
+    assert yes["results"]["round_robin"]["prefix_hit_rate"] > no["results"]["round_robin"]["prefix_hit_rate"]
+    m = no["results"]["round_robin"]
+    assert m["offload_blocks_stored"] == m["offload_evictions"] == m["offload_refused_puts"] == 0
+    # A store too small for the sessions' contexts churns, and holds at most its capacity.
+    small = simulate_policies(_trace(), _cfg(prefill_workers=0, offload_capacity_tokens=4000), ["round_robin"],
+                              jobs=1)["results"]["round_robin"]
+    assert small["offload_evictions"] > 0
+    assert 0 < small["offload_blocks_stored"] - small["offload_evictions"] <= 4000 // _trace().block_size
+
+
+def test_cli_writes_json_and_plots(tmp_path: Path) -> None:
+    trace_path = write_native(_trace(), tmp_path / "t.jsonl", hash_id_scope="global")
+    out = tmp_path / "sim.json"
+    r = subprocess.run([sys.executable, "-m", "kvmesh_tools.cli.main", "simulate", "--trace", str(trace_path),
+                        "--format", "native", "--decode-workers", "3", "--prefill-workers", "1",
+                        "--kv-capacity-tokens", "20000", "--offload-capacity-tokens", "200000",
+                        "--policy", "precise,least_load", "--seed", "3", "--start-window-s", "5",
+                        "--json", str(out), "--jobs", "1"], capture_output=True, text=True, timeout=110)
+    assert r.returncode == 0, r.stdout + r.stderr
+    rep = json.loads(out.read_text())
+    assert set(rep["results"]) == {"precise", "least_load"}
+    assert all(Path(p).exists() and Path(p).stat().st_size > 1000 for p in rep["plots"])
+    assert "precise" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "kvmesh_tools.cli.main", "simulate", "--trace", str(trace_path),
+                          "--format", "native", "--policy", "nope"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown policy" in bad.stdout
+
+
+def test_split_needs_the_store_that_carries_the_kv() -> None:
+    # Long uncached prompts split to the prefill worker when the store can carry their KV ...
+    cfg = dict(split_threshold_tokens=512)
+    yes = simulate_policies(_trace(), _cfg(**cfg), ["round_robin"], jobs=1)["results"]["round_robin"]
+    assert yes["split_requests"] > 0
+    # ... and never without one: the decode worker would have to compute the prompt again.
+    no = simulate_policies(_trace(), _cfg(offload_capacity_tokens=0, **cfg), ["round_robin"], jobs=1)
+    assert no["results"]["round_robin"]["split_requests"] == 0
+    assert no["results"]["round_robin"]["errors"] == 0
+
+
+def test_scale_bench_writes_json(tmp_path: Path) -> None:
+    from kvmesh_tools.bench.simulate import peak_concurrent_sessions
+    from kvmesh_tools.cli.main import main
+
+    recs = [{"uid": "a/main/1", "release_s": 0.0, "ttft_s": 5.0}, {"uid": "b/main/1", "release_s": 1.0, "ttft_s": 1.0},
+            {"uid": "a/main/2", "release_s": 9.0, "ttft_s": 1.0}, {"uid": "c/main/1", "release_s": 11.0, "ttft_s": 1.0}]
+    assert peak_concurrent_sessions(recs) == 2   # a spans 0..10, b 1..2, c 11..12
+    out = tmp_path / "sim.json"
+    rc = main(["bench", "simulate", "--json", str(out), "--sessions", "12", "--turns-median", "3",
+               "--decode-workers", "16", "--prefill-workers", "2", "--baseline-decode-workers", "4",
+               "--baseline-prefill-workers", "1", "--start-window-s", "30"])  # fmt: skip
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["large"]["workers"] == 18 and data["baseline"]["workers"] == 5
+    assert data["baseline"]["sessions"] == 3
+    for side in ("large", "baseline"):
+        assert data[side]["requests"] > 0 and data[side]["errors"] == 0 and data[side]["peak_concurrent_sessions"] >= 1
+    assert data["ms_per_request_ratio_vs_baseline"] > 0
+
+
+class _AlwaysChanged(list):
+    """Every worker counts as changed: each poll builds its report from the engine again."""
+
+    def __getitem__(self, i):  # noqa: ANN001, ANN204
+        return True
+
+
+@pytest.mark.parametrize("policy", ["precise", "approx"])
+def test_reconfirmed_reports_decide_as_rebuilt_ones(policy: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker whose engine did not change is reconfirmed instead of polled; that must never
+    change a decision (a missed change would leave a stale report standing)."""
+    from kvmesh_tools.clustersim.run import schedule_for
+    from kvmesh_tools.clustersim.sim import ClusterSim
+
+    cfg = _cfg(decode_workers=5, prefill_workers=2, load_poll_s=0.05)
+    runs = []
+    for rebuild in (False, True):
+        tr = _trace(seed=5)
+        sim = ClusterSim(tr, schedule_for(tr, cfg), cfg, policy)
+        if rebuild:
+            sim._changed = _AlwaysChanged(sim._changed)
+        res = sim.run()
+        runs.append([(r["uid"], r["endpoint"], r["split"], r["cached_gpu"], r["ttft_s"]) for r in res.records])
+    assert runs[0] == runs[1] and len(runs[0]) > 50
+
+
+_TIMES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tok_per_s", "load_imbalance", "virtual_time_s",
+          "decode_busy_s", "prefill_busy_s")
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(kv_capacity_tokens=16000), dict(prefill_workers=0, offload_capacity_tokens=0)])
+def test_decode_fast_forward_changes_nothing(kw: dict) -> None:
+    """Stretches of pure decode run as one event (``macro_steps``, block boundaries included).
+    Step by step gives the same decisions, cache hits, preemptions and step counts for every
+    request, with caches that evict and requests preempted. Times agree to float rounding: a
+    stretch's time is a closed-form sum, step by step adds one step at a time."""
+    tr = generate(GeneratorConfig(sessions=8, seed=5, turns_median=6, system_tokens=2048, first_user_tokens=400,
+                                  growth_median=300, growth_p99=2000, output_median=150, output_p99=700,
+                                  think_median_s=0.5, think_p99_s=5.0, max_context_tokens=14000,
+                                  subagent_group_prob=0.3, group_max=6, subagent_system_tokens=1024,
+                                  subagent_task_tokens=200, subagent_turns_median=3))
+    policies = ["precise", "round_robin"]
+    fast = _strip(simulate_policies(tr, _cfg(macro_steps=True, **kw), policies, jobs=1, records=True))
+    slow = _strip(simulate_policies(tr, _cfg(macro_steps=False, **kw), policies, jobs=1, records=True))
+    assert fast["config"].pop("macro_steps") and not slow["config"].pop("macro_steps")
+    for p in policies:
+        for a, b in zip(fast["records"][p], slow["records"][p], strict=True):
+            assert a["release_s"] == pytest.approx(b["release_s"], abs=2e-6)
+            assert a["ttft_s"] == pytest.approx(b["ttft_s"], abs=2e-6)
+            a.pop("release_s"), a.pop("ttft_s"), b.pop("release_s"), b.pop("ttft_s")
+            assert a == b
+        fm, sm = fast["results"][p], slow["results"][p]
+        for k in _TIMES:
+            assert fm.pop(k) == pytest.approx(sm.pop(k), rel=1e-6, abs=2e-4), k
+        assert fm == sm
+    m = fast["results"]["precise"]
+    assert m["steps"] > 0 and m["errors"] == 0 and m["requests"] == len(tr.requests())
+    if "kv_capacity_tokens" in kw:
+        assert m["preemptions"] > 0

@@ -1,0 +1,150 @@
+"""Trace readers on small made-up traces of each format."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from kvmesh_tools.traffic.model import chain_keys
+from kvmesh_tools.traffic.native import write_native
+from kvmesh_tools.traffic.readers import TraceFormatError, load_trace
+from kvmesh_tools.traffic.schedule import ScheduleOptions, ScheduleRunner, build_schedule
+from kvmesh_tools.traffic.tokens import TokenSynthesizer
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _cc_session(sid: str) -> dict:
+    return {
+        "id": sid, "models": ["m"], "block_size": 4, "hash_id_scope": "local", "tool_tokens": 0,
+        "system_tokens": 0,
+        "requests": [
+            {"t": 0.0, "type": "n", "model": "m", "in": 9, "out": 3, "hash_ids": [1, 2],
+             "input_types": [], "output_types": [], "stop": "", "api_time": 2.0, "think_time": 0.0},
+            {"t": 5.0, "type": "subagent", "agent_id": "agent_001", "subagent_type": "Explore", "duration_ms": 4000,
+             "requests": [
+                 {"t": 0.0, "type": "n", "model": "h", "in": 8, "out": 2, "hash_ids": [7, 8], "api_time": 1.0},
+                 {"t": 3.0, "type": "n", "model": "h", "in": 12, "out": 2, "hash_ids": [7, 8, 9], "api_time": 1.0,
+                  "think_time": 2.0},
+             ]},
+            {"t": 10.0, "type": "n", "model": "m", "in": 13, "out": 3, "hash_ids": [1, 2, 3],
+             "api_time": 1.0, "think_time": 1.0},
+        ],
+    }
+
+
+def test_claude_code_nested_subagents_and_namespaces(tmp_path: Path) -> None:
+    for sid in ("a", "b"):
+        with gzip.open(tmp_path / f"{sid}.json.gz", "wt") as fh:
+            json.dump(_cc_session(sid), fh)
+    tr = load_trace([tmp_path], "weka")
+    assert len(tr) == 2 and tr.block_size == 4
+    s = tr.sessions[0]
+    reqs = s.requests()
+    assert [r.agent for r in reqs] == ["main", "agent_001", "agent_001", "main"]
+    # sub-agent request times are relative to the sub-agent's t
+    assert [r.t for r in reqs] == [0.0, 5.0, 8.0, 10.0]
+    assert s.root.sub_agents()[0].duration == 4.0
+    # same ids in two files are different blocks (namespaced per session file)
+    a, b = tr.sessions[0].requests()[0], tr.sessions[1].requests()[0]
+    assert a.hash_ids == b.hash_ids and a.keys != b.keys
+    # within a file, equal leading ids give equal chained keys
+    assert reqs[0].keys == reqs[3].keys[:2]
+
+
+def test_claude_code_closed_loop_schedule(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps(_cc_session("a")))
+    tr = load_trace([tmp_path / "a.json"], "claude-code")
+    sch = build_schedule(tr, ScheduleOptions(start_window_s=None))
+    run = ScheduleRunner(sch)
+    first = run.initial()
+    assert first == [(0.0, 0)]
+    # the sub-agent launches 3 s after the first call ends (recorded 5.0 - 2.0)
+    released = run.complete(0, 100.0)
+    assert released == [(103.0, 1)]
+    assert run.complete(1, 110.0) == [(112.0, 2)]     # think time 2 s inside the sub-agent
+    # the parent's next turn (t=10) waits for the sub-agent, which had ended at t=9 in the recording
+    assert run.complete(2, 120.0) == [(121.0, 3)]
+
+
+def test_mooncake_reader(tmp_path: Path) -> None:
+    p = tmp_path / "mc.jsonl"
+    p.write_text("\n".join(json.dumps(x) for x in [
+        {"timestamp": 0, "input_length": 1100, "output_length": 5, "hash_ids": [0, 1]},
+        {"timestamp": 1500, "input_length": 600, "output_length": 7, "hash_ids": [0]},
+    ]) + "\n")
+    tr = load_trace([p], "mooncake")
+    assert tr.block_size == 512 and len(tr) == 2
+    r0, r1 = (s.requests()[0] for s in tr.sessions)
+    assert tr.sessions[1].start == 1.5
+    # ids are global in a mooncake file: block 0 is shared
+    assert r0.keys[0] == r1.keys[0]
+    sch = build_schedule(tr, ScheduleOptions(start_window_s=None))
+    assert sorted(ScheduleRunner(sch).initial()) == [(0.0, 0), (1.5, 1)]
+
+
+def test_native_roundtrip_and_scope(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps(_cc_session("a")))
+    tr = load_trace([tmp_path / "a.json"], "weka")
+    out = write_native(tr, tmp_path / "n.jsonl.gz")
+    back = load_trace([out], "native")
+    r1 = [(r.t, r.input_tokens, r.output_tokens, r.hash_ids, r.agent) for r in tr.requests()]
+    r2 = [(r.t, r.input_tokens, r.output_tokens, r.hash_ids, r.agent) for r in back.requests()]
+    assert r1 == r2
+    lines = [json.dumps({"session": s, "block_size": 4, "hash_id_scope": "global",
+                         "requests": [{"t": 0, "in": 8, "out": 1, "hash_ids": [1, 2]}]}) for s in ("x", "y")]
+    (tmp_path / "g.jsonl").write_text("\n".join(lines))
+    g = load_trace([tmp_path / "g.jsonl"], "native")
+    assert g.sessions[0].requests()[0].keys == g.sessions[1].requests()[0].keys
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"session": "a", "block_size": 4, "requests": [{"t": 0, "in": 8, "out": 1}]}', "missing field 'hash_ids'"),
+    ('{"session": "a", "block_size": 4, "requests": [{"t": 0, "in": "8", "out": 1, "hash_ids": []}]}',
+     "field 'in' has type str"),
+    ('{"session": "a", "block_size": 0, "requests": []}', "block_size must be positive"),
+    ('not json', "invalid JSON"),
+    ('{"session": "a", "block_size": 4, "requests": [{"t": 0, "in": 4, "out": 1, "hash_ids": [1, 2, 3]}]}',
+     "exceed in=4"),
+])
+def test_bad_native_input_names_the_problem(tmp_path: Path, content: str, needle: str) -> None:
+    p = tmp_path / "bad.jsonl"
+    p.write_text(content + "\n")
+    with pytest.raises(TraceFormatError) as ei:
+        load_trace([p], "native")
+    assert needle in str(ei.value) and "bad.jsonl:1" in str(ei.value)
+
+
+def test_missing_path_and_unknown_format(tmp_path: Path) -> None:
+    with pytest.raises(TraceFormatError, match="no such trace"):
+        load_trace([tmp_path / "nope.json"], "weka")
+    with pytest.raises(TraceFormatError, match="unknown trace format"):
+        load_trace([tmp_path], "csv")
+
+
+def test_tokens_reproduce_prefix_structure_at_any_block_size(tmp_path: Path) -> None:
+    (tmp_path / "a.json").write_text(json.dumps(_cc_session("a")))
+    reqs = load_trace([tmp_path / "a.json"], "weka").requests()
+    syn = TokenSynthesizer(vocab_size=300)
+    toks = [syn.prompt(r) for r in reqs]
+    assert [len(t) for t in toks] == [r.input_tokens for r in reqs]
+    assert all(16 <= x < 300 for t in toks for x in t)
+    assert toks[0][:8] == toks[3][:8]          # ids [1,2] shared -> 8 tokens shared
+    assert toks[1][:8] == toks[2][:8] and toks[1][:4] != toks[0][:4]
+    # deterministic across instances
+    assert TokenSynthesizer(vocab_size=300).prompt(reqs[3]) == toks[3]
+    # equal chained keys <=> equal token blocks, whatever the engine block size
+    for bs in (2, 4, 8):
+        a, b = toks[0], toks[3]
+        n = 0
+        while (n + 1) * bs <= min(len(a), len(b)) and a[: (n + 1) * bs] == b[: (n + 1) * bs]:
+            n += 1
+        assert n * bs >= 8
+
+
+def test_chain_keys_stable() -> None:
+    assert chain_keys("ns", [1, 2, 3]) == chain_keys("ns", [1, 2, 3])
+    assert chain_keys("ns", [1, 2])[1] != chain_keys("ns", [9, 2])[1]
