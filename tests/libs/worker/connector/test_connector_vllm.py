@@ -129,7 +129,7 @@ def _control_output_depends_on_the_restored_context(stub, store, ns: str, a: lis
       Three such contexts are tried; one differing output is enough evidence.
     """
     tail = a[10 * BS:]
-    others = [_prompt(50 + j, 10 * BS) + tail for j in range(3)]
+    others = [_prompt(300 + j, 10 * BS) + tail for j in range(3)]   # seeds no other test uses
     outputs = [_generate(stub, f"A-ctl-{j}", o)[0] for j, o in enumerate(others)]
     assert any(out != cold for out in outputs), f"output independent of the context: {cold}"
     key_a = BlockHasher("sha256_cbor", BS).block_keys(a)[0]
