@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,11 +57,18 @@ class LocalStack:
     prefill_addresses: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ helpers
-    def _svc(self, name: str, tag: str, args: list[str], port: int) -> ServiceProcess:
+    def _svc(self, name: str, tag: str, ports: Callable[[], list[str]], port: int = 0) -> ServiceProcess:
+        """A service whose ``ports()`` builds its args on freshly picked ports (``port`` pins the
+        gRPC port instead); the args' ``--port`` is the gRPC port. See ``ServiceProcess.ports``."""
         logs = Path(self.cfg.log_dir)
         logs.mkdir(parents=True, exist_ok=True)
-        sp = ServiceProcess(name=name, args=args, grpc_address=f"{self.cfg.host}:{port}",
-                            log_path=logs / f"{tag}.log", env={"KVMESH_LOG_FORMAT": "text"})
+
+        def fresh() -> tuple[list[str], str]:
+            args = ["--port", str(port or free_port()), *ports()]
+            return args, f"{self.cfg.host}:{args[1]}"
+
+        sp = ServiceProcess.on_fresh_ports(name, fresh, log_path=logs / f"{tag}.log",
+                                           env={"KVMESH_LOG_FORMAT": "text"})
         self.procs.append(sp)
         return sp
 
@@ -87,45 +95,36 @@ class LocalStack:
 
     def _start(self, c: StackConfig) -> None:
         h = c.host
-        idx_port = free_port()
-        idx_args = ["--host", h, "--port", str(idx_port), "--default-block-size", str(c.block_size),
-                    "--default-model", c.model]
+        idx_args = ["--host", h, "--default-block-size", str(c.block_size), "--default-model", c.model]
         if self._use_redis():
             self.redis = RedisProcess().start()
             idx_args += ["--backend", "redis", "--redis-url", self.redis.url]
-        self.indexer_address = f"{h}:{idx_port}"
-        self._svc("indexer", "indexer", idx_args, idx_port).start(c.start_timeout_s)
+        self.indexer_address = self._svc("indexer", "indexer", lambda: idx_args).start(c.start_timeout_s).grpc_address
 
-        off_port = free_port()
-        self.offload_address = f"{h}:{off_port}"
-        self._svc("offload", "offload", ["--host", h, "--port", str(off_port), "--advertise-host", h,
-                                         "--ram-capacity-bytes", str(c.offload_ram_bytes),
-                                         "--indexer-address", self.indexer_address,
-                                         "--events-endpoint", f"tcp://{h}:{free_port()}"],
-                  off_port).start(c.start_timeout_s)
+        self.offload_address = self._svc(
+            "offload", "offload",
+            lambda: ["--host", h, "--advertise-host", h, "--ram-capacity-bytes", str(c.offload_ram_bytes),
+                     "--indexer-address", self.indexer_address, "--events-endpoint", f"tcp://{h}:{free_port()}"],
+        ).start(c.start_timeout_s).grpc_address
 
-        workers: list[ServiceProcess] = []
+        workers: list[tuple[dict[str, str], str, ServiceProcess]] = []
         for role, n, book in (("decode", c.decode_workers, self.decode_addresses),
                               ("prefill", c.prefill_workers, self.prefill_addresses)):
             for i in range(n):
-                port = free_port()
                 ep = f"{role}-{i}"
-                book[ep] = f"{h}:{port}"
-                args = ["--host", h, "--port", str(port), "--advertise-host", h, "--endpoint-id", ep,
+                args = ["--host", h, "--advertise-host", h, "--endpoint-id", ep,
                         "--model", c.model, "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks),
                         "--vocab-size", str(c.vocab_size), "--time-scale", str(c.time_scale),
-                        "--indexer-address", self.indexer_address, "--offload-address", self.offload_address,
-                        "--kv-events-endpoint", f"tcp://{h}:{free_port()}",
-                        "--kv-events-replay-endpoint", f"tcp://{h}:{free_port()}"]
-                workers.append(self._svc(role, ep, args, port).start(wait=False))
-        for w in workers:
-            w.wait_ready(c.start_timeout_s)
+                        "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
+                sp = self._svc(role, ep, lambda args=args: [
+                    *args, "--kv-events-endpoint", f"tcp://{h}:{free_port()}",
+                    "--kv-events-replay-endpoint", f"tcp://{h}:{free_port()}"])
+                workers.append((book, ep, sp.start(wait=False)))
+        for book, ep, sp in workers:
+            sp.wait_ready(c.start_timeout_s)
+            book[ep] = sp.grpc_address
 
-        r_port = c.router_port or free_port()
-        http_port = c.http_port or free_port()
-        self.router_address = f"{h}:{r_port}"
-        self.http_address = f"http://{h}:{http_port}"
-        args = ["--host", h, "--port", str(r_port), "--http-port", str(http_port), "--model", c.model,
+        args = ["--host", h, "--model", c.model,
                 "--block-size", str(c.block_size), "--vocab-size", str(c.vocab_size), "--policy", c.policy,
                 # approx, the baseline, is told the workers' real capacity (fair to it).
                 "--approx-capacity-blocks", str(c.num_blocks),
@@ -135,7 +134,11 @@ class LocalStack:
             args += ["--prefill-endpoints", ",".join(f"{k}={v}" for k, v in self.prefill_addresses.items())]
         if c.split and self.prefill_addresses:
             args += ["--split-enabled", "true"]
-        self._svc("router", "router", args, r_port).start(c.start_timeout_s)
+        router = self._svc("router", "router", lambda: [*args, "--http-port", str(c.http_port or free_port())],
+                           port=c.router_port).start(c.start_timeout_s)
+        self.router_address = router.grpc_address
+        http_port = router.args[router.args.index("--http-port") + 1]
+        self.http_address = f"http://{h}:{http_port}"
 
     def stop(self) -> None:
         """Stop everything, router first (so no new work reaches stopping workers). Idempotent."""

@@ -11,7 +11,9 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -40,9 +42,26 @@ def wait_for_serving(address: str, timeout_s: float = 60.0, service: str = "",
     raise TimeoutError(f"{address} not SERVING after {timeout_s}s (last: {last})")
 
 
+# What a child prints when a port it was handed is taken: gRPC, uvicorn, ZMQ and Redis say it so.
+BIND_FAILURES = ("address already in use", "failed to bind", "errno 98", "eaddrinuse")
+BIND_ATTEMPTS = 4
+
+
+def bind_failed(log_text: str) -> bool:
+    low = log_text.lower()
+    return any(s in low for s in BIND_FAILURES)
+
+
 @dataclass
 class ServiceProcess:
-    """One ``kvmesh serve NAME`` child process."""
+    """One ``kvmesh serve NAME`` child process.
+
+    A port picked for a child before the child binds it can be taken in between by any other
+    process on the machine; no pick-then-bind is free of that race. So a service started with
+    ``ports`` (a function that picks fresh ports and returns ``(args, grpc_address)``) is
+    restarted on new ports when it dies of a bind failure, up to ``BIND_ATTEMPTS`` times; read
+    ``args``/``grpc_address`` after ``start``/``wait_ready`` for what it really listens on.
+    """
 
     name: str
     args: list[str]
@@ -50,27 +69,60 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
+    ports: Callable[[], tuple[list[str], str]] | None = None
+    _log_offset: int = 0
+
+    @classmethod
+    def on_fresh_ports(cls, name: str, ports: Callable[[], tuple[list[str], str]], **kw: object) -> ServiceProcess:
+        args, address = ports()
+        return cls(name, args, address, ports=ports, **kw)  # type: ignore[arg-type]
 
     def start(self, timeout_s: float = 60.0, wait: bool = True) -> ServiceProcess:
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvmesh_tools.cli.main", "serve", self.name, *self.args],
-            env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-        )
+        self._spawn()
         if wait:
             self.wait_ready(timeout_s)
         return self
 
+    def _spawn(self) -> None:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        if self.log_path is None:  # the log is how a bind failure is recognised
+            fd, name = tempfile.mkstemp(prefix=f"kvmesh-{self.name}-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self._log_offset = self.log_path.stat().st_size if self.log_path.exists() else 0
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvmesh_tools.cli.main", "serve", self.name, *self.args],
+                env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def _log_since_spawn(self) -> str:
+        if self.log_path is None or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(self._log_offset)
+            return f.read().decode(errors="replace")
+
     def wait_ready(self, timeout_s: float = 60.0) -> None:
-        try:
-            wait_for_serving(self.grpc_address, timeout_s, proc=self.proc)
-        except Exception:
-            self.stop()
-            if self.log_path and self.log_path.exists():
-                tail = self.log_path.read_text(errors="replace")[-3000:]
-                raise RuntimeError(f"{self.name} failed to become ready; log tail:\n{tail}") from None
-            raise
+        for attempt in range(1, BIND_ATTEMPTS + 1):
+            try:
+                wait_for_serving(self.grpc_address, timeout_s, proc=self.proc)
+                # SERVING may have come from whoever took the port first; ours must still run.
+                if self.proc is not None and self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while another "
+                                       f"server answered on {self.grpc_address}")
+                return
+            except Exception:
+                exited = self.proc is not None and self.proc.poll() is not None
+                self.stop()
+                text = self._log_since_spawn()
+                if exited and self.ports is not None and attempt < BIND_ATTEMPTS and bind_failed(text):
+                    self.args, self.grpc_address = self.ports()
+                    self._spawn()
+                    continue
+                if text:
+                    raise RuntimeError(f"{self.name} failed to become ready; log tail:\n{text[-3000:]}") from None
+                raise
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

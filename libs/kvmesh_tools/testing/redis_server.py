@@ -26,25 +26,35 @@ class RedisProcess:
         auth = f":{self.password}@" if self.password else ""
         return f"redis://{auth}127.0.0.1:{self.port}/0"
 
-    def start(self, timeout_s: float = 10.0) -> RedisProcess:
+    def start(self, timeout_s: float = 10.0, attempts: int = 4) -> RedisProcess:
+        """Start on ``port``, or on a picked one; a picked port taken before redis-server binds it
+        (the race no pick-then-bind avoids) is picked again, up to ``attempts`` times."""
         exe = shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found; run `make install` (apt-get install -y redis-server)")
-        self.port = self.port or free_port()
+        pinned = bool(self.port)
+        for _ in range(attempts if not pinned else 1):
+            self.port = self.port if pinned else free_port()
+            if self._try_start(exe, timeout_s):
+                return self
+        raise RuntimeError(f"redis-server did not start on port {self.port}")
+
+    def _try_start(self, exe: str, timeout_s: float) -> bool:
         args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir)]
         if self.password:
             args += ["--requirepass", self.password]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.proc.poll() is None:
             try:
                 redis.Redis.from_url(self.url, socket_timeout=0.5).ping()
-                return self
+                if self.proc.poll() is None:   # ours answered, not whoever held the port
+                    return True
             except redis.RedisError:
                 time.sleep(0.05)
         self.stop()
-        raise RuntimeError(f"redis-server did not start on port {self.port}")
+        return False
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
