@@ -12,6 +12,7 @@ import json
 import grpc
 
 from kvmesh.rpc.interceptors import client_interceptors
+from kvmesh.rpc.keepalive import CLIENT_KEEPALIVE_MS, client_keepalive_options
 from kvmesh.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
 
 
@@ -31,14 +32,11 @@ def _service_config(retry_attempts: int) -> str:
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retry_attempts: int = 3,
-                    keepalive_ms: int = 20_000) -> list[tuple[str, object]]:
+                    keepalive_ms: int = CLIENT_KEEPALIVE_MS) -> list[tuple[str, object]]:
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", keepalive_ms),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        ("grpc.http2.max_pings_without_data", 0),
+        *client_keepalive_options(keepalive_ms),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _service_config(retry_attempts)),
     ]

@@ -21,6 +21,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from kvmesh.rpc.interceptors import server_interceptors
+from kvmesh.rpc.keepalive import server_keepalive_options
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +69,7 @@ class ServiceServer:
             ("grpc.max_send_message_length", opts.max_message_bytes),
             ("grpc.max_receive_message_length", opts.max_message_bytes),
             ("grpc.so_reuseport", 0),
+            *server_keepalive_options(),
         ]
         server = grpc.aio.server(
             interceptors=self._interceptors,
