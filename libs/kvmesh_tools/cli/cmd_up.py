@@ -18,6 +18,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
+def banner(d: dict[str, object], model: str) -> str:
+    """What a user needs to point a client at the stack, printed once it is up."""
+    return "\n".join([
+        "",
+        "kvmesh is serving (Ctrl-C to stop)",
+        f"  OpenAI base URL   {d['router_http']}/v1      model: {model}",
+        f"  try it            curl {d['router_http']}/v1/chat/completions -H 'content-type: application/json' "
+        f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
+        f"  router gRPC       {d['router_grpc']}",
+        f"  metrics           {d['router_metrics']}",
+        f"  tokenizer         {d['model_dir']}",
+        f"  logs              {d['logs']}",
+    ])
+
+
 def _raise_interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
@@ -41,7 +56,7 @@ def _run(args: argparse.Namespace) -> int:
         stack.start()
         d = stack.describe()
         print(json.dumps(d, indent=1))
-        print(f"\nserving: gRPC {d['router_grpc']}  OpenAI HTTP {d['router_http']}/v1  (Ctrl-C to stop)", flush=True)
+        print(banner(d, cfg.model), flush=True)
         while True:
             dead = [sp.name for sp in stack.procs if not sp.alive()]
             if dead:

@@ -30,6 +30,9 @@ class StackConfig:
     prefill_workers: int = field(default=2, metadata={"help": "prefill sim workers"})
     redis: str = field(default="auto", metadata={"help": "indexer backend: auto (redis if installed) | on | off"})
     model: str = field(default="sim-model", metadata={"help": "served model name"})
+    model_dir: str = field(default="", metadata={
+        "help": "model dir whose tokenizer and chat template the router uses for text requests "
+                "(empty: the tiny model, written once under log_dir/tiny-model)"})
     block_size: int = field(default=64, metadata={"help": "KV block size (tokens)"})
     num_blocks: int = field(default=2048, metadata={"help": "KV capacity per worker (blocks)"})
     vocab_size: int = field(default=32000, metadata={"help": "sim vocabulary size"})
@@ -40,6 +43,7 @@ class StackConfig:
     host: str = field(default="127.0.0.1", metadata={"help": "listen/advertise host"})
     router_port: int = field(default=0, metadata={"help": "router gRPC port (0 = free port)"})
     http_port: int = field(default=0, metadata={"help": "router OpenAI HTTP port (0 = free port)"})
+    metrics_port: int = field(default=0, metadata={"help": "router Prometheus /metrics port (0 = free port)"})
     log_dir: str = field(default="out/stack", metadata={"help": "service logs go here"})
     start_timeout_s: float = field(default=120.0, metadata={"help": "max wait for a service to be SERVING"})
 
@@ -51,6 +55,8 @@ class LocalStack:
     redis: RedisProcess | None = None
     router_address: str = ""
     http_address: str = ""
+    metrics_address: str = ""
+    model_dir: str = ""
     indexer_address: str = ""
     offload_address: str = ""
     decode_addresses: dict[str, str] = field(default_factory=dict)
@@ -124,7 +130,8 @@ class LocalStack:
             sp.wait_ready(c.start_timeout_s)
             book[ep] = sp.grpc_address
 
-        args = ["--host", h, "--model", c.model,
+        self.model_dir = self._model_dir()
+        args = ["--host", h, "--model", c.model, "--tokenizer-path", self.model_dir,
                 "--block-size", str(c.block_size), "--vocab-size", str(c.vocab_size), "--policy", c.policy,
                 # approx, the baseline, is told the workers' real capacity (fair to it).
                 "--approx-capacity-blocks", str(c.num_blocks),
@@ -134,11 +141,24 @@ class LocalStack:
             args += ["--prefill-endpoints", ",".join(f"{k}={v}" for k, v in self.prefill_addresses.items())]
         if c.split and self.prefill_addresses:
             args += ["--split-enabled", "true"]
-        router = self._svc("router", "router", lambda: [*args, "--http-port", str(c.http_port or free_port())],
+        router = self._svc("router", "router",
+                           lambda: [*args, "--http-port", str(c.http_port or free_port()),
+                                    "--metrics-port", str(c.metrics_port or free_port())],
                            port=c.router_port).start(c.start_timeout_s)
         self.router_address = router.grpc_address
-        http_port = router.args[router.args.index("--http-port") + 1]
-        self.http_address = f"http://{h}:{http_port}"
+        self.http_address = f"http://{h}:{router.args[router.args.index('--http-port') + 1]}"
+        self.metrics_address = f"http://{h}:{router.args[router.args.index('--metrics-port') + 1]}/metrics"
+
+    def _model_dir(self) -> str:
+        """The router's tokenizer: without one it refuses every text request (chat or prompt)."""
+        if self.cfg.model_dir:
+            return self.cfg.model_dir
+        from kvmesh.tokenization.tiny_model import TinyModelSpec, write_tiny_model
+
+        path = Path(self.cfg.log_dir) / "tiny-model"
+        if not (path / "config.json").exists():
+            write_tiny_model(path, TinyModelSpec(vocab_size=self.cfg.vocab_size))
+        return str(path.resolve())
 
     def stop(self) -> None:
         """Stop everything, router first (so no new work reaches stopping workers). Idempotent."""
@@ -157,6 +177,7 @@ class LocalStack:
 
     def describe(self) -> dict[str, object]:
         return {"router_grpc": self.router_address, "router_http": self.http_address,
+                "router_metrics": self.metrics_address, "model_dir": self.model_dir,
                 "indexer": self.indexer_address, "indexer_backend": "redis" if self.redis else "memory",
                 "redis": self.redis.url if self.redis else "", "offload": self.offload_address,
                 "decode": dict(self.decode_addresses), "prefill": dict(self.prefill_addresses),

@@ -1,0 +1,65 @@
+"""``kvmesh up`` serves text out of the box to the official ``openai`` client.
+
+An unmodified external client once got HTTP 400 "this router has no tokenizer" on every chat
+request against ``kvmesh up``: the stack now hands the router a tokenizer (the tiny model's by
+default), turns /metrics on, and prints the URLs a user needs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("up")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh_tools.cli.main", "up", "--router-port", "0", "--http-port", "0",
+         "--decode-workers", "2", "--prefill-workers", "0", "--redis", "off", "--log-dir", str(logs)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "KVMESH_LOG_FORMAT": "text"})
+    banner: dict[str, str] = {}
+    deadline = time.monotonic() + 180
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        m = re.match(r"\s+(OpenAI base URL|metrics|tokenizer)\s+(\S+)", line)
+        if m:
+            banner[m.group(1)] = m.group(2)
+        if "logs" in banner or len(banner) == 3 or time.monotonic() > deadline:
+            break
+    try:
+        assert len(banner) == 3, f"no banner; kvmesh up printed: {banner}"
+        yield banner
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(60)
+
+
+def test_banner_names_the_urls(up) -> None:
+    assert up["OpenAI base URL"].startswith("http://127.0.0.1:") and up["OpenAI base URL"].endswith("/v1")
+    text = urllib.request.urlopen(up["metrics"], timeout=10).read().decode()
+    assert "kvmesh_router" in text
+
+
+def test_official_openai_client_chats_in_text(up) -> None:
+    client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key="unused", max_retries=0)
+    models = client.models.list()
+    model = models.data[0].id
+    resp = client.chat.completions.create(model=model, max_tokens=8,
+                                          messages=[{"role": "system", "content": "You are terse."},
+                                                    {"role": "user", "content": "Say hello."}])
+    assert resp.choices[0].message.role == "assistant" and isinstance(resp.choices[0].message.content, str)
+    assert resp.usage is not None and resp.usage.prompt_tokens > 5 and 0 < resp.usage.completion_tokens <= 8
+    done = client.completions.create(model=model, prompt="def main():", max_tokens=4)
+    assert done.usage is not None and done.usage.completion_tokens <= 4
