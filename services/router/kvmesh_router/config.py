@@ -68,6 +68,12 @@ class RouterConfig:
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
     # Failures and tenants
     max_attempts: int = field(default=3, metadata={"help": "endpoints tried before the first token"})
+    first_token_timeout_s: float = field(default=300.0, metadata={
+        "help": "a try with no token after this long is cancelled and retried elsewhere (0 = no limit); "
+                "long enough for a long prefill queued behind others"})
+    stream_idle_timeout_s: float = field(default=30.0, metadata={
+        "help": "a stream silent this long after its first token ends with an error naming what was "
+                "sent (0 = no limit)"})
     tenant_header: str = field(default="x-tenant", metadata={"help": "HTTP header naming the tenant"})
     tenant_salts: dict[str, str] = field(default_factory=dict,
                                          metadata={"help": "tenant id or API key -> cache_salt (JSON)"})
@@ -80,6 +86,8 @@ class RouterConfig:
             raise ConfigError("setting 'block_size' must be > 0")
         if self.max_attempts < 1:
             raise ConfigError("setting 'max_attempts' must be >= 1")
+        if self.first_token_timeout_s < 0 or self.stream_idle_timeout_s < 0:
+            raise ConfigError("settings 'first_token_timeout_s' and 'stream_idle_timeout_s' must be >= 0")
         if self.approx_capacity_blocks < 1:
             raise ConfigError("setting 'approx_capacity_blocks' must be >= 1")
         for name in ("prefill_s_per_token", "attn_s_per_token_pair", "cpu_restore_s_per_token",

@@ -446,7 +446,10 @@ class RouterService:
         inp.calls.append(call)
         try:
             final: FinalInfo | None = None
-            async for msg in call:
+            while True:
+                msg = await self._read(call, d, generated)
+                if msg is grpc.aio.EOF:
+                    break
                 if final is not None:
                     continue   # read to the stream's end: the call (and its client span) then completes
                 if msg.token_ids:
@@ -480,6 +483,27 @@ class RouterService:
             inp.calls.remove(call)
             if not call.done():
                 call.cancel()
+
+    async def _read(self, call: Any, d: Decision, generated: list[int]) -> Any:
+        """The next message of a worker stream, or EOF, within the first-token or idle timeout.
+
+        A hung worker (stopped, deadlocked, partitioned) keeps its TCP connection, so only
+        silence shows it: before the first token the try is retried on another endpoint; after
+        it the client gets a clean error naming what was already sent, never an endless stall.
+        """
+        limit = self.cfg.stream_idle_timeout_s if generated else self.cfg.first_token_timeout_s
+        if not limit:
+            return await call.read()
+        try:
+            return await asyncio.wait_for(call.read(), limit)
+        except TimeoutError:
+            call.cancel()
+            if generated:
+                metrics.STALLS.labels(stage="stream").inc()
+                raise StreamBroken(f"endpoint {d.endpoint_id} silent for {limit:g}s after {len(generated)} "
+                                   f"generated tokens: {generated}", generated) from None
+            metrics.STALLS.labels(stage="first_token").inc()
+            raise _BeforeFirstToken(f"STALLED: no token within {limit:g}s") from None
 
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
