@@ -18,25 +18,28 @@ a uvicorn server on the worker's own asyncio loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate, trace
 
+from kvmesh.openai import sse
+from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
+from kvmesh.openai.requests import SESSION_HEADER, OpenAIRequest, parse_chat, parse_completion, read_json
+from kvmesh.openai.responses import Answer
+from kvmesh.openai.usage import usage
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
-SESSION_HEADER = "x-session-id"
+__all__ = ["ENDPOINT_HEADER", "SESSION_HEADER", "HttpApiConfig", "HttpApiServer", "WorkerHttpApi", "start_http_api"]
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -60,22 +63,6 @@ class HttpApiConfig:
     tokenizer: str = field(default="", metadata={"help": "HF tokenizer dir for text/chat prompts ('' = token ids only)"})
 
 
-class ApiError(Exception):
-    """An OpenAI-style error answer: HTTP status, message naming the problem, error type."""
-
-    def __init__(self, status: int, message: str, etype: str = "invalid_request_error",
-                 param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.etype = etype
-        self.param = param
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.etype, "param": self.param,
-                          "code": self.status}}
-
-
 def load_tokenizer(path: str) -> Tokenizer | None:
     """Load a HF tokenizer directory offline; '' means no tokenizer."""
     if not path:
@@ -85,142 +72,41 @@ def load_tokenizer(path: str) -> Tokenizer | None:
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
 
 
-# --------------------------------------------------------------------------- request parsing
+# --------------------------------------------------------------------------- prompt -> token ids
 
 
-def _num(body: dict[str, Any], key: str, kind: type, default: Any, *, lo: float | None = None,
-         hi: float | None = None, lo_open: bool = False) -> Any:
-    val = body.get(key)
-    if val is None:
-        return default
-    if isinstance(val, bool) or not isinstance(val, (int, float)) or (kind is int and not isinstance(val, int)):
-        raise ApiError(400, f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {val!r}", param=key)
-    if lo is not None and (val <= lo if lo_open else val < lo):
-        raise ApiError(400, f"'{key}' must be {'>' if lo_open else '>='} {lo}, got {val}", param=key)
-    if hi is not None and val > hi:
-        raise ApiError(400, f"'{key}' must be <= {hi}, got {val}", param=key)
-    return kind(val)
-
-
-@dataclass
-class ParsedRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float
-    top_p: float
-    seed: int | None
-    stream: bool
-    include_usage: bool
-    stop: list[str]
-    stop_token_ids: list[int]
-    ignore_eos: bool
-    cache_salt: str
-    session_id: str
-
-
-def _parse_common(body: dict[str, Any], prompt_ids: list[int], default_max_tokens: int,
-                  session_header: str) -> ParsedRequest:
-    max_key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _num(body, max_key, int, default_max_tokens, lo=1)
-    n = _num(body, "n", int, 1, lo=1)
-    if n != 1:
-        raise ApiError(400, "'n' must be 1: one completion per request", param="n")
-    stop = body.get("stop")
-    if stop is None:
-        stops: list[str] = []
-    elif isinstance(stop, str):
-        stops = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop) and len(stop) <= 4:
-        stops = list(stop)
-    else:
-        raise ApiError(400, "'stop' must be a string or a list of at most 4 strings", param="stop")
-    stops = [s for s in stops if s]
-    stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise ApiError(400, "'stop_token_ids' must be a list of integers", param="stop_token_ids")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise ApiError(400, "'stream' must be a boolean", param="stream")
-    opts = body.get("stream_options") or {}
-    if not isinstance(opts, dict):
-        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
-    salt = body.get("cache_salt", "")
-    if not isinstance(salt, str):
-        raise ApiError(400, "'cache_salt' must be a string", param="cache_salt")
-    user = body.get("user", "")
-    session = session_header or (user if isinstance(user, str) else "")
-    return ParsedRequest(
-        prompt_ids=prompt_ids,
-        max_tokens=max_tokens,
-        temperature=_num(body, "temperature", float, 1.0, lo=0.0, hi=2.0),
-        top_p=_num(body, "top_p", float, 1.0, lo=0.0, hi=1.0, lo_open=True),
-        seed=_num(body, "seed", int, None),
-        stream=stream,
-        include_usage=bool(opts.get("include_usage", False)),
-        stop=stops,
-        stop_token_ids=list(stop_ids),
-        ignore_eos=bool(body.get("ignore_eos", False)),
-        cache_salt=salt,
-        session_id=session,
-    )
-
-
-def _is_token_list(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
-
-
-def completion_prompt_ids(body: dict[str, Any], tokenizer: Tokenizer | None) -> list[int]:
-    """``prompt``: a string, a list of token ids, or a one-element list of either."""
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
-        prompt = prompt[0]
-    if _is_token_list(prompt):
-        return list(prompt)
-    if isinstance(prompt, str):
-        if not prompt:
-            raise ApiError(400, "'prompt' is empty", param="prompt")
-        if tokenizer is None:
-            raise ApiError(400, "this worker has no tokenizer: send 'prompt' as a list of token ids",
-                           param="prompt")
-        return list(tokenizer.encode(prompt, add_special_tokens=False))
-    if prompt is None:
-        raise ApiError(400, "'prompt' is required", param="prompt")
-    if isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
-        raise ApiError(400, "batched prompts are not supported: send one prompt per request", param="prompt")
-    raise ApiError(400, "'prompt' must be a non-empty string or list of token ids", param="prompt")
-
-
-def chat_prompt_ids(body: dict[str, Any], tokenizer: Tokenizer | None) -> list[int]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
-        content = m.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise ApiError(400, f"messages[{i}].content must be a string or a list of parts", param="messages")
+def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None) -> list[int]:
+    """The prompt of a validated request as token ids (text and chat need the tokenizer)."""
+    if req.prompt_ids is not None:
+        return req.prompt_ids
     if tokenizer is None:
-        raise ApiError(400, "this worker has no tokenizer: chat needs one (use /v1/completions with token ids)",
-                       param="messages")
-    tools = body.get("tools")
-    kw: dict[str, Any] = {"add_generation_prompt": True, "tokenize": True}
-    if tools:
-        kw["tools"] = tools
+        if req.chat:
+            raise BadRequest("this worker has no tokenizer: chat needs one (use /v1/completions with token ids)",
+                             "messages")
+        raise BadRequest("this worker has no tokenizer: send 'prompt' as a list of token ids", "prompt")
+    if not req.chat:
+        return list(tokenizer.encode(req.prompt_text or "", add_special_tokens=False))
+    kw: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt, "tokenize": True}
+    if req.tools:
+        kw["tools"] = req.tools
     try:
-        ids = tokenizer.apply_chat_template(msgs, **kw)
+        ids = tokenizer.apply_chat_template(req.messages or [], **kw)
     except Exception as exc:  # the template rejects the conversation
-        raise ApiError(400, f"cannot render the chat template: {exc}", param="messages") from exc
+        raise BadRequest(f"cannot render the chat template: {exc}", "messages") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return [int(t) for t in ids]
+
+
+def _engine_error(exc: EngineError) -> OpenAIError:
+    return OpenAIError(str(exc), status=exc.http_status)
 
 
 # --------------------------------------------------------------------------- app
 
 
 class WorkerHttpApi:
-    """The FastAPI app over one engine."""
+    """The FastAPI app over one engine; request rules and answer shapes come from ``kvmesh.openai``."""
 
     def __init__(self, engine: Engine, *, model: str = "", tokenizer: Tokenizer | None = None,
                  endpoint_id: str = "", default_max_tokens: int = 16) -> None:
@@ -232,29 +118,79 @@ class WorkerHttpApi:
         self.default_max_tokens = default_max_tokens
         self.app = self._build()
 
-    # -- helpers
     def _headers(self) -> dict[str, str]:
         return {ENDPOINT_HEADER: self.endpoint_id}
 
-    def _check_model(self, body: dict[str, Any]) -> None:
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise ApiError(400, "'model' is required", param="model")
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="kvmesh worker", docs_url=None, redoc_url=None, openapi_url=None)
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        install_error_handlers(app, headers=self._headers())
+        return app
+
+    # -- handlers
+    async def health(self) -> JSONResponse:
+        ok = self.engine.healthy
+        return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503,
+                            headers=self._headers())
+
+    async def models(self) -> JSONResponse:
+        info = self.engine.info()
+        return JSONResponse({"object": "list", "data": [{
+            "id": self.model, "object": "model", "created": 0, "owned_by": "kvmesh",
+            "max_model_len": info.max_model_len}]}, headers=self._headers())
+
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
+
+    # -- generation
+    def _check_model(self, model: str) -> None:
         if model != self.model:
-            raise ApiError(404, f"model {model!r} is not served here (serving {self.model!r})",
-                           etype="model_not_found", param="model")
+            raise OpenAIError(f"model {model!r} is not served here (serving {self.model!r})", "model",
+                              status=404, etype="model_not_found")
 
     def _detok(self, ids: list[int]) -> str:
         if self.tokenizer is None or not ids:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _engine_request(self, p: ParsedRequest, request_id: str) -> EngineRequest:
+    def _engine_request(self, req: OpenAIRequest, ids: list[int], request_id: str) -> EngineRequest:
         return EngineRequest(
-            request_id=request_id, prompt_token_ids=p.prompt_ids, max_tokens=p.max_tokens,
-            temperature=p.temperature, top_p=p.top_p, seed=p.seed, stop_token_ids=p.stop_token_ids,
-            ignore_eos=p.ignore_eos, cache_salt=p.cache_salt, session_id=p.session_id,
+            request_id=request_id, prompt_token_ids=ids,
+            max_tokens=req.max_tokens if req.max_tokens is not None else self.default_max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop_token_ids=req.stop_token_ids,
+            ignore_eos=bool(req.ignore_eos), cache_salt=req.cache_salt, session_id=req.session_id,
         )
+
+    async def _handle(self, request: Request, chat: bool) -> Response:
+        body = await read_json(request, MAX_BODY_BYTES)
+        req = parse_chat(body, request.headers) if chat else parse_completion(body, request.headers)
+        self._check_model(req.model)
+        ids = prompt_ids(req, self.tokenizer)
+        if req.stop and self.tokenizer is None:
+            raise BadRequest("'stop' strings need a tokenizer on this worker; use 'stop_token_ids'", "stop")
+        answer = Answer(chat=chat, model=self.model, id=request.headers.get("x-request-id", ""))
+        ereq = self._engine_request(req, ids, answer.id)
+        if req.stream:
+            agen = self._run(ereq, req.stop)
+            # Pull the first item before answering, so validation errors become
+            # a 4xx status instead of an error inside a 200 event stream.
+            try:
+                first = await agen.__anext__()
+            except StopAsyncIteration:
+                first = None
+            except EngineError as exc:
+                raise _engine_error(exc) from None
+            return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage),
+                                    headers=self._headers())
+        parent = propagate.extract(dict(request.headers))
+        return JSONResponse(await self._collect(ereq, req.stop, answer, parent), headers=self._headers())
 
     async def _run(self, req: EngineRequest, stops: list[str]) -> AsyncIterator[tuple[list[int], str, EngineOutput]]:
         """Yield (new token ids, new text, output); applies ``stop`` strings on the decoded text."""
@@ -288,82 +224,9 @@ class WorkerHttpApi:
 
     @staticmethod
     def _usage(out: EngineOutput, n_prompt: int, n_out: int) -> dict[str, Any]:
-        prompt = out.num_prompt_tokens or n_prompt
-        completion = out.num_output_tokens or n_out
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+        return usage(out.num_prompt_tokens or n_prompt, out.num_output_tokens or n_out, out.num_cached_tokens)
 
-    # -- app
-    def _build(self) -> FastAPI:
-        app = FastAPI(title="kvmesh worker", docs_url=None, redoc_url=None, openapi_url=None)
-
-        @app.exception_handler(ApiError)
-        async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-            return JSONResponse(exc.body(), status_code=exc.status, headers=self._headers())
-
-        @app.get("/health")
-        async def health() -> JSONResponse:
-            ok = self.engine.healthy
-            return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503,
-                                headers=self._headers())
-
-        @app.get("/v1/models")
-        async def models() -> JSONResponse:
-            info = self.engine.info()
-            return JSONResponse({"object": "list", "data": [{
-                "id": self.model, "object": "model", "created": 0, "owned_by": "kvmesh",
-                "max_model_len": info.max_model_len}]}, headers=self._headers())
-
-        async def read_body(request: Request) -> dict[str, Any]:
-            raw = await request.body()
-            if len(raw) > MAX_BODY_BYTES:
-                raise ApiError(413, f"request body is {len(raw)} bytes; the limit is {MAX_BODY_BYTES}")
-            try:
-                body = json.loads(raw or b"null")
-            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-                raise ApiError(400, f"request body is not valid JSON: {exc}") from None
-            if not isinstance(body, dict):
-                raise ApiError(400, "request body must be a JSON object")
-            return body
-
-        async def handle(request: Request, chat: bool) -> Any:
-            body = await read_body(request)
-            self._check_model(body)
-            ids = chat_prompt_ids(body, self.tokenizer) if chat else completion_prompt_ids(body, self.tokenizer)
-            parsed = _parse_common(body, ids, self.default_max_tokens, request.headers.get(SESSION_HEADER, ""))
-            if parsed.stop and self.tokenizer is None:
-                raise ApiError(400, "'stop' strings need a tokenizer on this worker; use 'stop_token_ids'",
-                               param="stop")
-            rid = request.headers.get("x-request-id") or f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-            ereq = self._engine_request(parsed, rid)
-            kind = "chat.completion" if chat else "text_completion"
-            if parsed.stream:
-                agen = self._run(ereq, parsed.stop)
-                # Pull the first item before answering, so validation errors become
-                # a 4xx status instead of an error inside a 200 event stream.
-                try:
-                    first = await agen.__anext__()
-                except StopAsyncIteration:
-                    first = None
-                except EngineError as exc:
-                    raise ApiError(exc.http_status, str(exc), etype=type(exc).__name__) from None
-                return StreamingResponse(self._sse(agen, first, rid, kind, parsed), media_type="text/event-stream",
-                                         headers=self._headers())
-            parent = propagate.extract(dict(request.headers))
-            return JSONResponse(await self._collect(ereq, parsed, rid, kind, parent), headers=self._headers())
-
-        @app.post("/v1/completions")
-        async def completions(request: Request) -> Any:
-            return await handle(request, chat=False)
-
-        @app.post("/v1/chat/completions")
-        async def chat_completions(request: Request) -> Any:
-            return await handle(request, chat=True)
-
-        return app
-
-    async def _collect(self, ereq: EngineRequest, p: ParsedRequest, rid: str, kind: str,
-                       parent: Any = None) -> dict[str, Any]:
+    async def _collect(self, ereq: EngineRequest, stops: list[str], answer: Answer, parent: Any = None) -> dict[str, Any]:
         t0 = time.perf_counter()
         ids: list[int] = []
         text = ""
@@ -371,59 +234,36 @@ class WorkerHttpApi:
         ttft: float | None = None
         # The span continues the caller's trace (e.g. the gateway's request, whose
         # traceparent the endpoint picker set).
-        with _tracer.start_as_current_span("worker.http " + kind, context=parent,
+        with _tracer.start_as_current_span("worker.http " + answer.object, context=parent,
                                            kind=trace.SpanKind.SERVER) as span:
             try:
-                async for new_ids, delta, out in self._run(ereq, p.stop):
+                async for new_ids, delta, out in self._run(ereq, stops):
                     ids.extend(new_ids)
                     text += delta
                     last = out
                     if ttft is None and out.ttft_s is not None:
                         ttft = out.ttft_s
             except EngineError as exc:
-                raise ApiError(exc.http_status, str(exc), etype=type(exc).__name__) from None
+                raise _engine_error(exc) from None
             assert last is not None
-            usage = self._usage(last, len(p.prompt_ids), len(ids))
+            use = self._usage(last, len(ereq.prompt_token_ids), len(ids))
             span.set_attribute("gen_ai.request.model", self.model)
-            span.set_attribute("gen_ai.request.id", rid)
-            span.set_attribute("gen_ai.usage.input_tokens", usage["prompt_tokens"])
-            span.set_attribute("gen_ai.usage.output_tokens", usage["completion_tokens"])
+            span.set_attribute("gen_ai.request.id", answer.id)
+            span.set_attribute("gen_ai.usage.input_tokens", use["prompt_tokens"])
+            span.set_attribute("gen_ai.usage.output_tokens", use["completion_tokens"])
             span.set_attribute("gen_ai.usage.cached_tokens", last.num_cached_tokens)
             span.set_attribute("kvmesh.endpoint_id", self.endpoint_id)
             if ttft is not None:
                 span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
-        finish = last.finish_reason or "stop"
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
-        if kind == "chat.completion":
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        log.debug("http request done", extra={"request_id": rid, "ms": round(1000 * (time.perf_counter() - t0), 2)})
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": self.model,
-                "choices": [choice], "usage": usage, "kvmesh": {"endpoint": self.endpoint_id}}
+        log.debug("http request done", extra={"request_id": answer.id,
+                                              "ms": round(1000 * (time.perf_counter() - t0), 2)})
+        return answer.response(text, ids, last.finish_reason or "stop", use, kvmesh={"endpoint": self.endpoint_id})
 
-    async def _sse(self, agen: AsyncIterator[tuple[list[int], str, EngineOutput]],
-                   first: tuple[list[int], str, EngineOutput] | None, rid: str, kind: str,
-                   p: ParsedRequest) -> AsyncIterator[bytes]:
-        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else "text_completion"
-        created = int(time.time())
+    async def _events(self, agen: AsyncIterator[tuple[list[int], str, EngineOutput]],
+                      first: tuple[list[int], str, EngineOutput] | None, answer: Answer, n_prompt: int,
+                      include_usage: bool) -> AsyncIterator[bytes]:
         n_out = 0
         last: EngineOutput | None = None
-
-        def event(doc: dict[str, Any]) -> bytes:
-            return b"data: " + json.dumps(doc).encode() + b"\n\n"
-
-        def chunk(ids: list[int], delta: str, finish: str | None, first_chunk: bool) -> dict[str, Any]:
-            choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": ids}
-            if chunk_kind == "chat.completion.chunk":
-                d: dict[str, Any] = {"content": delta}
-                if first_chunk:
-                    d["role"] = "assistant"
-                choice["delta"] = d
-            else:
-                choice["text"] = delta
-            return {"id": rid, "object": chunk_kind, "created": created, "model": self.model, "choices": [choice]}
-
         try:
             items = [first] if first is not None else []
             first_chunk = True
@@ -433,7 +273,7 @@ class WorkerHttpApi:
                     last = out
                     finish = (out.finish_reason or "stop") if out.finished else None
                     if new_ids or delta or finish:
-                        yield event(chunk(new_ids, delta, finish, first_chunk))
+                        yield sse.event(answer.chunk(delta, new_ids, finish, first_chunk))
                         first_chunk = False
                 if last is not None and last.finished:
                     break
@@ -441,15 +281,14 @@ class WorkerHttpApi:
                     items = [await agen.__anext__()]
                 except StopAsyncIteration:
                     break
-            if p.include_usage and last is not None:
-                yield event({"id": rid, "object": chunk_kind, "created": created, "model": self.model,
-                             "choices": [], "usage": self._usage(last, len(p.prompt_ids), n_out)})
+            if include_usage and last is not None:
+                yield sse.event(answer.usage_chunk(self._usage(last, n_prompt, n_out)))
         except EngineError as exc:
-            yield event({"error": {"message": str(exc), "type": type(exc).__name__, "code": exc.http_status}})
+            yield sse.event(_engine_error(exc).body())
         except asyncio.CancelledError:
-            await self.engine.abort(rid)
+            await self.engine.abort(answer.id)
             raise
-        yield b"data: [DONE]\n\n"
+        yield sse.DONE
 
 
 # --------------------------------------------------------------------------- server

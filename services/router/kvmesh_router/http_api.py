@@ -1,30 +1,33 @@
-"""OpenAI-compatible HTTP front door (FastAPI), served by uvicorn in the router's event loop.
+"""The router's OpenAI-compatible HTTP front door (FastAPI), served by uvicorn in the router's event loop.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming SSE ending in
-``[DONE]``, and non-streaming), ``/v1/models``, ``/health``. Usage carries
-``prompt_tokens_details.cached_tokens``; the routing decision is added under
-a ``kvmesh`` key. Errors use OpenAI's body shape
-``{"error": {"message", "type", "param", "code"}}``.
+``[DONE]``, and non-streaming), ``/v1/models``, ``/health``. Request rules,
+error shape, SSE framing, usage and response objects come from the shared
+OpenAI layer ``kvmesh.openai`` (the worker's HTTP API uses the same); here a
+parsed request becomes a ``GenInput`` for ``RouterService.generate`` and the
+routing decision is added under a ``kvmesh`` key.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
-import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate
 
+from kvmesh.openai import sse
+from kvmesh.openai.errors import OpenAIError, error_body, error_response, install_error_handlers
+from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
+from kvmesh.openai.responses import Answer
+from kvmesh.openai.usage import usage
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
-from kvmesh_router.errors import BadRequest, RouterError
+from kvmesh_router.errors import RouterError
 from kvmesh_router.service import FinalInfo, GenInput, RouterService
 
 log = logging.getLogger(__name__)
@@ -33,71 +36,22 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGT
            common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
 
 
-def error_body(status: int, message: str, etype: str, param: str | None = None) -> JSONResponse:
-    return JSONResponse(status_code=status,
-                        content={"error": {"message": message, "type": etype, "param": param, "code": status}})
+def _router_error(exc: RouterError) -> JSONResponse:
+    return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
 
 
-def _err(exc: RouterError) -> JSONResponse:
-    return error_body(exc.http_status, exc.message, exc.error_type, exc.param)
+def _usage(fin: FinalInfo) -> dict[str, Any]:
+    u = fin.usage
+    return usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+                 cached_tokens_gpu=u.cached_tokens_gpu, cached_tokens_offload=u.cached_tokens_offload)
 
 
-def _num(body: dict[str, Any], name: str, kind: type = float) -> Any:
-    v = body.get(name)
-    if v is None:
-        return None
-    ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
-    if not ok or isinstance(v, bool):
-        raise BadRequest(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", name)
-    return v
+def _routing(fin: FinalInfo) -> dict[str, Any]:
+    return MessageToDict(fin.routing, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
-def _str(body: dict[str, Any], name: str) -> str:
-    v = body.get(name)
-    if v is None:
-        return ""
-    if not isinstance(v, str):
-        raise BadRequest(f"'{name}' must be a string", name)
-    return v
-
-
-def _sampling(body: dict[str, Any], inp: GenInput) -> None:
-    s = inp.sampling
-    mt = _num(body, "max_tokens", int)
-    if mt is None:
-        mt = _num(body, "max_completion_tokens", int)
-    if mt is not None:
-        if mt < 1:
-            raise BadRequest(f"'max_tokens' must be >= 1, got {mt}", "max_tokens")
-        s.max_tokens = mt
-    t = _num(body, "temperature")
-    if t is not None:
-        s.temperature = float(t)
-        if not 0 <= t <= 2:
-            raise BadRequest(f"'temperature' must be in [0, 2], got {t}", "temperature")
-    tp = _num(body, "top_p")
-    if tp is not None:
-        if not 0 < tp <= 1:
-            raise BadRequest(f"'top_p' must be in (0, 1], got {tp}", "top_p")
-        s.top_p = float(tp)
-    seed = _num(body, "seed", int)
-    if seed is not None:
-        s.seed = seed
-    n = _num(body, "n", int)
-    if n is not None and n != 1:
-        raise BadRequest("'n' must be 1 (one choice per request)", "n")
-    stop = body.get("stop")
-    if stop is not None:
-        stops = [stop] if isinstance(stop, str) else stop
-        if not isinstance(stops, list) or not all(isinstance(x, str) for x in stops):
-            raise BadRequest("'stop' must be a string or a list of strings", "stop")
-        s.stop.extend(stops)
-    if body.get("ignore_eos") is not None:
-        if not isinstance(body["ignore_eos"], bool):
-            raise BadRequest("'ignore_eos' must be a boolean", "ignore_eos")
-        s.ignore_eos = body["ignore_eos"]
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise BadRequest("'stream' must be a boolean", "stream")
+def _finish(fin: FinalInfo) -> str:
+    return _FINISH.get(fin.finish_reason, "stop")
 
 
 class _Detok:
@@ -120,110 +74,100 @@ class _Detok:
         return delta
 
 
-def build_app(service: RouterService) -> FastAPI:
-    cfg = service.cfg
-    app = FastAPI(title="kvmesh router", docs_url=None, redoc_url=None)
+class _DisconnectWatch:
+    """Cancel the worker calls when the HTTP client goes away (uvicorn does not cancel us)."""
 
-    async def read_json(request: Request) -> dict[str, Any]:
-        clen = request.headers.get("content-length")
-        if clen and clen.isdigit() and int(clen) > cfg.max_text_bytes:
-            raise BadRequest(f"request body over {cfg.max_text_bytes} bytes", "body")
-        raw = await request.body()
-        if len(raw) > cfg.max_text_bytes:
-            raise BadRequest(f"request body over {cfg.max_text_bytes} bytes", "body")
-        try:
-            body = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise BadRequest(f"malformed JSON body: {exc}", "body") from None
-        if not isinstance(body, dict):
-            raise BadRequest("the JSON body must be an object", "body")
-        return body
+    def __init__(self, request: Request, inp: GenInput) -> None:
+        self.gone = False
+        self._request = request
+        self._inp = inp
+        self._task = asyncio.create_task(self._watch())
 
-    def common(body: dict[str, Any], request: Request) -> GenInput:
-        if "model" not in body:
-            raise BadRequest("'model' is required", "model")
-        inp = GenInput(model=_str(body, "model"))
-        _sampling(body, inp)
-        inp.cache_salt = _str(body, "cache_salt")
-        inp.session_id = _str(body, "session_id") or request.headers.get("x-session-id", "")
-        inp.lora_name = _str(body, "lora_name")
-        inp.policy = _str(body, "kvmesh_policy") or request.headers.get("x-kvmesh-policy", "")
-        inp.request_id = request.headers.get("x-request-id", "")
-        inp.trace_context = propagate.extract(dict(request.headers))
-        inp.tenant = request.headers.get(cfg.tenant_header, "")
-        auth = request.headers.get("authorization", "")
+    async def _watch(self) -> None:
+        while not await self._request.is_disconnected():
+            await asyncio.sleep(0.1)
+        self.gone = True
+        log.debug("client disconnected; cancelling the worker call", extra={"calls": len(self._inp.calls)})
+        for call in list(self._inp.calls):
+            call.cancel()
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+class RouterHttpApi:
+    """The handlers of the router's HTTP API over one ``RouterService``."""
+
+    def __init__(self, service: RouterService) -> None:
+        self.service = service
+        self.cfg = service.cfg
+
+    # -- request -> GenInput
+    def gen_input(self, req: OpenAIRequest, request: Request) -> GenInput:
+        h = request.headers
+        inp = GenInput(model=req.model)
+        s = inp.sampling
+        if req.max_tokens is not None:
+            s.max_tokens = req.max_tokens
+        if req.temperature is not None:
+            s.temperature = req.temperature
+        if req.top_p is not None:
+            s.top_p = req.top_p
+        if req.seed is not None:
+            s.seed = req.seed
+        s.stop.extend(req.stop)
+        s.stop_token_ids.extend(req.stop_token_ids)
+        if req.ignore_eos is not None:
+            s.ignore_eos = req.ignore_eos
+        inp.text = req.prompt_text
+        inp.tokens = req.prompt_ids
+        inp.chat = req.messages
+        inp.add_generation_prompt = req.add_generation_prompt
+        inp.cache_salt = req.cache_salt
+        inp.session_id = req.session_id
+        inp.lora_name = string(req.body, "lora_name")
+        inp.policy = string(req.body, "kvmesh_policy") or h.get("x-kvmesh-policy", "")
+        inp.request_id = h.get("x-request-id", "")
+        inp.trace_context = propagate.extract(dict(h))
+        inp.tenant = h.get(self.cfg.tenant_header, "")
+        auth = h.get("authorization", "")
         inp.api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         return inp
 
-    def usage_dict(fin: FinalInfo) -> dict[str, Any]:
-        u = fin.usage
-        return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-                "total_tokens": u.prompt_tokens + u.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.cached_tokens,
-                                          "cached_tokens_gpu": u.cached_tokens_gpu,
-                                          "cached_tokens_offload": u.cached_tokens_offload}}
+    # -- handlers
+    async def completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=False)
 
-    def routing_dict(fin: FinalInfo) -> dict[str, Any]:
-        return MessageToDict(fin.routing, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._handle(request, chat=True)
 
-    def watch_disconnect(request: Request, inp: GenInput) -> tuple[asyncio.Task, dict[str, bool]]:
-        """Cancel the worker call when the HTTP client goes away (uvicorn does not cancel us)."""
-        state = {"gone": False}
+    async def models(self) -> dict[str, Any]:
+        cfg = self.cfg
+        eps = [e.endpoint_id for e in self.service.core.decode_endpoints(cfg.model)]
+        return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh",
+                                            "max_model_len": cfg.max_model_len, "endpoints": eps}]}
 
-        async def watch() -> None:
-            while not await request.is_disconnected():
-                await asyncio.sleep(0.1)
-            state["gone"] = True
-            log.debug("client disconnected; cancelling the worker call", extra={"calls": len(inp.calls)})
-            for call in list(inp.calls):
-                call.cancel()
+    async def health(self) -> JSONResponse:
+        n = self.service.cluster.live_decode_count()
+        return JSONResponse(status_code=200 if n > 0 else 503,
+                            content={"status": "ok" if n else "no live endpoint", "live_endpoints": n,
+                                     "indexer_up": self.service.cluster.indexer_up})
 
-        return asyncio.create_task(watch()), state
-
-    async def run(request: Request, inp: GenInput, chat: bool, stream: bool, include_usage: bool):
+    # -- generation
+    async def _handle(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
-        oid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
-        gen = service.generate(inp)
-        detok = _Detok(service.tokenizer)
-
-        def choice(text: str, finish: str | None, final: bool) -> dict[str, Any]:
-            if chat:
-                key = "message" if final else "delta"
-                return {"index": 0, key: {"role": "assistant", "content": text}, "finish_reason": finish,
-                        "logprobs": None}
-            return {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-
-        if not stream:
-            ids: list[int] = []
-            fin: FinalInfo | None = None
-            watcher, state = watch_disconnect(request, inp)
-            try:
-                async for kind, item in gen:
-                    if kind == "chunk":
-                        ids.extend(item)
-                    else:
-                        fin = item
-            except RouterError as exc:
-                metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-                return _err(exc)
-            except asyncio.CancelledError:
-                if not state["gone"]:
-                    raise
-                metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
-                return error_body(499, "client closed the request", "client_closed")
-            finally:
-                watcher.cancel()
-            assert fin is not None
-            metrics.REQUESTS.labels(api=api, outcome="ok").inc()
-            text = service.tokenizer.decode(ids) if service.tokenizer is not None else ""
-            return JSONResponse({"id": oid, "object": obj, "created": created, "model": inp.model,
-                                 "choices": [{**choice(text, _FINISH.get(fin.finish_reason, "stop"), True),
-                                              "token_ids": ids}],
-                                 "usage": usage_dict(fin), "kvmesh": routing_dict(fin)})
-
-        # Streaming: pull the first item before answering 200 so that validation and
+        try:
+            body = await read_json(request, self.cfg.max_text_bytes)
+            req = parse_chat(body, request.headers) if chat else parse_completion(body, request.headers)
+        except OpenAIError as exc:
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            return exc.response()
+        inp = self.gen_input(req, request)
+        answer = Answer(chat=chat, model=inp.model)
+        gen = self.service.generate(inp)
+        if not req.stream:
+            return await self._collect(request, inp, gen, answer, api)
+        # Pull the first item before answering 200 so that validation and
         # routing errors still get a proper status code and error body.
         first: tuple[str, Any] | None
         try:
@@ -232,146 +176,78 @@ def build_app(service: RouterService) -> FastAPI:
             first = None
         except RouterError as exc:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _err(exc)
-        cobj = "chat.completion.chunk" if chat else "text_completion"
+            return _router_error(exc)
+        return sse.sse_response(self._events(request, inp, gen, first, answer, api, req.include_usage))
 
-        def sse(doc: dict[str, Any]) -> bytes:
-            return b"data: " + json.dumps(doc).encode() + b"\n\n"
-
-        async def events() -> AsyncIterator[bytes]:
-            items = [first] if first is not None else []
-            watcher, state = watch_disconnect(request, inp)
-            try:
-                async def all_items():
-                    for it in items:
-                        yield it
-                    async for it in gen:
-                        yield it
-
-                async for kind, item in all_items():
-                    if kind == "chunk":
-                        delta = detok.push(item)
-                        doc = {"id": oid, "object": cobj, "created": created, "model": inp.model,
-                               "choices": [{**choice(delta, None, False), "token_ids": item}]}
-                        yield sse(doc)
-                    else:
-                        fin = item
-                        doc = {"id": oid, "object": cobj, "created": created, "model": inp.model,
-                               "choices": [choice("", _FINISH.get(fin.finish_reason, "stop"), False)],
-                               "kvmesh": routing_dict(fin)}
-                        if include_usage:
-                            doc["usage"] = usage_dict(fin)
-                        yield sse(doc)
-                        if include_usage:
-                            yield sse({"id": oid, "object": cobj, "created": created, "model": inp.model,
-                                       "choices": [], "usage": usage_dict(fin)})
-                metrics.REQUESTS.labels(api=api, outcome="ok").inc()
-            except RouterError as exc:
-                metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-                yield sse({"error": {"message": exc.message, "type": exc.error_type, "param": exc.param,
-                                     "code": exc.http_status}})
-            except asyncio.CancelledError:
-                if not state["gone"]:
-                    raise
-                metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
-                return
-            finally:
-                watcher.cancel()
-                await gen.aclose()
-            yield b"data: [DONE]\n\n"
-
-        return StreamingResponse(events(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-    def stream_flags(body: dict[str, Any]) -> tuple[bool, bool]:
-        so = body.get("stream_options") or {}
-        if not isinstance(so, dict):
-            raise BadRequest("'stream_options' must be an object", "stream_options")
-        return bool(body.get("stream")), bool(so.get("include_usage"))
-
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def _collect(self, request: Request, inp: GenInput, gen: AsyncIterator[tuple[str, Any]],
+                       answer: Answer, api: str) -> Response:
+        ids: list[int] = []
+        fin: FinalInfo | None = None
+        watch = _DisconnectWatch(request, inp)
         try:
-            body = await read_json(request)
-            inp = common(body, request)
-            if "prompt" not in body:
-                raise BadRequest("'prompt' is required", "prompt")
-            prompt = body["prompt"]
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-                prompt = prompt[0]
-            if isinstance(prompt, str):
-                inp.text = prompt
-            elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-                inp.tokens = list(prompt)
-            else:
-                raise BadRequest("'prompt' must be a string or a list of token ids (one prompt per request)",
-                                 "prompt")
-            if body.get("echo"):
-                raise BadRequest("'echo' is not supported", "echo")
-            stream, include_usage = stream_flags(body)
+            async for kind, item in gen:
+                if kind == "chunk":
+                    ids.extend(item)
+                else:
+                    fin = item
         except RouterError as exc:
-            metrics.REQUESTS.labels(api="completions", outcome=type(exc).__name__).inc()
-            return _err(exc)
-        return await run(request, inp, False, stream, include_usage)
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            return _router_error(exc)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
+            return error_response(499, "client closed the request", "client_closed")
+        finally:
+            watch.stop()
+        assert fin is not None
+        metrics.REQUESTS.labels(api=api, outcome="ok").inc()
+        tok = self.service.tokenizer
+        text = tok.decode(ids) if tok is not None else ""
+        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), kvmesh=_routing(fin)))
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
+    async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
+                      answer: Answer, api: str, include_usage: bool) -> AsyncIterator[bytes]:
+        detok = _Detok(self.service.tokenizer)
+        watch = _DisconnectWatch(request, inp)
+        first_chunk = True
         try:
-            body = await read_json(request)
-            inp = common(body, request)
-            msgs = body.get("messages")
-            if msgs is None:
-                raise BadRequest("'messages' is required", "messages")
-            if not isinstance(msgs, list) or not msgs:
-                raise BadRequest("'messages' must be a non-empty list", "messages")
-            out = []
-            for i, m in enumerate(msgs):
-                if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                    raise BadRequest(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-                content = m.get("content")
-                if isinstance(content, list):
-                    parts = []
-                    for part in content:
-                        if not isinstance(part, dict) or part.get("type") != "text":
-                            raise BadRequest(f"messages[{i}].content: only text parts are supported",
-                                             f"messages[{i}].content")
-                        parts.append(str(part.get("text", "")))
-                    content = "".join(parts)
-                elif content is None:
-                    content = ""
-                elif not isinstance(content, str):
-                    raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
-                                     f"messages[{i}].content")
-                out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content})
-            inp.chat = out
-            agp = body.get("add_generation_prompt", True)
-            inp.add_generation_prompt = bool(agp)
-            stream, include_usage = stream_flags(body)
+            async def items() -> AsyncIterator[tuple[str, Any]]:
+                if first is not None:
+                    yield first
+                async for it in gen:
+                    yield it
+
+            async for kind, item in items():
+                if kind == "chunk":
+                    yield sse.event(answer.chunk(detok.push(item), item, None, first_chunk))
+                    first_chunk = False
+                else:
+                    yield sse.event(answer.chunk("", None, _finish(item), first_chunk, kvmesh=_routing(item)))
+                    if include_usage:
+                        yield sse.event(answer.usage_chunk(_usage(item)))
+            metrics.REQUESTS.labels(api=api, outcome="ok").inc()
         except RouterError as exc:
-            metrics.REQUESTS.labels(api="chat", outcome=type(exc).__name__).inc()
-            return _err(exc)
-        return await run(request, inp, True, stream, include_usage)
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            yield sse.event(error_body(exc.http_status, exc.message, exc.error_type, exc.param))
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
+            return
+        finally:
+            watch.stop()
+            await gen.aclose()
+        yield sse.DONE
 
-    @app.get("/v1/models")
-    async def models():
-        eps = [e.endpoint_id for e in service.core.decode_endpoints(cfg.model)]
-        return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh",
-                                            "max_model_len": cfg.max_model_len, "endpoints": eps}]}
 
-    @app.get("/health")
-    async def health():
-        n = service.cluster.live_decode_count()
-        status = 200 if n > 0 else 503
-        return JSONResponse(status_code=status, content={"status": "ok" if n else "no live endpoint",
-                                                         "live_endpoints": n,
-                                                         "indexer_up": service.cluster.indexer_up})
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc: Exception):
-        return error_body(404, f"no route {request.url.path}", "invalid_request_error")
-
-    @app.exception_handler(405)
-    async def bad_method(request: Request, exc: Exception):
-        return error_body(405, f"method {request.method} not allowed on {request.url.path}", "invalid_request_error")
-
+def build_app(service: RouterService) -> FastAPI:
+    """The FastAPI app of the router's HTTP front door over ``service``."""
+    api = RouterHttpApi(service)
+    app = FastAPI(title="kvmesh router", docs_url=None, redoc_url=None)
+    app.add_api_route("/v1/completions", api.completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/health", api.health, methods=["GET"])
+    install_error_handlers(app)
     return app

@@ -1,0 +1,213 @@
+"""Reading, parsing and validating OpenAI completion and chat requests.
+
+Why it exists: the router and the worker must accept and reject the same
+requests with the same messages, so the rules live here once: a JSON object
+body under a size limit, a non-empty ``model``, one prompt (text or token
+ids) or a non-empty list of text-only chat messages, sampling fields of the
+right type and range (``max_tokens``/``max_completion_tokens`` >= 1,
+``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` = 1, at most 4
+``stop`` strings), boolean ``stream``/``ignore_eos``, object
+``stream_options``; ``echo`` is refused. Each error is a ``BadRequest``
+whose ``param`` names the field. What the service does with a valid request
+(tokenize, check the model, route) is not here.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from kvmesh.openai.errors import BadRequest
+
+SESSION_HEADER = "x-session-id"
+MAX_STOP = 4
+
+
+async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
+    """The request body as a JSON object; over ``max_bytes``, malformed or not an object -> 400 ``body``."""
+    clen = request.headers.get("content-length")
+    if clen and clen.isdigit() and int(clen) > max_bytes:
+        raise BadRequest(f"request body over {max_bytes} bytes", "body")
+    raw = await request.body()
+    if len(raw) > max_bytes:
+        raise BadRequest(f"request body over {max_bytes} bytes", "body")
+    try:
+        body = json.loads(raw or b"null")
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise BadRequest(f"malformed JSON body: {exc}", "body") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the JSON body must be a JSON object", "body")
+    return body
+
+
+def number(body: dict[str, Any], name: str, kind: type = float) -> Any:
+    """``body[name]`` as an int (``kind=int``) or a number; None when absent; bools are refused."""
+    v = body.get(name)
+    if v is None:
+        return None
+    ok = isinstance(v, int) if kind is int else isinstance(v, (int, float))
+    if not ok or isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be {'an integer' if kind is int else 'a number'}, got {v!r}", name)
+    return kind(v)
+
+
+def string(body: dict[str, Any], name: str) -> str:
+    """``body[name]`` as a string; '' when absent."""
+    v = body.get(name)
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise BadRequest(f"'{name}' must be a string", name)
+    return v
+
+
+def boolean(body: dict[str, Any], name: str) -> bool | None:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise BadRequest(f"'{name}' must be a boolean", name)
+    return v
+
+
+def _is_token_list(x: Any) -> bool:
+    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+@dataclass
+class OpenAIRequest:
+    """A validated completion or chat request; None = the client did not set the field."""
+
+    chat: bool
+    model: str
+    body: dict[str, Any]                     # the raw body, for service-specific extensions
+    prompt_text: str | None = None           # completions: a text prompt ...
+    prompt_ids: list[int] | None = None      # ... or token ids
+    messages: list[dict[str, Any]] | None = None  # chat: content flattened to a string
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool | None = None
+    stream: bool = False
+    include_usage: bool = False
+    cache_salt: str = ""
+    session_id: str = ""
+
+
+def _model(body: dict[str, Any]) -> str:
+    model = body.get("model")
+    if model is None or model == "":
+        raise BadRequest("'model' is required", "model")
+    return string(body, "model")
+
+
+def _common(req: OpenAIRequest, body: dict[str, Any], headers: Any) -> OpenAIRequest:
+    key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = number(body, key, int)
+    if mt is not None and mt < 1:
+        raise BadRequest(f"'{key}' must be >= 1, got {mt}", key)
+    req.max_tokens = mt
+    t = number(body, "temperature")
+    if t is not None and not 0 <= t <= 2:
+        raise BadRequest(f"'temperature' must be in [0, 2], got {t}", "temperature")
+    req.temperature = t
+    tp = number(body, "top_p")
+    if tp is not None and not 0 < tp <= 1:
+        raise BadRequest(f"'top_p' must be in (0, 1], got {tp}", "top_p")
+    req.top_p = tp
+    req.seed = number(body, "seed", int)
+    n = number(body, "n", int)
+    if n is not None and n != 1:
+        raise BadRequest("'n' must be 1 (one choice per request)", "n")
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) for s in stops):
+            raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP} strings", "stop")
+        req.stop = [s for s in stops if s]
+    stop_ids = body.get("stop_token_ids") or []
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    req.stop_token_ids = list(stop_ids)
+    req.ignore_eos = boolean(body, "ignore_eos")
+    req.stream = bool(boolean(body, "stream"))
+    opts = body.get("stream_options")
+    opts = {} if opts is None else opts
+    if not isinstance(opts, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    req.include_usage = bool(opts.get("include_usage"))
+    req.cache_salt = string(body, "cache_salt")
+    user = body.get("user")
+    req.session_id = (string(body, "session_id") or headers.get(SESSION_HEADER, "")
+                      or (user if isinstance(user, str) else ""))
+    return req
+
+
+def parse_completion(body: dict[str, Any], headers: Any) -> OpenAIRequest:
+    """``/v1/completions``: ``prompt`` is a string, a list of token ids, or a one-element list of either."""
+    req = OpenAIRequest(chat=False, model=_model(body), body=body)
+    if body.get("echo"):
+        raise BadRequest("'echo' is not supported", "echo")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
+        prompt = prompt[0]
+    if _is_token_list(prompt):
+        req.prompt_ids = list(prompt)
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise BadRequest("'prompt' is empty", "prompt")
+        req.prompt_text = prompt
+    elif prompt is None:
+        raise BadRequest("'prompt' is required", "prompt")
+    elif isinstance(prompt, list) and len(prompt) > 1 and not all(isinstance(t, int) for t in prompt):
+        raise BadRequest("batched prompts are not supported: send one prompt per request", "prompt")
+    else:
+        raise BadRequest("'prompt' must be a non-empty string or list of token ids (one prompt per request)",
+                         "prompt")
+    return _common(req, body, headers)
+
+
+def _messages(msgs: Any) -> list[dict[str, Any]]:
+    if msgs is None:
+        raise BadRequest("'messages' is required", "messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise BadRequest("'messages' must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text":
+                    raise BadRequest(f"messages[{i}].content: only text parts are supported",
+                                     f"messages[{i}].content")
+                parts.append(str(part.get("text", "")))
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
+                             f"messages[{i}].content")
+        out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content})
+    return out
+
+
+def parse_chat(body: dict[str, Any], headers: Any) -> OpenAIRequest:
+    """``/v1/chat/completions``: ``messages`` with string roles and text content (parts are joined)."""
+    req = OpenAIRequest(chat=True, model=_model(body), body=body)
+    req.messages = _messages(body.get("messages"))
+    agp = boolean(body, "add_generation_prompt")
+    req.add_generation_prompt = True if agp is None else agp
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list", "tools")
+    req.tools = tools or None
+    return _common(req, body, headers)

@@ -1,0 +1,71 @@
+"""Builders of OpenAI completion/chat responses and stream chunks.
+
+Why it exists: ``text_completion`` and ``chat.completion`` answers and their
+chunks differ only in where the text goes (``text`` / ``message`` /
+``delta``) and the object name; both HTTP apps build them here so the shape
+(ids, ``created``, ``token_ids`` next to the text, role only in the first
+chat delta, the usage-only last chunk) is the same everywhere.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+@dataclass
+class Answer:
+    """One answer's identity: the same id/object/created/model in every chunk of a stream."""
+
+    chat: bool
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or new_id(self.chat)
+
+    @property
+    def object(self) -> str:
+        return "chat.completion" if self.chat else "text_completion"
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def _head(self, obj: str) -> dict[str, Any]:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+    def response(self, text: str, token_ids: list[int], finish: str, usage: dict[str, Any],
+                 **extra: Any) -> dict[str, Any]:
+        """The non-streaming answer; ``extra`` adds top-level keys (e.g. ``kvmesh``)."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        return {**self._head(self.object), "choices": [choice], "usage": usage, **extra}
+
+    def chunk(self, text: str, token_ids: list[int] | None, finish: str | None, first: bool,
+              **extra: Any) -> dict[str, Any]:
+        """A stream chunk; chat deltas carry ``role`` only in the first chunk, as OpenAI's do."""
+        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        if token_ids is not None:
+            choice["token_ids"] = token_ids
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant"} if first else {}
+            delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text
+        return {**self._head(self.chunk_object), "choices": [choice], **extra}
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The last chunk of a stream asked with ``stream_options.include_usage``: no choices, the usage."""
+        return {**self._head(self.chunk_object), "choices": [], "usage": usage}
