@@ -132,3 +132,14 @@ async def test_without_tokenizer_text_needs_token_ids() -> None:
     finally:
         await server.stop()
         await engine.stop()
+
+
+async def test_errors_share_the_openai_shape(api) -> None:
+    client, _, _ = api
+    r = await client.get("/v1/nowhere")
+    assert r.status_code == 404 and r.headers[ENDPOINT_HEADER] == "w-http"
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "echo": True})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 999999999]})
+    assert r.json()["error"]["type"] == "invalid_request_error"

@@ -9,7 +9,9 @@ It talks to the engine only through ``kvmesh.worker.engine.base.Engine`` (token 
 token deltas out). Text prompts and chat messages need a tokenizer (a
 Hugging Face tokenizer directory, the same one the router uses); token-id
 prompts work without one. Every answer carries ``x-kvmesh-endpoint`` so a
-client or a test can see which worker served it.
+client or a test can see which worker served it. Request rules, the error
+shape, SSE framing and response objects are the shared OpenAI layer
+``kvmesh.openai`` (the router's HTTP front door uses the same).
 
 Started by ``kvmesh.worker`` (``run_worker``) when ``http_port`` is set; it runs
 a uvicorn server on the worker's own asyncio loop.
@@ -30,7 +32,7 @@ from opentelemetry import propagate, trace
 
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
-from kvmesh.openai.requests import SESSION_HEADER, OpenAIRequest, parse_chat, parse_completion, read_json
+from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json
 from kvmesh.openai.responses import Answer
 from kvmesh.openai.usage import usage
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
@@ -39,7 +41,6 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
-__all__ = ["ENDPOINT_HEADER", "SESSION_HEADER", "HttpApiConfig", "HttpApiServer", "WorkerHttpApi", "start_http_api"]
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
