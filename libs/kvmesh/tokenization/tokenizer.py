@@ -141,6 +141,14 @@ class ChatTokenizer:
             return ids
         return list(self._hf.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[int]]:
+        """Token ids of ``text`` (no special tokens added) and each token's start character."""
+        if self._fast is not None:
+            enc = self._fast.encode(text, add_special_tokens=False)
+            return enc.ids, [s for s, _ in enc.offsets]
+        enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
+        return list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]]
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._fast is not None:
             return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]

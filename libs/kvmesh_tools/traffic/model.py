@@ -19,6 +19,8 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvmesh.sequences import common_prefix_len as common_len  # noqa: F401 - re-exported
+
 _MASK64 = (1 << 64) - 1
 
 
@@ -42,21 +44,6 @@ def _extend_chain(out: list[int], ns: int, prev: int, hash_ids: list[int]) -> li
         prev = hash((prev, ns, hid)) & _MASK64
         out.append(prev)
     return out
-
-
-def common_len(a: list[int], b: list[int]) -> int:
-    """Length of the common leading run of two id lists (slice comparisons run in C)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n - 1          # a[:lo] == b[:lo] and a[:hi + 1] != b[:hi + 1]
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def share_chain_keys(requests: list[Request], recent: int = 4) -> None:

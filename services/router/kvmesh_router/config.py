@@ -67,6 +67,10 @@ class RouterConfig:
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
     # Failures and tenants
+    tokenize_cache_bytes: int = field(default=256 << 20, metadata={
+        "help": "memory for incremental tokenization of long conversations, LRU (0 = off)"})
+    tokenize_verify: str = field(default="sampled", metadata={
+        "help": "check incremental tokenization against a full one: sampled | full | off"})
     max_attempts: int = field(default=3, metadata={"help": "endpoints tried before the first token"})
     first_token_timeout_s: float = field(default=300.0, metadata={
         "help": "a try with no token after this long is cancelled and retried elsewhere (0 = no limit); "
@@ -86,6 +90,8 @@ class RouterConfig:
             raise ConfigError("setting 'block_size' must be > 0")
         if self.max_attempts < 1:
             raise ConfigError("setting 'max_attempts' must be >= 1")
+        if self.tokenize_verify not in ("sampled", "full", "off"):
+            raise ConfigError(f"setting 'tokenize_verify': {self.tokenize_verify!r} is not sampled, full or off")
         if self.first_token_timeout_s < 0 or self.stream_idle_timeout_s < 0:
             raise ConfigError("settings 'first_token_timeout_s' and 'stream_idle_timeout_s' must be >= 0")
         if self.approx_capacity_blocks < 1:

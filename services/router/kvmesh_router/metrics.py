@@ -17,6 +17,10 @@ OVERHEAD = Histogram("kvmesh_router_routing_overhead_seconds", "tokens in -> dec
 TOKENIZE = Histogram("kvmesh_router_tokenize_seconds", "tokenization time",
                      buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0))
 RETRIES = Counter("kvmesh_router_retries_total", "attempts on another endpoint after a failure", ["reason"])
+TOKENIZE_CACHE = Counter("kvmesh_router_tokenize_cache_total",
+                         "incremental tokenization outcomes (hit: tail only; miss, edit, resync: full; "
+                         "verified: checked against a full tokenization; mismatch: the check failed)",
+                         ["outcome"])
 STALLS = Counter("kvmesh_router_stalls_total", "worker streams cancelled for silence (first token or idle)",
                  ["stage"])
 REQUESTS = Counter("kvmesh_router_requests_total", "requests by outcome", ["api", "outcome"])

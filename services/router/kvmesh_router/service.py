@@ -116,6 +116,11 @@ class _BeforeFirstToken(Exception):
         self.mark_dead = mark_dead
 
 
+# Below this a full tokenization is cheap (< ~5 ms) and caching would only cost memory.
+INCREMENTAL_MIN_CHARS = 16_384
+INCREMENTAL_KEY_CHARS = 4_096
+
+
 class RouterService:
     def __init__(self, cfg: RouterConfig, core: RouterCore, cluster: Cluster, tokenizer: Any | None) -> None:
         self.cfg = cfg
@@ -124,6 +129,13 @@ class RouterService:
         self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
         self._bg: set[asyncio.Task] = set()
+        self.incremental = None
+        if tokenizer is not None and cfg.tokenize_cache_bytes > 0:
+            from kvmesh.tokenization.incremental import IncrementalTokenizer
+
+            self.incremental = IncrementalTokenizer(
+                tokenizer.encode_with_offsets, max_bytes=cfg.tokenize_cache_bytes, verify=cfg.tokenize_verify,
+                on_outcome=lambda o: metrics.TOKENIZE_CACHE.labels(outcome=o).inc())
 
     # -- validation and tokenization ------------------------------------------------
     def validate(self, inp: GenInput) -> None:
@@ -172,12 +184,8 @@ class RouterService:
 
             field_name = "messages" if inp.chat is not None else "prompt"
             try:
-                if inp.chat is not None:
-                    fn = lambda: self.tokenizer.apply_chat_template(  # noqa: E731
-                        inp.chat, add_generation_prompt=inp.add_generation_prompt)
-                else:
-                    fn = lambda: self.tokenizer.encode(inp.text or "", add_special_tokens=inp.add_special_tokens)  # noqa: E731
                 size = len(inp.text or "") + sum(len(str(m.get("content", ""))) for m in inp.chat or [])
+                fn = lambda: self._encode_text(inp, size)  # noqa: E731
                 tokens = await asyncio.to_thread(fn) if size > 65536 else fn()
             except TokenizerError as exc:
                 raise BadRequest(str(exc), field_name) from None
@@ -196,6 +204,21 @@ class RouterService:
             bad = next(t for t in tokens if t >= self.vocab_size or t < 0)
             raise BadRequest(f"token id {bad} outside the vocabulary (size {self.vocab_size})", field_name)
         return tokens
+
+    def _encode_text(self, inp: GenInput, size: int) -> list[int]:
+        """Render (chat) and tokenize. A long conversation is tokenized incrementally: only what
+        changed since its previous turn (``kvmesh.tokenization.incremental``), keyed by tenant and
+        session (or, without a session id, by the conversation's opening)."""
+        if inp.chat is not None:
+            text = self.tokenizer.render_chat(inp.chat, add_generation_prompt=inp.add_generation_prompt)
+        elif inp.add_special_tokens:
+            return self.tokenizer.encode(inp.text or "", add_special_tokens=True)
+        else:
+            text = inp.text or ""
+        if self.incremental is None or size < INCREMENTAL_MIN_CHARS:
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        key = (self.salt_for(inp), inp.session_id or hash(text[:INCREMENTAL_KEY_CHARS]))
+        return self.incremental.encode(key, text)
 
     def salt_for(self, inp: GenInput) -> str:
         if inp.cache_salt:

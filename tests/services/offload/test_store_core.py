@@ -262,9 +262,9 @@ def test_agent_policy_clock_sources() -> None:
 
 
 def test_shared_arena_falls_back_to_private_memory(monkeypatch) -> None:  # noqa: ANN001
-    from kvmesh_offload import arena as arena_mod
     from kvmesh.kvstore import shm as shm_mod
     from kvmesh.kvstore.shm import ShmError
+    from kvmesh_offload import arena as arena_mod
 
     a = arena_mod.Arena(64 << 20, slab_bytes=4 << 20, shared=True)
     slot = a.alloc(1 << 20)
