@@ -2,9 +2,9 @@
 
 The shape follows NVIDIA Dynamo's KV router and llm-d's scorers (queued prefill +
 this request's uncached prefill − what the cache saves, plus a decode-load term),
-but in *seconds*, from the same latency figures as the engine model
-(:mod:`kvmesh.worker.engine.sim.latency`), so that every tier and every kind of load is
-weighed at its real price::
+but in *seconds*, from the same latency figures as the engine model (the
+neutral :mod:`kvmesh.perfmodel`, shared with the sim engine), so that every tier
+and every kind of load is weighed at its real price::
 
     cost = wait + own + decode
     wait   = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
@@ -40,11 +40,12 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 
+from kvmesh.config import ConfigError
+from kvmesh.perfmodel import DISK_BYTES_PER_S, H100, KV_BYTES_PER_TOKEN
 from kvmesh.routing.load import EffectiveLoad
 from kvmesh.routing.types import Candidate, RouteRequest, TierMatch
-from kvmesh.worker.engine.sim.latency import LatencyParams
 
-_H100 = LatencyParams()
+_H100 = H100
 
 
 @dataclass
@@ -55,9 +56,9 @@ class ScoringConfig:
         "help": "prefill time per uncached token (linear part)"})
     attn_s_per_token_pair: float = field(default=_H100.attn_s_per_token_pair, metadata={
         "help": "prefill attention time per (new token, context token) pair"})
-    cpu_restore_s_per_token: float = field(default=262_144 / _H100.h2d_bytes_per_s, metadata={
+    cpu_restore_s_per_token: float = field(default=KV_BYTES_PER_TOKEN / _H100.h2d_bytes_per_s, metadata={
         "help": "restore time per token from the offload RAM tier (KV bytes/token / H2D bandwidth)"})
-    disk_restore_s_per_token: float = field(default=262_144 / 5e9, metadata={
+    disk_restore_s_per_token: float = field(default=KV_BYTES_PER_TOKEN / DISK_BYTES_PER_S, metadata={
         "help": "restore time per token from the offload disk tier (NVMe ~5 GB/s)"})
     restore_overhead_s: float = field(default=_H100.restore_overhead_s, metadata={
         "help": "fixed cost of one restore"})
@@ -76,11 +77,23 @@ class ScoringConfig:
     hot_min_hit_ratio: float = field(default=0.5, metadata={"help": "a hot endpoint only takes hits >= this"})
     max_inflight: int = field(default=0, metadata={"help": "per-endpoint in-flight cap (0 = none)"})
 
+    def validate(self) -> None:
+        for name in self.__dataclass_fields__:
+            if getattr(self, name) < 0:
+                raise ConfigError(f"setting {name!r} must be >= 0")
+
     def prefill_cost(self, tokens: float, context: float) -> float:
         """Compute time of ``tokens`` new prompt tokens after ``context`` present ones."""
         if tokens <= 0:
             return 0.0
         return tokens * self.prefill_s_per_token + tokens * (context + tokens / 2.0) * self.attn_s_per_token_pair
+
+
+SCORING_METADATA = {"flag_prefix": "", "group": "router scoring (kvmesh.routing.scoring: estimated TTFT per endpoint)",
+                    "help": "latency figures and weights of the cost; defaults: kvmesh.perfmodel.H100"}
+"""Field metadata of a nested ``ScoringConfig`` (kvmesh.config): the router, the cluster simulator and
+``kvmesh simulate`` nest it the same way, so they take the same flags (the bare field names,
+``--queue-weight``) and env names (``<PREFIX>SCORING_<FIELD>``)."""
 
 
 def max_hit_blocks(num_tokens: int, block_size: int) -> int:
