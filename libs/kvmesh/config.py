@@ -4,6 +4,15 @@ A service declares ``@dataclass class FooConfig`` with typed, documented fields.
 ``add_dataclass_args`` turns the fields into ``--field-name`` flags and
 ``load_config`` resolves precedence: flag > ``PREFIX_FIELD_NAME`` env > default.
 A value that does not parse raises ``ConfigError`` naming the setting.
+
+A field whose type is itself a dataclass is *nested*: its fields become flags and
+env settings of their own. By default a nested field ``scoring`` gives
+``--scoring-<field>`` flags and ``PREFIX_SCORING_<FIELD>`` env names; field
+metadata can change that: ``flag_prefix`` (e.g. ``""`` keeps the bare field names as
+flags), ``env_aliases`` (older env prefixes, relative to the parent's, still read at
+a lower precedence than the canonical name) and ``group`` (the ``--help`` section).
+``--help`` shows every setting's default and, when ``add_dataclass_args`` is given
+the ``env_prefix``, its env name.
 """
 
 from __future__ import annotations
@@ -62,36 +71,106 @@ def _parse(name: str, tp: Any, raw: Any, source: str) -> Any:
         raise ConfigError(f"setting {name!r} from {source}: cannot parse {raw!r} as {base}") from exc
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
+def _flag(name: str, flag_prefix: str = "") -> str:
+    return "--" + flag_prefix + name.replace("_", "-")
 
 
-def add_dataclass_args(parser: argparse.ArgumentParser, cls: type) -> None:
-    """Add one flag per field; help text comes from field metadata ``help``."""
+def _nested(tp: Any) -> type | None:
+    base = _base_type(tp)
+    return base if isinstance(base, type) and dataclasses.is_dataclass(base) else None
+
+
+def _default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return None
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(str(v) for v in value) or "''"
+    if isinstance(value, dict):
+        return json.dumps(value) if value else "{}"
+    if value == "":
+        return "''"
+    return str(value)
+
+
+def _nested_prefixes(f: dataclasses.Field) -> tuple[str, str, list[str]]:
+    """(flag prefix, env segment, env alias segments) of a nested field."""
+    flag_prefix = f.metadata.get("flag_prefix", f.name.replace("_", "-") + "-")
+    env_seg = f.metadata.get("env_prefix", f.name.upper() + "_")
+    return flag_prefix, env_seg, list(f.metadata.get("env_aliases", ()))
+
+
+def add_dataclass_args(parser: Any, cls: type, env_prefix: str | None = None,
+                       _flag_prefix: str = "", _dest_prefix: str = "") -> None:
+    """Add one flag per field; help text comes from field metadata ``help``, plus default and env name.
+
+    Nested dataclass fields add their own fields (in an argument group when ``parser``
+    is a parser), see the module docstring.
+    """
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
+        sub = _nested(hints[f.name])
+        if sub is not None:
+            flag_prefix, env_seg, _ = _nested_prefixes(f)
+            target = parser
+            if isinstance(parser, argparse.ArgumentParser):
+                title = f.metadata.get("group") or f.name
+                target = parser.add_argument_group(title, f.metadata.get("help"))
+            add_dataclass_args(target, sub, None if env_prefix is None else env_prefix + env_seg,
+                               _flag_prefix + flag_prefix, _dest_prefix + f.name + ".")
+            continue
+        extra = f"default: {_show(_default(f))}"
+        if env_prefix is not None:
+            extra += f"; env {env_prefix}{f.name.upper()}"
         help_text = f.metadata.get("help", "")
+        help_text = (f"{help_text} ({extra})" if help_text else f"({extra})").replace("%", "%%")
+        flag, dest = _flag(f.name, _flag_prefix), _dest_prefix + f.name
         if _base_type(hints[f.name]) is bool:
-            parser.add_argument(_flag(f.name), dest=f.name, default=None, nargs="?", const="true", help=help_text)
+            parser.add_argument(flag, dest=dest, default=None, nargs="?", const="true", metavar=f.name.upper(),
+                                help=help_text)
         else:
-            parser.add_argument(_flag(f.name), dest=f.name, default=None, help=help_text)
+            parser.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(), help=help_text)
 
 
 def load_config(cls: type[T], args: argparse.Namespace | None = None, env_prefix: str = "KVMESH_",
                 env: typing.Mapping[str, str] | None = None, **overrides: Any) -> T:
-    """Build ``cls`` from defaults, env (``PREFIX`` + upper field name), flags and overrides."""
+    """Build ``cls`` from defaults, env (``PREFIX`` + upper field name), flags and overrides.
+
+    A nested dataclass field is built the same way from its own flags and env names
+    (an override of the whole field replaces it).
+    """
     env = os.environ if env is None else env
+    return _load(cls, args, [env_prefix], env, "", "", overrides)
+
+
+def _load(cls: type[T], args: argparse.Namespace | None, env_prefixes: list[str], env: typing.Mapping[str, str],
+          flag_prefix: str, dest_prefix: str, overrides: dict[str, Any]) -> T:
+    """``env_prefixes``: the canonical prefix last (it wins), older aliases before it."""
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
         tp = hints[f.name]
-        key = env_prefix + f.name.upper()
-        if key in env:
-            values[f.name] = _parse(f.name, tp, env[key], f"env {key}")
-        if args is not None and getattr(args, f.name, None) is not None:
-            values[f.name] = _parse(f.name, tp, getattr(args, f.name), f"flag {_flag(f.name)}")
         if f.name in overrides and overrides[f.name] is not None:
             values[f.name] = overrides[f.name]
+            continue
+        sub = _nested(tp)
+        if sub is not None:
+            sub_flag, env_seg, aliases = _nested_prefixes(f)
+            prefixes = [p + a for p in env_prefixes for a in aliases] + [p + env_seg for p in env_prefixes]
+            values[f.name] = _load(sub, args, prefixes, env, flag_prefix + sub_flag, dest_prefix + f.name + ".", {})
+            continue
+        for prefix in env_prefixes:
+            key = prefix + f.name.upper()
+            if key in env:
+                values[f.name] = _parse(f.name, tp, env[key], f"env {key}")
+        dest = dest_prefix + f.name
+        if args is not None and getattr(args, dest, None) is not None:
+            values[f.name] = _parse(f.name, tp, getattr(args, dest), f"flag {_flag(f.name, flag_prefix)}")
     cfg = cls(**values)
     validate = getattr(cfg, "validate", None)
     if callable(validate):

@@ -26,3 +26,40 @@ def test_defaults_env_flags_precedence() -> None:
     assert cfg == Demo(port=7, ratio=0.25, verbose=True, names=["a", "b"], url="redis://h")
     cfg = load_config(Demo, p.parse_args(["--port", "9", "--verbose", "false"]), env_prefix="X_", env=env)
     assert cfg.port == 9 and cfg.verbose is False and cfg.ratio == 0.25
+
+
+@dataclass
+class Inner:
+    credit: float = field(default=0.5, metadata={"help": "credit per block"})
+    cap: int = 0
+
+
+@dataclass
+class Outer:
+    port: int = 1
+    inner: Inner = field(default_factory=Inner)
+    bare: Inner = field(default_factory=Inner, metadata={"flag_prefix": "b-", "env_prefix": "B_", "env_aliases": [""]})
+
+
+def test_nested_dataclass_flags_env_and_help() -> None:
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, Outer, env_prefix="X_")
+    assert load_config(Outer, p.parse_args([]), env={}) == Outer()
+    # env: PREFIX + field + nested field; aliases read at a lower precedence
+    env = {"X_INNER_CREDIT": "0.25", "X_CAP": "3", "X_B_CAP": "4", "X_CREDIT": "9"}
+    cfg = load_config(Outer, p.parse_args([]), env_prefix="X_", env=env)
+    assert cfg.inner == Inner(credit=0.25) and cfg.bare == Inner(credit=9.0, cap=4)
+    cfg = load_config(Outer, p.parse_args(["--inner-cap", "7", "--b-credit", "2"]), env_prefix="X_", env=env)
+    assert cfg.inner == Inner(credit=0.25, cap=7) and cfg.bare == Inner(credit=2.0, cap=4)
+    assert load_config(Outer, None, env={}, inner=Inner(cap=5)).inner == Inner(cap=5)
+    text = " ".join(p.format_help().split())
+    assert "--inner-credit CREDIT credit per block (default: 0.5; env X_INNER_CREDIT)" in text
+    assert "--b-cap CAP (default: 0; env X_B_CAP)" in text
+    assert "--port PORT (default: 1; env X_PORT)" in text
+
+
+def test_help_shows_defaults_without_env_prefix() -> None:
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, Demo)
+    text = " ".join(p.format_help().split())
+    assert "--port PORT port (default: 50051)" in text and "env" not in text

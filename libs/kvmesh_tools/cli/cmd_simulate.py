@@ -12,6 +12,7 @@ from kvmesh.config import ConfigError, add_dataclass_args, load_config
 log = logging.getLogger(__name__)
 
 DEFAULT_POLICIES = "precise,approx,session,least_load,round_robin"
+ENV_PREFIX = "KVMESH_SIM_"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,24 +29,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--limit-sessions", type=int, default=None, help="use only the first N sessions")
     p.add_argument("--jobs", type=int, default=None, help="parallel policy processes (default: CPUs)")
     p.add_argument("--no-table", action="store_true", help="do not print the table")
-    add_dataclass_args(p, SimConfig)
-    from kvmesh.routing.scoring import ScoringConfig
-
-    add_dataclass_args(p.add_argument_group("router scoring (kvmesh.routing.scoring)"), ScoringConfig)
+    add_dataclass_args(p, SimConfig, env_prefix=ENV_PREFIX)   # incl. the nested router scoring flags
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
     from kvmesh.routing.policy import available_policies
-    from kvmesh.routing.scoring import ScoringConfig
     from kvmesh_tools.clustersim.config import SimConfig
     from kvmesh_tools.clustersim.report import render_table, write_plots
     from kvmesh_tools.clustersim.run import simulate_policies
     from kvmesh_tools.traffic.readers import TraceFormatError, load_trace
 
     try:
-        cfg = load_config(SimConfig, args, env_prefix="KVMESH_SIM_")
-        scoring = load_config(ScoringConfig, args, env_prefix="KVMESH_SIM_SCORING_")
+        cfg = load_config(SimConfig, args, env_prefix=ENV_PREFIX)
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
@@ -64,7 +60,7 @@ def _run(args: argparse.Namespace) -> int:
         return 2
     try:
         trace = load_trace(args.trace, args.format, limit=args.limit_sessions)
-        report = simulate_policies(trace, cfg, policies, jobs=args.jobs, scoring=scoring)
+        report = simulate_policies(trace, cfg, policies, jobs=args.jobs)
     except (TraceFormatError, ValueError) as exc:
         print(f"error: {exc}")
         return 2

@@ -1,8 +1,10 @@
-"""Configuration of one simulated cluster (flags of ``kvmesh simulate``)."""
+"""Configuration of one simulated cluster (flags of ``kvmesh simulate``, env ``KVMESH_SIM_*``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 
 
 @dataclass
@@ -37,3 +39,6 @@ class SimConfig:
         "help": "run pure-decode stretches as one event (the same decisions and hits, times to float "
                 "rounding; off = one event per engine step)"})
     time_buckets: int = field(default=60, metadata={"help": "points of the hit-rate-over-time series"})
+    # The router's cost model, nested as in the router's config: the same flags (--queue-weight, ...);
+    # env KVMESH_SIM_SCORING_<FIELD>.
+    scoring: ScoringConfig = field(default_factory=ScoringConfig, metadata=SCORING_METADATA)

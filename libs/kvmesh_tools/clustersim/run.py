@@ -52,6 +52,7 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
     With ``records`` the report also holds every request's outcome under ``records[policy]``.
     """
     t0 = time.perf_counter()
+    scoring = scoring or cfg.scoring
     share_chain_keys(trace.requests())   # once, before the workers start
     schedule = schedule_for(trace, cfg)
     order = recorded_order(schedule)
@@ -71,8 +72,8 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
     else:
         results = [_run_one(p) for p in policies]
     out: dict[str, Any] = {
-        "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__},
-        "scoring": {k: getattr(scoring or ScoringConfig(), k) for k in ScoringConfig.__dataclass_fields__},
+        "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__ if k != "scoring"},
+        "scoring": {k: getattr(scoring, k) for k in ScoringConfig.__dataclass_fields__},
         "trace": {"format": trace.fmt, "sessions": len(trace.sessions), "requests": len(schedule),
                   "block_size": bs},
         "ceiling_infinite": ceil_inf,

@@ -127,7 +127,7 @@ class ClusterSim:
                                     approx_capacity_blocks=max(1, cfg.kv_capacity_tokens // self.bs),
                                     offload_enabled=cfg.offload_capacity_tokens > 0, report_candidates=1,
                                     warm_fallback=False,   # its index always answers
-                                    scoring=scoring or ScoringConfig(),
+                                    scoring=scoring or cfg.scoring,
                                     # The prefill's KV reaches the decode worker through the
                                     # store: without one there is no split (prefill workers idle).
                                     split=SplitConfig(enabled=cfg.prefill_workers > 0 and cfg.offload_capacity_tokens > 0,

@@ -6,9 +6,7 @@ from dataclasses import dataclass, field
 
 from kvmesh.config import ConfigError
 from kvmesh.routing.policy import available_policies
-from kvmesh.routing.scoring import ScoringConfig
-
-_SC = ScoringConfig()
+from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 
 
 @dataclass
@@ -49,20 +47,10 @@ class RouterConfig:
     approx_capacity_blocks: int = field(default=100_000, metadata={
         "help": "blocks the approx policy assumes each endpoint keeps (set to the engines' KV blocks)"})
     # Scoring: an estimated time to first token per endpoint (kvmesh.routing.scoring); set the
-    # latency figures to the served model and hardware (defaults: H100, ~32B dense).
-    prefill_s_per_token: float = field(default=_SC.prefill_s_per_token, metadata={
-        "help": "prefill time per uncached token"})
-    attn_s_per_token_pair: float = field(default=_SC.attn_s_per_token_pair, metadata={
-        "help": "prefill attention time per (new, context) token pair"})
-    cpu_restore_s_per_token: float = field(default=_SC.cpu_restore_s_per_token, metadata={
-        "help": "restore time per token from offload RAM"})
-    disk_restore_s_per_token: float = field(default=_SC.disk_restore_s_per_token, metadata={
-        "help": "restore time per token from offload disk"})
-    queue_weight: float = field(default=_SC.queue_weight, metadata={"help": "weight of queued prefill"})
-    decode_s_per_ctx_token: float = field(default=_SC.decode_s_per_ctx_token, metadata={
-        "help": "decode step time per context token running on the endpoint"})
-    decode_horizon_steps: float = field(default=_SC.decode_horizon_steps, metadata={
-        "help": "decode steps a request shares with the endpoint's running sequences"})
+    # latency figures to the served model and hardware (defaults: kvmesh.perfmodel, H100, ~32B dense).
+    # Flags keep the bare field names (--queue-weight), shared with `kvmesh simulate`; env
+    # KVMESH_ROUTER_SCORING_<FIELD>, the older KVMESH_ROUTER_<FIELD> still read.
+    scoring: ScoringConfig = field(default_factory=ScoringConfig, metadata={**SCORING_METADATA, "env_aliases": [""]})
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
@@ -96,10 +84,7 @@ class RouterConfig:
             raise ConfigError("settings 'first_token_timeout_s' and 'stream_idle_timeout_s' must be >= 0")
         if self.approx_capacity_blocks < 1:
             raise ConfigError("setting 'approx_capacity_blocks' must be >= 1")
-        for name in ("prefill_s_per_token", "attn_s_per_token_pair", "cpu_restore_s_per_token",
-                     "disk_restore_s_per_token", "queue_weight", "decode_s_per_ctx_token", "decode_horizon_steps"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"setting {name!r} must be >= 0")
+        self.scoring.validate()
         if self.hash_cache_verify not in ("sampled", "full"):
             raise ConfigError("setting 'hash_cache_verify' must be sampled or full")
         for spec in [*self.endpoints, *self.prefill_endpoints]:

@@ -15,7 +15,6 @@ from kvmesh.hashing import BlockHasher
 from kvmesh.routing.hash_cache import HashCacheConfig
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
-from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
@@ -34,12 +33,7 @@ def core_config(cfg: RouterConfig) -> RouterCoreConfig:
         policy=cfg.policy, block_size=cfg.block_size, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed or None,
         load_staleness_s=cfg.load_staleness_s, speculative_ttl_s=cfg.speculative_ttl_s,
         approx_capacity_blocks=cfg.approx_capacity_blocks,
-        scoring=ScoringConfig(prefill_s_per_token=cfg.prefill_s_per_token,
-                              attn_s_per_token_pair=cfg.attn_s_per_token_pair,
-                              cpu_restore_s_per_token=cfg.cpu_restore_s_per_token,
-                              disk_restore_s_per_token=cfg.disk_restore_s_per_token,
-                              queue_weight=cfg.queue_weight, decode_s_per_ctx_token=cfg.decode_s_per_ctx_token,
-                              decode_horizon_steps=cfg.decode_horizon_steps),
+        scoring=cfg.scoring,
         split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens),
         hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks))
 
@@ -143,7 +137,7 @@ async def serve(cfg: RouterConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh serve router", description=__doc__)
-    add_dataclass_args(parser, RouterConfig)
+    add_dataclass_args(parser, RouterConfig, env_prefix="KVMESH_ROUTER_")
     args = parser.parse_args(argv)
 
     async def run() -> int:

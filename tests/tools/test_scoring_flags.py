@@ -1,0 +1,60 @@
+"""The router, the cluster simulator and ``kvmesh simulate`` take the same scoring flags and env names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from kvmesh.config import add_dataclass_args, load_config
+from kvmesh.routing.scoring import ScoringConfig
+from kvmesh_router.config import RouterConfig
+from kvmesh_tools.cli import cmd_simulate
+from kvmesh_tools.clustersim.config import SimConfig
+
+SCORING_FLAGS = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(ScoringConfig)}
+
+
+def _scoring_flags(parser: argparse.ArgumentParser) -> dict[str, str]:
+    """Flag -> argparse dest of every scoring setting the parser takes."""
+    return {opt: a.dest for a in parser._actions for opt in a.option_strings if a.dest.startswith("scoring.")}
+
+
+def _simulate_parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser()
+    cmd_simulate.register(top.add_subparsers())
+    (sub,) = [a for a in top._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["simulate"]
+
+
+def _parser(cls: type, prefix: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, cls, env_prefix=prefix)
+    return p
+
+
+def test_same_scoring_flags_everywhere() -> None:
+    router = _scoring_flags(_parser(RouterConfig, "KVMESH_ROUTER_"))
+    sim = _scoring_flags(_parser(SimConfig, "KVMESH_SIM_"))
+    cli = _scoring_flags(_simulate_parser())
+    assert set(router) == SCORING_FLAGS
+    assert router == sim == cli
+
+
+def test_scoring_env_names_and_old_router_env() -> None:
+    for cls, prefix in ((RouterConfig, "KVMESH_ROUTER_"), (SimConfig, "KVMESH_SIM_")):
+        args = _parser(cls, prefix).parse_args(["--queue-weight", "0.5"])
+        cfg = load_config(cls, args, env_prefix=prefix, env={prefix + "SCORING_DECODE_HORIZON_STEPS": "8"})
+        assert cfg.scoring == ScoringConfig(queue_weight=0.5, decode_horizon_steps=8.0)
+    # The router's flat env names from before the nesting still work (lower precedence).
+    env = {"KVMESH_ROUTER_QUEUE_WEIGHT": "2", "KVMESH_ROUTER_PREFILL_S_PER_TOKEN": "1e-4",
+           "KVMESH_ROUTER_SCORING_PREFILL_S_PER_TOKEN": "2e-4"}
+    cfg = load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env=env)
+    assert cfg.scoring.queue_weight == 2.0 and cfg.scoring.prefill_s_per_token == 2e-4
+    assert load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env={}).scoring == ScoringConfig()
+
+
+def test_help_shows_scoring_default_and_env() -> None:
+    text = " ".join(_simulate_parser().format_help().split())
+    assert "(default: 1.0; env KVMESH_SIM_SCORING_QUEUE_WEIGHT)" in text
+    text = " ".join(_parser(RouterConfig, "KVMESH_ROUTER_").format_help().split())
+    assert "(default: 64.0; env KVMESH_ROUTER_SCORING_DECODE_HORIZON_STEPS)" in text
