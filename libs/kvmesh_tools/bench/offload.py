@@ -220,7 +220,7 @@ def _raw_server(port: int, nmsgs: int, msg_bytes: int, ready: Any) -> None:
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * MiB)])
         h = grpc.unary_stream_rpc_method_handler(handler, request_deserializer=bytes, response_serializer=bytes)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvmesh_tools.bench.Raw", {"Stream": h}),))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvmesh.bench.Raw", {"Stream": h}),))
         server.add_insecure_port(f"127.0.0.1:{port}")
         await server.start()
         ready.set()
