@@ -363,7 +363,7 @@ class DepthDiscountedPolicy(_LazyHeap):
         return (top[0], top[1]) < (self._now - self._cost * depth, -depth)
 
 
-class AgentAwarePolicy(_LazyHeap):
+class GreedyDualPolicy(_LazyHeap):
     """GreedyDual priority valuing shared blocks and long-lived sessions (the earlier agent policy)."""
 
     name = "greedy-dual"
@@ -469,8 +469,9 @@ class SessionRatePolicy(_LazyHeap):
             self._push(key, depth, self._key(session))
 
 
-POLICIES = {"lru": LRUPolicy, "agent": DepthDiscountedPolicy, "greedy-dual": AgentAwarePolicy,
-            "session-rate": SessionRatePolicy}
+# Each name is its class's ``name``: "agent" is the depth-discounted LRU (the default), "greedy-dual"
+# the GreedyDual priority (called AgentAwarePolicy before, which read as the "agent" policy).
+POLICIES = {p.name: p for p in (LRUPolicy, DepthDiscountedPolicy, GreedyDualPolicy, SessionRatePolicy)}
 TIMED_POLICIES = frozenset({"agent", "session-rate"})  # new_batch(now) takes a clock reading
 
 

@@ -135,3 +135,11 @@ def test_batch_forms_push_what_one_call_per_key_pushes(name: str, seed: int) -> 
         one.remove(v)
         many.remove(v)
     assert many.victim() is None
+
+
+def test_every_eviction_name_is_its_class_name() -> None:
+    from kvmesh.kvstore.eviction import POLICIES, DepthDiscountedPolicy, GreedyDualPolicy, make_policy
+
+    assert POLICIES["agent"] is DepthDiscountedPolicy and POLICIES["greedy-dual"] is GreedyDualPolicy
+    for name, cls in POLICIES.items():
+        assert cls.name == name and type(make_policy(name)) is cls

@@ -9,8 +9,8 @@ import pytest
 
 from kvmesh.kvstore.block import CapacityError, StoredBlock
 from kvmesh.kvstore.eviction import (
-    AgentAwarePolicy,
     DepthDiscountedPolicy,
+    GreedyDualPolicy,
     LRUPolicy,
     SessionRatePolicy,
     make_policy,
@@ -52,7 +52,7 @@ def test_policies_evict_deepest_first_within_a_request(policy: str) -> None:
     assert [("n", d) in tier for d in range(4)] == [True, True, False, False]
 
 
-@pytest.mark.parametrize("agent_policy", [lambda: AgentAwarePolicy(share_weight=2.0),
+@pytest.mark.parametrize("agent_policy", [lambda: GreedyDualPolicy(share_weight=2.0),
                                           lambda: DepthDiscountedPolicy(clock=_Ticks())])
 def test_agent_policy_keeps_blocks_shared_across_sessions(agent_policy) -> None:  # noqa: ANN001
     lru, agent = RamTier(4, LRUPolicy()), RamTier(4, agent_policy())
