@@ -518,7 +518,8 @@ class RouterService:
         if not limit:
             return await call.read()
         try:
-            return await asyncio.wait_for(call.read(), limit)
+            async with asyncio.timeout(limit):   # no task per token, unlike wait_for
+                return await call.read()
         except TimeoutError:
             call.cancel()
             if generated:
