@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvmesh.kvstore.block import CapacityError, StoredBlock
-from kvmesh.kvstore.eviction import TIMED_POLICIES, make_policy
+from kvmesh.kvstore.eviction_registry import is_timed, make_eviction_policy
 from kvmesh.kvstore.ram_tier import RamTier
 
 
@@ -72,9 +72,9 @@ class ReplayResult:
 
 
 def replay(requests: Iterable[TraceRequest], policy: str, capacity_blocks: int, **policy_kw: float) -> ReplayResult:
-    tier = RamTier(capacity_blocks, make_policy(policy, **policy_kw))
+    tier = RamTier(capacity_blocks, make_eviction_policy(policy, **policy_kw))
     hits = total = 0
-    timed = policy in TIMED_POLICIES  # these take the trace's clock, not the wall clock
+    timed = is_timed(policy)  # these take the trace's clock, not the wall clock
     for req in requests:
         if timed:
             tier.policy.new_batch(req.t)  # type: ignore[call-arg]

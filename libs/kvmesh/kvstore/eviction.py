@@ -26,6 +26,8 @@ The owner calls ``new_batch()`` once per request.
 - ``session-rate``: LRU on a per-session clock that charges each session its
   typical think time (EWMA of its request gaps).
 
+Each policy is picked by its ``name`` through ``kvmesh.kvstore.eviction_registry``.
+
 Measured on the Claude Code traces with ``kvmesh bench offload-policy`` (see
 docs/offload.md for the figures and the variants that did *not* help).
 """
@@ -41,6 +43,7 @@ from typing import Protocol
 
 class EvictionPolicy(Protocol):
     name: str
+    timed: bool   # new_batch(now) takes a clock reading (the trace's or the simulation's time)
 
     def new_batch(self) -> None:
         """Mark the start of one operation (a request's put or lookup)."""
@@ -96,6 +99,8 @@ class _LazyHeap:
     run's head; a plain heap paid a sift of a million-entry heap per victim and per
     re-ranked key. Stale entries are dropped in one pass once they outnumber the live ones.
     """
+
+    timed = False   # see EvictionPolicy.timed
 
     _SLACK = 1024   # stale entries tolerated on top of one per live key before a cleanup pass
     # A batch this small goes into a plain heap instead of becoming a run: a caller that asks
@@ -271,6 +276,7 @@ class DepthDiscountedPolicy(_LazyHeap):
     """
 
     name = "agent"
+    timed = True
 
     def __init__(self, depth_cost_s: float = 0.008, share_s: float = 30.0,
                  clock: object = None, depth_cost_batches: float = 0.001) -> None:
@@ -435,6 +441,7 @@ class SessionRatePolicy(_LazyHeap):
     """
 
     name = "session-rate"
+    timed = True
 
     def __init__(self, gap_weight: float = 1.0, ewma: float = 0.3, default_gap: float = 30.0) -> None:
         self.gap_weight = gap_weight
@@ -467,17 +474,3 @@ class SessionRatePolicy(_LazyHeap):
     def touch(self, key: Hashable, depth: int = 0, session: str = "") -> None:
         if key in self._live:
             self._push(key, depth, self._key(session))
-
-
-# Each name is its class's ``name``: "agent" is the depth-discounted LRU (the default), "greedy-dual"
-# the GreedyDual priority (called AgentAwarePolicy before, which read as the "agent" policy).
-POLICIES = {p.name: p for p in (LRUPolicy, DepthDiscountedPolicy, GreedyDualPolicy, SessionRatePolicy)}
-TIMED_POLICIES = frozenset({"agent", "session-rate"})  # new_batch(now) takes a clock reading
-
-
-def make_policy(name: str, **kwargs: float) -> EvictionPolicy:
-    try:
-        cls = POLICIES[name]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {name!r}; known: {sorted(POLICIES)}") from None
-    return cls(**kwargs)  # type: ignore[arg-type]

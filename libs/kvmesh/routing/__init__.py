@@ -6,7 +6,8 @@ and in a simulation that runs faster than real time.
 """
 
 from kvmesh.routing.load import LoadReport, LoadView
-from kvmesh.routing.policy import Policy, available_policies, make_policy
+from kvmesh.routing.policy import Policy
+from kvmesh.routing.registry import available_policies, make_policy
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
 

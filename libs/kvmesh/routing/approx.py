@@ -11,13 +11,12 @@ from __future__ import annotations
 from typing import Any
 
 from kvmesh.routing.candidate_table import MatchColumns
-from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.policy import Policy, RouteContext
 from kvmesh.routing.prefix_memory import ApproxIndex, SessionAffinity, SpeculativeIndex
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, RouteRequest
 
 
-@register
 class ApproxPolicy(Policy):
     name = "approx"
 

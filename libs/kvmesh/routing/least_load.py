@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.policy import Policy, RouteContext
 from kvmesh.routing.types import Decision, RouteRequest
 
 
-@register
 class LeastLoadPolicy(Policy):
     name = "least_load"
 

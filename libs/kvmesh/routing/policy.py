@@ -1,10 +1,12 @@
-"""The routing-policy interface and the registry that picks a policy by name.
+"""The routing-policy interface: what every policy implements, and its shared helpers.
 
 A policy sees one tokenized, hashed request plus a snapshot of the cluster
 (live endpoints, their load, the index matches if any) and returns a
 ``Decision``. It is told afterwards where the request went and what the
 engine ended up holding, so policies that remember their own decisions
 (``approx``, ``session``, the speculative entries of ``precise``) can learn.
+Policies are picked by name through ``kvmesh.routing.registry``; this module
+imports none of them.
 """
 
 from __future__ import annotations
@@ -109,38 +111,3 @@ class Policy(abc.ABC):
                         predicted_cached_tokens_offload=c.offload_blocks * req.block_size,
                         uncached_tokens=c.uncached_tokens, score=c.cost, reason=reason,
                         fallback=fallback, candidates=cands)
-
-
-_REGISTRY: dict[str, type[Policy]] = {}
-
-
-def register(cls: type[Policy]) -> type[Policy]:
-    """Class decorator: make a policy available by its ``name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_builtin() -> None:
-    # Imported for their @register side effect.
-    from kvmesh.routing import (  # noqa: F401
-        approx,
-        least_load,
-        precise,
-        random_policy,
-        round_robin,
-        session,
-    )
-
-
-def available_policies() -> list[str]:
-    _load_builtin()
-    return sorted(_REGISTRY)
-
-
-def make_policy(name: str, scoring: ScoringConfig | None = None, **options: Any) -> Policy:
-    """Instantiate a registered policy; ``ValueError`` names the choices for an unknown name."""
-    _load_builtin()
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"unknown routing policy {name!r}; choose one of {', '.join(sorted(_REGISTRY))}")
-    return cls(scoring, **options)

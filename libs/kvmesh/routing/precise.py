@@ -14,13 +14,12 @@ from typing import Any
 
 from kvmesh.routing.approx import ApproxPolicy
 from kvmesh.routing.candidate_table import MatchColumns
-from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.policy import Policy, RouteContext
 from kvmesh.routing.prefix_memory import SessionAffinity, SpeculativeIndex
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, RouteRequest
 
 
-@register
 class PrecisePolicy(Policy):
     name = "precise"
     uses_index = True

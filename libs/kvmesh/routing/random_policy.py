@@ -5,12 +5,11 @@ from __future__ import annotations
 import random
 from typing import Any
 
-from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.policy import Policy, RouteContext
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, RouteRequest
 
 
-@register
 class RandomPolicy(Policy):
     name = "random"
 

@@ -11,12 +11,14 @@ import functools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.hashing import BlockHasher, ExtraKeys
 from kvmesh.routing.hash_cache import ChainResult, ConcatTokens, HashCache, HashCacheConfig
 from kvmesh.routing.load import EffectiveLoad, LoadView
 from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
-from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext, make_policy
+from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext
+from kvmesh.routing.registry import make_policy
 from kvmesh.routing.scoring import ScoringConfig, max_hit_blocks, split_extra_s
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest
 
@@ -47,6 +49,9 @@ class RouterCoreConfig:
     scoring: ScoringConfig = field(default_factory=ScoringConfig)
     split: SplitConfig = field(default_factory=SplitConfig)
     hash_cache: HashCacheConfig = field(default_factory=HashCacheConfig)
+    # Extra options for one policy's constructor, by policy name, e.g. ``{"random": {"seed": 0}}``
+    # (a reproducible simulation); they override the shared options above.
+    policy_options: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,8 @@ class RouterCore:
             p = make_policy(name, self.cfg.scoring, speculative_ttl_s=self.cfg.speculative_ttl_s,
                             approx_capacity_blocks=self.cfg.approx_capacity_blocks,
                             capacity_blocks=self.cfg.approx_capacity_blocks,
-                            report_candidates=self.cfg.report_candidates, warm_fallback=self.cfg.warm_fallback)
+                            report_candidates=self.cfg.report_candidates, warm_fallback=self.cfg.warm_fallback,
+                            **self.cfg.policy_options.get(name, {}))
             self._policies[name] = p
         return p
 

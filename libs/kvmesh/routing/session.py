@@ -4,13 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvmesh.routing.policy import Policy, RouteContext, register
+from kvmesh.routing.policy import Policy, RouteContext
 from kvmesh.routing.prefix_memory import SessionAffinity
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, RouteRequest
 
 
-@register
 class SessionPolicy(Policy):
     name = "session"
 

@@ -11,6 +11,7 @@ import socket
 from dataclasses import dataclass, field
 
 from kvmesh.config import ConfigError
+from kvmesh.worker.engine.registry import ENGINES
 from kvmesh.worker.engine.sim.latency import LatencyParams
 
 ENV_PREFIX = "KVMESH_WORKER_"
@@ -23,7 +24,7 @@ def _h(text: str) -> dict[str, str]:
 
 @dataclass
 class WorkerConfig:
-    engine: str = field(default="sim", metadata=_h("engine backend: sim | vllm"))
+    engine: str = field(default="sim", metadata=_h(f"engine backend: {' | '.join(ENGINES.names())}"))
     role: str = field(default="", metadata=_h("prefill | decode | both (set by the service)"))
     endpoint_id: str = field(default="", metadata=_h("unique endpoint id ('' = <role>-<hostname>-<port>)"))
     model: str = field(default="sim-model", metadata=_h("served model name (vllm: model directory or name)"))
@@ -77,8 +78,8 @@ class WorkerConfig:
         "vllm engine: extra VllmEngineConfig settings (JSON), e.g. lora_modules"))
 
     def validate(self) -> None:
-        if self.engine not in ("sim", "vllm"):
-            raise ConfigError(f"setting 'engine': expected sim or vllm, got {self.engine!r}")
+        if self.engine not in ENGINES:
+            raise ConfigError(f"setting 'engine': expected one of {ENGINES.names()}, got {self.engine!r}")
         if self.role and self.role not in ROLES:
             raise ConfigError(f"setting 'role': expected one of {ROLES}, got {self.role!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",

@@ -2,10 +2,10 @@
 
 Why it exists: both worker services are the same program with a different
 role; this is that program. It parses ``WorkerConfig`` (flags > env
-``KVMESH_WORKER_*`` > defaults), builds the engine (``sim`` here, ``vllm``
-imported lazily only when asked for), starts the gRPC server (NOT_SERVING until
-the engine is up), Prometheus metrics, the optional OpenAI HTTP API, and the
-indexer registration with heartbeats. It watches the engine and drops
+``KVMESH_WORKER_*`` > defaults), builds the engine its ``--engine`` names
+(``kvmesh.worker.engine.registry``; ``vllm`` is imported only when asked for),
+starts the gRPC server (NOT_SERVING until the engine is up), Prometheus metrics,
+the optional OpenAI HTTP API, and the indexer registration with heartbeats. It watches the engine and drops
 readiness if it dies, and drains gracefully on SIGTERM.
 """
 
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +24,7 @@ from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.worker.config import ENV_PREFIX, WorkerConfig
 from kvmesh.worker.engine.base import Engine
+from kvmesh.worker.engine.registry import ENGINES
 from kvmesh.worker.metrics import WorkerMetrics
 from kvmesh.worker.servicer import HASH_ALGO, ROLE, WorkerServicer
 from kvmesh_api.indexer.v1 import indexer_pb2
@@ -42,38 +42,17 @@ def _pin_port(endpoint: str) -> str:
     return endpoint
 
 
-def build_engine(cfg: WorkerConfig, endpoint_id: str) -> Engine:
-    """The engine for ``cfg.engine``; the vLLM backend is imported only when selected."""
-    if cfg.engine == "sim":
-        from kvmesh.worker.engine.sim.engine import SimEngine
-
-        return SimEngine(cfg.sim_engine_config(endpoint_id))
+def engine_class(cfg: WorkerConfig) -> type[Engine]:
+    """The backend ``cfg.engine`` names (``kvmesh.worker.engine.registry``), imported now."""
     try:
-        from kvmesh.worker.engine import vllm_engine
+        return ENGINES.load(cfg.engine)
     except ImportError as exc:
-        raise ConfigError(f"setting 'engine': vllm backend unavailable ({exc})") from exc
-    vcfg = vllm_engine.VllmEngineConfig()
-    mapping: dict[str, Any] = {
-        "model": cfg.model, "served_model_name": cfg.model_name, "endpoint_id": endpoint_id,
-        "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_waiting": cfg.max_waiting,
-        "seed": cfg.seed, "hash_algo": cfg.hash_algo, "kv_events_endpoint": cfg.kv_events_endpoint,
-        "kv_events_replay_endpoint": cfg.kv_events_replay_endpoint, "offload_address": cfg.offload_address,
-        "enable_kv_events": bool(cfg.kv_events_endpoint),
-    }
-    if cfg.kv_cache_memory_bytes > 0:
-        mapping["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-    if cfg.max_model_len != WorkerConfig.max_model_len:
-        mapping["max_model_len"] = cfg.max_model_len
-    if cfg.max_num_batched_tokens != WorkerConfig.max_num_batched_tokens:
-        mapping["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    names = {f.name for f in dataclasses.fields(vcfg)}
-    mapping.update(cfg.vllm_options)
-    unknown = sorted(set(mapping) - names)
-    if unknown:
-        raise ConfigError(f"setting 'vllm_options': unknown vllm engine settings {unknown}")
-    vcfg = dataclasses.replace(vcfg, **mapping)
-    vcfg.validate()
-    return vllm_engine.VllmEngine(vcfg)
+        raise ConfigError(f"setting 'engine': {cfg.engine} backend unavailable ({exc})") from exc
+
+
+def build_engine(cfg: WorkerConfig, endpoint_id: str) -> Engine:
+    """The engine for ``cfg.engine``; a backend's module is imported only when selected."""
+    return engine_class(cfg).from_worker_config(cfg, endpoint_id)
 
 
 @dataclass
@@ -126,7 +105,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     role = cfg.role or "both"
     if not cfg.kv_events_endpoint:
         cfg.kv_events_replay_endpoint = ""
-    elif cfg.engine == "vllm":
+    elif not engine_class(cfg).reports_event_ports:
         # vLLM's publisher cannot report a port it picked, so choose them up front. The sim's
         # publisher binds port 0 itself and reports the real port (no pick-then-bind race).
         cfg.kv_events_endpoint = _pin_port(cfg.kv_events_endpoint)

@@ -1,3 +1,4 @@
 """Benchmarks, one module per component; each exposes ``register(subparsers)``
-adding ``kvmesh bench <name> --json PATH``. Results are JSON with medians and
+adding ``kvmesh bench <name> --json PATH`` and is listed in
+``kvmesh_tools.cli.registry.BENCHES``. Results are JSON with medians and
 same-run baselines, never hard-coded figures."""

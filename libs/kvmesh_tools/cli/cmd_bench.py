@@ -1,36 +1,26 @@
 """``kvmesh bench NAME --json PATH``: the benchmarks that check speed and memory targets.
 
-Every module in ``kvmesh_tools.bench`` with a ``register(subparsers)`` adds one
-benchmark. ``kvmesh bench all --json-dir DIR`` runs each with its defaults.
+Each benchmark is a module in ``kvmesh_tools.bench`` whose ``register(subparsers)``
+adds it, listed by name in ``kvmesh_tools.cli.registry.BENCHES``.
+``kvmesh bench all --json-dir DIR`` runs each with its defaults.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
-import pkgutil
 import sys
 from pathlib import Path
 
-import kvmesh_tools.bench as bench_pkg
+from kvmesh_tools.cli.registry import BENCHES, add_all
 
 log = logging.getLogger(__name__)
-
-
-def _bench_modules() -> list[str]:
-    return sorted(m.name for m in pkgutil.iter_modules(bench_pkg.__path__) if m.name != "common")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="run benchmarks (writes JSON)")
     bsub = p.add_subparsers(dest="bench", metavar="BENCH")
-    names: list[str] = []
-    for name in _bench_modules():
-        mod = importlib.import_module(f"kvmesh_tools.bench.{name}")
-        if hasattr(mod, "register"):
-            mod.register(bsub)
-            names.append(name)
+    add_all(BENCHES, bsub)
     pall = bsub.add_parser("all", help="run every benchmark with its defaults")
     pall.add_argument("--json-dir", default="out/bench")
     pall.set_defaults(func=lambda a: _run_all(a, bsub))

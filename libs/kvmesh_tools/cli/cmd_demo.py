@@ -83,7 +83,7 @@ def _table(rows: dict[str, dict[str, Any]]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvmesh.routing.policy import available_policies
+    from kvmesh.routing.registry import available_policies
     from kvmesh_tools.replay.client import ReplayConfig, run_replay
     from kvmesh_tools.replay.plots import write_replay_plots
     from kvmesh_tools.stack.launcher import LocalStack, StackConfig

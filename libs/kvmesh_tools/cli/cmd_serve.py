@@ -1,7 +1,11 @@
 """``kvmesh serve SERVICE [ARGS...]``: run one service in the foreground.
 
-Services register under the ``kvmesh.services`` entry-point group, so this
-command finds them without importing any service module by name.
+Services register under the ``kvmesh.services`` entry-point group
+(pyproject.toml), so this command finds them without importing any service
+module by name. This is the one kind that is not a ``kvmesh.registry`` table
+(``kvmesh_tools.cli.registry`` holds the commands): a table here would name
+service modules from the tools package, which the layer rules forbid
+(tests/test_layout_rules.py).
 """
 
 from __future__ import annotations

@@ -34,7 +34,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvmesh.routing.policy import available_policies
+    from kvmesh.routing.registry import available_policies
     from kvmesh_tools.clustersim.config import SimConfig
     from kvmesh_tools.clustersim.report import render_table, write_plots
     from kvmesh_tools.clustersim.run import simulate_policies

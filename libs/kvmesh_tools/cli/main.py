@@ -1,20 +1,17 @@
 """The single ``kvmesh`` command.
 
 Each subcommand lives in its own module ``kvmesh_tools.cli.cmd_<name>`` exposing
-``register(subparsers)``; they are discovered here so that adding a command
-never means editing a shared list.
+``register(subparsers)``, listed by name in ``kvmesh_tools.cli.registry.COMMANDS``.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import pkgutil
 import sys
 
 import kvmesh
-import kvmesh_tools.cli as cli_pkg
 from kvmesh.logs import setup_logging
+from kvmesh_tools.cli.registry import COMMANDS, add_all
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,9 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (env KVMESH_LOG_LEVEL)")
     parser.add_argument("--log-format", default=None, choices=["json", "text"], help="env KVMESH_LOG_FORMAT")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for info in sorted(pkgutil.iter_modules(cli_pkg.__path__), key=lambda m: m.name):
-        if info.name.startswith("cmd_"):
-            importlib.import_module(f"kvmesh_tools.cli.{info.name}").register(sub)
+    add_all(COMMANDS, sub)
     return parser
 
 

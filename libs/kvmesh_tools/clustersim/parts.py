@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.kvstore.block import CapacityError
-from kvmesh.kvstore.eviction import TIMED_POLICIES
-from kvmesh.kvstore.eviction import make_policy as make_eviction
+from kvmesh.kvstore.eviction_registry import is_timed, make_eviction_policy
 from kvmesh.kvstore.ram_tier import RamTier
 from kvmesh.worker.engine.sim.block_manager import BlockManager, Removed, Stored
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
@@ -95,9 +94,9 @@ class SimOffload:
     NS = "sim"
 
     def __init__(self, capacity_blocks: int, eviction: str, clock: Callable[[], float] | None = None) -> None:
-        self.tier = RamTier(capacity_blocks, make_eviction(eviction))
+        self.tier = RamTier(capacity_blocks, make_eviction_policy(eviction))
         # Time-aware policies read the simulation's virtual clock, as the store reads the wall clock.
-        self._clock = clock if eviction in TIMED_POLICIES else None
+        self._clock = clock if is_timed(eviction) else None
         self.puts = 0
         self.refused = 0          # puts that cannot fit, whole (the service answers RESOURCE_EXHAUSTED)
         self.restored_blocks = 0

@@ -32,7 +32,6 @@ from kvmesh.index.memory import MemoryIndex
 from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
-from kvmesh.routing.policy import make_policy
 from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_id
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
@@ -131,13 +130,10 @@ class ClusterSim:
                                     # The prefill's KV reaches the decode worker through the
                                     # store: without one there is no split (prefill workers idle).
                                     split=SplitConfig(enabled=cfg.prefill_workers > 0 and cfg.offload_capacity_tokens > 0,
-                                                      threshold_tokens=cfg.split_threshold_tokens))
+                                                      threshold_tokens=cfg.split_threshold_tokens),
+                                    # RouterCore builds policies unseeded; a simulation must be reproducible.
+                                    policy_options={"random": {"seed": cfg.seed}})
         self.core = RouterCore(core_cfg)
-        if policy == "random":
-            # RouterCore builds policies unseeded; a simulation must be reproducible.
-            self.core._policies["random"] = make_policy("random", core_cfg.scoring, seed=cfg.seed,
-                                                           report_candidates=1)
-            self.core.default_policy = self.core._policies["random"]
         self.policy = self.core.default_policy
         self.uses_index = bool(getattr(self.policy, "uses_index", False))
         # Only an index-driven policy needs KV events; the others skip that work.

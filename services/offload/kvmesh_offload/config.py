@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.config import ConfigError
-from kvmesh.kvstore.eviction import POLICIES
+from kvmesh.kvstore.eviction_registry import eviction_policy_names
 
 GiB = 1024 ** 3
 
@@ -20,7 +20,7 @@ class OffloadConfig:
     disk_path: str = field(default="", metadata={"help": "disk tier folder (empty = no disk tier)"})
     disk_capacity_bytes: int = field(default=16 * GiB, metadata={"help": "disk tier budget in bytes"})
     disk_fsync: bool = field(default=False, metadata={"help": "fsync each disk block before it becomes visible"})
-    eviction_policy: str = field(default="agent", metadata={"help": f"RAM eviction policy: {sorted(POLICIES)}"})
+    eviction_policy: str = field(default="agent", metadata={"help": f"RAM eviction policy: {' | '.join(eviction_policy_names())}"})
     evict_on_full: bool = field(default=True, metadata={
         "help": "evict to make room; if false a Put that does not fit gets RESOURCE_EXHAUSTED"})
     max_block_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "largest accepted block"})
@@ -43,8 +43,8 @@ class OffloadConfig:
             raise ConfigError("ram_capacity_bytes must be > 0")
         if self.disk_path and self.disk_capacity_bytes <= 0:
             raise ConfigError("disk_capacity_bytes must be > 0 when disk_path is set")
-        if self.eviction_policy not in POLICIES:
-            raise ConfigError(f"eviction_policy {self.eviction_policy!r} unknown; choose from {sorted(POLICIES)}")
+        if self.eviction_policy not in eviction_policy_names():
+            raise ConfigError(f"eviction_policy {self.eviction_policy!r} unknown; choose from {eviction_policy_names()}")
         if not -1 <= self.bulk_port <= 65535:
             raise ConfigError("bulk_port must be -1 (off), 0 (any) or a port number")
         if self.lease_ttl_s <= 0:

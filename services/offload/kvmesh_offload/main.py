@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
-from kvmesh.kvstore.eviction import make_policy
+from kvmesh.kvstore.eviction_registry import make_eviction_policy
 from kvmesh.logs import setup_logging
 from kvmesh.registration import IndexerRegistration, kv_events_fields
 from kvmesh.rpc.runner import run_async_main
@@ -36,7 +36,7 @@ SERVICE_NAME = offload_pb2.DESCRIPTOR.services_by_name["Offload"].full_name
 def build_store(cfg: OffloadConfig, event_sink=None) -> OffloadStore:  # noqa: ANN001
     disk = None
     if cfg.disk_path:
-        disk = DiskTier(cfg.disk_path, cfg.disk_capacity_bytes, make_policy("lru"), fsync=cfg.disk_fsync)
+        disk = DiskTier(cfg.disk_path, cfg.disk_capacity_bytes, make_eviction_policy("lru"), fsync=cfg.disk_fsync)
     return OffloadStore(cfg.ram_capacity_bytes, policy=cfg.eviction_policy, disk=disk,
                         evict_on_full=cfg.evict_on_full, event_sink=event_sink, max_block_bytes=cfg.max_block_bytes)
 

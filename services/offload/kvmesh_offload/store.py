@@ -24,7 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.kvstore.block import BlockId, CapacityError, StoredBlock
-from kvmesh.kvstore.eviction import EvictionPolicy, make_policy
+from kvmesh.kvstore.eviction import EvictionPolicy
+from kvmesh.kvstore.eviction_registry import make_eviction_policy
 from kvmesh.kvstore.ram_tier import RamTier
 from kvmesh_offload.disk_tier import DiskTier
 
@@ -88,7 +89,7 @@ class OffloadStore:
                  event_sink: EventSink | None = None, metadata_only: bool = False,
                  max_block_bytes: int = 64 * 1024 * 1024) -> None:
         # The store's clock is the wall clock (the agent policy's recency is in seconds).
-        pol = (make_policy(policy, **({"clock": time.monotonic} if policy == "agent" else {}))
+        pol = (make_eviction_policy(policy, **({"clock": time.monotonic} if policy == "agent" else {}))
                if isinstance(policy, str) else policy)
         self.ram = RamTier(ram_capacity, pol)
         self.disk = disk

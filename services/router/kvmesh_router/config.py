@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmesh.config import ConfigError
-from kvmesh.routing.policy import available_policies
+from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 
 

@@ -168,7 +168,7 @@ class RouterService:
 
     @staticmethod
     def _policies() -> list[str]:
-        from kvmesh.routing.policy import available_policies
+        from kvmesh.routing.registry import available_policies
 
         return available_policies()
 

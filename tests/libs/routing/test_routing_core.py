@@ -10,7 +10,8 @@ from kvmesh.hashing import BlockHasher, ExtraKeys
 from kvmesh.routing.hash_cache import HashCache, HashCacheConfig
 from kvmesh.routing.load import LoadReport, LoadView
 from kvmesh.routing.pd_split import SplitConfig, decide_split
-from kvmesh.routing.policy import NoEndpointError, available_policies, make_policy
+from kvmesh.routing.policy import NoEndpointError
+from kvmesh.routing.registry import available_policies, make_policy
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
 from kvmesh.routing.scoring import ScoringConfig, tier_split
 from kvmesh.routing.types import EndpointView, Matches, RouteRequest, TierMatch

@@ -6,7 +6,8 @@ import random
 
 import pytest
 
-from kvmesh.kvstore.eviction import POLICIES, _LazyHeap
+from kvmesh.kvstore.eviction import _LazyHeap
+from kvmesh.kvstore.eviction_registry import EVICTION_POLICIES
 
 
 def _scan_victim(pol: _LazyHeap):  # noqa: ANN202
@@ -15,13 +16,13 @@ def _scan_victim(pol: _LazyHeap):  # noqa: ANN202
     return min(live.values())[3] if live else None
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", EVICTION_POLICIES.names())
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("slack", [1024, 4])
 @pytest.mark.parametrize("small_batch", [4, 0])
 def test_victims_equal_a_full_scan(name: str, seed: int, slack: int, small_batch: int) -> None:
     rng = random.Random(seed)
-    pol = POLICIES[name]()
+    pol = EVICTION_POLICIES.create(name)
     pol._SLACK = slack   # 4: the stale-entry cleanup runs every few operations
     pol._SMALL_BATCH = small_batch   # 0: every batch becomes a run
     depth: dict[int, int] = {}
@@ -72,7 +73,7 @@ def test_victims_equal_a_full_scan(name: str, seed: int, slack: int, small_batch
 
 
 def test_touches_keep_memory_bounded_and_cost_no_heap_operation() -> None:
-    pol = POLICIES["lru"]()
+    pol = EVICTION_POLICIES.create("lru")
     for k in range(100):
         pol.insert(k, k)
     assert pol.victim() == 99
@@ -86,13 +87,13 @@ def test_touches_keep_memory_bounded_and_cost_no_heap_operation() -> None:
     assert pol.victim() == 99   # the deepest of the last batch
 
 
-@pytest.mark.parametrize("name", sorted(POLICIES))
+@pytest.mark.parametrize("name", EVICTION_POLICIES.names())
 @pytest.mark.parametrize("seed", range(6))
 def test_batch_forms_push_what_one_call_per_key_pushes(name: str, seed: int) -> None:
     """``insert_many``/``touch_many`` (a put's and a restore's blocks in one call) leave every
     key with the same entry, and so the same victims, as ``insert``/``touch`` key by key."""
     rng = random.Random(seed)
-    one, many = POLICIES[name](), POLICIES[name]()
+    one, many = EVICTION_POLICIES.create(name), EVICTION_POLICIES.create(name)
     for pol in (one, many):
         pol._SLACK = 8
     depth: dict[int, int] = {}
@@ -138,8 +139,11 @@ def test_batch_forms_push_what_one_call_per_key_pushes(name: str, seed: int) -> 
 
 
 def test_every_eviction_name_is_its_class_name() -> None:
-    from kvmesh.kvstore.eviction import POLICIES, DepthDiscountedPolicy, GreedyDualPolicy, make_policy
+    from kvmesh.kvstore.eviction import DepthDiscountedPolicy, GreedyDualPolicy
+    from kvmesh.kvstore.eviction_registry import make_eviction_policy
 
-    assert POLICIES["agent"] is DepthDiscountedPolicy and POLICIES["greedy-dual"] is GreedyDualPolicy
-    for name, cls in POLICIES.items():
-        assert cls.name == name and type(make_policy(name)) is cls
+    assert EVICTION_POLICIES.load("agent") is DepthDiscountedPolicy
+    assert EVICTION_POLICIES.load("greedy-dual") is GreedyDualPolicy
+    for name in EVICTION_POLICIES:
+        cls = EVICTION_POLICIES.load(name)
+        assert cls.name == name and type(make_eviction_policy(name)) is cls

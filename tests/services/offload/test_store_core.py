@@ -13,8 +13,8 @@ from kvmesh.kvstore.eviction import (
     GreedyDualPolicy,
     LRUPolicy,
     SessionRatePolicy,
-    make_policy,
 )
+from kvmesh.kvstore.eviction_registry import make_eviction_policy
 from kvmesh.kvstore.layout import kv_bytes_per_block, kv_bytes_per_token, namespace_for
 from kvmesh.kvstore.ram_tier import RamTier
 from kvmesh.kvstore.wire import decode_get_response, decode_put_request, encode_get_response, encode_put_chunk
@@ -40,7 +40,7 @@ def test_layout() -> None:
 
 @pytest.mark.parametrize("policy", ["lru", "agent", "greedy-dual", "session-rate"])
 def test_policies_evict_deepest_first_within_a_request(policy: str) -> None:
-    tier = RamTier(6, make_policy(policy))
+    tier = RamTier(6, make_eviction_policy(policy))
     tier.new_batch()
     for d in range(4):
         tier.add(("n", d), StoredBlock(size=1, depth=d, session="a"))

@@ -24,7 +24,10 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from kvmesh.worker.config import WorkerConfig
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 HashAlgoName = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
@@ -208,6 +211,14 @@ class Engine(abc.ABC):
     """An LLM engine serving token-id requests (async, one per worker process)."""
 
     name: str = "engine"
+    # The KV-event publisher binds port 0 itself and reports the port it got. vLLM's cannot,
+    # so the worker picks its ports up front (``run._pin_port``).
+    reports_event_ports: bool = True
+
+    @classmethod
+    @abc.abstractmethod
+    def from_worker_config(cls, cfg: WorkerConfig, endpoint_id: str) -> Engine:
+        """The engine a worker process runs, built from its settings (``kvmesh.worker.run``)."""
 
     @abc.abstractmethod
     async def start(self) -> None:

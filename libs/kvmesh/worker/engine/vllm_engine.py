@@ -27,6 +27,7 @@ that talks to vLLM stays in this module.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -34,8 +35,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from kvmesh.config import ConfigError
 from kvmesh.worker.engine.base import (
     Engine,
     EngineDeadError,
@@ -51,6 +53,9 @@ from kvmesh.worker.engine.base import (
     kv_events_topic,
 )
 from kvmesh.worker.engine.validation import validate_request
+
+if TYPE_CHECKING:
+    from kvmesh.worker.config import WorkerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -95,8 +100,6 @@ class VllmEngineConfig:
     extra_engine_args: dict = field(default_factory=dict, metadata={"help": "more vLLM EngineArgs (JSON)"})
 
     def validate(self) -> None:
-        from kvmesh.config import ConfigError
-
         if not self.model:
             raise ConfigError("setting 'model' is required for the vllm engine (a model directory)")
         if self.block_size <= 0 or self.block_size % 16:
@@ -166,6 +169,36 @@ class VllmEngine(Engine):
     """A real vLLM V1 engine, in process (vLLM itself spawns the EngineCore and worker processes)."""
 
     name = "vllm"
+    reports_event_ports = False
+
+    @classmethod
+    def from_worker_config(cls, cfg: WorkerConfig, endpoint_id: str) -> VllmEngine:
+        """The worker's settings mapped onto ``VllmEngineConfig``; ``vllm_options`` adds the rest.
+
+        Settings left at the worker's default for the sim (max_model_len, the batch budget,
+        the KV cache size) stay at vLLM's own default instead.
+        """
+        mapping: dict[str, Any] = {
+            "model": cfg.model, "served_model_name": cfg.model_name, "endpoint_id": endpoint_id,
+            "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_waiting": cfg.max_waiting,
+            "seed": cfg.seed, "hash_algo": cfg.hash_algo, "kv_events_endpoint": cfg.kv_events_endpoint,
+            "kv_events_replay_endpoint": cfg.kv_events_replay_endpoint, "offload_address": cfg.offload_address,
+            "enable_kv_events": bool(cfg.kv_events_endpoint),
+        }
+        if cfg.kv_cache_memory_bytes > 0:
+            mapping["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+        defaults = type(cfg)
+        if cfg.max_model_len != defaults.max_model_len:
+            mapping["max_model_len"] = cfg.max_model_len
+        if cfg.max_num_batched_tokens != defaults.max_num_batched_tokens:
+            mapping["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+        mapping.update(cfg.vllm_options)
+        unknown = sorted(set(mapping) - {f.name for f in dataclasses.fields(VllmEngineConfig)})
+        if unknown:
+            raise ConfigError(f"setting 'vllm_options': unknown vllm engine settings {unknown}")
+        vcfg = dataclasses.replace(VllmEngineConfig(), **mapping)
+        vcfg.validate()
+        return cls(vcfg)
 
     def __init__(self, config: VllmEngineConfig) -> None:
         config.validate()
@@ -195,8 +228,6 @@ class VllmEngine(Engine):
         try:
             return json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            from kvmesh.config import ConfigError
-
             raise ConfigError(f"setting 'model': cannot read {path}: {exc}") from exc
 
     def _default_max_model_len(self) -> int:

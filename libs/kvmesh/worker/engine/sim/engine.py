@@ -27,7 +27,7 @@ from array import array
 from collections import OrderedDict, deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvmesh.worker.engine.base import (
     BadSamplingError,
@@ -47,6 +47,9 @@ from kvmesh.worker.engine.sim.block_manager import BlockManager, Cleared, Remove
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
 from kvmesh.worker.engine.validation import validate_request
+
+if TYPE_CHECKING:
+    from kvmesh.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -248,6 +251,10 @@ class SimEngine(Engine):
     """Async simulated engine; see the module docstring."""
 
     name = "sim"
+
+    @classmethod
+    def from_worker_config(cls, cfg: WorkerConfig, endpoint_id: str) -> SimEngine:
+        return cls(cfg.sim_engine_config(endpoint_id))
 
     def __init__(self, config: SimEngineConfig | None = None) -> None:
         self.cfg = config or SimEngineConfig()
