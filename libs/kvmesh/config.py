@@ -11,8 +11,13 @@ env settings of their own. By default a nested field ``scoring`` gives
 metadata can change that: ``flag_prefix`` (e.g. ``""`` keeps the bare field names as
 flags), ``env_aliases`` (older env prefixes, relative to the parent's, still read at
 a lower precedence than the canonical name) and ``group`` (the ``--help`` section).
-``--help`` shows every setting's default and, when ``add_dataclass_args`` is given
-the ``env_prefix``, its env name.
+A plain field's metadata may also give ``choices`` (checked for env values too),
+``nargs`` (e.g. ``"+"``: ``--trace a b`` for a list field) and ``metavar``.
+``--help`` shows every setting's default and its env name.
+
+The env prefix belongs to the config class: ``ENV_PREFIX: ClassVar[str] =
+"KVMESH_FOO_"``. ``add_dataclass_args`` and ``load_config`` both read it when not
+given one, so the names ``--help`` shows are the names that are read.
 """
 
 from __future__ import annotations
@@ -105,13 +110,22 @@ def _nested_prefixes(f: dataclasses.Field) -> tuple[str, str, list[str]]:
     return flag_prefix, env_seg, list(f.metadata.get("env_aliases", ()))
 
 
-def add_dataclass_args(parser: Any, cls: type, env_prefix: str | None = None,
-                       _flag_prefix: str = "", _dest_prefix: str = "") -> None:
+def env_prefix_of(cls: type) -> str | None:
+    """The env prefix a config class declares (``ENV_PREFIX``), if any."""
+    return getattr(cls, "ENV_PREFIX", None)
+
+
+def add_dataclass_args(parser: Any, cls: type, env_prefix: str | None = None) -> None:
     """Add one flag per field; help text comes from field metadata ``help``, plus default and env name.
 
-    Nested dataclass fields add their own fields (in an argument group when ``parser``
-    is a parser), see the module docstring.
+    ``env_prefix`` defaults to the class's ``ENV_PREFIX``; with neither, ``--help``
+    shows no env names. Nested dataclass fields add their own fields (in an argument
+    group when ``parser`` is a parser), see the module docstring.
     """
+    _add_args(parser, cls, env_prefix if env_prefix is not None else env_prefix_of(cls), "", "")
+
+
+def _add_args(parser: Any, cls: type, env_prefix: str | None, _flag_prefix: str, _dest_prefix: str) -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         sub = _nested(hints[f.name])
@@ -121,8 +135,8 @@ def add_dataclass_args(parser: Any, cls: type, env_prefix: str | None = None,
             if isinstance(parser, argparse.ArgumentParser):
                 title = f.metadata.get("group") or f.name
                 target = parser.add_argument_group(title, f.metadata.get("help"))
-            add_dataclass_args(target, sub, None if env_prefix is None else env_prefix + env_seg,
-                               _flag_prefix + flag_prefix, _dest_prefix + f.name + ".")
+            _add_args(target, sub, None if env_prefix is None else env_prefix + env_seg,
+                      _flag_prefix + flag_prefix, _dest_prefix + f.name + ".")
             continue
         extra = f"default: {_show(_default(f))}"
         if env_prefix is not None:
@@ -130,22 +144,29 @@ def add_dataclass_args(parser: Any, cls: type, env_prefix: str | None = None,
         help_text = f.metadata.get("help", "")
         help_text = (f"{help_text} ({extra})" if help_text else f"({extra})").replace("%", "%%")
         flag, dest = _flag(f.name, _flag_prefix), _dest_prefix + f.name
+        kw: dict[str, Any] = {"metavar": f.metadata.get("metavar", f.name.upper())}
+        if "choices" in f.metadata:
+            kw["choices"] = f.metadata["choices"]
+            kw.pop("metavar")   # argparse then shows the choices
         if _base_type(hints[f.name]) is bool:
-            parser.add_argument(flag, dest=dest, default=None, nargs="?", const="true", metavar=f.name.upper(),
-                                help=help_text)
-        else:
-            parser.add_argument(flag, dest=dest, default=None, metavar=f.name.upper(), help=help_text)
+            kw.update(nargs="?", const="true")
+        elif "nargs" in f.metadata:
+            kw["nargs"] = f.metadata["nargs"]
+        parser.add_argument(flag, dest=dest, default=None, help=help_text, **kw)
 
 
-def load_config(cls: type[T], args: argparse.Namespace | None = None, env_prefix: str = "KVMESH_",
+def load_config(cls: type[T], args: argparse.Namespace | None = None, env_prefix: str | None = None,
                 env: typing.Mapping[str, str] | None = None, **overrides: Any) -> T:
     """Build ``cls`` from defaults, env (``PREFIX`` + upper field name), flags and overrides.
+
+    ``env_prefix`` defaults to the class's ``ENV_PREFIX``, else ``KVMESH_``.
 
     A nested dataclass field is built the same way from its own flags and env names
     (an override of the whole field replaces it).
     """
     env = os.environ if env is None else env
-    return _load(cls, args, [env_prefix], env, "", "", overrides)
+    prefix = env_prefix if env_prefix is not None else (env_prefix_of(cls) or "KVMESH_")
+    return _load(cls, args, [prefix], env, "", "", overrides)
 
 
 def _load(cls: type[T], args: argparse.Namespace | None, env_prefixes: list[str], env: typing.Mapping[str, str],
@@ -171,6 +192,9 @@ def _load(cls: type[T], args: argparse.Namespace | None, env_prefixes: list[str]
         dest = dest_prefix + f.name
         if args is not None and getattr(args, dest, None) is not None:
             values[f.name] = _parse(f.name, tp, getattr(args, dest), f"flag {_flag(f.name, flag_prefix)}")
+        choices = f.metadata.get("choices")
+        if choices is not None and f.name in values and values[f.name] not in choices:
+            raise ConfigError(f"setting {f.name!r}: {values[f.name]!r} is not one of {list(choices)}")
     cfg = cls(**values)
     validate = getattr(cfg, "validate", None)
     if callable(validate):

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass, field
+from typing import ClassVar
 
-from kvmesh.config import add_dataclass_args, load_config
+import pytest
+
+from kvmesh.config import ConfigError, add_dataclass_args, load_config
 
 
 @dataclass
@@ -63,3 +66,39 @@ def test_help_shows_defaults_without_env_prefix() -> None:
     add_dataclass_args(p, Demo)
     text = " ".join(p.format_help().split())
     assert "--port PORT port (default: 50051)" in text and "env" not in text
+
+
+@dataclass
+class Owned:
+    """A config that declares its env prefix, as every service's and tool's config does."""
+
+    ENV_PREFIX: ClassVar[str] = "OWN_"
+
+    port: int = field(default=1, metadata={"help": "port"})
+    fmt: str = field(default="a", metadata={"help": "format", "choices": ("a", "b")})
+    paths: list[str] = field(default_factory=list, metadata={"help": "inputs", "nargs": "+", "metavar": "PATH"})
+
+
+def test_the_class_env_prefix_is_shown_and_read() -> None:
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, Owned)
+    text = " ".join(p.format_help().split())
+    assert "--port PORT port (default: 1; env OWN_PORT)" in text
+    assert "--fmt {a,b} format (default: a; env OWN_FMT)" in text
+    assert "--paths PATH [PATH ...] inputs (default: ''; env OWN_PATHS)" in text
+    # The name --help shows is the name load_config reads (no prefix passed to either).
+    assert load_config(Owned, p.parse_args([]), env={"OWN_PORT": "7", "OWN_PATHS": "x,y"}) == \
+        Owned(port=7, paths=["x", "y"])
+    assert load_config(Owned, p.parse_args(["--paths", "a", "b", "--port", "9"]), env={"OWN_PORT": "7"}) == \
+        Owned(port=9, paths=["a", "b"])
+    # An explicit prefix still wins over the class's.
+    assert load_config(Owned, None, env_prefix="X_", env={"OWN_PORT": "7", "X_PORT": "8"}).port == 8
+
+
+def test_choices_are_checked_for_env_values_too() -> None:
+    p = argparse.ArgumentParser()
+    add_dataclass_args(p, Owned)
+    with pytest.raises(SystemExit):   # argparse refuses a bad flag value itself
+        p.parse_args(["--fmt", "c"])
+    with pytest.raises(ConfigError, match=r"setting 'fmt': 'c' is not one of \['a', 'b'\]"):
+        load_config(Owned, p.parse_args([]), env={"OWN_FMT": "c"})

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.worker.engine.registry import ENGINES
 from kvmesh.worker.engine.sim.latency import LatencyParams
 
-ENV_PREFIX = "KVMESH_WORKER_"
 ROLES = ("prefill", "decode", "both")
 
 
@@ -24,6 +24,8 @@ def _h(text: str) -> dict[str, str]:
 
 @dataclass
 class WorkerConfig:
+    ENV_PREFIX: ClassVar[str] = "KVMESH_WORKER_"
+
     engine: str = field(default="sim", metadata=_h(f"engine backend: {' | '.join(ENGINES.names())}"))
     role: str = field(default="", metadata=_h("prefill | decode | both (set by the service)"))
     endpoint_id: str = field(default="", metadata=_h("unique endpoint id ('' = <role>-<hostname>-<port>)"))

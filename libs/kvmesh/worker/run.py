@@ -22,7 +22,7 @@ from kvmesh.registration import IndexerRegistration, advertised_zmq_endpoint, kv
 from kvmesh.rpc.ports import free_port
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
-from kvmesh.worker.config import ENV_PREFIX, WorkerConfig
+from kvmesh.worker.config import WorkerConfig
 from kvmesh.worker.engine.base import Engine
 from kvmesh.worker.engine.registry import ENGINES
 from kvmesh.worker.metrics import WorkerMetrics
@@ -170,11 +170,11 @@ async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str) -> An
 
 def parse_config(role: str, argv: list[str] | None) -> WorkerConfig:
     parser = argparse.ArgumentParser(prog=f"kvmesh serve {role}",
-                                     description=f"kvmesh {role} worker (env prefix {ENV_PREFIX})")
+                                     description=f"kvmesh {role} worker (env prefix {WorkerConfig.ENV_PREFIX})")
     add_dataclass_args(parser, WorkerConfig)
-    parser.add_argument("--log-level", default=None)
+    parser.add_argument("--log-level", default=None, help="DEBUG, INFO, WARNING (default: INFO; env KVMESH_LOG_LEVEL)")
     args = parser.parse_args(argv)
-    cfg = load_config(WorkerConfig, args, env_prefix=ENV_PREFIX)
+    cfg = load_config(WorkerConfig, args)
     if not cfg.role:
         cfg.role = role
     cfg.validate()

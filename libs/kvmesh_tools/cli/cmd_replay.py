@@ -5,22 +5,34 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh_tools.traffic.readers import FORMATS
+
+
+@dataclass
+class ReplayRun:
+    """What one run reads and writes; how it drives the router is ``ReplayConfig`` (same env prefix)."""
+
+    ENV_PREFIX: ClassVar[str] = "KVMESH_REPLAY_"
+
+    trace: list[str] = field(default_factory=list, metadata={
+        "help": "trace files or directories (none = a generated agent workload)", "nargs": "+", "metavar": "PATH"})
+    format: str = field(default="weka", metadata={"help": "trace format", "choices": FORMATS})
+    limit_sessions: int = field(default=0, metadata={"help": "use only the first N sessions (0 = all)"})
+    generate_sessions: int = field(default=8, metadata={"help": "sessions of the generated workload"})
+    json: str = field(default="out/replay.json", metadata={"help": "report path", "metavar": "OUT"})
+    plots: str = field(default="", metadata={"help": "PNG directory ('' = next to --json)", "metavar": "DIR"})
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     from kvmesh_tools.replay.client import ReplayConfig
 
     p = sub.add_parser("replay", help="replay a trace against a running router (gRPC or OpenAI HTTP)")
-    p.add_argument("--trace", nargs="+", default=None, metavar="PATH",
-                   help="trace files or directories (default: a generated agent workload)")
-    p.add_argument("--format", default="weka", choices=["weka", "claude-code", "mooncake", "native"])
-    p.add_argument("--limit-sessions", type=int, default=None, help="use only the first N sessions")
-    p.add_argument("--generate-sessions", type=int, default=8, help="sessions of the generated workload")
-    p.add_argument("--json", dest="json_out", default="out/replay.json", metavar="OUT", help="report path")
-    p.add_argument("--plots", default=None, metavar="DIR", help="PNG directory (default: next to --json)")
+    add_dataclass_args(p, ReplayRun)
     add_dataclass_args(p, ReplayConfig)
     p.set_defaults(func=_run)
 
@@ -32,15 +44,16 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh_tools.traffic.readers import TraceFormatError, load_trace
 
     try:
-        cfg = load_config(ReplayConfig, args, env_prefix="KVMESH_REPLAY_")
+        run = load_config(ReplayRun, args)
+        cfg = load_config(ReplayConfig, args)
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
     try:
-        if args.trace:
-            trace = load_trace(args.trace, args.format, limit=args.limit_sessions)
+        if run.trace:
+            trace = load_trace(run.trace, run.format, limit=run.limit_sessions or None)
         else:
-            trace = generate(GeneratorConfig(sessions=args.generate_sessions, seed=cfg.seed, turns_median=6,
+            trace = generate(GeneratorConfig(sessions=run.generate_sessions, seed=cfg.seed, turns_median=6,
                                              system_tokens=2048, first_user_tokens=300, growth_median=120,
                                              growth_p99=1500, output_median=24, output_p99=128,
                                              think_median_s=1.0, think_p99_s=20.0, max_context_tokens=12000,
@@ -53,9 +66,9 @@ def _run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted")
         return 130
-    out = Path(args.json_out)
+    out = Path(run.json)
     out.parent.mkdir(parents=True, exist_ok=True)
-    plots = write_replay_plots({cfg.policy or "router": res.records}, args.plots or str(out.with_suffix("")) + "_plots")
+    plots = write_replay_plots({cfg.policy or "router": res.records}, run.plots or str(out.with_suffix("")) + "_plots")
     report = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "metrics": res.metrics,
               "plots": [str(p) for p in plots], "records": res.records}
     out.write_text(json.dumps(report, indent=1))

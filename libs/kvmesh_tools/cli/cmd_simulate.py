@@ -5,14 +5,33 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh_tools.traffic.readers import FORMATS
 
 log = logging.getLogger(__name__)
 
 DEFAULT_POLICIES = "precise,approx,session,least_load,round_robin"
-ENV_PREFIX = "KVMESH_SIM_"
+
+
+@dataclass
+class SimulateRun:
+    """What one run reads and writes; the simulated cluster is ``SimConfig`` (same env prefix)."""
+
+    ENV_PREFIX: ClassVar[str] = "KVMESH_SIM_"
+
+    trace: list[str] = field(default_factory=list, metadata={
+        "help": "trace files or directories (required)", "nargs": "+", "metavar": "PATH"})
+    format: str = field(default="weka", metadata={"help": "trace format", "choices": FORMATS})
+    policy: str = field(default=DEFAULT_POLICIES, metadata={"help": "routing policies to compare, comma-separated"})
+    json: str = field(default="", metadata={"help": "write the report here ('' = do not)", "metavar": "OUT"})
+    plots: str = field(default="", metadata={"help": "PNG plots directory ('' = next to --json)", "metavar": "DIR"})
+    limit_sessions: int = field(default=0, metadata={"help": "use only the first N sessions (0 = all)"})
+    jobs: int = field(default=0, metadata={"help": "parallel policy processes (0 = one per CPU)"})
+    no_table: bool = field(default=False, metadata={"help": "do not print the table"})
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,15 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("simulate", help="simulate routing policies on a cluster in virtual time",
                        description="Replay a trace through the real router, index, block manager, latency "
                                    "model and offload tier in virtual time; compare policies side by side.")
-    p.add_argument("--trace", nargs="+", required=True, metavar="PATH", help="trace files or directories")
-    p.add_argument("--format", default="weka", choices=["weka", "claude-code", "mooncake", "native"])
-    p.add_argument("--policy", default=DEFAULT_POLICIES, help=f"comma-separated (default {DEFAULT_POLICIES})")
-    p.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the report here")
-    p.add_argument("--plots", default=None, metavar="DIR", help="PNG plots directory (default: next to --json)")
-    p.add_argument("--limit-sessions", type=int, default=None, help="use only the first N sessions")
-    p.add_argument("--jobs", type=int, default=None, help="parallel policy processes (default: CPUs)")
-    p.add_argument("--no-table", action="store_true", help="do not print the table")
-    add_dataclass_args(p, SimConfig, env_prefix=ENV_PREFIX)   # incl. the nested router scoring flags
+    add_dataclass_args(p, SimulateRun)
+    add_dataclass_args(p, SimConfig)   # incl. the nested router scoring flags
     p.set_defaults(func=_run)
 
 
@@ -41,11 +53,15 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh_tools.traffic.readers import TraceFormatError, load_trace
 
     try:
-        cfg = load_config(SimConfig, args, env_prefix=ENV_PREFIX)
+        run = load_config(SimulateRun, args)
+        cfg = load_config(SimConfig, args)
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
-    policies = [p.strip() for p in args.policy.split(",") if p.strip()]
+    if not run.trace:
+        print(f"error: --trace (or env {SimulateRun.ENV_PREFIX}TRACE) is required")
+        return 2
+    policies = [p.strip() for p in run.policy.split(",") if p.strip()]
     known = available_policies()
     bad = [p for p in policies if p not in known]
     if not policies or bad:
@@ -59,21 +75,21 @@ def _run(args: argparse.Namespace) -> int:
         print("error: --prefill-workers and --offload-capacity-tokens must be >= 0")
         return 2
     try:
-        trace = load_trace(args.trace, args.format, limit=args.limit_sessions)
-        report = simulate_policies(trace, cfg, policies, jobs=args.jobs)
+        trace = load_trace(run.trace, run.format, limit=run.limit_sessions or None)
+        report = simulate_policies(trace, cfg, policies, jobs=run.jobs or None)
     except (TraceFormatError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
-    plots_dir = args.plots or (str(Path(args.json_out).with_suffix("")) + "_plots" if args.json_out else None)
+    plots_dir = run.plots or (str(Path(run.json).with_suffix("")) + "_plots" if run.json else None)
     if plots_dir:
         report["plots"] = [str(p) for p in write_plots(report, plots_dir)]
-    if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps(report, indent=1, sort_keys=False))
-    if not args.no_table:
+    if run.json:
+        Path(run.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(run.json).write_text(json.dumps(report, indent=1, sort_keys=False))
+    if not run.no_table:
         render_table(report)
-        if args.json_out:
-            print(f"report: {args.json_out}")
+        if run.json:
+            print(f"report: {run.json}")
         for p in report.get("plots", []):
             print(f"plot: {p}")
     return 0

@@ -6,15 +6,24 @@ import argparse
 import json
 import signal
 import time
+from dataclasses import dataclass, field
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh_tools.stack.launcher import StackConfig
+
+
+@dataclass
+class UpConfig(StackConfig):
+    """The stack ``kvmesh up`` serves: on the well-known router ports, where the library's
+    default (0, free ports) suits tests that run several stacks at once."""
+
+    router_port: int = field(default=50050, metadata={"help": "router gRPC port (0 = free port)"})
+    http_port: int = field(default=8000, metadata={"help": "router OpenAI HTTP port (0 = free port)"})
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from kvmesh_tools.stack.launcher import StackConfig
-
     p = sub.add_parser("up", help="run the local stack (router, indexer, workers, offload) until Ctrl-C")
-    add_dataclass_args(p, StackConfig)
+    add_dataclass_args(p, UpConfig)
     p.set_defaults(func=_run)
 
 
@@ -38,17 +47,13 @@ def _raise_interrupt(signum: int, frame: object) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from kvmesh_tools.stack.launcher import LocalStack, StackConfig
+    from kvmesh_tools.stack.launcher import LocalStack
 
     try:
-        cfg = load_config(StackConfig, args, env_prefix="KVMESH_STACK_")
+        cfg = load_config(UpConfig, args)
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
-    if cfg.router_port == 0 and args.router_port is None:
-        cfg.router_port = 50050
-    if cfg.http_port == 0 and args.http_port is None:
-        cfg.http_port = 8000
     signal.signal(signal.SIGTERM, _raise_interrupt)
     stack = LocalStack(cfg)
     try:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 
 
 @dataclass
 class SimConfig:
+    ENV_PREFIX: ClassVar[str] = "KVMESH_SIM_"
+
     decode_workers: int = field(default=8, metadata={"help": "decode workers"})
     prefill_workers: int = field(default=2, metadata={
         "help": "prefill workers (0 = no P/D split; the split also needs the offload store, which carries the KV)"})

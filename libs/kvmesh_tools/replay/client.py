@@ -13,7 +13,7 @@ import heapq
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvmesh_tools.replay.transport import Call, GrpcTransport, HttpTransport, Outcome
 from kvmesh_tools.traffic.model import Trace
@@ -25,6 +25,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class ReplayConfig:
+    ENV_PREFIX: ClassVar[str] = "KVMESH_REPLAY_"
+
     target: str = field(default="127.0.0.1:50050", metadata={
         "help": "router address: HOST:PORT (grpc) or http://HOST:PORT (http)"})
     api: str = field(default="grpc", metadata={"help": "grpc | http"})

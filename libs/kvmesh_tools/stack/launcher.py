@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StackConfig:
+    ENV_PREFIX: ClassVar[str] = "KVMESH_STACK_"
+
     decode_workers: int = field(default=4, metadata={"help": "decode sim workers"})
     prefill_workers: int = field(default=2, metadata={"help": "prefill sim workers"})
     redis: str = field(default="auto", metadata={"help": "indexer backend: auto (redis if installed) | on | off"})

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
 
-ENV_PREFIX = "KVMESH_INDEXER_"
 BACKENDS = ("memory", "redis")
 
 
@@ -42,6 +41,8 @@ class EngineConfig:
 
 @dataclass
 class IndexerConfig:
+    ENV_PREFIX: ClassVar[str] = "KVMESH_INDEXER_"
+
     host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
     port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time for in-flight calls on shutdown"})

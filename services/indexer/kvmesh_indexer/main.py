@@ -23,7 +23,7 @@ from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
-from kvmesh_indexer.config import ENV_PREFIX, IndexerConfig
+from kvmesh_indexer.config import IndexerConfig
 from kvmesh_indexer.ingest import Ingestor
 from kvmesh_indexer.keys import ModelSpec
 from kvmesh_indexer.liveness import Liveness
@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
 
     async def run() -> int:
-        cfg = load_config(IndexerConfig, args, env_prefix=ENV_PREFIX)
+        cfg = load_config(IndexerConfig, args)
         return await serve(cfg)
     return run_async_main(run)
 

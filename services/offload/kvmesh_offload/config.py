@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.kvstore.eviction_registry import eviction_policy_names
@@ -12,6 +13,8 @@ GiB = 1024 ** 3
 
 @dataclass
 class OffloadConfig:
+    ENV_PREFIX: ClassVar[str] = "KVMESH_OFFLOAD_"
+
     host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
     port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})

@@ -29,7 +29,6 @@ from kvmesh_offload.servicer import OffloadServicer, add_offload_servicer
 from kvmesh_offload.store import OffloadStore
 
 log = logging.getLogger(__name__)
-ENV_PREFIX = "KVMESH_OFFLOAD_"
 SERVICE_NAME = offload_pb2.DESCRIPTOR.services_by_name["Offload"].full_name
 
 
@@ -111,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     setup_logging()
 
     async def run() -> int:
-        cfg = load_config(OffloadConfig, args, env_prefix=ENV_PREFIX)
+        cfg = load_config(OffloadConfig, args)
         return await serve(cfg)
     return run_async_main(run)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.routing.registry import available_policies
@@ -11,6 +12,8 @@ from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 
 @dataclass
 class RouterConfig:
+    ENV_PREFIX: ClassVar[str] = "KVMESH_ROUTER_"
+
     host: str = field(default="0.0.0.0", metadata={"help": "listen host (gRPC and HTTP)"})
     port: int = field(default=50050, metadata={"help": "gRPC port"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0 = off)"})

@@ -37,7 +37,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -67,6 +67,8 @@ MAX_BODY_BYTES = 8 * 1024 * 1024
 @dataclass
 class ExtProcConfig:
     """Picker limits; env ``KVMESH_EXTPROC_*`` overrides the defaults."""
+
+    ENV_PREFIX: ClassVar[str] = "KVMESH_EXTPROC_"
 
     max_inflight: int = field(default=0, metadata={
         "help": "requests picked but not yet finished above which new ones get 429 (0 = no shedding)"})
@@ -362,7 +364,7 @@ async def start_extproc_server(pick: PickFn, port: int, host: str = "0.0.0.0", r
     Returns the started ``ServiceServer``: ``.port`` is the bound port; call
     ``set_ready`` to flip readiness and ``stop()`` on shutdown.
     """
-    config = config or load_config(ExtProcConfig, env_prefix="KVMESH_EXTPROC_")
+    config = config or load_config(ExtProcConfig)
     servicer = ExtProcServicer(pick, config)
     server = ServiceServer(
         "router-extproc",

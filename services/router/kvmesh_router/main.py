@@ -137,11 +137,11 @@ async def serve(cfg: RouterConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvmesh serve router", description=__doc__)
-    add_dataclass_args(parser, RouterConfig, env_prefix="KVMESH_ROUTER_")
+    add_dataclass_args(parser, RouterConfig)
     args = parser.parse_args(argv)
 
     async def run() -> int:
-        cfg = load_config(RouterConfig, args, env_prefix="KVMESH_ROUTER_")
+        cfg = load_config(RouterConfig, args)
         return await serve(cfg)
 
     return run_async_main(run)
