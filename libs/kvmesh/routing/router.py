@@ -84,11 +84,12 @@ class RouterCore:
         """The (stateful, shared) instance of a policy; created on first use."""
         p = self._policies.get(name)
         if p is None:
-            p = make_policy(name, self.cfg.scoring, speculative_ttl_s=self.cfg.speculative_ttl_s,
-                            approx_capacity_blocks=self.cfg.approx_capacity_blocks,
-                            capacity_blocks=self.cfg.approx_capacity_blocks,
-                            report_candidates=self.cfg.report_candidates, warm_fallback=self.cfg.warm_fallback,
-                            **self.cfg.policy_options.get(name, {}))
+            options = dict(speculative_ttl_s=self.cfg.speculative_ttl_s,
+                           approx_capacity_blocks=self.cfg.approx_capacity_blocks,
+                           capacity_blocks=self.cfg.approx_capacity_blocks,
+                           report_candidates=self.cfg.report_candidates, warm_fallback=self.cfg.warm_fallback)
+            options.update(self.cfg.policy_options.get(name, {}))
+            p = make_policy(name, self.cfg.scoring, **options)
             self._policies[name] = p
         return p
 

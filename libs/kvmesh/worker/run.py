@@ -5,8 +5,8 @@ role; this is that program. It parses ``WorkerConfig`` (flags > env
 ``KVMESH_WORKER_*`` > defaults), builds the engine its ``--engine`` names
 (``kvmesh.worker.engine.registry``; ``vllm`` is imported only when asked for),
 starts the gRPC server (NOT_SERVING until the engine is up), Prometheus metrics,
-the optional OpenAI HTTP API, and the indexer registration with heartbeats. It watches the engine and drops
-readiness if it dies, and drains gracefully on SIGTERM.
+the optional OpenAI HTTP API, and the indexer registration with heartbeats. It
+watches the engine and drops readiness if it dies, and drains gracefully on SIGTERM.
 """
 
 from __future__ import annotations

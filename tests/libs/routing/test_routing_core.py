@@ -196,6 +196,25 @@ def test_simple_policies_route_and_fail_cleanly(name):
         core.decide(_req(core, _tokens(10), "x"), Matches(), now=0.0)
 
 
+def test_policy_options_reach_only_their_policy():
+    """A seeded ``random`` decides the same on two cores (the simulator's reproducibility);
+    a policy's own option overrides the shared one; other policies get none of them."""
+    def picks(seed: int) -> list[str]:
+        core = _core(8, policy="random", policy_options={"random": {"seed": seed, "report_candidates": 2}})
+        out = []
+        for i in range(40):
+            r = _req(core, _tokens(50, seed=i), f"r{i}")
+            d = core.decide(r, Matches(), now=float(i))
+            assert len(d.candidates) == 2          # the policy's option, not the core's 16
+            out.append(d.endpoint_id)
+        assert core.policy("session").report_candidates == RouterCoreConfig().report_candidates
+        return out
+
+    first = picks(7)
+    assert picks(7) == first and len(set(first)) > 1
+    assert picks(8) != first
+
+
 def test_approx_remembers_only_its_own_decisions():
     core = _core(3, policy="approx")
     toks = _tokens(500)
