@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,7 +70,7 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(run.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     plots = write_replay_plots({cfg.policy or "router": res.records}, run.plots or str(out.with_suffix("")) + "_plots")
-    report = {"config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__}, "metrics": res.metrics,
+    report = {"config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "metrics": res.metrics,
               "plots": [str(p) for p in plots], "records": res.records}
     out.write_text(json.dumps(report, indent=1))
     print(json.dumps(res.metrics, indent=1))

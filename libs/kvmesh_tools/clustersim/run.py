@@ -7,6 +7,7 @@ simulation is deterministic, so the report does not depend on the process count.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing as mp
 import os
@@ -72,7 +73,7 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
     else:
         results = [_run_one(p) for p in policies]
     out: dict[str, Any] = {
-        "config": {k: getattr(cfg, k) for k in cfg.__dataclass_fields__ if k != "scoring"},
+        "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "scoring"},
         "scoring": {k: getattr(scoring, k) for k in ScoringConfig.__dataclass_fields__},
         "trace": {"format": trace.fmt, "sessions": len(trace.sessions), "requests": len(schedule),
                   "block_size": bs},

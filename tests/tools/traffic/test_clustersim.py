@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -92,6 +93,9 @@ def test_cli_writes_json_and_plots(tmp_path: Path) -> None:
     assert r.returncode == 0, r.stdout + r.stderr
     rep = json.loads(out.read_text())
     assert set(rep["results"]) == {"precise", "least_load"}
+    # The report's config is the settings, every one and nothing else (not the env prefix).
+    assert set(rep["config"]) == {f.name for f in dataclasses.fields(SimConfig)} - {"scoring"}
+    assert rep["config"]["seed"] == 3 and rep["config"]["decode_workers"] == 3
     assert all(Path(p).exists() and Path(p).stat().st_size > 1000 for p in rep["plots"])
     assert "precise" in r.stdout
     bad = subprocess.run([sys.executable, "-m", "kvmesh_tools.cli.main", "simulate", "--trace", str(trace_path),
