@@ -11,20 +11,17 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
-from kvmesh_tools.traffic.readers import FORMATS
+from kvmesh_tools.cli.trace_args import TraceArgs
 
 
 @dataclass
-class ReplayRun:
+class ReplayRun(TraceArgs):
     """What one run reads and writes; how it drives the router is ``ReplayConfig`` (same env prefix)."""
 
     ENV_PREFIX: ClassVar[str] = "KVMESH_REPLAY_"
 
-    trace: list[str] = field(default_factory=list, metadata={
-        "help": "trace files or directories (none = a generated agent workload)", "nargs": "+", "metavar": "PATH"})
-    format: str = field(default="weka", metadata={"help": "trace format", "choices": FORMATS})
-    limit_sessions: int = field(default=0, metadata={"help": "use only the first N sessions (0 = all)"})
-    generate_sessions: int = field(default=8, metadata={"help": "sessions of the generated workload"})
+    generate_sessions: int = field(default=8, metadata={
+        "help": "without --trace: sessions of the generated agent workload replayed instead"})
     json: str = field(default="out/replay.json", metadata={"help": "report path", "metavar": "OUT"})
     plots: str = field(default="", metadata={"help": "PNG directory ('' = next to --json)", "metavar": "DIR"})
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
-from kvmesh_tools.traffic.readers import FORMATS
+from kvmesh_tools.cli.trace_args import TraceArgs
 
 log = logging.getLogger(__name__)
 
@@ -18,18 +18,15 @@ DEFAULT_POLICIES = "precise,approx,session,least_load,round_robin"
 
 
 @dataclass
-class SimulateRun:
-    """What one run reads and writes; the simulated cluster is ``SimConfig`` (same env prefix)."""
+class SimulateRun(TraceArgs):
+    """What one run reads (``--trace`` is required) and writes; the simulated cluster is
+    ``SimConfig`` (same env prefix)."""
 
     ENV_PREFIX: ClassVar[str] = "KVMESH_SIM_"
 
-    trace: list[str] = field(default_factory=list, metadata={
-        "help": "trace files or directories (required)", "nargs": "+", "metavar": "PATH"})
-    format: str = field(default="weka", metadata={"help": "trace format", "choices": FORMATS})
     policy: str = field(default=DEFAULT_POLICIES, metadata={"help": "routing policies to compare, comma-separated"})
     json: str = field(default="", metadata={"help": "write the report here ('' = do not)", "metavar": "OUT"})
     plots: str = field(default="", metadata={"help": "PNG plots directory ('' = next to --json)", "metavar": "DIR"})
-    limit_sessions: int = field(default=0, metadata={"help": "use only the first N sessions (0 = all)"})
     jobs: int = field(default=0, metadata={"help": "parallel policy processes (0 = one per CPU)"})
     no_table: bool = field(default=False, metadata={"help": "do not print the table"})
 
