@@ -6,8 +6,10 @@ plans hold every decision: which path carries the bytes (same-host shm, else the
 TCP path, else gRPC streams), giving up a path for good when the store cannot do it,
 the shm Get's retry with a bigger segment, the store's leases, error mapping and the
 client spans. ``client_sync`` runs plans with blocking calls (the vLLM connector's
-threads), ``client_async`` with ``await`` and worker threads for blocking steps. So the
-two clients cannot drift: they share every line but the I/O.
+threads), ``client_async`` with ``await`` and worker threads for blocking steps. The plans
+never touch a socket or wait on anything: every call, and every local step that can block
+(a large memcpy, creating a segment, the bulk socket read), is an op the driver performs.
+So the two clients cannot drift: they share every line but the I/O.
 
 Plans run inside their span, so the trace context is current while a driver makes the
 call and ``trace_metadata`` carries it to the store (the channels are not instrumented,
@@ -27,12 +29,17 @@ from typing import Any, ClassVar, TypeVar
 import grpc
 from opentelemetry import propagate, trace
 
-from kvmesh.kvstore.bulk import BulkConnections, BulkLeaseExpired, host_of
+from kvmesh.kvstore.bulk import (
+    BulkChecksumMismatch,
+    BulkConnections,
+    BulkLeaseExpired,
+    BulkUnreachable,
+    host_of,
+)
 from kvmesh.kvstore.client_messages import (
     GetAssembler,
     PutPlan,
     StoreMaps,
-    check_bulk_crcs,
     check_dests,
     check_keys,
     check_ns,
@@ -455,17 +462,30 @@ class ClientCore:
         except BaseException:
             yield from self.plan_release(resp.lease)
             raise
+        assert self._bulk_host is not None
+        crcs = resp.crc32c if self.verify else None
         try:
-            ok = yield Blocking(self._bulk_receive, (resp, views, keys))
-        except BaseException:
-            if buf is not None:
-                self._recv_done(buf)
-            raise
-        if not ok:
+            yield Blocking(self._conns.receive, (self._bulk_host, resp.bulk_port, resp.lease, views,
+                                                 self.timeout_s, crcs))
+        except BulkUnreachable as exc:
+            # Bulk off for good: end the unused lease and use gRPC streams.
+            log.warning("offload bulk port unreachable, using gRPC streams",
+                        extra={"address": self.address, "port": resp.bulk_port, "reason": str(exc)})
+            self._bulk = False
             yield from self.plan_release(resp.lease)
             if buf is not None:
                 self._recv_done(buf)
             return None
+        except BaseException as exc:
+            if buf is not None:
+                self._recv_done(buf)
+            if isinstance(exc, BulkLeaseExpired):
+                raise OffloadError(f"offload get: {exc}") from None
+            if isinstance(exc, BulkChecksumMismatch):
+                raise OffloadError(f"block {keys[exc.index]}: checksum mismatch on the bulk path") from None
+            if isinstance(exc, OSError):
+                raise StoreUnavailable(f"offload get: bulk transfer failed: {exc}") from exc
+            raise
         return views, list(resp.tiers), buf
 
     def _bulk_buffers(self, resp: offload_pb2.BulkGetResponse,
@@ -489,24 +509,3 @@ class ClientCore:
         with self._recv_lock:
             if self._recv_idle is None or len(self._recv_idle) < len(buf):
                 self._recv_idle = buf
-
-    def _bulk_receive(self, resp: offload_pb2.BulkGetResponse, dests: list[memoryview], keys: list[int]) -> bool:
-        """Blocking (run as a ``Blocking`` op): read the leased blocks into ``dests``. False = the
-        bulk port cannot be reached (bulk turned off for good; the caller ends the lease and uses gRPC)."""
-        assert self._bulk_host is not None
-        try:
-            sock = self._conns.connect(self._bulk_host, resp.bulk_port, self.timeout_s)
-        except OSError as exc:
-            log.warning("offload bulk port unreachable, using gRPC streams",
-                        extra={"address": self.address, "port": resp.bulk_port, "reason": str(exc)})
-            self._bulk = False
-            return False
-        try:
-            self._conns.transfer(sock, self._bulk_host, resp.bulk_port, resp.lease, dests, self.timeout_s)
-        except BulkLeaseExpired as exc:
-            raise OffloadError(f"offload get: {exc}") from None
-        except OSError as exc:
-            raise StoreUnavailable(f"offload get: bulk transfer failed: {exc}") from exc
-        if self.verify:
-            check_bulk_crcs(resp, dests, keys)
-        return True

@@ -249,8 +249,3 @@ def views_from_shm(resp: offload_pb2.ShmGetResponse, seg: Segment, verify: bool,
         views.append(v)
     return views
 
-
-def check_bulk_crcs(resp: offload_pb2.BulkGetResponse, dests: list[memoryview], keys: list[int]) -> None:
-    for i, d in enumerate(dests):
-        if resp.crc32c[i] and crc32c(d) != resp.crc32c[i]:
-            raise OffloadError(f"block {keys[i]}: checksum mismatch on the bulk path")
