@@ -12,6 +12,9 @@ from __future__ import annotations
 import socket
 import struct
 import threading
+from collections.abc import Sequence
+
+import crc32c
 
 MAGIC = b"KVB1"
 REQUEST = struct.Struct("<4sQ4x")   # magic, lease id
@@ -22,6 +25,18 @@ SOCKET_BUFFER_BYTES = 8 << 20
 
 class BulkLeaseExpired(Exception):
     """The store no longer holds the lease (expired or already used)."""
+
+
+class BulkUnreachable(Exception):
+    """The store's bulk port cannot be reached from here."""
+
+
+class BulkChecksumMismatch(Exception):
+    """A received block's CRC32C is not the one the store announced."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__(f"block {index}: checksum mismatch")
+        self.index = index
 
 
 class BulkConnections:
@@ -80,6 +95,21 @@ class BulkConnections:
                 self._release(host, port, sock)
             else:
                 sock.close()
+
+    def receive(self, host: str, port: int, lease: int, dests: list[memoryview], timeout_s: float,
+                crcs: Sequence[int] | None = None) -> None:
+        """Blocking: read the leased blocks into ``dests`` over a (reused) connection, and check
+        them against ``crcs`` (0 = unknown) when given. Raises ``BulkUnreachable``,
+        ``BulkLeaseExpired``, ``BulkChecksumMismatch``, or OSError when the transfer breaks."""
+        try:
+            sock = self.connect(host, port, timeout_s)
+        except OSError as exc:
+            raise BulkUnreachable(str(exc)) from exc
+        self.transfer(sock, host, port, lease, dests, timeout_s)
+        if crcs is not None:
+            for i, d in enumerate(dests):
+                if crcs[i] and crc32c.crc32c(d) != crcs[i]:
+                    raise BulkChecksumMismatch(i)
 
     def close(self) -> None:
         with self._lock:

@@ -1,0 +1,251 @@
+"""The offload client's requests and how it reads the answers, with no I/O.
+
+Validation of what callers pass, the messages of each path (gRPC stream, shm, bulk)
+and the assembly of blocks from the store's answers: pure functions over protobuf
+messages and buffers, shared by the client core (``client_core``) and testable alone.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+from kvmesh.kvstore.client_types import (
+    CHUNK_BYTES,
+    MAX_KEYS,
+    MAX_U64,
+    BytesLike,
+    InvalidOffloadRequest,
+    OffloadError,
+    PutResult,
+    StoreStats,
+    crc32c,
+)
+from kvmesh.kvstore.shm import SHM_DIR, Segment
+from kvmesh.kvstore.wire import Chunk, encode_put_chunk
+from kvmesh_api.offload.v1 import offload_pb2
+
+
+def check_ns(namespace: str) -> str:
+    if not isinstance(namespace, str) or not namespace:
+        raise InvalidOffloadRequest("namespace must be a non-empty string")
+    return namespace
+
+
+def check_keys(keys: Sequence[int]) -> list[int]:
+    out = list(keys)
+    if len(out) > MAX_KEYS:
+        raise InvalidOffloadRequest(f"chain of {len(out)} keys exceeds the max of {MAX_KEYS}")
+    for k in out:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k > MAX_U64:
+            raise InvalidOffloadRequest(f"block key {k!r} is not a uint64")
+    return out
+
+
+def check_dests(sizes: list[int], dests: Sequence[object]) -> list[memoryview]:
+    """Writable byte views of the caller's buffers, cut to the block sizes."""
+    if len(dests) < len(sizes):
+        raise InvalidOffloadRequest(f"{len(dests)} destination buffers for {len(sizes)} blocks")
+    out = []
+    for i, n in enumerate(sizes):
+        d = memoryview(dests[i]).cast("B")  # type: ignore[arg-type]
+        if d.readonly:
+            raise InvalidOffloadRequest(f"destination buffer {i} is read-only")
+        if len(d) < n:
+            raise InvalidOffloadRequest(f"destination buffer {i} has {len(d)} bytes, block has {n}")
+        out.append(d[:n])
+    return out
+
+
+def copy_into(views: list[memoryview], dests: Sequence[object]) -> int:
+    """Copy each view into the matching caller buffer (one memcpy per block)."""
+    for d, v in zip(check_dests([len(v) for v in views], dests), views, strict=True):
+        d[:] = v
+    return len(views)
+
+
+# --- Put -----------------------------------------------------------------------------------
+
+
+@dataclass
+class PutPlan:
+    header: offload_pb2.PutHeader
+    keys: list[int]
+    datas: list[BytesLike]
+    crcs: list[int]
+    tokens: list[list[int]] | None
+    total: int
+
+
+def plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids: Sequence[Sequence[int]] | None,
+             parent: int | None, block_size: int, session_id: str) -> PutPlan:
+    check_ns(namespace)
+    keys = check_keys([k for k, _ in blocks])
+    datas = [d for _, d in blocks]
+    for k, d in zip(keys, datas, strict=True):
+        if not isinstance(d, bytes | bytearray | memoryview):
+            raise InvalidOffloadRequest(f"block {k}: data must be bytes-like, got {type(d).__name__}")
+        if len(d) == 0:
+            raise InvalidOffloadRequest(f"block {k}: empty data")
+    tokens = None
+    if token_ids is not None:
+        tokens = [list(t) for t in token_ids]
+        if len(tokens) != len(keys):
+            raise InvalidOffloadRequest(f"token_ids has {len(tokens)} entries for {len(keys)} blocks")
+    if parent is not None:
+        check_keys([parent])
+    if block_size < 0:
+        raise InvalidOffloadRequest("block_size must be >= 0")
+    header = offload_pb2.PutHeader(namespace=namespace, session_id=session_id or "",
+                                   parent_key=parent or 0, has_parent=parent is not None, block_size=block_size)
+    return PutPlan(header, keys, datas, [crc32c(d) for d in datas], tokens,
+                   sum(len(d) for d in datas))
+
+
+def put_stream(plan: PutPlan) -> Iterator[bytes]:
+    """Wire-encoded PutRequests (see ``kvstore.wire``): one copy of each payload."""
+    yield offload_pb2.PutRequest(header=plan.header).SerializeToString()
+    for i, (key, data) in enumerate(zip(plan.keys, plan.datas, strict=True)):
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        for off in range(0, n, CHUNK_BYTES):
+            end = min(off + CHUNK_BYTES, n)
+            last = end == n
+            yield encode_put_chunk(key, mv[off:end], last, plan.crcs[i] if last else 0,
+                                   plan.tokens[i] if last and plan.tokens is not None else ())
+
+
+def shm_put_request(plan: PutPlan, seg: Segment) -> offload_pb2.ShmRequest:
+    """Copies the blocks into ``seg`` back to back (blocking: a memcpy of the whole put)."""
+    offsets: list[int] = []
+    sizes: list[int] = []
+    off = 0
+    for data in plan.datas:
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        seg.buf[off:off + n] = mv
+        offsets.append(off)
+        sizes.append(n)
+        off += n
+    req = offload_pb2.ShmRequest(header=plan.header, segment=seg.name, keys=plan.keys, offsets=offsets,
+                                 sizes=sizes, crc32c=plan.crcs)
+    if plan.tokens is not None:
+        req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
+    return req
+
+
+def put_result(resp: offload_pb2.PutResponse, via_shm: bool) -> PutResult:
+    return PutResult(resp.stored, resp.already_present, resp.bytes, resp.evicted, via_shm)
+
+
+def store_stats(resp: offload_pb2.StatsResponse) -> StoreStats:
+    return StoreStats(resp.ram_bytes, resp.ram_capacity_bytes, resp.disk_bytes, resp.disk_capacity_bytes,
+                      resp.ram_blocks, resp.disk_blocks, resp.eviction_policy, dict(resp.counters))
+
+
+# --- Get -----------------------------------------------------------------------------------
+
+
+def stream_get_request(namespace: str, keys: list[int]) -> offload_pb2.GetRequest:
+    return offload_pb2.GetRequest(namespace=namespace, keys=keys, chunk_bytes=CHUNK_BYTES)
+
+
+class GetAssembler:
+    """Rebuilds blocks from a Get stream, verifying each block's checksum."""
+
+    def __init__(self, keys: list[int], verify: bool) -> None:
+        self.keys = keys
+        self.verify = verify
+        self.blocks: list[memoryview] = []
+        self.tiers: list[int] = []
+        self._parts: list[memoryview] = []
+
+    def feed(self, ch: Chunk) -> None:
+        idx = len(self.blocks)
+        if idx >= len(self.keys) or ch.key != self.keys[idx]:
+            raise OffloadError(f"store sent block {ch.key} out of order (expected index {idx})")
+        self._parts.append(ch.data)
+        if not ch.last:
+            return
+        data = self._parts[0] if len(self._parts) == 1 else memoryview(b"".join(self._parts))
+        self._parts = []
+        if self.verify and ch.crc32c and crc32c(data) != ch.crc32c:
+            raise OffloadError(f"block {ch.key}: checksum mismatch on the wire")
+        self.blocks.append(data)
+        self.tiers.append(ch.tier)
+
+
+def first_shm_size(hint: int | None, n: int) -> int:
+    """Segment size for a shm Get: the known block size x chain, else a bounded guess
+    (a chain is often only partly present; the store says when more would fit)."""
+    if hint:
+        return hint * n
+    return min(n, 64) * (1 << 20)
+
+
+def grown_shm_size(resp: offload_pb2.ShmGetResponse, n_keys: int, seg: Segment) -> int:
+    """After a truncated GetShm: room for the whole chain at the largest block size seen, at least double."""
+    return max(max(resp.sizes, default=0) * n_keys, seg.size * 2)
+
+
+def shm_get_request(namespace: str, keys: list[int], seg: Segment) -> offload_pb2.ShmRequest:
+    return offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=namespace), segment=seg.name,
+                                  keys=keys, capacity=seg.size, map_store=True)
+
+
+class StoreMaps:
+    """Read-only mappings of the store's shared slabs, by segment name.
+
+    Slabs live as long as the store, so a mapping is kept; when an unknown name
+    shows up (new slab, or a restarted store) mappings of unlinked slabs are dropped.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._maps: dict[str, Segment] = {}
+
+    def get(self, name: str) -> Segment:
+        with self._lock:
+            seg = self._maps.get(name)
+        if seg is not None:
+            return seg
+        self._prune()
+        seg = Segment.attach(name, readonly=True)
+        with self._lock:
+            old = self._maps.setdefault(name, seg)
+        if old is not seg:
+            seg.close()
+        return old
+
+    def _prune(self) -> None:
+        with self._lock:
+            stale = [n for n in self._maps if not (SHM_DIR / n).exists()]
+            segs = [self._maps.pop(n) for n in stale]
+        for seg in segs:
+            seg.close()
+
+    def close(self) -> None:
+        with self._lock:
+            segs, self._maps = list(self._maps.values()), {}
+        for seg in segs:
+            seg.close()
+
+
+def views_from_shm(resp: offload_pb2.ShmGetResponse, seg: Segment, verify: bool,
+                   keys: list[int], store_maps: StoreMaps | None = None) -> list[memoryview]:
+    """The blocks of a complete GetShm answer: in ``seg`` or in the store's slabs it names."""
+    views = []
+    names = resp.segments
+    for i in range(resp.leading_present):
+        off, size = resp.offsets[i], resp.sizes[i]
+        name = names[i] if i < len(names) else ""
+        src = store_maps.get(name) if name and store_maps is not None else seg
+        if off + size > src.size:
+            raise OffloadError(f"block {keys[i]}: shm answer points past segment {src.name}")
+        v = src.buf[off:off + size]
+        if verify and i < len(resp.crc32c) and resp.crc32c[i] and crc32c(v) != resp.crc32c[i]:
+            raise OffloadError(f"block {keys[i]}: checksum mismatch in shared memory")
+        views.append(v)
+    return views
+
