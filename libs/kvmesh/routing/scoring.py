@@ -6,11 +6,19 @@ but in *seconds*, from the same latency figures as the engine model (the
 neutral :mod:`kvmesh.perfmodel`, shared with the sim engine), so that every tier
 and every kind of load is weighed at its real price::
 
-    cost = wait + own + decode
-    wait   = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
-    own    = prefill_cost(uncached, context=cached)            (linear + attention)
-           + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
-    decode = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
+    cost = wait + own + decode + work + displace
+    wait     = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
+    own      = prefill_cost(uncached, context=cached)            (linear + attention)
+             + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
+    decode   = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
+    work     = cluster_work_weight · saturation · (own − least own of any endpoint)
+    displace = displace_weight · prefill_s/token · new tokens beyond (capacity − others' working set)
+
+The first three are this request's TTFT there; ``work`` and ``displace`` are what the
+placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill
+beyond the cheapest placement's is work every queued request waits behind; and new blocks
+beyond what an endpoint's recently used contexts leave free evict KV that their sessions'
+next turns would reuse (``LoadView.working_set``). See docs/router.md.
 
 * Each leading block counts at the best tier that holds it: the endpoint's own
   GPU cache (or a speculative entry the router wrote for a request it just sent
@@ -76,14 +84,14 @@ class ScoringConfig:
     hot_kv_usage: float = field(default=0.98, metadata={"help": "hot if KV usage reaches this"})
     hot_min_hit_ratio: float = field(default=0.5, metadata={"help": "a hot endpoint only takes hits >= this"})
     max_inflight: int = field(default=0, metadata={"help": "per-endpoint in-flight cap (0 = none)"})
-    cluster_work_weight: float = field(default=0.0, metadata={
+    cluster_work_weight: float = field(default=1.0, metadata={
         "help": "price, per second of saturation, of the prefill a placement adds beyond the cheapest "
                 "placement's: when every endpoint has a queue, that recompute is work every queued "
                 "request waits behind (0 = off)"})
     saturation_s: float = field(default=1.0, metadata={
         "help": "queued prefill (s) on the least-loaded endpoint at which the cluster counts as saturated; "
                 "the cluster-work term scales with min(1, that queue / this)"})
-    displace_weight: float = field(default=0.0, metadata={
+    displace_weight: float = field(default=1.0, metadata={
         "help": "price of a token of reusable KV a placement evicts (its new blocks beyond the endpoint's "
                 "capacity minus the contexts of sessions that used it within --reuse-window-s), as a "
                 "fraction of its recompute (0 = off)"})

@@ -71,7 +71,7 @@ def test_saturated_cluster_keeps_the_turn_home_when_the_move_only_trades_queue_f
     assert by["e1"].work_s == cfg.cluster_work_weight * 1.0 * (own_away - own_home)
     assert by["e1"].wait_s + by["e1"].own_s + by["e1"].decode_s < by["e0"].cost   # the old cost would move it
     # The same cluster without the term moves the turn.
-    plain = _core(2)
+    plain = _core(2, cluster_work_weight=0.0)
     _saturated_home(plain, n, home_q, other_q)
     assert plain.decide(_req(plain, n, "r", session="s"), home, now=0.1).endpoint_id == "e1"
 
@@ -135,7 +135,7 @@ def test_a_new_session_goes_where_its_blocks_displace_no_reusable_kv():
         assert by["e1"].displace_s == cfg.displace_weight * (need - need // 2) * cfg.prefill_s_per_token
         assert by["e2"].displace_s == 0.0
     # Without the term every endpoint ties on cost and the session's hash spreads them.
-    plain = _core(3)
+    plain = _core(3, displace_weight=0.0)
     _capacity(plain, nb, "e0", "e1", "e2")
     picks = {plain.decide(_req(plain, n, f"r{i}", session=f"s{i}", seed=i), Matches(), now=0.1).endpoint_id
              for i in range(8)}
