@@ -81,6 +81,10 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
     ids = [f"e{i}" for i in rng.sample(range(50), rng.randrange(1, 24))]
     now = 10.0
     load = _random_load(rng, ids, now)
+    if rng.random() < 0.4:   # a saturated cluster: every endpoint has prefill queued
+        for e in ids:
+            load.update(e, LoadReport(running=1, waiting_prefill_tokens=rng.randrange(1, 5000),
+                                      num_blocks=rng.choice([0, 1000]), received_at=now - 0.1))
     nblocks = rng.randrange(1, 30)
     keys = chain_keys("t", [rng.randrange(3)] + [rng.randrange(4) for _ in range(nblocks - 1)])
     req = RouteRequest(request_id="q", model="m", keys=keys, num_tokens=nblocks * BS + rng.randrange(BS),
@@ -92,8 +96,8 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
         per = {e: same for e in ids}
     store = _random_match(rng, cap) if rng.random() < 0.5 else TierMatch()
     cfg = ScoringConfig(max_inflight=rng.choice([0, 0, 2]), tie_epsilon_s=rng.choice([0.0, 0.01, 0.5]),
-                        cluster_work_weight=rng.choice([0.0, 1.0, 2.5]), saturation_s=rng.choice([0.0, 0.01, 1.0]),
-                        displace_weight=rng.choice([0.0, 0.5, 1.0]), reuse_window_s=600.0)
+                        cluster_work_weight=rng.choice([0.0, 1.0, 2.7]), saturation_s=rng.choice([0.0, 0.013, 0.37, 1.0]),
+                        displace_weight=rng.choice([0.0, 0.6, 1.0]), reuse_window_s=600.0)
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     shared = load.pending_overlap(req.keys, BS)
