@@ -84,7 +84,7 @@ class ScoringConfig:
     hot_kv_usage: float = field(default=0.98, metadata={"help": "hot if KV usage reaches this"})
     hot_min_hit_ratio: float = field(default=0.5, metadata={"help": "a hot endpoint only takes hits >= this"})
     max_inflight: int = field(default=0, metadata={"help": "per-endpoint in-flight cap (0 = none)"})
-    cluster_work_weight: float = field(default=1.0, metadata={
+    cluster_work_weight: float = field(default=0.5, metadata={
         "help": "price, per second of saturation, of the prefill a placement adds beyond the cheapest "
                 "placement's: when every endpoint has a queue, that recompute is work every queued "
                 "request waits behind (0 = off)"})
