@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from kvmesh.routing.load import LoadColumns, LoadView
-from kvmesh.routing.scoring import ScoringConfig, evaluate, max_hit_blocks, pick_reason
+from kvmesh.routing.scoring import (
+    ClusterState,
+    ScoringConfig,
+    evaluate,
+    max_hit_blocks,
+    pick_reason,
+    saturation,
+)
 from kvmesh.routing.types import Candidate, Matches, RouteRequest, TierMatch
 
 REPORTED_CANDIDATES = 16   # the winner and the cheapest others, kept on the decision for traces
@@ -130,7 +137,19 @@ class CandidateTable:
         self.wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
         ctx = lc.active_blocks * bs + lc.inflight_ctx_tokens
         self.decode = cfg.decode_horizon_steps * (lc.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
-        self.cost = self.wait + own + self.decode
+        # scoring.cluster_state, then the cluster terms of scoring.evaluate.
+        self.state = ClusterState(float(own.min()), saturation(float(lc.prefill_tokens.min()), cfg)) if len(ids) \
+            else ClusterState()
+        self.work = cfg.cluster_work_weight * self.state.saturation * np.maximum(own - self.state.best_own_s, 0.0)
+        home, mine = load.working_set.home(req.session_id)
+        self.own_resident = np.zeros(len(ids))
+        if (h := matches.pos.get(home)) is not None:
+            self.own_resident[h] = mine
+        room = lc.capacity_blocks * bs - (lc.resident_tokens - self.own_resident)
+        displaced = np.maximum(-(-uncached // bs) * bs - np.maximum(room, 0.0), 0.0)
+        self.displace = np.where(lc.capacity_blocks > 0, cfg.displace_weight * displaced * cfg.prefill_s_per_token,
+                                 0.0)
+        self.cost = self.wait + own + self.decode + self.work + self.displace
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)
@@ -213,7 +232,8 @@ class CandidateTable:
         if c is None:
             ep = self.ids[i]
             c = evaluate(ep, self.matches.at(i), self.store, self.load.effective(ep, self.now), self.req.num_tokens,
-                         self.req.block_size, self.cfg, self.offload_enabled, self.shared.get(ep, 0))
+                         self.req.block_size, self.cfg, self.offload_enabled, self.shared.get(ep, 0), self.state,
+                         int(self.own_resident[i]))
             c.hot = bool(self.hot[i])
             c.excluded = self.excluded(i)
             self._built[i] = c

@@ -11,6 +11,7 @@ ignored and only the router's own in-flight requests count.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,11 @@ class EffectiveLoad:
     # context tokens of the router's requests sent since: what every decode step must read there.
     active_blocks: float = 0.0
     inflight_ctx_tokens: float = 0.0
+    # The endpoint's KV capacity (blocks, from its last report, even stale or dropped; 0: unknown) and the
+    # contexts of the sessions routed there within the reuse window (tokens): the KV likely to be
+    # reused there soon (see :class:`WorkingSet`).
+    capacity_blocks: float = 0.0
+    resident_tokens: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -82,6 +88,8 @@ class LoadColumns:
     inflight: np.ndarray
     active_blocks: np.ndarray
     inflight_ctx_tokens: np.ndarray
+    capacity_blocks: np.ndarray
+    resident_tokens: np.ndarray
 
 
 class _Sums:
@@ -93,7 +101,7 @@ class _Sums:
     """
 
     FIELDS = ("has_report", "received_at", "running", "waiting", "report_prefill", "kv_usage", "report_blocks",
-              "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx")
+              "capacity", "resident", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx")
 
     def __init__(self) -> None:
         self.slot: dict[str, int] = {}
@@ -152,6 +160,58 @@ class _Sums:
         cols["report_prefill"][i] = rep.waiting_prefill_tokens
         cols["kv_usage"][i] = rep.kv_usage
         cols["report_blocks"][i] = max(rep.num_blocks, 0)
+        cols["capacity"][i] = max(rep.num_blocks, 0)
+
+
+class WorkingSet:
+    """Per endpoint, the context of every session routed there within the last ``window_s``.
+
+    That is the KV the endpoint is likely to be asked for again soon: an agent's next turn
+    reuses its whole context. A placement whose new blocks exceed the endpoint's capacity
+    minus this evicts some of it (vLLM evicts the least recently used cached blocks; those of
+    sessions idle longer than the window go first and are not counted). A session counts at
+    its latest endpoint only, with its latest prompt. Totals are kept per endpoint slot of the
+    load view (``_Sums``), as floats holding integers, so per-endpoint and column reads agree.
+    """
+
+    def __init__(self, sums: _Sums, window_s: float) -> None:
+        self.sums = sums
+        self.window_s = window_s
+        self._where: dict[str, tuple[int, str, int, float]] = {}   # session -> (slot, endpoint, tokens, touched)
+        self._order: deque[tuple[float, str]] = deque()
+
+    def touch(self, session_id: str, endpoint_id: str, tokens: int, now: float) -> None:
+        if not session_id or self.window_s <= 0:
+            return
+        self._drop(session_id)
+        i = self.sums.slot_of(endpoint_id)
+        self._where[session_id] = (i, endpoint_id, tokens, now)
+        self._order.append((now, session_id))
+        self.sums.cols["resident"][i] += tokens
+
+    def home(self, session_id: str) -> tuple[str, int]:
+        """(endpoint, tokens) where the session's context is counted, or ("", 0)."""
+        w = self._where.get(session_id) if session_id else None
+        return (w[1], w[2]) if w is not None else ("", 0)
+
+    def expire(self, now: float) -> None:
+        order, where = self._order, self._where
+        while order and order[0][0] < now - self.window_s:
+            t, sid = order.popleft()
+            w = where.get(sid)
+            if w is not None and w[3] == t:
+                self._drop(sid)
+
+    def _drop(self, session_id: str) -> None:
+        w = self._where.pop(session_id, None)
+        if w is not None:
+            self.sums.cols["resident"][w[0]] -= w[2]
+
+    def forget_endpoint(self, endpoint_id: str) -> None:
+        i = self.sums.slot.get(endpoint_id)
+        if i is not None:
+            for sid in [s for s, w in self._where.items() if w[0] == i]:
+                self._drop(sid)
 
 
 def _drop(index: dict[Any, dict[str, _InFlight]], key: Any, request_id: str) -> None:
@@ -167,6 +227,7 @@ class LoadView:
     """Per-endpoint load with a staleness bound and optimistic in-flight counting."""
 
     staleness_s: float = 2.0
+    reuse_window_s: float = 600.0
     reports: dict[str, LoadReport] = field(default_factory=dict)
     _inflight: dict[str, _InFlight] = field(default_factory=dict)
     # The same requests by endpoint, and those still queued for prefill by first block key:
@@ -177,6 +238,10 @@ class LoadView:
     _sums: _Sums = field(default_factory=_Sums)
     _version: int = 0   # bumped by every change to the in-flight requests
     _overlap_memo: tuple[list[int], int, int, dict[str, int]] | None = None
+    working_set: WorkingSet = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.working_set = WorkingSet(self._sums, self.reuse_window_s)
 
     def update(self, endpoint_id: str, report: LoadReport) -> None:
         self.reports[endpoint_id] = report
@@ -293,16 +358,22 @@ class LoadView:
         rep = self.reports.get(endpoint_id)
         i = self._sums.slot.get(endpoint_id)
         total, all_prefill, all_ctx, new_req, new_prefill, new_ctx = self._sums.py[i] if i is not None else [0] * 6
+        self.working_set.expire(now)
+        # Capacity is the last one reported, also after the report itself is dropped or stale.
+        resident = float(self._sums.cols["resident"][i]) if i is not None else 0.0
+        capacity = float(self._sums.cols["capacity"][i]) if i is not None else 0.0
         if rep is not None and (now - rep.received_at) <= self.staleness_s:
             return EffectiveLoad(running=rep.running, waiting=rep.waiting + new_req,
                                  prefill_tokens=rep.waiting_prefill_tokens + new_prefill,
                                  kv_usage=rep.kv_usage, inflight=total, stale=False,
-                                 active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx)
+                                 active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx,
+                                 capacity_blocks=capacity, resident_tokens=resident)
         return EffectiveLoad(running=0, waiting=total, prefill_tokens=all_prefill, inflight=total, stale=True,
-                             inflight_ctx_tokens=all_ctx)
+                             inflight_ctx_tokens=all_ctx, capacity_blocks=capacity, resident_tokens=resident)
 
     def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
         """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
+        self.working_set.expire(now)
         idx = self._sums.slots(endpoint_ids)
         c = {f: a[idx] for f, a in self._sums.cols.items()}
         fresh = (c["has_report"] > 0) & ((now - c["received_at"]) <= self.staleness_s)
@@ -313,4 +384,6 @@ class LoadView:
                            prefill_tokens=np.where(fresh, c["report_prefill"] + c["new_prefill"], c["all_prefill"]),
                            kv_usage=kv, inflight=c["all_req"],
                            active_blocks=np.where(fresh, c["kv_usage"] * c["report_blocks"], 0.0),
-                           inflight_ctx_tokens=np.where(fresh, c["new_ctx"], c["all_ctx"]))
+                           inflight_ctx_tokens=np.where(fresh, c["new_ctx"], c["all_ctx"]),
+                           capacity_blocks=c["capacity"],
+                           resident_tokens=c["resident"])

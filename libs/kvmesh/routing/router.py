@@ -70,7 +70,7 @@ class RouterCore:
         self.cfg = cfg or RouterCoreConfig()
         self.hasher = hasher or BlockHasher(self.cfg.hash_algo, self.cfg.block_size, self.cfg.hash_seed)
         self.hash_cache = HashCache(self.hasher, self.cfg.hash_cache)
-        self.load = LoadView(staleness_s=self.cfg.load_staleness_s)
+        self.load = LoadView(staleness_s=self.cfg.load_staleness_s, reuse_window_s=self.cfg.scoring.reuse_window_s)
         self.endpoints: dict[str, EndpointView] = {}
         self._eligible: dict[tuple[str, str, frozenset[str], int], _Eligible] = {}
         self._policies: dict[str, Policy] = {}
@@ -111,6 +111,7 @@ class RouterCore:
         self._eligible.clear()
         if self.endpoints.pop(endpoint_id, None) is not None:
             self.load.forget(endpoint_id)
+            self.load.working_set.forget_endpoint(endpoint_id)
             for p in self._policies.values():
                 p.forget_endpoint(endpoint_id)
 
@@ -211,6 +212,7 @@ class RouterCore:
                               num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo)
         self.load.on_sent(decision.endpoint_id, req.request_id, local_prefill, now, keys=req.keys,
                           num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens)
+        self.load.working_set.touch(req.session_id, decision.endpoint_id, req.num_tokens, now)
         self.policy(decision.policy).on_routed(req, decision, now, prefill_ep)
 
     def on_first_token(self, req: RouteRequest) -> None:

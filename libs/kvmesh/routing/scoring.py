@@ -6,11 +6,19 @@ but in *seconds*, from the same latency figures as the engine model (the
 neutral :mod:`kvmesh.perfmodel`, shared with the sim engine), so that every tier
 and every kind of load is weighed at its real price::
 
-    cost = wait + own + decode
-    wait   = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
-    own    = prefill_cost(uncached, context=cached)            (linear + attention)
-           + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
-    decode = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
+    cost = wait + own + decode + work + displace
+    wait     = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
+    own      = prefill_cost(uncached, context=cached)            (linear + attention)
+             + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
+    decode   = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
+    work     = cluster_work_weight · saturation · (own − least own of any endpoint)
+    displace = displace_weight · prefill_s/token · new tokens beyond (capacity − others' working set)
+
+The first three are this request's TTFT there; ``work`` and ``displace`` are what the
+placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill
+beyond the cheapest placement's is work every queued request waits behind; and new blocks
+beyond what an endpoint's recently used contexts leave free evict KV that their sessions'
+next turns would reuse (``LoadView.working_set``). See docs/router.md.
 
 * Each leading block counts at the best tier that holds it: the endpoint's own
   GPU cache (or a speculative entry the router wrote for a request it just sent
@@ -76,6 +84,19 @@ class ScoringConfig:
     hot_kv_usage: float = field(default=0.98, metadata={"help": "hot if KV usage reaches this"})
     hot_min_hit_ratio: float = field(default=0.5, metadata={"help": "a hot endpoint only takes hits >= this"})
     max_inflight: int = field(default=0, metadata={"help": "per-endpoint in-flight cap (0 = none)"})
+    cluster_work_weight: float = field(default=0.5, metadata={
+        "help": "price, per second of saturation, of the prefill a placement adds beyond the cheapest "
+                "placement's: when every endpoint has a queue, that recompute is work every queued "
+                "request waits behind (0 = off)"})
+    saturation_s: float = field(default=1.0, metadata={
+        "help": "queued prefill (s) on the least-loaded endpoint at which the cluster counts as saturated; "
+                "the cluster-work term scales with min(1, that queue / this)"})
+    displace_weight: float = field(default=1.0, metadata={
+        "help": "price of a token of reusable KV a placement evicts (its new blocks beyond the endpoint's "
+                "capacity minus the contexts of sessions that used it within --reuse-window-s), as a "
+                "fraction of its recompute (0 = off)"})
+    reuse_window_s: float = field(default=600.0, metadata={
+        "help": "a session's context counts in its endpoint's working set for this long after its last turn"})
 
     def validate(self) -> None:
         for name in self.__dataclass_fields__:
@@ -135,10 +156,39 @@ def tier_split(match: TierMatch, store: TierMatch, cap_blocks: int, offload_enab
     return TierSplit(gpu, cpu_end - gpu, disk_end - cpu_end, spec, pending)
 
 
+@dataclass(frozen=True)
+class ClusterState:
+    """The figures of one decision that depend on every endpoint at once (see :func:`cluster_state`)."""
+
+    best_own_s: float = 0.0     # the cheapest placement's own prefill + restore
+    saturation: float = 0.0     # 0: some endpoint has no queued prefill; 1: the least loaded has saturation_s
+
+
+def saturation(min_queued_tokens: float, cfg: ScoringConfig) -> float:
+    """How saturated the cluster is, from the least-loaded endpoint's queued prefill (tokens)."""
+    wait = min_queued_tokens * cfg.prefill_s_per_token
+    if wait <= 0.0:
+        return 0.0
+    if cfg.saturation_s <= 0.0:
+        return 1.0
+    return min(1.0, wait / cfg.saturation_s)
+
+
+def cluster_state(cands: list[Candidate], cfg: ScoringConfig) -> ClusterState:
+    """Cluster-wide figures from every endpoint's evaluation (with or without a cluster state)."""
+    if not cands:
+        return ClusterState()
+    return ClusterState(min(c.own_s for c in cands), saturation(min(c.prefill_tokens for c in cands), cfg))
+
+
 def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: EffectiveLoad, num_tokens: int,
              block_size: int, cfg: ScoringConfig, offload_enabled: bool = True,
-             shared_queued_tokens: int = 0) -> Candidate:
-    """Estimated seconds to first token of the request on one endpoint (lower is better)."""
+             shared_queued_tokens: int = 0, cluster: ClusterState | None = None,
+             own_resident_tokens: int = 0) -> Candidate:
+    """Estimated seconds to first token of the request on one endpoint, plus what the placement
+    costs the rest of the cluster (lower is better). ``cluster``: see :func:`cluster_state`;
+    without it the cluster-work term is 0. ``own_resident_tokens``: the request's session's own
+    context counted in the endpoint's working set (``LoadView.working_set``), which it reuses."""
     cap = max_hit_blocks(num_tokens, block_size)
     split = tier_split(match, store, cap, offload_enabled)
     cached_tokens = split.cached * block_size
@@ -152,10 +202,22 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
     wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
     ctx = load.active_blocks * block_size + load.inflight_ctx_tokens
     decode = cfg.decode_horizon_steps * (load.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
-    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode, credit_blocks=float(split.cached),
+    work = displace = 0.0
+    if cluster is not None:
+        # Prefill beyond the cheapest placement's is work queued requests wait behind once
+        # every endpoint is busy.
+        work = cfg.cluster_work_weight * cluster.saturation * max(own - cluster.best_own_s, 0.0)
+    if load.capacity_blocks > 0:
+        # New blocks beyond what the endpoint's recently used contexts leave free evict some of
+        # them; their sessions' next turns recompute what they lose.
+        room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
+        displaced = max(-(-uncached // block_size) * block_size - max(room, 0.0), 0.0)
+        displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace,
+                     credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
                      uncached_tokens=uncached, queue=load.queue, prefill_tokens=load.prefill_tokens,
-                     wait_s=wait, own_s=own, decode_s=decode,
+                     wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
 

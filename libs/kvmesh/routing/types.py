@@ -107,6 +107,8 @@ class Candidate:
     wait_s: float = 0.0          # queued prefill ahead of it (minus what it shares)
     own_s: float = 0.0           # its own uncached prefill + restore
     decode_s: float = 0.0        # decode load it would run alongside
+    work_s: float = 0.0          # price of the prefill it adds beyond the cheapest placement's (saturated)
+    displace_s: float = 0.0      # price of the cached KV its new blocks would evict there
     store_blocks: int = 0        # leading blocks any endpoint could restore from the offload store
     pending_blocks: int = 0      # of offload_blocks, only there after a sibling's split prefill
     hot: bool = False

@@ -18,7 +18,16 @@ from kvmesh.hashing.prefix import common_prefix
 from kvmesh.routing.candidate_table import CandidateTable, MatchColumns
 from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
 from kvmesh.routing.load import LoadReport, LoadView
-from kvmesh.routing.scoring import ScoringConfig, evaluate, mark_hot, max_hit_blocks, pick, spread_key
+from kvmesh.routing.scoring import (
+    ClusterState,
+    ScoringConfig,
+    cluster_state,
+    evaluate,
+    mark_hot,
+    max_hit_blocks,
+    pick,
+    spread_key,
+)
 from kvmesh.routing.types import Candidate, Matches, RouteRequest, TierMatch
 from kvmesh_tools.traffic.model import chain_keys
 
@@ -26,7 +35,7 @@ BS = 16
 
 
 def _random_load(rng: random.Random, ids: list[str], now: float) -> LoadView:
-    lv = LoadView(staleness_s=1.0)
+    lv = LoadView(staleness_s=1.0, reuse_window_s=rng.choice([0.0, 4.0, 600.0]))
     heads = [rng.randrange(3) for _ in range(4)]
     live: list[str] = []
     t = now - 3.0
@@ -45,6 +54,9 @@ def _random_load(rng: random.Random, ids: list[str], now: float) -> LoadView:
             keys = chain_keys("t", [rng.choice(heads)] + [rng.randrange(4) for _ in range(n - 1)])
             lv.on_sent(ep, rid, rng.choice([0, rng.randrange(n * BS)]), t, keys=keys, num_tokens=n * BS,
                        cached_tokens=rng.choice([0, BS * rng.randrange(n)]))
+            # Sessions' contexts in the working set, some of them old enough to expire.
+            lv.working_set.touch(rng.choice(["s1", "s2", "s3", "s4"]), ep,
+                                 rng.choice([n * BS, 1000 * BS, rng.randrange(20_000)]), t - rng.choice([0.0, 5.0]))
             live.append(rid)
         elif op < 0.8 and live:
             lv.on_first_token(rng.choice(live))
@@ -69,6 +81,10 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
     ids = [f"e{i}" for i in rng.sample(range(50), rng.randrange(1, 24))]
     now = 10.0
     load = _random_load(rng, ids, now)
+    if rng.random() < 0.4:   # a saturated cluster: every endpoint has prefill queued
+        for e in ids:
+            load.update(e, LoadReport(running=1, waiting_prefill_tokens=rng.randrange(1, 5000),
+                                      num_blocks=rng.choice([0, 1000]), received_at=now - 0.1))
     nblocks = rng.randrange(1, 30)
     keys = chain_keys("t", [rng.randrange(3)] + [rng.randrange(4) for _ in range(nblocks - 1)])
     req = RouteRequest(request_id="q", model="m", keys=keys, num_tokens=nblocks * BS + rng.randrange(BS),
@@ -79,14 +95,24 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
         same = _random_match(rng, cap)
         per = {e: same for e in ids}
     store = _random_match(rng, cap) if rng.random() < 0.5 else TierMatch()
-    cfg = ScoringConfig(max_inflight=rng.choice([0, 0, 2]), tie_epsilon_s=rng.choice([0.0, 0.01, 0.5]))
+    cfg = ScoringConfig(max_inflight=rng.choice([0, 0, 2]), tie_epsilon_s=rng.choice([0.0, 0.01, 0.5]),
+                        cluster_work_weight=rng.choice([0.0, 1.0, 2.7]), saturation_s=rng.choice([0.0, 0.013, 0.37, 1.0]),
+                        displace_weight=rng.choice([0.0, 0.6, 1.0]), reuse_window_s=600.0)
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     shared = load.pending_overlap(req.keys, BS)
 
     loads = {e: load.effective(e, now) for e in ids}
-    ref: list[Candidate] = [evaluate(e, per.get(e, TierMatch()), store, loads[e], req.num_tokens, BS, cfg, offload,
-                                     shared.get(e, 0)) for e in ids]
+
+    home, mine = load.working_set.home(req.session_id)
+
+    def scored(state: ClusterState | None) -> list[Candidate]:
+        return [evaluate(e, per.get(e, TierMatch()), store, loads[e], req.num_tokens, BS, cfg, offload,
+                         shared.get(e, 0), state, mine if e == home else 0) for e in ids]
+    # The cluster figures come from every endpoint's own evaluation (they do not depend on them).
+    state = cluster_state(scored(None), cfg)
+    ref: list[Candidate] = scored(state)
+    assert cluster_state(ref, cfg) == state
     mark_hot(ref, loads, cap, cfg)
     ref_win, ref_why = pick(ref, cfg, affinity, spread_key(req))
 
@@ -95,6 +121,7 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
     table.mark_hot()
     choice = table.pick(affinity, spread_key(req))
     assert (ids[choice.index], choice.reason) == (ref_win.endpoint_id, ref_why)
+    assert table.state == state
     for i, c in enumerate(ref):
         assert table.cost[i] == c.cost          # bit-identical, not approximately equal
         assert table.candidate(i) == c
@@ -156,8 +183,9 @@ def test_load_columns_equal_effective(seed: int) -> None:
         eff = load.effective(e, now)
         assert _scan(load, e, now) == (eff.queue, eff.prefill_tokens, eff.inflight_ctx_tokens, eff.inflight)
         assert (cols.queue[i], cols.prefill_tokens[i], cols.kv_usage[i], cols.inflight[i], cols.active_blocks[i],
-                cols.inflight_ctx_tokens[i]) == (eff.queue, eff.prefill_tokens, eff.kv_usage, eff.inflight,
-                                                 eff.active_blocks, eff.inflight_ctx_tokens)
+                cols.inflight_ctx_tokens[i], cols.capacity_blocks[i], cols.resident_tokens[i]) == (
+                    eff.queue, eff.prefill_tokens, eff.kv_usage, eff.inflight, eff.active_blocks,
+                    eff.inflight_ctx_tokens, eff.capacity_blocks, eff.resident_tokens)
 
 
 @pytest.mark.parametrize("seed", range(50))
