@@ -19,6 +19,10 @@ prompt an engine serving Anthropic traffic computes:
 * ``thinking`` blocks become the message's ``reasoning``; ``redacted_thinking``
   is dropped.
 
+Keys are even in vLLM's order (the one its request validation leaves, e.g. a
+tool call's ``function`` is ``{arguments, name}``), because a template that
+writes a dict with ``tojson`` writes its keys in order.
+
 What kvmesh cannot honour is refused with a 400 whose message names the field,
 never ignored: image and document blocks (text-only models), server tools,
 extended thinking, structured output, a region, ``max_tokens`` 0 (cache
@@ -175,7 +179,7 @@ def _tool_result(block: dict[str, Any], where: str) -> dict[str, Any]:
         text = "\n".join(texts)
     else:
         raise bad_request(f"{where}.content", "must be a string or a list of text blocks")
-    return {"role": "tool", "tool_call_id": tool_use_id, "content": text}
+    return {"content": text, "role": "tool", "tool_call_id": tool_use_id}
 
 
 def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -184,7 +188,7 @@ def _tool_use(block: dict[str, Any], where: str) -> dict[str, Any]:
     args = block.get("input")
     if args is not None and not isinstance(args, dict):
         raise bad_request(f"{where}.input", "must be an object")
-    return {"id": tid, "type": "function", "function": {"name": name, "arguments": json.dumps(args or {})}}
+    return {"id": tid, "function": {"arguments": json.dumps(args or {}), "name": name}, "type": "function"}
 
 
 def _convert_message(i: int, msg: Any, out: list[dict[str, Any]]) -> None:
@@ -201,10 +205,10 @@ def _convert_message(i: int, msg: Any, out: list[dict[str, Any]]) -> None:
     if role == "system":
         text = content if isinstance(content, str) else _system(content)
         if text and not text.startswith(BILLING_HEADER):
-            out.append({"role": "system", "content": text})
+            out.append({"content": text, "role": "system"})
         return
     if isinstance(content, str):
-        out.append({"role": role, "content": content})
+        out.append({"content": content, "role": role} if role == "user" else {"role": role, "content": content})
         return
     parts: list[dict[str, Any]] = []
     tool_calls: list[dict[str, Any]] = []
@@ -216,7 +220,7 @@ def _convert_message(i: int, msg: Any, out: list[dict[str, Any]]) -> None:
         if btype == "text":
             text = _text_of(block, bwhere)
             if text:
-                parts.append({"type": "text", "text": text})
+                parts.append({"text": text, "type": "text"})
         elif btype == "tool_use":
             if role != "assistant":
                 raise bad_request(f"{bwhere}.type", "tool_use blocks belong in assistant messages")
@@ -232,14 +236,16 @@ def _convert_message(i: int, msg: Any, out: list[dict[str, Any]]) -> None:
         else:
             raise _unsupported_block(str(btype), bwhere)
     chat: dict[str, Any] = {"role": role}
-    if reasoning:
-        chat["reasoning"] = "".join(reasoning)
-    if tool_calls:
-        chat["tool_calls"] = tool_calls
     if parts:
         chat["content"] = parts[0]["text"] if len(parts) == 1 else parts
+    if tool_calls:
+        chat["tool_calls"] = tool_calls
+    if reasoning:
+        chat["reasoning"] = "".join(reasoning)
     if role == "user" and "content" not in chat:
         return   # only tool results: they are the turn
+    if role == "user" and isinstance(chat["content"], str):
+        chat = {"content": chat["content"], "role": role}
     out.append(chat)
 
 
@@ -252,7 +258,7 @@ def _messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     system = _system(body.get("system"))
     if system:
-        out.append({"role": "system", "content": system})
+        out.append({"content": system, "role": "system"})
     for i, m in enumerate(msgs):
         _convert_message(i, m, out)
     return out

@@ -164,8 +164,8 @@ def test_tool_use_round_trip_renders_the_tool_result(client, tiny_model_dir):
                                                   "parameters": TOOLS[0]["input_schema"]}}]
     oa = [{"role": "system", "content": SYSTEM}, user,
           {"role": "assistant", "content": "Reading it.", "tool_calls": [
-              {"id": "toolu_01", "type": "function",
-               "function": {"name": "read_file", "arguments": json.dumps({"path": "setup.cfg"})}}]},
+              {"id": "toolu_01", "type": "function",   # vLLM's key order: arguments, then name
+               "function": {"arguments": json.dumps({"path": "setup.cfg"}), "name": "read_file"}}]},
           {"role": "tool", "tool_call_id": "toolu_01", "content": result},
           {"role": "user", "content": "Summarize it."}]
     assert count == _total_input(m2.usage) == _rendered_tokens(tiny_model_dir, oa, oa_tools)
