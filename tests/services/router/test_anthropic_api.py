@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from kvmesh.tokenization import load_tokenizer
+from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.router import MODEL, RouterStack, start_router, start_workers
 
@@ -260,3 +261,19 @@ def test_garbage_bodies_and_unknown_routes(stack, client):
         client.messages.create(model="claude-nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
     # The router still answers after all of that.
     assert client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "ok?"}]).usage
+
+
+def test_no_live_endpoint_is_overloaded_error(tmp_path, procs, tiny_model_dir):
+    # The only endpoint's address has nothing listening: every attempt fails before a token.
+    router, http = start_router(tmp_path, [("gone", f"127.0.0.1:{free_port()}")],
+                                extra=["--tokenizer-path", str(tiny_model_dir)])
+    procs(router)
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{http}", api_key="k", max_retries=0, timeout=30)
+    msgs = [{"role": "user", "content": "anyone there?"}]
+    with pytest.raises(anthropic.OverloadedError) as err:
+        client.messages.create(model=MODEL, max_tokens=4, messages=msgs)
+    assert err.value.status_code == 529 and err.value.body["error"]["type"] == "overloaded_error"
+    with pytest.raises(anthropic.OverloadedError):   # a stream fails before it starts: a status, not an event
+        with client.messages.stream(model=MODEL, max_tokens=4, messages=msgs) as s:
+            s.get_final_message()
+    assert client.messages.count_tokens(model=MODEL, messages=msgs).input_tokens > 0   # no endpoint needed
