@@ -294,14 +294,18 @@ class AnthropicApi:
                 async for it in gen:
                     yield it
 
-            async for kind, item in items():
-                if kind == "chunk":
-                    for e in ms.text(out.push(item)):
-                        yield e
-                    if out.matched is not None:
-                        break
-                else:
-                    fin = item
+            chain = items()
+            try:
+                async for kind, item in chain:
+                    if kind == "chunk":
+                        for e in ms.text(out.push(item)):
+                            yield e
+                        if out.matched is not None:
+                            break   # the worker call is cancelled below (gen.aclose)
+                    else:
+                        fin = item
+            finally:
+                await chain.aclose()
             for e in ms.text(out.stops.flush()):
                 yield e
             tool_use = False
