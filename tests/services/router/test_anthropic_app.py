@@ -1,4 +1,5 @@
-"""Tool calls out of the router's Messages API, from a constructed router result.
+"""The router's FastAPI app with the Messages API mounted: tool calls out, from a constructed router
+result, and error shapes per path.
 
 The router's workers return token ids only (tool-call parsing in the engines is other work of
 issue 19), so a service whose ``generate`` yields a chunk and a final report carrying OpenAI-style
@@ -53,12 +54,12 @@ def routed(tiny_model_dir):
     app = build_app(service)  # type: ignore[arg-type]
     client = anthropic.AsyncAnthropic(base_url="http://router", api_key="k", max_retries=0,
                                       http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)))
-    return service, client
+    return service, client, app
 
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_tool_calls_come_back_as_tool_use(routed, stream):
-    service, client = routed
+    service, client, _ = routed
     kw: dict[str, Any] = dict(model="m", max_tokens=32, tools=TOOLS,
                               messages=[{"role": "user", "content": "What is in a.py?"}])
     if stream:
@@ -75,3 +76,16 @@ async def test_tool_calls_come_back_as_tool_use(routed, stream):
     assert (m.usage.input_tokens, m.usage.cache_read_input_tokens) == (prompt - 32, 32)
     # The tool definitions reached the prompt the router routed.
     assert '"name": "read_file"' in service.seen[-1].text
+
+
+async def test_unknown_routes_answer_in_each_apis_shape(routed):
+    _, _, app = routed
+    async with httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app), base_url="http://router") as http:
+        r = await http.get("/v1/messages/count_tokens")
+        assert r.status_code == 405 and r.json()["type"] == "error"
+        r = await http.post("/v1/messages/batches", json={})
+        assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+        r = await http.post("/v1/nowhere", json={})   # outside /v1/messages: OpenAI's shape, as before
+        assert r.status_code == 404 and r.json()["error"]["message"] == "no route /v1/nowhere"
+        r = await http.get("/v1/chat/completions")
+        assert r.status_code == 405 and "not allowed" in r.json()["error"]["message"]
