@@ -354,10 +354,10 @@ def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
 
 
 def parse_count_tokens(body: Any, headers: Any) -> MessagesRequest:
-    """``/v1/messages/count_tokens``: the prompt part of a Messages request."""
-    req = _prompt(body, COUNT_FIELDS)
-    req.session_id = headers.get(SESSION_HEADER, "")
-    return req
+    """``/v1/messages/count_tokens``: the prompt part of a Messages request. It has no session:
+    a count (often of a fragment) must not take the place of the session's conversation in the
+    router's per-session caches."""
+    return _prompt(body, COUNT_FIELDS)
 
 
 def parse_messages(body: Any, headers: Any) -> MessagesRequest:
