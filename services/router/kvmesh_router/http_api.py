@@ -1,7 +1,8 @@
 """The router's OpenAI-compatible HTTP front door (FastAPI), served by uvicorn in the router's event loop.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming SSE ending in
-``[DONE]``, and non-streaming), ``/v1/models``, ``/health``. Request rules,
+``[DONE]``, and non-streaming), ``/v1/models``, ``/health``; the Anthropic
+Messages API (``anthropic_api.py``) is mounted on the same app. Request rules,
 error shape, SSE framing, usage and response objects come from the shared
 OpenAI layer ``kvmesh.openai`` (the worker's HTTP API uses the same); here a
 parsed request becomes a ``GenInput`` for ``RouterService.generate`` and the
@@ -27,6 +28,7 @@ from kvmesh.openai.responses import Answer
 from kvmesh.openai.usage import usage
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
+from kvmesh_router.anthropic_api import AnthropicApi
 from kvmesh_router.errors import RouterError
 from kvmesh_router.service import FinalInfo, GenInput, RouterService
 
@@ -133,6 +135,12 @@ class RouterHttpApi:
         auth = h.get("authorization", "")
         inp.api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
         return inp
+
+    def detokenizer(self) -> _Detok:
+        return _Detok(self.service.tokenizer)
+
+    def watch(self, request: Request, inp: GenInput) -> _DisconnectWatch:
+        return _DisconnectWatch(request, inp)
 
     # -- handlers
     async def completions(self, request: Request) -> Response:
@@ -250,4 +258,5 @@ def build_app(service: RouterService) -> FastAPI:
     app.add_api_route("/v1/models", api.models, methods=["GET"])
     app.add_api_route("/health", api.health, methods=["GET"])
     install_error_handlers(app)
+    AnthropicApi(api).mount(app)   # /v1/messages, /v1/messages/count_tokens
     return app

@@ -79,6 +79,10 @@ class GenInput:
     # out of band (HTTP) can cancel them.
     calls: list[Any] = field(default_factory=list)
     add_special_tokens: bool = True
+    # Set by ``generate`` once known, for a front door that ends a stream before the engine's
+    # final report (the Messages API on a stop sequence): the prompt's length and predicted hit.
+    prompt_tokens: int = 0
+    predicted_cached_tokens: int = 0
 
 
 @dataclass
@@ -345,6 +349,7 @@ class RouterService:
             t0 = time.perf_counter()
             with trace.use_span(span, end_on_exit=False):
                 p = await self.prepare(inp)
+            inp.prompt_tokens = len(p.tokens)
             span.set_attribute("kvmesh.request_id", p.request_id)
             span.set_attribute("kvmesh.prompt_tokens", len(p.tokens))
             span.set_attribute("kvmesh.hash.reused_blocks", p.reused_blocks)
@@ -358,6 +363,7 @@ class RouterService:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
                     d, split = await self.decide(p, inp.policy, exclude)
+                inp.predicted_cached_tokens = d.predicted_cached_tokens
                 overhead = time.perf_counter() - t0
                 if attempts == 1:
                     metrics.OVERHEAD.observe(overhead)

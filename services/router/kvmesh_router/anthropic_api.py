@@ -1,0 +1,340 @@
+"""The router's Anthropic Messages API: ``POST /v1/messages`` and ``POST /v1/messages/count_tokens``.
+
+Why it exists: Claude Code and other Anthropic clients speak the Messages API.
+A request is converted to the chat conversation the model's template renders
+(``kvmesh.anthropic.requests``, the same conversion as vLLM's ``/v1/messages``),
+rendered with the router's chat template, then routed exactly like a chat
+completion: ``RouterService.generate`` with the same tenant salt (``x-tenant``,
+or the API key from ``x-api-key`` / ``Authorization: Bearer``), session
+(``x-session-id``, else ``metadata.user_id``), policy and incremental
+tokenization. The token stream comes back as an Anthropic message or event
+stream; every error has Anthropic's shape (``kvmesh.anthropic.errors``).
+
+Stop sequences are found in the decoded text here (the workers' token streams
+carry no stop strings); on a match the worker call is cancelled, so the engine
+stops too. The usage of such a message comes from the router's own count of
+the prompt and its predicted cache hit, since the engine never sends its final
+report.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from google.protobuf.json_format import MessageToDict
+from opentelemetry import propagate
+
+from kvmesh.anthropic import responses as R
+from kvmesh.anthropic.errors import OVERLOADED, AnthropicError, bad_request
+from kvmesh.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
+from kvmesh.anthropic.stops import StopMatcher
+from kvmesh.anthropic.stream import STREAM_HEADERS, MessageStream, error_event
+from kvmesh.openai.errors import OpenAIError
+from kvmesh.openai.requests import read_json
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_router import metrics
+from kvmesh_router.errors import BadRequest, RouterError
+from kvmesh_router.service import FinalInfo, GenInput
+
+if TYPE_CHECKING:
+    from kvmesh_router.http_api import RouterHttpApi
+
+log = logging.getLogger(__name__)
+
+API = "messages"
+PREFIX = "/v1/messages"
+# A conversation this long is rendered off the event loop (the service tokenizes it off the loop too).
+RENDER_IN_THREAD_CHARS = 65_536
+
+
+def from_router_error(exc: RouterError) -> AnthropicError:
+    """The Anthropic error for a routing/validation error of the router service."""
+    if isinstance(exc, BadRequest) and exc.param == "model" and exc.message.startswith("unknown model"):
+        return AnthropicError(f"model: {exc.message}", 404)
+    status = OVERLOADED if exc.http_status == 503 else exc.http_status
+    field = {"prompt": "messages"}.get(exc.param or "", exc.param or "")
+    return AnthropicError(f"{field}: {exc.message}" if field and status < 500 else exc.message, status)
+
+
+def _finish(fin: FinalInfo) -> str:
+    return "length" if fin.finish_reason == common_pb2.FINISH_REASON_LENGTH else "stop"
+
+
+def _routing(fin: FinalInfo) -> dict[str, Any]:
+    return MessageToDict(fin.routing, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
+
+
+def _tool_calls(fin: FinalInfo | None) -> list[R.ToolCall]:
+    # The engines' tool calls, when the router's final report carries them (OpenAI ``tool_calls``
+    # shape: ``{id, function: {name, arguments}}``); a final report without them has none.
+    return R.tool_calls_from(getattr(fin, "tool_calls", None)) if fin is not None else []
+
+
+class _Output:
+    """Token chunks -> final text, with the stop sequences applied; counts output tokens."""
+
+    def __init__(self, detok: Any, stops: list[str]) -> None:
+        self.detok = detok
+        self.stops = StopMatcher(stops)
+        self.tokens = 0
+
+    def push(self, ids: list[int]) -> str:
+        self.tokens += len(ids)
+        return self.stops.push(self.detok.push(ids))
+
+    @property
+    def matched(self) -> str | None:
+        return self.stops.matched
+
+
+class AnthropicApi:
+    """The Messages handlers over the router's HTTP API object (its service, config and helpers)."""
+
+    def __init__(self, api: RouterHttpApi) -> None:
+        self.api = api
+        self.service = api.service
+        self.cfg = api.cfg
+
+    def mount(self, app: FastAPI) -> None:
+        app.add_api_route(PREFIX, self.messages, methods=["POST"])
+        app.add_api_route(PREFIX + "/count_tokens", self.count_tokens, methods=["POST"])
+        # Unknown routes and wrong methods under /v1/messages answer in Anthropic's shape too.
+        for status in (404, 405):
+            app.add_exception_handler(status, self._wrap_status_handler(status, app.exception_handlers.get(status)))
+
+    @staticmethod
+    def _wrap_status_handler(status: int, other: Any) -> Any:
+        async def handler(request: Request, exc: Exception) -> Response:
+            if request.url.path.startswith(PREFIX) or other is None:
+                why = "no route" if status == 404 else f"method {request.method} not allowed on"
+                return AnthropicError(f"{why} {request.url.path}", status).response()
+            return await other(request, exc)
+        return handler
+
+    # -- request -> GenInput -------------------------------------------------------------
+    async def _body(self, request: Request) -> dict[str, Any]:
+        limit = self.cfg.max_text_bytes
+        clen = request.headers.get("content-length")
+        if clen and clen.isdigit() and int(clen) > limit:
+            raise AnthropicError(f"request body over {limit} bytes", 413)
+        try:
+            return await read_json(request, limit)
+        except OpenAIError as exc:
+            if exc.message.startswith("request body over"):
+                raise AnthropicError(exc.message, 413) from None
+            raise bad_request("", exc.message) from None
+
+    async def _render(self, req: MessagesRequest) -> str:
+        """The prompt text: the conversation through the router's chat template, tools included."""
+        tok = self.service.tokenizer
+        if tok is None:
+            raise bad_request("messages", "this router has no tokenizer (--tokenizer-path), so it cannot "
+                                          "render messages")
+        from kvmesh.tokenization import TokenizerError
+
+        size = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(json.dumps(m))
+                   for m in req.messages)
+
+        def render() -> str:
+            return tok.render_chat(req.messages, tools=req.tools, add_generation_prompt=True)
+
+        try:
+            return await asyncio.to_thread(render) if size > RENDER_IN_THREAD_CHARS else render()
+        except TokenizerError as exc:
+            raise bad_request("messages", str(exc)) from None
+
+    def _gen_input(self, req: MessagesRequest, request: Request, text: str) -> GenInput:
+        h = request.headers
+        inp = GenInput(model=req.model, text=text, add_special_tokens=False)   # the template adds BOS
+        s = inp.sampling
+        if req.max_tokens is not None:
+            s.max_tokens = req.max_tokens
+        if req.temperature is not None:
+            s.temperature = req.temperature
+        if req.top_p is not None:
+            s.top_p = req.top_p
+        s.stop.extend(req.stop_sequences)
+        inp.session_id = req.session_id
+        inp.cache_salt = _ext(req, "cache_salt")
+        inp.lora_name = _ext(req, "lora_name")
+        inp.policy = _ext(req, "kvmesh_policy") or h.get("x-kvmesh-policy", "")
+        inp.request_id = h.get("x-request-id", "") or uuid.uuid4().hex
+        inp.trace_context = propagate.extract(dict(h))
+        inp.tenant = h.get(self.cfg.tenant_header, "")
+        auth = h.get("authorization", "")
+        inp.api_key = h.get("x-api-key", "") or (auth[7:].strip() if auth.lower().startswith("bearer ") else "")
+        return inp
+
+    @staticmethod
+    def _refuse_unhonoured(req: MessagesRequest) -> None:
+        """Parameters the engines behind the router cannot honour: a 400 naming them, never silence."""
+        if req.top_k is not None:
+            raise bad_request("top_k", "not supported: the workers' sampling takes temperature and top_p only")
+        if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
+            raise bad_request("tool_choice", "forcing a tool call ('any' or 'tool') needs guided decoding, which "
+                                             "the workers do not get through this router; use 'auto'")
+        dp = (req.body.get("tool_choice") or {}).get("disable_parallel_tool_use")
+        if dp:
+            raise bad_request("tool_choice.disable_parallel_tool_use", "not supported: the engines' tool-call "
+                                                                         "parsing cannot limit calls to one")
+
+    # -- handlers ---------------------------------------------------------------------------
+    async def count_tokens(self, request: Request) -> Response:
+        try:
+            req = parse_count_tokens(await self._body(request), request.headers)
+            inp = self._gen_input(req, request, await self._render(req))
+            self.service.validate(inp)
+            tokens = await self.service.tokenize(inp)
+        except AnthropicError as exc:
+            return self._failed(exc)
+        except RouterError as exc:
+            return self._failed(from_router_error(exc))
+        except Exception as exc:   # never a plain 500
+            log.exception("count_tokens failed")
+            return self._failed(AnthropicError(f"internal error: {type(exc).__name__}: {exc}", 500))
+        metrics.REQUESTS.labels(api="count_tokens", outcome="ok").inc()
+        return JSONResponse({"input_tokens": len(tokens)})
+
+    def _failed(self, exc: AnthropicError, api: str = "count_tokens") -> Response:
+        metrics.REQUESTS.labels(api=api, outcome=exc.etype).inc()
+        return exc.response()
+
+    async def messages(self, request: Request) -> Response:
+        try:
+            req = parse_messages(await self._body(request), request.headers)
+            self._refuse_unhonoured(req)
+            inp = self._gen_input(req, request, await self._render(req))
+        except AnthropicError as exc:
+            return self._failed(exc, API)
+        except Exception as exc:
+            log.exception("messages request failed before routing")
+            return self._failed(AnthropicError(f"internal error: {type(exc).__name__}: {exc}", 500), API)
+        msg_id = R.new_id(inp.request_id)
+        gen = self.service.generate(inp)
+        out = _Output(self.api.detokenizer(), req.stop_sequences)
+        if not req.stream:
+            return await self._collect(request, req, inp, gen, out, msg_id)
+        # Pull the first item before answering 200, so routing and validation errors keep their status.
+        try:
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+        except RouterError as exc:
+            return self._failed(from_router_error(exc), API)
+        except Exception as exc:
+            log.exception("messages request failed")
+            await gen.aclose()
+            return self._failed(AnthropicError(f"internal error: {type(exc).__name__}: {exc}", 500), API)
+        return StreamingResponse(self._events(request, req, inp, gen, first, out, msg_id),
+                                 media_type="text/event-stream", headers=STREAM_HEADERS)
+
+    def _usage(self, inp: GenInput, out: _Output, fin: FinalInfo | None) -> dict[str, int]:
+        if fin is not None:
+            u = fin.usage
+            return R.usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens)
+        # Ended here on a stop sequence: the engine never sent its report; the router's own count.
+        return R.usage(inp.prompt_tokens, out.tokens, inp.predicted_cached_tokens)
+
+    async def _collect(self, request: Request, req: MessagesRequest, inp: GenInput, gen: Any, out: _Output,
+                       msg_id: str) -> Response:
+        text: list[str] = []
+        fin: FinalInfo | None = None
+        watch = self.api.watch(request, inp)
+        try:
+            async for kind, item in gen:
+                if kind == "chunk":
+                    text.append(out.push(item))
+                    if out.matched is not None:
+                        break
+                else:
+                    fin = item
+        except RouterError as exc:
+            return self._failed(from_router_error(exc), API)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            metrics.REQUESTS.labels(api=API, outcome="client_gone").inc()
+            return AnthropicError("client closed the request", 499).response()
+        except Exception as exc:
+            log.exception("messages request failed")
+            return self._failed(AnthropicError(f"internal error: {type(exc).__name__}: {exc}", 500), API)
+        finally:
+            watch.stop()
+            await gen.aclose()
+        text.append(out.stops.flush())
+        calls = _tool_calls(fin)
+        content = R.content_blocks("".join(text), calls)
+        tool_use = any(b["type"] == "tool_use" for b in content)
+        stop = R.stop_reason(_finish(fin) if fin is not None else "stop", out.matched, tool_use)
+        metrics.REQUESTS.labels(api=API, outcome="ok").inc()
+        extra = {"kvmesh": _routing(fin)} if fin is not None else {}
+        return JSONResponse(R.message(msg_id, req.model, content, stop, self._usage(inp, out, fin), **extra))
+
+    async def _events(self, request: Request, req: MessagesRequest, inp: GenInput, gen: Any,
+                      first: tuple[str, Any] | None, out: _Output, msg_id: str) -> AsyncIterator[bytes]:
+        ms = MessageStream(msg_id, req.model)
+        watch = self.api.watch(request, inp)
+        fin: FinalInfo | None = None
+        try:
+            # message_start: the prompt as the router counted it, and its predicted cache hit;
+            # message_delta at the end carries the engine's counts.
+            for e in ms.start(R.usage(inp.prompt_tokens, 0, inp.predicted_cached_tokens)):
+                yield e
+
+            async def items() -> AsyncIterator[tuple[str, Any]]:
+                if first is not None:
+                    yield first
+                async for it in gen:
+                    yield it
+
+            chain = items()
+            try:
+                async for kind, item in chain:
+                    if kind == "chunk":
+                        for e in ms.text(out.push(item)):
+                            yield e
+                        if out.matched is not None:
+                            break   # the worker call is cancelled below (gen.aclose)
+                    else:
+                        fin = item
+            finally:
+                await chain.aclose()
+            for e in ms.text(out.stops.flush()):
+                yield e
+            tool_use = False
+            for call in _tool_calls(fin):
+                tool_use = tool_use or R.tool_input(call) is not None
+                for e in ms.tool_use(call):
+                    yield e
+            stop = R.stop_reason(_finish(fin) if fin is not None else "stop", out.matched, tool_use)
+            for e in ms.finish(stop, self._usage(inp, out, fin)):
+                yield e
+            metrics.REQUESTS.labels(api=API, outcome="ok").inc()
+        except RouterError as exc:
+            err = from_router_error(exc)
+            metrics.REQUESTS.labels(api=API, outcome=err.etype).inc()
+            yield error_event(err.status, err.message, err.etype)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            metrics.REQUESTS.labels(api=API, outcome="client_gone").inc()
+        except Exception as exc:
+            log.exception("messages stream failed")
+            yield error_event(500, f"internal error: {type(exc).__name__}: {exc}")
+        finally:
+            watch.stop()
+            await gen.aclose()
+
+
+def _ext(req: MessagesRequest, name: str) -> str:
+    v = req.body.get(name)
+    if v is not None and not isinstance(v, str):
+        raise bad_request(name, "must be a string")
+    return v or ""
