@@ -58,7 +58,8 @@ def build_engine(cfg: WorkerConfig, endpoint_id: str) -> Engine:
         "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_waiting": cfg.max_waiting,
         "seed": cfg.seed, "hash_algo": cfg.hash_algo, "kv_events_endpoint": cfg.kv_events_endpoint,
         "kv_events_replay_endpoint": cfg.kv_events_replay_endpoint, "offload_address": cfg.offload_address,
-        "enable_kv_events": bool(cfg.kv_events_endpoint),
+        "enable_kv_events": bool(cfg.kv_events_endpoint), "offload_timeout_s": cfg.offload_timeout_s,
+        "offload_lookup_timeout_s": cfg.offload_lookup_timeout_s,
     }
     if cfg.kv_cache_memory_bytes > 0:
         mapping["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
