@@ -22,7 +22,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "docker-compose.yml"
 GPU = ROOT / "docker-compose.gpu.yml"
-KVMESH = {"indexer", "router", "offload", "prefill-1", "decode-1", "decode-2"}
+ROUTERS = {"router-1", "router-2"}
+KVMESH = ROUTERS | {"indexer", "offload", "prefill-1", "decode-1", "decode-2"}
 REQUIRED = KVMESH | {"redis", "otel-collector", "jaeger", "prometheus"}
 WORKERS = {"prefill-1", "decode-1", "decode-2"}
 
@@ -77,7 +78,7 @@ def test_files_match_the_compose_spec_schema() -> None:
 
 def test_schema_and_config_reject_a_broken_file(tmp_path: Path) -> None:
     doc = yaml.safe_load(BASE.read_text())
-    doc["services"]["router"]["healthcheck"] = {"test": ["CMD", "true"], "intervall": "5s"}
+    doc["services"]["router-1"]["healthcheck"] = {"test": ["CMD", "true"], "intervall": "5s"}
     bad = tmp_path / "docker-compose.yml"
     bad.write_text(yaml.safe_dump(doc))
     assert list(jsonschema.Draft7Validator(compose_spec_schema()).iter_errors(doc))
@@ -99,8 +100,41 @@ def test_stack_services_and_health(base: dict[str, Any]) -> None:
     # start order: workers wait for a healthy indexer and offload store; the router for the workers
     for w in WORKERS:
         assert services[w]["depends_on"]["indexer"]["condition"] == "service_healthy"
-    assert WORKERS <= set(services["router"]["depends_on"])
+    for r in ROUTERS:
+        assert WORKERS <= set(services[r]["depends_on"])
     assert services["redis"]["healthcheck"]["test"][-1] == "ping"
+
+
+def test_replicated_routers_sit_behind_the_gateway_with_retries(base: dict[str, Any]) -> None:
+    """Two identical routers; Envoy's two ways in (their HTTP front doors and their ext_proc
+    pickers) list both and retry a refused or dropped try on the other one."""
+    services = base["services"]
+    assert services["router-1"]["command"] == services["router-2"]["command"]
+    assert not any(services[r].get("ports") for r in ROUTERS)
+    gw = services["gateway"]
+    assert ROUTERS <= set(gw["depends_on"]) and all(gw["depends_on"][r]["condition"] == "service_healthy"
+                                                    for r in ROUTERS)
+    published = {str(p["published"]) if isinstance(p, dict) else p.split(":")[0] for p in gw["ports"]}
+    assert {"8000", "8080"} <= published
+    envoy = yaml.safe_load((ROOT / "deploy" / "envoy" / "envoy.yaml").read_text())
+    clusters = {c["name"]: c for c in envoy["static_resources"]["clusters"]}
+    for name, port in (("kvmesh-routers", 8000), ("kvmesh-epp", 9002)):
+        hosts = {(e["endpoint"]["address"]["socket_address"]["address"],
+                  e["endpoint"]["address"]["socket_address"]["port_value"])
+                 for e in clusters[name]["load_assignment"]["endpoints"][0]["lb_endpoints"]}
+        assert hosts == {(r, port) for r in ROUTERS}, name
+        assert clusters[name]["health_checks"], name
+        cmd = services["router-1"]["command"]
+        assert cmd[cmd.index("--http-port" if port == 8000 else "--extproc-port") + 1] == str(port)
+    listeners = {x["name"]: x for x in envoy["static_resources"]["listeners"]}
+    hcm = listeners["kvmesh-routers"]["filter_chains"][0]["filters"][0]["typed_config"]
+    (route,) = hcm["route_config"]["virtual_hosts"][0]["routes"]
+    retry = route["route"]["retry_policy"]
+    assert {"connect-failure", "refused-stream", "reset"} <= set(retry["retry_on"].split(","))
+    assert retry["num_retries"] >= 1 and retry["per_try_timeout"]
+    hcm = listeners["kvmesh-gateway"]["filter_chains"][0]["filters"][0]["typed_config"]
+    (ext,) = [f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc"]
+    assert "connect-failure" in ext["typed_config"]["grpc_service"]["retry_policy"]["retry_on"]
 
 
 def test_mounted_config_files_exist(base: dict[str, Any]) -> None:

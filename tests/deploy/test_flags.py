@@ -20,7 +20,8 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVICE_OF = {"indexer": "indexer", "router": "router", "offload": "offload",
+SERVICE_OF = {"indexer": "indexer", "router": "router", "router-1": "router", "router-2": "router",
+              "offload": "offload",
               "prefill": "prefill", "prefill-1": "prefill", "decode": "decode", "decode-1": "decode",
               "decode-2": "decode"}
 

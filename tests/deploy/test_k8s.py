@@ -206,3 +206,20 @@ def test_overlays_switch_engines() -> None:
             assert args[args.index("--engine") + 1] == engine, (target, role)
             gpus = c["resources"].get("limits", {}).get("nvidia.com/gpu")
             assert (gpus == 1) == (engine == "vllm"), (target, role, gpus)
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_routers_run_replicated_and_each_replica_is_addressable(target: str) -> None:
+    """Two routers at least (replicas, HPA floor, a PDB keeping one), and a headless Service that
+    names every replica's HTTP and ext_proc port, so the gateway can retry on another one."""
+    docs = build(K8S / "overlays" / target)
+    router = workloads(docs)["router"]
+    assert router["spec"]["replicas"] >= 2
+    assert by_kind(docs, "HorizontalPodAutoscaler")["router"]["spec"]["minReplicas"] >= 2
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    assert any(_selects(p["spec"]["selector"], labels) and p["spec"]["minAvailable"] >= 1
+               for p in by_kind(docs, "PodDisruptionBudget").values())
+    pods = by_kind(docs, "Service")["router-pods"]["spec"]
+    assert pods["clusterIP"] == "None" and all(labels.get(k) == v for k, v in pods["selector"].items())
+    named = {p["name"]: p["containerPort"] for p in router["spec"]["template"]["spec"]["containers"][0]["ports"]}
+    assert {p["name"]: p["port"] for p in pods["ports"]} == {"http": named["http"], "extproc": named["extproc"]}

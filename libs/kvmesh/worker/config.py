@@ -58,6 +58,12 @@ class WorkerConfig:
     heartbeat_s: float = field(default=2.0, metadata=_h("indexer heartbeat period"))
     registration_ttl_s: float = field(default=10.0, metadata=_h("endpoint TTL asked of the indexer"))
     offload_address: str = field(default="", metadata=_h("offload store host:port ('' = none)"))
+    # A hung or slow store must cost a request at most these, then it is recomputed (docs/operations.md).
+    offload_timeout_s: float = field(default=10.0, metadata=_h(
+        "deadline of each offload store transfer (get, put, shared-memory release); past it a restore "
+        "is recomputed and a save skipped"))
+    offload_lookup_timeout_s: float = field(default=2.0, metadata=_h(
+        "deadline of each offload store lookup (which blocks it holds); past it the prompt is recomputed"))
     time_scale: float = field(default=1.0, metadata=_h("sim: run this many times faster than real time"))
     virtual_time: bool = field(default=False, metadata=_h("sim: never sleep (virtual clock)"))
     seed: int = field(default=0, metadata=_h("engine seed (vllm dummy weights)"))
@@ -90,6 +96,9 @@ class WorkerConfig:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
         if self.time_scale <= 0:
             raise ConfigError(f"setting 'time_scale' must be > 0, got {self.time_scale}")
+        for name in ("offload_timeout_s", "offload_lookup_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
         if "@" in self.endpoint_id:
             raise ConfigError("setting 'endpoint_id' must not contain '@'")
         if len(self.endpoint_id.encode()) > 128:
@@ -125,7 +134,9 @@ class WorkerConfig:
             lora_paths=dict(self.lora_paths),
             time_scale=self.time_scale, virtual_time=self.virtual_time,
             kv_events_endpoint=self.kv_events_endpoint, kv_events_replay_endpoint=self.kv_events_replay_endpoint,
-            offload_address=self.offload_address, model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,
+            offload_address=self.offload_address, offload_timeout_s=self.offload_timeout_s,
+            offload_lookup_timeout_s=self.offload_lookup_timeout_s,
+            model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,
             kv_num_kv_heads=self.kv_num_kv_heads, kv_head_dim=self.kv_head_dim, kv_dtype=self.kv_dtype,
             latency=self.latency(),
         )

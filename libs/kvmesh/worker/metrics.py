@@ -66,6 +66,14 @@ class _EngineCollector(Collector):
                                     "or slow), so the prompt was recomputed locally.", labels=labels)
             c.add_metric(values, float(fallbacks))
             yield c
+        timeouts = getattr(self.engine, "offload_timeouts", None)
+        if timeouts is not None:
+            c = CounterMetricFamily("kvmesh_worker_offload_timeouts", "Offload store calls past their deadline "
+                                    "(--offload-timeout-s, --offload-lookup-timeout-s), by operation: a restore "
+                                    "then recomputes, a save is skipped.", labels=[*labels, "op"])
+            for op in ("restore", "save"):
+                c.add_metric([*values, op], float(timeouts.get(op, 0)))
+            yield c
         cfg_labels = ["block_size", "num_gpu_blocks", "enable_prefix_caching", "prefix_caching_hash_algo",
                       "engine"]
         g = GaugeMetricFamily("vllm:cache_config_info", "Information of the LLMEngine CacheConfig",

@@ -36,6 +36,8 @@ def banner(d: dict[str, object], model: str) -> str:
         f"  try it            curl {d['router_http']}/v1/chat/completions -H 'content-type: application/json' "
         f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
         f"  router gRPC       {d['router_grpc']}",
+        *([f"  router replicas   {', '.join(map(str, d['routers_http']))} behind Envoy (admin {d['envoy_admin']})"]
+          if d.get("envoy_admin") else []),
         f"  metrics           {d['router_metrics']}",
         f"  tokenizer         {d['model_dir']}",
         f"  logs              {d['logs']}",
@@ -64,6 +66,8 @@ def _run(args: argparse.Namespace) -> int:
         print(banner(d, cfg.model), flush=True)
         while True:
             dead = [sp.name for sp in stack.procs if not sp.alive()]
+            if stack.envoy is not None and not stack.envoy.alive():
+                dead.append("envoy")
             if dead:
                 print(f"error: service(s) exited: {', '.join(dead)}; logs in {d['logs']}")
                 return 1

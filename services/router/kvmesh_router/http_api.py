@@ -2,7 +2,8 @@
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming SSE ending in
 ``[DONE]``, and non-streaming), ``/v1/models``, ``/health``; the Anthropic
-Messages API (``anthropic_api.py``) is mounted on the same app. Request rules,
+Messages API (``anthropic_api.py``) is mounted on the same app. Every generation request
+has a total deadline (``http_deadline_s``): past it the client gets a 504 error. Request rules,
 error shape, SSE framing, usage and response objects come from the shared
 OpenAI layer ``kvmesh.openai`` (the worker's HTTP API uses the same); here a
 parsed request becomes a ``GenInput`` for ``RouterService.generate`` and the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -130,6 +132,9 @@ class RouterHttpApi:
         inp.lora_name = string(req.body, "lora_name")
         inp.policy = string(req.body, "kvmesh_policy") or h.get("x-kvmesh-policy", "")
         inp.request_id = h.get("x-request-id", "")
+        if self.cfg.http_deadline_s > 0:
+            # Every worker call of the request inherits what is left (service.GenInput.deadline).
+            inp.deadline = time.monotonic() + self.cfg.http_deadline_s
         inp.trace_context = propagate.extract(dict(h))
         inp.tenant = h.get(self.cfg.tenant_header, "")
         auth = h.get("authorization", "")

@@ -91,6 +91,8 @@ class VllmEngineConfig:
     kv_events_buffer_steps: int = field(default=10000, metadata={"help": "batches kept for replay"})
     offload_address: str = field(default="", metadata={"help": "offload store host:port; enables the kvmesh "
                                                                  "KV connector"})
+    offload_timeout_s: float = field(default=10.0, metadata={"help": "deadline of each offload store transfer"})
+    offload_lookup_timeout_s: float = field(default=2.0, metadata={"help": "deadline of each offload store lookup"})
     connector_extra: dict = field(default_factory=dict, metadata={"help": "extra kv_connector_extra_config (JSON)"})
     lora_modules: dict = field(default_factory=dict, metadata={"help": "LoRA adapters as JSON {name: path}"})
     max_lora_rank: int = field(default=16, metadata={"help": "max LoRA rank"})
@@ -183,7 +185,8 @@ class VllmEngine(Engine):
             "block_size": cfg.block_size, "max_num_seqs": cfg.max_num_seqs, "max_waiting": cfg.max_waiting,
             "seed": cfg.seed, "hash_algo": cfg.hash_algo, "kv_events_endpoint": cfg.kv_events_endpoint,
             "kv_events_replay_endpoint": cfg.kv_events_replay_endpoint, "offload_address": cfg.offload_address,
-            "enable_kv_events": bool(cfg.kv_events_endpoint),
+            "enable_kv_events": bool(cfg.kv_events_endpoint), "offload_timeout_s": cfg.offload_timeout_s,
+            "offload_lookup_timeout_s": cfg.offload_lookup_timeout_s,
         }
         if cfg.kv_cache_memory_bytes > 0:
             mapping["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
@@ -303,7 +306,8 @@ class VllmEngine(Engine):
             from kvmesh.worker.connector import CONNECTOR_CLASS, CONNECTOR_MODULE
 
             extra = {"store_address": self.cfg.offload_address, "namespace": self.namespace(),
-                     "endpoint_id": self.cfg.endpoint_id, **self.cfg.connector_extra}
+                     "endpoint_id": self.cfg.endpoint_id, "lookup_timeout_s": self.cfg.offload_lookup_timeout_s,
+                     "io_timeout_s": self.cfg.offload_timeout_s, **self.cfg.connector_extra}
             kwargs["kv_transfer_config"] = KVTransferConfig(
                 kv_connector=CONNECTOR_CLASS, kv_connector_module_path=CONNECTOR_MODULE,
                 kv_role="kv_both", kv_connector_extra_config=extra, kv_load_failure_policy="recompute")
@@ -335,7 +339,7 @@ class VllmEngine(Engine):
         if self.cfg.offload_address:
             from kvmesh.kvstore.client import OffloadClient
 
-            self._offload = OffloadClient(self.cfg.offload_address)
+            self._offload = OffloadClient(self.cfg.offload_address, timeout_s=self.cfg.offload_timeout_s)
         logger.info("vLLM engine ready", extra={"num_blocks": self._num_blocks, "max_model_len": self._max_model_len,
                                                 "startup_s": round(time.monotonic() - t0, 2)})
 

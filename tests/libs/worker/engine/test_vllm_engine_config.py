@@ -65,6 +65,9 @@ def test_engine_args_wire_events_connector_and_lora(tiny_model_dir: Path) -> Non
     assert tc.kv_load_failure_policy == "recompute"
     assert tc.kv_connector_extra_config["store_address"] == "127.0.0.1:7000"
     assert tc.kv_connector_extra_config["namespace"] == "tiny/L2-H2-D32-bf16-bs32/vllm-paged-cpu"
+    # the worker's store deadlines reach the connector (docs/operations.md)
+    assert tc.kv_connector_extra_config["lookup_timeout_s"] == e.cfg.offload_lookup_timeout_s
+    assert tc.kv_connector_extra_config["io_timeout_s"] == e.cfg.offload_timeout_s
     assert args.enable_lora and args.load_format == "dummy" and args.enforce_eager
 
 

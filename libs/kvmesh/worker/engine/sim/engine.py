@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import grpc
+
 from kvmesh.worker.engine.base import (
     BadSamplingError,
     Engine,
@@ -85,6 +87,8 @@ class SimEngineConfig:
     enable_events: bool = True
     offload_address: str = ""
     offload_save: bool = True
+    offload_timeout_s: float = 10.0       # deadline of each store transfer (get, put)
+    offload_lookup_timeout_s: float = 2.0  # deadline of each store lookup (contains)
     model_h2d: bool = True            # add the modelled host-to-device copy to each restore
     hash_memo_blocks: int = -1        # exact block-digest memo size (-1 = 2 x num_blocks, 0 = off)
     kv_num_layers: int = 2
@@ -292,6 +296,7 @@ class SimEngine(Engine):
         self.offload_saved_blocks = 0
         self.offload_restored_blocks = 0
         self.offload_fallbacks = 0        # restores that failed (store down/slow): recomputed locally
+        self.offload_timeouts: dict[str, int] = {}   # store calls past their deadline, by operation
         self.restore_seconds = 0.0
 
     # ------------------------------------------------------------------ lifecycle
@@ -556,7 +561,7 @@ class SimEngine(Engine):
         if client is None:
             from kvmesh.kvstore.client import OffloadClient
 
-            client = OffloadClient(address)
+            client = OffloadClient(address, timeout_s=self.cfg.offload_timeout_s)
             self._offload[address] = client
         return client
 
@@ -593,15 +598,16 @@ class SimEngine(Engine):
         t0 = time.monotonic()
         try:
             if h is None:
-                present = await client.contains(namespace, seq.block_hashes[:want])
+                present = await self._lookup(client, namespace, seq.block_hashes[:want])
                 want = min(want, present)
                 if want <= gpu:
                     return
             blobs = await client.get(namespace, seq.block_hashes[gpu:want])
         except Exception as exc:  # noqa: BLE001 - a store outage degrades to local prefill
             self.offload_fallbacks += 1
+            self._count_timeout("restore", exc)
             log.warning("offload restore failed; computing locally",
-                        extra={"request_id": seq.request_id, "error": str(exc)})
+                        extra={"request_id": seq.request_id, "error": str(exc) or type(exc).__name__})
             return
         measured = time.monotonic() - t0
         got = gpu + len(blobs)
@@ -623,6 +629,18 @@ class SimEngine(Engine):
             # The measured transfer already took real time; add the modelled host-to-device copy.
             await asyncio.sleep(delay / c.time_scale)
 
+    async def _lookup(self, client: Any, namespace: str, keys: list[int]) -> int:
+        """The store's leading run of ``keys``, within the lookup deadline (the client's own
+        deadline is the longer transfer one)."""
+        async with asyncio.timeout(self.cfg.offload_lookup_timeout_s):
+            return await client.contains(namespace, keys)
+
+    def _count_timeout(self, op: str, exc: BaseException) -> None:
+        """A store call past its deadline (gRPC's own or the lookup's), for
+        ``kvmesh_worker_offload_timeouts_total``."""
+        if isinstance(exc, TimeoutError) or getattr(exc, "code", None) == grpc.StatusCode.DEADLINE_EXCEEDED:
+            self.offload_timeouts[op] = self.offload_timeouts.get(op, 0) + 1
+
     async def _save(self, address: str, seq: Seq, keys: list[int], wait: bool) -> None:
         if not keys:
             return
@@ -634,7 +652,7 @@ class SimEngine(Engine):
 
         async def run() -> None:
             try:
-                present = await client.contains(namespace, keys)
+                present = await self._lookup(client, namespace, keys)
                 todo = keys[present:]
                 if not todo:
                     return
@@ -647,7 +665,9 @@ class SimEngine(Engine):
                                  if seq.meta else "")
                 self.offload_saved_blocks += len(todo)
             except Exception as exc:  # noqa: BLE001 - saving is best effort
-                log.warning("offload save failed", extra={"request_id": seq.request_id, "error": str(exc)})
+                self._count_timeout("save", exc)
+                log.warning("offload save failed", extra={"request_id": seq.request_id,
+                                                          "error": str(exc) or type(exc).__name__})
 
         if wait:
             await run()

@@ -1,0 +1,99 @@
+"""Every OpenAI HTTP request through the router has a total deadline (``--http-deadline-s``).
+
+The only worker is stopped with SIGSTOP and the router's first-token timeout is off, so
+nothing but the deadline can end a request: the official ``openai`` client gets a clean 504
+error document, streamed or not. A stream still going at its deadline ends with an SSE error
+event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvmesh_router.config import RouterConfig
+from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.procs import ServiceProcess
+from tests.fixtures.router import MODEL, rand_tokens, start_router, start_workers
+
+pytestmark = pytest.mark.timeout(180)
+
+DEADLINE_S = 2.0
+MARGIN_S = 10.0     # slack for a loaded machine; without a deadline these requests never end
+
+
+def _pause(w: ServiceProcess, on: bool) -> None:
+    assert w.proc is not None
+    os.killpg(w.proc.pid, signal.SIGSTOP if on else signal.SIGCONT)
+
+
+@pytest.fixture
+def hung(tmp_path) -> Iterator[tuple[str, ServiceProcess]]:
+    workers = start_workers(tmp_path, ["h1"])
+    (w,) = workers.values()
+    router = None
+    try:
+        router, http = start_router(tmp_path, [("h1", w.grpc_address)], indexer=f"127.0.0.1:{free_port()}",
+                                    extra=["--load-poll-s", "60", "--policy", "round_robin",
+                                           "--first-token-timeout-s", "0", "--stream-idle-timeout-s", "0",
+                                           "--http-deadline-s", str(DEADLINE_S)])
+        yield f"http://127.0.0.1:{http}", w
+    finally:
+        if w.alive():
+            _pause(w, False)
+        if router is not None:
+            router.stop(grace_s=3)
+        w.stop(grace_s=3)
+
+
+def test_the_deadline_is_a_checked_setting_with_a_generous_default() -> None:
+    assert RouterConfig().http_deadline_s >= 300
+    with pytest.raises(Exception, match="http_deadline_s"):
+        RouterConfig(http_deadline_s=-1).validate()
+
+
+def test_requests_to_a_hung_worker_end_at_the_deadline_with_504(hung) -> None:
+    base, worker = hung
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+    # Served while the worker runs: the deadline is a bound, not a cut.
+    ok = client.completions.create(model=MODEL, prompt=rand_tokens(50, 1), max_tokens=2)
+    assert ok.usage.completion_tokens == 2
+    _pause(worker, True)
+    for stream in (False, True):
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIStatusError) as err:
+            client.completions.create(model=MODEL, prompt=rand_tokens(80, 2 + stream), max_tokens=4,
+                                      stream=stream)
+        took = time.monotonic() - t0
+        assert err.value.status_code == 504, err.value
+        body = err.value.response.json()["error"]
+        assert body["code"] == 504 and body["type"] == "timeout" and "deadline" in body["message"]
+        assert DEADLINE_S <= took < DEADLINE_S + MARGIN_S, (stream, took)
+
+
+def test_a_stream_still_going_at_its_deadline_ends_with_an_error_event(hung) -> None:
+    """The deadline bounds the whole request: a generation still streaming is cut there."""
+    base, _ = hung
+    t0 = time.monotonic()
+    with httpx.Client(timeout=60) as c, c.stream(
+            "POST", f"{base}/v1/completions",
+            json={"model": MODEL, "prompt": rand_tokens(60, 9), "max_tokens": 100_000, "stream": True,
+                  "ignore_eos": True}) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(x for x in lines if x.startswith("data: "))
+        assert '"choices"' in first
+        rest = [x for x in lines if x.startswith("data: ")]
+        took = time.monotonic() - t0
+    assert rest[-1] == "data: [DONE]"
+    err = json.loads(rest[-2][6:])["error"]
+    assert err["code"] == 504 and "deadline" in err["message"], rest[-3:]
+    assert len(rest) > 2      # tokens were streamed before the cut
+    assert DEADLINE_S <= took < DEADLINE_S + MARGIN_S

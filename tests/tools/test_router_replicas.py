@@ -1,0 +1,186 @@
+"""Two router replicas behind the shipped Envoy (``kvmesh up --routers 2``), as real processes.
+
+The stack is ``LocalStack`` with ``routers=2``: indexer, offload store, two sim decode workers,
+two routers and Envoy's front door over the routers' HTTP ports (``deploy/envoy/envoy.yaml``).
+- A sibling burst split across the replicas lands on one worker: the pick replica one made
+  is in the indexer (its speculative entry, then the engine's events), and replica two reads it.
+- A replica killed with SIGKILL during a steady stream loses no request, not even those it
+  held: Envoy retries a refused or dropped try on the other replica, and its health check
+  takes the dead one out.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import httpx
+import pytest
+
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh_tools.stack.envoy import ROUTERS
+from kvmesh_tools.stack.launcher import LocalStack, StackConfig
+
+pytestmark = [pytest.mark.envoy, pytest.mark.timeout(300)]
+MODEL = "sim-model"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStack]:
+    logs = tmp_path_factory.mktemp("replicas")
+    st = LocalStack(StackConfig(routers=2, decode_workers=2, prefill_workers=0, redis="off", model=MODEL,
+                                time_scale=20.0, log_dir=str(logs)))
+    # This machine may be far busier than a router host: the routers' indexer lookups get time to
+    # answer, and speculative picks outlive a slow first request, so that what is tested is the
+    # sharing, not this machine's load (the defaults are 0.25 s and 2 s).
+    slow = {"KVMESH_ROUTER_LOOKUP_TIMEOUT_S": "5", "KVMESH_ROUTER_SPECULATIVE_TTL_S": "60"}
+    saved = {k: os.environ.get(k) for k in slow}
+    os.environ.update(slow)
+    try:
+        st.start()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        assert st.envoy is not None
+        _wait(lambda: st.envoy.healthy_hosts(ROUTERS) == 2, "envoy never saw both routers healthy")
+        yield st
+    finally:
+        st.stop()
+
+
+def _wait(cond, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(what)
+        time.sleep(0.1)
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 30000) for _ in range(n)]
+
+
+def _complete(c: httpx.Client, base: str, prompt: list[int], max_tokens: int = 2) -> httpx.Response:
+    return c.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens})
+
+
+def test_both_replicas_serve_through_envoy(stack: LocalStack) -> None:
+    assert len(stack.router_http_addresses) == 2 and stack.http_address == stack.envoy.routers_base
+    with httpx.Client(timeout=30) as c:
+        for i in range(4):
+            r = _complete(c, stack.http_address, _tokens(100, 500 + i))
+            assert r.status_code == 200, r.text
+    stats = httpx.get(f"http://127.0.0.1:{stack.envoy.admin_port}/stats?filter=kvmesh-routers", timeout=5).text
+    # round robin: every replica answered
+    per_host = httpx.get(f"http://127.0.0.1:{stack.envoy.admin_port}/clusters", timeout=5).text
+    served = [line for line in per_host.splitlines() if line.startswith(f"{ROUTERS}::") and "::rq_success::" in line]
+    assert len(served) == 2 and all(int(line.rsplit("::", 1)[1]) > 0 for line in served), (served, stats)
+
+
+def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> None:
+    """The burst's first request goes to replica one, the rest to replica two at once: replica
+    two has routed none of them, and learns where the prefix lives from the indexer alone."""
+    one, two = stack.router_http_addresses
+    shared = _tokens(4000, 31)   # its prefill outweighs a few queued siblings on one worker
+    with httpx.Client(timeout=60) as c:
+        r = _complete(c, one, shared + _tokens(40, 2000))
+        assert r.status_code == 200, r.text
+        leader = r.json()["kvmesh"]["endpoint"]
+        # Replica one's pick reaches the indexer as a speculative entry; the engine's events follow.
+        _wait(lambda: _indexed_blocks(stack, shared, leader) >= len(shared) // 64,
+              "replica one's pick never reached the indexer")
+
+        def follower(i: int) -> dict:
+            r = _complete(c, two, shared + _tokens(40, 2001 + i))
+            assert r.status_code == 200, r.text
+            return r.json()["kvmesh"]
+
+        with concurrent.futures.ThreadPoolExecutor(4) as ex:
+            got = list(ex.map(follower, range(4)))
+    assert {k["endpoint"] for k in got} == {leader}, (leader, got)
+    assert all(k["predicted_cached_tokens"] >= len(shared) // 64 * 64 for k in got), got
+
+
+def _indexed_blocks(stack: LocalStack, tokens: list[int], endpoint: str) -> int:
+    """Blocks of ``tokens`` the indexer places on ``endpoint``: speculative or from engine events."""
+    with grpc.insecure_channel(stack.indexer_address) as ch:
+        r = indexer_pb2_grpc.IndexerStub(ch).Lookup(indexer_pb2.LookupRequest(
+            model=MODEL, tokens=common_pb2.TokenIds(ids=tokens), include_speculative=True), timeout=5)
+    return max((max(m.speculative_blocks, m.combined_blocks) for m in r.matches if m.endpoint_id == endpoint),
+               default=0)
+
+
+def _host_stat(stack: LocalStack, address: str, stat: str) -> int:
+    """One per-host figure of Envoy's routers cluster (admin /clusters)."""
+    text = httpx.get(f"http://127.0.0.1:{stack.envoy.admin_port}/clusters", timeout=5).text
+    prefix = f"{ROUTERS}::{address.removeprefix('http://')}::{stat}::"
+    return sum(int(line[len(prefix):]) for line in text.splitlines() if line.startswith(prefix))
+
+
+def test_killing_a_replica_loses_no_request_that_had_not_started(stack: LocalStack) -> None:
+    """Four clients send one request after another through Envoy; replica two is SIGKILLed while
+    it holds some of them. No response byte of a non-streamed request leaves a router before it
+    is done, so every request, those in flight on the victim included, must succeed: Envoy
+    retries a dropped or refused try on the other replica, and its health check takes the dead
+    one out."""
+    victim = [sp for sp in stack.procs if sp.name == "router"][1]
+    victim_http = stack.router_http_addresses[1]
+    assert victim.proc is not None
+    results: list[tuple[float, int, str]] = []     # (issued at, status, body on failure)
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(seed: int) -> None:
+        with httpx.Client(timeout=60) as c:
+            i = 0
+            while not stop.is_set():
+                issued = time.monotonic()
+                try:
+                    r = _complete(c, stack.http_address, _tokens(120, seed * 10_000 + i), max_tokens=48)
+                    outcome = (issued, r.status_code, "" if r.status_code == 200 else r.text[:300])
+                except httpx.HTTPError as exc:
+                    outcome = (issued, -1, repr(exc))
+                with lock:
+                    results.append(outcome)
+                i += 1
+
+    retried_before = _cluster_stats(stack).get("cluster.kvmesh-routers.upstream_rq_retry", 0)
+    threads = [threading.Thread(target=client, args=(s,), daemon=True) for s in range(1, 5)]
+    for t in threads:
+        t.start()
+    try:
+        _wait(lambda: len(results) >= 8, "the steady stream never got going")
+        _wait(lambda: _host_stat(stack, victim_http, "rq_active") >= 1, "the victim never held a request")
+        os.killpg(victim.proc.pid, signal.SIGKILL)
+        killed_at = time.monotonic()
+        _wait(lambda: stack.envoy.healthy_hosts(ROUTERS) == 1, "envoy never took the dead replica out")
+        out_at = time.monotonic()
+        _wait(lambda: sum(1 for t0, _, _ in results if t0 > out_at) >= 12, "the stream stalled after the kill")
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+    after = [r for r in results if r[0] > killed_at]
+    failed = [r for r in results if r[1] != 200]
+    assert after and not failed, f"{len(failed)} of {len(results)} requests failed: {failed[:3]}"
+    # The victim's requests in flight at the kill were tried again on the survivor.
+    assert _cluster_stats(stack)["cluster.kvmesh-routers.upstream_rq_retry"] > retried_before
+
+
+def _cluster_stats(stack: LocalStack) -> dict[str, int]:
+    text = httpx.get(f"http://127.0.0.1:{stack.envoy.admin_port}/stats?filter=^cluster.kvmesh-routers",
+                     timeout=5).text
+    return {k: int(v) for k, _, v in (line.partition(": ") for line in text.splitlines()) if v.isdigit()}
+
