@@ -143,6 +143,7 @@ def chat_request_from_body(body: dict[str, Any]) -> ChatRequest:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise ChatRenderError(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+        _texts(i, m["role"], m.get("content"))   # the content's shape is checked up front, not at render
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise ChatRenderError("'tools' must be a list", "tools")
@@ -340,24 +341,98 @@ def _merge(defaults: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any
 # --------------------------------------------------------------------------- the renderer
 
 
+class TemplateSource:
+    """What of a Hugging Face tokenizer renders chat templates, read from a model directory.
+
+    Loading ``AutoTokenizer`` costs ~10 CPU-seconds (imports and vocabulary) the router does not
+    need: it encodes with the ``tokenizers`` library. This gives ``transformers``' own renderer
+    (``render_jinja_template``) the same inputs ``PreTrainedTokenizerBase.apply_chat_template``
+    gives it: the template chosen as ``get_chat_template`` chooses it, the named special tokens as
+    variables under the caller's keywords."""
+
+    SPECIAL = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        cfg = _json(path / "tokenizer_config.json")
+        tpl: Any = cfg.get("chat_template")
+        if isinstance(tpl, list):
+            tpl = {t["name"]: t["template"] for t in tpl if isinstance(t, dict) and "name" in t}
+        if tpl is None and (path / "chat_template.jinja").exists():
+            tpl = (path / "chat_template.jinja").read_text(encoding="utf-8")
+        if tpl is None and (path / "chat_template.json").exists():
+            tpl = _json(path / "chat_template.json").get("chat_template")
+        self.chat_template: str | dict[str, str] | None = tpl
+        tokens = {**_json(path / "special_tokens_map.json"), **{k: v for k, v in cfg.items() if k in self.SPECIAL}}
+        self.special_tokens_map = {k: str(v["content"] if isinstance(v, dict) else v)
+                                   for k in self.SPECIAL if (v := tokens.get(k)) is not None}
+
+    def get_chat_template(self, chat_template: str | None = None, tools: Any = None) -> str:
+        named = self.chat_template if isinstance(self.chat_template, dict) else None
+        if named is not None:
+            if chat_template is not None and chat_template in named:
+                return named[chat_template]
+            if chat_template is None:
+                if tools is not None and "tool_use" in named:
+                    return named["tool_use"]
+                if "default" in named:
+                    return named["default"]
+                raise ValueError(f"several chat templates and no default: {sorted(named)}")
+        if chat_template is None:
+            if self.chat_template is None:
+                raise ValueError("the tokenizer has no chat template")
+            return self.chat_template  # type: ignore[return-value]
+        return chat_template
+
+    def apply_chat_template(self, conversation: list[dict[str, Any]], tools: Any = None, documents: Any = None,
+                            chat_template: str | None = None, add_generation_prompt: bool = False,
+                            continue_final_message: bool = False, tokenize: bool = False,
+                            return_dict: bool = False, **kwargs: Any) -> str:
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message and add_generation_prompt are not compatible")
+        rendered, _ = render_jinja_template(
+            conversations=[conversation], tools=tools, documents=documents,
+            chat_template=self.get_chat_template(chat_template, tools), return_assistant_tokens_mask=False,
+            continue_final_message=continue_final_message, add_generation_prompt=add_generation_prompt,
+            **{**self.special_tokens_map, **kwargs})
+        return rendered[0]
+
+
+def _json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+
+
 class ChatRenderer:
-    """Renders chat requests for one model directory (or a loaded HF tokenizer). Thread-safe."""
+    """Renders chat requests for one model directory or a loaded HF tokenizer. Thread-safe.
+
+    With a directory, templates come from a ``TemplateSource`` and ``encode`` must be given (the
+    router passes its fast tokenizer's); with a HF tokenizer (the worker's), both come from it."""
 
     def __init__(self, model_dir: str | Path | None = None, *, hf_tokenizer: Any = None,
                  chat_template: str | None = None, encode: Callable[[str], list[int]] | None = None) -> None:
         if hf_tokenizer is None:
             if model_dir is None:
                 raise ValueError("ChatRenderer needs a model directory or a loaded tokenizer")
-            from transformers import AutoTokenizer
+            if encode is None:
+                from kvmesh.tokenization.tokenizer import load_tokenizer
 
-            hf_tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
-        self.hf = hf_tokenizer
+                fast = load_tokenizer(model_dir)
+                encode = lambda text: fast.encode(text, add_special_tokens=False)  # noqa: E731
+            self._encode_special: Callable[[str], list[int]] | None = None
+            self.templates: Any = TemplateSource(model_dir)
+        else:
+            self.templates = hf_tokenizer
+            self._encode_special = lambda text: list(hf_tokenizer.encode(text, add_special_tokens=True))
+        self.model_dir = model_dir
         self.chat_template = chat_template
-        self._encode = encode or (lambda text: list(self.hf.encode(text, add_special_tokens=False)))
+        self._encode = encode or (lambda text: list(hf_tokenizer.encode(text, add_special_tokens=False)))
 
     def template(self, tools: list[dict[str, Any]] | None) -> str:
         try:
-            return self.hf.get_chat_template(self.chat_template, tools=tools)
+            return self.templates.get_chat_template(self.chat_template, tools=tools)
         except ValueError as exc:
             raise ChatRenderError(f"the served model has no usable chat template: {exc}") from None
 
@@ -383,7 +458,7 @@ class ChatRenderer:
         conv = conversation(req.messages, detect_content_format(tpl), tpl)
         kw = self.template_kwargs(req, tpl)
         try:
-            text = self.hf.apply_chat_template(conversation=conv, tools=req.tools, chat_template=tpl,
+            text = self.templates.apply_chat_template(conversation=conv, tools=req.tools, chat_template=tpl,
                                                tokenize=False, return_dict=False, **kw)
         except Exception as exc:  # jinja errors and the template's raise_exception
             raise ChatRenderError(f"the chat template rejected the request: {_reason(exc)}") from None
@@ -391,7 +466,11 @@ class ChatRenderer:
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         if add_special_tokens:
-            return list(self.hf.encode(text, add_special_tokens=True))
+            if self._encode_special is None:
+                from kvmesh.tokenization.tokenizer import load_tokenizer
+
+                return load_tokenizer(self.model_dir).encode(text, add_special_tokens=True)  # type: ignore[arg-type]
+            return self._encode_special(text)
         return self._encode(text)
 
     def render_ids(self, req: ChatRequest) -> list[int]:

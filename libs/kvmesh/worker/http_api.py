@@ -35,6 +35,7 @@ from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json
 from kvmesh.openai.responses import Answer
 from kvmesh.openai.usage import usage
+from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,11 @@ def load_tokenizer(path: str) -> Tokenizer | None:
 # --------------------------------------------------------------------------- prompt -> token ids
 
 
-def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None) -> list[int]:
-    """The prompt of a validated request as token ids (text and chat need the tokenizer)."""
+def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None, renderer: ChatRenderer | None = None) -> list[int]:
+    """The prompt of a validated request as token ids (text and chat need the tokenizer).
+
+    Chat goes through ``kvmesh.tokenization.chat_render``, the renderer the router uses, so both
+    compute the ids vLLM's OpenAI server would."""
     if req.prompt_ids is not None:
         return req.prompt_ids
     if tokenizer is None:
@@ -87,16 +91,11 @@ def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None) -> list[int]:
         raise BadRequest("this worker has no tokenizer: send 'prompt' as a list of token ids", "prompt")
     if not req.chat:
         return list(tokenizer.encode(req.prompt_text or "", add_special_tokens=False))
-    kw: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt, "tokenize": True}
-    if req.tools:
-        kw["tools"] = req.tools
+    assert req.chat_request is not None
     try:
-        ids = tokenizer.apply_chat_template(req.messages or [], **kw)
-    except Exception as exc:  # the template rejects the conversation
-        raise BadRequest(f"cannot render the chat template: {exc}", "messages") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+        return (renderer or ChatRenderer(hf_tokenizer=tokenizer)).render_ids(req.chat_request)
+    except ChatRenderError as exc:
+        raise BadRequest(exc.message, exc.param) from None
 
 
 def _engine_error(exc: EngineError) -> OpenAIError:
@@ -115,6 +114,7 @@ class WorkerHttpApi:
         info = engine.info()
         self.model = model or info.model
         self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(hf_tokenizer=tokenizer) if tokenizer is not None else None
         self.endpoint_id = endpoint_id or "worker"
         self.default_max_tokens = default_max_tokens
         self.app = self._build()
@@ -173,7 +173,7 @@ class WorkerHttpApi:
         body = await read_json(request, MAX_BODY_BYTES)
         req = parse_chat(body, request.headers) if chat else parse_completion(body, request.headers)
         self._check_model(req.model)
-        ids = prompt_ids(req, self.tokenizer)
+        ids = prompt_ids(req, self.tokenizer, self.renderer)
         if req.stop and self.tokenizer is None:
             raise BadRequest("'stop' strings need a tokenizer on this worker; use 'stop_token_ids'", "stop")
         answer = Answer(chat=chat, model=self.model, id=request.headers.get("x-request-id", ""))

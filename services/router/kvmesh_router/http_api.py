@@ -122,6 +122,7 @@ class RouterHttpApi:
         inp.text = req.prompt_text
         inp.tokens = req.prompt_ids
         inp.chat = req.messages
+        inp.chat_request = req.chat_request
         inp.add_generation_prompt = req.add_generation_prompt
         inp.cache_salt = req.cache_salt
         inp.session_id = req.session_id
@@ -145,7 +146,7 @@ class RouterHttpApi:
         cfg = self.cfg
         eps = [e.endpoint_id for e in self.service.core.decode_endpoints(cfg.model)]
         return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh",
-                                            "max_model_len": cfg.max_model_len, "endpoints": eps}]}
+                                            "max_model_len": self.service.max_model_len(), "endpoints": eps}]}
 
     async def health(self) -> JSONResponse:
         n = self.service.cluster.live_decode_count()

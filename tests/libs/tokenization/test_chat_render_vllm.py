@@ -56,9 +56,17 @@ def vllm_chat(tiny_model_dir: Path) -> dict[str, VllmChat]:
 
 
 @pytest.mark.parametrize("name", list(TEMPLATES))
-def test_ids_equal_vllm(name: str, vllm_chat: dict[str, VllmChat], tiny_model_dir: Path) -> None:
+@pytest.mark.parametrize("side", ["router", "worker"])
+def test_ids_equal_vllm(name: str, side: str, vllm_chat: dict[str, VllmChat], tiny_model_dir: Path) -> None:
+    """The router's renderer (template source + fast tokenizer) and the worker's (a transformers
+    tokenizer) both give vLLM's ids."""
+    from transformers import AutoTokenizer
+
     path, kwargs = TEMPLATES[name]
-    ours = ChatRenderer(tiny_model_dir, chat_template=path.read_text() if path else None)
+    tpl = path.read_text() if path else None
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+    ours = ChatRenderer(tiny_model_dir, chat_template=tpl) if side == "router" else \
+        ChatRenderer(hf_tokenizer=hf, chat_template=tpl)
     cases = [make_case(i, kwargs_keys=kwargs) for i in range(N_CASES)]
     assert sum(1 for c in cases if c.get("tools")) >= 20
     assert sum(1 for c in cases if any(m["role"] == "tool" for m in c["messages"])) >= 10
@@ -68,7 +76,7 @@ def test_ids_equal_vllm(name: str, vllm_chat: dict[str, VllmChat], tiny_model_di
         want = vllm_chat[name].ids(body)
         got = ours.render_ids(chat_request_from_body(body))
         if got != want:
-            diffs.append((i, ours.hf.decode(got)[-300:], ours.hf.decode(want)[-300:]))
+            diffs.append((i, hf.decode(got)[-300:], hf.decode(want)[-300:]))
     assert not diffs, f"{len(diffs)} of {N_CASES} differ; first: {diffs[0]}"
 
 
