@@ -44,7 +44,8 @@ class WorkerConfig:
     max_waiting: int = field(default=4096, metadata=_h("waiting queue limit (0 = unlimited)"))
     vocab_size: int = field(default=32000, metadata=_h("vocabulary size (sim)"))
     eos_token_id: int = field(default=-1, metadata=_h("EOS token id (sim; -1 = none)"))
-    default_max_tokens: int = field(default=16, metadata=_h("max_tokens when a request gives 0"))
+    default_max_tokens: int = field(default=0, metadata=_h(
+        "max_tokens when a request gives 0 (0 = what is left of max_model_len, as vLLM)"))
     lora_names: list[str] = field(default_factory=list, metadata=_h("LoRA adapters served (comma list)"))
     lora_paths: dict[str, str] = field(default_factory=dict, metadata=_h(
         "sim: LoRA name -> path hashed into its blocks, as vLLM does (JSON; names are served too)"))

@@ -33,7 +33,7 @@ from opentelemetry import propagate, trace
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json
-from kvmesh.openai.responses import Answer
+from kvmesh.openai.responses import Answer, tool_call
 from kvmesh.openai.usage import usage
 from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
@@ -61,7 +61,8 @@ class HttpApiConfig:
 
     host: str = field(default="0.0.0.0", metadata={"help": "HTTP listen host"})
     port: int = field(default=0, metadata={"help": "HTTP listen port (0 = disabled)"})
-    default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when the request omits it"})
+    default_max_tokens: int = field(default=0, metadata={
+        "help": "max_tokens when the request omits it (0 = what is left of max_model_len, as vLLM)"})
     tokenizer: str = field(default="", metadata={"help": "HF tokenizer dir for text/chat prompts ('' = token ids only)"})
 
 
@@ -98,6 +99,14 @@ def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None, renderer: ChatRe
         raise BadRequest(exc.message, exc.param) from None
 
 
+def _tools_active(req: OpenAIRequest) -> bool:
+    return req.chat_request is not None and req.chat_request.tools_active
+
+
+def _calls(out: EngineOutput) -> list[dict[str, Any]]:
+    return [tool_call(c.id, c.name, c.arguments) for c in out.tool_calls or []]
+
+
 def _engine_error(exc: EngineError) -> OpenAIError:
     return OpenAIError(str(exc), status=exc.http_status)
 
@@ -109,7 +118,7 @@ class WorkerHttpApi:
     """The FastAPI app over one engine; request rules and answer shapes come from ``kvmesh.openai``."""
 
     def __init__(self, engine: Engine, *, model: str = "", tokenizer: Tokenizer | None = None,
-                 endpoint_id: str = "", default_max_tokens: int = 16) -> None:
+                 endpoint_id: str = "", default_max_tokens: int = 0) -> None:
         self.engine = engine
         info = engine.info()
         self.model = model or info.model
@@ -163,10 +172,13 @@ class WorkerHttpApi:
     def _engine_request(self, req: OpenAIRequest, ids: list[int], request_id: str) -> EngineRequest:
         return EngineRequest(
             request_id=request_id, prompt_token_ids=ids,
-            max_tokens=req.max_tokens if req.max_tokens is not None else self.default_max_tokens,
+            max_tokens=req.max_tokens if req.max_tokens is not None else (
+                self.default_max_tokens or max(1, self.engine.info().max_model_len - len(ids))),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop_token_ids=req.stop_token_ids,
             ignore_eos=bool(req.ignore_eos), cache_salt=req.cache_salt, session_id=req.session_id,
+            tools=req.chat_request.tools if _tools_active(req) else None,
+            tool_choice=req.chat_request.effective_tool_choice if _tools_active(req) else None,
         )
 
     async def _handle(self, request: Request, chat: bool) -> Response:
@@ -188,7 +200,8 @@ class WorkerHttpApi:
                 first = None
             except EngineError as exc:
                 raise _engine_error(exc) from None
-            return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage),
+            return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage,
+                                                 hold=_tools_active(req)),
                                     headers=self._headers())
         parent = propagate.extract(dict(request.headers))
         return JSONResponse(await self._collect(ereq, req.stop, answer, parent), headers=self._headers())
@@ -258,12 +271,17 @@ class WorkerHttpApi:
                 span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         log.debug("http request done", extra={"request_id": answer.id,
                                               "ms": round(1000 * (time.perf_counter() - t0), 2)})
-        return answer.response(text, ids, last.finish_reason or "stop", use, kvmesh={"endpoint": self.endpoint_id})
+        if last.tool_calls:
+            text = last.content or ""
+        return answer.response(text, ids, last.finish_reason or "stop", use, tool_calls=_calls(last),
+                               kvmesh={"endpoint": self.endpoint_id})
 
     async def _events(self, agen: AsyncIterator[tuple[list[int], str, EngineOutput]],
                       first: tuple[list[int], str, EngineOutput] | None, answer: Answer, n_prompt: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, hold: bool = False) -> AsyncIterator[bytes]:
+        """``hold``: the answer may be a tool call, so its text is sent once the engine has parsed it."""
         n_out = 0
+        held: list[str] = []
         last: EngineOutput | None = None
         try:
             items = [first] if first is not None else []
@@ -273,6 +291,19 @@ class WorkerHttpApi:
                     n_out += len(new_ids)
                     last = out
                     finish = (out.finish_reason or "stop") if out.finished else None
+                    if hold:
+                        held.append(delta)
+                        if not finish:
+                            continue
+                        text = (out.content or "") if out.tool_calls else "".join(held)
+                        if text:
+                            yield sse.event(answer.chunk(text, None, None, first_chunk))
+                            first_chunk = False
+                        if out.tool_calls:
+                            yield sse.event(answer.tool_calls_chunk(_calls(out), first_chunk))
+                            first_chunk = False
+                        yield sse.event(answer.chunk("", new_ids, finish, first_chunk))
+                        continue
                     if new_ids or delta or finish:
                         yield sse.event(answer.chunk(delta, new_ids, finish, first_chunk))
                         first_chunk = False
@@ -342,7 +373,7 @@ class HttpApiServer:
 
 async def start_http_api(engine: Engine, *, host: str = "0.0.0.0", port: int = 0, model: str = "",
                          tokenizer: Tokenizer | str | None = None, endpoint_id: str = "",
-                         default_max_tokens: int = 16) -> HttpApiServer:
+                         default_max_tokens: int = 0) -> HttpApiServer:
     """Start the worker's OpenAI HTTP API; returns the running server (``.port``, ``.stop()``).
 
     ``tokenizer`` is a loaded tokenizer or a HF tokenizer directory ('' / None =

@@ -23,7 +23,7 @@ from opentelemetry import propagate
 from kvmesh.openai import sse
 from kvmesh.openai.errors import OpenAIError, error_body, error_response, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
-from kvmesh.openai.responses import Answer
+from kvmesh.openai.responses import Answer, tool_call
 from kvmesh.openai.usage import usage
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
@@ -33,7 +33,8 @@ from kvmesh_router.service import FinalInfo, GenInput, RouterService
 log = logging.getLogger(__name__)
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
+           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error",
+           common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 
 
 def _router_error(exc: RouterError) -> JSONResponse:
@@ -52,6 +53,10 @@ def _routing(fin: FinalInfo) -> dict[str, Any]:
 
 def _finish(fin: FinalInfo) -> str:
     return _FINISH.get(fin.finish_reason, "stop")
+
+
+def _tool_calls(fin: FinalInfo) -> list[dict[str, Any]]:
+    return [tool_call(c.id, c.name, c.arguments) for c in fin.tool_calls]
 
 
 class _Detok:
@@ -205,13 +210,20 @@ class RouterHttpApi:
         metrics.REQUESTS.labels(api=api, outcome="ok").inc()
         tok = self.service.tokenizer
         text = tok.decode(ids) if tok is not None else ""
-        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), kvmesh=_routing(fin)))
+        if fin.tool_calls:
+            text = fin.content or ""
+        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), tool_calls=_tool_calls(fin),
+                                            kvmesh=_routing(fin)))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
                       answer: Answer, api: str, include_usage: bool) -> AsyncIterator[bytes]:
         detok = _Detok(self.service.tokenizer)
         watch = _DisconnectWatch(request, inp)
         first_chunk = True
+        # With tools the answer's text may be a tool call: it is held back until the worker has
+        # parsed it, then sent as content and tool_calls deltas.
+        hold = inp.chat_request is not None and inp.chat_request.tools_active
+        held: list[str] = []
         try:
             async def items() -> AsyncIterator[tuple[str, Any]]:
                 if first is not None:
@@ -220,10 +232,19 @@ class RouterHttpApi:
                     yield it
 
             async for kind, item in items():
-                if kind == "chunk":
+                if kind == "chunk" and hold:
+                    held.append(detok.push(item))
+                elif kind == "chunk":
                     yield sse.event(answer.chunk(detok.push(item), item, None, first_chunk))
                     first_chunk = False
                 else:
+                    text = (item.content or "") if item.tool_calls else "".join(held)
+                    if text:
+                        yield sse.event(answer.chunk(text, item.output_ids, None, first_chunk))
+                        first_chunk = False
+                    if item.tool_calls:
+                        yield sse.event(answer.tool_calls_chunk(_tool_calls(item), first_chunk))
+                        first_chunk = False
                     yield sse.event(answer.chunk("", None, _finish(item), first_chunk, kvmesh=_routing(item)))
                     if include_usage:
                         yield sse.event(answer.usage_chunk(_usage(item)))

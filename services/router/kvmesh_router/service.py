@@ -11,6 +11,7 @@ call, which aborts the engine request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -111,6 +112,9 @@ class FinalInfo:
     request_id: str
     ttft_s: float
     output_ids: list[int]
+    # The worker parsed tool calls out of the answer: the calls and the text that is not one.
+    tool_calls: list[worker_pb2.ToolCall] = field(default_factory=list)
+    content: str | None = None
 
 
 class _BeforeFirstToken(Exception):
@@ -480,6 +484,11 @@ class RouterService:
             wreq.sampling.max_tokens = self.cfg.max_tokens_default or max(1, self.max_model_len() - len(p.tokens))
         if handle is not None:
             wreq.kv_handle.CopyFrom(handle)
+        creq = inp.chat_request
+        if creq is not None and creq.tools_active:
+            # The worker parses the answer's tool calls (vLLM's parser, or the sim's tool mode).
+            wreq.tools_json = json.dumps(creq.tools)
+            wreq.tool_choice_json = json.dumps(creq.effective_tool_choice)
         try:
             with trace.use_span(span, end_on_exit=False):   # trace context goes out with the call
                 call = self.cluster.stub(d.endpoint_id).Generate(wreq, timeout=self._remaining(inp))
@@ -593,4 +602,4 @@ class RouterService:
         span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
-                         ttft, generated)
+                         ttft, generated, list(msg.tool_calls), msg.content if msg.HasField("content") else None)
