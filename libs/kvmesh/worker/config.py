@@ -83,9 +83,11 @@ class WorkerConfig:
         if self.role and self.role not in ROLES:
             raise ConfigError(f"setting 'role': expected one of {ROLES}, got {self.role!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "vocab_size", "default_max_tokens"):
+                     "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
+        if self.default_max_tokens < 0:
+            raise ConfigError(f"setting 'default_max_tokens' must be >= 0, got {self.default_max_tokens}")
         if self.time_scale <= 0:
             raise ConfigError(f"setting 'time_scale' must be > 0, got {self.time_scale}")
         if "@" in self.endpoint_id:
