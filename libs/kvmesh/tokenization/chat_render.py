@@ -326,9 +326,12 @@ def template_variables(template: str) -> frozenset[str]:
 
 @lru_cache(maxsize=1)
 def _hf_base_params() -> frozenset[str]:
-    from transformers import PythonBackend
+    try:
+        from transformers import PythonBackend as Base   # transformers 5, what vLLM 0.32 reads
+    except ImportError:
+        from transformers import PreTrainedTokenizerBase as Base
 
-    sig = inspect.signature(PythonBackend.apply_chat_template)
+    sig = inspect.signature(Base.apply_chat_template)
     return frozenset(p.name for p in sig.parameters.values()
                      if p.kind not in (inspect.Parameter.VAR_KEYWORD, inspect.Parameter.VAR_POSITIONAL))
 
