@@ -327,7 +327,7 @@ def template_variables(template: str) -> frozenset[str]:
 @lru_cache(maxsize=1)
 def _hf_base_params() -> frozenset[str]:
     try:
-        from transformers import PythonBackend as Base   # transformers 5, what vLLM 0.32 reads
+        from transformers import PythonBackend as Base  # transformers 5, what vLLM 0.32 reads
     except ImportError:
         from transformers import PreTrainedTokenizerBase as Base
 

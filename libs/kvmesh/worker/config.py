@@ -74,6 +74,10 @@ class WorkerConfig:
     model_h2d: bool = field(default=True, metadata=_h("sim: add a modelled host-to-device copy to each restore"))
     grace_s: float = field(default=10.0, metadata=_h("drain time on shutdown"))
     labels: dict[str, str] = field(default_factory=dict, metadata=_h("endpoint labels (JSON)"))
+    tool_call_parser: str = field(default="", metadata=_h(
+        "vllm engine: vLLM tool parser for chat answers with tools (e.g. hermes), as vLLM's flag"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_h(
+        "vllm engine: let the model decide to call tools (tool_choice auto), as vLLM's flag"))
     vllm_options: dict = field(default_factory=dict, metadata=_h(
         "vllm engine: extra VllmEngineConfig settings (JSON), e.g. lora_modules"))
 

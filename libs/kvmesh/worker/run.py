@@ -60,6 +60,12 @@ def build_engine(cfg: WorkerConfig, endpoint_id: str) -> Engine:
         "kv_events_replay_endpoint": cfg.kv_events_replay_endpoint, "offload_address": cfg.offload_address,
         "enable_kv_events": bool(cfg.kv_events_endpoint),
     }
+    if cfg.tool_call_parser:
+        # Parsing tool calls means decoding the answer: the engine needs its tokenizer.
+        mapping.update(tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
+                       skip_tokenizer_init=False)
+    elif cfg.enable_auto_tool_choice:
+        raise ConfigError("setting 'enable_auto_tool_choice' needs 'tool_call_parser'")
     if cfg.kv_cache_memory_bytes > 0:
         mapping["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     if cfg.max_model_len != WorkerConfig.max_model_len:
