@@ -92,7 +92,6 @@ class OpenAIRequest:
     chat_request: ChatRequest | None = None       # chat: what decides the prompt (messages, tools, ...)
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
-    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -247,6 +246,4 @@ def parse_chat(body: dict[str, Any], headers: Any) -> OpenAIRequest:
     req.messages = req.chat_request.messages
     req.add_generation_prompt = req.chat_request.add_generation_prompt
     req.tools = req.chat_request.tools
-    ptc = boolean(body, "parallel_tool_calls")
-    req.parallel_tool_calls = True if ptc is None else ptc
     return _common(req, body, headers)

@@ -20,6 +20,13 @@ def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
+def tool_calls(calls: list[Any], parallel: bool = True) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` of calls with ``id``/``name``/``arguments``; ``parallel=False`` (the
+    request's ``parallel_tool_calls``) keeps the first only."""
+    out = [tool_call(c.id, c.name, c.arguments) for c in calls]
+    return out if parallel else out[:1]
+
+
 def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 

@@ -70,6 +70,7 @@ class ChatRequest:
     continue_final_message: bool = False
     documents: list[dict[str, Any]] | None = None
     add_special_tokens: bool = False
+    parallel_tool_calls: bool = True      # False: an answer keeps only its first tool call
 
     @property
     def effective_tool_choice(self) -> Any:
@@ -155,7 +156,7 @@ def chat_request_from_body(body: dict[str, Any]) -> ChatRequest:
         raise ChatRenderError("'chat_template_kwargs' must be an object", "chat_template_kwargs")
     flags = {}
     for name, default in (("add_generation_prompt", True), ("continue_final_message", False),
-                          ("add_special_tokens", False)):
+                          ("add_special_tokens", False), ("parallel_tool_calls", True)):
         v = body.get(name)
         if v is not None and not isinstance(v, bool):
             raise ChatRenderError(f"'{name}' must be a boolean", name)

@@ -33,7 +33,7 @@ from opentelemetry import propagate, trace
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json
-from kvmesh.openai.responses import Answer, tool_call
+from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
 from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
@@ -103,8 +103,8 @@ def _tools_active(req: OpenAIRequest) -> bool:
     return req.chat_request is not None and req.chat_request.tools_active
 
 
-def _calls(out: EngineOutput) -> list[dict[str, Any]]:
-    return [tool_call(c.id, c.name, c.arguments) for c in out.tool_calls or []]
+def _parallel(req: OpenAIRequest) -> bool:
+    return req.chat_request is None or req.chat_request.parallel_tool_calls
 
 
 def _engine_error(exc: EngineError) -> OpenAIError:
@@ -201,10 +201,11 @@ class WorkerHttpApi:
             except EngineError as exc:
                 raise _engine_error(exc) from None
             return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage,
-                                                 hold=_tools_active(req)),
+                                                 hold=_tools_active(req), parallel=_parallel(req)),
                                     headers=self._headers())
         parent = propagate.extract(dict(request.headers))
-        return JSONResponse(await self._collect(ereq, req.stop, answer, parent), headers=self._headers())
+        return JSONResponse(await self._collect(ereq, req.stop, answer, parent, _parallel(req)),
+                            headers=self._headers())
 
     async def _run(self, req: EngineRequest, stops: list[str]) -> AsyncIterator[tuple[list[int], str, EngineOutput]]:
         """Yield (new token ids, new text, output); applies ``stop`` strings on the decoded text."""
@@ -240,7 +241,8 @@ class WorkerHttpApi:
     def _usage(out: EngineOutput, n_prompt: int, n_out: int) -> dict[str, Any]:
         return usage(out.num_prompt_tokens or n_prompt, out.num_output_tokens or n_out, out.num_cached_tokens)
 
-    async def _collect(self, ereq: EngineRequest, stops: list[str], answer: Answer, parent: Any = None) -> dict[str, Any]:
+    async def _collect(self, ereq: EngineRequest, stops: list[str], answer: Answer, parent: Any = None,
+                       parallel: bool = True) -> dict[str, Any]:
         t0 = time.perf_counter()
         ids: list[int] = []
         text = ""
@@ -273,12 +275,12 @@ class WorkerHttpApi:
                                               "ms": round(1000 * (time.perf_counter() - t0), 2)})
         if last.tool_calls:
             text = last.content or ""
-        return answer.response(text, ids, last.finish_reason or "stop", use, tool_calls=_calls(last),
+        return answer.response(text, ids, last.finish_reason or "stop", use, tool_calls=tool_calls(last.tool_calls or [], parallel),
                                kvmesh={"endpoint": self.endpoint_id})
 
     async def _events(self, agen: AsyncIterator[tuple[list[int], str, EngineOutput]],
                       first: tuple[list[int], str, EngineOutput] | None, answer: Answer, n_prompt: int,
-                      include_usage: bool, hold: bool = False) -> AsyncIterator[bytes]:
+                      include_usage: bool, hold: bool = False, parallel: bool = True) -> AsyncIterator[bytes]:
         """``hold``: the answer may be a tool call, so its text is sent once the engine has parsed it."""
         n_out = 0
         held: list[str] = []
@@ -300,7 +302,7 @@ class WorkerHttpApi:
                             yield sse.event(answer.chunk(text, None, None, first_chunk))
                             first_chunk = False
                         if out.tool_calls:
-                            yield sse.event(answer.tool_calls_chunk(_calls(out), first_chunk))
+                            yield sse.event(answer.tool_calls_chunk(tool_calls(out.tool_calls or [], parallel), first_chunk))
                             first_chunk = False
                         yield sse.event(answer.chunk("", new_ids, finish, first_chunk))
                         continue

@@ -23,7 +23,7 @@ from opentelemetry import propagate
 from kvmesh.openai import sse
 from kvmesh.openai.errors import OpenAIError, error_body, error_response, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
-from kvmesh.openai.responses import Answer, tool_call
+from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
@@ -55,8 +55,8 @@ def _finish(fin: FinalInfo) -> str:
     return _FINISH.get(fin.finish_reason, "stop")
 
 
-def _tool_calls(fin: FinalInfo) -> list[dict[str, Any]]:
-    return [tool_call(c.id, c.name, c.arguments) for c in fin.tool_calls]
+def _tool_calls(fin: FinalInfo, inp: GenInput) -> list[dict[str, Any]]:
+    return tool_calls(fin.tool_calls, inp.chat_request is None or inp.chat_request.parallel_tool_calls)
 
 
 class _Detok:
@@ -212,7 +212,7 @@ class RouterHttpApi:
         text = tok.decode(ids) if tok is not None else ""
         if fin.tool_calls:
             text = fin.content or ""
-        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), tool_calls=_tool_calls(fin),
+        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), tool_calls=_tool_calls(fin, inp),
                                             kvmesh=_routing(fin)))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
@@ -243,7 +243,7 @@ class RouterHttpApi:
                         yield sse.event(answer.chunk(text, item.output_ids, None, first_chunk))
                         first_chunk = False
                     if item.tool_calls:
-                        yield sse.event(answer.tool_calls_chunk(_tool_calls(item), first_chunk))
+                        yield sse.event(answer.tool_calls_chunk(_tool_calls(item, inp), first_chunk))
                         first_chunk = False
                     yield sse.event(answer.chunk("", None, _finish(item), first_chunk, kvmesh=_routing(item)))
                     if include_usage:

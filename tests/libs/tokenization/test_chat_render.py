@@ -102,3 +102,14 @@ def test_sim_tool_arguments_fit_the_schema(tool) -> None:
     jsonschema.validate(json.loads(call.arguments), schema)
     assert call == sim_tool_call("req-1", [tool], "required")   # deterministic per request
     assert sim_tool_call("req-1", [tool], "none") is None
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    from kvmesh.openai.responses import tool_calls
+    from kvmesh.worker.engine.base import ToolCall
+
+    calls = [ToolCall("c1", "f", "{}"), ToolCall("c2", "g", '{"a": 1}')]
+    req = chat_request_from_body({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS,
+                                  "parallel_tool_calls": False})
+    assert [c["id"] for c in tool_calls(calls, req.parallel_tool_calls)] == ["c1"]
+    assert tool_calls(calls)[1] == {"id": "c2", "type": "function", "function": {"name": "g", "arguments": '{"a": 1}'}}
