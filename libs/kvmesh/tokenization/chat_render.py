@@ -29,7 +29,6 @@ vLLM's own renderer on many requests and two templates.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -262,7 +261,7 @@ def conversation(messages: Sequence[dict[str, Any]], fmt: ContentFormat, templat
                                                   f"messages[{i}].tool_calls[{j}]")
                         # The keys and their order of OpenAI's typed dict, as vLLM's pydantic parse
                         # leaves them: a template's ``call | tojson`` then prints the same text.
-                        msg["tool_calls"].append({"id": cid, "function": {"arguments": copy.deepcopy(args),
+                        msg["tool_calls"].append({"id": cid, "function": {"arguments": args,
                                                                           "name": name}, "type": "function"})
             if m.get("reasoning") is not None:
                 msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
