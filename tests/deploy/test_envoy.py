@@ -91,6 +91,36 @@ def test_session_turns_stick_to_their_kv(deploy_stack, gateway) -> None:
                 msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
 
 
+def test_agent_turns_with_tools_stick_to_their_kv(deploy_stack, gateway) -> None:
+    """Tool-using agents: the picker renders tools, tool calls and tool results exactly as the worker
+    behind Envoy does, so every turn lands where its KV is and most of it is cached."""
+    from tests.helpers.chat_cases import TOOLS
+
+    sessions = {n: [{"role": "system", "content": f"You are tool agent {n}. " + f"{n} " * 500}]
+                for n in ("tc", "td")}
+    home: dict[str, str] = {}
+    with httpx.Client(base_url=gateway.base, timeout=30) as c:
+        for turn in range(3):
+            for name, msgs in sessions.items():
+                msgs.append({"role": "user", "content": [{"type": "text", "text": f"turn {turn}"},
+                                                         {"type": "text", "text": f"of {name}"}]})
+                r = c.post("/v1/chat/completions", headers={"x-session-id": name},
+                           json={"model": MODEL, "messages": msgs, "max_tokens": 4, "tools": TOOLS})
+                assert r.status_code == 200, r.text
+                worker, picked = served_by(r, deploy_stack)
+                assert worker == picked
+                body = r.json()
+                if turn == 0:
+                    home[name] = worker
+                else:
+                    assert worker == home[name], f"session {name} turn {turn} left its KV on {home[name]}"
+                    usage = body["usage"]
+                    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2, usage
+                [call] = body["choices"][0]["message"]["tool_calls"]   # the sim's tool mode
+                msgs += [{"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": call["id"], "content": f"result {turn}"}]
+
+
 def test_subset_hint_is_honoured_and_an_empty_choice_is_503(deploy_stack, gateway) -> None:
     with httpx.Client(base_url=gateway.base, timeout=30) as c:
         for target in ("decode-1", "decode-2"):

@@ -3,12 +3,15 @@
 Why it exists: the router and the worker must accept and reject the same
 requests with the same messages, so the rules live here once: a JSON object
 body under a size limit, a non-empty ``model``, one prompt (text or token
-ids) or a non-empty list of text-only chat messages, sampling fields of the
+ids) or a chat request (``kvmesh.tokenization.chat_render.chat_request_from_body``:
+messages, tools, tool_choice, template keywords), sampling fields of the
 right type and range (``max_tokens``/``max_completion_tokens`` >= 1,
 ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` = 1, at most 4
 ``stop`` strings), boolean ``stream``/``ignore_eos``, object
-``stream_options``; ``echo`` is refused. Each error is a ``BadRequest``
-whose ``param`` names the field. What the service does with a valid request
+``stream_options``. A parameter kvmesh cannot honour (``UNSUPPORTED``:
+``response_format``, ``logprobs``, penalties, ``echo``, ...) is refused with a
+400 naming it rather than ignored. Each error is a ``BadRequest`` whose
+``param`` names the field. What the service does with a valid request
 (tokenize, check the model, route) is not here.
 """
 
@@ -21,6 +24,7 @@ from typing import Any
 from fastapi import Request
 
 from kvmesh.openai.errors import BadRequest
+from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
 
 SESSION_HEADER = "x-session-id"
 MAX_STOP = 4
@@ -84,7 +88,8 @@ class OpenAIRequest:
     body: dict[str, Any]                     # the raw body, for service-specific extensions
     prompt_text: str | None = None           # completions: a text prompt ...
     prompt_ids: list[int] | None = None      # ... or token ids
-    messages: list[dict[str, Any]] | None = None  # chat: content flattened to a string
+    messages: list[dict[str, Any]] | None = None  # chat: the messages as sent
+    chat_request: ChatRequest | None = None       # chat: what decides the prompt (messages, tools, ...)
     add_generation_prompt: bool = True
     tools: list[Any] | None = None
     max_tokens: int | None = None
@@ -98,6 +103,64 @@ class OpenAIRequest:
     include_usage: bool = False
     cache_salt: str = ""
     session_id: str = ""
+
+
+def _off(v: Any) -> bool:
+    return v is None or v is False
+
+
+def _zero(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 0)
+
+
+def _one(v: Any) -> bool:
+    return v is None or (isinstance(v, (int, float)) and not isinstance(v, bool) and v == 1)
+
+
+def _empty(v: Any) -> bool:
+    return v is None or v == {} or v == [] or v == ""
+
+
+# Parameters the engines cannot honour, each with the test for "not asked for" (a default value
+# that changes nothing is accepted): anything else gets a 400 naming it, never silence.
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "response_format": (lambda v: v is None or v == {"type": "text"}, "structured output is not supported"),
+    "logprobs": (_off, "log probabilities are not returned"),
+    "top_logprobs": (_zero, "log probabilities are not returned"),
+    "prompt_logprobs": (_zero, "log probabilities are not returned"),
+    "presence_penalty": (_zero, "presence_penalty is not supported (0 only)"),
+    "frequency_penalty": (_zero, "frequency_penalty is not supported (0 only)"),
+    "repetition_penalty": (_one, "repetition_penalty is not supported (1 only)"),
+    "logit_bias": (_empty, "logit_bias is not supported"),
+    "best_of": (_one, "best_of is not supported (1 only)"),
+    "use_beam_search": (_off, "beam search is not supported"),
+    "suffix": (_empty, "suffix is not supported"),
+    "echo": (_off, "echo is not supported"),
+    "structured_outputs": (_empty, "structured output is not supported"),
+    "guided_json": (_empty, "structured output is not supported"),
+    "guided_regex": (_empty, "structured output is not supported"),
+    "guided_choice": (_empty, "structured output is not supported"),
+    "guided_grammar": (_empty, "structured output is not supported"),
+    "reasoning_effort": (_empty, "reasoning_effort is not supported; use chat_template_kwargs if the "
+                                 "template reads it"),
+    "functions": (_empty, "the legacy 'functions' API is not supported; use 'tools'"),
+    "function_call": (_empty, "the legacy 'function_call' API is not supported; use 'tool_choice'"),
+    "audio": (_empty, "audio output is not supported"),
+    "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
+    "prediction": (_empty, "predicted outputs are not supported"),
+    "web_search_options": (_empty, "web search is not supported"),
+    "top_k": (lambda v: v is None or v in (0, -1), "top_k is not supported"),
+    "min_p": (_zero, "min_p is not supported"),
+    "min_tokens": (_zero, "min_tokens is not supported"),
+    "truncate_prompt_tokens": (_empty, "truncate_prompt_tokens is not supported"),
+}
+
+
+def refuse_unsupported(body: dict[str, Any]) -> None:
+    """A 400 naming the first parameter the engine cannot honour."""
+    for name, (unset, why) in UNSUPPORTED.items():
+        if name in body and not unset(body[name]):
+            raise BadRequest(f"'{name}' is not supported by this server: {why}", name)
 
 
 def _model(body: dict[str, Any]) -> str:
@@ -152,8 +215,7 @@ def _common(req: OpenAIRequest, body: dict[str, Any], headers: Any) -> OpenAIReq
 def parse_completion(body: dict[str, Any], headers: Any) -> OpenAIRequest:
     """``/v1/completions``: ``prompt`` is a string, a list of token ids, or a one-element list of either."""
     req = OpenAIRequest(chat=False, model=_model(body), body=body)
-    if body.get("echo"):
-        raise BadRequest("'echo' is not supported", "echo")
+    refuse_unsupported(body)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and (isinstance(prompt[0], str) or _is_token_list(prompt[0])):
         prompt = prompt[0]
@@ -173,41 +235,15 @@ def parse_completion(body: dict[str, Any], headers: Any) -> OpenAIRequest:
     return _common(req, body, headers)
 
 
-def _messages(msgs: Any) -> list[dict[str, Any]]:
-    if msgs is None:
-        raise BadRequest("'messages' is required", "messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise BadRequest(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    raise BadRequest(f"messages[{i}].content: only text parts are supported",
-                                     f"messages[{i}].content")
-                parts.append(str(part.get("text", "")))
-            content = "".join(parts)
-        elif content is None:
-            content = ""
-        elif not isinstance(content, str):
-            raise BadRequest(f"messages[{i}].content must be a string or a list of text parts",
-                             f"messages[{i}].content")
-        out.append({**{k: v for k, v in m.items() if k != "content"}, "content": content})
-    return out
-
-
 def parse_chat(body: dict[str, Any], headers: Any) -> OpenAIRequest:
-    """``/v1/chat/completions``: ``messages`` with string roles and text content (parts are joined)."""
+    """``/v1/chat/completions``: the rendering fields (``kvmesh.tokenization.chat_render``) and sampling."""
     req = OpenAIRequest(chat=True, model=_model(body), body=body)
-    req.messages = _messages(body.get("messages"))
-    agp = boolean(body, "add_generation_prompt")
-    req.add_generation_prompt = True if agp is None else agp
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise BadRequest("'tools' must be a list", "tools")
-    req.tools = tools or None
+    refuse_unsupported(body)
+    try:
+        req.chat_request = chat_request_from_body(body)
+    except ChatRenderError as exc:
+        raise BadRequest(exc.message, exc.param) from None
+    req.messages = req.chat_request.messages
+    req.add_generation_prompt = req.chat_request.add_generation_prompt
+    req.tools = req.chat_request.tools
     return _common(req, body, headers)

@@ -15,6 +15,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """OpenAI's ``tool_calls[i]`` object."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_calls(calls: list[Any], parallel: bool = True) -> list[dict[str, Any]]:
+    """OpenAI ``tool_calls`` of calls with ``id``/``name``/``arguments``; ``parallel=False`` (the
+    request's ``parallel_tool_calls``) keeps the first only."""
+    out = [tool_call(c.id, c.name, c.arguments) for c in calls]
+    return out if parallel else out[:1]
+
+
 def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
@@ -43,11 +55,14 @@ class Answer:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def response(self, text: str, token_ids: list[int], finish: str, usage: dict[str, Any],
-                 **extra: Any) -> dict[str, Any]:
-        """The non-streaming answer; ``extra`` adds top-level keys (e.g. ``kvmesh``)."""
+                 tool_calls: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+        """The non-streaming answer; ``extra`` adds top-level keys (e.g. ``kvmesh``). With
+        ``tool_calls`` (``tool_call``), ``text`` is the answer's other text (null when empty)."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
+            if tool_calls:
+                choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
         else:
             choice["text"] = text
         return {**self._head(self.object), "choices": [choice], "usage": usage, **extra}
@@ -65,6 +80,13 @@ class Answer:
         else:
             choice["text"] = text
         return {**self._head(self.chunk_object), "choices": [choice], **extra}
+
+    def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], first: bool) -> dict[str, Any]:
+        """A chat chunk carrying whole tool calls as deltas (each with its ``index``)."""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
+        return {**self._head(self.chunk_object),
+                "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}]}
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The last chunk of a stream asked with ``stream_options.include_usage``: no choices, the usage."""

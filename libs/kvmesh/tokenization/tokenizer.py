@@ -8,10 +8,9 @@ Rust ``tokenizers`` path when ``tokenizer.json`` exists (no ``transformers``
 import on the hot path) and ``transformers.AutoTokenizer`` as the fallback for
 other tokenizer formats.
 
-The chat template is rendered with the same Jinja conventions as
-``transformers`` (sandboxed environment, ``tojson`` filter, ``raise_exception``,
-``bos_token``/``eos_token`` variables, ``add_generation_prompt``), so a
-template written for HF behaves the same here.
+Chat is rendered by ``kvmesh.tokenization.chat_render`` (vLLM's conversation rules,
+``transformers``' ``apply_chat_template``), loaded on first use; the rendered text is
+encoded here with the fast path, which gives the same ids as the HF tokenizer.
 """
 
 from __future__ import annotations
@@ -21,15 +20,22 @@ import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
+
+from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError, ChatRequest, chat_request_from_body
 
 logger = logging.getLogger(__name__)
 
 
 class TokenizerError(ValueError):
-    """The tokenizer directory or a chat request is unusable; the message says why."""
+    """The tokenizer directory or a chat request is unusable; the message says why, ``param`` names the
+    request field at fault."""
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
 
 
 @dataclass(frozen=True)
@@ -39,25 +45,6 @@ class TokenizerInfo:
     bos_token_id: int | None
     eos_token_id: int | None
     has_chat_template: bool
-
-
-def _raise_exception(message: str) -> None:
-    raise TokenizerError(f"chat template error: {message}")
-
-
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=False)
-
-
-@lru_cache(maxsize=16)
-def _compile_template(source: str):
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    return env.from_string(source)
 
 
 class ChatTokenizer:
@@ -72,6 +59,7 @@ class ChatTokenizer:
         self._fast = None
         self._hf = None
         self._lock = threading.Lock()
+        self._renderer: ChatRenderer | None = None
         tj = self.path / "tokenizer.json"
         if tj.exists():
             from tokenizers import Tokenizer
@@ -159,25 +147,39 @@ class ChatTokenizer:
             return self._fast.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return self._hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
-                    add_generation_prompt: bool = True, **kwargs: Any) -> str:
-        """The prompt text the chat template makes of ``messages``."""
+    @property
+    def renderer(self) -> ChatRenderer:
+        """The chat renderer of this model directory (loads ``transformers``' tokenizer once)."""
+        if self._renderer is None:
+            with self._lock:
+                if self._renderer is None:
+                    self._renderer = ChatRenderer(self.path, hf_tokenizer=self._hf,
+                                                  encode=lambda text: self.encode(text, add_special_tokens=False))
+                    if self._hf is None:   # the renderer must encode special tokens as this tokenizer does
+                        self._renderer._encode_special = lambda text: self.encode(text, add_special_tokens=True)
+        return self._renderer
+
+    def render(self, req: ChatRequest) -> str:
+        """The prompt text vLLM makes of a chat request; ``TokenizerError`` (with ``param``) if it cannot."""
         if not self.chat_template:
             raise TokenizerError(f"the tokenizer at {self.path} has no chat template")
-        if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
-            raise TokenizerError("messages must be a non-empty list of {role, content} objects")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise TokenizerError(f"messages[{i}] must be an object with a string 'role'")
-        tpl = _compile_template(self.chat_template)
         try:
-            return tpl.render(messages=list(messages), tools=list(tools) if tools else None,
-                              add_generation_prompt=add_generation_prompt,
-                              bos_token=self.bos_token or "", eos_token=self.eos_token or "", **kwargs)
-        except TokenizerError:
-            raise
-        except Exception as exc:  # jinja errors: UndefinedError, TemplateError, TypeError
-            raise TokenizerError(f"chat template failed to render: {exc}") from exc
+            return self.renderer.render_text(req)
+        except ChatRenderError as exc:
+            raise TokenizerError(exc.message, exc.param) from None
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None,
+                    add_generation_prompt: bool = True, **kwargs: Any) -> str:
+        """The prompt text the chat template makes of ``messages`` (as vLLM renders it)."""
+        body: dict[str, Any] = {"messages": messages, "tools": list(tools) if tools else None,
+                                "add_generation_prompt": add_generation_prompt}
+        if kwargs:
+            body["chat_template_kwargs"] = kwargs
+        try:
+            req = chat_request_from_body(body)
+        except ChatRenderError as exc:
+            raise TokenizerError(exc.message, exc.param) from None
+        return self.render(req)
 
     def apply_chat_template(self, messages: Sequence[dict[str, Any]],
                             tools: Sequence[dict[str, Any]] | None = None,

@@ -47,7 +47,8 @@ class WorkerConfig:
     max_waiting: int = field(default=4096, metadata=_h("waiting queue limit (0 = unlimited)"))
     vocab_size: int = field(default=32000, metadata=_h("vocabulary size (sim)"))
     eos_token_id: int = field(default=-1, metadata=_h("EOS token id (sim; -1 = none)"))
-    default_max_tokens: int = field(default=16, metadata=_h("max_tokens when a request gives 0"))
+    default_max_tokens: int = field(default=0, metadata=_h(
+        "max_tokens when a request gives 0 (0 = what is left of max_model_len, as vLLM)"))
     lora_names: list[str] = field(default_factory=list, metadata=_h("LoRA adapters served (comma list)"))
     lora_paths: dict[str, str] = field(default_factory=dict, metadata=_h(
         "sim: LoRA name -> path hashed into its blocks, as vLLM does (JSON; names are served too)"))
@@ -82,6 +83,10 @@ class WorkerConfig:
     model_h2d: bool = field(default=True, metadata=_h("sim: add a modelled host-to-device copy to each restore"))
     grace_s: float = field(default=10.0, metadata=_h("drain time on shutdown"))
     labels: dict[str, str] = field(default_factory=dict, metadata=_h("endpoint labels (JSON)"))
+    tool_call_parser: str = field(default="", metadata=_h(
+        "vllm engine: vLLM tool parser for chat answers with tools (e.g. hermes), as vLLM's flag"))
+    enable_auto_tool_choice: bool = field(default=False, metadata=_h(
+        "vllm engine: let the model decide to call tools (tool_choice auto), as vLLM's flag"))
     vllm_options: dict = field(default_factory=dict, metadata=_h(
         "vllm engine: extra VllmEngineConfig settings (JSON), e.g. lora_modules"))
 
@@ -91,9 +96,11 @@ class WorkerConfig:
         if self.role and self.role not in ROLES:
             raise ConfigError(f"setting 'role': expected one of {ROLES}, got {self.role!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "vocab_size", "default_max_tokens"):
+                     "vocab_size"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
+        if self.default_max_tokens < 0:
+            raise ConfigError(f"setting 'default_max_tokens' must be >= 0, got {self.default_max_tokens}")
         if self.time_scale <= 0:
             raise ConfigError(f"setting 'time_scale' must be > 0, got {self.time_scale}")
         for name in ("offload_timeout_s", "offload_lookup_timeout_s"):

@@ -33,8 +33,9 @@ from opentelemetry import propagate, trace
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json
-from kvmesh.openai.responses import Answer
+from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
+from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 
 log = logging.getLogger(__name__)
@@ -60,7 +61,8 @@ class HttpApiConfig:
 
     host: str = field(default="0.0.0.0", metadata={"help": "HTTP listen host"})
     port: int = field(default=0, metadata={"help": "HTTP listen port (0 = disabled)"})
-    default_max_tokens: int = field(default=16, metadata={"help": "max_tokens when the request omits it"})
+    default_max_tokens: int = field(default=0, metadata={
+        "help": "max_tokens when the request omits it (0 = what is left of max_model_len, as vLLM)"})
     tokenizer: str = field(default="", metadata={"help": "HF tokenizer dir for text/chat prompts ('' = token ids only)"})
 
 
@@ -76,8 +78,11 @@ def load_tokenizer(path: str) -> Tokenizer | None:
 # --------------------------------------------------------------------------- prompt -> token ids
 
 
-def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None) -> list[int]:
-    """The prompt of a validated request as token ids (text and chat need the tokenizer)."""
+def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None, renderer: ChatRenderer | None = None) -> list[int]:
+    """The prompt of a validated request as token ids (text and chat need the tokenizer).
+
+    Chat goes through ``kvmesh.tokenization.chat_render``, the renderer the router uses, so both
+    compute the ids vLLM's OpenAI server would."""
     if req.prompt_ids is not None:
         return req.prompt_ids
     if tokenizer is None:
@@ -87,16 +92,19 @@ def prompt_ids(req: OpenAIRequest, tokenizer: Tokenizer | None) -> list[int]:
         raise BadRequest("this worker has no tokenizer: send 'prompt' as a list of token ids", "prompt")
     if not req.chat:
         return list(tokenizer.encode(req.prompt_text or "", add_special_tokens=False))
-    kw: dict[str, Any] = {"add_generation_prompt": req.add_generation_prompt, "tokenize": True}
-    if req.tools:
-        kw["tools"] = req.tools
+    assert req.chat_request is not None
     try:
-        ids = tokenizer.apply_chat_template(req.messages or [], **kw)
-    except Exception as exc:  # the template rejects the conversation
-        raise BadRequest(f"cannot render the chat template: {exc}", "messages") from exc
-    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-        ids = ids["input_ids"]
-    return [int(t) for t in ids]
+        return (renderer or ChatRenderer(hf_tokenizer=tokenizer)).render_ids(req.chat_request)
+    except ChatRenderError as exc:
+        raise BadRequest(exc.message, exc.param) from None
+
+
+def _tools_active(req: OpenAIRequest) -> bool:
+    return req.chat_request is not None and req.chat_request.tools_active
+
+
+def _parallel(req: OpenAIRequest) -> bool:
+    return req.chat_request is None or req.chat_request.parallel_tool_calls
 
 
 def _engine_error(exc: EngineError) -> OpenAIError:
@@ -110,11 +118,12 @@ class WorkerHttpApi:
     """The FastAPI app over one engine; request rules and answer shapes come from ``kvmesh.openai``."""
 
     def __init__(self, engine: Engine, *, model: str = "", tokenizer: Tokenizer | None = None,
-                 endpoint_id: str = "", default_max_tokens: int = 16) -> None:
+                 endpoint_id: str = "", default_max_tokens: int = 0) -> None:
         self.engine = engine
         info = engine.info()
         self.model = model or info.model
         self.tokenizer = tokenizer
+        self.renderer = ChatRenderer(hf_tokenizer=tokenizer) if tokenizer is not None else None
         self.endpoint_id = endpoint_id or "worker"
         self.default_max_tokens = default_max_tokens
         self.app = self._build()
@@ -163,17 +172,20 @@ class WorkerHttpApi:
     def _engine_request(self, req: OpenAIRequest, ids: list[int], request_id: str) -> EngineRequest:
         return EngineRequest(
             request_id=request_id, prompt_token_ids=ids,
-            max_tokens=req.max_tokens if req.max_tokens is not None else self.default_max_tokens,
+            max_tokens=req.max_tokens if req.max_tokens is not None else (
+                self.default_max_tokens or max(1, self.engine.info().max_model_len - len(ids))),
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, seed=req.seed, stop_token_ids=req.stop_token_ids,
             ignore_eos=bool(req.ignore_eos), cache_salt=req.cache_salt, session_id=req.session_id,
+            tools=req.chat_request.tools if _tools_active(req) else None,
+            tool_choice=req.chat_request.effective_tool_choice if _tools_active(req) else None,
         )
 
     async def _handle(self, request: Request, chat: bool) -> Response:
         body = await read_json(request, MAX_BODY_BYTES)
         req = parse_chat(body, request.headers) if chat else parse_completion(body, request.headers)
         self._check_model(req.model)
-        ids = prompt_ids(req, self.tokenizer)
+        ids = prompt_ids(req, self.tokenizer, self.renderer)
         if req.stop and self.tokenizer is None:
             raise BadRequest("'stop' strings need a tokenizer on this worker; use 'stop_token_ids'", "stop")
         answer = Answer(chat=chat, model=self.model, id=request.headers.get("x-request-id", ""))
@@ -188,10 +200,12 @@ class WorkerHttpApi:
                 first = None
             except EngineError as exc:
                 raise _engine_error(exc) from None
-            return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage),
+            return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage,
+                                                 hold=_tools_active(req), parallel=_parallel(req)),
                                     headers=self._headers())
         parent = propagate.extract(dict(request.headers))
-        return JSONResponse(await self._collect(ereq, req.stop, answer, parent), headers=self._headers())
+        return JSONResponse(await self._collect(ereq, req.stop, answer, parent, _parallel(req)),
+                            headers=self._headers())
 
     async def _run(self, req: EngineRequest, stops: list[str]) -> AsyncIterator[tuple[list[int], str, EngineOutput]]:
         """Yield (new token ids, new text, output); applies ``stop`` strings on the decoded text."""
@@ -227,7 +241,8 @@ class WorkerHttpApi:
     def _usage(out: EngineOutput, n_prompt: int, n_out: int) -> dict[str, Any]:
         return usage(out.num_prompt_tokens or n_prompt, out.num_output_tokens or n_out, out.num_cached_tokens)
 
-    async def _collect(self, ereq: EngineRequest, stops: list[str], answer: Answer, parent: Any = None) -> dict[str, Any]:
+    async def _collect(self, ereq: EngineRequest, stops: list[str], answer: Answer, parent: Any = None,
+                       parallel: bool = True) -> dict[str, Any]:
         t0 = time.perf_counter()
         ids: list[int] = []
         text = ""
@@ -258,12 +273,17 @@ class WorkerHttpApi:
                 span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         log.debug("http request done", extra={"request_id": answer.id,
                                               "ms": round(1000 * (time.perf_counter() - t0), 2)})
-        return answer.response(text, ids, last.finish_reason or "stop", use, kvmesh={"endpoint": self.endpoint_id})
+        if last.tool_calls:
+            text = last.content or ""
+        return answer.response(text, ids, last.finish_reason or "stop", use, tool_calls=tool_calls(last.tool_calls or [], parallel),
+                               kvmesh={"endpoint": self.endpoint_id})
 
     async def _events(self, agen: AsyncIterator[tuple[list[int], str, EngineOutput]],
                       first: tuple[list[int], str, EngineOutput] | None, answer: Answer, n_prompt: int,
-                      include_usage: bool) -> AsyncIterator[bytes]:
+                      include_usage: bool, hold: bool = False, parallel: bool = True) -> AsyncIterator[bytes]:
+        """``hold``: the answer may be a tool call, so its text is sent once the engine has parsed it."""
         n_out = 0
+        held: list[str] = []
         last: EngineOutput | None = None
         try:
             items = [first] if first is not None else []
@@ -273,6 +293,19 @@ class WorkerHttpApi:
                     n_out += len(new_ids)
                     last = out
                     finish = (out.finish_reason or "stop") if out.finished else None
+                    if hold:
+                        held.append(delta)
+                        if not finish:
+                            continue
+                        text = (out.content or "") if out.tool_calls else "".join(held)
+                        if text:
+                            yield sse.event(answer.chunk(text, None, None, first_chunk))
+                            first_chunk = False
+                        if out.tool_calls:
+                            yield sse.event(answer.tool_calls_chunk(tool_calls(out.tool_calls or [], parallel), first_chunk))
+                            first_chunk = False
+                        yield sse.event(answer.chunk("", new_ids, finish, first_chunk))
+                        continue
                     if new_ids or delta or finish:
                         yield sse.event(answer.chunk(delta, new_ids, finish, first_chunk))
                         first_chunk = False
@@ -342,7 +375,7 @@ class HttpApiServer:
 
 async def start_http_api(engine: Engine, *, host: str = "0.0.0.0", port: int = 0, model: str = "",
                          tokenizer: Tokenizer | str | None = None, endpoint_id: str = "",
-                         default_max_tokens: int = 16) -> HttpApiServer:
+                         default_max_tokens: int = 0) -> HttpApiServer:
     """Start the worker's OpenAI HTTP API; returns the running server (``.port``, ``.stop()``).
 
     ``tokenizer`` is a loaded tokenizer or a HF tokenizer directory ('' / None =

@@ -12,6 +12,7 @@ UNAVAILABLE (never a hang) and flips health to NOT_SERVING via ``on_engine_dead`
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -45,6 +46,7 @@ FINISH = {
     "length": common_pb2.FINISH_REASON_LENGTH,
     "abort": common_pb2.FINISH_REASON_ABORT,
     "error": common_pb2.FINISH_REASON_ERROR,
+    "tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS,
 }
 HASH_ALGO = {
     "sha256": common_pb2.HASH_ALGO_SHA256,
@@ -86,11 +88,27 @@ def handle_from_proto(h: common_pb2.KvHandle) -> KvHandle | None:
                     first_token_id=h.first_token_id if h.has_first_token else None)
 
 
+def _tools(msg: Any) -> tuple[list[dict] | None, Any]:
+    """The chat tools and tool_choice of a GenerateRequest (JSON text fields; a PrefillRequest has none)."""
+    raw = getattr(msg, "tools_json", "")
+    if not raw:
+        return None, None
+    try:
+        tools = json.loads(raw)
+        choice = json.loads(msg.tool_choice_json) if msg.tool_choice_json else "auto"
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"tools_json / tool_choice_json is not JSON: {exc}") from None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and isinstance(t.get("function"), dict)
+                                              and isinstance(t["function"].get("name"), str) for t in tools):
+        raise BadRequest("tools_json must be a list of {type, function: {name, ...}} objects")
+    return tools or None, choice
+
+
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
     """Implements Generate / Prefill / Abort / GetLoad / GetInfo for one engine."""
 
     def __init__(self, engine: Engine, *, role: str, endpoint_id: str, model_name: str,
-                 default_max_tokens: int = 16, metrics: WorkerMetrics | None = None,
+                 default_max_tokens: int = 0, metrics: WorkerMetrics | None = None,
                  http_address: str = "", on_engine_dead: Callable[[], Awaitable[None]] | None = None) -> None:
         self.engine = engine
         self.role = role
@@ -121,12 +139,16 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         for s in sp.stop:
             if len(s.encode()) > MAX_STOP_BYTES:
                 raise BadRequest(f"stop string longer than {MAX_STOP_BYTES} bytes")
-        max_tokens = sp.max_tokens or self.default_max_tokens
+        # As vLLM: without max_tokens, what is left of max_model_len (unless a default is configured).
+        max_tokens = sp.max_tokens or self.default_max_tokens or max(
+            1, self.engine.info().max_model_len - len(msg.prompt_token_ids))
         if prefill_only or self.role == "prefill":
             max_tokens = 1
         temperature = sp.temperature if sp.HasField("temperature") else 1.0
         top_p = sp.top_p if sp.HasField("top_p") else 1.0
+        tools, tool_choice = _tools(msg)
         return EngineRequest(
+            tools=tools, tool_choice=tool_choice,
             request_id=rid, prompt_token_ids=list(msg.prompt_token_ids), max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=sp.seed if sp.HasField("seed") else None,
             stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, cache_salt=msg.cache_salt,
@@ -220,6 +242,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                         msg.finish_reason = FINISH.get(out.finish_reason or "", 0)
                         msg.usage.CopyFrom(usage_of(out))
                         msg.kv_from_prefill = out.kv_from_prefill
+                        for c in out.tool_calls or []:
+                            msg.tool_calls.add(id=c.id, name=c.name, arguments=c.arguments)
+                        if out.content is not None:
+                            msg.content = out.content
                     yield msg
                     if out.finished:
                         break

@@ -56,6 +56,8 @@ class Cluster:
         self.stores: set[str] = set()
         # endpoint -> {LoRA name: path} from its GetInfo (absent: unknown, static config applies).
         self.lora_paths: dict[str, dict[str, str]] = {}
+        # endpoint -> its engine's max_model_len from GetInfo (what /v1/models and defaults use).
+        self.max_model_lens: dict[str, int] = {}
         self._conflicts_logged: set[str] = set()
         self._no_info: set[str] = set()   # GetInfo unimplemented: don't ask on every poll
         self._indexer_ch = aio_channel(cfg.indexer, retry_attempts=1) if cfg.indexer else None
@@ -81,6 +83,7 @@ class Cluster:
 
     def _drop_channel(self, eid: str) -> None:
         self.lora_paths.pop(eid, None)
+        self.max_model_lens.pop(eid, None)
         self._no_info.discard(eid)
         ch = self._channels.pop(eid, None)
         self._stubs.pop(eid, None)
@@ -187,6 +190,8 @@ class Cluster:
             log.debug("GetInfo failed; static lora_modules apply", extra={"endpoint": eid,
                                                                          "code": exc.code().name})
             return
+        if info.max_model_len:
+            self.max_model_lens[eid] = info.max_model_len
         paths = dict(info.lora_paths)
         for name in info.lora_names:
             # Older workers list names only; their path is unknown, so fall back to static config.
@@ -196,6 +201,12 @@ class Cluster:
         if self.lora_paths.get(eid) != paths:
             log.info("endpoint LoRA adapters", extra={"endpoint": eid, "lora_paths": paths})
         self.lora_paths[eid] = paths
+
+    def max_model_len(self) -> int:
+        """The smallest max_model_len among live endpoints that reported one (0 = none known)."""
+        live = {e.endpoint_id for e in self.core.decode_endpoints(self.cfg.model)}
+        lens = [n for eid, n in self.max_model_lens.items() if eid in live]
+        return min(lens) if lens else 0
 
     def knows_lora(self, name: str) -> bool:
         return name in self.cfg.lora_modules or any(name in m for m in self.lora_paths.values())

@@ -24,7 +24,8 @@ class RouterConfig:
     max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})
     max_prompt_tokens: int = field(default=1_048_576, metadata={"help": "max prompt tokens"})
     max_text_bytes: int = field(default=8 * 1024 * 1024, metadata={"help": "max prompt text / HTTP body bytes"})
-    max_tokens_default: int = field(default=16, metadata={"help": "max_tokens when the request gives none"})
+    max_tokens_default: int = field(default=0, metadata={
+        "help": "max_tokens when the request gives none (0 = what is left of max_model_len, as vLLM)"})
     vocab_size: int = field(default=0, metadata={"help": "token ids must be below this (0 = tokenizer/worker)"})
     # Endpoints
     endpoints: list[str] = field(default_factory=list,

@@ -73,4 +73,4 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         cfg = self.service.cfg
         eps = [e.endpoint_id for e in self.service.core.decode_endpoints(cfg.model)]
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(
-            id=cfg.model, max_model_len=cfg.max_model_len, block_size=cfg.block_size, endpoints=eps)])
+            id=cfg.model, max_model_len=self.service.max_model_len(), block_size=cfg.block_size, endpoints=eps)])

@@ -26,7 +26,7 @@ from opentelemetry import propagate
 from kvmesh.openai import sse
 from kvmesh.openai.errors import OpenAIError, error_body, error_response, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
-from kvmesh.openai.responses import Answer
+from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
@@ -37,7 +37,8 @@ from kvmesh_router.service import FinalInfo, GenInput, RouterService
 log = logging.getLogger(__name__)
 
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
-           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
+           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error",
+           common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
 
 
 def _router_error(exc: RouterError) -> JSONResponse:
@@ -56,6 +57,10 @@ def _routing(fin: FinalInfo) -> dict[str, Any]:
 
 def _finish(fin: FinalInfo) -> str:
     return _FINISH.get(fin.finish_reason, "stop")
+
+
+def _tool_calls(fin: FinalInfo, inp: GenInput) -> list[dict[str, Any]]:
+    return tool_calls(fin.tool_calls, inp.chat_request is None or inp.chat_request.parallel_tool_calls)
 
 
 class _Detok:
@@ -126,6 +131,7 @@ class RouterHttpApi:
         inp.text = req.prompt_text
         inp.tokens = req.prompt_ids
         inp.chat = req.messages
+        inp.chat_request = req.chat_request
         inp.add_generation_prompt = req.add_generation_prompt
         inp.cache_salt = req.cache_salt
         inp.session_id = req.session_id
@@ -158,7 +164,7 @@ class RouterHttpApi:
         cfg = self.cfg
         eps = [e.endpoint_id for e in self.service.core.decode_endpoints(cfg.model)]
         return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh",
-                                            "max_model_len": cfg.max_model_len, "endpoints": eps}]}
+                                            "max_model_len": self.service.max_model_len(), "endpoints": eps}]}
 
     async def health(self) -> JSONResponse:
         n = self.service.cluster.live_decode_count()
@@ -217,13 +223,20 @@ class RouterHttpApi:
         metrics.REQUESTS.labels(api=api, outcome="ok").inc()
         tok = self.service.tokenizer
         text = tok.decode(ids) if tok is not None else ""
-        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), kvmesh=_routing(fin)))
+        if fin.tool_calls:
+            text = fin.content or ""
+        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), tool_calls=_tool_calls(fin, inp),
+                                            kvmesh=_routing(fin)))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
                       answer: Answer, api: str, include_usage: bool) -> AsyncIterator[bytes]:
         detok = _Detok(self.service.tokenizer)
         watch = _DisconnectWatch(request, inp)
         first_chunk = True
+        # With tools the answer's text may be a tool call: it is held back until the worker has
+        # parsed it, then sent as content and tool_calls deltas.
+        hold = inp.chat_request is not None and inp.chat_request.tools_active
+        held: list[str] = []
         try:
             async def items() -> AsyncIterator[tuple[str, Any]]:
                 if first is not None:
@@ -232,10 +245,19 @@ class RouterHttpApi:
                     yield it
 
             async for kind, item in items():
-                if kind == "chunk":
+                if kind == "chunk" and hold:
+                    held.append(detok.push(item))
+                elif kind == "chunk":
                     yield sse.event(answer.chunk(detok.push(item), item, None, first_chunk))
                     first_chunk = False
                 else:
+                    text = (item.content or "") if item.tool_calls else "".join(held)
+                    if text:
+                        yield sse.event(answer.chunk(text, item.output_ids, None, first_chunk))
+                        first_chunk = False
+                    if item.tool_calls:
+                        yield sse.event(answer.tool_calls_chunk(_tool_calls(item, inp), first_chunk))
+                        first_chunk = False
                     yield sse.event(answer.chunk("", None, _finish(item), first_chunk, kvmesh=_routing(item)))
                     if include_usage:
                         yield sse.event(answer.usage_chunk(_usage(item)))

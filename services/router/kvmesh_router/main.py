@@ -44,6 +44,8 @@ def build_service(cfg: RouterConfig) -> RouterService:
         from kvmesh.tokenization import load_tokenizer
 
         tokenizer = load_tokenizer(cfg.tokenizer_path)
+        if tokenizer.chat_template:
+            _ = tokenizer.renderer   # load transformers now, not inside the first chat request
     ccfg = core_config(cfg)
     core = RouterCore(ccfg, BlockHasher(ccfg.hash_algo, ccfg.block_size, ccfg.hash_seed))
     return RouterService(cfg, core, Cluster(cfg, core), tokenizer)
@@ -51,6 +53,7 @@ def build_service(cfg: RouterConfig) -> RouterService:
 
 def _extproc_pick_fn(service: RouterService) -> Any:
     """Adapter from the ext_proc module's ``PickRequest`` to :func:`kvmesh_router.picker.pick`."""
+    from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
     from kvmesh_router import extproc
     from kvmesh_router.errors import BadRequest, RouterError, Unavailable
     from kvmesh_router.picker import pick
@@ -61,8 +64,13 @@ def _extproc_pick_fn(service: RouterService) -> Any:
         tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
         text = prompt if isinstance(prompt, str) else None
         try:
+            # The chat request is rendered as the worker behind Envoy will render it (tools included).
+            chat = chat_request_from_body(body) if body.get("messages") is not None else None
+        except ChatRenderError as exc:
+            raise extproc.BadRequestError(f"{exc.param}: {exc.message}") from None
+        try:
             picked = await pick(service, str(body.get("model", service.cfg.model)), tokens=tokens, text=text,
-                                messages=body.get("messages"), headers=preq.headers,
+                                chat_request=chat, headers=preq.headers,
                                 subset=set(preq.subset) if preq.subset is not None else None,
                                 session_id=str(body.get("session_id", "")),
                                 cache_salt=str(body.get("cache_salt", "")))

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_router.errors import BadRequest
 from kvmesh_router.service import GenInput, RouterService
 
@@ -35,13 +36,16 @@ class Picked:
 
 async def pick(service: RouterService, model: str, *, tokens: list[int] | None = None, text: str | None = None,
                messages: list[dict[str, Any]] | None = None, headers: dict[str, str] | None = None,
-               subset: set[str] | None = None, session_id: str = "", cache_salt: str = "") -> Picked:
+               subset: set[str] | None = None, session_id: str = "", cache_salt: str = "",
+               chat_request: ChatRequest | None = None) -> Picked:
     """Choose a decode endpoint; ``subset`` restricts to these endpoint ids or HTTP/gRPC addresses."""
     headers = {k.lower(): v for k, v in (headers or {}).items()}
+    if chat_request is not None:
+        messages = chat_request.messages
     if tokens is None and text is None and not messages:
         raise BadRequest("one of prompt tokens, prompt text or messages is required", "prompt")
     auth = headers.get("authorization", "")
-    inp = GenInput(model=model, tokens=tokens, text=text, chat=messages or None,
+    inp = GenInput(model=model, tokens=tokens, text=text, chat=messages or None, chat_request=chat_request,
                    session_id=session_id or headers.get("x-session-id", ""),
                    cache_salt=cache_salt, tenant=headers.get(service.cfg.tenant_header, ""),
                    api_key=auth[7:].strip() if auth.lower().startswith("bearer ") else "",

@@ -11,6 +11,7 @@ call, which aborts the engine request.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 import uuid
@@ -29,6 +30,7 @@ from kvmesh.routing.prefix_memory import speculative_ttl
 from kvmesh.routing.router import RouterCore
 from kvmesh.routing.types import Decision, RouteRequest
 from kvmesh.telemetry import tracer
+from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_api.worker.v1 import worker_pb2
@@ -65,6 +67,9 @@ class GenInput:
     text: str | None = None
     chat: list[dict[str, Any]] | None = None
     add_generation_prompt: bool = True
+    # The whole chat request (tools, tool_choice, template keywords...); None = just ``chat`` and
+    # ``add_generation_prompt``. Rendered by ``kvmesh.tokenization.chat_render``, as the worker does.
+    chat_request: ChatRequest | None = None
     sampling: common_pb2.SamplingParams = field(default_factory=common_pb2.SamplingParams)
     request_id: str = ""
     cache_salt: str = ""
@@ -111,6 +116,9 @@ class FinalInfo:
     request_id: str
     ttft_s: float
     output_ids: list[int]
+    # The worker parsed tool calls out of the answer: the calls and the text that is not one.
+    tool_calls: list[worker_pb2.ToolCall] = field(default_factory=list)
+    content: str | None = None
 
 
 class _BeforeFirstToken(Exception):
@@ -162,10 +170,11 @@ class RouterService:
             raise BadRequest(f"top_p must be in (0, 1], got {s.top_p:g}", "top_p")
         if len(s.stop) > MAX_STOP or any(len(x.encode()) > 256 for x in s.stop):
             raise BadRequest(f"stop: at most {MAX_STOP} strings of at most 256 bytes", "stop")
-        if s.max_tokens > self.cfg.max_model_len:
-            raise BadRequest(f"max_tokens {s.max_tokens} exceeds max_model_len {self.cfg.max_model_len}",
+        if s.max_tokens > self.max_model_len():
+            raise BadRequest(f"max_tokens {s.max_tokens} exceeds max_model_len {self.max_model_len()}",
                              "max_tokens")
-        if inp.chat is not None and len(inp.chat) > MAX_MESSAGES:
+        n_msgs = len(inp.chat_request.messages) if inp.chat_request is not None else len(inp.chat or [])
+        if n_msgs > MAX_MESSAGES:
             raise BadRequest(f"at most {MAX_MESSAGES} messages", "messages")
         if inp.text is not None and len(inp.text.encode()) > self.cfg.max_text_bytes:
             raise BadRequest(f"prompt text over {self.cfg.max_text_bytes} bytes", "prompt")
@@ -182,26 +191,29 @@ class RouterService:
             tokens = inp.tokens
             field_name = "prompt"
         else:
+            field_name = "messages" if self._is_chat(inp) else "prompt"
             if self.tokenizer is None:
-                raise BadRequest("this router has no tokenizer; send token ids", "prompt")
+                raise BadRequest("this router has no tokenizer; send token ids (set the router's "
+                                 "tokenizer_path to accept text and chat)", field_name)
             from kvmesh.tokenization import TokenizerError
 
-            field_name = "messages" if inp.chat is not None else "prompt"
             try:
-                size = len(inp.text or "") + sum(len(str(m.get("content", ""))) for m in inp.chat or [])
+                msgs = inp.chat_request.messages if inp.chat_request is not None else inp.chat or []
+                size = len(inp.text or "") + sum(len(str(m.get("content", ""))) for m in msgs)
                 fn = lambda: self._encode_text(inp, size)  # noqa: E731
                 tokens = await asyncio.to_thread(fn) if size > 65536 else fn()
             except TokenizerError as exc:
-                raise BadRequest(str(exc), field_name) from None
+                raise BadRequest(str(exc), getattr(exc, "param", field_name)) from None
             metrics.TOKENIZE.observe(time.perf_counter() - t0)
         if not tokens:
             raise BadRequest("the prompt is empty", field_name)
         if len(tokens) > self.cfg.max_prompt_tokens:
             raise BadRequest(f"prompt has {len(tokens)} tokens, over the limit of {self.cfg.max_prompt_tokens}",
                              field_name)
-        if len(tokens) + max(1, inp.sampling.max_tokens) > self.cfg.max_model_len:
-            raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens exceeds max_model_len "
-                             f"{self.cfg.max_model_len}", field_name)
+        max_len = self.max_model_len()
+        if len(tokens) + max(1, inp.sampling.max_tokens) > max_len:
+            raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({inp.sampling.max_tokens or 1}) exceeds "
+                             f"max_model_len {max_len}", field_name)
         # Token ids over gRPC arrive as a protobuf field; a Python scan of 200k ids costs ~8 ms, so
         # their vocabulary check is left to the worker (INVALID_ARGUMENT is passed through).
         if self.vocab_size and isinstance(tokens, list) and (max(tokens) >= self.vocab_size or min(tokens) < 0):
@@ -209,12 +221,25 @@ class RouterService:
             raise BadRequest(f"token id {bad} outside the vocabulary (size {self.vocab_size})", field_name)
         return tokens
 
+    @staticmethod
+    def _is_chat(inp: GenInput) -> bool:
+        return inp.chat is not None or inp.chat_request is not None
+
+    def max_model_len(self) -> int:
+        """The longest prompt + output every live endpoint takes: the workers' own (GetInfo), capped
+        by the configured one."""
+        return min(self.cfg.max_model_len, self.cluster.max_model_len() or self.cfg.max_model_len)
+
     def _encode_text(self, inp: GenInput, size: int) -> list[int]:
         """Render (chat) and tokenize. A long conversation is tokenized incrementally: only what
         changed since its previous turn (``kvmesh.tokenization.incremental``), keyed by tenant and
         session (or, without a session id, by the conversation's opening)."""
-        if inp.chat is not None:
-            text = self.tokenizer.render_chat(inp.chat, add_generation_prompt=inp.add_generation_prompt)
+        if self._is_chat(inp):
+            creq = inp.chat_request or ChatRequest(messages=inp.chat or [],
+                                                   add_generation_prompt=inp.add_generation_prompt)
+            text = self.tokenizer.render(creq)
+            if creq.add_special_tokens:
+                return self.tokenizer.renderer.encode(text, add_special_tokens=True)
         elif inp.add_special_tokens:
             return self.tokenizer.encode(inp.text or "", add_special_tokens=True)
         else:
@@ -461,9 +486,15 @@ class RouterService:
             prompt_token_ids=p.tokens, sampling=inp.sampling, cache_salt=p.salt, lora_name=inp.lora_name,
             session_id=inp.session_id)
         if inp.sampling.max_tokens == 0:
-            wreq.sampling.max_tokens = self.cfg.max_tokens_default
+            # As vLLM: what is left of max_model_len (unless the router is configured with a default).
+            wreq.sampling.max_tokens = self.cfg.max_tokens_default or max(1, self.max_model_len() - len(p.tokens))
         if handle is not None:
             wreq.kv_handle.CopyFrom(handle)
+        creq = inp.chat_request
+        if creq is not None and creq.tools_active:
+            # The worker parses the answer's tool calls (vLLM's parser, or the sim's tool mode).
+            wreq.tools_json = json.dumps(creq.tools)
+            wreq.tool_choice_json = json.dumps(creq.effective_tool_choice)
         try:
             with trace.use_span(span, end_on_exit=False):   # trace context goes out with the call
                 call = self.cluster.stub(d.endpoint_id).Generate(wreq, timeout=self._remaining(inp))
@@ -577,4 +608,4 @@ class RouterService:
         span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
-                         ttft, generated)
+                         ttft, generated, list(msg.tool_calls), msg.content if msg.HasField("content") else None)

@@ -79,11 +79,16 @@ def test_bad_chat_messages(messages, param) -> None:
     assert ei.value.param == param
 
 
-def test_chat_parsing_flattens_text_parts() -> None:
+def test_chat_parsing_joins_text_parts_as_vllm() -> None:
+    from kvmesh.tokenization.chat_render import conversation
+
     r = parse_chat({"model": "m", "messages": [
         {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "x"},
         {"role": "assistant"}], "add_generation_prompt": False}, {})
-    assert r.messages == [{"role": "user", "name": "x", "content": "ab"}, {"role": "assistant", "content": ""}]
+    assert r.chat_request is not None
+    # vLLM joins text parts with a newline for a template that reads content as a string.
+    assert conversation(r.chat_request.messages, "string") == [
+        {"role": "user", "name": "x", "content": "a\nb"}, {"role": "assistant", "content": ""}]
     assert r.chat and r.add_generation_prompt is False and r.prompt_ids is None
     with pytest.raises(BadRequest):
         parse_chat({"model": "m", "messages": [{"role": "user"}], "tools": {}}, {})

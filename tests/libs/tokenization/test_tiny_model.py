@@ -60,9 +60,10 @@ import json
 from transformers import AutoTokenizer
 t = AutoTokenizer.from_pretrained({str(tiny_model_dir)!r}, local_files_only=True)
 msgs = [{{"role": "system", "content": "be brief"}}, {{"role": "user", "content": "list files"}},
-        {{"role": "assistant", "content": "", "tool_calls": [{{"function": {{"name": "ls", "arguments": "{{}}"}}}}]}},
+        {{"role": "assistant", "content": "", "tool_calls": [
+            {{"id": "c1", "function": {{"arguments": {{}}, "name": "ls"}}, "type": "function"}}]}},
         {{"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"}}]
-tools = [{{"type": "function", "function": {{"name": "ls", "parameters": {{}}}}}}]
+tools = [{{"type": "function", "function": {{"name": "ls", "description": None, "parameters": {{}}}}}}]
 ids = t.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=True)
 ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
 text = t.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
@@ -76,8 +77,11 @@ print(json.dumps({{"len": len(t), "enc": t.encode("def main(): return 42", add_s
     ours = load_tokenizer(tiny_model_dir)
     assert hf["len"] == ours.vocab_size
     assert hf["enc"] == ours.encode("def main(): return 42")
+    # Sent as OpenAI clients send it; the renderer normalizes it as vLLM does (arguments parsed,
+    # keys in OpenAI's order, null description), which is the input given to transformers above.
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "list files"},
-            {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "ls", "arguments": "{}"}}]},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}]},
             {"role": "tool", "tool_call_id": "c1", "content": "a.py b.py"}]
     tools = [{"type": "function", "function": {"name": "ls", "parameters": {}}}]
     assert hf["text"] == ours.render_chat(msgs, tools=tools)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:
     from kvmesh.worker.config import WorkerConfig
 
-FinishReason = Literal["stop", "length", "abort", "error"]
+FinishReason = Literal["stop", "length", "abort", "error", "tool_calls"]
 HashAlgoName = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
 
 
@@ -113,6 +113,15 @@ class KvHandle:
 
 
 @dataclass
+class ToolCall:
+    """One function call parsed out of a chat answer (OpenAI's ``tool_calls[i]``)."""
+
+    id: str
+    name: str
+    arguments: str   # a JSON object, as text
+
+
+@dataclass
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -136,6 +145,10 @@ class EngineRequest:
     # Prompt length when ``prompt_token_ids`` is omitted and only
     # ``block_hashes`` are given (sim only).
     num_prompt_tokens: int | None = None
+    # Chat tools (OpenAI JSON) the prompt offers and tool_choice, set only when the answer may call
+    # them: the engine then parses tool calls out of its output (the final ``EngineOutput``).
+    tools: list[dict] | None = None
+    tool_choice: object = None
 
     @property
     def prompt_len(self) -> int:
@@ -158,6 +171,10 @@ class EngineOutput:
     kv_from_prefill: bool = False         # KV restored from a prefill worker's handle
     ttft_s: float | None = None           # engine-side TTFT, set on the first output
     error: str | None = None              # set with finish_reason="error"
+    # Final output of a request with tools whose answer called them (finish_reason="tool_calls"):
+    # the calls, and the text of the answer that is not a call.
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
 
 
 @dataclass

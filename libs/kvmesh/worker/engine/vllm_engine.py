@@ -100,6 +100,10 @@ class VllmEngineConfig:
     prefill_save_timeout_s: float = field(default=30.0, metadata={"help": "prefill role: wait this long for the "
                                                                             "store to hold the KV"})
     extra_engine_args: dict = field(default_factory=dict, metadata={"help": "more vLLM EngineArgs (JSON)"})
+    tool_call_parser: str = field(default="", metadata={
+        "help": "vLLM tool parser for chat answers (e.g. hermes); needs skip_tokenizer_init false"})
+    enable_auto_tool_choice: bool = field(default=False, metadata={
+        "help": "let the model decide to call tools (tool_choice auto), as vLLM's flag"})
 
     def validate(self) -> None:
         if not self.model:
@@ -110,6 +114,10 @@ class VllmEngineConfig:
             raise ConfigError(f"setting 'hash_algo' must be one of {HASH_ALGOS}, got {self.hash_algo!r}")
         if self.kv_cache_memory_bytes < 0:
             raise ConfigError("setting 'kv_cache_memory_bytes' must be >= 0")
+        if self.tool_call_parser and self.skip_tokenizer_init:
+            raise ConfigError("setting 'tool_call_parser' needs the tokenizer: set skip_tokenizer_init false")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ConfigError("setting 'enable_auto_tool_choice' needs 'tool_call_parser'")
 
     @property
     def model_name(self) -> str:
@@ -188,6 +196,12 @@ class VllmEngine(Engine):
             "enable_kv_events": bool(cfg.kv_events_endpoint), "offload_timeout_s": cfg.offload_timeout_s,
             "offload_lookup_timeout_s": cfg.offload_lookup_timeout_s,
         }
+        if cfg.tool_call_parser:
+            # Parsing tool calls means decoding the answer: the engine needs its tokenizer.
+            mapping.update(tool_call_parser=cfg.tool_call_parser, enable_auto_tool_choice=cfg.enable_auto_tool_choice,
+                           skip_tokenizer_init=False)
+        elif cfg.enable_auto_tool_choice:
+            raise ConfigError("setting 'enable_auto_tool_choice' needs 'tool_call_parser'")
         if cfg.kv_cache_memory_bytes > 0:
             mapping["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
         defaults = type(cfg)
@@ -446,6 +460,9 @@ class VllmEngine(Engine):
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
         llm = self._require_up()
         self._validate(req)
+        tools = self._tool_calls()
+        if req.tools:
+            tools.check(req)
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
         from vllm.v1.engine.exceptions import EngineGenerateError
@@ -460,6 +477,7 @@ class VllmEngine(Engine):
         cached = 0
         stream = None
         finished = False
+        all_ids: list[int] = []   # the whole answer, for the tool-call parser
         try:
             stream = llm.generate(prompt, params, req.request_id, lora_request=self._lora_request(req.lora_name),
                                   session_id=req.session_id or None)
@@ -467,6 +485,8 @@ class VllmEngine(Engine):
                 comp = ro.outputs[0] if ro.outputs else None
                 new = list(comp.token_ids) if comp is not None else []
                 n_out += len(new)
+                if req.tools:
+                    all_ids.extend(new)
                 if ro.num_cached_tokens is not None:
                     cached = int(ro.num_cached_tokens)
                 out = EngineOutput(request_id=req.request_id, new_token_ids=new, num_prompt_tokens=state.prompt_len,
@@ -477,6 +497,11 @@ class VllmEngine(Engine):
                 if ro.finished:
                     finished = True
                     self._finish(out, ro, comp, req)
+                    parsed = tools.parse(req, all_ids) if req.tools and out.finish_reason in ("stop", "length") \
+                        else None
+                    if parsed is not None:
+                        out.tool_calls, out.content = parsed
+                        out.finish_reason = "tool_calls"
                     yield out
                     return
                 if new:
@@ -494,6 +519,19 @@ class VllmEngine(Engine):
                     await stream.aclose()
                 except Exception:  # already failed or closed
                     logger.debug("closing the vLLM stream failed", exc_info=True)
+
+    def _tool_calls(self) -> Any:
+        """vLLM's tool parsing for this engine (``kvmesh.worker.engine.vllm_tools``), made once."""
+        if getattr(self, "_tools", None) is None:
+            from kvmesh.worker.engine.vllm_tools import VllmToolCalls
+
+            tokenizer = None
+            if self.cfg.tool_call_parser:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.cfg.model, local_files_only=True)
+            self._tools = VllmToolCalls(self.cfg.tool_call_parser, tokenizer, self.cfg.enable_auto_tool_choice)
+        return self._tools
 
     def _finish(self, out: EngineOutput, ro: Any, comp: Any, req: EngineRequest) -> None:
         out.finished = True

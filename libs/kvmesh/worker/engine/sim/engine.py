@@ -48,6 +48,7 @@ from kvmesh.worker.engine.base import (
 from kvmesh.worker.engine.sim.block_manager import BlockManager, Cleared, Removed, Stored
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
+from kvmesh.worker.engine.sim.tool_calls import sim_tool_call
 from kvmesh.worker.engine.validation import validate_request
 
 if TYPE_CHECKING:
@@ -499,6 +500,10 @@ class SimEngine(Engine):
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                if item.finished and req.tools and item.finish_reason in ("stop", "length"):
+                    call = sim_tool_call(req.request_id, req.tools, req.tool_choice)
+                    if call is not None:   # the deterministic tool-call mode (tests)
+                        item.tool_calls, item.content, item.finish_reason = [call], "", "tool_calls"
                 yield item
                 if item.finished:
                     return

@@ -1,0 +1,162 @@
+"""Agent-style chat through the router with the official ``openai`` client: tool calls (sim tool mode),
+streamed and not, the same prompt ids as the worker's own HTTP API, honest 400s, truthful defaults."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from kvmesh.openai.requests import UNSUPPORTED
+from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.procs import ServiceProcess
+from tests.fixtures.router import MODEL, RouterStack, start_router, start_worker
+from tests.helpers.chat_cases import TOOLS
+
+pytestmark = pytest.mark.timeout(240)
+
+MAX_MODEL_LEN = 2048
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") or {"type": "object"} for t in TOOLS}
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[tuple[RouterStack, str]]:
+    tmp = tmp_path_factory.mktemp("router-tools")
+    started: list[ServiceProcess] = []
+    http_port = free_port()
+    try:
+        w = start_worker(tmp, "w1", extra=["--http-port", str(http_port), "--tokenizer", str(tiny_model_dir),
+                                           "--max-model-len", str(MAX_MODEL_LEN)])
+        started.append(w)
+        router, http = start_router(tmp, [("w1", w.grpc_address)],
+                                    extra=["--tokenizer-path", str(tiny_model_dir)])
+        started.append(router)
+        yield RouterStack(router, http, {"w1": w}), f"http://127.0.0.1:{http_port}"
+    finally:
+        for p in reversed(started):
+            p.stop(grace_s=3)
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack[0].http_base + "/v1", api_key="k", max_retries=0, timeout=60)
+
+
+def _history() -> list[dict]:
+    return [{"role": "system", "content": "You are a coding agent."},
+            {"role": "user", "content": [{"type": "text", "text": "What's the weather in Paris?"},
+                                         {"type": "text", "text": "Then read the README."}]}]
+
+
+def _check_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_tool_round_trip_non_streaming(client) -> None:
+    msgs = _history()
+    r = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=8)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == TOOLS[0]["function"]["name"]
+    _check_call(call.function.name, call.function.arguments)
+    # The agent runs the tool and sends the result back; with tool_choice "none" the model answers.
+    msgs += [{"role": "assistant", "content": choice.message.content, "tool_calls": [call.model_dump()]},
+             {"role": "tool", "tool_call_id": call.id, "content": "Sunny, 21 C"}]
+    r2 = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, tool_choice="none", max_tokens=8)
+    assert r2.choices[0].finish_reason == "length" and not r2.choices[0].message.tool_calls
+    assert r2.usage.prompt_tokens > r.usage.prompt_tokens
+    assert r2.usage.prompt_tokens_details.cached_tokens > 0   # the earlier turn's prefix was reused
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "edit"}}])
+def test_tool_call_streamed_as_deltas(client, choice) -> None:
+    stream = client.chat.completions.create(model=MODEL, messages=_history(), tools=TOOLS, tool_choice=choice,
+                                            max_tokens=8, stream=True)
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                acc = calls.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                acc["id"] += d.id or ""
+                acc["name"] += d.function.name or ""
+                acc["arguments"] += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and len(calls) == 1
+    want = choice["function"]["name"] if isinstance(choice, dict) else TOOLS[0]["function"]["name"]
+    assert calls[0]["name"] == want and calls[0]["id"]
+    _check_call(want, calls[0]["arguments"])
+
+
+def test_router_and_worker_render_the_same_ids(client, stack) -> None:
+    """Same request to the router (renders, sends ids over gRPC) and to the worker's HTTP API (renders
+    itself): same prompt length and, greedy in the sim, the same output (a function of the prompt's tail)."""
+    body = {"model": MODEL, "messages": _history() + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"location": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "Sunny"}]}],
+        "tools": TOOLS, "tool_choice": "none", "max_tokens": 6, "temperature": 0}
+    via_router = httpx.post(stack[0].http_base + "/v1/chat/completions", json=body, timeout=60).json()
+    via_worker = httpx.post(stack[1] + "/v1/chat/completions", json=body, timeout=60).json()
+    assert via_router["usage"]["prompt_tokens"] == via_worker["usage"]["prompt_tokens"]
+    assert via_router["choices"][0]["token_ids"] == via_worker["choices"][0]["token_ids"]
+
+
+BAD_VALUES = {"response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
+              "prompt_logprobs": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
+              "logit_bias": {"5": 10}, "best_of": 2, "use_beam_search": True, "suffix": "x", "echo": True,
+              "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+              "guided_choice": ["a"], "guided_grammar": "root ::= a", "reasoning_effort": "high",
+              "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
+              "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
+              "web_search_options": {"search_context_size": "low"}, "top_k": 5, "min_p": 0.1, "min_tokens": 3,
+              "truncate_prompt_tokens": 10}
+
+
+def test_every_unsupported_parameter_has_a_value_here() -> None:
+    assert set(BAD_VALUES) == set(UNSUPPORTED)
+
+
+@pytest.mark.parametrize("param", sorted(UNSUPPORTED))
+def test_unsupported_parameter_gets_a_400_naming_it(client, stack, param) -> None:
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, messages=_history(), max_tokens=2,
+                                       extra_body={param: BAD_VALUES[param]})
+    assert ei.value.body["param"] == param and param in ei.value.body["message"]
+    # The worker's own HTTP API refuses it the same way.
+    r = httpx.post(stack[1] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                       param: BAD_VALUES[param]}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("extra,param", [
+    ({"chat_template_kwargs": {"not_in_template": 1}}, "chat_template_kwargs.not_in_template"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools[0].function"),
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template": "{{ messages }}"}, "chat_template"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+])
+def test_chat_field_errors_name_the_field(client, extra, param) -> None:
+    body = {"messages": _history(), **extra}
+    msgs = body.pop("messages")
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2, extra_body=body)
+    assert ei.value.body["param"] == param
+
+
+def test_models_and_default_max_tokens_use_the_workers_max_model_len(client) -> None:
+    [m] = client.models.list().data
+    assert m.model_extra["max_model_len"] == MAX_MODEL_LEN
+    r = client.chat.completions.create(model=MODEL, messages=_history())
+    assert r.choices[0].finish_reason == "length"
+    assert r.usage.prompt_tokens + r.usage.completion_tokens == MAX_MODEL_LEN
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(model=MODEL, messages=_history(), max_tokens=MAX_MODEL_LEN)
+    assert ei.value.body["param"] == "messages"
