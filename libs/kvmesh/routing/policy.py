@@ -124,7 +124,9 @@ def _load_builtin() -> None:
     # Imported for their @register side effect.
     from kvmesh.routing import (  # noqa: F401
         approx,
+        dynamo,
         least_load,
+        llmd,
         precise,
         random_policy,
         round_robin,
