@@ -39,6 +39,7 @@ from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, 
 from kvmesh.worker.engine.sim.latency import LatencyParams
 from kvmesh.worker.engine.sim.scheduler import SchedulerConfig, Seq
 from kvmesh_tools.clustersim.config import SimConfig
+from kvmesh_tools.clustersim.mismatch import ViewAtDecision, classify, count
 from kvmesh_tools.clustersim.parts import SimOffload, SimWorker, WorkerSpec
 from kvmesh_tools.traffic.model import Request, Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleRunner
@@ -70,6 +71,7 @@ class Job:
     planned_restore: int = 0         # tokens whose restore was charged at the latest dispatch
     admitted: bool = True            # the latest dispatch's sequence has been scheduled
     error: str = ""
+    view: ViewAtDecision | None = None   # the router's view and the truth at decision time
 
 
 @dataclass
@@ -260,6 +262,7 @@ class ClusterSim:
         decision = self.core.decide(route, matches, self.now)
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
+        job.view = self._view_at_decision(req, decision, matches)
         split = self.core.decide_split(decision, route, self.now, matches=matches)
         self.core.on_routed(route, decision, self.now, split)
         if split.split:
@@ -268,6 +271,19 @@ class ClusterSim:
             self._dispatch(job, job.prefill_ep, prefill_only=True)
         else:
             self._dispatch(job, job.decode_ep, prefill_only=False)
+
+    def _view_at_decision(self, req: Request, decision: Decision, matches: Matches | None) -> ViewAtDecision:
+        """The decision's prediction next to what the engine, the store and the index held then."""
+        w = self.workers[self.by_id[decision.endpoint_id]]
+        cap = max(0, (req.input_tokens - 1) // self.bs)
+        gpu = min(w.gpu_hit_blocks(req.keys, req.input_tokens), cap)
+        store = self.store.leading(req.keys, cap) if self.store is not None else 0
+        win = decision.candidates[0] if decision.candidates else None
+        return ViewAtDecision(
+            predicted=decision.predicted_cached_tokens // self.bs, truth=max(gpu, store), engine_gpu=gpu,
+            index_gpu=min(matches.get(decision.endpoint_id).gpu, cap) if matches is not None else -1,
+            speculative=(win.speculative_blocks + win.pending_blocks) if win is not None else 0,
+            lag=w.bm.has_pending_events() if matches is not None else False)
 
     # ------------------------------------------------------------------ workers
     def _dispatch(self, job: Job, widx: int, prefill_only: bool) -> None:
@@ -576,11 +592,21 @@ class ClusterSim:
             "steps": sum(w.steps for w in self.workers),
             "wall_s": round(wall_s, 2),
         }
+        classes = {id(j): self._mismatch(j) for j in done}
+        metrics["mismatches"] = count(list(classes.values()))
         records = [{"uid": j.req.uid, "endpoint": self.workers[j.decode_ep].id, "split": j.split,
                     "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "release_s": round(j.release, 6),
+                    "predicted_cached": j.decision.predicted_cached_tokens if j.decision is not None else None,
+                    "mismatch": classes.get(id(j), ""),
                     "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),
                     "error": j.error} for j in self.jobs]
         return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1), records)
+
+    def _mismatch(self, j: Job) -> str:
+        if j.view is None:
+            return ""
+        return classify(j.view, (j.cached_gpu + j.cached_offload) // self.bs, uses_index=self.uses_index,
+                        split=j.split)
 
     def _series(self, done: list[Job], t0: float, t1: float) -> list[tuple[float, float]]:
         n = max(1, self.cfg.time_buckets)
