@@ -88,3 +88,10 @@ def test_speculative_entries_draw_the_next_request_to_the_same_endpoint():
     # The entries expire after llm-d's 30 s.
     s = _scores(core, _req("r3", session="y"), Matches(), now=31.0)
     assert s[d1.endpoint_id] < 3
+
+
+def test_registered_for_the_simulator_and_the_live_router():
+    from kvmesh.routing.policy import available_policies, make_policy
+
+    assert {"llmd", "dynamo"} <= set(available_policies())
+    assert make_policy("llmd").uses_index and make_policy("dynamo").uses_index   # both get the index's matches
