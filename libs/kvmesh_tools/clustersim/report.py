@@ -20,7 +20,8 @@ COLUMNS = [
 ]
 # Mispredicted requests and their classes (kvmesh_tools.clustersim.mismatch).
 MISMATCH_COLUMNS = [("requests", "mispred"), ("evicted", "evicted"), ("filled", "filled"), ("lag", "lag"),
-                    ("speculative", "spec"), ("view_bug", "view bug"), ("split", "split")]
+                    ("speculative", "spec"), ("view_bug", "view bug"), ("no_index", "no index"),
+                    ("split", "split")]
 
 
 def _console():
