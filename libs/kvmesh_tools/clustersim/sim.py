@@ -72,6 +72,7 @@ class Job:
     admitted: bool = True            # the latest dispatch's sequence has been scheduled
     error: str = ""
     view: ViewAtDecision | None = None   # the router's view and the truth at decision time
+    decided_gpu: int = -1            # the decode worker's GPU hit found at decision, for the dispatch right after
 
 
 @dataclass
@@ -262,7 +263,7 @@ class ClusterSim:
         decision = self.core.decide(route, matches, self.now)
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
-        job.view = self._view_at_decision(req, decision, matches)
+        job.view = self._view_at_decision(job, decision, matches)
         split = self.core.decide_split(decision, route, self.now, matches=matches)
         self.core.on_routed(route, decision, self.now, split)
         if split.split:
@@ -272,11 +273,14 @@ class ClusterSim:
         else:
             self._dispatch(job, job.decode_ep, prefill_only=False)
 
-    def _view_at_decision(self, req: Request, decision: Decision, matches: Matches | None) -> ViewAtDecision:
+    def _view_at_decision(self, job: Job, decision: Decision, matches: Matches | None) -> ViewAtDecision:
         """The decision's prediction next to what the engine, the store and the index held then."""
-        w = self.workers[self.by_id[decision.endpoint_id]]
+        req = job.req
+        w = self.workers[job.decode_ep]
         cap = max(0, (req.input_tokens - 1) // self.bs)
-        gpu = min(w.gpu_hit_blocks(req.keys, req.input_tokens), cap)
+        # The engine's own lookup (it leaves one token to compute); the dispatch that follows
+        # at once, to the same worker, reuses it.
+        gpu = job.decided_gpu = w.gpu_hit_blocks(req.keys, req.input_tokens)
         store = self.store.leading(req.keys, cap) if self.store is not None else 0
         win = decision.candidates[0] if decision.candidates else None
         return ViewAtDecision(
@@ -292,7 +296,11 @@ class ClusterSim:
         req = job.req
         cap = max(0, (req.input_tokens - 1) // self.bs)
         keys = req.keys
-        gpu = w.gpu_hit_blocks(keys, req.input_tokens)
+        if job.decided_gpu >= 0 and widx == job.decode_ep:
+            gpu = job.decided_gpu   # looked up at the decision, nothing has run since
+        else:
+            gpu = w.gpu_hit_blocks(keys, req.input_tokens)
+        job.decided_gpu = -1
         ext_blocks = 0
         backed = 0
         delay = 0.0
