@@ -84,6 +84,7 @@ class LoadColumns:
 
     queue: np.ndarray
     prefill_tokens: np.ndarray
+    waiting: np.ndarray          # the waiting part of ``queue`` (llm-d's queue scorer reads it alone)
     kv_usage: np.ndarray
     inflight: np.ndarray
     active_blocks: np.ndarray
@@ -380,7 +381,7 @@ class LoadView:
         running = np.where(fresh, c["running"], 0.0)
         waiting = np.where(fresh, c["waiting"] + c["new_req"], c["all_req"])
         kv = np.where(fresh, c["kv_usage"], 0.0)
-        return LoadColumns(queue=running + waiting,
+        return LoadColumns(queue=running + waiting, waiting=waiting,
                            prefill_tokens=np.where(fresh, c["report_prefill"] + c["new_prefill"], c["all_prefill"]),
                            kv_usage=kv, inflight=c["all_req"],
                            active_blocks=np.where(fresh, c["kv_usage"] * c["report_blocks"], 0.0),

@@ -18,7 +18,9 @@ from kvmesh.routing.scoring import ScoringConfig
 
 POLICIES: LazyRegistry[type[Policy]] = LazyRegistry("routing policy", {
     "approx": ("kvmesh.routing.approx", "ApproxPolicy"),
+    "dynamo": ("kvmesh.routing.dynamo", "DynamoPolicy"),
     "least_load": ("kvmesh.routing.least_load", "LeastLoadPolicy"),
+    "llmd": ("kvmesh.routing.llmd", "LlmdPolicy"),
     "precise": ("kvmesh.routing.precise", "PrecisePolicy"),
     "random": ("kvmesh.routing.random_policy", "RandomPolicy"),
     "round_robin": ("kvmesh.routing.round_robin", "RoundRobinPolicy"),

@@ -16,6 +16,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_POLICIES = "precise,approx,session,least_load,round_robin"
 
+DEFAULT_REGIMES = "none,4M,32M"
+_SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+
+
 
 @dataclass
 class SimulateRun(TraceArgs):
@@ -29,6 +33,35 @@ class SimulateRun(TraceArgs):
     plots: str = field(default="", metadata={"help": "PNG plots directory ('' = next to --json)", "metavar": "DIR"})
     jobs: int = field(default=0, metadata={"help": "parallel policy processes (0 = one per CPU)"})
     no_table: bool = field(default=False, metadata={"help": "do not print the table"})
+    regimes: str = field(default="", metadata={
+        "help": "run every policy once per offload store size, same traces, e.g. none,4M,32M "
+                "('' = one run with --offload-capacity-tokens)", "metavar": "SIZES"})
+
+
+def parse_regimes(text: str) -> list[tuple[str, int]]:
+    """``none,4M,32M`` -> [("none", 0), ("4M", 4_000_000), ("32M", 32_000_000)] (offload store tokens)."""
+    out: list[tuple[str, int]] = []
+    for name in (t.strip() for t in text.split(",")):
+        if not name:
+            continue
+        low = name.lower()
+        try:
+            if low in ("none", "0"):
+                cap = 0
+            elif low[-1] in _SUFFIX:
+                cap = int(float(low[:-1]) * _SUFFIX[low[-1]])
+            else:
+                cap = int(low)
+        except ValueError:
+            raise ValueError(f"--regimes: {name!r} is not a store size (none, 512k, 4M, 32000000)") from None
+        if cap < 0:
+            raise ValueError(f"--regimes: {name!r} is negative")
+        out.append((name, cap))
+    if not out:
+        raise ValueError("--regimes: no regime given")
+    if len({n for n, _ in out}) != len(out):
+        raise ValueError("--regimes: a regime is named twice")
+    return out
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -46,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh.routing.registry import available_policies
     from kvmesh_tools.clustersim.config import SimConfig
     from kvmesh_tools.clustersim.report import render_table, write_plots
-    from kvmesh_tools.clustersim.run import simulate_policies
+    from kvmesh_tools.clustersim.run import simulate_policies, simulate_regimes
     from kvmesh_tools.traffic.readers import TraceFormatError, load_trace
 
     try:
@@ -72,21 +105,37 @@ def _run(args: argparse.Namespace) -> int:
         print("error: --prefill-workers and --offload-capacity-tokens must be >= 0")
         return 2
     try:
+        regimes = parse_regimes(run.regimes) if run.regimes else None
         trace = load_trace(run.trace, run.format, limit=run.limit_sessions or None)
-        report = simulate_policies(trace, cfg, policies, jobs=run.jobs or None)
+        if regimes is not None:
+            report = simulate_regimes(trace, cfg, policies, regimes, jobs=run.jobs or None)
+        else:
+            report = simulate_policies(trace, cfg, policies, jobs=run.jobs or None)
     except (TraceFormatError, ValueError) as exc:
         print(f"error: {exc}")
         return 2
     plots_dir = run.plots or (str(Path(run.json).with_suffix("")) + "_plots" if run.json else None)
+    # One report per regime (a plain run is one regime).
+    parts = ([(f"{r['regime']}_", r["report"]) for r in report["regimes"]] if regimes is not None
+             else [("", report)])
     if plots_dir:
-        report["plots"] = [str(p) for p in write_plots(report, plots_dir)]
+        for prefix, rep in parts:
+            rep["plots"] = [str(p) for p in write_plots(rep, plots_dir, prefix=f"{prefix}simulate")]
     if run.json:
         Path(run.json).parent.mkdir(parents=True, exist_ok=True)
         Path(run.json).write_text(json.dumps(report, indent=1, sort_keys=False))
     if not run.no_table:
-        render_table(report)
+        for prefix, rep in parts:
+            title = "kvmesh simulate"
+            if prefix:
+                cap = rep["config"]["offload_capacity_tokens"]
+                title += f"  regime {prefix[:-1]} ({'no offload' if not cap else f'{cap:,}-token store'})"
+            render_table(rep, title=title)
         if run.json:
             print(f"report: {run.json}")
-        for p in report.get("plots", []):
-            print(f"plot: {p}")
+        for _, rep in parts:
+            for p in rep.get("plots", []):
+                print(f"plot: {p}")
+        if regimes is not None:
+            print(f"wall: {report['wall_s']} s")
     return 0

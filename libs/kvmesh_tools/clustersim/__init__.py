@@ -8,7 +8,7 @@ decides in production.
 """
 
 from kvmesh_tools.clustersim.config import SimConfig
-from kvmesh_tools.clustersim.run import simulate_policies
+from kvmesh_tools.clustersim.run import simulate_policies, simulate_regimes
 from kvmesh_tools.clustersim.sim import ClusterSim, PolicyResult
 
-__all__ = ["ClusterSim", "PolicyResult", "SimConfig", "simulate_policies"]
+__all__ = ["ClusterSim", "PolicyResult", "SimConfig", "simulate_policies", "simulate_regimes"]

@@ -18,6 +18,10 @@ COLUMNS = [
     ("ttft_p99_s", "p99 s"), ("output_tok_per_s", "out tok/s"), ("load_imbalance", "imbalance"),
     ("preemptions", "preempt"), ("requests", "requests"), ("wall_s", "wall s"),
 ]
+# Mispredicted requests and their classes (kvmesh_tools.clustersim.mismatch).
+MISMATCH_COLUMNS = [("requests", "mispred"), ("evicted", "evicted"), ("filled", "filled"), ("lag", "lag"),
+                    ("speculative", "spec"), ("view_bug", "view bug"), ("no_index", "no index"),
+                    ("split", "split")]
 
 
 def _console():
@@ -35,10 +39,11 @@ def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None
     t = Table(title=f"{title}  (ceiling_infinite {report['ceiling_infinite']:.4f}, "
                     f"ceiling_pooled {report['ceiling_pooled']:.4f})")
     t.add_column("policy")
-    for _, name in COLUMNS:
+    for _, name in COLUMNS + MISMATCH_COLUMNS:
         t.add_column(name, justify="right")
     for pol, m in report["results"].items():
-        t.add_row(pol, *[f"{m.get(k, '')}" for k, _ in COLUMNS])
+        mm = m.get("mismatches") or {}
+        t.add_row(pol, *[f"{m.get(k, '')}" for k, _ in COLUMNS], *[f"{mm.get(k, '')}" for k, _ in MISMATCH_COLUMNS])
     _console().print(t)
 
 

@@ -39,44 +39,44 @@ def _init_state(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: Scori
     _STATE.update(trace=trace, schedule=schedule, cfg=cfg, scoring=scoring)
 
 
-def _run_one(policy: str) -> PolicyResult:
-    sim = ClusterSim(_STATE["trace"], _STATE["schedule"], _STATE["cfg"], policy, scoring=_STATE.get("scoring"))
+def _run_one(task: tuple[str, int | None]) -> PolicyResult:
+    """One policy's simulation; ``offload`` (if not None) replaces the config's store capacity."""
+    policy, offload = task
+    cfg: SimConfig = _STATE["cfg"]
+    if offload is not None:
+        cfg = dataclasses.replace(cfg, offload_capacity_tokens=offload)
+    sim = ClusterSim(_STATE["trace"], _STATE["schedule"], cfg, policy, scoring=_STATE.get("scoring"))
     res = sim.run()
-    log.info("policy done", extra={"policy": policy, "wall_s": res.metrics["wall_s"]})
+    log.info("policy done", extra={"policy": policy, "offload_capacity_tokens": cfg.offload_capacity_tokens,
+                                   "wall_s": res.metrics["wall_s"]})
     return res
 
 
-def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: int | None = None,
-                      records: bool = False, scoring: ScoringConfig | None = None) -> dict[str, Any]:
-    """Simulate every policy; returns the JSON-able report (``results`` keyed by policy).
-
-    With ``records`` the report also holds every request's outcome under ``records[policy]``.
-    """
-    t0 = time.perf_counter()
-    scoring = scoring or cfg.scoring
-    share_chain_keys(trace.requests())   # once, before the workers start
-    schedule = schedule_for(trace, cfg)
-    order = recorded_order(schedule)
-    bs = trace.block_size
-    pooled_cap = cfg.decode_workers * cfg.kv_capacity_tokens + max(0, cfg.offload_capacity_tokens)
-    ceil_inf = round(ceiling_infinite(order), 4)
-    ceil_pool = round(ceiling_pooled(order, pooled_cap), 4)
+def _run_all(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig,
+             tasks: list[tuple[str, int | None]], jobs: int | None) -> list[PolicyResult]:
     _init_state(trace, schedule, cfg, scoring)
-    jobs = jobs if jobs is not None else min(len(policies), os.cpu_count() or 1)
-    results: list[PolicyResult]
-    if jobs > 1 and len(policies) > 1:
+    jobs = jobs if jobs is not None else min(len(tasks), os.cpu_count() or 1)
+    if jobs > 1 and len(tasks) > 1:
         # spawn, not fork: forking a process that already runs threads (gRPC, logging, a test
         # runner) can copy a held lock into the child and hang it.
         with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_state,
                                  initargs=(trace, schedule, cfg, scoring)) as ex:
-            results = list(ex.map(_run_one, policies))
-    else:
-        results = [_run_one(p) for p in policies]
+            return list(ex.map(_run_one, tasks))
+    return [_run_one(t) for t in tasks]
+
+
+def _report(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig, policies: list[str],
+            results: list[PolicyResult], records: bool) -> dict[str, Any]:
+    """The JSON-able report of one cluster (one store capacity) for ``results`` in policy order."""
+    order = recorded_order(schedule)
+    pooled_cap = cfg.decode_workers * cfg.kv_capacity_tokens + max(0, cfg.offload_capacity_tokens)
+    ceil_inf = round(ceiling_infinite(order), 4)
+    ceil_pool = round(ceiling_pooled(order, pooled_cap), 4)
     out: dict[str, Any] = {
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "scoring"},
         "scoring": {k: getattr(scoring, k) for k in ScoringConfig.__dataclass_fields__},
         "trace": {"format": trace.fmt, "sessions": len(trace.sessions), "requests": len(schedule),
-                  "block_size": bs},
+                  "block_size": trace.block_size},
         "ceiling_infinite": ceil_inf,
         "ceiling_pooled": ceil_pool,
         "pooled_capacity_tokens": pooled_cap,
@@ -94,5 +94,53 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
         if records:
             out.setdefault("records", {})[res.policy] = res.records
         out["series"][res.policy] = {"hit_rate_over_time": res.hit_series, "ttft_s": sorted(round(x, 5) for x in res.ttfts)}
+    return out
+
+
+def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: int | None = None,
+                      records: bool = False, scoring: ScoringConfig | None = None) -> dict[str, Any]:
+    """Simulate every policy; returns the JSON-able report (``results`` keyed by policy).
+
+    With ``records`` the report also holds every request's outcome under ``records[policy]``.
+    """
+    t0 = time.perf_counter()
+    scoring = scoring or cfg.scoring
+    share_chain_keys(trace.requests())   # once, before the workers start
+    schedule = schedule_for(trace, cfg)
+    results = _run_all(trace, schedule, cfg, scoring, [(p, None) for p in policies], jobs)
+    out = _report(trace, schedule, cfg, scoring, policies, results, records)
+    out["wall_s"] = round(time.perf_counter() - t0, 2)
+    return out
+
+
+# What each regime's summary keeps of a policy's metrics (the figures the regimes are compared on).
+SUMMARY_KEYS = ("prefix_hit_rate", "ceiling_pooled", "share_of_ceiling_pooled", "ttft_p50_s", "ttft_p90_s",
+                "ttft_p99_s", "load_imbalance", "mismatches")
+
+
+def simulate_regimes(trace: Trace, cfg: SimConfig, policies: list[str], regimes: list[tuple[str, int]],
+                     jobs: int | None = None, records: bool = False,
+                     scoring: ScoringConfig | None = None) -> dict[str, Any]:
+    """Every policy in each regime (``(name, offload store capacity in tokens)``), same traces and schedule.
+
+    Returns ``{"regimes": [{"regime", "offload_capacity_tokens", "summary", "report"}, ...], "wall_s"}``:
+    each ``report`` is what :func:`simulate_policies` returns for that store; ``summary`` keeps per
+    policy the figures the regimes are compared on (:data:`SUMMARY_KEYS`). All (regime, policy)
+    simulations share one process pool.
+    """
+    t0 = time.perf_counter()
+    scoring = scoring or cfg.scoring
+    share_chain_keys(trace.requests())
+    schedule = schedule_for(trace, cfg)
+    tasks = [(p, cap) for _, cap in regimes for p in policies]
+    results = _run_all(trace, schedule, cfg, scoring, tasks, jobs)
+    out: dict[str, Any] = {"policies": policies, "regimes": [], "wall_s": 0.0}
+    for i, (name, cap) in enumerate(regimes):
+        rcfg = dataclasses.replace(cfg, offload_capacity_tokens=cap)
+        rep = _report(trace, schedule, rcfg, scoring, policies, results[i * len(policies):(i + 1) * len(policies)],
+                      records)
+        rep["wall_s"] = round(sum(m["wall_s"] for m in rep["results"].values()), 2)
+        summary = {p: {k: m[k] for k in SUMMARY_KEYS if k in m} for p, m in rep["results"].items()}
+        out["regimes"].append({"regime": name, "offload_capacity_tokens": cap, "summary": summary, "report": rep})
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out

@@ -38,6 +38,7 @@ from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, 
 from kvmesh.worker.engine.sim.latency import LatencyParams
 from kvmesh.worker.engine.sim.scheduler import SchedulerConfig, Seq
 from kvmesh_tools.clustersim.config import SimConfig
+from kvmesh_tools.clustersim.mismatch import ViewAtDecision, classify, count
 from kvmesh_tools.clustersim.parts import SimOffload, SimWorker, WorkerSpec
 from kvmesh_tools.traffic.model import Request, Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleRunner
@@ -69,6 +70,8 @@ class Job:
     planned_restore: int = 0         # tokens whose restore was charged at the latest dispatch
     admitted: bool = True            # the latest dispatch's sequence has been scheduled
     error: str = ""
+    view: ViewAtDecision | None = None   # the router's view and the truth at decision time
+    decided_gpu: int = -1            # the decode worker's GPU hit found at decision, for the dispatch right after
 
 
 @dataclass
@@ -256,6 +259,7 @@ class ClusterSim:
         decision = self.core.decide(route, matches, self.now)
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
+        job.view = self._view_at_decision(job, decision, matches)
         split = self.core.decide_split(decision, route, self.now, matches=matches)
         self.core.on_routed(route, decision, self.now, split)
         if split.split:
@@ -265,6 +269,22 @@ class ClusterSim:
         else:
             self._dispatch(job, job.decode_ep, prefill_only=False)
 
+    def _view_at_decision(self, job: Job, decision: Decision, matches: Matches | None) -> ViewAtDecision:
+        """The decision's prediction next to what the engine, the store and the index held then."""
+        req = job.req
+        w = self.workers[job.decode_ep]
+        cap = max(0, (req.input_tokens - 1) // self.bs)
+        # The engine's own lookup (it leaves one token to compute); the dispatch that follows
+        # at once, to the same worker, reuses it.
+        gpu = job.decided_gpu = w.gpu_hit_blocks(req.keys, req.input_tokens)
+        store = self.store.leading(req.keys, cap) if self.store is not None else 0
+        win = decision.candidates[0] if decision.candidates else None
+        return ViewAtDecision(
+            predicted=decision.predicted_cached_tokens // self.bs, truth=max(gpu, store), engine_gpu=gpu,
+            index_gpu=min(matches.get(decision.endpoint_id).gpu, cap) if matches is not None else -1,
+            speculative=(win.speculative_blocks + win.pending_blocks) if win is not None else 0,
+            lag=w.bm.has_pending_events() if matches is not None else False)
+
     # ------------------------------------------------------------------ workers
     def _dispatch(self, job: Job, widx: int, prefill_only: bool) -> None:
         """Send to a worker: restore what the store has beyond the worker's own cache, then queue."""
@@ -272,7 +292,11 @@ class ClusterSim:
         req = job.req
         cap = max(0, (req.input_tokens - 1) // self.bs)
         keys = req.keys
-        gpu = w.gpu_hit_blocks(keys, req.input_tokens)
+        if job.decided_gpu >= 0 and widx == job.decode_ep:
+            gpu = job.decided_gpu   # looked up at the decision, nothing has run since
+        else:
+            gpu = w.gpu_hit_blocks(keys, req.input_tokens)
+        job.decided_gpu = -1
         ext_blocks = 0
         backed = 0
         delay = 0.0
@@ -572,11 +596,21 @@ class ClusterSim:
             "steps": sum(w.steps for w in self.workers),
             "wall_s": round(wall_s, 2),
         }
+        classes = {id(j): self._mismatch(j) for j in done}
+        metrics["mismatches"] = count(list(classes.values()))
         records = [{"uid": j.req.uid, "endpoint": self.workers[j.decode_ep].id, "split": j.split,
                     "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "release_s": round(j.release, 6),
+                    "predicted_cached": j.decision.predicted_cached_tokens if j.decision is not None else None,
+                    "mismatch": classes.get(id(j), ""),
                     "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),
                     "error": j.error} for j in self.jobs]
         return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1), records)
+
+    def _mismatch(self, j: Job) -> str:
+        if j.view is None:
+            return ""
+        return classify(j.view, (j.cached_gpu + j.cached_offload) // self.bs, uses_index=self.uses_index,
+                        split=j.split)
 
     def _series(self, done: list[Job], t0: float, t1: float) -> list[tuple[float, float]]:
         n = max(1, self.cfg.time_buckets)

@@ -141,6 +141,10 @@ class BlockManager:
         """Block ids in eviction order (front first). For tests and debugging."""
         return list(self._free)
 
+    def has_pending_events(self) -> bool:
+        """KV events emitted and not yet taken (what an index fed by them has not seen)."""
+        return bool(self._events)
+
     def find_longest_hit(self, block_hashes: Sequence[int], num_tokens: int) -> list[int]:
         """Block ids of the longest cached prefix, capped so one token is left to compute.
 

@@ -1,0 +1,118 @@
+"""Prediction mismatches: every mispredicted request is explained, and a view bug is caught."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvmesh.routing.policy import Policy
+from kvmesh_tools.clustersim import SimConfig, parts, simulate_policies
+from kvmesh_tools.clustersim.mismatch import CLASSES, ViewAtDecision, classify, count
+from kvmesh_tools.traffic.generator import GeneratorConfig, generate
+
+pytestmark = pytest.mark.timeout(180)
+TRACES = Path("/work/shared/traces/claude-code")
+
+
+def _view(**kw) -> ViewAtDecision:
+    base = dict(predicted=10, truth=10, engine_gpu=10, index_gpu=10, speculative=0, lag=False)
+    base.update(kw)
+    return ViewAtDecision(**base)
+
+
+@pytest.mark.parametrize(("view", "actual", "kw", "want"), [
+    (_view(), 10, {}, ""),                                                    # exact
+    (_view(), 4, {}, "evicted"),                                              # right then, gone by schedule
+    (_view(predicted=0, truth=0, engine_gpu=0, index_gpu=0), 6, {}, "filled"),   # a sibling computed it meanwhile
+    (_view(predicted=4, truth=10, index_gpu=4, lag=True), 10, {}, "lag"),     # events not yet in the index
+    (_view(predicted=10, truth=4, engine_gpu=4, index_gpu=4, speculative=6), 4, {}, "speculative"),
+    (_view(predicted=12, truth=10), 10, {}, "view_bug"),                      # up-to-date index, still wrong
+    (_view(predicted=4, truth=10, index_gpu=4), 10, {}, "view_bug"),          # index disagrees, no pending event
+    (_view(), 4, {"uses_index": False}, "no_index"),
+    (_view(), 4, {"split": True}, "split"),
+])
+def test_each_class(view: ViewAtDecision, actual: int, kw: dict, want: str) -> None:
+    assert classify(view, actual, uses_index=kw.get("uses_index", True), split=kw.get("split", False)) == want
+
+
+def test_count_sums_the_classes() -> None:
+    c = count(["", "evicted", "lag", "lag", "view_bug", ""])
+    assert c["requests"] == 4 and c["lag"] == 2 and set(CLASSES) <= set(c)
+
+
+def _trace(sessions: int = 12, seed: int = 5):
+    return generate(GeneratorConfig(sessions=sessions, seed=seed, turns_median=5, system_tokens=2048,
+                                    first_user_tokens=400, growth_median=300, growth_p99=2000, output_median=64,
+                                    output_p99=256, think_median_s=0.2, think_p99_s=2.0, max_context_tokens=8000,
+                                    subagent_group_prob=0.3, group_max=6, subagent_system_tokens=1024,
+                                    subagent_task_tokens=200, subagent_turns_median=3))
+
+
+def _cfg(**kw) -> SimConfig:
+    base = dict(decode_workers=2, prefill_workers=0, kv_capacity_tokens=12000, offload_capacity_tokens=0,
+                start_window_s=1.0, seed=3)
+    base.update(kw)
+    return SimConfig(**base)
+
+
+def _mm(rep: dict, policy: str) -> dict:
+    return rep["results"][policy]["mismatches"]
+
+
+def test_simulated_mismatches_are_explained() -> None:
+    rep = simulate_policies(_trace(), _cfg(), ["precise", "llmd", "dynamo", "session"], jobs=1, records=True)
+    for p in ("precise", "llmd", "dynamo"):
+        assert _mm(rep, p)["view_bug"] == 0 and _mm(rep, p)["no_index"] == 0
+        recs = rep["records"][p]
+        wrong = [r for r in recs if not r["error"] and r["predicted_cached"] != r["cached_gpu"] + r["cached_offload"]]
+        assert len(wrong) == _mm(rep, p)["requests"]
+        assert all(r["mismatch"] for r in wrong)
+    # A GPU this small evicts prefixes a request was routed for before it is scheduled.
+    assert _mm(rep, "dynamo")["evicted"] > 0
+    # Speculative entries for a burst's siblings claim blocks their first prefill has not made yet.
+    assert _mm(rep, "precise")["speculative"] > 0 and _mm(rep, "llmd")["speculative"] > 0
+    # session does not read the index: its predictions are its own.
+    assert _mm(rep, "session")["no_index"] == _mm(rep, "session")["requests"] > 0
+
+
+def test_an_index_behind_the_engine_is_lag(monkeypatch: pytest.MonkeyPatch) -> None:
+    publish = parts.SimWorker.publish
+    calls = [0]
+
+    def late(self: parts.SimWorker) -> None:   # apply KV events to the index one call in three
+        calls[0] += 1
+        if calls[0] % 3 == 0:
+            publish(self)
+
+    monkeypatch.setattr(parts.SimWorker, "publish", late)
+    rep = simulate_policies(_trace(), _cfg(kv_capacity_tokens=20000), ["dynamo"], jobs=1)
+    assert _mm(rep, "dynamo")["lag"] > 0 and _mm(rep, "dynamo")["view_bug"] == 0
+
+
+def test_an_over_reporting_view_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    decision = Policy._decision
+
+    def over(self, req, win, reason, table, fallback=""):   # the view claims two blocks it does not have
+        d = decision(self, req, win, reason, table, fallback)
+        d.predicted_cached_tokens_gpu += 2 * req.block_size
+        return d
+
+    monkeypatch.setattr(Policy, "_decision", over)
+    rep = simulate_policies(_trace(), _cfg(kv_capacity_tokens=20000), ["precise", "dynamo"], jobs=1)
+    for p in ("precise", "dynamo"):
+        assert _mm(rep, p)["view_bug"] > 0
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not TRACES.is_dir(), reason="the shared real traces are not on this machine")
+def test_no_view_bug_on_real_traces() -> None:
+    from kvmesh_tools.traffic.readers import load_trace
+
+    trace = load_trace([str(TRACES)], "weka", limit=2)
+    for cap in (0, 4_000_000):
+        rep = simulate_policies(trace, SimConfig(decode_workers=2, prefill_workers=1, kv_capacity_tokens=200_000,
+                                                 offload_capacity_tokens=cap, seed=0),
+                                ["precise", "llmd", "dynamo"], jobs=1)
+        for p in ("precise", "llmd", "dynamo"):
+            assert _mm(rep, p)["view_bug"] == 0, (cap, p, _mm(rep, p))
