@@ -19,6 +19,7 @@ from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.index.base import BlockIndex
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.logs import setup_logging
+from kvmesh.rpc import tls
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
@@ -122,12 +123,13 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)
     registry.register(StateCollector(index.stats, servicer.freshness))
     server = ServiceServer("indexer", [(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
     return IndexerApp(cfg, servicer, server, pump, subscriber, metrics)
 
 
 async def serve(cfg: IndexerConfig) -> int:
     setup_tracing("kvmesh-indexer")
+    tls.set_default(cfg.tls)
     app = build_app(cfg, REGISTRY)
     await app.start()
     app.server.install_signal_handlers()
