@@ -14,6 +14,7 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import redis
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
@@ -40,6 +41,20 @@ SERVICE_NAME = indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name
 
 
 def build_index(cfg: IndexerConfig) -> BlockIndex:
+    if cfg.backend == "redis-cluster":
+        from kvmesh_indexer.redis_cluster_backend import RedisClusterIndex
+
+        try:
+            cindex = RedisClusterIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s,
+                                       anchor_depth=cfg.redis_anchor_depth)
+            cindex.check_auth()
+        except (ValueError, redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise ConfigError(f"setting 'redis_url': {exc}") from None
+        try:
+            cindex.check_layout()
+        except ValueError as exc:
+            raise ConfigError(f"setting 'redis_namespace': {exc}") from None
+        return cindex
     if cfg.backend == "redis":
         from kvmesh_indexer.redis_backend import RedisIndex
 
