@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
+from kvmesh_indexer.central_socket import check_replay_template
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
 
 BACKENDS = ("memory", "redis")
@@ -65,6 +66,18 @@ class IndexerConfig:
     store_models: str = field(default="any,*", metadata={
         "help": "model names meaning 'every model' (offload stores): their blocks answer every model's lookup"})
     engines: str = field(default="", metadata={"help": "static engines: JSON list or ID@MODEL@ZMQ[@REPLAY][@bind],..."})
+    kv_events_bind: str = field(default="", metadata={
+        "help": "central KV-event socket(s) engines connect to, e.g. tcp://0.0.0.0:5557 (comma list; empty = off); "
+                "endpoints are named by the topic kv@<pod-ip>:<port>@<model>"})
+    kv_events_replay: str = field(default="", metadata={
+        "help": "replay address of central-socket engines from their topic's endpoint, e.g. tcp://{host}:5558 "
+                "(fields {endpoint} {host} {port}; empty = no replay)"})
+    kv_events_max_endpoints: int = field(default=1024, metadata={
+        "help": "central socket: most endpoints admitted (later topics are counted as rejected)"})
+    kv_events_idle_purge_s: float = field(default=0.0, metadata={
+        "help": "central socket: purge an endpoint silent this long (0 = never)"})
+    kv_events_hash_algo: str = field(default="", metadata={
+        "help": "central socket: engines' --prefix-caching-hash-algo (empty = the model's)"})
     heartbeat_ttl_s: float = field(default=10.0, metadata={"help": "default heartbeat TTL of registered endpoints"})
     lookup_timeout_s: float = field(default=1.0, metadata={"help": "max time a Lookup waits for the backend"})
     replay_timeout_s: float = field(default=2.0, metadata={"help": "max time for one replay request"})
@@ -92,12 +105,35 @@ class IndexerConfig:
             HashAlgo.parse(self.default_hash_algo)
         except ValueError as exc:
             raise ConfigError(f"setting 'default_hash_algo': {exc}") from None
+        self.central_binds()
+        if self.kv_events_replay:
+            try:
+                check_replay_template(self.kv_events_replay)
+            except ValueError as exc:
+                raise ConfigError(f"setting 'kv_events_replay': {exc}") from None
+        if self.kv_events_max_endpoints < 1:
+            raise ConfigError("setting 'kv_events_max_endpoints' must be >= 1")
+        if self.kv_events_idle_purge_s < 0:
+            raise ConfigError("setting 'kv_events_idle_purge_s' must be >= 0")
+        if self.kv_events_hash_algo:
+            try:
+                HashAlgo.parse(self.kv_events_hash_algo)
+            except ValueError as exc:
+                raise ConfigError(f"setting 'kv_events_hash_algo': {exc}") from None
         models = self.model_specs()
         if self.default_model and self.default_model not in models and not self.auto_models:
             raise ConfigError(f"setting 'default_model': {self.default_model!r} is not in 'models'")
         self.engine_configs(models)
 
     # ---- parsed views --------------------------------------------------------------------
+    def central_binds(self) -> list[str]:
+        binds = [b.strip() for b in self.kv_events_bind.split(",") if b.strip()]
+        for b in binds:
+            # vLLM connects its PUB only to a tcp address without '*' (it binds ipc/inproc itself).
+            if not b.startswith("tcp://"):
+                raise ConfigError(f"setting 'kv_events_bind': {b!r} must be tcp://host:port (engines connect to it)")
+        return binds
+
     def store_model_names(self) -> set[str]:
         return {m.strip() for m in self.store_models.split(",") if m.strip()}
 

@@ -1,7 +1,8 @@
 """``kvmesh serve indexer``: the cluster-wide KV block index service.
 
 Builds the configured backend (embedded memory by default, or Redis), wraps it
-with metrics/tracing, subscribes to the statically configured engines, serves
+with metrics/tracing, subscribes to the statically configured engines and/or
+binds the central socket engines connect to (``central_socket``), serves
 the ``Indexer`` gRPC API and purges endpoints whose heartbeats stop.
 """
 
@@ -23,6 +24,7 @@ from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh_indexer.central_socket import CentralSocket
 from kvmesh_indexer.config import IndexerConfig
 from kvmesh_indexer.ingest import Ingestor
 from kvmesh_indexer.keys import ModelSpec
@@ -64,6 +66,7 @@ class IndexerApp:
     pump: IngestPump
     subscriber: ZmqSubscriber
     metrics: IndexMetrics
+    central: CentralSocket | None = None
     _sweeper: asyncio.Task | None = None
 
     @property
@@ -73,6 +76,13 @@ class IndexerApp:
     async def start(self) -> int:
         port = await self.server.start()
         await self.pump.start()
+        if self.central is not None:
+            try:
+                self.servicer.central_bound = await self.central.start()
+            except ValueError as exc:
+                await self.server.stop(0)
+                await self.pump.close()
+                raise ConfigError(f"setting 'kv_events_bind': {exc}") from None
         for eng in self.cfg.engine_configs(self.servicer.models):
             await self.servicer.add_static_engine(eng)
         if not await asyncio.to_thread(self.servicer.index.ping):
@@ -82,7 +92,8 @@ class IndexerApp:
         await self.server.set_ready(True)
         log.info("indexer ready", extra={"port": port, "backend": self.cfg.backend,
                                          "models": sorted(self.servicer.models),
-                                         "engines": len(self.subscriber.subs)})
+                                         "engines": len(self.subscriber.subs),
+                                         "central": self.servicer.central_bound})
         return port
 
     async def _sweep_loop(self) -> None:
@@ -100,6 +111,8 @@ class IndexerApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await self.server.stop(grace_s)
+        if self.central is not None:
+            await self.central.close()
         await self.subscriber.close()
         await self.pump.close()
         self.servicer.index.close()
@@ -123,7 +136,11 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     registry.register(StateCollector(index.stats, servicer.freshness))
     server = ServiceServer("indexer", [(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer, SERVICE_NAME)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
-    return IndexerApp(cfg, servicer, server, pump, subscriber, metrics)
+    central = None
+    if cfg.central_binds():
+        central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
+                                max_endpoints=cfg.kv_events_max_endpoints, idle_purge_s=cfg.kv_events_idle_purge_s)
+    return IndexerApp(cfg, servicer, server, pump, subscriber, metrics, central)
 
 
 async def serve(cfg: IndexerConfig) -> int:
@@ -135,6 +152,8 @@ async def serve(cfg: IndexerConfig) -> int:
     try:
         await app.server.wait()
     finally:
+        if app.central is not None:
+            await app.central.close()
         await app.subscriber.close()
         await app.pump.close()
         app.servicer.index.close()

@@ -414,7 +414,8 @@ class RouterService:
             span.set_attribute("kvmesh.prompt_tokens", len(p.tokens))
             span.set_attribute("kvmesh.hash.reused_blocks", p.reused_blocks)
             span.set_attribute("kvmesh.hash.hashed_blocks", p.hashed_blocks)
-            exclude: set[str] = set()
+            # External OpenAI endpoints take the HTTP body itself (``passthrough``), not token ids.
+            exclude: set[str] = set(self.cluster.external.urls)
             failures: list[str] = []
             attempts = 0
             while True:
