@@ -19,10 +19,11 @@ from typing import Any, ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 from kvmesh_indexer.central_socket import check_replay_template
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
 
-BACKENDS = ("memory", "redis")
+BACKENDS = ("memory", "redis", "redis-cluster")
 
 
 @dataclass
@@ -48,13 +49,19 @@ class IndexerConfig:
     port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
-    backend: str = field(default="memory", metadata={"help": "index backend: memory | redis"})
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    backend: str = field(default="memory", metadata={
+        "help": "index backend: memory | redis | redis-cluster (redis with a redis+cluster:// URL = redis-cluster)"})
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
-        "help": "redis:// or rediss:// URL (user:password@ for AUTH)"})
+        "help": "redis:// or rediss:// URL (user:password@ for AUTH); for a cluster "
+                "redis+cluster://host:port[,host:port...] (or rediss+cluster://)"})
     redis_namespace: str = field(default="kvm", metadata={"help": "key prefix in Redis"})
     redis_timeout_s: float = field(default=0.5, metadata={"help": "Redis socket timeout per call"})
     redis_probe_stride: int = field(default=32, metadata={
         "help": "Redis lookups read every Nth block of prefix-closed endpoints, then one gap per run end"})
+    redis_anchor_depth: int = field(default=64, metadata={
+        "help": "redis-cluster: blocks of a chain below this depth live on its first block's shard, the rest on "
+                "the shard of its block at this depth (a lookup touches <= 2 shards); set it past shared prefixes"})
     max_entries: int = field(default=20_000_000, metadata={
         "help": "memory backend: block-endpoint-tier entry budget (LRU eviction beyond it; 0 = unbounded)"})
     models: str = field(default="", metadata={"help": "models: JSON list or NAME@BLOCK_SIZE@ALGO[@SEED],..."})
@@ -88,8 +95,16 @@ class IndexerConfig:
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.backend == "redis" and self.redis_url.startswith(("redis+cluster://", "rediss+cluster://")):
+            self.backend = "redis-cluster"
         if self.backend == "redis" and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"setting 'redis_url': {self.redis_url!r} must start with redis:// or rediss://")
+        if self.backend == "redis-cluster":
+            if not self.redis_url.startswith(("redis+cluster://", "rediss+cluster://")):
+                raise ConfigError(f"setting 'redis_url': {self.redis_url!r} must start with redis+cluster:// or "
+                                  "rediss+cluster:// for backend redis-cluster")
+            if self.redis_anchor_depth < 1:
+                raise ConfigError("setting 'redis_anchor_depth' must be >= 1")
         for name in ("heartbeat_ttl_s", "lookup_timeout_s", "replay_timeout_s", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0")

@@ -14,12 +14,14 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import redis
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.index.base import BlockIndex
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.logs import setup_logging
+from kvmesh.rpc import tls
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
@@ -39,6 +41,20 @@ SERVICE_NAME = indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name
 
 
 def build_index(cfg: IndexerConfig) -> BlockIndex:
+    if cfg.backend == "redis-cluster":
+        from kvmesh_indexer.redis_cluster_backend import RedisClusterIndex
+
+        try:
+            cindex = RedisClusterIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s,
+                                       anchor_depth=cfg.redis_anchor_depth)
+            cindex.check_auth()
+        except (ValueError, redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise ConfigError(f"setting 'redis_url': {exc}") from None
+        try:
+            cindex.check_layout()
+        except ValueError as exc:
+            raise ConfigError(f"setting 'redis_namespace': {exc}") from None
+        return cindex
     if cfg.backend == "redis":
         from kvmesh_indexer.redis_backend import RedisIndex
 
@@ -135,7 +151,7 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)
     registry.register(StateCollector(index.stats, servicer.freshness))
     server = ServiceServer("indexer", [(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
     central = None
     if cfg.central_binds():
         central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
@@ -145,6 +161,7 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
 
 async def serve(cfg: IndexerConfig) -> int:
     setup_tracing("kvmesh-indexer")
+    tls.set_default(cfg.tls)
     app = build_app(cfg, REGISTRY)
     await app.start()
     app.server.install_signal_handlers()

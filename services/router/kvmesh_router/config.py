@@ -8,6 +8,7 @@ from typing import ClassVar
 from kvmesh.config import ConfigError
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 
 
 @dataclass
@@ -19,6 +20,7 @@ class RouterConfig:
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0 = off)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     extproc_port: int = field(default=0, metadata={"help": "Envoy ext_proc endpoint-picker port (0 = off)"})
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
     model: str = field(default="tiny", metadata={"help": "served model name"})
     tokenizer_path: str = field(default="", metadata={"help": "model dir with tokenizer.json (+ chat template)"})
     max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})
