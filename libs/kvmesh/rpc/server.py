@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvmesh.rpc.interceptors import server_interceptors
 from kvmesh.rpc.keepalive import server_keepalive_options
+from kvmesh.rpc.parse_guard import ParseGuardInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,9 @@ class ServiceServer:
         self.bindings = list(bindings)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self._interceptors = interceptors if interceptors is not None else server_interceptors()
+        # The parse guard comes first (outermost) on every server, whatever else is installed.
+        extra = interceptors if interceptors is not None else server_interceptors()
+        self._interceptors = [ParseGuardInterceptor(), *extra]
         self.port = 0
         self._stopped = asyncio.Event()
         self.on_drain: list[Callable[[], Any]] = []
