@@ -19,7 +19,7 @@ import grpc
 
 from kvmesh.kvstore.block import buffer_of
 from kvmesh.kvstore.limits import namespace_problem, session_problem
-from kvmesh.kvstore.shm import SHM_DIR, AttachCache, Segment, ShmError
+from kvmesh.kvstore.shm import SHM_DIR, AttachCache, Segment, ShmError, validate_name
 from kvmesh.kvstore.wire import Chunk, decode_put_request, encode_get_response
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
@@ -234,6 +234,10 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     def _attach(self, name: str) -> Segment:
         if not self.shm_enabled:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "shared-memory path is disabled on this store")
+        try:
+            validate_name(name)
+        except ShmError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
         if name.startswith(SLAB_PREFIX) or self._is_slab(name):
             # Writing (GetShm) or reading (PutShm) the store's own slabs would let a client
             # overwrite or re-label other clients' blocks.
