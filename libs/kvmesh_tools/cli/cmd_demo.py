@@ -67,18 +67,25 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def _causes(mm: dict[str, int]) -> str:
+    """``12 (evicted 9, lag 3)``: mispredicted requests and their causes (kvmesh.routing.fidelity)."""
+    parts = [f"{k.replace('_', ' ')} {v}" for k, v in mm.items() if k != "requests" and v]
+    return f"{mm.get('requests', 0)}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def _table(rows: dict[str, dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="kvmesh demo: same agent workload, one fresh stack per policy")
     for col in ("policy", "hit rate", "gpu", "offload", "TTFT p50 s", "TTFT p90 s", "out tok/s", "req/s",
-                "pred==actual", "errors"):
+                "pred==actual", "mispredicted (causes)", "errors"):
         t.add_column(col, justify="right" if col != "policy" else "left")
     for pol, m in rows.items():
         pva = m["predicted_vs_actual"]["exact_share"]
         t.add_row(pol, f"{m['hit_rate']:.3f}", f"{m['gpu_hit_rate']:.3f}", f"{m['offload_hit_rate']:.3f}",
                   f"{m['ttft_s']['p50']}", f"{m['ttft_s']['p90']}", f"{m['output_tok_per_s']}",
-                  f"{m['requests_per_s']}", "-" if pva is None else f"{pva:.2f}", str(m["errors"]))
+                  f"{m['requests_per_s']}", "-" if pva is None else f"{pva:.2f}", _causes(m.get("mismatches") or {}),
+                  str(m["errors"]))
     _console().print(t)
 
 

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvmesh.routing.fidelity import count
 from kvmesh_tools.replay.transport import Call, GrpcTransport, HttpTransport, Outcome
 from kvmesh_tools.traffic.model import Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleOptions, ScheduleRunner, build_schedule
@@ -101,6 +102,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             "exact_share": round(sum(1 for p, a in pred if p == a) / len(pred), 4) if pred else None,
             "mean_abs_diff_tokens": round(sum(abs(p - a) for p, a in pred) / len(pred), 2) if pred else None,
         },
+        # Each missed prediction's cause, as the router classified it (kvmesh.routing.fidelity).
+        "mismatches": count([r.get("mismatch", "") for r in ok if r["predicted"] is not None]),
         "split_requests": sum(1 for r in ok if r["split"]),
         # A split request's usage is the decode worker's, whose "offload" hit includes the KV the prefill
         # worker just computed; this rate leaves those requests out.
@@ -192,7 +195,8 @@ async def _drive(trace: Trace, schedule: Schedule, cfg: ReplayConfig, transport:
             "ttft_s": ttft, "itl_s": itl, "e2e_s": round(done_rel - sent_rel, 5),
             "prompt_tokens": out.prompt_tokens, "output_tokens": out.output_tokens, "cached": out.cached,
             "cached_gpu": out.cached_gpu, "cached_offload": out.cached_offload, "predicted": out.predicted,
-            "endpoint": out.endpoint, "split": out.split, "error": out.error})
+            "endpoint": out.endpoint, "split": out.split, "mismatch": out.mismatch,
+            "error": out.error})
         if out.error:
             log.warning("replay request failed", extra={"uid": req.uid, "error": out.error})
         for item in runner.complete(idx, done_rel):

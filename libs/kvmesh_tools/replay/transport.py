@@ -31,6 +31,7 @@ class Outcome:
     predicted: int | None = None
     endpoint: str = ""
     split: bool = False
+    mismatch: str = ""   # why predicted != cached (kvmesh.routing.fidelity), "" when equal
     error: str = ""
 
 
@@ -81,6 +82,7 @@ class GrpcTransport:
                     out.predicted = f.routing.predicted_cached_tokens
                     out.endpoint = f.routing.endpoint
                     out.split = f.routing.split
+                    out.mismatch = f.routing.mismatch
         except grpc.aio.AioRpcError as exc:
             out.error = f"{exc.code().name}: {exc.details()}"
         if out.finish is None and not out.error:
@@ -140,6 +142,7 @@ class HttpTransport:
                         out.predicted = k.get("predicted_cached_tokens")
                         out.endpoint = k.get("endpoint", "")
                         out.split = bool(k.get("split"))
+                        out.mismatch = k.get("mismatch", "")
                     if doc.get("usage"):
                         u = doc["usage"]
                         d = u.get("prompt_tokens_details") or {}

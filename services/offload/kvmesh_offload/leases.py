@@ -23,6 +23,8 @@ from typing import Any
 
 import grpc
 
+from kvmesh.rpc.authz import peer_identity
+
 TOKEN_BYTES = 16
 LOOPBACK = "loopback"
 LOCAL = "local"
@@ -61,18 +63,9 @@ def peer_host(peer: str) -> str:
 
 
 def _principal(context: Any) -> str:
-    """The caller's verified certificate identity (SPIFFE URI, else DNS SAN, else CN), or ""."""
-    try:
-        auth = context.auth_context()
-    except Exception:  # noqa: BLE001 - no auth context on this transport
-        return ""
-    for key in ("x509_subject_alternative_name", "x509_common_name"):
-        vals = auth.get(key) or []
-        for v in vals:
-            text = v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
-            if text:
-                return text
-    return ""
+    """The caller's verified certificate identity (its SPIFFE URI), or "" on a plaintext channel."""
+    ident = peer_identity(context)
+    return ident.uri if ident is not None else ""
 
 
 def caller_of(context: grpc.aio.ServicerContext) -> Caller:
