@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="enable the P/D split (the router then reports a split request's restored prefill KV "
                         "as offload hits, which inflates the hit rate of cache-blind policies)")
     p.add_argument("--redis", default="auto", choices=["auto", "on", "off"], help="indexer on Redis")
+    p.add_argument("--tls", default="on", choices=["on", "off"],
+                   help="mutual TLS between the services (default on: a throwaway CA under the logs folder)")
     p.add_argument("--out", default="out/demo", help="report, plots and logs go here")
     p.set_defaults(func=_run)
 
@@ -118,12 +120,12 @@ def _run(args: argparse.Namespace) -> int:
             cfg = StackConfig(decode_workers=args.decode_workers, prefill_workers=args.prefill_workers,
                               redis=args.redis, num_blocks=args.num_blocks, time_scale=args.time_scale,
                               offload_ram_bytes=args.offload_ram_bytes, split=args.split,
-                              policy=pol, log_dir=str(out / "logs" / pol))
+                              policy=pol, log_dir=str(out / "logs" / pol), tls=args.tls)
             print(f"[{pol}] starting a fresh stack ...", flush=True)
             with LocalStack(cfg) as stack:
                 rc = ReplayConfig(target=stack.router_address, time_scale=args.time_scale,
                                   concurrency=args.concurrency, vocab_size=cfg.vocab_size, start_window_s=5.0,
-                                  seed=args.seed, progress=True)
+                                  seed=args.seed, progress=True, tls=stack.client_tls())
                 res = asyncio.run(run_replay(trace, rc, label=pol))
             results[pol] = res.metrics
             records[pol] = res.records

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from kvmesh.routing.fidelity import count
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 from kvmesh_tools.replay.transport import Call, GrpcTransport, HttpTransport, Outcome
 from kvmesh_tools.traffic.model import Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleOptions, ScheduleRunner, build_schedule
@@ -44,6 +45,8 @@ class ReplayConfig:
     max_think_s: float | None = field(default=3600.0, metadata={"help": "cap one recorded gap (recorded s)"})
     seed: int = field(default=0, metadata={"help": "seed for session starts"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    # grpc api: the client identity for a router that runs mutual TLS (--tls-cert/--tls-key/--tls-ca).
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
 
 
 @dataclass
@@ -140,7 +143,7 @@ async def run_replay(trace: Trace, cfg: ReplayConfig, schedule: Schedule | None 
     schedule = schedule or build_schedule(trace, ScheduleOptions(
         mode=cfg.mode, start_window_s=cfg.start_window_s, max_think_s=cfg.max_think_s, seed=cfg.seed))
     if cfg.api == "grpc":
-        transport: GrpcTransport | HttpTransport = GrpcTransport(cfg.target, cfg.model, cfg.timeout_s)
+        transport: GrpcTransport | HttpTransport = GrpcTransport(cfg.target, cfg.model, cfg.timeout_s, cfg.tls)
     else:
         base = cfg.target if cfg.target.startswith("http") else f"http://{cfg.target}"
         transport = HttpTransport(base, cfg.model, cfg.timeout_s)

@@ -13,6 +13,7 @@ import grpc
 import httpx
 
 from kvmesh.rpc.channel import aio_channel
+from kvmesh.rpc.tls import TlsConfig
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 
@@ -45,11 +46,11 @@ class Call:
 
 
 class GrpcTransport:
-    def __init__(self, target: str, model: str, timeout_s: float) -> None:
+    def __init__(self, target: str, model: str, timeout_s: float, tls: TlsConfig | None = None) -> None:
         self.target = target
         self.model = model
         self.timeout_s = timeout_s
-        self.channel = aio_channel(target)
+        self.channel = aio_channel(target, tls=tls)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
 
     async def models(self) -> list[str]:

@@ -42,7 +42,8 @@ def _workload() -> Trace:
 def test_replay_against_live_stack_and_simulator_agrees(live_stack_rr) -> None:
     tr = _workload()
     res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.router_address, time_scale=20.0,
-                                                  concurrency=1, vocab_size=32000, progress=False)))
+                                                  concurrency=1, vocab_size=32000, progress=False,
+                                                  tls=live_stack_rr.client_tls())))
     m = res.metrics
     assert m["errors"] == 0 and m["ok"] == 10
     assert m["ttft_s"]["p50"] is not None and m["e2e_s"]["p50"] >= m["ttft_s"]["p50"]
