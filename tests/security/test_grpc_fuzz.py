@@ -21,7 +21,9 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    cfg = StackConfig(decode_workers=1, prefill_workers=1, redis="off", time_scale=50.0,
+    # Plaintext, so every servicer behind the role checks is reached (with mTLS on, most of a
+    # stranger's calls stop at PERMISSION_DENIED: tests/security/test_mtls_stack.py).
+    cfg = StackConfig(decode_workers=1, prefill_workers=1, redis="off", time_scale=50.0, tls="off",
                       offload_ram_bytes=128 << 20, log_dir=str(tmp_path_factory.mktemp("fuzz-stack")))
     with LocalStack(cfg) as s:
         yield s

@@ -28,6 +28,7 @@ from google.protobuf import descriptor_pool
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from kvmesh.rpc.tls import TlsConfig, plaintext, sync_channel
 from kvmesh_tools.fuzz.messages import MessageGenerator, mutate
 
 SKIP_SERVICES = ("grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection",
@@ -91,10 +92,10 @@ def discover(address: str, channel: grpc.Channel) -> list[Method]:
     return out
 
 
-def healthy(address: str, timeout_s: float = 5.0) -> bool:
+def healthy(address: str, tls: TlsConfig | None = None, timeout_s: float = 5.0) -> bool:
     """The server still answers its liveness check."""
     try:
-        with grpc.insecure_channel(address) as ch:
+        with sync_channel(address, tls or plaintext()) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="liveness"),
                                                         timeout=timeout_s)
             return resp.status == health_pb2.HealthCheckResponse.SERVING
@@ -106,7 +107,9 @@ class Fuzzer:
     """Thread-safe fuzz loop over the methods of a set of addresses."""
 
     def __init__(self, addresses: list[str], seed: int = 0, call_timeout_s: float = 10.0,
-                 max_stream_responses: int = 16, mutate_share: float = 0.4, max_bytes: int = 64 * 1024) -> None:
+                 max_stream_responses: int = 16, mutate_share: float = 0.4, max_bytes: int = 64 * 1024,
+                 tls: TlsConfig | None = None) -> None:
+        self.tls = tls or plaintext()
         self.addresses = addresses
         self.seed = seed
         self.call_timeout_s = call_timeout_s
@@ -114,7 +117,7 @@ class Fuzzer:
         self.mutate_share = mutate_share
         self.max_bytes = max_bytes
         opts = [("grpc.max_send_message_length", 64 << 20), ("grpc.max_receive_message_length", 64 << 20)]
-        self.channels = {a: grpc.insecure_channel(a, options=opts) for a in addresses}
+        self.channels = {a: sync_channel(a, self.tls, opts) for a in addresses}
         self.methods: list[Method] = []
         for a in addresses:
             self.methods.extend(discover(a, self.channels[a]))
@@ -204,7 +207,7 @@ class Fuzzer:
         with ThreadPoolExecutor(concurrency) as pool:
             list(pool.map(worker, range(concurrency)))
         self.report.seconds = time.monotonic() - t0
-        self.report.unhealthy = [a for a in self.addresses if not healthy(a)]
+        self.report.unhealthy = [a for a in self.addresses if not healthy(a, self.tls)]
         return self.report
 
 
