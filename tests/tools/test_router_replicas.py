@@ -19,10 +19,10 @@ import threading
 import time
 from collections.abc import Iterator
 
-import grpc
 import httpx
 import pytest
 
+from kvmesh.rpc.tls import sync_channel
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_tools.stack.envoy import ROUTERS
@@ -115,7 +115,7 @@ def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> Non
 
 def _indexed_blocks(stack: LocalStack, tokens: list[int], endpoint: str) -> int:
     """Blocks of ``tokens`` the indexer places on ``endpoint``: speculative or from engine events."""
-    with grpc.insecure_channel(stack.indexer_address) as ch:
+    with sync_channel(stack.indexer_address, stack.client_tls()) as ch:
         r = indexer_pb2_grpc.IndexerStub(ch).Lookup(indexer_pb2.LookupRequest(
             model=MODEL, tokens=common_pb2.TokenIds(ids=tokens), include_speculative=True), timeout=5)
     return max((max(m.speculative_blocks, m.combined_blocks) for m in r.matches if m.endpoint_id == endpoint),

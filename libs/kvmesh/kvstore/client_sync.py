@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from kvmesh.kvstore import client_core as core
 from kvmesh.kvstore.client_types import DEFAULT_TIMEOUT_S
 from kvmesh.rpc.channel import channel_options
+from kvmesh.rpc.tls import sync_channel
 
 
 class SyncOffloadClient(core.ClientCore):
@@ -26,7 +25,7 @@ class SyncOffloadClient(core.ClientCore):
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  verify_checksums: bool | None = None, use_bulk: bool | None = None) -> None:
         super().__init__(address, use_shm, timeout_s, verify_checksums,
-                         grpc.insecure_channel(address, options=channel_options()), use_bulk)
+                         sync_channel(address, None, channel_options()), use_bulk)
 
     @staticmethod
     def _driver_method(plan: Callable[..., core.Plan[Any]]) -> Callable[..., Any]:

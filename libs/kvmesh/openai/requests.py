@@ -97,11 +97,8 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float = BODY_TI
     return bytes(buf)
 
 
-async def read_json(request: Request, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S,
-                    max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
-    """The request body as a JSON object: over ``max_bytes`` -> 413, slower than ``timeout_s`` -> 408,
-    malformed, nested deeper than ``max_depth`` or not an object -> 400 ``body``."""
-    raw = await read_body(request, max_bytes, timeout_s)
+def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A read body as a JSON object: malformed, nested deeper than ``max_depth`` or not an object -> 400."""
     if json_depth_over(raw, max_depth):
         raise BadRequest(f"JSON body nested deeper than {max_depth} levels", "body")
     try:
@@ -113,6 +110,13 @@ async def read_json(request: Request, max_bytes: int, timeout_s: float = BODY_TI
     if not isinstance(body, dict):
         raise BadRequest("the JSON body must be a JSON object", "body")
     return body
+
+
+async def read_json(request: Request, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S,
+                    max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The request body as a JSON object: over ``max_bytes`` -> 413, slower than ``timeout_s`` -> 408,
+    malformed, nested deeper than ``max_depth`` or not an object -> 400 ``body``."""
+    return parse_json_body(await read_body(request, max_bytes, timeout_s), max_depth)
 
 
 def number(body: dict[str, Any], name: str, kind: type = float) -> Any:

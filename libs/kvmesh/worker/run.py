@@ -19,6 +19,7 @@ from typing import Any
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.registration import IndexerRegistration, advertised_zmq_endpoint, kv_events_fields
+from kvmesh.rpc import tls
 from kvmesh.rpc.ports import free_port
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
@@ -117,7 +118,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     servicer = WorkerServicer(engine, role=role, endpoint_id=endpoint_id, model_name=cfg.model_name,
                               default_max_tokens=cfg.default_max_tokens, metrics=metrics)
     server = ServiceServer(f"{role}-worker", [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=port, grace_s=cfg.grace_s, tls=cfg.tls))
     worker = Worker(cfg=cfg, engine=engine, server=server, servicer=servicer, metrics=metrics,
                     endpoint_id=endpoint_id, port=port)
     servicer.on_engine_dead = worker.mark_dead
@@ -194,6 +195,7 @@ def run_worker(role: str, argv: list[str] | None = None) -> int:
     async def amain() -> int:
         cfg = parse_config(role, argv)
         setup_tracing(f"kvmesh-{role}")
+        tls.set_default(cfg.tls)
         worker = await start_worker(cfg)
         worker.server.install_signal_handlers()
         if worker.registration is not None:

@@ -39,6 +39,8 @@ def banner(d: dict[str, object], model: str, api_key: str = "") -> str:
         f"  try it            curl {d['router_http']}/v1/chat/completions -H 'content-type: application/json'{auth} "
         f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
         f"  router gRPC       {d['router_grpc']}",
+        *([f"  mutual TLS        on; CA {d['tls']['ca']}, admin identity {d['tls']['admin_cert']} "
+           f"(--tls off for plaintext)"] if isinstance(d.get("tls"), dict) else ["  mutual TLS        off"]),
         *([f"  router replicas   {', '.join(map(str, d['routers_http']))} behind Envoy (admin {d['envoy_admin']})"]
           if d.get("envoy_admin") else []),
         f"  metrics           {d['router_metrics']}",

@@ -13,6 +13,7 @@ import grpc
 import httpx
 
 from kvmesh.rpc.channel import aio_channel
+from kvmesh.rpc.tls import TlsConfig
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 
@@ -31,6 +32,7 @@ class Outcome:
     predicted: int | None = None
     endpoint: str = ""
     split: bool = False
+    mismatch: str = ""   # why predicted != cached (kvmesh.routing.fidelity), "" when equal
     error: str = ""
 
 
@@ -44,11 +46,12 @@ class Call:
 
 
 class GrpcTransport:
-    def __init__(self, target: str, model: str, timeout_s: float, api_key: str = "") -> None:
+    def __init__(self, target: str, model: str, timeout_s: float, tls: TlsConfig | None = None,
+                 api_key: str = "") -> None:
         self.target = target
         self.model = model
         self.timeout_s = timeout_s
-        self.channel = aio_channel(target)
+        self.channel = aio_channel(target, tls=tls)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
@@ -83,6 +86,7 @@ class GrpcTransport:
                     out.predicted = f.routing.predicted_cached_tokens
                     out.endpoint = f.routing.endpoint
                     out.split = f.routing.split
+                    out.mismatch = f.routing.mismatch
         except grpc.aio.AioRpcError as exc:
             out.error = f"{exc.code().name}: {exc.details()}"
         if out.finish is None and not out.error:
@@ -143,6 +147,7 @@ class HttpTransport:
                         out.predicted = k.get("predicted_cached_tokens")
                         out.endpoint = k.get("endpoint", "")
                         out.split = bool(k.get("split"))
+                        out.mismatch = k.get("mismatch", "")
                     if doc.get("usage"):
                         u = doc["usage"]
                         d = u.get("prompt_tokens_details") or {}

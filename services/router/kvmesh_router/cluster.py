@@ -12,6 +12,11 @@ paths it loaded: vLLM hashes the path into every block of a LoRA request, so
 the router must hash with the path of the endpoint it scores (see
 :meth:`Cluster.lora_groups`). Static ``lora_modules`` cover endpoints whose
 GetInfo is unknown; GetInfo wins where it answered.
+
+External engines (an OpenAI-HTTP server such as ``vllm serve``: ``--endpoints
+ID=http://HOST:PORT`` or an InferencePool's pods) are endpoints too, scored like
+workers; their load is read from vLLM's ``/metrics`` instead of ``GetLoad`` and only a
+failed connect marks them down (``openai_endpoint``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import logging
 import time
 
 import grpc
+import httpx
 
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.router import RouterCore
@@ -39,6 +45,8 @@ from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh_router import metrics
 from kvmesh_router.config import RouterConfig, parse_endpoint
+from kvmesh_router.engine_metrics import MetricsError
+from kvmesh_router.openai_endpoint import CONNECT_ERRORS, OpenAIEndpoints, is_http_address
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +73,13 @@ class Cluster:
         self.indexer_up = True
         self._tasks: list[asyncio.Task] = []
         self._static: set[str] = set()
+        self.external = OpenAIEndpoints(cfg.external_connect_timeout_s, cfg.external_api_key)
         for spec in cfg.endpoints:
             eid, addr = parse_endpoint(spec)
+            if is_http_address(addr):
+                self.set_external(eid, addr, True, "static")
+                self._static.add(eid)
+                continue
             self._add(EndpointView(eid, addr, cfg.model, ROLE_DECODE, cfg.block_size, True, "static"))
             self._static.add(eid)
         for spec in cfg.prefill_endpoints:
@@ -80,6 +93,20 @@ class Cluster:
         if old is not None and old.address != ep.address:
             self._drop_channel(ep.endpoint_id)
         self.core.set_endpoint(ep)
+
+    def set_external(self, eid: str, url: str, alive: bool, source: str) -> None:
+        """Add or update an external OpenAI endpoint (static config or discovery; a pod that is
+        not ready is removed, not added down, since a working ``/metrics`` would revive it)."""
+        self.external.urls[eid] = url
+        cur = self.core.endpoints.get(eid)
+        if cur is None or cur.address != url:
+            self._add(EndpointView(eid, url, self.cfg.model, ROLE_DECODE, self.cfg.block_size, alive, source))
+            self.http_addresses[eid] = url.split("://", 1)[1]
+
+    def remove_external(self, eid: str) -> None:
+        if self.external.urls.pop(eid, None) is not None:
+            self.http_addresses.pop(eid, None)
+            self.core.remove_endpoint(eid)
 
     def _drop_channel(self, eid: str) -> None:
         self.lora_paths.pop(eid, None)
@@ -124,6 +151,7 @@ class Cluster:
             await ch.close()
         if self._indexer_ch is not None:
             await self._indexer_ch.close()
+        await self.external.aclose()
 
     async def refresh_registry(self) -> None:
         assert self.indexer is not None
@@ -134,6 +162,8 @@ class Cluster:
             e = st.endpoint
             role = _ROLES.get(e.role, ROLE_DECODE)
             seen.add(e.endpoint_id)
+            if e.endpoint_id in self.external:
+                continue   # the indexer knows it by its events only; the router's entry is the HTTP one
             if role == ROLE_STORE:
                 self.stores.add(e.endpoint_id)
                 continue
@@ -164,6 +194,9 @@ class Cluster:
             await asyncio.sleep(self.cfg.registry_poll_s)
 
     async def poll_load(self, eid: str) -> None:
+        if eid in self.external:
+            await self.poll_metrics(eid)
+            return
         try:
             r = await self.stub(eid).GetLoad(worker_pb2.GetLoadRequest(), timeout=max(0.5, self.cfg.load_poll_s * 2))
         except grpc.aio.AioRpcError as exc:
@@ -177,6 +210,25 @@ class Cluster:
         if ep is not None and (revived or (eid not in self.lora_paths and eid not in self._no_info)):
             await self.fetch_info(eid)
         if revived and self.core.set_alive(eid, True):
+            log.info("endpoint up", extra={"endpoint": eid})
+
+    async def poll_metrics(self, eid: str) -> None:
+        """An external engine's load from its ``/metrics``; down only if the connection fails."""
+        try:
+            rep = await self.external.load(eid, self.cfg.model, max(0.5, self.cfg.load_poll_s * 2))
+        except CONNECT_ERRORS as exc:
+            self.mark_dead(eid, f"/metrics: {type(exc).__name__}")
+            return
+        except (httpx.HTTPError, MetricsError) as exc:
+            # Served but no usable page: keep it routable; its load report goes stale.
+            log.debug("external endpoint metrics unreadable", extra={"endpoint": eid, "error": str(exc)})
+            rep = None
+        except KeyError:
+            return   # removed by discovery meanwhile
+        if rep is not None:
+            self.core.load.update(eid, rep)
+        ep = self.core.endpoints.get(eid)
+        if ep is not None and not ep.alive and self.core.set_alive(eid, True):
             log.info("endpoint up", extra={"endpoint": eid})
 
     async def fetch_info(self, eid: str) -> None:
@@ -253,7 +305,7 @@ class Cluster:
         try:
             resp = await self.indexer.Lookup(
                 indexer_pb2.LookupRequest(model=self.cfg.model, chain=indexer_pb2.BlockChain(keys=keys),
-                                          include_speculative=True),
+                                          include_speculative=True, include_applied=True),
                 timeout=self.cfg.lookup_timeout_s)
         except grpc.aio.AioRpcError as exc:
             metrics.FALLBACKS.labels(reason=exc.code().name).inc()
@@ -293,4 +345,5 @@ def matches_from_proto(resp: indexer_pb2.LookupResponse, stores: set[str]) -> Ma
             out.store = out.store.merged(TierMatch(cpu=max(tm.cpu, tm.gpu), disk=tm.disk))
         else:
             out.per_endpoint[m.endpoint_id] = tm
+    out.applied = dict(resp.applied_batches)
     return out

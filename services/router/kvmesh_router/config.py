@@ -8,6 +8,7 @@ from typing import ClassVar
 from kvmesh.config import ConfigError
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 
 
 @dataclass
@@ -19,6 +20,7 @@ class RouterConfig:
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0 = off)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     extproc_port: int = field(default=0, metadata={"help": "Envoy ext_proc endpoint-picker port (0 = off)"})
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
     model: str = field(default="tiny", metadata={"help": "served model name"})
     tokenizer_path: str = field(default="", metadata={"help": "model dir with tokenizer.json (+ chat template)"})
     max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})
@@ -29,9 +31,19 @@ class RouterConfig:
     vocab_size: int = field(default=0, metadata={"help": "token ids must be below this (0 = tokenizer/worker)"})
     # Endpoints
     endpoints: list[str] = field(default_factory=list,
-                                 metadata={"help": "static decode endpoints ID=HOST:PORT (comma-separated)"})
+                                 metadata={"help": "static decode endpoints, comma-separated: ID=HOST:PORT (a kvmesh "
+                                                   "worker's gRPC) or ID=http://HOST:PORT (an OpenAI server: vllm serve)"})
     prefill_endpoints: list[str] = field(default_factory=list,
                                          metadata={"help": "static prefill endpoints ID=HOST:PORT"})
+    inference_pool: str = field(default="", metadata={
+        "help": "NAMESPACE/NAME of a Gateway API InferencePool: its pods (selector, target port) are external "
+                "OpenAI endpoints, watched with the kubernetes client ('' = none)"})
+    kubeconfig: str = field(default="", metadata={
+        "help": "kubeconfig file for --inference-pool ('' = in-cluster service account, else ~/.kube/config)"})
+    external_connect_timeout_s: float = field(default=2.0, metadata={
+        "help": "connect timeout to external OpenAI endpoints; a failed connect marks one down"})
+    external_api_key: str = field(default="", metadata={
+        "help": "bearer token sent to external OpenAI endpoints (their --api-key; '' = none)"})
     indexer: str = field(default="", metadata={"help": "indexer HOST:PORT ('' = none: precise falls back)"})
     registry_poll_s: float = field(default=1.0, metadata={"help": "ListEndpoints poll period"})
     load_poll_s: float = field(default=0.25, metadata={"help": "GetLoad poll period per endpoint"})
@@ -120,15 +132,29 @@ class RouterConfig:
             raise ConfigError("setting 'hash_cache_verify' must be sampled or full")
         for spec in [*self.endpoints, *self.prefill_endpoints]:
             parse_endpoint(spec)
+        for spec in self.prefill_endpoints:
+            if parse_endpoint(spec)[1].startswith(("http://", "https://")):
+                raise ConfigError(f"prefill endpoint {spec!r}: external OpenAI endpoints serve whole requests "
+                                  "(the P/D split needs kvmesh workers)")
+        if self.inference_pool:
+            ns, _, name = self.inference_pool.partition("/")
+            if not ns or not name or "/" in name:
+                raise ConfigError(f"setting 'inference_pool': {self.inference_pool!r} is not NAMESPACE/NAME")
         if self.auth == "keys" and not self.api_keys_file:
             raise ConfigError("setting 'auth' is keys (the default) but no 'api_keys_file' is given: give "
                               "--api-keys-file, or --auth off for a local demo")
 
 
 def parse_endpoint(spec: str) -> tuple[str, str]:
-    """``ID=HOST:PORT`` (or bare ``HOST:PORT``, whose id is the address)."""
+    """``ID=HOST:PORT`` or ``ID=http://HOST:PORT``; a bare address's id is its ``HOST:PORT`` (as in
+    llm-d's event topic ``kv@<pod-ip>:<port>@<model>``)."""
     spec = spec.strip()
-    eid, _, addr = spec.partition("=") if "=" in spec else (spec, "", spec)
+    eid, _, addr = spec.partition("=") if "=" in spec else (spec.split("://", 1)[-1].split("/")[0], "", spec)
     if ":" not in addr or not eid:
-        raise ConfigError(f"endpoint {spec!r}: expected ID=HOST:PORT")
-    return eid.strip(), addr.strip()
+        raise ConfigError(f"endpoint {spec!r}: expected ID=HOST:PORT or ID=http://HOST:PORT")
+    addr = addr.strip()
+    if addr.startswith(("http://", "https://")):
+        from kvmesh_router.openai_endpoint import base_url
+
+        addr = base_url(addr)
+    return eid.strip(), addr

@@ -7,7 +7,8 @@ has a total deadline (``http_deadline_s``): past it the client gets a 504 error.
 error shape, SSE framing, usage and response objects come from the shared
 OpenAI layer ``kvmesh.openai`` (the worker's HTTP API uses the same); here a
 parsed request becomes a ``GenInput`` for ``RouterService.generate`` and the
-routing decision is added under a ``kvmesh`` key.
+routing decision is added under a ``kvmesh`` key. When the router's endpoints are external
+OpenAI servers (``vllm serve``), requests take ``passthrough`` instead: the body is forwarded.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvmesh_router import metrics
 from kvmesh_router.anthropic_api import AnthropicApi
 from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import SCOPE_KEY, ScopeMiddleware
+from kvmesh_router.passthrough import Passthrough
 from kvmesh_router.request_scope import RequestScopes, Scope, scopes_from_config
 from kvmesh_router.service import FinalInfo, GenInput, RouterService
 
@@ -111,6 +113,7 @@ class RouterHttpApi:
     def __init__(self, service: RouterService) -> None:
         self.service = service
         self.cfg = service.cfg
+        self.passthrough = Passthrough(service, self.watch)
 
     # -- request -> GenInput
     def gen_input(self, req: OpenAIRequest, request: Request) -> GenInput:
@@ -181,6 +184,9 @@ class RouterHttpApi:
     # -- generation
     async def _handle(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
+        if self.passthrough.applies():
+            # External OpenAI engines get the client's body itself (with the tenant's salt).
+            return await self.passthrough.handle(request, chat)
         try:
             body = await self.body(request)
             req = parse_chat(body, request.headers) if chat else parse_completion(body, request.headers)

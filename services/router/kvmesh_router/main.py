@@ -15,6 +15,7 @@ from kvmesh.hashing import BlockHasher
 from kvmesh.routing.hash_cache import HashCacheConfig
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
+from kvmesh.rpc import tls
 from kvmesh.rpc.interceptors import server_interceptors
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
@@ -97,12 +98,13 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
 
 async def serve(cfg: RouterConfig) -> int:
     setup_tracing("kvmesh-router")
+    tls.set_default(cfg.tls)
     start_metrics_server(cfg.metrics_port)
     service = build_service(cfg)
     scopes = scopes_from_config(cfg)   # one request scope for the gRPC and HTTP front doors
     server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service, scopes),
                                        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s),
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls),
                            interceptors=[*server_interceptors(), AuthInterceptor(scopes)])
     await server.start()
     server.install_signal_handlers()
@@ -135,7 +137,7 @@ async def serve(cfg: RouterConfig) -> int:
             from kvmesh_router import extproc
 
             extproc_server = await extproc.start_extproc_server(_extproc_pick_fn(service, scopes), cfg.extproc_port,
-                                                                cfg.host)
+                                                                cfg.host, tls=cfg.tls)
 
     async def drain() -> None:
         if http_server is not None:

@@ -158,6 +158,20 @@ class EngineRequest:
 
 
 @dataclass
+class CacheTruth:
+    """The engine's cache when a request arrived (``worker.proto`` ``CacheTruth``).
+
+    The router compares it with its prediction to explain a miss
+    (``kvmesh.routing.fidelity``): a prediction equal to this and an engine that later
+    reused less means eviction while queued, not a wrong view.
+    """
+
+    gpu_tokens: int            # leading prompt tokens in the engine's own prefix cache
+    store_tokens: int = 0      # leading prompt tokens the offload store held
+    events_through: int = 0    # KV-event batches that describe that cache (published + pending)
+
+
+@dataclass
 class EngineOutput:
     request_id: str
     new_token_ids: list[int]
@@ -175,6 +189,8 @@ class EngineOutput:
     # the calls, and the text of the answer that is not a call.
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    # Final output only: the engine's cache at the request's arrival (None: the engine cannot say).
+    truth: CacheTruth | None = None
 
 
 @dataclass

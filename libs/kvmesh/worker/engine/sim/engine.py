@@ -33,6 +33,7 @@ import grpc
 
 from kvmesh.worker.engine.base import (
     BadSamplingError,
+    CacheTruth,
     Engine,
     EngineDeadError,
     EngineInfo,
@@ -220,6 +221,7 @@ class _Live:
     sample_base: int = 0
     ttft_s: float | None = None
     restored_offload: int = 0      # tokens restored from the store beyond the GPU hit
+    truth: CacheTruth | None = None   # the cache at arrival, reported with the final output
     kv_from_prefill: bool = False
     done: bool = False
 
@@ -474,6 +476,12 @@ class SimEngine(Engine):
                      extra=extra, last_digest=last_digest, sample_base=base)
         return live
 
+    def _truth(self, seq: Seq) -> CacheTruth:
+        """What this engine would reuse of ``seq`` if scheduled now, and which events describe it."""
+        gpu = len(self.blocks.find_longest_hit(seq.block_hashes, seq.num_tokens)) * self.cfg.block_size
+        published = self._publisher.next_seq if self._publisher is not None else 0
+        return CacheTruth(gpu_tokens=gpu, events_through=published + (1 if self.blocks.has_pending_events() else 0))
+
     def _sample(self, seq: Seq) -> int | None:
         """Deterministic pseudo-random token: a function of (seed or request, position)."""
         live = self._live.get(seq.request_id)
@@ -485,6 +493,7 @@ class SimEngine(Engine):
         self._validate(req)
         live = self._make_live(req)
         self._live[req.request_id] = live
+        live.truth = self._truth(live.seq)
         try:
             await self._restore(live)
             if live.done:   # aborted while restoring
@@ -604,6 +613,8 @@ class SimEngine(Engine):
         try:
             if h is None:
                 present = await self._lookup(client, namespace, seq.block_hashes[:want])
+                if live.truth is not None:
+                    live.truth.store_tokens = present * bs
                 want = min(want, present)
                 if want <= gpu:
                     return
@@ -789,6 +800,7 @@ class SimEngine(Engine):
                 out.finished = True
                 out.finish_reason = seq.finish_reason  # type: ignore[assignment]
                 out.kv_from_prefill = live.kv_from_prefill
+                out.truth = live.truth
                 live.done = True
                 if (c.offload_address and c.offload_save and seq.finish_reason != "abort"
                         and seq.request_id not in self._inline_save):
