@@ -13,6 +13,7 @@ import grpc
 
 from kvmesh.rpc.interceptors import client_interceptors
 from kvmesh.rpc.keepalive import CLIENT_KEEPALIVE_MS, client_keepalive_options
+from kvmesh.rpc.reconnect import grpc_reconnect_options
 from kvmesh.rpc.server import DEFAULT_MAX_MESSAGE_BYTES
 from kvmesh.rpc.tls import TlsConfig, aio_secure_channel, resolve
 
@@ -38,6 +39,7 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, retry_at
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
         *client_keepalive_options(keepalive_ms),
+        *grpc_reconnect_options(),
         ("grpc.enable_retries", 1),
         ("grpc.service_config", _service_config(retry_attempts)),
     ]

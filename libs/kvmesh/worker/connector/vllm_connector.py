@@ -143,6 +143,8 @@ class KvmeshConnector(KVConnectorBase_V1):
         self._save_enabled = bool(extra.get("save", True))
         self._load_enabled = bool(extra.get("load", True))
         self._use_shm = extra.get("use_shm")
+        # Skip checksums of same-host shm reads (a store and host you trust): saves a pass over the bytes.
+        self._trust_local_store = bool(extra.get("trust_local_store", False))
         self._async_load = bool(extra.get("async_load", True))
         self._store_down_until = 0.0
         self._client: Any = None
@@ -183,7 +185,8 @@ class KvmeshConnector(KVConnectorBase_V1):
             from kvmesh.kvstore.client import SyncOffloadClient
 
             timeout = self._lookup_timeout if self._role == KVConnectorRole.SCHEDULER else self._io_timeout
-            self._client = SyncOffloadClient(self._address, use_shm=self._use_shm, timeout_s=timeout)
+            self._client = SyncOffloadClient(self._address, use_shm=self._use_shm, timeout_s=timeout,
+                                             trust_local_store=self._trust_local_store)
         return self._client
 
     def _store_usable(self) -> bool:
