@@ -92,7 +92,7 @@ def _extproc_pick_fn(service: RouterService) -> Any:
 async def serve(cfg: RouterConfig) -> int:
     setup_tracing("kvmesh-router")
     tls.set_default(cfg.tls)
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     service = build_service(cfg)
     server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service),
                                        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)],
