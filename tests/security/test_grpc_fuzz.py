@@ -21,9 +21,10 @@ pytestmark = pytest.mark.timeout(240)
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory):  # noqa: ANN201
-    # Plaintext, so every servicer behind the role checks is reached (with mTLS on, most of a
-    # stranger's calls stop at PERMISSION_DENIED: tests/security/test_mtls_stack.py).
-    cfg = StackConfig(decode_workers=1, prefill_workers=1, redis="off", time_scale=50.0, tls="off",
+    # Plaintext and no API keys, so every servicer behind the role and key checks is reached (with
+    # mTLS on, most of a stranger's calls stop at PERMISSION_DENIED: tests/security/test_mtls_stack.py;
+    # without a key, the router's at UNAUTHENTICATED: tests/security/test_front_auth.py).
+    cfg = StackConfig(decode_workers=1, prefill_workers=1, redis="off", time_scale=50.0, tls="off", auth="off",
                       offload_ram_bytes=128 << 20, log_dir=str(tmp_path_factory.mktemp("fuzz-stack")))
     with LocalStack(cfg) as s:
         yield s
