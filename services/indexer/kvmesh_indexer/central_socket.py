@@ -171,6 +171,10 @@ class CentralSocket:
         except AdmitError as exc:
             self._reject(exc.reason, str(exc))
             return None
+        except Exception as exc:  # noqa: BLE001 - one bad topic never stops the socket
+            log.exception("central endpoint admission failed", extra={"endpoint": endpoint})
+            self._reject("admit_error", str(exc))
+            return None
         t = self.now()
         ce = self.endpoints[endpoint] = CentralEndpoint(endpoint, model, t, t)
         self._by_topic[topic] = ce
