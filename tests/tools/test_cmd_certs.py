@@ -29,3 +29,17 @@ def test_certs_issues_identities_and_reuses_its_ca(tmp_path: Path, capsys) -> No
     assert (out / "ca.pem").read_bytes() == ca
     assert Path(files["worker/decode-0"]["cert"]).read_bytes() != cert
     assert main(["certs", "--out", str(out), "--identity", "hacker/x"]) == 2
+
+
+def test_a_gateway_identity_comes_with_envoy_sds_files(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    import yaml
+
+    from kvmesh_tools.cli.cmd_certs import main as certs_main
+
+    assert certs_main(["--out", str(tmp_path), "--identity", "gateway/envoy"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cert_doc = yaml.safe_load((Path(report["envoy_sds"]) / "envoy-sds-cert.yaml").read_text())
+    (secret,) = cert_doc["resources"]
+    assert secret["tls_certificate"]["certificate_chain"]["filename"] == str((tmp_path / "gateway-envoy.pem").resolve())
+    ca_doc = yaml.safe_load((Path(report["envoy_sds"]) / "envoy-sds-ca.yaml").read_text())
+    assert ca_doc["resources"][0]["validation_context"]["trusted_ca"]["filename"].endswith("ca.pem")

@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.rpc.authz import Authorizer, AuthzInterceptor
 from kvmesh.rpc.interceptors import server_interceptors
 from kvmesh.rpc.keepalive import server_keepalive_options
+from kvmesh.rpc.parse_guard import ParseGuardInterceptor
 from kvmesh.rpc.tls import TlsConfig, resolve, server_credentials
 
 log = logging.getLogger(__name__)
@@ -58,7 +59,9 @@ class ServiceServer:
         self.bindings = list(bindings)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self._interceptors = interceptors if interceptors is not None else server_interceptors()
+        # The parse guard comes first (outermost) on every server, whatever else is installed.
+        extra = interceptors if interceptors is not None else server_interceptors()
+        self._interceptors = [ParseGuardInterceptor(), *extra]
         self.port = 0
         self.tls_files = None   # kvmesh.rpc.tls.CertFiles when TLS is on
         self.authorizer: Authorizer | None = None

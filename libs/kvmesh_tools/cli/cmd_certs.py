@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvmesh_tools.stack.certs import issue_all
+    from kvmesh_tools.stack.certs import issue_all, write_envoy_sds
 
     try:
         issued = issue_all(args.out, args.identities or DEFAULT_IDENTITIES, dns_names=args.dns_names,
@@ -43,6 +43,23 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"error: {exc}")
         return 2
-    print(json.dumps({k: {"cert": str(v.cert), "key": str(v.key), "ca": str(v.ca)} for k, v in issued.items()},
-                     indent=1))
+    report = {k: {"cert": str(v.cert), "key": str(v.key), "ca": str(v.ca)} for k, v in issued.items()}
+    gateways = [v for k, v in issued.items() if k.startswith("gateway/")]
+    if gateways:   # Envoy's identity, as file-based SDS (deploy/envoy/envoy.yaml reads it)
+        report["envoy_sds"] = str(write_envoy_sds(gateways[0]))
+    print(json.dumps(report, indent=1))
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvmesh_tools.cli.cmd_certs ...``: the same command without the rest of the
+    CLI's imports (the slim service images run it as compose's certs-init)."""
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m kvmesh_tools.cli.cmd_certs")
+    register(parser.add_subparsers())
+    return int(run(parser.parse_args(["certs", *(sys.argv[1:] if argv is None else argv)])))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

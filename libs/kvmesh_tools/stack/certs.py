@@ -144,3 +144,34 @@ def issue_all(out: str | Path, identities: Iterable[str], *, dns_names: Iterable
         role, ident = parse_identity(spec)
         res[spec] = ca.issue(role, ident, dns_names=dns_names, ips=ips, days=days)
     return res
+
+
+ENVOY_SDS_CERT = "envoy-sds-cert.yaml"
+ENVOY_SDS_CA = "envoy-sds-ca.yaml"
+ENVOY_CERT_SECRET = "kvmesh-gateway-cert"
+ENVOY_CA_SECRET = "kvmesh-ca"
+
+
+def write_envoy_sds(issued: Issued, folder: str | Path | None = None) -> Path:
+    """Envoy's file-based SDS resources for ``issued``: ``envoy-sds-cert.yaml`` (its client
+    certificate) and ``envoy-sds-ca.yaml`` (the CA), one secret per file as Envoy requires.
+
+    Envoy's ``kvmesh-epp`` cluster (deploy/envoy/envoy.yaml) reads its identity from these files
+    rather than from inline file names, so a rotation is picked up without a restart: Envoy
+    watches the SDS files and the certificate folder. Returns the folder that holds them.
+    """
+    import yaml
+
+    out = Path(folder) if folder is not None else issued.cert.parent
+    secret = "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.Secret"
+    watched = {"path": str(issued.cert.resolve().parent)}
+    docs = {
+        ENVOY_SDS_CERT: {"@type": secret, "name": ENVOY_CERT_SECRET, "tls_certificate": {
+            "certificate_chain": {"filename": str(issued.cert.resolve())},
+            "private_key": {"filename": str(issued.key.resolve())}, "watched_directory": watched}},
+        ENVOY_SDS_CA: {"@type": secret, "name": ENVOY_CA_SECRET, "validation_context": {
+            "trusted_ca": {"filename": str(issued.ca.resolve())}, "watched_directory": watched}},
+    }
+    for name, res in docs.items():
+        _write(out / name, yaml.safe_dump({"resources": [res]}, sort_keys=False).encode())
+    return out

@@ -34,6 +34,8 @@ class OffloadConfig:
         "help": "TCP port of the bulk Get data plane for other hosts (0 = any free port, -1 = off)"})
     lease_ttl_s: float = field(default=120.0, metadata={
         "help": "how long a GetShm/GetBulk lease keeps blocks for a reader that has not released them"})
+    lease_bind_host: bool = field(default=True, metadata={
+        "help": "a lease is usable (bulk read, release) only from the host that took it; off behind NAT or a proxy"})
     endpoint_id: str = field(default="offload-0", metadata={"help": "this store's endpoint id in the index"})
     model: str = field(default="any", metadata={"help": "model name in the KV-event topic and registration"})
     events_endpoint: str = field(default="", metadata={
