@@ -15,7 +15,8 @@ from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 class RouterConfig:
     ENV_PREFIX: ClassVar[str] = "KVMESH_ROUTER_"
 
-    host: str = field(default="0.0.0.0", metadata={"help": "listen host (gRPC and HTTP)"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "listen host of gRPC, HTTP, ext_proc and /metrics (0.0.0.0 = every interface; loopback by default)"})
     port: int = field(default=50050, metadata={"help": "gRPC port"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0 = off)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
