@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.config import ConfigError
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 from kvmesh.worker.engine.registry import ENGINES
 from kvmesh.worker.engine.sim.latency import LatencyParams
 
@@ -35,6 +36,7 @@ class WorkerConfig:
     port: int = field(default=0, metadata=_h("gRPC listen port (0 = pick a free one)"))
     advertise_host: str = field(default="127.0.0.1", metadata=_h("host others use to reach this worker"))
     metrics_port: int = field(default=0, metadata=_h("Prometheus /metrics port (0 = off)"))
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
     http_port: int = field(default=-1, metadata=_h("OpenAI HTTP API port (-1 = off, 0 = free port)"))
     tokenizer: str = field(default="", metadata=_h("HF tokenizer dir for the HTTP API's text prompts"))
     block_size: int = field(default=64, metadata=_h("KV block size in tokens"))

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.kvstore.eviction_registry import eviction_policy_names
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 
 GiB = 1024 ** 3
 
@@ -19,6 +20,7 @@ class OffloadConfig:
     port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
     ram_capacity_bytes: int = field(default=2 * GiB, metadata={"help": "RAM tier budget in bytes"})
     disk_path: str = field(default="", metadata={"help": "disk tier folder (empty = no disk tier)"})
     disk_capacity_bytes: int = field(default=16 * GiB, metadata={"help": "disk tier budget in bytes"})
@@ -32,6 +34,8 @@ class OffloadConfig:
         "help": "TCP port of the bulk Get data plane for other hosts (0 = any free port, -1 = off)"})
     lease_ttl_s: float = field(default=120.0, metadata={
         "help": "how long a GetShm/GetBulk lease keeps blocks for a reader that has not released them"})
+    lease_bind_host: bool = field(default=True, metadata={
+        "help": "a lease is usable (bulk read, release) only from the host that took it; off behind NAT or a proxy"})
     endpoint_id: str = field(default="offload-0", metadata={"help": "this store's endpoint id in the index"})
     model: str = field(default="any", metadata={"help": "model name in the KV-event topic and registration"})
     events_endpoint: str = field(default="", metadata={

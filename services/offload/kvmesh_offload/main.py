@@ -15,6 +15,7 @@ from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.kvstore.eviction_registry import make_eviction_policy
 from kvmesh.logs import setup_logging
 from kvmesh.registration import IndexerRegistration, kv_events_fields
+from kvmesh.rpc import tls
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
@@ -52,6 +53,7 @@ def store_endpoint(cfg: OffloadConfig, grpc_port: int, pub) -> indexer_pb2.Endpo
 
 async def serve(cfg: OffloadConfig) -> int:
     setup_tracing("kvmesh-offload")
+    tls.set_default(cfg.tls)
     pub = None
     sink = None
     if cfg.events_endpoint:
@@ -70,9 +72,10 @@ async def serve(cfg: OffloadConfig) -> int:
     bind_store(store)
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes,
                                lease_ttl_s=cfg.lease_ttl_s, bulk_host=cfg.host,
-                               bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None)
+                               bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None,
+                               lease_bind_host=cfg.lease_bind_host)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
 
     def drain() -> None:
         servicer.draining = True

@@ -334,7 +334,7 @@ class Cluster:
         try:
             resp = await self.indexer.Lookup(
                 indexer_pb2.LookupRequest(model=self.cfg.model, chain=indexer_pb2.BlockChain(keys=keys),
-                                          include_speculative=True),
+                                          include_speculative=True, include_applied=True),
                 timeout=self.cfg.lookup_timeout_s)
         except grpc.aio.AioRpcError as exc:
             metrics.FALLBACKS.labels(reason=exc.code().name).inc()
@@ -374,4 +374,5 @@ def matches_from_proto(resp: indexer_pb2.LookupResponse, stores: set[str]) -> Ma
             out.store = out.store.merged(TierMatch(cpu=max(tm.cpu, tm.gpu), disk=tm.disk))
         else:
             out.per_endpoint[m.endpoint_id] = tm
+    out.applied = dict(resp.applied_batches)
     return out

@@ -360,10 +360,14 @@ async def test_silent_engine_is_visible_in_metrics(start_indexer, engines) -> No
     assert ix.metric("kvmesh_indexer_seconds_since_last_event", {"endpoint": "quiet"}) >= 0.2
 
 
-async def test_two_replicas_on_one_redis_answer_identically(start_indexer, redis_server) -> None:
+@pytest.mark.parametrize("server", ["redis_server", "redis_cluster"])
+async def test_two_replicas_on_one_redis_answer_identically(start_indexer, request, server: str) -> None:
+    # a redis+cluster:// URL selects the cluster backend by itself
+    url = request.getfixturevalue(server).url
     ns = f"rep{random.randrange(1 << 30)}"
-    a = await start_indexer(models=MODELS, backend="redis", redis_url=redis_server.url, redis_namespace=ns)
-    b = await start_indexer(models=MODELS, backend="redis", redis_url=redis_server.url, redis_namespace=ns)
+    a = await start_indexer(models=MODELS, backend="redis", redis_url=url, redis_namespace=ns)
+    b = await start_indexer(models=MODELS, backend="redis", redis_url=url, redis_namespace=ns)
+    assert a.app.cfg.backend == ("redis-cluster" if server == "redis_cluster" else "redis")
     chains = []
     for i, ep in enumerate(["x", "y", "z"]):
         toks = tokens(20 + i, 5)
@@ -385,6 +389,9 @@ async def test_two_replicas_on_one_redis_answer_identically(start_indexer, redis
     sa = await a.stub.Stats(indexer_pb2.StatsRequest(), timeout=5)
     sb = await b.stub.Stats(indexer_pb2.StatsRequest(), timeout=5)
     assert sa.entries == sb.entries == 2 + 3 + 4
+    if server == "redis_cluster":   # every lookup counted by the shards it read, never more than two
+        counted = {n: a.metric("kvmesh_indexer_lookup_shards_total", {"shards": n}) or 0 for n in ("1", "2", "3")}
+        assert counted["1"] + counted["2"] >= len(chains) + 1 and counted["3"] == 0
 
 
 async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer, engines) -> None:
