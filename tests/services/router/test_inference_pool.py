@@ -112,7 +112,7 @@ async def test_pods_of_the_pool_become_endpoints(tmp_path, tiny_model_dir) -> No
     api = FakeApiServer(pool, [_pod("p1", "127.0.0.1", True, 5), _pod("p2", "127.0.0.2", False, 6)])
     port = await api.start()
     cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
-                       inference_pool="llm/pool", kubeconfig=_kubeconfig(tmp_path / "kubeconfig", port))
+                       auth="off", inference_pool="llm/pool", kubeconfig=_kubeconfig(tmp_path / "kubeconfig", port))
     cfg.validate()
     svc = build_service(cfg)
     svc.cluster.start()
@@ -125,7 +125,7 @@ async def test_pods_of_the_pool_become_endpoints(tmp_path, tiny_model_dir) -> No
         r = await client.post("/v1/chat/completions", headers={"x-tenant": "t1"},
                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == first, r.text
-        assert engine.bodies[-1]["cache_salt"] == "tenant:t1"
+        assert engine.bodies[-1]["cache_salt"] == svc.salts.salt("t1")
         # The watch: p2 turns ready and joins; p1 is deleted and leaves.
         await api.events.put({"type": "MODIFIED", "object": _pod("p2", "127.0.0.2", True, 11)})
         await _until(lambda: second in svc.core.endpoints)
@@ -134,8 +134,8 @@ async def test_pods_of_the_pool_become_endpoints(tmp_path, tiny_model_dir) -> No
         assert svc.cluster.external.urls == {second: f"http://{second}"}
     finally:
         await client.aclose()
-        await api.stop()
         await svc.cluster.stop()
+        await api.stop()
         await engine.stop()
 
 

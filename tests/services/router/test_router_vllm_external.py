@@ -47,7 +47,7 @@ def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory
         port, http = free_port(), free_port()
         router = ServiceProcess("router", [
             "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
-            "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address,
+            "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address, "--auth", "off",
             "--tokenizer-path", str(tiny_model_dir), "--speculative-ttl-s", "0.3", "--max-model-len", "4096",
             "--endpoints", ",".join(f"{s.name}={s.url}" for s in servers)],
             f"127.0.0.1:{port}", log_path=tmp / "router.log").start(60)
