@@ -35,7 +35,7 @@ CRD_SCHEMAS = {
 OVERLAYS = ["dev", "gpu"]
 ROUTER_PUBLIC_PORTS = {"http", "grpc", "extproc"}   # metrics stays internal
 KVMESH_SERVICES = {"router", "indexer", "offload", "prefill", "decode"}
-HEALTH_PORT = 50052
+HEALTH_PORT = 50053
 ROLES = {"router": "router", "indexer": "indexer", "offload": "store", "prefill": "worker", "decode": "worker"}
 ENV_PREFIX = {"router": "ROUTER", "indexer": "INDEXER", "offload": "OFFLOAD", "prefill": "WORKER", "decode": "WORKER"}
 
@@ -186,6 +186,62 @@ def test_network_policies_expose_only_the_router(target: str) -> None:
                 open_ = _reachable_from_outside(docs, labels, p["containerPort"])
                 expected = name == "router" and p["name"] in ROUTER_PUBLIC_PORTS
                 assert open_ == expected, f"{name}:{p['containerPort']} reachable={open_}"
+
+
+def _admits(docs: list[dict[str, Any]], target: dict[str, str], port: int, source: dict[str, str]) -> bool:
+    """Does some NetworkPolicy admit a pod labelled ``source`` (same namespace) to ``target``:``port``?"""
+    for np in by_kind(docs, "NetworkPolicy").values():
+        spec = np["spec"]
+        if not _matches(spec["podSelector"], target):
+            continue
+        for rule in spec.get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            sources = rule.get("from")
+            if not sources or any("podSelector" in src and "namespaceSelector" not in src
+                                  and _matches(src["podSelector"], source) for src in sources):
+                return True
+    return False
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not _selects(selector, labels):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        if expr["operator"] != "In" or labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_network_policies_admit_only_the_pods_that_need_each_port() -> None:
+    docs = build(K8S / "overlays" / "dev")
+    labels = {name: wl["spec"]["template"]["metadata"]["labels"] for name, wl in workloads(docs).items()}
+    router, indexer, offload, decode, prefill = (labels[n] for n in ("router", "indexer", "offload", "decode",
+                                                                      "prefill"))
+    redis = labels["redis"]
+    expect = {
+        # (target, port): pods admitted; every other kvmesh pod is refused
+        ("indexer", 50051): {"router", "decode", "prefill", "offload"},
+        ("redis", 6379): {"indexer"},
+        ("decode", 50051): {"router"},
+        ("decode", 5558): {"indexer"},     # replay: hands out every buffered event
+        ("prefill", 5557): {"indexer"},
+        ("offload", 50051): {"decode", "prefill"},
+        ("offload", 50052): {"decode", "prefill"},   # bulk data port
+        ("offload", 5557): {"indexer"},
+    }
+    pods = {"router": router, "indexer": indexer, "offload": offload, "decode": decode, "prefill": prefill,
+            "redis": redis}
+    for (target, port), allowed in expect.items():
+        admitted = {name for name, lab in pods.items() if name != target and _admits(docs, pods[target], port, lab)}
+        assert admitted == allowed, f"{target}:{port} admits {sorted(admitted)}"
+    offload_args = workloads(docs)["offload"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert offload_args[offload_args.index("--bulk-port") + 1] == "50052"
+    for name, wl in workloads(docs).items():
+        args = wl["spec"]["template"]["spec"]["containers"][0].get("args", [])
+        if "--port" in args:   # kvmesh services bind loopback unless told
+            assert args[args.index("--host") + 1] == "0.0.0.0", name
 
 
 def test_inference_pool_points_at_the_router_extproc_port() -> None:

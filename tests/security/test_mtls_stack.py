@@ -42,12 +42,13 @@ def test_a_request_passes_end_to_end_over_mtls(stack: LocalStack) -> None:
     with sync_channel(stack.indexer_address, stack.client_tls()) as ch:
         eps = indexer_pb2_grpc.IndexerStub(ch).ListEndpoints(indexer_pb2.ListEndpointsRequest(), timeout=10)
     assert {e.endpoint.endpoint_id for e in eps.endpoints} >= {"decode-0", "offload-0"}
-    r = httpx.post(f"{stack.http_address}/v1/completions", timeout=60,
+    r = httpx.post(f"{stack.http_address}/v1/completions", timeout=60, headers=stack.auth_headers(),
                    json={"model": stack.cfg.model, "prompt": list(range(1, 300)), "max_tokens": 3})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] == 3
     with sync_channel(stack.router_address, stack.client_tls()) as ch:
-        models = router_pb2_grpc.RouterStub(ch).ListModels(router_pb2.ListModelsRequest(), timeout=10)
+        models = router_pb2_grpc.RouterStub(ch).ListModels(router_pb2.ListModelsRequest(), timeout=10,
+                                                           metadata=(("x-api-key", stack.api_key),))
     assert stack.cfg.model in [m.id for m in models.models]
 
 

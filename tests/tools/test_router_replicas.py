@@ -78,7 +78,7 @@ def _complete(c: httpx.Client, base: str, prompt: list[int], max_tokens: int = 2
 
 def test_both_replicas_serve_through_envoy(stack: LocalStack) -> None:
     assert len(stack.router_http_addresses) == 2 and stack.http_address == stack.envoy.routers_base
-    with httpx.Client(timeout=30) as c:
+    with httpx.Client(timeout=30, headers=stack.auth_headers()) as c:
         for i in range(4):
             r = _complete(c, stack.http_address, _tokens(100, 500 + i))
             assert r.status_code == 200, r.text
@@ -94,7 +94,7 @@ def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> Non
     two has routed none of them, and learns where the prefix lives from the indexer alone."""
     one, two = stack.router_http_addresses
     shared = _tokens(4000, 31)   # its prefill outweighs a few queued siblings on one worker
-    with httpx.Client(timeout=60) as c:
+    with httpx.Client(timeout=60, headers=stack.auth_headers()) as c:
         r = _complete(c, one, shared + _tokens(40, 2000))
         assert r.status_code == 200, r.text
         leader = r.json()["kvmesh"]["endpoint"]
@@ -143,7 +143,7 @@ def test_killing_a_replica_loses_no_request_that_had_not_started(stack: LocalSta
     stop = threading.Event()
 
     def client(seed: int) -> None:
-        with httpx.Client(timeout=60) as c:
+        with httpx.Client(timeout=60, headers=stack.auth_headers()) as c:
             i = 0
             while not stop.is_set():
                 issued = time.monotonic()

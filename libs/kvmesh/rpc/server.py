@@ -23,6 +23,7 @@ from grpc_reflection.v1alpha import reflection
 from kvmesh.rpc.authz import Authorizer, AuthzInterceptor
 from kvmesh.rpc.interceptors import server_interceptors
 from kvmesh.rpc.keepalive import server_keepalive_options
+from kvmesh.rpc.parse_guard import ParseGuardInterceptor
 from kvmesh.rpc.tls import TlsConfig, resolve, server_credentials
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ LIVENESS_SERVICE = "liveness"
 class ServerOptions:
     """Listening and limits of a service's gRPC server."""
 
-    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen host (0.0.0.0 = every interface)"})
     port: int = field(default=0, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={"help": "max gRPC message size"})
     grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})
@@ -58,7 +59,9 @@ class ServiceServer:
         self.bindings = list(bindings)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self._interceptors = interceptors if interceptors is not None else server_interceptors()
+        # The parse guard comes first (outermost) on every server, whatever else is installed.
+        extra = interceptors if interceptors is not None else server_interceptors()
+        self._interceptors = [ParseGuardInterceptor(), *extra]
         self.port = 0
         self.tls_files = None   # kvmesh.rpc.tls.CertFiles when TLS is on
         self.authorizer: Authorizer | None = None

@@ -134,9 +134,9 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     opened_replay = info.kv_events_replay_endpoint or cfg.kv_events_replay_endpoint
     servicer.kv_events_endpoint = advertised_zmq_endpoint(opened_events, cfg.advertise_host)
     servicer.kv_events_replay_endpoint = advertised_zmq_endpoint(opened_replay, cfg.advertise_host)
-    metrics.serve(cfg.metrics_port)
+    metrics.serve(cfg.metrics_port, host=cfg.host)
     if cfg.http_port >= 0:
-        worker.http = await _start_http(cfg, engine, endpoint_id)
+        worker.http = await _start_http(cfg, engine, endpoint_id, metrics)
         if worker.http is not None:
             servicer.http_address = f"{cfg.advertise_host}:{worker.http.port}"
     await server.set_ready(True)
@@ -158,7 +158,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     return worker
 
 
-async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str) -> Any:
+async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str, metrics: WorkerMetrics) -> Any:
     try:
         from kvmesh.worker import http_api
     except ImportError:
@@ -166,7 +166,7 @@ async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str) -> An
         return None
     return await http_api.start_http_api(engine, host=cfg.host, port=cfg.http_port, model=cfg.model_name,
                                          tokenizer=cfg.tokenizer or None, endpoint_id=endpoint_id,
-                                         default_max_tokens=cfg.default_max_tokens)
+                                         default_max_tokens=cfg.default_max_tokens, metrics=metrics)
 
 
 def parse_config(role: str, argv: list[str] | None) -> WorkerConfig:

@@ -123,7 +123,7 @@ def _run(args: argparse.Namespace) -> int:
                               policy=pol, log_dir=str(out / "logs" / pol), tls=args.tls)
             print(f"[{pol}] starting a fresh stack ...", flush=True)
             with LocalStack(cfg) as stack:
-                rc = ReplayConfig(target=stack.router_address, time_scale=args.time_scale,
+                rc = ReplayConfig(target=stack.router_address, api_key=stack.api_key, time_scale=args.time_scale,
                                   concurrency=args.concurrency, vocab_size=cfg.vocab_size, start_window_s=5.0,
                                   seed=args.seed, progress=True, tls=stack.client_tls())
                 res = asyncio.run(run_replay(trace, rc, label=pol))

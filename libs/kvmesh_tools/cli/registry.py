@@ -25,6 +25,7 @@ COMMANDS: LazyRegistry[Register] = LazyRegistry("kvmesh command", {
     "bench": ("kvmesh_tools.cli.cmd_bench", "register"),
     "certs": ("kvmesh_tools.cli.cmd_certs", "register"),
     "demo": ("kvmesh_tools.cli.cmd_demo", "register"),
+    "fuzz": ("kvmesh_tools.cli.cmd_fuzz", "register"),
     "hash": ("kvmesh_tools.cli.cmd_hash", "register"),
     "model": ("kvmesh_tools.cli.cmd_model", "register"),
     "replay": ("kvmesh_tools.cli.cmd_replay", "register"),

@@ -32,6 +32,8 @@ class ReplayConfig:
     target: str = field(default="127.0.0.1:50050", metadata={
         "help": "router address: HOST:PORT (grpc) or http://HOST:PORT (http)"})
     api: str = field(default="grpc", metadata={"help": "grpc | http"})
+    api_key: str = field(default="", metadata={
+        "help": "the router's API key (Bearer); `kvmesh up` prints it and writes it to <log_dir>/auth/api-key"})
     model: str = field(default="", metadata={"help": "model name ('' = the router's first model)"})
     time_scale: float = field(default=1.0, metadata={"help": "replay this many times faster than recorded"})
     concurrency: int = field(default=64, metadata={"help": "max requests in flight"})
@@ -143,10 +145,11 @@ async def run_replay(trace: Trace, cfg: ReplayConfig, schedule: Schedule | None 
     schedule = schedule or build_schedule(trace, ScheduleOptions(
         mode=cfg.mode, start_window_s=cfg.start_window_s, max_think_s=cfg.max_think_s, seed=cfg.seed))
     if cfg.api == "grpc":
-        transport: GrpcTransport | HttpTransport = GrpcTransport(cfg.target, cfg.model, cfg.timeout_s, cfg.tls)
+        transport: GrpcTransport | HttpTransport = GrpcTransport(cfg.target, cfg.model, cfg.timeout_s, cfg.tls,
+                                                                 cfg.api_key)
     else:
         base = cfg.target if cfg.target.startswith("http") else f"http://{cfg.target}"
-        transport = HttpTransport(base, cfg.model, cfg.timeout_s)
+        transport = HttpTransport(base, cfg.model, cfg.timeout_s, cfg.api_key)
     try:
         if not cfg.model:
             models = await transport.models()

@@ -46,15 +46,18 @@ class Call:
 
 
 class GrpcTransport:
-    def __init__(self, target: str, model: str, timeout_s: float, tls: TlsConfig | None = None) -> None:
+    def __init__(self, target: str, model: str, timeout_s: float, tls: TlsConfig | None = None,
+                 api_key: str = "") -> None:
         self.target = target
         self.model = model
         self.timeout_s = timeout_s
         self.channel = aio_channel(target, tls=tls)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def models(self) -> list[str]:
-        resp = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s)
+        resp = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s,
+                                          metadata=self.metadata)
         return [m.id for m in resp.models]
 
     async def call(self, c: Call) -> Outcome:
@@ -64,7 +67,7 @@ class GrpcTransport:
             sampling=common_pb2.SamplingParams(max_tokens=c.max_tokens, ignore_eos=True, temperature=0.0),
             session_id=c.session_id, policy=c.policy)
         try:
-            async for msg in self.stub.Generate(req, timeout=self.timeout_s):
+            async for msg in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
                 now = time.monotonic()
                 if msg.HasField("chunk"):
                     if msg.chunk.token_ids:
@@ -97,10 +100,11 @@ class GrpcTransport:
 class HttpTransport:
     """OpenAI ``/v1/completions`` with a token-id prompt, streamed, usage included."""
 
-    def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, model: str, timeout_s: float, api_key: str = "") -> None:
         self.base = base_url.rstrip("/")
         self.model = model
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1024))
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1024),
+                                        headers={"authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def models(self) -> list[str]:
         r = await self.client.get(f"{self.base}/v1/models")

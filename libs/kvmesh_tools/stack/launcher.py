@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -73,6 +74,10 @@ class StackConfig:
         "help": "OpenAI HTTP port: the router's, or Envoy's front door with 2+ routers (0 = free port)"})
     metrics_port: int = field(default=0, metadata={"help": "(first) router Prometheus /metrics port (0 = free port)"})
     log_dir: str = field(default="out/stack", metadata={"help": "service logs go here"})
+    auth: str = field(default="keys", metadata={
+        "choices": ["keys", "off"],
+        "help": "router front door: keys = a fresh API key (tenant 'local') in log_dir/auth/api-key, needed by "
+                "every client; off = no authentication (logged loudly by the router)"})
     start_timeout_s: float = field(default=120.0, metadata={"help": "max wait for a service to be SERVING"})
     tls: str = field(default="on", metadata={
         "help": "mutual TLS on every gRPC hop: on (a throwaway CA and certificates under log_dir/certs) | off",
@@ -95,6 +100,8 @@ class LocalStack:
     offload_address: str = ""
     decode_addresses: dict[str, str] = field(default_factory=dict)
     prefill_addresses: dict[str, str] = field(default_factory=dict)
+    api_key: str = ""            # the stack's API key ('' with auth off)
+    api_key_file: str = ""       # where it is written (mode 0600)
     ca: CertAuthority | None = None
     admin: Issued | None = None
 
@@ -190,7 +197,8 @@ class LocalStack:
             book[ep] = sp.grpc_address
 
         self.model_dir = self._model_dir()
-        args = ["--host", h, "--model", c.model, "--tokenizer-path", self.model_dir,
+        auth_args = self._auth_args()
+        args = [*auth_args, "--host", h, "--model", c.model, "--tokenizer-path", self.model_dir,
                 "--block-size", str(c.block_size), "--vocab-size", str(c.vocab_size), "--policy", c.policy,
                 # approx, the baseline, is told the workers' real capacity (fair to it).
                 "--approx-capacity-blocks", str(c.num_blocks),
@@ -225,6 +233,30 @@ class LocalStack:
                                 listen_ports={ROUTERS: c.http_port} if c.http_port else None)
             self.envoy = start_envoy(cfg, Path(self.cfg.log_dir), "envoy", timeout_s=c.start_timeout_s)
             self.http_address = self.envoy.routers_base
+
+    def _auth_args(self) -> list[str]:
+        """The routers' front-door flags; with keys, a fresh key and salt secret under log_dir/auth."""
+        if self.cfg.auth not in ("keys", "off"):
+            raise ValueError(f"auth must be keys or off, got {self.cfg.auth!r}")
+        if self.cfg.auth == "off":
+            return ["--auth", "off"]
+        from kvmesh.api_keys import add_key, write_secret
+
+        d = Path(self.cfg.log_dir).resolve() / "auth"
+        d.mkdir(parents=True, exist_ok=True)
+        keys, secret, key_file = d / "api-keys", d / "salt-secret", d / "api-key"
+        keys.unlink(missing_ok=True)     # a fresh key per stack: an old one stops working
+        self.api_key = add_key(keys, "local")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.api_key + "\n")
+        self.api_key_file = str(key_file)
+        write_secret(secret)
+        return ["--auth", "keys", "--api-keys-file", str(keys), "--salt-secret-file", str(secret)]
+
+    def auth_headers(self) -> dict[str, str]:
+        """The HTTP headers a client of this stack sends (none with auth off)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _model_dir(self) -> str:
         """The router's tokenizer: without one it refuses every text request (chat or prompt)."""
@@ -263,6 +295,7 @@ class LocalStack:
                 "envoy_admin": f"http://{self.cfg.host}:{self.envoy.admin_port}" if self.envoy else "", "model_dir": self.model_dir,
                 "indexer": self.indexer_address, "indexer_backend": "redis" if self.redis else "memory",
                 "redis": self.redis.url if self.redis else "", "offload": self.offload_address,
+                "auth": self.cfg.auth, "api_key_file": self.api_key_file,
                 "decode": dict(self.decode_addresses), "prefill": dict(self.prefill_addresses),
                 "logs": str(Path(self.cfg.log_dir).resolve()),
                 "tls": ({"ca": str(self.admin.ca.resolve()), "admin_cert": str(self.admin.cert.resolve()),

@@ -192,6 +192,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 spec = self.models.get(model)
             elif which == "tokens":
                 spec = self.model_spec(model)
+                if spec.block_size <= 0:  # a store's wildcard model ("any"): it has no token blocks
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"model {model!r} has no block size: look it up by chain, not tokens")
                 ids = request.tokens.ids
                 if len(ids) > MAX_TOKENS:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(ids)} token ids exceed {MAX_TOKENS}")

@@ -129,6 +129,16 @@ class Arena:
             idx = cls.free.popleft()
             return Slot(cls, idx, cls.view(idx))
 
+    def slab_ids(self) -> set[tuple[int, int]]:
+        """(st_dev, st_ino) of every shared slab file, to recognise them under any name."""
+        with self._lock:
+            classes = list(self._classes.values())
+        ids = set()
+        for cls in classes:
+            for seg in cls.segments:
+                ids.add(seg.file_id)
+        return ids
+
     def close(self) -> None:
         """Unlink the shared slabs (their memory goes once every mapping is gone)."""
         with self._lock:

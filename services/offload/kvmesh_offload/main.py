@@ -72,7 +72,8 @@ async def serve(cfg: OffloadConfig) -> int:
     bind_store(store)
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes,
                                lease_ttl_s=cfg.lease_ttl_s, bulk_host=cfg.host,
-                               bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None)
+                               bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None,
+                               lease_bind_host=cfg.lease_bind_host)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
 
@@ -81,7 +82,7 @@ async def serve(cfg: OffloadConfig) -> int:
     server.on_drain.append(drain)
     port = await server.start()
     server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     await server.set_ready(True)
     registration = None
     if cfg.indexer_address and pub is not None:

@@ -95,6 +95,12 @@ class BadRequestError(PickError):
     http_status = 400
 
 
+class UnauthenticatedError(PickError):
+    """No valid API key (the router's ``--auth keys``): Envoy answers 401."""
+
+    http_status = 401
+
+
 class NoEligibleEndpointError(PickError):
     http_status = 503
 
@@ -317,7 +323,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     raise NoEligibleEndpointError(
                         f"picked {result.address}, which is outside the subset hint {st.subset}")
             except PickError as exc:
-                outcome = {400: "bad_request", 429: "shed", 503: "no_endpoint"}.get(exc.http_status, "error")
+                outcome = {400: "bad_request", 401: "unauthenticated", 429: "shed", 503: "no_endpoint"}.get(exc.http_status, "error")
                 PICKS.labels(outcome).inc()
                 span.set_attribute("kvmesh.pick.outcome", outcome)
                 log.info("ext_proc refused request", extra={"request_id": st.request_id, "status": exc.http_status,
@@ -357,7 +363,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 # --------------------------------------------------------------------------- server
 
 
-async def start_extproc_server(pick: PickFn, port: int, host: str = "0.0.0.0", ready: bool = True,
+async def start_extproc_server(pick: PickFn, port: int, host: str = "127.0.0.1", ready: bool = True,
                                config: ExtProcConfig | None = None, tls: TlsConfig | None = None) -> ServiceServer:
     """Serve the ext_proc picker on its own gRPC port (with health for its service name).
 

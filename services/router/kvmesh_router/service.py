@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -22,6 +23,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
 from kvmesh.routing.fidelity import RouterSide, classify, live_view
@@ -77,8 +79,11 @@ class GenInput:
     cache_salt: str = ""
     session_id: str = ""
     lora_name: str = ""
+    # Who the request is served as: set by the front door's request scope from the credential
+    # (kvmesh_router.request_scope), never from what the client claims.
     tenant: str = ""
-    api_key: str = ""
+    # The ext_proc picker predicts for a worker that hashes with the body's cache_salt as sent.
+    salt_verbatim: bool = False
     policy: str = ""
     deadline: float | None = None   # time.monotonic() deadline
     trace_context: Any = None       # OTel context of the caller (HTTP traceparent); None = current
@@ -135,6 +140,16 @@ INCREMENTAL_MIN_CHARS = 16_384
 INCREMENTAL_KEY_CHARS = 4_096
 
 
+def tenant_salts(cfg: RouterConfig) -> TenantSalts:
+    """The salts' secret from ``salt_secret_file``; without one a random secret of this process."""
+    if cfg.salt_secret_file:
+        return TenantSalts.from_file(cfg.salt_secret_file)
+    if cfg.auth == "keys":
+        log.warning("no --salt-secret-file: tenant salts use a random secret of this process, so router "
+                    "replicas (and restarts) do not share prefix caches")
+    return TenantSalts(secrets.token_bytes(32))
+
+
 class RouterService:
     def __init__(self, cfg: RouterConfig, core: RouterCore, cluster: Cluster, tokenizer: Any | None) -> None:
         self.cfg = cfg
@@ -142,6 +157,7 @@ class RouterService:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
+        self.salts = tenant_salts(cfg)
         self._bg: set[asyncio.Task] = set()
         self.incremental = None
         if tokenizer is not None and cfg.tokenize_cache_bytes > 0:
@@ -252,13 +268,10 @@ class RouterService:
         return self.incremental.encode(key, text)
 
     def salt_for(self, inp: GenInput) -> str:
-        if inp.cache_salt:
+        """The tenant's secret salt, mixed with the client's ``cache_salt`` (which never replaces it)."""
+        if inp.salt_verbatim:
             return inp.cache_salt
-        for key in (inp.tenant, inp.api_key):
-            if key and key in self.cfg.tenant_salts:
-                return self.cfg.tenant_salts[key]
-        # An unmapped tenant still gets its own salt: isolation is the default.
-        return f"tenant:{inp.tenant}" if inp.tenant else ""
+        return self.salts.salt(inp.tenant, inp.cache_salt)
 
     async def prepare(self, inp: GenInput) -> Prepared:
         self.validate(inp)

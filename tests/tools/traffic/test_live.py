@@ -41,8 +41,8 @@ def _workload() -> Trace:
 
 def test_replay_against_live_stack_and_simulator_agrees(live_stack_rr) -> None:
     tr = _workload()
-    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.router_address, time_scale=20.0,
-                                                  concurrency=1, vocab_size=32000, progress=False,
+    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.router_address, api_key=live_stack_rr.api_key,
+                                                  time_scale=20.0, concurrency=1, vocab_size=32000, progress=False,
                                                   tls=live_stack_rr.client_tls())))
     m = res.metrics
     assert m["errors"] == 0 and m["ok"] == 10
@@ -71,7 +71,8 @@ def test_replay_against_live_stack_and_simulator_agrees(live_stack_rr) -> None:
 def test_replay_http_api(live_stack_rr) -> None:
     tr = _workload()
     tr.sessions = tr.sessions[:1]
-    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.http_address, api="http", time_scale=40.0,
+    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.http_address, api="http",
+                                                  api_key=live_stack_rr.api_key, time_scale=40.0,
                                                   concurrency=2, vocab_size=32000, salt="http", progress=False)))
     assert res.metrics["errors"] == 0, res.records
     assert res.metrics["ok"] == 5 and res.metrics["output_tokens"] == 20

@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from kvmesh.worker.config import WorkerConfig
@@ -298,6 +298,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def healthy(self) -> bool:
         """False once the engine has died or been stopped."""
+
+    def vllm_metrics(self, model_name: str) -> Any:
+        """A prometheus collector of the ``vllm:*`` families this engine records itself, or None.
+
+        The worker exports them in place of its own copies of those names.
+        """
+        return None
 
 
 def kv_events_topic(endpoint_id: str, model: str) -> str:

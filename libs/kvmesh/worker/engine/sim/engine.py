@@ -220,6 +220,7 @@ class _Live:
     last_digest: bytes | None = None
     sample_base: int = 0
     ttft_s: float | None = None
+    last_token_at: float | None = None   # engine clock of the last token (inter-token latency)
     restored_offload: int = 0      # tokens restored from the store beyond the GPU hit
     truth: CacheTruth | None = None   # the cache at arrival, reported with the final output
     kv_from_prefill: bool = False
@@ -295,6 +296,7 @@ class SimEngine(Engine):
         self._bg: set[asyncio.Task] = set()
         self._inline_save: set[str] = set()
         self.steps = 0
+        self._vm: Any = None      # VllmRequestMetrics once the worker asks for vLLM's metrics
         self.events_published = 0
         self.offload_saved_blocks = 0
         self.offload_restored_blocks = 0
@@ -529,6 +531,7 @@ class SimEngine(Engine):
             return False
         live.done = True
         seq = self._abort_seq(request_id)
+        self._record_finished(live, seq or live.seq, "abort", self.now())
         live.queue.put_nowait(self._final(live, seq or live.seq, "abort"))
         return True
 
@@ -796,12 +799,19 @@ class SimEngine(Engine):
             if seq.num_output == 1:
                 out.ttft_s = now - live.arrival
                 live.ttft_s = out.ttft_s
+            if self._vm is not None and tok is not None:
+                if live.last_token_at is None:
+                    self._vm.first_token(now - live.arrival)
+                else:
+                    self._vm.token_gap(now - live.last_token_at)
+            live.last_token_at = now
             if id(seq) in finished:
                 out.finished = True
                 out.finish_reason = seq.finish_reason  # type: ignore[assignment]
                 out.kv_from_prefill = live.kv_from_prefill
                 out.truth = live.truth
                 live.done = True
+                self._record_finished(live, seq, seq.finish_reason or "stop", now)
                 if (c.offload_address and c.offload_save and seq.finish_reason != "abort"
                         and seq.request_id not in self._inline_save):
                     n = seq.num_computed // c.block_size
@@ -813,6 +823,20 @@ class SimEngine(Engine):
                     t.add_done_callback(self._bg.discard)
             live.queue.put_nowait(out)
         self._flush_events()
+
+    def _record_finished(self, live: _Live, seq: Seq, reason: str, now: float) -> None:
+        if self._vm is not None:
+            first = live.arrival + live.ttft_s if live.ttft_s is not None else None
+            self._vm.finished(reason, arrival=live.arrival, scheduled=seq.first_scheduled, first_token=first,
+                              now=now, prompt_tokens=seq.prompt_len, output_tokens=seq.num_output)
+
+    def vllm_metrics(self, model_name: str) -> Any:
+        """vLLM's request metrics, recorded in this engine's clock (see ``kvmesh.worker.vllm_metrics``)."""
+        if self._vm is None:
+            from kvmesh.worker.vllm_metrics import VllmRequestMetrics
+
+            self._vm = VllmRequestMetrics(model_name)
+        return self._vm
 
     def _extend_for_save(self, seq: Seq, n: int) -> None:
         if len(seq.block_hashes) < n:
