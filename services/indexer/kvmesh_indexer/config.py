@@ -45,7 +45,8 @@ class EngineConfig:
 class IndexerConfig:
     ENV_PREFIX: ClassVar[str] = "KVMESH_INDEXER_"
 
-    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "listen host of gRPC and /metrics (0.0.0.0 = every interface; loopback by default)"})
     port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})

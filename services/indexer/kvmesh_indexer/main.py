@@ -165,7 +165,7 @@ async def serve(cfg: IndexerConfig) -> int:
     app = build_app(cfg, REGISTRY)
     await app.start()
     app.server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     try:
         await app.server.wait()
     finally:
