@@ -90,10 +90,10 @@ def from_files(cert: str, key: str, ca: str, **kw: Any) -> TlsConfig:
 _default = TlsConfig(tls="off")
 
 
-def set_default(cfg: TlsConfig) -> None:
+def set_default(cfg: TlsConfig, warn: bool = True) -> None:
     global _default
     _default = cfg
-    if not cfg.enabled():
+    if warn and not cfg.enabled():
         log.warning("gRPC mutual TLS is OFF: any client on the network can call this service "
                     "(--tls on with --tls-cert/--tls-key/--tls-ca to turn it on)")
 

@@ -185,6 +185,22 @@ async def test_hostile_topics_are_counted_not_admitted(start_indexer, pods, tmp_
         raw.close(linger=0)
 
 
+async def test_oversized_message_drops_that_peer_only(start_indexer, pods, tmp_path) -> None:
+    ix, central = await start_central(start_indexer, tmp_path)
+    ok = pods(central, "10.4.0.1:8000", tmp_path)
+    await connected(ok, ix)
+    big = pods(central, "10.4.0.2:8000", tmp_path)
+    ev, keys = stored(tokens(9, 2))
+    limit = ix.app.pump.max_payload_bytes
+    for _ in range(3):
+        big.pub._pub.send_multipart([b"kv@10.4.0.2:8000@" + MODEL.encode(), (0).to_bytes(8, "big"),
+                                     b"\0" * (limit + 8192)])
+        await asyncio.sleep(0.1)
+    ok.publish(ev)
+    await wait_until(lambda: _eq(combined(ix.stub, keys, ok.endpoint_id), 2), what="the other engine still ingested")
+    assert "10.4.0.2:8000" not in ix.app.central.endpoints   # never reached the indexer
+
+
 async def test_both_modes_together_and_no_double_feed(start_indexer, pods, tmp_path) -> None:
     static = KvEventPublisher(f"ipc://{tmp_path}/static.sock", topic=f"kv@static-0@{MODEL}")
     try:
