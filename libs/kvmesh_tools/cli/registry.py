@@ -23,7 +23,9 @@ Register = Callable[[argparse._SubParsersAction], None]
 COMMANDS: LazyRegistry[Register] = LazyRegistry("kvmesh command", {
     "analyze": ("kvmesh_tools.cli.cmd_analyze", "register"),
     "bench": ("kvmesh_tools.cli.cmd_bench", "register"),
+    "certs": ("kvmesh_tools.cli.cmd_certs", "register"),
     "demo": ("kvmesh_tools.cli.cmd_demo", "register"),
+    "fuzz": ("kvmesh_tools.cli.cmd_fuzz", "register"),
     "hash": ("kvmesh_tools.cli.cmd_hash", "register"),
     "model": ("kvmesh_tools.cli.cmd_model", "register"),
     "replay": ("kvmesh_tools.cli.cmd_replay", "register"),

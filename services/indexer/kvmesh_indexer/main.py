@@ -21,6 +21,7 @@ from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.index.base import BlockIndex
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.logs import setup_logging
+from kvmesh.rpc import tls
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
@@ -150,7 +151,7 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)
     registry.register(StateCollector(index.stats, servicer.freshness))
     server = ServiceServer("indexer", [(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
     central = None
     if cfg.central_binds():
         central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
@@ -160,10 +161,11 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
 
 async def serve(cfg: IndexerConfig) -> int:
     setup_tracing("kvmesh-indexer")
+    tls.set_default(cfg.tls)
     app = build_app(cfg, REGISTRY)
     await app.start()
     app.server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     try:
         await app.server.wait()
     finally:

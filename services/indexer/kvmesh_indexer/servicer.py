@@ -192,6 +192,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 spec = self.models.get(model)
             elif which == "tokens":
                 spec = self.model_spec(model)
+                if spec.block_size <= 0:  # a store's wildcard model ("any"): it has no token blocks
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"model {model!r} has no block size: look it up by chain, not tokens")
                 ids = request.tokens.ids
                 if len(ids) > MAX_TOKENS:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(ids)} token ids exceed {MAX_TOKENS}")
@@ -213,6 +216,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             resp = indexer_pb2.LookupResponse(chain_length=len(keys), block_size=spec.block_size if spec else 0)
             if hashed is not None:
                 resp.keys.extend(hashed)
+            if request.include_applied:
+                # How far each engine's events are applied: the router tells index lag from a view bug.
+                for eid, st in self.ingestor.endpoints.copy().items():
+                    if st.model == model:
+                        resp.applied_batches[eid] = 0 if st.last_seq is None else st.last_seq + 1
             for em in sorted(res.matches.values(), key=lambda m: (-m.combined, -m.speculative, m.endpoint_id)):
                 out = resp.matches.add(endpoint_id=em.endpoint_id, combined_blocks=em.combined,
                                        speculative_blocks=em.speculative, speculative_ttl_s=em.speculative_ttl_s)
@@ -396,7 +404,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             st = self.ingestor.endpoints.get(eid)
             info = rec.info if rec is not None and rec.info is not None else indexer_pb2.Endpoint(
                 endpoint_id=eid, model=st.model if st else "")
-            if request.model and info.model != request.model:
+            # A store serving every model is listed for every model: its blocks answer any
+            # model's lookup, and a router that does not know it cannot count them.
+            if request.model and info.model != request.model and not (
+                    info.role == common_pb2.ROLE_STORE and info.model in self.store_models):
                 continue
             if request.role and info.role != request.role:
                 continue

@@ -31,11 +31,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from opentelemetry import propagate
 
 from kvmesh.openai.errors import OpenAIError, error_response
-from kvmesh.openai.requests import SESSION_HEADER, read_json, string
+from kvmesh.openai.requests import SESSION_HEADER, parse_json_body, read_body, string
 from kvmesh.routing.types import Decision
 from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError, Unavailable
+from kvmesh_router.http_guard import SCOPE_KEY
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS
 from kvmesh_router.service import GenInput, Prepared, RouterService
 
@@ -50,7 +51,7 @@ def _router_error(exc: RouterError) -> JSONResponse:
     return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
 
 
-def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant_header: str) -> GenInput:
+def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> GenInput:
     """What the router needs to predict the engine's prompt; nothing else of the body is read."""
     model = body.get("model")
     if not isinstance(model, str) or not model:
@@ -84,9 +85,7 @@ def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant_header: str
                           or (user if isinstance(user, str) else ""))
     except OpenAIError as exc:
         raise BadRequest(exc.message, exc.param) from None
-    inp.tenant = headers.get(tenant_header, "")
-    auth = headers.get("authorization", "")
-    inp.api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    inp.tenant = tenant   # from the request scope: the key's, never the client's claim
     inp.request_id = headers.get("x-request-id", "")
     inp.policy = headers.get("x-kvmesh-policy", "")
     return inp
@@ -137,18 +136,22 @@ class Passthrough:
 
     def applies(self) -> bool:
         cluster = getattr(self.service, "cluster", None)   # front-door tests run without one
-        return cluster is not None and bool(cluster.external)
+        return cluster is not None and cluster.external_mode
 
     async def handle(self, request: Request, chat: bool) -> Response:
         api = "passthrough-chat" if chat else "passthrough-completions"
         path = "/v1/chat/completions" if chat else "/v1/completions"
+        cfg = self.cfg
         try:
-            body = await read_json(request, self.cfg.max_text_bytes)
+            raw = await read_body(request, cfg.max_text_bytes, cfg.http_body_timeout_s)
+            body = parse_json_body(raw, cfg.max_json_depth)
         except OpenAIError as exc:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
             return exc.response()
         try:
-            inp = gen_input(body, request.headers, chat, self.cfg.tenant_header)
+            scope = request.scope.get("state", {}).get(SCOPE_KEY)
+            inp = gen_input(body, request.headers, chat, scope.tenant if scope is not None else "")
+            inp.deadline = scope.deadline if scope is not None else None
             p = await self.service.prepare(inp)
         except RouterError as exc:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
@@ -157,7 +160,7 @@ class Passthrough:
             body["cache_salt"] = p.salt
             content = json.dumps(body, ensure_ascii=False).encode()
         else:
-            content = await request.body()   # the very bytes the client sent
+            content = raw   # the very bytes the client sent
         headers = {"content-type": "application/json", "x-request-id": p.request_id}
         propagate.inject(headers, context=propagate.extract(dict(request.headers)))
         watch = self._watch(request, inp)
@@ -178,7 +181,7 @@ class Passthrough:
                     headers: dict[str, str]) -> Response:
         exclude = {e for e in self.service.core.endpoints if e not in self.cluster.external}
         failures: list[str] = []
-        deadline = time.monotonic() + self.cfg.http_deadline_s if self.cfg.http_deadline_s > 0 else None
+        deadline = inp.deadline   # the request scope's
         call = _Call()
         inp.calls.append(call)
         try:

@@ -33,7 +33,7 @@ async def stack(tiny_model_dir):
     engines = {"a": await OpenAIEngine(MODEL, log).start(), "b": await OpenAIEngine(MODEL, log).start()}
     cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
                        endpoints=[f"{k}={e.url}/v1" for k, e in engines.items()],
-                       tenant_salts={"mapped": "s3cret"}, external_connect_timeout_s=1.0)
+                       auth="off", external_connect_timeout_s=1.0)
     cfg.validate()
     svc = build_service(cfg)
     await svc.cluster.poll_all()
@@ -65,16 +65,16 @@ async def test_the_body_goes_through_unchanged_but_for_the_tenants_salt(stack) -
     eid = r.headers["x-kvmesh-endpoint"]
     assert eid in engines and int(r.headers["x-kvmesh-predicted-cached-tokens"]) >= 0
     (got,) = _received(engines)
-    assert got == {**sent, "cache_salt": "tenant:acme"}
+    assert got == {**sent, "cache_salt": svc.salts.salt("acme")}
     # The engine's answer comes back as it was (vLLM's own fields included).
     assert r.json()["choices"][0]["logprobs"] == {"content": []} and r.json()["usage"]["total_tokens"] == 12
-    # A mapped tenant gets its configured salt; a client's own salt is kept; no tenant: no salt at all.
-    await client.post("/v1/chat/completions", json=_chat(), headers={"x-tenant": "mapped"})
+    # Each tenant its secret salt; a client's own salt is mixed in; no tenant and no salt: none at all.
+    await client.post("/v1/chat/completions", json=_chat(), headers={"x-tenant": "other"})
     await client.post("/v1/chat/completions", json=_chat(cache_salt="mine"))
     raw = json.dumps(_chat(), separators=(",", ":")).encode()
     await client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
     bodies = _received(engines)[1:]
-    assert [b.get("cache_salt") for b in bodies] == ["s3cret", "mine", None]
+    assert [b.get("cache_salt") for b in bodies] == [svc.salts.salt("other"), svc.salts.salt("", "mine"), None]
     assert engines[eid].headers[0]["x-request-id"] == r.headers["x-kvmesh-request-id"]
 
 
