@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import grpc
 import httpx
@@ -76,6 +77,7 @@ class Cluster:
         self._late: set[asyncio.Future] = set()   # lookups past their deadline, still open
         self._tasks: list[asyncio.Task] = []
         self._static: set[str] = set()
+        self.pool_watcher: Any = None   # InferencePoolWatcher when --inference-pool is set
         self.external = OpenAIEndpoints(cfg.external_connect_timeout_s, cfg.external_api_key)
         for spec in cfg.endpoints:
             eid, addr = parse_endpoint(spec)
@@ -105,6 +107,25 @@ class Cluster:
         if cur is None or cur.address != url:
             self._add(EndpointView(eid, url, self.cfg.model, ROLE_DECODE, self.cfg.block_size, alive, source))
             self.http_addresses[eid] = url.split("://", 1)[1]
+
+    @property
+    def external_mode(self) -> bool:
+        """The HTTP front door forwards bodies (external endpoints configured or discovered)."""
+        return bool(self.external) or bool(self.cfg.inference_pool)
+
+    def apply_discovered(self, snapshot: dict[str, str]) -> None:
+        """The InferencePool's endpoints now (id -> URL): add the new, drop the gone."""
+        for eid in [e for e, ep in self.core.endpoints.items() if ep.source == "inference-pool"
+                    and e not in snapshot]:
+            log.info("endpoint left the InferencePool", extra={"endpoint": eid})
+            self.remove_external(eid)
+        for eid, url in snapshot.items():
+            cur = self.core.endpoints.get(eid)
+            if cur is not None and cur.source != "inference-pool":
+                continue   # configured statically: that entry wins
+            if cur is None or cur.address != url:
+                log.info("endpoint joined from the InferencePool", extra={"endpoint": eid, "url": url})
+            self.set_external(eid, url, True, "inference-pool")
 
     def remove_external(self, eid: str) -> None:
         if self.external.urls.pop(eid, None) is not None:
@@ -138,11 +159,19 @@ class Cluster:
 
     # -- background loops ----------------------------------------------------------
     def start(self) -> None:
+        if self.cfg.inference_pool and self.pool_watcher is None:
+            from kvmesh_router.inference_pool import InferencePoolWatcher
+
+            ns, _, name = self.cfg.inference_pool.partition("/")
+            self.pool_watcher = InferencePoolWatcher(ns, name, self.apply_discovered, self.cfg.kubeconfig)
+            self.pool_watcher.start()
         self._tasks.append(asyncio.create_task(self._load_loop(), name="load-poll"))
         if self.indexer is not None:
             self._tasks.append(asyncio.create_task(self._registry_loop(), name="registry-poll"))
 
     async def stop(self) -> None:
+        if self.pool_watcher is not None:
+            await self.pool_watcher.stop()
         for c in list(self._late):
             c.cancel()
         for t in self._tasks:
