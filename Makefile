@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: all install install-vllm install-redis install-compose protos demo up test test-integration test-vllm lint bench clean
+.PHONY: connector-wheel all install install-vllm install-redis install-compose protos demo up test test-integration test-vllm lint bench clean
 
 all: install
 
@@ -82,3 +82,7 @@ bench: install
 
 clean:
 	rm -rf out build *.egg-info
+
+# The light kvmesh-connector wheel (connector + store client only) for stock vLLM images.
+connector-wheel: $(STAMP)
+	$(PY) -m kvmesh_tools.connector_dist --out dist

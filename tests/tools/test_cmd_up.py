@@ -33,13 +33,13 @@ def up(tmp_path_factory: pytest.TempPathFactory):
     deadline = time.monotonic() + 180
     assert proc.stdout is not None
     for line in proc.stdout:
-        m = re.match(r"\s+(OpenAI base URL|metrics|tokenizer)\s+(\S+)", line)
+        m = re.match(r"\s+(OpenAI base URL|API key|metrics|tokenizer)\s+(\S+)", line)
         if m:
             banner[m.group(1)] = m.group(2)
-        if "logs" in banner or len(banner) == 3 or time.monotonic() > deadline:
+        if "logs" in banner or len(banner) == 4 or time.monotonic() > deadline:
             break
     try:
-        assert len(banner) == 3, f"no banner; kvmesh up printed: {banner}"
+        assert len(banner) == 4, f"no banner; kvmesh up printed: {banner}"
         yield banner
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -52,8 +52,15 @@ def test_banner_names_the_urls(up) -> None:
     assert "kvmesh_router" in text
 
 
+def test_keys_are_on_by_default(up) -> None:
+    """The banner's key is the stack's key (also in <log_dir>/auth/api-key); any other is refused."""
+    assert up["API key"].startswith("kvm-")
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=up["OpenAI base URL"], api_key="unused", max_retries=0).models.list()
+
+
 def test_official_openai_client_chats_in_text(up) -> None:
-    client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key=up["API key"], max_retries=0)
     models = client.models.list()
     model = models.data[0].id
     resp = client.chat.completions.create(model=model, max_tokens=8,

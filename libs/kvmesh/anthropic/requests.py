@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.anthropic.errors import bad_request
+from kvmesh.openai.requests import MAX_TOKENS_LIMIT
 
 SESSION_HEADER = "x-session-id"
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -369,6 +370,8 @@ def parse_messages(body: Any, headers: Any) -> MessagesRequest:
     if body.get("max_tokens") == 0:
         raise bad_request("max_tokens", "must be >= 1: pre-warming the cache without an answer is not supported")
     req.max_tokens = _int(body, "max_tokens", 1)
+    if req.max_tokens is not None and req.max_tokens > MAX_TOKENS_LIMIT:
+        raise bad_request("max_tokens", f"must be <= {MAX_TOKENS_LIMIT}, got {req.max_tokens}")
     stops = body.get("stop_sequences")
     if stops is not None:
         if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):

@@ -22,10 +22,14 @@ from collections.abc import Sequence
 import zmq
 
 from kvmesh.events.codec import REPLAY_END_SEQ, KVEvent, KVEventBatch, encode_batch
+from kvmesh.rpc.reconnect import tune_zmq_reconnect
 
 log = logging.getLogger(__name__)
 
 _END_SEQ_BYTES = REPLAY_END_SEQ.to_bytes(8, "big")
+# Replay buffer bound in bytes (besides ``buffer_steps``): what an indexer that missed a few
+# seconds of events needs, not the whole history of a long run.
+DEFAULT_BUFFER_BYTES = 64 << 20
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -61,6 +65,7 @@ class KvEventPublisher:
         replay_endpoint: str | None = None,
         buffer_steps: int = 10_000,
         hwm: int = 100_000,
+        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         data_parallel_rank: int = 0,
         context: zmq.Context | None = None,
     ) -> None:
@@ -70,7 +75,12 @@ class KvEventPublisher:
         self._topic = topic.encode("utf-8")
         self._dp_rank = data_parallel_rank
         self._lock = threading.Lock()
-        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        # Bounded in batches and in bytes: a batch carries its blocks' token ids, so 10,000
+        # batches of long prompts would hold gigabytes and the process would grow for hours.
+        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer_steps = buffer_steps
+        self._buffer_max_bytes = max(1, buffer_bytes)
+        self.buffer_bytes = 0
         self._next_seq = 0
         self._closed = False
         self.replay_requests = 0
@@ -79,6 +89,7 @@ class KvEventPublisher:
         assert ep is not None
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
+        tune_zmq_reconnect(self._pub)   # a restarted peer is found again within ~0.5 s
         try:
             if is_bind_endpoint(ep):
                 self._pub.bind(ep)
@@ -135,6 +146,11 @@ class KvEventPublisher:
             self._next_seq += 1
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
             self._buffer.append((seq, payload))
+            self.buffer_bytes += len(payload)
+            # The newest batch always stays, whatever its size.
+            while len(self._buffer) > 1 and (len(self._buffer) > self._buffer_steps
+                                             or self.buffer_bytes > self._buffer_max_bytes):
+                self.buffer_bytes -= len(self._buffer.popleft()[1])
         return seq
 
     def _serve_replay(self) -> None:

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 
 import crc32c
 
-MAGIC = b"KVB1"
-REQUEST = struct.Struct("<4sQ4x")   # magic, lease id
+MAGIC = b"KVB2"
+REQUEST = struct.Struct("<4s16s")   # magic, 128-bit lease token
 ANSWER = struct.Struct("<Q")        # total bytes that follow, or NO_LEASE
 NO_LEASE = (1 << 64) - 1
 SOCKET_BUFFER_BYTES = 8 << 20
@@ -70,7 +70,7 @@ class BulkConnections:
         """A connection (raises OSError if the port cannot be reached)."""
         return self._acquire(host, port, timeout_s)
 
-    def transfer(self, sock: socket.socket, host: str, port: int, lease: int, dests: list[memoryview],
+    def transfer(self, sock: socket.socket, host: str, port: int, lease: bytes, dests: list[memoryview],
                  timeout_s: float) -> None:
         """Read the leased blocks into ``dests`` (exact sizes) over ``sock``; the socket goes back
         to the pool on success and is closed on any error."""
@@ -83,7 +83,7 @@ class BulkConnections:
             (total,) = ANSWER.unpack(head)
             if total == NO_LEASE:
                 ok = True  # the connection is still in step
-                raise BulkLeaseExpired(f"bulk lease {lease} is unknown or expired")
+                raise BulkLeaseExpired(f"bulk lease {lease[:4].hex()}... is unknown or expired")
             want = sum(len(d) for d in dests)
             if total != want:
                 raise OSError(f"bulk transfer announces {total} bytes, expected {want}")
@@ -96,7 +96,7 @@ class BulkConnections:
             else:
                 sock.close()
 
-    def receive(self, host: str, port: int, lease: int, dests: list[memoryview], timeout_s: float,
+    def receive(self, host: str, port: int, lease: bytes, dests: list[memoryview], timeout_s: float,
                 crcs: Sequence[int] | None = None) -> None:
         """Blocking: read the leased blocks into ``dests`` over a (reused) connection, and check
         them against ``crcs`` (0 = unknown) when given. Raises ``BulkUnreachable``,

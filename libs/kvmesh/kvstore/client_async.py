@@ -32,9 +32,9 @@ class OffloadClient(core.ClientCore):
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  verify_checksums: bool | None = None, channel: grpc.aio.Channel | None = None,
-                 use_bulk: bool | None = None) -> None:
+                 use_bulk: bool | None = None, trust_local_store: bool = False) -> None:
         super().__init__(address, use_shm, timeout_s, verify_checksums,
-                         channel or aio_channel(address, traced=False), use_bulk)
+                         channel or aio_channel(address, traced=False), use_bulk, trust_local_store)
         self._bg: set[asyncio.Task] = set()
 
     @staticmethod
@@ -66,7 +66,7 @@ class OffloadClient(core.ClientCore):
             op.feed(msg)
         return None
 
-    def end_store_lease(self, lease_id: int) -> bool | None:
+    def end_store_lease(self, lease_id: bytes) -> bool | None:
         """``release()`` of an async lease: ended in the background (``arelease()`` waits)."""
         try:
             task = asyncio.get_running_loop().create_task(self._run(self.plan_release(lease_id)))
@@ -76,7 +76,7 @@ class OffloadClient(core.ClientCore):
         task.add_done_callback(self._bg.discard)
         return None
 
-    async def aend_store_lease(self, lease_id: int) -> bool | None:
+    async def aend_store_lease(self, lease_id: bytes) -> bool | None:
         return await self._run(self.plan_release(lease_id))
 
     async def close(self) -> None:

@@ -194,9 +194,10 @@ class ClientCore:
 
     ``use_shm``: True forces the shm path, False disables it, None = auto (loopback).
     ``use_bulk``: False disables the bulk path, None = use it when the store offers it.
-    ``verify_checksums``: check each block's CRC32C on the client. None (default)
-    checks blocks that crossed the network (gRPC, bulk) and trusts same-host shm copies,
-    whose source the store verified on Put and on every disk read.
+    ``verify_checksums``: check each block's CRC32C on the client. None (default) checks
+    every block, same-host shm reads included (another process on the host could have
+    written the shared memory), unless ``trust_local_store`` is set: then shm reads are
+    trusted (the store verified them on Put and on every disk read). False checks none.
     """
 
     OPERATIONS: ClassVar[tuple[str, ...]] = ("contains", "put", "fetch", "get", "get_into", "delete", "stats")
@@ -214,11 +215,12 @@ class ClientCore:
         raise NotImplementedError
 
     def __init__(self, address: str, use_shm: bool | None, timeout_s: float, verify_checksums: bool | None,
-                 channel: grpc.Channel | grpc.aio.Channel, use_bulk: bool | None = None) -> None:
+                 channel: grpc.Channel | grpc.aio.Channel, use_bulk: bool | None = None,
+                 trust_local_store: bool = False) -> None:
         self.address = address
         self.timeout_s = timeout_s
         self.verify = verify_checksums is not False
-        self.verify_shm = bool(verify_checksums)
+        self.verify_shm = bool(verify_checksums) or (verify_checksums is None and not trust_local_store)
         self._channel = channel
         self._stub = offload_pb2_grpc.OffloadStub(channel)
         self._get = channel.unary_stream(GET_METHOD, request_serializer=_serialize,
@@ -240,11 +242,11 @@ class ClientCore:
     def shm_enabled(self) -> bool:
         return self._shm
 
-    def end_store_lease(self, lease_id: int) -> bool | None:
+    def end_store_lease(self, lease_id: bytes) -> bool | None:
         """End the store's lease from ``BlockLease.release()`` (driver: blocking or in the background)."""
         raise NotImplementedError
 
-    async def aend_store_lease(self, lease_id: int) -> bool | None:
+    async def aend_store_lease(self, lease_id: bytes) -> bool | None:
         """End the store's lease from ``BlockLease.arelease()``."""
         raise NotImplementedError
 
@@ -317,12 +319,12 @@ class ClientCore:
             lease = yield from self._fetch_keys(namespace, keys, span)
             return (yield from self._consume(lease, lambda views: copy_into(views, dests), "copying"))
 
-    def plan_release(self, lease_id: int) -> Plan[bool | None]:
+    def plan_release(self, lease_id: bytes) -> Plan[bool | None]:
         """End the store's lease: False if it had expired, None if the store did not answer."""
         try:
             resp = yield Unary(self._stub.ReleaseShm, offload_pb2.ShmRelease(lease=lease_id))
         except grpc.RpcError as exc:
-            log.warning("offload lease release failed", extra={"lease": lease_id, "error": str(exc)})
+            log.warning("offload lease release failed", extra={"error": str(exc)})
             return None
         return resp.held
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from kvmesh.kvstore.client_types import (
     CHUNK_BYTES,
     MAX_KEYS,
-    MAX_U64,
     BytesLike,
     InvalidOffloadRequest,
     OffloadError,
@@ -22,14 +21,16 @@ from kvmesh.kvstore.client_types import (
     StoreStats,
     crc32c,
 )
+from kvmesh.kvstore.limits import MAX_U32, key_problem, namespace_problem, session_problem
 from kvmesh.kvstore.shm import SHM_DIR, Segment
 from kvmesh.kvstore.wire import Chunk, encode_put_chunk
 from kvmesh_api.offload.v1 import offload_pb2
 
 
 def check_ns(namespace: str) -> str:
-    if not isinstance(namespace, str) or not namespace:
-        raise InvalidOffloadRequest("namespace must be a non-empty string")
+    problem = namespace_problem(namespace)
+    if problem is not None:
+        raise InvalidOffloadRequest(problem)
     return namespace
 
 
@@ -38,8 +39,9 @@ def check_keys(keys: Sequence[int]) -> list[int]:
     if len(out) > MAX_KEYS:
         raise InvalidOffloadRequest(f"chain of {len(out)} keys exceeds the max of {MAX_KEYS}")
     for k in out:
-        if not isinstance(k, int) or isinstance(k, bool) or k < 0 or k > MAX_U64:
-            raise InvalidOffloadRequest(f"block key {k!r} is not a uint64")
+        problem = key_problem(k)
+        if problem is not None:
+            raise InvalidOffloadRequest(problem)
     return out
 
 
@@ -97,6 +99,11 @@ def plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids:
         check_keys([parent])
     if block_size < 0:
         raise InvalidOffloadRequest("block_size must be >= 0")
+    problem = session_problem(session_id or "")
+    if problem is not None:
+        raise InvalidOffloadRequest(problem)
+    if tokens is not None and any(not 0 <= t <= MAX_U32 for ts in tokens for t in ts):
+        raise InvalidOffloadRequest("token ids must be uint32")
     header = offload_pb2.PutHeader(namespace=namespace, session_id=session_id or "",
                                    parent_key=parent or 0, has_parent=parent is not None, block_size=block_size)
     return PutPlan(header, keys, datas, [crc32c(d) for d in datas], tokens,

@@ -9,11 +9,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import grpc
-
 from kvmesh.kvstore import client_core as core
 from kvmesh.kvstore.client_types import DEFAULT_TIMEOUT_S
 from kvmesh.rpc.channel import channel_options
+from kvmesh.rpc.tls import sync_channel
 
 
 class SyncOffloadClient(core.ClientCore):
@@ -24,9 +23,10 @@ class SyncOffloadClient(core.ClientCore):
     """
 
     def __init__(self, address: str, use_shm: bool | None = None, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 verify_checksums: bool | None = None, use_bulk: bool | None = None) -> None:
+                 verify_checksums: bool | None = None, use_bulk: bool | None = None,
+                 trust_local_store: bool = False) -> None:
         super().__init__(address, use_shm, timeout_s, verify_checksums,
-                         grpc.insecure_channel(address, options=channel_options()), use_bulk)
+                         sync_channel(address, None, channel_options()), use_bulk, trust_local_store)
 
     @staticmethod
     def _driver_method(plan: Callable[..., core.Plan[Any]]) -> Callable[..., Any]:
@@ -57,10 +57,10 @@ class SyncOffloadClient(core.ClientCore):
             op.feed(msg)
         return None
 
-    def end_store_lease(self, lease_id: int) -> bool | None:
+    def end_store_lease(self, lease_id: bytes) -> bool | None:
         return self._run(self.plan_release(lease_id))
 
-    async def aend_store_lease(self, lease_id: int) -> bool | None:
+    async def aend_store_lease(self, lease_id: bytes) -> bool | None:
         return self.end_store_lease(lease_id)
 
     def close(self) -> None:

@@ -88,9 +88,9 @@ class StoreStats:
 class LeaseEnder(Protocol):
     """How a client ends the store's lease on a ``BlockLease`` (each driver does its own I/O)."""
 
-    def end_store_lease(self, lease_id: int) -> bool | None: ...
+    def end_store_lease(self, lease_id: bytes) -> bool | None: ...
 
-    def aend_store_lease(self, lease_id: int) -> Awaitable[bool | None]: ...
+    def aend_store_lease(self, lease_id: bytes) -> Awaitable[bool | None]: ...
 
 
 @dataclass
@@ -110,19 +110,19 @@ class BlockLease:
     tiers: list[int]
     via_shm: bool = False
     _free: Callable[[], None] | None = None     # gives back the client's memory (segment, receive buffer)
-    _lease_id: int = 0                          # the store's lease on its memory (0: none)
+    _lease_id: bytes = b""                      # the store's lease token on its memory (b"": none)
     _ender: LeaseEnder | None = None            # the client that ends it
     valid: bool = True
 
-    def take(self) -> int:
-        """Drop the views and the client's memory; the store's lease id still to end (0: none)."""
+    def take(self) -> bytes:
+        """Drop the views and the client's memory; the store's lease token still to end (b"": none)."""
         free, lid = self._free, self._lease_id
-        self._free, self._lease_id = None, 0
+        self._free, self._lease_id = None, b""
         for v in self.views:
             v.release()
         if free is not None:
             free()
-        return lid if self._ender is not None else 0
+        return lid if self._ender is not None else b""
 
     def release(self) -> None:
         lid = self.take()

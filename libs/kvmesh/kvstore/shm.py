@@ -68,7 +68,9 @@ class Segment:
                     fd = -1
                     self.path.unlink(missing_ok=True)
                     raise ShmError(f"cannot reserve {size} bytes of shared memory: {exc}") from exc
-            actual = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            self.file_id = (st.st_dev, st.st_ino)
+            actual = st.st_size
             if actual < size or actual == 0:
                 raise ShmError(f"segment {name!r} has {actual} bytes, need {size}")
             self.size = actual

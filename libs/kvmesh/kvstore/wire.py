@@ -14,6 +14,15 @@ from dataclasses import dataclass, field
 
 from kvmesh_api.offload.v1 import offload_pb2
 
+_MAX_U64 = (1 << 64) - 1
+_MAX_U32 = (1 << 32) - 1
+
+
+def _u32(value: int, what: str) -> int:
+    if value > _MAX_U32:
+        raise ValueError(f"{what} exceeds 32 bits")
+    return value
+
 
 def _varint(n: int) -> bytes:
     out = bytearray()
@@ -37,6 +46,8 @@ def _read_varint(buf: memoryview, pos: int, end: int) -> tuple[int, int]:
         pos += 1
         result |= (b & 0x7F) << shift
         if not b & 0x80:
+            if result > _MAX_U64:
+                raise ValueError("varint exceeds 64 bits")
             return result, pos
         shift += 7
 
@@ -115,7 +126,8 @@ def _decode_chunk(buf: memoryview, pos: int, end: int, out: Chunk) -> None:
             v, pos = _read_varint(buf, pos, end)
             out.last = bool(v)
         elif fnum == 4 and wtype == 0:
-            out.crc32c, pos = _read_varint(buf, pos, end)
+            crc, pos = _read_varint(buf, pos, end)
+            out.crc32c = _u32(crc, "crc32c")
         elif fnum == 5 and wtype == 2:
             n, pos = _read_varint(buf, pos, end)
             stop = pos + n
@@ -123,10 +135,10 @@ def _decode_chunk(buf: memoryview, pos: int, end: int, out: Chunk) -> None:
                 raise ValueError("truncated token_ids")
             while pos < stop:
                 t, pos = _read_varint(buf, pos, stop)
-                out.token_ids.append(t)
+                out.token_ids.append(_u32(t, "token id"))
         elif fnum == 5 and wtype == 0:
             t, pos = _read_varint(buf, pos, end)
-            out.token_ids.append(t)
+            out.token_ids.append(_u32(t, "token id"))
         else:
             pos = _skip(buf, pos, end, wtype)
 

@@ -17,7 +17,9 @@ right type and range (``max_tokens``/``max_completion_tokens`` >= 1,
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,21 +32,91 @@ SESSION_HEADER = "x-session-id"
 MAX_STOP = 4
 
 
-async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
-    """The request body as a JSON object; over ``max_bytes``, malformed or not an object -> 400 ``body``."""
+# Integer fields end up in protobuf fields of a fixed width: a value past it is a 400, not a crash.
+MAX_TOKENS_LIMIT = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+UINT32_MAX = 2**32 - 1
+# JSON nesting deeper than this is refused before parsing (tool schemas need a few tens of levels).
+MAX_JSON_DEPTH = 64
+# A body that stops arriving for this long (total read time) is answered 408.
+BODY_TIMEOUT_S = 60.0
+_JSON_SPECIAL = re.compile(rb'[\[\]{}"\\]')
+
+
+class BodyTooLarge(BadRequest):
+    status = 413
+
+
+def json_depth_over(raw: bytes, limit: int) -> bool:
+    """Whether the JSON text nests objects/arrays deeper than ``limit`` (strings are skipped).
+
+    Runs only when the text has more than ``limit`` brackets, so token-id prompts cost nothing."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    depth = 0
+    in_str = False
+    skip = -1   # the position of a character escaped by a backslash
+    for m in _JSON_SPECIAL.finditer(raw):
+        pos = m.start()
+        if pos == skip:
+            continue
+        c = raw[pos]
+        if in_str:
+            if c == 0x5C:        # backslash: the next character is escaped
+                skip = pos + 1
+            elif c == 0x22:      # closing quote
+                in_str = False
+            continue
+        if c == 0x22:
+            in_str = True
+        elif c in (0x5B, 0x7B):
+            depth += 1
+            if depth > limit:
+                return True
+        elif c in (0x5D, 0x7D):
+            depth -= 1
+    return False
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S) -> bytes:
+    """The request body, refused (413) as soon as it passes ``max_bytes`` - chunked or not - and
+    408 when it has not all arrived within ``timeout_s``; never more than ``max_bytes`` in memory."""
     clen = request.headers.get("content-length")
     if clen and clen.isdigit() and int(clen) > max_bytes:
-        raise BadRequest(f"request body over {max_bytes} bytes", "body")
-    raw = await request.body()
-    if len(raw) > max_bytes:
-        raise BadRequest(f"request body over {max_bytes} bytes", "body")
+        raise BodyTooLarge(f"request body over {max_bytes} bytes", "body")
+    buf = bytearray()
+    try:
+        async with asyncio.timeout(timeout_s if timeout_s > 0 else None):
+            async for chunk in request.stream():
+                if len(buf) + len(chunk) > max_bytes:
+                    raise BodyTooLarge(f"request body over {max_bytes} bytes", "body")
+                buf += chunk
+    except TimeoutError:
+        raise BadRequest(f"request body not received within {timeout_s:g} s", "body", status=408,
+                         etype="timeout") from None
+    return bytes(buf)
+
+
+def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """A read body as a JSON object: malformed, nested deeper than ``max_depth`` or not an object -> 400."""
+    if json_depth_over(raw, max_depth):
+        raise BadRequest(f"JSON body nested deeper than {max_depth} levels", "body")
     try:
         body = json.loads(raw or b"null")
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}", "body") from None
+    except RecursionError:
+        raise BadRequest("JSON body nested too deep", "body") from None
     if not isinstance(body, dict):
         raise BadRequest("the JSON body must be a JSON object", "body")
     return body
+
+
+async def read_json(request: Request, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S,
+                    max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
+    """The request body as a JSON object: over ``max_bytes`` -> 413, slower than ``timeout_s`` -> 408,
+    malformed, nested deeper than ``max_depth`` or not an object -> 400 ``body``."""
+    return parse_json_body(await read_body(request, max_bytes, timeout_s), max_depth)
 
 
 def number(body: dict[str, Any], name: str, kind: type = float) -> Any:
@@ -173,8 +245,8 @@ def _model(body: dict[str, Any]) -> str:
 def _common(req: OpenAIRequest, body: dict[str, Any], headers: Any) -> OpenAIRequest:
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     mt = number(body, key, int)
-    if mt is not None and mt < 1:
-        raise BadRequest(f"'{key}' must be >= 1, got {mt}", key)
+    if mt is not None and not 1 <= mt <= MAX_TOKENS_LIMIT:
+        raise BadRequest(f"'{key}' must be in [1, {MAX_TOKENS_LIMIT}], got {mt}", key)
     req.max_tokens = mt
     t = number(body, "temperature")
     if t is not None and not 0 <= t <= 2:
@@ -185,6 +257,8 @@ def _common(req: OpenAIRequest, body: dict[str, Any], headers: Any) -> OpenAIReq
         raise BadRequest(f"'top_p' must be in (0, 1], got {tp}", "top_p")
     req.top_p = tp
     req.seed = number(body, "seed", int)
+    if req.seed is not None and not INT64_MIN <= req.seed <= INT64_MAX:
+        raise BadRequest(f"'seed' must be a 64-bit signed integer, got {req.seed}", "seed")
     n = number(body, "n", int)
     if n is not None and n != 1:
         raise BadRequest("'n' must be 1 (one choice per request)", "n")
@@ -195,8 +269,9 @@ def _common(req: OpenAIRequest, body: dict[str, Any], headers: Any) -> OpenAIReq
             raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP} strings", "stop")
         req.stop = [s for s in stops if s]
     stop_ids = body.get("stop_token_ids") or []
-    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise BadRequest("'stop_token_ids' must be a list of integers", "stop_token_ids")
+    if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                 and 0 <= t <= UINT32_MAX for t in stop_ids):
+        raise BadRequest("'stop_token_ids' must be a list of token ids (integers >= 0)", "stop_token_ids")
     req.stop_token_ids = list(stop_ids)
     req.ignore_eos = boolean(body, "ignore_eos")
     req.stream = bool(boolean(body, "stream"))

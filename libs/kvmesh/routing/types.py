@@ -71,6 +71,9 @@ class Matches:
     # The per-endpoint matches as arrays instead of ``per_endpoint`` (the simulator's index
     # answers this way; see kvmesh.routing.endpoint_columns).
     columns: EndpointColumns | None = None
+    # Endpoint id -> KV-event batches of it the index had applied when it answered (None: not
+    # told); with the worker's own count it tells index lag from a view bug (routing.fidelity).
+    applied: dict[str, int] | None = None
 
     def get(self, endpoint_id: str) -> TierMatch:
         if self.columns is not None:
@@ -131,6 +134,9 @@ class Decision:
     reason: str = ""
     fallback: str = ""           # non-empty when a policy fell back (e.g. "indexer unavailable")
     candidates: list[Candidate] = field(default_factory=list)
+    # The live router's view behind the prediction (kvmesh.routing.fidelity.RouterSide), kept
+    # until the engine's final report so a miss can be classified; None elsewhere.
+    view: Any = None
 
     @property
     def predicted_cached_tokens(self) -> int:

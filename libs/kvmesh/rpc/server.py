@@ -20,8 +20,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from kvmesh.rpc.authz import Authorizer, AuthzInterceptor
 from kvmesh.rpc.interceptors import server_interceptors
 from kvmesh.rpc.keepalive import server_keepalive_options
+from kvmesh.rpc.parse_guard import ParseGuardInterceptor
+from kvmesh.rpc.tls import TlsConfig, resolve, server_credentials
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +36,13 @@ LIVENESS_SERVICE = "liveness"
 class ServerOptions:
     """Listening and limits of a service's gRPC server."""
 
-    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen host (0.0.0.0 = every interface)"})
     port: int = field(default=0, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={"help": "max gRPC message size"})
     grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     max_concurrent_rpcs: int = field(default=0, metadata={"help": "0 = unlimited"})
+    # None = the process's identity (kvmesh.rpc.tls.set_default, from the service's --tls flags).
+    tls: TlsConfig | None = None
 
 
 # (add_XServicer_to_server, servicer instance, full service name)
@@ -54,8 +59,13 @@ class ServiceServer:
         self.bindings = list(bindings)
         self.health = health.aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
-        self._interceptors = interceptors if interceptors is not None else server_interceptors()
+        # The parse guard comes first (outermost) on every server, whatever else is installed.
+        extra = interceptors if interceptors is not None else server_interceptors()
+        self._interceptors = [ParseGuardInterceptor(), *extra]
         self.port = 0
+        self.tls_files = None   # kvmesh.rpc.tls.CertFiles when TLS is on
+        self.authorizer: Authorizer | None = None
+        self._health_server: grpc.aio.Server | None = None
         self._stopped = asyncio.Event()
         self.on_drain: list[Callable[[], Any]] = []
 
@@ -71,8 +81,14 @@ class ServiceServer:
             ("grpc.so_reuseport", 0),
             *server_keepalive_options(),
         ]
+        tls = resolve(opts.tls)
+        interceptors = list(self._interceptors)
+        if tls.enabled():
+            # Last, so requests that do not even parse are refused before identity is looked at.
+            self.authorizer = Authorizer(trust_domain=tls.tls_trust_domain)
+            interceptors.append(AuthzInterceptor(self.authorizer))
         server = grpc.aio.server(
-            interceptors=self._interceptors,
+            interceptors=interceptors,
             options=grpc_opts,
             maximum_concurrent_rpcs=opts.max_concurrent_rpcs or None,
         )
@@ -82,15 +98,30 @@ class ServiceServer:
         names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                  reflection.SERVICE_NAME]
         reflection.enable_server_reflection(names, server)
-        self.port = server.add_insecure_port(f"{opts.host}:{opts.port}")
+        if tls.enabled():
+            creds, self.tls_files = server_credentials(tls)
+            self.port = server.add_secure_port(f"{opts.host}:{opts.port}", creds)
+        else:
+            self.port = server.add_insecure_port(f"{opts.host}:{opts.port}")
         if self.port == 0:
             raise RuntimeError(f"{self.name}: cannot bind {opts.host}:{opts.port}")
         await server.start()
         self._server = server
+        if tls.enabled() and tls.tls_health_port:
+            await self._start_health_port(tls)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
         await self.set_ready(False)
         log.info("grpc server started", extra={"service": self.name, "port": self.port})
         return self.port
+
+    async def _start_health_port(self, tls: TlsConfig) -> None:
+        """Health alone, in plaintext, for probes that cannot present a certificate."""
+        hs = grpc.aio.server()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, hs)
+        if hs.add_insecure_port(f"{tls.tls_health_host}:{tls.tls_health_port}") == 0:
+            raise RuntimeError(f"{self.name}: cannot bind health port {tls.tls_health_host}:{tls.tls_health_port}")
+        await hs.start()
+        self._health_server = hs
 
     async def set_ready(self, ready: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if ready else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -110,6 +141,9 @@ class ServiceServer:
         log.info("draining", extra={"service": self.name, "grace_s": grace})
         await self._server.stop(grace)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
         self._server = None
         self._stopped.set()
 

@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate, trace
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
@@ -59,7 +60,7 @@ class Tokenizer(Protocol):
 class HttpApiConfig:
     """Where the worker's OpenAI HTTP API listens and how it answers."""
 
-    host: str = field(default="0.0.0.0", metadata={"help": "HTTP listen host"})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP listen host"})
     port: int = field(default=0, metadata={"help": "HTTP listen port (0 = disabled)"})
     default_max_tokens: int = field(default=0, metadata={
         "help": "max_tokens when the request omits it (0 = what is left of max_model_len, as vLLM)"})
@@ -114,12 +115,19 @@ def _engine_error(exc: EngineError) -> OpenAIError:
 # --------------------------------------------------------------------------- app
 
 
+class MetricsPage(Protocol):
+    """The worker's Prometheus page (``kvmesh.worker.metrics.WorkerMetrics``)."""
+
+    def render(self) -> str: ...
+
+
 class WorkerHttpApi:
     """The FastAPI app over one engine; request rules and answer shapes come from ``kvmesh.openai``."""
 
     def __init__(self, engine: Engine, *, model: str = "", tokenizer: Tokenizer | None = None,
-                 endpoint_id: str = "", default_max_tokens: int = 0) -> None:
+                 endpoint_id: str = "", default_max_tokens: int = 0, metrics: MetricsPage | None = None) -> None:
         self.engine = engine
+        self.metrics = metrics
         info = engine.info()
         self.model = model or info.model
         self.tokenizer = tokenizer
@@ -135,12 +143,19 @@ class WorkerHttpApi:
         app = FastAPI(title="kvmesh worker", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        if self.metrics is not None:
+            # Where vLLM serves it: scrapers pointed at a vLLM pod's serving port find the same page.
+            app.add_api_route("/metrics", self.metrics_page, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         install_error_handlers(app, headers=self._headers())
         return app
 
     # -- handlers
+    async def metrics_page(self) -> Response:
+        assert self.metrics is not None
+        return Response(self.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
     async def health(self) -> JSONResponse:
         ok = self.engine.healthy
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503,
@@ -373,9 +388,9 @@ class HttpApiServer:
         self._task = None
 
 
-async def start_http_api(engine: Engine, *, host: str = "0.0.0.0", port: int = 0, model: str = "",
+async def start_http_api(engine: Engine, *, host: str = "127.0.0.1", port: int = 0, model: str = "",
                          tokenizer: Tokenizer | str | None = None, endpoint_id: str = "",
-                         default_max_tokens: int = 0) -> HttpApiServer:
+                         default_max_tokens: int = 0, metrics: MetricsPage | None = None) -> HttpApiServer:
     """Start the worker's OpenAI HTTP API; returns the running server (``.port``, ``.stop()``).
 
     ``tokenizer`` is a loaded tokenizer or a HF tokenizer directory ('' / None =
@@ -383,7 +398,7 @@ async def start_http_api(engine: Engine, *, host: str = "0.0.0.0", port: int = 0
     """
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     api = WorkerHttpApi(engine, model=model, tokenizer=tok, endpoint_id=endpoint_id,
-                        default_max_tokens=default_max_tokens)
+                        default_max_tokens=default_max_tokens, metrics=metrics)
     server = HttpApiServer(api, host, port)
     await server.start()
     return server

@@ -7,6 +7,12 @@ kvmesh worker exposes the same names with the same labels
 metrics are read from ``Engine.load()`` at scrape time (a custom collector), so
 there is no polling loop and the numbers are never stale. Each worker owns its
 own ``CollectorRegistry`` so several workers can live in one test process.
+
+An engine that records vLLM's metrics itself (``Engine.vllm_metrics``: the real
+vLLM engine exports vLLM's own, the simulator records the same names) wins: a
+``vllm:*`` family it provides replaces the worker's copy, so every name appears
+once. The page is served on ``metrics_port`` and at ``/metrics`` of the HTTP API
+(the serving port, where vLLM serves it).
 """
 
 from __future__ import annotations
@@ -82,17 +88,44 @@ class _EngineCollector(Collector):
         yield g
 
 
+class _Merged(Collector):
+    """The engine's ``vllm:*`` families first, then the worker's families of other names."""
+
+    def __init__(self, engine_metrics: Collector | None, own: CollectorRegistry) -> None:
+        self.engine_metrics = engine_metrics
+        self.own = own
+
+    def collect(self) -> Iterator[object]:
+        seen: set[str] = set()
+        if self.engine_metrics is not None:
+            try:
+                fams = list(self.engine_metrics.collect())
+            except Exception as exc:  # noqa: BLE001 - a scrape must never fail because the engine did
+                log.debug("engine metrics unavailable", extra={"error": str(exc)})
+                fams = []
+            for fam in fams:
+                seen.add(fam.name)
+                yield fam
+        for fam in self.own.collect():
+            if fam.name not in seen:
+                yield fam
+
+
 class WorkerMetrics:
     """Request-level counters/histograms plus the engine collector, in one registry."""
 
     def __init__(self, engine: Engine, model_name: str, role: str, endpoint_id: str) -> None:
+        self._own = CollectorRegistry(auto_describe=False)
+        self._own.register(_EngineCollector(engine, model_name))
+        vllm_metrics = getattr(engine, "vllm_metrics", None)
+        self.engine_metrics: Collector | None = vllm_metrics(model_name) if vllm_metrics is not None else None
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(_EngineCollector(engine, model_name))
+        self.registry.register(_Merged(self.engine_metrics, self._own))
         self.model_name = model_name
         self.role = role
         lbl = ["model_name", "engine"]
         self._vl = (model_name, "0")
-        r = self.registry
+        r = self._own
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.", lbl, registry=r)
         self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.", lbl,
                                          registry=r)
@@ -131,7 +164,7 @@ class WorkerMetrics:
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``port`` (0 = off). Returns the port."""
         if port <= 0:
             return 0

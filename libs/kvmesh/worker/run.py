@@ -19,6 +19,7 @@ from typing import Any
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.registration import IndexerRegistration, advertised_zmq_endpoint, kv_events_fields
+from kvmesh.rpc import tls
 from kvmesh.rpc.ports import free_port
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
@@ -117,7 +118,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     servicer = WorkerServicer(engine, role=role, endpoint_id=endpoint_id, model_name=cfg.model_name,
                               default_max_tokens=cfg.default_max_tokens, metrics=metrics)
     server = ServiceServer(f"{role}-worker", [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=port, grace_s=cfg.grace_s, tls=cfg.tls))
     worker = Worker(cfg=cfg, engine=engine, server=server, servicer=servicer, metrics=metrics,
                     endpoint_id=endpoint_id, port=port)
     servicer.on_engine_dead = worker.mark_dead
@@ -133,9 +134,9 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     opened_replay = info.kv_events_replay_endpoint or cfg.kv_events_replay_endpoint
     servicer.kv_events_endpoint = advertised_zmq_endpoint(opened_events, cfg.advertise_host)
     servicer.kv_events_replay_endpoint = advertised_zmq_endpoint(opened_replay, cfg.advertise_host)
-    metrics.serve(cfg.metrics_port)
+    metrics.serve(cfg.metrics_port, host=cfg.host)
     if cfg.http_port >= 0:
-        worker.http = await _start_http(cfg, engine, endpoint_id)
+        worker.http = await _start_http(cfg, engine, endpoint_id, metrics)
         if worker.http is not None:
             servicer.http_address = f"{cfg.advertise_host}:{worker.http.port}"
     await server.set_ready(True)
@@ -157,7 +158,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     return worker
 
 
-async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str) -> Any:
+async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str, metrics: WorkerMetrics) -> Any:
     try:
         from kvmesh.worker import http_api
     except ImportError:
@@ -165,7 +166,7 @@ async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str) -> An
         return None
     return await http_api.start_http_api(engine, host=cfg.host, port=cfg.http_port, model=cfg.model_name,
                                          tokenizer=cfg.tokenizer or None, endpoint_id=endpoint_id,
-                                         default_max_tokens=cfg.default_max_tokens)
+                                         default_max_tokens=cfg.default_max_tokens, metrics=metrics)
 
 
 def parse_config(role: str, argv: list[str] | None) -> WorkerConfig:
@@ -194,6 +195,7 @@ def run_worker(role: str, argv: list[str] | None = None) -> int:
     async def amain() -> int:
         cfg = parse_config(role, argv)
         setup_tracing(f"kvmesh-{role}")
+        tls.set_default(cfg.tls, export=True)   # the vLLM engine core runs the offload connector
         worker = await start_worker(cfg)
         worker.server.install_signal_handlers()
         if worker.registration is not None:

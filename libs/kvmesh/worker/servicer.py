@@ -246,6 +246,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             msg.tool_calls.add(id=c.id, name=c.name, arguments=c.arguments)
                         if out.content is not None:
                             msg.content = out.content
+                        if out.truth is not None:
+                            t = out.truth
+                            msg.truth.CopyFrom(worker_pb2.CacheTruth(
+                                known=True, gpu_tokens=t.gpu_tokens, store_tokens=t.store_tokens,
+                                events_through=t.events_through))
                     yield msg
                     if out.finished:
                         break

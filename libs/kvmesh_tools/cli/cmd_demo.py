@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="enable the P/D split (the router then reports a split request's restored prefill KV "
                         "as offload hits, which inflates the hit rate of cache-blind policies)")
     p.add_argument("--redis", default="auto", choices=["auto", "on", "off"], help="indexer on Redis")
+    p.add_argument("--tls", default="on", choices=["on", "off"],
+                   help="mutual TLS between the services (default on: a throwaway CA under the logs folder)")
     p.add_argument("--out", default="out/demo", help="report, plots and logs go here")
     p.set_defaults(func=_run)
 
@@ -67,18 +69,25 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
+def _causes(mm: dict[str, int]) -> str:
+    """``12 (evicted 9, lag 3)``: mispredicted requests and their causes (kvmesh.routing.fidelity)."""
+    parts = [f"{k.replace('_', ' ')} {v}" for k, v in mm.items() if k != "requests" and v]
+    return f"{mm.get('requests', 0)}" + (f" ({', '.join(parts)})" if parts else "")
+
+
 def _table(rows: dict[str, dict[str, Any]]) -> None:
     from rich.table import Table
 
     t = Table(title="kvmesh demo: same agent workload, one fresh stack per policy")
     for col in ("policy", "hit rate", "gpu", "offload", "TTFT p50 s", "TTFT p90 s", "out tok/s", "req/s",
-                "pred==actual", "errors"):
+                "pred==actual", "mispredicted (causes)", "errors"):
         t.add_column(col, justify="right" if col != "policy" else "left")
     for pol, m in rows.items():
         pva = m["predicted_vs_actual"]["exact_share"]
         t.add_row(pol, f"{m['hit_rate']:.3f}", f"{m['gpu_hit_rate']:.3f}", f"{m['offload_hit_rate']:.3f}",
                   f"{m['ttft_s']['p50']}", f"{m['ttft_s']['p90']}", f"{m['output_tok_per_s']}",
-                  f"{m['requests_per_s']}", "-" if pva is None else f"{pva:.2f}", str(m["errors"]))
+                  f"{m['requests_per_s']}", "-" if pva is None else f"{pva:.2f}", _causes(m.get("mismatches") or {}),
+                  str(m["errors"]))
     _console().print(t)
 
 
@@ -111,12 +120,12 @@ def _run(args: argparse.Namespace) -> int:
             cfg = StackConfig(decode_workers=args.decode_workers, prefill_workers=args.prefill_workers,
                               redis=args.redis, num_blocks=args.num_blocks, time_scale=args.time_scale,
                               offload_ram_bytes=args.offload_ram_bytes, split=args.split,
-                              policy=pol, log_dir=str(out / "logs" / pol))
+                              policy=pol, log_dir=str(out / "logs" / pol), tls=args.tls)
             print(f"[{pol}] starting a fresh stack ...", flush=True)
             with LocalStack(cfg) as stack:
-                rc = ReplayConfig(target=stack.router_address, time_scale=args.time_scale,
+                rc = ReplayConfig(target=stack.router_address, api_key=stack.api_key, time_scale=args.time_scale,
                                   concurrency=args.concurrency, vocab_size=cfg.vocab_size, start_window_s=5.0,
-                                  seed=args.seed, progress=True)
+                                  seed=args.seed, progress=True, tls=stack.client_tls())
                 res = asyncio.run(run_replay(trace, rc, label=pol))
             results[pol] = res.metrics
             records[pol] = res.records

@@ -27,15 +27,20 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run)
 
 
-def banner(d: dict[str, object], model: str) -> str:
+def banner(d: dict[str, object], model: str, api_key: str = "") -> str:
     """What a user needs to point a client at the stack, printed once it is up."""
+    auth = f" -H 'authorization: Bearer {api_key}'" if api_key else ""
     return "\n".join([
         "",
         "kvmesh is serving (Ctrl-C to stop)",
         f"  OpenAI base URL   {d['router_http']}/v1      model: {model}",
-        f"  try it            curl {d['router_http']}/v1/chat/completions -H 'content-type: application/json' "
+        (f"  API key           {api_key}   (also in {d['api_key_file']}; OPENAI_API_KEY / ANTHROPIC_API_KEY)"
+         if api_key else "  API key           none: AUTH IS OFF (--auth off), anyone reaching the ports is served"),
+        f"  try it            curl {d['router_http']}/v1/chat/completions -H 'content-type: application/json'{auth} "
         f"-d '{{\"model\": \"{model}\", \"messages\": [{{\"role\": \"user\", \"content\": \"hi\"}}]}}'",
         f"  router gRPC       {d['router_grpc']}",
+        *([f"  mutual TLS        on; CA {d['tls']['ca']}, admin identity {d['tls']['admin_cert']} "
+           f"(--tls off for plaintext)"] if isinstance(d.get("tls"), dict) else ["  mutual TLS        off"]),
         *([f"  router replicas   {', '.join(map(str, d['routers_http']))} behind Envoy (admin {d['envoy_admin']})"]
           if d.get("envoy_admin") else []),
         f"  metrics           {d['router_metrics']}",
@@ -63,7 +68,8 @@ def _run(args: argparse.Namespace) -> int:
         stack.start()
         d = stack.describe()
         print(json.dumps(d, indent=1))
-        print(banner(d, cfg.model), flush=True)
+        print(f"stack description (addresses, pids) in {stack.write_description()}")
+        print(banner(d, cfg.model, stack.api_key), flush=True)
         while True:
             dead = [sp.name for sp in stack.procs if not sp.alive()]
             if stack.envoy is not None and not stack.envoy.alive():

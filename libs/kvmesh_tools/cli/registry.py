@@ -23,12 +23,15 @@ Register = Callable[[argparse._SubParsersAction], None]
 COMMANDS: LazyRegistry[Register] = LazyRegistry("kvmesh command", {
     "analyze": ("kvmesh_tools.cli.cmd_analyze", "register"),
     "bench": ("kvmesh_tools.cli.cmd_bench", "register"),
+    "certs": ("kvmesh_tools.cli.cmd_certs", "register"),
     "demo": ("kvmesh_tools.cli.cmd_demo", "register"),
+    "fuzz": ("kvmesh_tools.cli.cmd_fuzz", "register"),
     "hash": ("kvmesh_tools.cli.cmd_hash", "register"),
     "model": ("kvmesh_tools.cli.cmd_model", "register"),
     "replay": ("kvmesh_tools.cli.cmd_replay", "register"),
     "serve": ("kvmesh_tools.cli.cmd_serve", "register"),
     "simulate": ("kvmesh_tools.cli.cmd_simulate", "register"),
+    "soak": ("kvmesh_tools.cli.cmd_soak", "register"),
     "up": ("kvmesh_tools.cli.cmd_up", "register"),
 })
 

@@ -18,10 +18,10 @@ COLUMNS = [
     ("ttft_p99_s", "p99 s"), ("output_tok_per_s", "out tok/s"), ("load_imbalance", "imbalance"),
     ("preemptions", "preempt"), ("requests", "requests"), ("wall_s", "wall s"),
 ]
-# Mispredicted requests and their classes (kvmesh_tools.clustersim.mismatch).
+# Mispredicted requests and their classes (kvmesh.routing.fidelity).
 MISMATCH_COLUMNS = [("requests", "mispred"), ("evicted", "evicted"), ("filled", "filled"), ("lag", "lag"),
-                    ("speculative", "spec"), ("view_bug", "view bug"), ("no_index", "no index"),
-                    ("split", "split")]
+                    ("speculative", "spec"), ("lookup_timeout", "lookup t/o"), ("view_bug", "view bug"),
+                    ("no_index", "no index"), ("split", "split"), ("unknown", "unknown")]
 
 
 def _console():

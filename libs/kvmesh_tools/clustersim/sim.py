@@ -30,6 +30,7 @@ import numpy as np
 
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
+from kvmesh.routing.fidelity import ViewAtDecision, classify, count
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_id
@@ -38,7 +39,6 @@ from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, 
 from kvmesh.worker.engine.sim.latency import LatencyParams
 from kvmesh.worker.engine.sim.scheduler import SchedulerConfig, Seq
 from kvmesh_tools.clustersim.config import SimConfig
-from kvmesh_tools.clustersim.mismatch import ViewAtDecision, classify, count
 from kvmesh_tools.clustersim.parts import SimOffload, SimWorker, WorkerSpec
 from kvmesh_tools.traffic.model import Request, Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleRunner

@@ -15,6 +15,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from kvmesh.routing.fidelity import count
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 from kvmesh_tools.replay.transport import Call, GrpcTransport, HttpTransport, Outcome
 from kvmesh_tools.traffic.model import Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleOptions, ScheduleRunner, build_schedule
@@ -30,6 +32,8 @@ class ReplayConfig:
     target: str = field(default="127.0.0.1:50050", metadata={
         "help": "router address: HOST:PORT (grpc) or http://HOST:PORT (http)"})
     api: str = field(default="grpc", metadata={"help": "grpc | http"})
+    api_key: str = field(default="", metadata={
+        "help": "the router's API key (Bearer); `kvmesh up` prints it and writes it to <log_dir>/auth/api-key"})
     model: str = field(default="", metadata={"help": "model name ('' = the router's first model)"})
     time_scale: float = field(default=1.0, metadata={"help": "replay this many times faster than recorded"})
     concurrency: int = field(default=64, metadata={"help": "max requests in flight"})
@@ -43,6 +47,8 @@ class ReplayConfig:
     max_think_s: float | None = field(default=3600.0, metadata={"help": "cap one recorded gap (recorded s)"})
     seed: int = field(default=0, metadata={"help": "seed for session starts"})
     progress: bool = field(default=True, metadata={"help": "show a progress bar"})
+    # grpc api: the client identity for a router that runs mutual TLS (--tls-cert/--tls-key/--tls-ca).
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
 
 
 @dataclass
@@ -101,6 +107,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
             "exact_share": round(sum(1 for p, a in pred if p == a) / len(pred), 4) if pred else None,
             "mean_abs_diff_tokens": round(sum(abs(p - a) for p, a in pred) / len(pred), 2) if pred else None,
         },
+        # Each missed prediction's cause, as the router classified it (kvmesh.routing.fidelity).
+        "mismatches": count([r.get("mismatch", "") for r in ok if r["predicted"] is not None]),
         "split_requests": sum(1 for r in ok if r["split"]),
         # A split request's usage is the decode worker's, whose "offload" hit includes the KV the prefill
         # worker just computed; this rate leaves those requests out.
@@ -137,10 +145,11 @@ async def run_replay(trace: Trace, cfg: ReplayConfig, schedule: Schedule | None 
     schedule = schedule or build_schedule(trace, ScheduleOptions(
         mode=cfg.mode, start_window_s=cfg.start_window_s, max_think_s=cfg.max_think_s, seed=cfg.seed))
     if cfg.api == "grpc":
-        transport: GrpcTransport | HttpTransport = GrpcTransport(cfg.target, cfg.model, cfg.timeout_s)
+        transport: GrpcTransport | HttpTransport = GrpcTransport(cfg.target, cfg.model, cfg.timeout_s, cfg.tls,
+                                                                 cfg.api_key)
     else:
         base = cfg.target if cfg.target.startswith("http") else f"http://{cfg.target}"
-        transport = HttpTransport(base, cfg.model, cfg.timeout_s)
+        transport = HttpTransport(base, cfg.model, cfg.timeout_s, cfg.api_key)
     try:
         if not cfg.model:
             models = await transport.models()
@@ -192,7 +201,8 @@ async def _drive(trace: Trace, schedule: Schedule, cfg: ReplayConfig, transport:
             "ttft_s": ttft, "itl_s": itl, "e2e_s": round(done_rel - sent_rel, 5),
             "prompt_tokens": out.prompt_tokens, "output_tokens": out.output_tokens, "cached": out.cached,
             "cached_gpu": out.cached_gpu, "cached_offload": out.cached_offload, "predicted": out.predicted,
-            "endpoint": out.endpoint, "split": out.split, "error": out.error})
+            "endpoint": out.endpoint, "split": out.split, "mismatch": out.mismatch,
+            "error": out.error})
         if out.error:
             log.warning("replay request failed", extra={"uid": req.uid, "error": out.error})
         for item in runner.complete(idx, done_rel):

@@ -13,6 +13,7 @@ import grpc
 import httpx
 
 from kvmesh.rpc.channel import aio_channel
+from kvmesh.rpc.tls import TlsConfig
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 
@@ -31,6 +32,7 @@ class Outcome:
     predicted: int | None = None
     endpoint: str = ""
     split: bool = False
+    mismatch: str = ""   # why predicted != cached (kvmesh.routing.fidelity), "" when equal
     error: str = ""
 
 
@@ -44,15 +46,18 @@ class Call:
 
 
 class GrpcTransport:
-    def __init__(self, target: str, model: str, timeout_s: float) -> None:
+    def __init__(self, target: str, model: str, timeout_s: float, tls: TlsConfig | None = None,
+                 api_key: str = "") -> None:
         self.target = target
         self.model = model
         self.timeout_s = timeout_s
-        self.channel = aio_channel(target)
+        self.channel = aio_channel(target, tls=tls)
         self.stub = router_pb2_grpc.RouterStub(self.channel)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def models(self) -> list[str]:
-        resp = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s)
+        resp = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s,
+                                          metadata=self.metadata)
         return [m.id for m in resp.models]
 
     async def call(self, c: Call) -> Outcome:
@@ -62,7 +67,7 @@ class GrpcTransport:
             sampling=common_pb2.SamplingParams(max_tokens=c.max_tokens, ignore_eos=True, temperature=0.0),
             session_id=c.session_id, policy=c.policy)
         try:
-            async for msg in self.stub.Generate(req, timeout=self.timeout_s):
+            async for msg in self.stub.Generate(req, timeout=self.timeout_s, metadata=self.metadata):
                 now = time.monotonic()
                 if msg.HasField("chunk"):
                     if msg.chunk.token_ids:
@@ -81,6 +86,7 @@ class GrpcTransport:
                     out.predicted = f.routing.predicted_cached_tokens
                     out.endpoint = f.routing.endpoint
                     out.split = f.routing.split
+                    out.mismatch = f.routing.mismatch
         except grpc.aio.AioRpcError as exc:
             out.error = f"{exc.code().name}: {exc.details()}"
         if out.finish is None and not out.error:
@@ -94,10 +100,11 @@ class GrpcTransport:
 class HttpTransport:
     """OpenAI ``/v1/completions`` with a token-id prompt, streamed, usage included."""
 
-    def __init__(self, base_url: str, model: str, timeout_s: float) -> None:
+    def __init__(self, base_url: str, model: str, timeout_s: float, api_key: str = "") -> None:
         self.base = base_url.rstrip("/")
         self.model = model
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1024))
+        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1024),
+                                        headers={"authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def models(self) -> list[str]:
         r = await self.client.get(f"{self.base}/v1/models")
@@ -140,6 +147,7 @@ class HttpTransport:
                         out.predicted = k.get("predicted_cached_tokens")
                         out.endpoint = k.get("endpoint", "")
                         out.split = bool(k.get("split"))
+                        out.mismatch = k.get("mismatch", "")
                     if doc.get("usage"):
                         u = doc["usage"]
                         d = u.get("prompt_tokens_details") or {}

@@ -8,12 +8,17 @@ own process group (``ServiceProcess``), so a Ctrl-C in the terminal reaches only
 this launcher, which then drains every child with SIGTERM (SIGKILL after a grace).
 With ``routers`` >= 2 the router runs as that many replicas behind the shipped Envoy
 (``kvmesh_tools.stack.envoy``), whose front door retries a try on another replica when one
-refuses or drops the connection before answering.
+refuses or drops the connection before answering. With ``tls`` on (the default) every gRPC hop
+runs mutual TLS: a throwaway CA under ``log_dir/certs`` issues each service its own SPIFFE
+identity (``kvmesh_tools.stack.certs``), and readiness probes and ``client_tls()`` use the
+admin identity.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import logging
+import os
 import shutil
 import time
 from collections.abc import Callable
@@ -21,12 +26,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
+from kvmesh.rpc.tls import TlsConfig
+from kvmesh_tools.stack.certs import CertAuthority, Issued
 from kvmesh_tools.stack.envoy import ROUTERS, EnvoyProcess, render_config, start_envoy
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from kvmesh_tools.testing.redis_server import RedisProcess
 
 log = logging.getLogger(__name__)
+
+
+OFFLOAD_ID = "offload-0"
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 @dataclass
@@ -56,7 +74,14 @@ class StackConfig:
         "help": "OpenAI HTTP port: the router's, or Envoy's front door with 2+ routers (0 = free port)"})
     metrics_port: int = field(default=0, metadata={"help": "(first) router Prometheus /metrics port (0 = free port)"})
     log_dir: str = field(default="out/stack", metadata={"help": "service logs go here"})
+    auth: str = field(default="keys", metadata={
+        "choices": ["keys", "off"],
+        "help": "router front door: keys = a fresh API key (tenant 'local') in log_dir/auth/api-key, needed by "
+                "every client; off = no authentication (logged loudly by the router)"})
     start_timeout_s: float = field(default=120.0, metadata={"help": "max wait for a service to be SERVING"})
+    tls: str = field(default="on", metadata={
+        "help": "mutual TLS on every gRPC hop: on (a throwaway CA and certificates under log_dir/certs) | off",
+        "choices": ["on", "off"]})
 
 
 @dataclass
@@ -75,20 +100,39 @@ class LocalStack:
     offload_address: str = ""
     decode_addresses: dict[str, str] = field(default_factory=dict)
     prefill_addresses: dict[str, str] = field(default_factory=dict)
+    api_key: str = ""            # the stack's API key ('' with auth off)
+    api_key_file: str = ""       # where it is written (mode 0600)
+    ca: CertAuthority | None = None
+    admin: Issued | None = None
 
     # ------------------------------------------------------------------ helpers
-    def _svc(self, name: str, tag: str, ports: Callable[[], list[str]], port: int = 0) -> ServiceProcess:
+    def client_tls(self) -> TlsConfig:
+        """The identity a client of this stack's gRPC services presents (admin; plaintext if TLS is off)."""
+        return self.admin.tls_config() if self.admin is not None else TlsConfig(tls="off")
+
+    def _identity(self, role: str, ident: str) -> list[str]:
+        """``--tls*`` flags of a service with identity ``role/ident`` (none with TLS off)."""
+        if self.ca is None:
+            return []
+        return self.ca.issue(role, ident, dns_names=[self.cfg.host] if not _is_ip(self.cfg.host) else [],
+                             ips=[self.cfg.host] if _is_ip(self.cfg.host) else []).flags()
+
+    def _svc(self, name: str, tag: str, ports: Callable[[], list[str]], port: int = 0,
+             identity: tuple[str, str] | None = None) -> ServiceProcess:
         """A service whose ``ports()`` builds its args on freshly picked ports (``port`` pins the
-        gRPC port instead); the args' ``--port`` is the gRPC port. See ``ServiceProcess.ports``."""
+        gRPC port instead); the args' ``--port`` is the gRPC port. See ``ServiceProcess.ports``.
+        ``identity`` (role, id) is its mTLS identity when TLS is on."""
         logs = Path(self.cfg.log_dir)
         logs.mkdir(parents=True, exist_ok=True)
+        tls_flags = self._identity(*identity) if identity else []
 
         def fresh() -> tuple[list[str], str]:
-            args = ["--port", str(port or free_port()), *ports()]
+            args = ["--port", str(port or free_port()), *ports(), *tls_flags]
             return args, f"{self.cfg.host}:{args[1]}"
 
         sp = ServiceProcess.on_fresh_ports(name, fresh, log_path=logs / f"{tag}.log",
-                                           env={"KVMESH_LOG_FORMAT": "text"})
+                                           env={"KVMESH_LOG_FORMAT": "text"},
+                                           tls=self.admin.tls_config() if self.admin is not None else None)
         self.procs.append(sp)
         return sp
 
@@ -115,16 +159,24 @@ class LocalStack:
 
     def _start(self, c: StackConfig) -> None:
         h = c.host
+        if c.tls not in ("on", "off"):
+            raise ValueError(f"tls must be on or off, got {c.tls!r}")
+        if c.tls == "on":
+            self.ca = CertAuthority(Path(c.log_dir) / "certs")
+            self.admin = self.ca.issue("admin", "stack")
         idx_args = ["--host", h, "--default-block-size", str(c.block_size), "--default-model", c.model]
         if self._use_redis():
             self.redis = RedisProcess().start()
             idx_args += ["--backend", "redis", "--redis-url", self.redis.url]
-        self.indexer_address = self._svc("indexer", "indexer", lambda: idx_args).start(c.start_timeout_s).grpc_address
+        self.indexer_address = self._svc("indexer", "indexer", lambda: idx_args,
+                                         identity=("indexer", "indexer")).start(c.start_timeout_s).grpc_address
 
         self.offload_address = self._svc(
             "offload", "offload",
             lambda: ["--host", h, "--advertise-host", h, "--ram-capacity-bytes", str(c.offload_ram_bytes),
-                     "--indexer-address", self.indexer_address, "--events-endpoint", f"tcp://{h}:{free_port()}"],
+                     "--indexer-address", self.indexer_address, "--events-endpoint", f"tcp://{h}:{free_port()}",
+                     "--endpoint-id", OFFLOAD_ID],
+            identity=("store", OFFLOAD_ID),
         ).start(c.start_timeout_s).grpc_address
 
         workers: list[tuple[dict[str, str], str, ServiceProcess]] = []
@@ -138,14 +190,15 @@ class LocalStack:
                         "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
                 sp = self._svc(role, ep, lambda args=args: [
                     *args, "--kv-events-endpoint", f"tcp://{h}:{free_port()}",
-                    "--kv-events-replay-endpoint", f"tcp://{h}:{free_port()}"])
+                    "--kv-events-replay-endpoint", f"tcp://{h}:{free_port()}"], identity=("worker", ep))
                 workers.append((book, ep, sp.start(wait=False)))
         for book, ep, sp in workers:
             sp.wait_ready(c.start_timeout_s)
             book[ep] = sp.grpc_address
 
         self.model_dir = self._model_dir()
-        args = ["--host", h, "--model", c.model, "--tokenizer-path", self.model_dir,
+        auth_args = self._auth_args()
+        args = [*auth_args, "--host", h, "--model", c.model, "--tokenizer-path", self.model_dir,
                 "--block-size", str(c.block_size), "--vocab-size", str(c.vocab_size), "--policy", c.policy,
                 # approx, the baseline, is told the workers' real capacity (fair to it).
                 "--approx-capacity-blocks", str(c.num_blocks),
@@ -167,7 +220,7 @@ class LocalStack:
                 lambda pinned_http=pinned_http, first=first: [
                     *args, "--http-port", str(pinned_http or free_port()),
                     "--metrics-port", str((c.metrics_port if first else 0) or free_port())],
-                port=c.router_port if first else 0).start(c.start_timeout_s)
+                port=c.router_port if first else 0, identity=("router", f"router-{i + 1}")).start(c.start_timeout_s)
             self.router_addresses.append(router.grpc_address)
             http_ports.append(int(router.args[router.args.index("--http-port") + 1]))
             self.router_http_addresses.append(f"http://{h}:{http_ports[-1]}")
@@ -180,6 +233,30 @@ class LocalStack:
                                 listen_ports={ROUTERS: c.http_port} if c.http_port else None)
             self.envoy = start_envoy(cfg, Path(self.cfg.log_dir), "envoy", timeout_s=c.start_timeout_s)
             self.http_address = self.envoy.routers_base
+
+    def _auth_args(self) -> list[str]:
+        """The routers' front-door flags; with keys, a fresh key and salt secret under log_dir/auth."""
+        if self.cfg.auth not in ("keys", "off"):
+            raise ValueError(f"auth must be keys or off, got {self.cfg.auth!r}")
+        if self.cfg.auth == "off":
+            return ["--auth", "off"]
+        from kvmesh.api_keys import add_key, write_secret
+
+        d = Path(self.cfg.log_dir).resolve() / "auth"
+        d.mkdir(parents=True, exist_ok=True)
+        keys, secret, key_file = d / "api-keys", d / "salt-secret", d / "api-key"
+        keys.unlink(missing_ok=True)     # a fresh key per stack: an old one stops working
+        self.api_key = add_key(keys, "local")
+        fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(self.api_key + "\n")
+        self.api_key_file = str(key_file)
+        write_secret(secret)
+        return ["--auth", "keys", "--api-keys-file", str(keys), "--salt-secret-file", str(secret)]
+
+    def auth_headers(self) -> dict[str, str]:
+        """The HTTP headers a client of this stack sends (none with auth off)."""
+        return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _model_dir(self) -> str:
         """The router's tokenizer: without one it refuses every text request (chat or prompt)."""
@@ -218,8 +295,31 @@ class LocalStack:
                 "envoy_admin": f"http://{self.cfg.host}:{self.envoy.admin_port}" if self.envoy else "", "model_dir": self.model_dir,
                 "indexer": self.indexer_address, "indexer_backend": "redis" if self.redis else "memory",
                 "redis": self.redis.url if self.redis else "", "offload": self.offload_address,
+                "auth": self.cfg.auth, "api_key_file": self.api_key_file,
                 "decode": dict(self.decode_addresses), "prefill": dict(self.prefill_addresses),
-                "logs": str(Path(self.cfg.log_dir).resolve())}
+                "logs": str(Path(self.cfg.log_dir).resolve()),
+                "tls": ({"ca": str(self.admin.ca.resolve()), "admin_cert": str(self.admin.cert.resolve()),
+                         "admin_key": str(self.admin.key.resolve())} if self.admin is not None else "off")}
+
+    def pids(self) -> dict[str, int]:
+        """Every running service's process id, by its log name (``decode-0``, ``offload``, ...)."""
+        out = {(sp.log_path.stem if sp.log_path else sp.name): sp.proc.pid
+               for sp in self.procs if sp.proc is not None and sp.alive()}
+        if self.redis is not None and getattr(self.redis, "proc", None) is not None:
+            out["redis"] = self.redis.proc.pid
+        if self.envoy is not None and getattr(self.envoy, "proc", None) is not None:
+            out["envoy"] = self.envoy.proc.pid
+        return out
+
+    def write_description(self, path: str | Path | None = None) -> Path:
+        """``stack.json`` in the log dir: the addresses of ``describe()`` and every service's pid,
+        for tools that attach to a running stack (``kvmesh soak``)."""
+        import json
+
+        p = Path(path) if path is not None else Path(self.cfg.log_dir) / "stack.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({**self.describe(), "pids": self.pids()}, indent=1))
+        return p
 
     def __enter__(self) -> LocalStack:
         return self.start()

@@ -20,13 +20,18 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.rpc.tls import TlsConfig, plaintext, sync_channel
+
 
 def wait_for_serving(address: str, timeout_s: float = 60.0, service: str = "",
-                     proc: subprocess.Popen | None = None) -> None:
-    """Block until ``address`` reports SERVING for ``service``; raise on timeout or early exit."""
+                     proc: subprocess.Popen | None = None, tls: TlsConfig | None = None) -> None:
+    """Block until ``address`` reports SERVING for ``service``; raise on timeout or early exit.
+
+    ``tls``: the identity to probe with when the service runs mutual TLS (default: plaintext).
+    """
     deadline = time.monotonic() + timeout_s
     last: object = None
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address, tls or plaintext()) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
             if proc is not None and proc.poll() is not None:
@@ -70,6 +75,7 @@ class ServiceProcess:
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
     ports: Callable[[], tuple[list[str], str]] | None = None
+    tls: TlsConfig | None = None   # the identity readiness probes use, when the service runs mTLS
     _log_offset: int = 0
 
     @classmethod
@@ -106,7 +112,7 @@ class ServiceProcess:
     def wait_ready(self, timeout_s: float = 60.0) -> None:
         for attempt in range(1, BIND_ATTEMPTS + 1):
             try:
-                wait_for_serving(self.grpc_address, timeout_s, proc=self.proc)
+                wait_for_serving(self.grpc_address, timeout_s, proc=self.proc, tls=self.tls)
                 # SERVING may have come from whoever took the port first; ours must still run.
                 if self.proc is not None and self.proc.poll() is not None:
                     raise RuntimeError(f"{self.name} exited with {self.proc.returncode} while another "

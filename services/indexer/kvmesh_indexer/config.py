@@ -19,9 +19,11 @@ from typing import Any, ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
+from kvmesh_indexer.central_socket import check_replay_template
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
 
-BACKENDS = ("memory", "redis")
+BACKENDS = ("memory", "redis", "redis-cluster")
 
 
 @dataclass
@@ -43,17 +45,24 @@ class EngineConfig:
 class IndexerConfig:
     ENV_PREFIX: ClassVar[str] = "KVMESH_INDEXER_"
 
-    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "listen host of gRPC and /metrics (0.0.0.0 = every interface; loopback by default)"})
     port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
-    backend: str = field(default="memory", metadata={"help": "index backend: memory | redis"})
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    backend: str = field(default="memory", metadata={
+        "help": "index backend: memory | redis | redis-cluster (redis with a redis+cluster:// URL = redis-cluster)"})
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
-        "help": "redis:// or rediss:// URL (user:password@ for AUTH)"})
+        "help": "redis:// or rediss:// URL (user:password@ for AUTH); for a cluster "
+                "redis+cluster://host:port[,host:port...] (or rediss+cluster://)"})
     redis_namespace: str = field(default="kvm", metadata={"help": "key prefix in Redis"})
     redis_timeout_s: float = field(default=0.5, metadata={"help": "Redis socket timeout per call"})
     redis_probe_stride: int = field(default=32, metadata={
         "help": "Redis lookups read every Nth block of prefix-closed endpoints, then one gap per run end"})
+    redis_anchor_depth: int = field(default=64, metadata={
+        "help": "redis-cluster: blocks of a chain below this depth live on its first block's shard, the rest on "
+                "the shard of its block at this depth (a lookup touches <= 2 shards); set it past shared prefixes"})
     max_entries: int = field(default=20_000_000, metadata={
         "help": "memory backend: block-endpoint-tier entry budget (LRU eviction beyond it; 0 = unbounded)"})
     models: str = field(default="", metadata={"help": "models: JSON list or NAME@BLOCK_SIZE@ALGO[@SEED],..."})
@@ -65,6 +74,18 @@ class IndexerConfig:
     store_models: str = field(default="any,*", metadata={
         "help": "model names meaning 'every model' (offload stores): their blocks answer every model's lookup"})
     engines: str = field(default="", metadata={"help": "static engines: JSON list or ID@MODEL@ZMQ[@REPLAY][@bind],..."})
+    kv_events_bind: str = field(default="", metadata={
+        "help": "central KV-event socket(s) engines connect to, e.g. tcp://0.0.0.0:5557 (comma list; empty = off); "
+                "endpoints are named by the topic kv@<pod-ip>:<port>@<model>"})
+    kv_events_replay: str = field(default="", metadata={
+        "help": "replay address of central-socket engines from their topic's endpoint, e.g. tcp://{host}:5558 "
+                "(fields {endpoint} {host} {port}; empty = no replay)"})
+    kv_events_max_endpoints: int = field(default=1024, metadata={
+        "help": "central socket: most endpoints admitted (later topics are counted as rejected)"})
+    kv_events_idle_purge_s: float = field(default=0.0, metadata={
+        "help": "central socket: purge an endpoint silent this long (0 = never)"})
+    kv_events_hash_algo: str = field(default="", metadata={
+        "help": "central socket: engines' --prefix-caching-hash-algo (empty = the model's)"})
     heartbeat_ttl_s: float = field(default=10.0, metadata={"help": "default heartbeat TTL of registered endpoints"})
     lookup_timeout_s: float = field(default=1.0, metadata={"help": "max time a Lookup waits for the backend"})
     replay_timeout_s: float = field(default=2.0, metadata={"help": "max time for one replay request"})
@@ -75,8 +96,16 @@ class IndexerConfig:
     def validate(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError(f"setting 'backend': {self.backend!r} is not one of {', '.join(BACKENDS)}")
+        if self.backend == "redis" and self.redis_url.startswith(("redis+cluster://", "rediss+cluster://")):
+            self.backend = "redis-cluster"
         if self.backend == "redis" and not self.redis_url.startswith(("redis://", "rediss://", "unix://")):
             raise ConfigError(f"setting 'redis_url': {self.redis_url!r} must start with redis:// or rediss://")
+        if self.backend == "redis-cluster":
+            if not self.redis_url.startswith(("redis+cluster://", "rediss+cluster://")):
+                raise ConfigError(f"setting 'redis_url': {self.redis_url!r} must start with redis+cluster:// or "
+                                  "rediss+cluster:// for backend redis-cluster")
+            if self.redis_anchor_depth < 1:
+                raise ConfigError("setting 'redis_anchor_depth' must be >= 1")
         for name in ("heartbeat_ttl_s", "lookup_timeout_s", "replay_timeout_s", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0")
@@ -92,12 +121,35 @@ class IndexerConfig:
             HashAlgo.parse(self.default_hash_algo)
         except ValueError as exc:
             raise ConfigError(f"setting 'default_hash_algo': {exc}") from None
+        self.central_binds()
+        if self.kv_events_replay:
+            try:
+                check_replay_template(self.kv_events_replay)
+            except ValueError as exc:
+                raise ConfigError(f"setting 'kv_events_replay': {exc}") from None
+        if self.kv_events_max_endpoints < 1:
+            raise ConfigError("setting 'kv_events_max_endpoints' must be >= 1")
+        if self.kv_events_idle_purge_s < 0:
+            raise ConfigError("setting 'kv_events_idle_purge_s' must be >= 0")
+        if self.kv_events_hash_algo:
+            try:
+                HashAlgo.parse(self.kv_events_hash_algo)
+            except ValueError as exc:
+                raise ConfigError(f"setting 'kv_events_hash_algo': {exc}") from None
         models = self.model_specs()
         if self.default_model and self.default_model not in models and not self.auto_models:
             raise ConfigError(f"setting 'default_model': {self.default_model!r} is not in 'models'")
         self.engine_configs(models)
 
     # ---- parsed views --------------------------------------------------------------------
+    def central_binds(self) -> list[str]:
+        binds = [b.strip() for b in self.kv_events_bind.split(",") if b.strip()]
+        for b in binds:
+            # vLLM connects its PUB only to a tcp address without '*' (it binds ipc/inproc itself).
+            if not b.startswith("tcp://"):
+                raise ConfigError(f"setting 'kv_events_bind': {b!r} must be tcp://host:port (engines connect to it)")
+        return binds
+
     def store_model_names(self) -> set[str]:
         return {m.strip() for m in self.store_models.split(",") if m.strip()}
 

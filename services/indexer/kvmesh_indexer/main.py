@@ -1,7 +1,8 @@
 """``kvmesh serve indexer``: the cluster-wide KV block index service.
 
 Builds the configured backend (embedded memory by default, or Redis), wraps it
-with metrics/tracing, subscribes to the statically configured engines, serves
+with metrics/tracing, subscribes to the statically configured engines and/or
+binds the central socket engines connect to (``central_socket``), serves
 the ``Indexer`` gRPC API and purges endpoints whose heartbeats stop.
 """
 
@@ -13,16 +14,19 @@ import contextlib
 import logging
 from dataclasses import dataclass
 
+import redis
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.index.base import BlockIndex
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.logs import setup_logging
+from kvmesh.rpc import tls
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh_indexer.central_socket import CentralSocket
 from kvmesh_indexer.config import IndexerConfig
 from kvmesh_indexer.ingest import Ingestor
 from kvmesh_indexer.keys import ModelSpec
@@ -37,6 +41,20 @@ SERVICE_NAME = indexer_pb2.DESCRIPTOR.services_by_name["Indexer"].full_name
 
 
 def build_index(cfg: IndexerConfig) -> BlockIndex:
+    if cfg.backend == "redis-cluster":
+        from kvmesh_indexer.redis_cluster_backend import RedisClusterIndex
+
+        try:
+            cindex = RedisClusterIndex(cfg.redis_url, namespace=cfg.redis_namespace, timeout_s=cfg.redis_timeout_s,
+                                       anchor_depth=cfg.redis_anchor_depth)
+            cindex.check_auth()
+        except (ValueError, redis.RedisError, redis.exceptions.RedisClusterException) as exc:
+            raise ConfigError(f"setting 'redis_url': {exc}") from None
+        try:
+            cindex.check_layout()
+        except ValueError as exc:
+            raise ConfigError(f"setting 'redis_namespace': {exc}") from None
+        return cindex
     if cfg.backend == "redis":
         from kvmesh_indexer.redis_backend import RedisIndex
 
@@ -64,6 +82,7 @@ class IndexerApp:
     pump: IngestPump
     subscriber: ZmqSubscriber
     metrics: IndexMetrics
+    central: CentralSocket | None = None
     _sweeper: asyncio.Task | None = None
 
     @property
@@ -73,6 +92,13 @@ class IndexerApp:
     async def start(self) -> int:
         port = await self.server.start()
         await self.pump.start()
+        if self.central is not None:
+            try:
+                self.servicer.central_bound = await self.central.start()
+            except ValueError as exc:
+                await self.server.stop(0)
+                await self.pump.close()
+                raise ConfigError(f"setting 'kv_events_bind': {exc}") from None
         for eng in self.cfg.engine_configs(self.servicer.models):
             await self.servicer.add_static_engine(eng)
         if not await asyncio.to_thread(self.servicer.index.ping):
@@ -82,7 +108,8 @@ class IndexerApp:
         await self.server.set_ready(True)
         log.info("indexer ready", extra={"port": port, "backend": self.cfg.backend,
                                          "models": sorted(self.servicer.models),
-                                         "engines": len(self.subscriber.subs)})
+                                         "engines": len(self.subscriber.subs),
+                                         "central": self.servicer.central_bound})
         return port
 
     async def _sweep_loop(self) -> None:
@@ -100,6 +127,8 @@ class IndexerApp:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sweeper
         await self.server.stop(grace_s)
+        if self.central is not None:
+            await self.central.close()
         await self.subscriber.close()
         await self.pump.close()
         self.servicer.index.close()
@@ -122,19 +151,26 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)
     registry.register(StateCollector(index.stats, servicer.freshness))
     server = ServiceServer("indexer", [(indexer_pb2_grpc.add_IndexerServicer_to_server, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
-    return IndexerApp(cfg, servicer, server, pump, subscriber, metrics)
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
+    central = None
+    if cfg.central_binds():
+        central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
+                                max_endpoints=cfg.kv_events_max_endpoints, idle_purge_s=cfg.kv_events_idle_purge_s)
+    return IndexerApp(cfg, servicer, server, pump, subscriber, metrics, central)
 
 
 async def serve(cfg: IndexerConfig) -> int:
     setup_tracing("kvmesh-indexer")
+    tls.set_default(cfg.tls)
     app = build_app(cfg, REGISTRY)
     await app.start()
     app.server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     try:
         await app.server.wait()
     finally:
+        if app.central is not None:
+            await app.central.close()
         await app.subscriber.close()
         await app.pump.close()
         app.servicer.index.close()

@@ -46,6 +46,9 @@ class IndexMetrics:
                                ["endpoint"], registry=registry)
         self.lookup_seconds = Histogram("kvmesh_indexer_lookup_seconds", "Index lookup latency",
                                         ["backend"], buckets=LOOKUP_BUCKETS, registry=registry)
+        self.lookup_shards = Counter("kvmesh_indexer_lookup_shards",
+                                     "Lookups by how many cluster shards they read (redis-cluster; target <= 2)",
+                                     ["shards"], registry=registry)
         self.lookup_errors = Counter("kvmesh_indexer_lookup_errors", "Lookups that failed (backend down)",
                                      ["backend"], registry=registry)
 
@@ -154,6 +157,9 @@ class InstrumentedIndex(BlockIndex):
             span.set_attribute("kvmesh.endpoints_matched", len(res.matches))
         if self.metrics:
             self.metrics.lookup_seconds.labels(self.name).observe(time.perf_counter() - t0)
+            shards = getattr(self.inner, "last_lookup_shards", 0)
+            if shards:
+                self.metrics.lookup_shards.labels(str(shards)).inc()
         return res
 
     def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:

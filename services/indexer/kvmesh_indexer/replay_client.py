@@ -19,6 +19,7 @@ import time
 import zmq
 
 from kvmesh.events.codec import REPLAY_END_SEQ
+from kvmesh.rpc.reconnect import tune_zmq_reconnect
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +36,7 @@ def fetch_replay(endpoint: str, start_seq: int, timeout_s: float = 2.0, max_batc
     ctx = context or zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
+    tune_zmq_reconnect(sock)   # a restarted peer is found again within ~0.5 s
     try:
         sock.connect(endpoint)
         sock.send_multipart([b"", int(start_seq).to_bytes(8, "big")])

@@ -23,6 +23,7 @@ from kvmesh.hashing import BlockHasher, ExtraKeys, HashAlgo, MMRange
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S, BlockIndex, IndexUnavailable, LookupResult, Tier
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
+from kvmesh_indexer.central_socket import AdmitError, replay_address
 from kvmesh_indexer.config import EngineConfig, IndexerConfig
 from kvmesh_indexer.ingest import Ingestor
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
@@ -67,6 +68,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         self.started_at = time.monotonic()
         self.first_seen: dict[str, float] = {}
         self.counters: dict[str, int] = {}
+        self.central_bound: list[str] = []   # addresses of the central socket, once bound
 
     # ---- helpers ---------------------------------------------------------------------------
     def _bump(self, name: str, n: int = 1) -> None:
@@ -134,6 +136,41 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         await self.subscriber.add(EndpointSource(eng.endpoint_id, eng.model, eng.hashing(), eng.replay_endpoint),
                                   eng.zmq_endpoint, eng.bind)
 
+    # ---- central socket --------------------------------------------------------------------
+    async def admit_central(self, endpoint: str, model: str) -> EndpointSource:
+        """Admit an endpoint named by a topic on the central socket; ``AdmitError`` says why not."""
+        if len(endpoint.encode()) > 128:
+            raise AdmitError("bad_endpoint", f"endpoint id of {len(endpoint.encode())} bytes (max 128)")
+        rec = self.liveness.records.get(endpoint)
+        if endpoint in self.subscriber.subs or (rec is not None and not rec.purged):
+            # Two feeds with independent sequence numbers would clear each other's entries.
+            raise AdmitError("endpoint_conflict", f"endpoint {endpoint!r} is already configured or registered")
+        if model in self.store_models:
+            raise AdmitError("unknown_model", f"model {model!r} is reserved for offload stores")
+        try:
+            self.model_spec(model, create_from=indexer_pb2.Endpoint(model=model))
+        except _Abort as exc:
+            raise AdmitError("unknown_model", exc.message) from None
+        replay = None
+        if self.cfg.kv_events_replay:
+            try:
+                replay = replay_address(self.cfg.kv_events_replay, endpoint)
+            except ValueError as exc:
+                raise AdmitError("bad_endpoint", str(exc)) from None
+        engine = EngineHashing(self.cfg.kv_events_hash_algo or None, None, True)
+        self.liveness.add_static(endpoint, indexer_pb2.Endpoint(
+            endpoint_id=endpoint, model=model, kv_events_endpoint=",".join(self.central_bound),
+            kv_events_replay_endpoint=replay or "", subscriber_binds=True))
+        self.first_seen.setdefault(endpoint, time.monotonic())
+        src = EndpointSource(endpoint, model, engine, replay)
+        self.pump.configure(src)
+        return src
+
+    async def purge_central(self, endpoint: str, reason: str) -> int:
+        blocks = await self.purge(endpoint, reason)
+        self.liveness.deregister(endpoint)
+        return blocks
+
     # ---- Lookup ---------------------------------------------------------------------------
     async def Lookup(self, request: indexer_pb2.LookupRequest, context: grpc.aio.ServicerContext
                      ) -> indexer_pb2.LookupResponse:
@@ -155,6 +192,9 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 spec = self.models.get(model)
             elif which == "tokens":
                 spec = self.model_spec(model)
+                if spec.block_size <= 0:  # a store's wildcard model ("any"): it has no token blocks
+                    raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                 f"model {model!r} has no block size: look it up by chain, not tokens")
                 ids = request.tokens.ids
                 if len(ids) > MAX_TOKENS:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{len(ids)} token ids exceed {MAX_TOKENS}")
@@ -176,6 +216,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             resp = indexer_pb2.LookupResponse(chain_length=len(keys), block_size=spec.block_size if spec else 0)
             if hashed is not None:
                 resp.keys.extend(hashed)
+            if request.include_applied:
+                # How far each engine's events are applied: the router tells index lag from a view bug.
+                for eid, st in self.ingestor.endpoints.copy().items():
+                    if st.model == model:
+                        resp.applied_batches[eid] = 0 if st.last_seq is None else st.last_seq + 1
             for em in sorted(res.matches.values(), key=lambda m: (-m.combined, -m.speculative, m.endpoint_id)):
                 out = resp.matches.add(endpoint_id=em.endpoint_id, combined_blocks=em.combined,
                                        speculative_blocks=em.speculative, speculative_ttl_s=em.speculative_ttl_s)
@@ -359,7 +404,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             st = self.ingestor.endpoints.get(eid)
             info = rec.info if rec is not None and rec.info is not None else indexer_pb2.Endpoint(
                 endpoint_id=eid, model=st.model if st else "")
-            if request.model and info.model != request.model:
+            # A store serving every model is listed for every model: its blocks answer any
+            # model's lookup, and a router that does not know it cannot count them.
+            if request.model and info.model != request.model and not (
+                    info.role == common_pb2.ROLE_STORE and info.model in self.store_models):
                 continue
             if request.role and info.role != request.role:
                 continue

@@ -22,6 +22,7 @@ import zmq.asyncio
 
 from kvmesh.events.codec import DecodeError, decode_seq
 from kvmesh.events.topic import parse_topic
+from kvmesh.rpc.reconnect import tune_zmq_reconnect
 from kvmesh_indexer.pump import EndpointSource, IngestPump
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class ZmqSubscriber:
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        tune_zmq_reconnect(sock)   # a restarted peer is found again within ~0.5 s
         try:
             if bind:
                 sock.bind(zmq_endpoint)

@@ -129,6 +129,16 @@ class Arena:
             idx = cls.free.popleft()
             return Slot(cls, idx, cls.view(idx))
 
+    def slab_ids(self) -> set[tuple[int, int]]:
+        """(st_dev, st_ino) of every shared slab file, to recognise them under any name."""
+        with self._lock:
+            classes = list(self._classes.values())
+        ids = set()
+        for cls in classes:
+            for seg in cls.segments:
+                ids.add(seg.file_id)
+        return ids
+
     def close(self) -> None:
         """Unlink the shared slabs (their memory goes once every mapping is gone)."""
         with self._lock:
@@ -173,3 +183,20 @@ def tune_malloc(mmap_threshold: int = 32 * 1024 * 1024, trim_threshold: int = (1
     _tuned = ok
     log.debug("malloc tuned", extra={"ok": ok})
     return ok
+
+
+def malloc_trim() -> bool:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim(0)``); False off glibc.
+
+    ``tune_malloc`` keeps freed big buffers for reuse, which is what makes a warm store
+    fast, but it also means an evicted block's memory stays in the process: RSS follows the
+    peak of what was ever stored, not the RAM tier. Trimming now and then bounds it by the
+    tier plus what is in flight, at the cost of a few page faults on the next big buffers.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -7,7 +7,8 @@ on the blocks, their sizes and checksums), then reads the bytes over a raw TCP
 connection, where the store ``sendall``s straight from its slab memory and the
 client ``recv_into``s straight into its destination buffer (the kernel's copies
 only). A transfer needs a live lease id, which only ``GetBulk`` hands out; the
-port carries nothing else. Wire format: see ``BulkGetResponse`` in offload.proto.
+port carries nothing else. A lease is a random 128-bit token that only
+the host which took it can redeem (``kvmesh_offload.leases``). Wire format: see ``BulkGetResponse`` in offload.proto.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ log = logging.getLogger(__name__)
 class BulkServer:
     """Accept loop plus one thread per connection (few, long-lived: one per client process)."""
 
-    def __init__(self, host: str, port: int, take_lease: Callable[[int], list[Found] | None],
+    def __init__(self, host: str, port: int, take_lease: Callable[[bytes, str], list[Found] | None],
                  idle_timeout_s: float = 300.0) -> None:
         self._take = take_lease
         self._idle = idle_timeout_s
@@ -46,7 +47,7 @@ class BulkServer:
     def _accept_loop(self) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._sock.accept()
+                conn, addr = self._sock.accept()
             except OSError:
                 return  # closed
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -54,9 +55,10 @@ class BulkServer:
             conn.settimeout(self._idle)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="offload-bulk-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, str(addr[0])), name="offload-bulk-conn",
+                             daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer_host: str) -> None:
         try:
             while not self._closed.is_set():
                 head = _recv_exact(conn, REQUEST.size)
@@ -66,7 +68,7 @@ class BulkServer:
                 if magic != MAGIC:
                     log.warning("bulk connection sent a bad header; closing")
                     return
-                found = self._take(lease)
+                found = self._take(lease, peer_host)  # only the host the lease was given to
                 if found is None:
                     conn.sendall(ANSWER.pack(NO_LEASE))
                     continue

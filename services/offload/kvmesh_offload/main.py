@@ -15,13 +15,14 @@ from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.kvstore.eviction_registry import make_eviction_policy
 from kvmesh.logs import setup_logging
 from kvmesh.registration import IndexerRegistration, kv_events_fields
+from kvmesh.rpc import tls
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2
 from kvmesh_api.offload.v1 import offload_pb2
-from kvmesh_offload.arena import tune_malloc
+from kvmesh_offload.arena import malloc_trim, tune_malloc
 from kvmesh_offload.config import OffloadConfig
 from kvmesh_offload.disk_tier import DiskTier
 from kvmesh_offload.metrics import bind_store
@@ -52,6 +53,7 @@ def store_endpoint(cfg: OffloadConfig, grpc_port: int, pub) -> indexer_pb2.Endpo
 
 async def serve(cfg: OffloadConfig) -> int:
     setup_tracing("kvmesh-offload")
+    tls.set_default(cfg.tls)
     pub = None
     sink = None
     if cfg.events_endpoint:
@@ -70,16 +72,17 @@ async def serve(cfg: OffloadConfig) -> int:
     bind_store(store)
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes,
                                lease_ttl_s=cfg.lease_ttl_s, bulk_host=cfg.host,
-                               bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None)
+                               bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None,
+                               lease_bind_host=cfg.lease_bind_host)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
 
     def drain() -> None:
         servicer.draining = True
     server.on_drain.append(drain)
     port = await server.start()
     server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     await server.set_ready(True)
     registration = None
     if cfg.indexer_address and pub is not None:
@@ -91,15 +94,25 @@ async def serve(cfg: OffloadConfig) -> int:
                                            "bulk_port": servicer.bulk.port if servicer.bulk else None,
                                            "events": pub.endpoint if pub else None,
                                            "policy": store.policy_name})
+    trim = asyncio.create_task(_trim_loop(cfg.malloc_trim_s), name="malloc-trim") if cfg.malloc_trim_s > 0 else None
     try:
         await server.wait()
     finally:
+        if trim is not None:
+            trim.cancel()
         if registration is not None:
             await registration.stop(deregister=False)
         servicer.close()
         if pub is not None:
             pub.close()
     return 0
+
+
+async def _trim_loop(period_s: float) -> None:
+    """Return freed heap memory to the OS every ``period_s`` (see ``arena.malloc_trim``)."""
+    while True:
+        await asyncio.sleep(period_s)
+        await asyncio.to_thread(malloc_trim)
 
 
 def main(argv: list[str] | None = None) -> int:

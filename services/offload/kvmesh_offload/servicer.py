@@ -9,9 +9,8 @@ cancels mid-stream leaves nothing visible.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
-import threading
+import os
 import time
 from collections.abc import AsyncIterator
 
@@ -19,12 +18,14 @@ import crc32c as _crc32c
 import grpc
 
 from kvmesh.kvstore.block import buffer_of
-from kvmesh.kvstore.shm import AttachCache, Segment, ShmError
+from kvmesh.kvstore.limits import namespace_problem, session_problem
+from kvmesh.kvstore.shm import SHM_DIR, AttachCache, Segment, ShmError, validate_name
 from kvmesh.kvstore.wire import Chunk, decode_put_request, encode_get_response
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
-from kvmesh_offload.arena import Arena, Slot
+from kvmesh_offload.arena import SLAB_PREFIX, Arena, Slot
 from kvmesh_offload.bulk import BulkServer
+from kvmesh_offload.leases import Caller, LeaseTable, caller_of
 from kvmesh_offload.metrics import RESTORE_LATENCY
 from kvmesh_offload.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
 
@@ -46,8 +47,16 @@ class _Abort(Exception):
 
 
 def _check_ns(ns: str) -> None:
-    if not ns:
-        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "namespace is required")
+    problem = namespace_problem(ns)
+    if problem is not None:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+
+
+def _check_header(header: offload_pb2.PutHeader) -> None:
+    _check_ns(header.namespace)
+    problem = session_problem(header.session_id)
+    if problem is not None:
+        raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
 def _check_keys(n: int) -> None:
@@ -58,7 +67,7 @@ def _check_keys(n: int) -> None:
 class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     def __init__(self, store: OffloadStore, *, shm_enabled: bool = True,
                  max_block_bytes: int = 64 * 1024 * 1024, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-                 bulk_host: str = "127.0.0.1", bulk_port: int | None = None) -> None:
+                 bulk_host: str = "127.0.0.1", bulk_port: int | None = None, lease_bind_host: bool = True) -> None:
         self.store = store
         self.shm_enabled = shm_enabled
         self.max_block_bytes = max_block_bytes
@@ -67,11 +76,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         # Slabs for big blocks; a little headroom over RAM for blocks still held by readers.
         # Shared slabs let same-host clients read blocks in place (GetShm map_store).
         self.arena = Arena(int(store.ram.capacity * 1.25) + 64 * 1024 * 1024, shared=shm_enabled)
-        # GetShm leases: id -> (blocks kept alive while a client reads them in place, expiry).
-        self.lease_ttl_s = lease_ttl_s
-        self._leases: dict[int, tuple[list[Found], float]] = {}
-        self._lease_ids = itertools.count(1)
-        self._lease_lock = threading.Lock()
+        # GetShm/GetBulk leases: token -> blocks kept alive while their caller reads them.
+        self.leases = LeaseTable(lease_ttl_s, bind_host=lease_bind_host)
         # Bulk TCP data plane (GetBulk); None = off, 0 = any free port.
         self.bulk = BulkServer(bulk_host, bulk_port, self._take_lease) if bulk_port is not None else None
         # Bytes buffered by all in-flight Put streams: many concurrent streams must not
@@ -116,7 +122,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                 if not isinstance(req, offload_pb2.PutHeader):
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "the first Put message must be a header")
                 header = req
-                _check_ns(header.namespace)
+                _check_header(header)
                 continue
             if not isinstance(req, Chunk):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "only one header per Put stream")
@@ -229,17 +235,32 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         if not self.shm_enabled:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "shared-memory path is disabled on this store")
         try:
+            validate_name(name)
+        except ShmError as exc:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        if name.startswith(SLAB_PREFIX) or self._is_slab(name):
+            # Writing (GetShm) or reading (PutShm) the store's own slabs would let a client
+            # overwrite or re-label other clients' blocks.
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a request may not name one of the store's segments")
+        try:
             return self._segments.get(name)
         except ShmError as exc:
             # FAILED_PRECONDITION tells the client to fall back to gRPC (e.g. another host).
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, str(exc)) from None
+
+    def _is_slab(self, name: str) -> bool:
+        try:
+            st = os.stat(SHM_DIR / name)
+        except OSError:
+            return False
+        return (st.st_dev, st.st_ino) in self.arena.slab_ids()
 
     async def PutShm(self, request: offload_pb2.ShmRequest,
                      context: grpc.aio.ServicerContext) -> offload_pb2.PutResponse:
         return await self._guard(context, self._put_shm(request))
 
     async def _put_shm(self, req: offload_pb2.ShmRequest) -> offload_pb2.PutResponse:
-        _check_ns(req.header.namespace)
+        _check_header(req.header)
         n = len(req.keys)
         _check_keys(n)
         if len(req.offsets) != n or len(req.sizes) != n:
@@ -277,25 +298,26 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
 
     async def GetShm(self, request: offload_pb2.ShmRequest,
                      context: grpc.aio.ServicerContext) -> offload_pb2.ShmGetResponse:
-        return await self._guard(context, self._get_shm(request))
+        return await self._guard(context, self._get_shm(request, caller_of(context)))
 
-    async def _get_shm(self, req: offload_pb2.ShmRequest) -> offload_pb2.ShmGetResponse:
+    async def _get_shm(self, req: offload_pb2.ShmRequest, caller: Caller) -> offload_pb2.ShmGetResponse:
         t0 = time.perf_counter()
         _check_ns(req.header.namespace)
         _check_keys(len(req.keys))
         seg = await asyncio.to_thread(self._attach, req.segment)
-        resp = await asyncio.to_thread(self._get_into, req, seg)
+        resp = await asyncio.to_thread(self._get_into, req, seg, caller)
         if resp.leading_present:
             RESTORE_LATENCY.labels("shm").observe(time.perf_counter() - t0)
         return resp
 
-    def _get_into(self, req: offload_pb2.ShmRequest, seg: Segment) -> offload_pb2.ShmGetResponse:
+    def _get_into(self, req: offload_pb2.ShmRequest, seg: Segment, caller: Caller) -> offload_pb2.ShmGetResponse:
         found = self.store.get(req.header.namespace, list(req.keys))
         if req.map_store and req.capacity:
-            return self._map_out(req, seg, found)
+            return self._map_out(req, seg, found, caller)
         return self._copy_out(req, seg, found)
 
-    def _map_out(self, req: offload_pb2.ShmRequest, seg: Segment, found: list[Found]) -> offload_pb2.ShmGetResponse:
+    def _map_out(self, req: offload_pb2.ShmRequest, seg: Segment, found: list[Found],
+                 caller: Caller) -> offload_pb2.ShmGetResponse:
         """Blocks in shared slabs are named, not copied, and leased until ReleaseShm;
         the others are packed into the client's segment as in ``_copy_out``."""
         limit = min(req.capacity, seg.size)
@@ -326,31 +348,16 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             resp.crc32c.append(f.block.crc32c)
             resp.leading_present += 1
         if leased:
-            resp.lease = self._add_lease(leased)
+            resp.lease = self.leases.add(leased, caller)
         return resp
 
     def _sweep_leases(self) -> None:
         """Drop expired leases (a reader that died never releases); run on every lease and Put."""
-        now = time.monotonic()
-        with self._lease_lock:
-            for lid in [k for k, (_, exp) in self._leases.items() if exp < now]:
-                del self._leases[lid]  # expired: the client's ReleaseShm will say held=false
+        self.leases.sweep()
 
-    def _add_lease(self, found: list[Found]) -> int:
-        self._sweep_leases()
-        now = time.monotonic()
-        with self._lease_lock:
-            lid = next(self._lease_ids)
-            self._leases[lid] = (found, now + self.lease_ttl_s)
-        return lid
-
-    def _take_lease(self, lease_id: int) -> list[Found] | None:
-        """The leased blocks (ending the lease), or None if unknown or expired."""
-        with self._lease_lock:
-            hit = self._leases.pop(lease_id, None)
-        if hit is None or hit[1] < time.monotonic():
-            return None
-        return hit[0]
+    def _take_lease(self, token: bytes, host: str) -> list[Found] | None:
+        """The leased blocks for a bulk connection from ``host`` (ending the lease), or None."""
+        return self.leases.take(token, host)
 
     async def GetBulk(self, request: offload_pb2.GetRequest,
                       context: grpc.aio.ServicerContext) -> offload_pb2.BulkGetResponse:
@@ -363,28 +370,32 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             resp.tiers.append(_TIER[f.medium])
             resp.crc32c.append(f.block.crc32c)
         if found:
-            resp.lease = self._add_lease(found)
+            resp.lease = self.leases.add(found, caller_of(context))
         return resp
 
     async def ReleaseShm(self, request: offload_pb2.ShmRelease,
                          context: grpc.aio.ServicerContext) -> offload_pb2.ShmReleaseResponse:
-        with self._lease_lock:
-            hit = self._leases.pop(request.lease, None)
-        held = hit is not None and hit[1] >= time.monotonic()
-        del hit  # drops the last references: slots return to the arena here
+        # Only the caller that took the lease can end it; anything else changes nothing.
+        held = self.leases.release(request.lease, caller_of(context))
         return offload_pb2.ShmReleaseResponse(held=held)
 
     @property
+    def lease_ttl_s(self) -> float:
+        return self.leases.ttl_s
+
+    @lease_ttl_s.setter
+    def lease_ttl_s(self, value: float) -> None:
+        self.leases.ttl_s = value
+
+    @property
     def open_leases(self) -> int:
-        with self._lease_lock:
-            return len(self._leases)
+        return len(self.leases)
 
     def close(self) -> None:
         self._segments.close()
         if self.bulk is not None:
             self.bulk.close()
-        with self._lease_lock:
-            self._leases.clear()
+        self.leases.clear()
         self.arena.close()
 
     @staticmethod

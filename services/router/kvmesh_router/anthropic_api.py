@@ -4,8 +4,8 @@ Why it exists: Claude Code and other Anthropic clients speak the Messages API.
 A request is converted to the chat conversation the model's template renders
 (``kvmesh.anthropic.requests``, the same conversion as vLLM's ``/v1/messages``),
 rendered with the router's chat template, then routed exactly like a chat
-completion: ``RouterService.generate`` with the same tenant salt (``x-tenant``,
-or the API key from ``x-api-key`` / ``Authorization: Bearer``), session
+completion: ``RouterService.generate`` with the same request scope (the tenant of
+the API key from ``x-api-key`` / ``Authorization: Bearer``, and the deadline), session
 (``x-session-id``, else ``metadata.user_id``), policy and incremental
 tokenization. The token stream comes back as an Anthropic message or event
 stream; every error has Anthropic's shape (``kvmesh.anthropic.errors``).
@@ -37,7 +37,6 @@ from kvmesh.anthropic.requests import MessagesRequest, parse_count_tokens, parse
 from kvmesh.anthropic.stops import StopMatcher
 from kvmesh.anthropic.stream import STREAM_HEADERS, MessageStream, error_event
 from kvmesh.openai.errors import OpenAIError
-from kvmesh.openai.requests import read_json
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError
@@ -120,15 +119,11 @@ class AnthropicApi:
 
     # -- request -> GenInput -------------------------------------------------------------
     async def _body(self, request: Request) -> dict[str, Any]:
-        limit = self.cfg.max_text_bytes
-        clen = request.headers.get("content-length")
-        if clen and clen.isdigit() and int(clen) > limit:
-            raise AnthropicError(f"request body over {limit} bytes", 413)
         try:
-            return await read_json(request, limit)
+            return await self.api.body(request)
         except OpenAIError as exc:
-            if exc.message.startswith("request body over"):
-                raise AnthropicError(exc.message, 413) from None
+            if exc.status != 400:   # 413 too large, 408 too slow
+                raise AnthropicError(exc.message, exc.status) from None
             raise bad_request("", exc.message) from None
 
     async def _render(self, req: MessagesRequest) -> str:
@@ -167,9 +162,7 @@ class AnthropicApi:
         inp.policy = _ext(req, "kvmesh_policy") or h.get("x-kvmesh-policy", "")
         inp.request_id = h.get("x-request-id", "") or uuid.uuid4().hex
         inp.trace_context = propagate.extract(dict(h))
-        inp.tenant = h.get(self.cfg.tenant_header, "")
-        auth = h.get("authorization", "")
-        inp.api_key = h.get("x-api-key", "") or (auth[7:].strip() if auth.lower().startswith("bearer ") else "")
+        self.api.apply_scope(inp, request)   # tenant from the credential, and the request deadline
         return inp
 
     @staticmethod

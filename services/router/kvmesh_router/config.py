@@ -8,17 +8,20 @@ from typing import ClassVar
 from kvmesh.config import ConfigError
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
+from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 
 
 @dataclass
 class RouterConfig:
     ENV_PREFIX: ClassVar[str] = "KVMESH_ROUTER_"
 
-    host: str = field(default="0.0.0.0", metadata={"help": "listen host (gRPC and HTTP)"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "listen host of gRPC, HTTP, ext_proc and /metrics (0.0.0.0 = every interface; loopback by default)"})
     port: int = field(default=50050, metadata={"help": "gRPC port"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0 = off)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     extproc_port: int = field(default=0, metadata={"help": "Envoy ext_proc endpoint-picker port (0 = off)"})
+    tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
     model: str = field(default="tiny", metadata={"help": "served model name"})
     tokenizer_path: str = field(default="", metadata={"help": "model dir with tokenizer.json (+ chat template)"})
     max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})
@@ -29,14 +32,30 @@ class RouterConfig:
     vocab_size: int = field(default=0, metadata={"help": "token ids must be below this (0 = tokenizer/worker)"})
     # Endpoints
     endpoints: list[str] = field(default_factory=list,
-                                 metadata={"help": "static decode endpoints ID=HOST:PORT (comma-separated)"})
+                                 metadata={"help": "static decode endpoints, comma-separated: ID=HOST:PORT (a kvmesh "
+                                                   "worker's gRPC) or ID=http://HOST:PORT (an OpenAI server: vllm serve)"})
     prefill_endpoints: list[str] = field(default_factory=list,
                                          metadata={"help": "static prefill endpoints ID=HOST:PORT"})
+    inference_pool: str = field(default="", metadata={
+        "help": "NAMESPACE/NAME of a Gateway API InferencePool: its pods (selector, target port) are external "
+                "OpenAI endpoints, watched with the kubernetes client ('' = none)"})
+    kubeconfig: str = field(default="", metadata={
+        "help": "kubeconfig file for --inference-pool ('' = in-cluster service account, else ~/.kube/config)"})
+    external_connect_timeout_s: float = field(default=2.0, metadata={
+        "help": "connect timeout to external OpenAI endpoints; a failed connect marks one down"})
+    external_api_key: str = field(default="", metadata={
+        "help": "bearer token sent to external OpenAI endpoints (their --api-key; '' = none)"})
     indexer: str = field(default="", metadata={"help": "indexer HOST:PORT ('' = none: precise falls back)"})
     registry_poll_s: float = field(default=1.0, metadata={"help": "ListEndpoints poll period"})
     load_poll_s: float = field(default=0.25, metadata={"help": "GetLoad poll period per endpoint"})
     load_staleness_s: float = field(default=2.0, metadata={"help": "ignore load reports older than this"})
     lookup_timeout_s: float = field(default=0.25, metadata={"help": "indexer Lookup deadline"})
+    local_view_ttl_s: float = field(default=30.0, metadata={
+        "help": "a lookup past its deadline is answered from the router's own recent view (index answers and "
+                "prompts it saw finish, kept this long); 0 = off: it falls back to approx"})
+    lookup_late_s: float = field(default=2.0, metadata={
+        "help": "a lookup past its deadline stays open this long; its answer is merged into the local view "
+                "when it comes (<= lookup_timeout_s: not kept open)"})
     indexer_speculative: bool = field(default=True, metadata={"help": "also write speculative entries to the indexer"})
     # Hashing (must match the engines)
     block_size: int = field(default=64, metadata={"help": "engine KV block size"})
@@ -73,9 +92,28 @@ class RouterConfig:
     http_deadline_s: float = field(default=600.0, metadata={
         "help": "total deadline of an OpenAI HTTP request, arrival to last token (0 = none): past it the "
                 "worker call is cancelled and the client gets a 504 error (an SSE error event once streaming)"})
-    tenant_header: str = field(default="x-tenant", metadata={"help": "HTTP header naming the tenant"})
-    tenant_salts: dict[str, str] = field(default_factory=dict,
-                                         metadata={"help": "tenant id or API key -> cache_salt (JSON)"})
+    # Front door (docs/security.md): API keys -> tenants -> secret salts; bounded HTTP.
+    auth: str = field(default="keys", metadata={
+        "choices": ["keys", "off"],
+        "help": "keys: every request needs an API key from --api-keys-file (401 / UNAUTHENTICATED otherwise); "
+                "off: no authentication and tenants as clients claim them (local demo only; logged loudly)"})
+    api_keys_file: str = field(default="", metadata={
+        "help": "API keys file or directory (a mounted Kubernetes Secret): 'TENANT KEY-or-sha256:DIGEST "
+                "[trusted]' per line; re-read when it changes (kvmesh.api_keys)"})
+    api_keys_reload_s: float = field(default=1.0, metadata={"help": "check the keys file for changes this often"})
+    salt_secret_file: str = field(default="", metadata={
+        "help": "server secret of the tenants' cache salts (HMAC); replicas must share it ('' = a random "
+                "secret per process: replicas then share no cache)"})
+    tenant_header: str = field(default="x-tenant", metadata={
+        "help": "header (HTTP or gRPC metadata) a trusted gateway key names the tenant in; ignored from other keys"})
+    http_max_connections: int = field(default=1024, metadata={
+        "help": "open HTTP connections above this are answered 503 and closed"})
+    http_header_timeout_s: float = field(default=10.0, metadata={
+        "help": "a request whose headers have not all arrived by then is answered 408 and closed"})
+    http_body_timeout_s: float = field(default=60.0, metadata={
+        "help": "a request body not all received by then is answered 408"})
+    http_max_header_bytes: int = field(default=65536, metadata={"help": "request line + headers above this: 431"})
+    max_json_depth: int = field(default=64, metadata={"help": "JSON bodies nested deeper are refused (400)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time on shutdown"})
 
     def validate(self) -> None:
@@ -87,7 +125,11 @@ class RouterConfig:
             raise ConfigError("setting 'max_attempts' must be >= 1")
         if self.tokenize_verify not in ("sampled", "full", "off"):
             raise ConfigError(f"setting 'tokenize_verify': {self.tokenize_verify!r} is not sampled, full or off")
-        for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s"):
+        for name in ("http_max_connections", "http_max_header_bytes", "max_json_depth"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
+        for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s", "http_header_timeout_s",
+                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.approx_capacity_blocks < 1:
@@ -97,12 +139,29 @@ class RouterConfig:
             raise ConfigError("setting 'hash_cache_verify' must be sampled or full")
         for spec in [*self.endpoints, *self.prefill_endpoints]:
             parse_endpoint(spec)
+        for spec in self.prefill_endpoints:
+            if parse_endpoint(spec)[1].startswith(("http://", "https://")):
+                raise ConfigError(f"prefill endpoint {spec!r}: external OpenAI endpoints serve whole requests "
+                                  "(the P/D split needs kvmesh workers)")
+        if self.inference_pool:
+            ns, _, name = self.inference_pool.partition("/")
+            if not ns or not name or "/" in name:
+                raise ConfigError(f"setting 'inference_pool': {self.inference_pool!r} is not NAMESPACE/NAME")
+        if self.auth == "keys" and not self.api_keys_file:
+            raise ConfigError("setting 'auth' is keys (the default) but no 'api_keys_file' is given: give "
+                              "--api-keys-file, or --auth off for a local demo")
 
 
 def parse_endpoint(spec: str) -> tuple[str, str]:
-    """``ID=HOST:PORT`` (or bare ``HOST:PORT``, whose id is the address)."""
+    """``ID=HOST:PORT`` or ``ID=http://HOST:PORT``; a bare address's id is its ``HOST:PORT`` (as in
+    llm-d's event topic ``kv@<pod-ip>:<port>@<model>``)."""
     spec = spec.strip()
-    eid, _, addr = spec.partition("=") if "=" in spec else (spec, "", spec)
+    eid, _, addr = spec.partition("=") if "=" in spec else (spec.split("://", 1)[-1].split("/")[0], "", spec)
     if ":" not in addr or not eid:
-        raise ConfigError(f"endpoint {spec!r}: expected ID=HOST:PORT")
-    return eid.strip(), addr.strip()
+        raise ConfigError(f"endpoint {spec!r}: expected ID=HOST:PORT or ID=http://HOST:PORT")
+    addr = addr.strip()
+    if addr.startswith(("http://", "https://")):
+        from kvmesh_router.openai_endpoint import base_url
+
+        addr = base_url(addr)
+    return eid.strip(), addr

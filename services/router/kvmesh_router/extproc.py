@@ -50,6 +50,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from kvmesh.config import load_config
 from kvmesh.rpc.server import ServerOptions, ServiceServer
+from kvmesh.rpc.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
@@ -92,6 +93,12 @@ class PickError(Exception):
 
 class BadRequestError(PickError):
     http_status = 400
+
+
+class UnauthenticatedError(PickError):
+    """No valid API key (the router's ``--auth keys``): Envoy answers 401."""
+
+    http_status = 401
 
 
 class NoEligibleEndpointError(PickError):
@@ -316,7 +323,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     raise NoEligibleEndpointError(
                         f"picked {result.address}, which is outside the subset hint {st.subset}")
             except PickError as exc:
-                outcome = {400: "bad_request", 429: "shed", 503: "no_endpoint"}.get(exc.http_status, "error")
+                outcome = {400: "bad_request", 401: "unauthenticated", 429: "shed", 503: "no_endpoint"}.get(exc.http_status, "error")
                 PICKS.labels(outcome).inc()
                 span.set_attribute("kvmesh.pick.outcome", outcome)
                 log.info("ext_proc refused request", extra={"request_id": st.request_id, "status": exc.http_status,
@@ -356,8 +363,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 # --------------------------------------------------------------------------- server
 
 
-async def start_extproc_server(pick: PickFn, port: int, host: str = "0.0.0.0", ready: bool = True,
-                               config: ExtProcConfig | None = None) -> ServiceServer:
+async def start_extproc_server(pick: PickFn, port: int, host: str = "127.0.0.1", ready: bool = True,
+                               config: ExtProcConfig | None = None, tls: TlsConfig | None = None) -> ServiceServer:
     """Serve the ext_proc picker on its own gRPC port (with health for its service name).
 
     ``config`` defaults to ``ExtProcConfig`` from the environment (``KVMESH_EXTPROC_*``).
@@ -369,7 +376,7 @@ async def start_extproc_server(pick: PickFn, port: int, host: str = "0.0.0.0", r
     server = ServiceServer(
         "router-extproc",
         [(ep_grpc.add_ExternalProcessorServicer_to_server, servicer, EXTPROC_SERVICE_NAME)],
-        ServerOptions(host=host, port=port),
+        ServerOptions(host=host, port=port, tls=tls),
         # No gRPC tracing interceptor: one ext_proc stream is one HTTP request, and its span
         # is the pick span parented on the HTTP request's own trace context.
         interceptors=[],

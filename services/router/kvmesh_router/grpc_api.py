@@ -1,23 +1,78 @@
-"""gRPC ``kvmesh.router.v1.Router``: Generate (server-streaming) and ListModels."""
+"""gRPC ``kvmesh.router.v1.Router``: Generate (server-streaming) and ListModels.
+
+Both need an API key in the metadata (``authorization: Bearer <key>`` or ``x-api-key``)
+unless the router runs with ``--auth off``: ``AuthInterceptor`` refuses a call without a
+valid one as ``UNAUTHENTICATED`` before its request message is parsed; the servicer then
+takes the request scope (tenant from the key; the ``tenant`` field only from a trusted
+gateway key) exactly as the HTTP front door does (``request_scope``)."""
 
 from __future__ import annotations
 
 import logging
-import time
+from typing import Any
 
 import grpc
 
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
+from kvmesh_router.request_scope import (
+    RequestScopes,
+    Scope,
+    Unauthenticated,
+    metadata_getter,
+    scopes_from_config,
+)
 from kvmesh_router.service import GenInput, RouterService
 
 log = logging.getLogger(__name__)
 
 
-def to_input(req: router_pb2.GenerateRequest, deadline: float | None) -> GenInput:
+# Calls of these services are not authenticated (probes and tooling).
+PUBLIC_SERVICE_PREFIXES = ("/grpc.health.v1.", "/grpc.reflection.")
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Refuse calls without a valid API key in their metadata, before their message is parsed."""
+
+    def __init__(self, scopes: RequestScopes) -> None:
+        self.scopes = scopes
+
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(PUBLIC_SERVICE_PREFIXES) or not self.scopes.enabled:
+            return handler
+        try:
+            self.scopes.authenticate(metadata_getter(details.invocation_metadata))
+        except Unauthenticated as exc:
+            metrics.REQUESTS.labels(api="grpc", outcome="unauthenticated").inc()
+            return _refusal(handler, str(exc))
+        return handler
+
+
+def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same kind as ``handler`` that aborts UNAUTHENTICATED; the message stays unparsed."""
+
+    async def abort(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def abort_stream(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+        yield  # pragma: no cover - a generator, never reached
+
+    ser = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(abort_stream, None, ser)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(abort, None, ser)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(abort_stream, None, ser)
+    return grpc.unary_unary_rpc_method_handler(abort, None, ser)
+
+
+def to_input(req: router_pb2.GenerateRequest, deadline: float | None, tenant: str) -> GenInput:
     inp = GenInput(model=req.model, request_id=req.request_id, cache_salt=req.cache_salt,
-                   session_id=req.session_id, lora_name=req.lora_name, tenant=req.tenant, policy=req.policy,
+                   session_id=req.session_id, lora_name=req.lora_name, tenant=tenant, policy=req.policy,
                    deadline=deadline)
     inp.sampling.CopyFrom(req.sampling)
     which = req.WhichOneof("input")
@@ -37,18 +92,30 @@ def to_input(req: router_pb2.GenerateRequest, deadline: float | None) -> GenInpu
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
-    def __init__(self, service: RouterService) -> None:
+    def __init__(self, service: RouterService, scopes: RequestScopes | None = None) -> None:
         self.service = service
+        self.scopes = scopes or scopes_from_config(service.cfg)
+
+    async def _scope(self, context: grpc.aio.ServicerContext, claimed_tenant: str = "") -> Scope:
+        rem = context.time_remaining()
+        try:
+            return self.scopes.scope(metadata_getter(context.invocation_metadata()), claimed_tenant,
+                                     deadline_s=rem if rem is not None and rem < 1e9 else 0.0)
+        except Unauthenticated as exc:   # the interceptor refused it already unless it was not installed
+            metrics.REQUESTS.labels(api="grpc", outcome="unauthenticated").inc()
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            raise
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
-        rem = context.time_remaining()
-        deadline = time.monotonic() + rem if rem is not None and rem < 1e9 else None
+        # A trusted gateway's claimed tenant: the request field, else the tenant header in the metadata.
+        claimed = request.tenant or (metadata_getter(context.invocation_metadata())(self.scopes.tenant_header) or "")
+        sc = await self._scope(context, claimed)
         which = request.WhichOneof("input")
         if which is None or (which == "chat" and not request.chat.messages):
             metrics.REQUESTS.labels(api="grpc", outcome="bad_request").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "input: one of tokens, text or chat (with messages) is required")
-        inp = to_input(request, deadline)
+        inp = to_input(request, sc.deadline, sc.tenant)
         try:
             async for kind, item in self.service.generate(inp):
                 if kind == "chunk":
@@ -70,6 +137,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         return tok.decode(ids)
 
     async def ListModels(self, request: router_pb2.ListModelsRequest, context: grpc.aio.ServicerContext):
+        await self._scope(context)
         cfg = self.service.cfg
         eps = [e.endpoint_id for e in self.service.core.decode_endpoints(cfg.model)]
         return router_pb2.ListModelsResponse(models=[router_pb2.ModelInfo(

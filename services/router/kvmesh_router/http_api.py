@@ -7,14 +7,14 @@ has a total deadline (``http_deadline_s``): past it the client gets a 504 error.
 error shape, SSE framing, usage and response objects come from the shared
 OpenAI layer ``kvmesh.openai`` (the worker's HTTP API uses the same); here a
 parsed request becomes a ``GenInput`` for ``RouterService.generate`` and the
-routing decision is added under a ``kvmesh`` key.
+routing decision is added under a ``kvmesh`` key. When the router's endpoints are external
+OpenAI servers (``vllm serve``), requests take ``passthrough`` instead: the body is forwarded.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +32,9 @@ from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.anthropic_api import AnthropicApi
 from kvmesh_router.errors import RouterError
+from kvmesh_router.http_guard import SCOPE_KEY, ScopeMiddleware
+from kvmesh_router.passthrough import Passthrough
+from kvmesh_router.request_scope import RequestScopes, Scope, scopes_from_config
 from kvmesh_router.service import FinalInfo, GenInput, RouterService
 
 log = logging.getLogger(__name__)
@@ -110,6 +113,7 @@ class RouterHttpApi:
     def __init__(self, service: RouterService) -> None:
         self.service = service
         self.cfg = service.cfg
+        self.passthrough = Passthrough(service, self.watch)
 
     # -- request -> GenInput
     def gen_input(self, req: OpenAIRequest, request: Request) -> GenInput:
@@ -138,14 +142,19 @@ class RouterHttpApi:
         inp.lora_name = string(req.body, "lora_name")
         inp.policy = string(req.body, "kvmesh_policy") or h.get("x-kvmesh-policy", "")
         inp.request_id = h.get("x-request-id", "")
-        if self.cfg.http_deadline_s > 0:
-            # Every worker call of the request inherits what is left (service.GenInput.deadline).
-            inp.deadline = time.monotonic() + self.cfg.http_deadline_s
         inp.trace_context = propagate.extract(dict(h))
-        inp.tenant = h.get(self.cfg.tenant_header, "")
-        auth = h.get("authorization", "")
-        inp.api_key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+        self.apply_scope(inp, request)
         return inp
+
+    def apply_scope(self, inp: GenInput, request: Request) -> None:
+        """The request scope's tenant and deadline (every worker call inherits what is left of it)."""
+        sc = request_scope_of(request)
+        inp.tenant = sc.tenant
+        inp.deadline = sc.deadline
+
+    async def body(self, request: Request) -> dict[str, Any]:
+        cfg = self.cfg
+        return await read_json(request, cfg.max_text_bytes, cfg.http_body_timeout_s, cfg.max_json_depth)
 
     def detokenizer(self) -> _Detok:
         return _Detok(self.service.tokenizer)
@@ -175,8 +184,11 @@ class RouterHttpApi:
     # -- generation
     async def _handle(self, request: Request, chat: bool) -> Response:
         api = "chat" if chat else "completions"
+        if self.passthrough.applies():
+            # External OpenAI engines get the client's body itself (with the tenant's salt).
+            return await self.passthrough.handle(request, chat)
         try:
-            body = await read_json(request, self.cfg.max_text_bytes)
+            body = await self.body(request)
             req = parse_chat(body, request.headers) if chat else parse_completion(body, request.headers)
         except OpenAIError as exc:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
@@ -276,10 +288,19 @@ class RouterHttpApi:
         yield sse.DONE
 
 
-def build_app(service: RouterService) -> FastAPI:
-    """The FastAPI app of the router's HTTP front door over ``service``."""
+def request_scope_of(request: Request) -> Scope:
+    """The scope ``ScopeMiddleware`` set (the app always runs behind it)."""
+    sc = request.scope.get("state", {}).get(SCOPE_KEY)
+    if sc is None:
+        raise RuntimeError("request without a scope: the app must run behind ScopeMiddleware")
+    return sc
+
+
+def build_app(service: RouterService, scopes: RequestScopes | None = None) -> FastAPI:
+    """The FastAPI app of the router's HTTP front door over ``service``; ``scopes`` default to the config's."""
     api = RouterHttpApi(service)
     app = FastAPI(title="kvmesh router", docs_url=None, redoc_url=None)
+    app.add_middleware(ScopeMiddleware, scopes=scopes or scopes_from_config(service.cfg))
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])

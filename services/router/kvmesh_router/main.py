@@ -15,14 +15,18 @@ from kvmesh.hashing import BlockHasher
 from kvmesh.routing.hash_cache import HashCacheConfig
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
+from kvmesh.rpc import tls
+from kvmesh.rpc.interceptors import server_interceptors
 from kvmesh.rpc.runner import run_async_main
 from kvmesh.rpc.server import ServerOptions, ServiceServer
 from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
-from kvmesh_router.grpc_api import RouterServicer
+from kvmesh_router.grpc_api import AuthInterceptor, RouterServicer
 from kvmesh_router.http_api import build_app
+from kvmesh_router.http_guard import guarded_protocol
+from kvmesh_router.request_scope import RequestScopes, Unauthenticated, scopes_from_config
 from kvmesh_router.service import RouterService
 
 log = logging.getLogger(__name__)
@@ -51,7 +55,7 @@ def build_service(cfg: RouterConfig) -> RouterService:
     return RouterService(cfg, core, Cluster(cfg, core), tokenizer)
 
 
-def _extproc_pick_fn(service: RouterService) -> Any:
+def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
     """Adapter from the ext_proc module's ``PickRequest`` to :func:`kvmesh_router.picker.pick`."""
     from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
     from kvmesh_router import extproc
@@ -59,6 +63,10 @@ def _extproc_pick_fn(service: RouterService) -> Any:
     from kvmesh_router.picker import pick
 
     async def pick_fn(preq: Any) -> Any:
+        try:
+            scopes.authenticate(preq.headers.get)   # the same keys as the router's own front doors
+        except Unauthenticated as exc:
+            raise extproc.UnauthenticatedError(str(exc)) from None
         body = preq.body or {}
         prompt = body.get("prompt")
         tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
@@ -90,11 +98,14 @@ def _extproc_pick_fn(service: RouterService) -> Any:
 
 async def serve(cfg: RouterConfig) -> int:
     setup_tracing("kvmesh-router")
-    start_metrics_server(cfg.metrics_port)
+    tls.set_default(cfg.tls)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     service = build_service(cfg)
-    server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service),
+    scopes = scopes_from_config(cfg)   # one request scope for the gRPC and HTTP front doors
+    server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service, scopes),
                                        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)],
-                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s))
+                           ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls),
+                           interceptors=[*server_interceptors(), AuthInterceptor(scopes)])
     await server.start()
     server.install_signal_handlers()
     if service.cluster.indexer is not None:
@@ -107,8 +118,10 @@ async def serve(cfg: RouterConfig) -> int:
     http_server = None
     http_task = None
     if cfg.http_port:
-        ucfg = uvicorn.Config(build_app(service), host=cfg.host, port=cfg.http_port, log_level="warning",
-                              lifespan="off", access_log=False)
+        ucfg = uvicorn.Config(build_app(service, scopes), host=cfg.host, port=cfg.http_port, log_level="warning",
+                              lifespan="off", access_log=False,
+                              http=guarded_protocol(cfg.http_max_connections, cfg.http_header_timeout_s,
+                                                    cfg.http_max_header_bytes))
         http_server = uvicorn.Server(ucfg)
         http_server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
         http_task = asyncio.create_task(http_server.serve())
@@ -123,8 +136,8 @@ async def serve(cfg: RouterConfig) -> int:
         else:
             from kvmesh_router import extproc
 
-            extproc_server = await extproc.start_extproc_server(_extproc_pick_fn(service), cfg.extproc_port,
-                                                                cfg.host)
+            extproc_server = await extproc.start_extproc_server(_extproc_pick_fn(service, scopes), cfg.extproc_port,
+                                                                cfg.host, tls=cfg.tls)
 
     async def drain() -> None:
         if http_server is not None:
@@ -135,7 +148,10 @@ async def serve(cfg: RouterConfig) -> int:
     server.on_drain.append(drain)
     await server.set_ready(True)
     log.info("router ready", extra={"grpc_port": server.port, "http_port": cfg.http_port, "policy": cfg.policy,
-                                    "endpoints": len(service.core.endpoints)})
+                                    "endpoints": len(service.core.endpoints), "auth": cfg.auth})
+    if cfg.auth == "off":
+        log.warning("AUTH IS OFF: this router serves anyone who can reach it, as any tenant they claim "
+                    "(--auth keys --api-keys-file FILE to require API keys)")
     await server.wait()
     if http_task is not None:
         await http_task

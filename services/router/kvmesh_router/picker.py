@@ -44,11 +44,10 @@ async def pick(service: RouterService, model: str, *, tokens: list[int] | None =
         messages = chat_request.messages
     if tokens is None and text is None and not messages:
         raise BadRequest("one of prompt tokens, prompt text or messages is required", "prompt")
-    auth = headers.get("authorization", "")
+    # Behind Envoy the worker hashes with the body's cache_salt as sent, so the prediction does too.
     inp = GenInput(model=model, tokens=tokens, text=text, chat=messages or None, chat_request=chat_request,
                    session_id=session_id or headers.get("x-session-id", ""),
-                   cache_salt=cache_salt, tenant=headers.get(service.cfg.tenant_header, ""),
-                   api_key=auth[7:].strip() if auth.lower().startswith("bearer ") else "",
+                   cache_salt=cache_salt, salt_verbatim=True,
                    request_id=headers.get("x-request-id", ""))
     p = await service.prepare(inp)
     ids = None

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -22,13 +23,16 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
+from kvmesh.routing.fidelity import RouterSide, classify, live_view
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
 from kvmesh.routing.prefix_memory import speculative_ttl
 from kvmesh.routing.router import RouterCore
-from kvmesh.routing.types import Decision, RouteRequest
+from kvmesh.routing.scoring import max_hit_blocks
+from kvmesh.routing.types import Decision, Matches, RouteRequest
 from kvmesh.telemetry import tracer
 from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
@@ -75,8 +79,11 @@ class GenInput:
     cache_salt: str = ""
     session_id: str = ""
     lora_name: str = ""
+    # Who the request is served as: set by the front door's request scope from the credential
+    # (kvmesh_router.request_scope), never from what the client claims.
     tenant: str = ""
-    api_key: str = ""
+    # The ext_proc picker predicts for a worker that hashes with the body's cache_salt as sent.
+    salt_verbatim: bool = False
     policy: str = ""
     deadline: float | None = None   # time.monotonic() deadline
     trace_context: Any = None       # OTel context of the caller (HTTP traceparent); None = current
@@ -133,6 +140,16 @@ INCREMENTAL_MIN_CHARS = 16_384
 INCREMENTAL_KEY_CHARS = 4_096
 
 
+def tenant_salts(cfg: RouterConfig) -> TenantSalts:
+    """The salts' secret from ``salt_secret_file``; without one a random secret of this process."""
+    if cfg.salt_secret_file:
+        return TenantSalts.from_file(cfg.salt_secret_file)
+    if cfg.auth == "keys":
+        log.warning("no --salt-secret-file: tenant salts use a random secret of this process, so router "
+                    "replicas (and restarts) do not share prefix caches")
+    return TenantSalts(secrets.token_bytes(32))
+
+
 class RouterService:
     def __init__(self, cfg: RouterConfig, core: RouterCore, cluster: Cluster, tokenizer: Any | None) -> None:
         self.cfg = cfg
@@ -140,6 +157,7 @@ class RouterService:
         self.cluster = cluster
         self.tokenizer = tokenizer
         self.vocab_size = cfg.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
+        self.salts = tenant_salts(cfg)
         self._bg: set[asyncio.Task] = set()
         self.incremental = None
         if tokenizer is not None and cfg.tokenize_cache_bytes > 0:
@@ -250,13 +268,10 @@ class RouterService:
         return self.incremental.encode(key, text)
 
     def salt_for(self, inp: GenInput) -> str:
-        if inp.cache_salt:
+        """The tenant's secret salt, mixed with the client's ``cache_salt`` (which never replaces it)."""
+        if inp.salt_verbatim:
             return inp.cache_salt
-        for key in (inp.tenant, inp.api_key):
-            if key and key in self.cfg.tenant_salts:
-                return self.cfg.tenant_salts[key]
-        # An unmapped tenant still gets its own salt: isolation is the default.
-        return f"tenant:{inp.tenant}" if inp.tenant else ""
+        return self.salts.salt(inp.tenant, inp.cache_salt)
 
     async def prepare(self, inp: GenInput) -> Prepared:
         self.validate(inp)
@@ -327,10 +342,44 @@ class RouterService:
         except NoEndpointError as exc:
             msg = str(exc) + (f" serving LoRA adapter {lora_name!r}" if lora_name else "")
             raise Unavailable(msg) from None
+        d.view = self._router_side(req, d, matches, pol.uses_index and self.cluster.indexer is not None)
         if d.fallback:
             metrics.FALLBACKS.labels(reason="approx").inc()
         split = self.core.decide_split(d, req, time.monotonic(), exclude, matches)
         return d, split
+
+    @staticmethod
+    def _router_side(req: RouteRequest, d: Decision, matches: Matches | None, uses_index: bool) -> RouterSide:
+        """What the prediction rested on, to classify a miss once the engine reports (routing.fidelity)."""
+        bs = req.block_size
+        win = next((c for c in d.candidates if c.endpoint_id == d.endpoint_id), None)
+        applied = -1
+        if matches is not None and matches.applied is not None:
+            applied = matches.applied.get(d.endpoint_id, 0)
+        return RouterSide(
+            predicted=d.predicted_cached_tokens // bs,
+            index_gpu=min(matches.get(d.endpoint_id).gpu, max_hit_blocks(req.num_tokens, bs))
+            if matches is not None and matches.source != "local" else -1,
+            speculative=(win.speculative_blocks + win.pending_blocks) if win is not None else 0,
+            index_applied=applied, uses_index=uses_index,
+            lookup_timed_out=uses_index and (matches is None or matches.source == "local"))
+
+    def _mismatch(self, p: Prepared, d: Decision, msg: worker_pb2.GenerateResponse, actual: int,
+                  split: bool) -> str:
+        """The class of a missed prediction ("" when exact), counted by cause."""
+        side: RouterSide = d.view or RouterSide(predicted=d.predicted_cached_tokens // p.req.block_size,
+                                                 uses_index=False)
+        bs = p.req.block_size
+        t = msg.truth
+        cap = max_hit_blocks(p.req.num_tokens, bs)
+        view = live_view(side, known=t.known, gpu_blocks=min(t.gpu_tokens // bs, cap),
+                         store_blocks=min(t.store_tokens // bs, cap), events_through=t.events_through)
+        cls = classify(view, actual // bs, uses_index=side.uses_index, split=split)
+        if not cls and actual != d.predicted_cached_tokens:
+            cls = "unknown"   # equal in whole blocks, not in tokens: a partial block was counted
+        if cls:
+            metrics.MISPREDICTIONS.labels(cause=cls).inc()
+        return cls
 
     def record_routed(self, p: Prepared, d: Decision, split: SplitDecision | None = None) -> None:
         now = time.monotonic()
@@ -379,7 +428,8 @@ class RouterService:
             span.set_attribute("kvmesh.prompt_tokens", len(p.tokens))
             span.set_attribute("kvmesh.hash.reused_blocks", p.reused_blocks)
             span.set_attribute("kvmesh.hash.hashed_blocks", p.hashed_blocks)
-            exclude: set[str] = set()
+            # External OpenAI endpoints take the HTTP body itself (``passthrough``), not token ids.
+            exclude: set[str] = set(self.cluster.external.urls)
             failures: list[str] = []
             attempts = 0
             while True:
@@ -590,12 +640,16 @@ class RouterService:
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
         metrics.CACHED_TOKENS.labels(tier="offload").inc(usage.cached_tokens_offload)
         metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
+        routing.mismatch = self._mismatch(p, d, msg, actual, split=handle is not None)
+        if handle is None and self.cfg.local_view_ttl_s > 0:
+            # The engine now holds this prompt: a lookup past its deadline can still find it.
+            self.cluster.local_view.served(d.endpoint_id, p.req.keys, time.monotonic())
         if handle is None:
             metrics.CACHED_DIFF.observe(int(actual) - d.predicted_cached_tokens)
             if actual != d.predicted_cached_tokens:
                 metrics.MISMATCHES.inc()
                 log.info("predicted cached tokens differ from the engine's",
-                         extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
+                         extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "cause": routing.mismatch,
                                 "predicted": d.predicted_cached_tokens, "actual": actual})
         span.set_attribute("kvmesh.usage.cached_tokens", actual)
         span.set_attribute("kvmesh.usage.completion_tokens", usage.completion_tokens)

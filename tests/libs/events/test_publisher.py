@@ -198,3 +198,16 @@ def test_frames_and_replay_identical_to_vllm_publisher(ctx: zmq.Context, tmp_pat
         close()
     assert frames["kvmesh"] == frames["vllm"]
     assert replays["kvmesh"] == replays["vllm"]
+
+
+def test_replay_buffer_is_bounded_in_bytes(ctx: zmq.Context, tmp_path: Path) -> None:
+    """Batches of long prompts carry their token ids: the buffer keeps what fits, newest first."""
+    one = len(encode_batch(KVEventBatch(100.0, _events(0), 0)))
+    with KvEventPublisher(f"ipc://{tmp_path}/pub", topic="kv@e1@m", replay_endpoint="tcp://127.0.0.1:0",
+                          buffer_steps=1000, buffer_bytes=3 * one) as pub:
+        for i in range(20):
+            pub.publish(_events(i), ts=100.0 + i)
+        assert pub.buffer_bytes <= 3 * one + 8
+        rep = _replay(ctx, pub.replay_endpoint, 0)
+        got = [int.from_bytes(f[2], "big") for f in rep[:-1]]
+        assert got and got == list(range(20 - len(got), 20)) and len(got) <= 3

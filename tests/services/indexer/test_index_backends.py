@@ -22,8 +22,8 @@ def test_leading_match_per_endpoint_and_tier(any_index) -> None:
     c = chain(1, 10)
     any_index.add(M, "a", Tier.GPU, c[:6])
     any_index.add(M, "b", Tier.GPU, c[:3])
-    any_index.add(M, "b", Tier.CPU, c[3:8])
-    any_index.add(M, "c", Tier.GPU, c[1:9])  # no block 0: never a leading match
+    any_index.add(M, "b", Tier.CPU, c[3:8], chain_starts=[(0, c[2])])
+    any_index.add(M, "c", Tier.GPU, c[1:9], chain_starts=[(0, c[0])])  # no block 0: never a leading match
     res = any_index.lookup(M, c)
     assert res.chain_length == 10
     assert set(res.matches) == {"a", "b"}
@@ -87,7 +87,7 @@ def test_speculative_entries_expire(any_index) -> None:
 def test_long_chain_lookup(any_index) -> None:
     c = chain(7, 6000)
     for i in range(0, 3000, 500):
-        any_index.add(M, "a", Tier.GPU, c[i:i + 500])
+        any_index.add(M, "a", Tier.GPU, c[i:i + 500], chain_starts=[(0, c[i - 1] if i else None)])
     any_index.add(M, "b", Tier.GPU, c[:100])
     res = any_index.lookup(M, c)
     assert res.matches["a"].combined == 3000 and res.matches["b"].combined == 100
@@ -195,6 +195,7 @@ class _Reference:
         return out
 
 
+@pytest.mark.positionless_keys
 @pytest.mark.parametrize("steps", [400])
 def test_random_operations_match_a_reference_model(any_index, steps: int) -> None:
     import random

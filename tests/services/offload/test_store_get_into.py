@@ -132,9 +132,9 @@ async def test_bulk_port_serves_only_live_leases(offload_factory) -> None:
 
     def probe() -> tuple[int, bytes]:
         with socket.create_connection(("127.0.0.1", st.servicer.bulk.port), timeout=5) as s:
-            s.sendall(REQUEST.pack(MAGIC, 12345))  # never handed out
+            s.sendall(REQUEST.pack(MAGIC, bytes(range(16))))  # never handed out
             (answer,) = ANSWER.unpack(s.recv(ANSWER.size, socket.MSG_WAITALL))
-            s.sendall(b"GET / HTTP/1.1\r\n\r\n")   # not the protocol: the store hangs up
+            s.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")   # not the protocol: the store hangs up
             try:
                 return answer, s.recv(1)
             except ConnectionResetError:

@@ -132,11 +132,11 @@ async def test_bad_input_gets_clear_errors(offload_factory) -> None:
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "ended inside block" in msg
         code, msg = await put(offload_pb2.PutRequest(header=offload_pb2.PutHeader()))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "namespace" in msg
-        # shm: a name outside the kvmesh- prefix is refused (FAILED_PRECONDITION: use gRPC)
+        # shm: a name outside the kvmesh- prefix is refused as a bad argument (never a file the store opens)
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await stub.PutShm(offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=NS),
                                                      segment="../../etc/passwd", keys=[1], offsets=[0], sizes=[4]))
-        assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as ei:
             await stub.PutShm(offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=NS),
                                                      segment="kvmesh-x", keys=[1, 2], offsets=[0], sizes=[4]))

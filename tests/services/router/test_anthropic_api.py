@@ -13,9 +13,11 @@ import pytest
 from kvmesh.tokenization import load_tokenizer
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, start_router, start_workers
+from tests.fixtures.router import MODEL, RouterStack, keys_args, start_router, start_workers
 
 pytestmark = pytest.mark.timeout(120)
+AUTH = {"x-api-key": "sk-tenant-a"}
+KEYS = "tenant-a sk-tenant-a\ntenant-b sk-tenant-b\n"
 MAX_BODY = 200_000
 SYSTEM = "You are a careful coding agent. Answer tersely and use tools when they help. " * 8
 TOOLS = [{"name": "read_file", "description": "Read a file from the workspace.",
@@ -32,7 +34,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[
         router, http = start_router(tmp, [(e, w.grpc_address) for e, w in ws.items()],
                                     extra=["--tokenizer-path", str(tiny_model_dir), "--max-prompt-tokens", "8000",
                                            "--max-text-bytes", str(MAX_BODY),
-                                           "--tenant-salts", '{"sk-tenant-a": "a", "sk-tenant-b": "b"}'])
+                                           *keys_args(tmp, KEYS)])
         started.append(router)
         yield RouterStack(router, http, ws)
     finally:
@@ -74,7 +76,7 @@ def test_text_answer_with_usage(client, tiny_model_dir):
 def test_streaming_has_the_exact_event_sequence(client, stack):
     body = {"model": MODEL, "max_tokens": 6, "stream": True, "messages": [{"role": "user", "content": "Stream!"}]}
     with httpx.stream("POST", stack.http_base + "/v1/messages", json=body, timeout=30,
-                      headers={"anthropic-version": "2023-06-01", "x-api-key": "sk-tenant-a"}) as r:
+                      headers={**AUTH, "anthropic-version": "2023-06-01"}) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         lines = [ln for ln in r.iter_lines() if ln]
     events = [ln.removeprefix("event: ") for ln in lines if ln.startswith("event: ")]
@@ -189,7 +191,7 @@ def test_session_keeps_unrelated_prompts_on_one_endpoint(stack, how):
     for i in range(4):
         body = {"model": MODEL, "max_tokens": 2,
                 "messages": [{"role": "user", "content": f"unrelated prompt number {i} about {how}"}]}
-        headers = {"x-api-key": "sk-tenant-a"}
+        headers = dict(AUTH)
         if how == "metadata":
             body["metadata"] = {"user_id": f"user_abc_session_{how}"}
         else:
@@ -232,7 +234,7 @@ def _bad(**over):
     (_bad(max_tokens=10_000_000), 400, "invalid_request_error", "max_tokens"),
 ])
 def test_bad_requests_get_anthropic_errors(stack, body, status, etype, field):
-    r = httpx.post(stack.http_base + "/v1/messages", json=body, timeout=10)
+    r = httpx.post(stack.http_base + "/v1/messages", json=body, timeout=10, headers=AUTH)
     assert r.status_code == status, r.text
     doc = r.json()
     assert doc["type"] == "error" and doc["error"]["type"] == etype
@@ -242,16 +244,16 @@ def test_bad_requests_get_anthropic_errors(stack, body, status, etype, field):
 def test_garbage_bodies_and_unknown_routes(stack, client):
     base = stack.http_base
     r = httpx.post(base + "/v1/messages", content=b"\xff{garbage" * (1_000_000 // 10), timeout=10,
-                   headers={"content-type": "application/json"})
+                   headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
     r = httpx.post(base + "/v1/messages", content=b"{not json", timeout=10,
-                   headers={"content-type": "application/json"})
+                   headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
-    r = httpx.post(base + "/v1/messages/count_tokens", json=[1, 2], timeout=10)
+    r = httpx.post(base + "/v1/messages/count_tokens", json=[1, 2], timeout=10, headers=AUTH)
     assert r.status_code == 400 and r.json()["type"] == "error"
-    r = httpx.get(base + "/v1/messages", timeout=10)
+    r = httpx.get(base + "/v1/messages", timeout=10, headers=AUTH)
     assert r.status_code == 405 and r.json()["type"] == "error"
-    r = httpx.post(base + "/v1/messages/batches", json={}, timeout=10)
+    r = httpx.post(base + "/v1/messages/batches", json={}, timeout=10, headers=AUTH)
     assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
     # The official client raises the matching exception classes.
     with pytest.raises(anthropic.BadRequestError):

@@ -32,7 +32,7 @@ class _RoutedService:
     """What ``RouterService.generate`` yields, for a request the engine answered with a tool call."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self.cfg = RouterConfig(model="m")
+        self.cfg = RouterConfig(model="m", auth="off")
         self.tokenizer = tokenizer
         self.seen: list[GenInput] = []
 

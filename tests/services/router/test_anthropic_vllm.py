@@ -24,7 +24,7 @@ def client(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp("router-anthropic-vllm")
     (w,) = vllm_workers([{"name": "vllm-a1", "kv_cache_bytes": 8 << 20, "max_model_len": 2048}])
     port, http = free_port(), free_port()
-    router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http),
+    router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--auth", "off",
                                        "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor",
                                        "--endpoints", f"vllm-a1={w.address}", "--max-model-len", "2048",
                                        "--tokenizer-path", str(tiny_model_dir)],

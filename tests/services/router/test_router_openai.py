@@ -9,9 +9,11 @@ import openai
 import pytest
 
 from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, start_router, start_workers
+from tests.fixtures.router import MODEL, RouterStack, keys_args, start_router, start_workers
 
 pytestmark = pytest.mark.timeout(120)
+AUTH = {"authorization": "Bearer sk-tenant-a"}
+KEYS = "tenant-a sk-tenant-a\ntenant-b sk-tenant-b\n"
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +27,7 @@ def http_stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iter
         router, http = start_router(tmp, [("w1", w.grpc_address), ("w2", w2.grpc_address)],
                                     extra=["--tokenizer-path", str(tiny_model_dir), "--max-prompt-tokens", "4000",
                                            "--max-text-bytes", "200000",
-                                           "--tenant-salts", '{"sk-tenant-a": "a", "sk-tenant-b": "b"}'])
+                                           *keys_args(tmp, KEYS)])
         started.append(router)
         yield RouterStack(router, http, {"w1": w, "w2": w2})
     finally:
@@ -60,7 +62,7 @@ def test_completions_streaming_ends_with_done(client, http_stack):
                                             stream_options={"include_usage": True}))
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 6
     assert any(c.choices and c.choices[0].finish_reason == "length" for c in chunks)
-    with httpx.stream("POST", http_stack.http_base + "/v1/completions", timeout=30,
+    with httpx.stream("POST", http_stack.http_base + "/v1/completions", timeout=30, headers=AUTH,
                       json={"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}) as r:
         lines = [ln for ln in r.iter_lines() if ln]
     assert lines[-1] == "data: [DONE]"
@@ -103,7 +105,7 @@ def test_tenants_by_api_key_are_isolated(http_stack):
     ({"model": MODEL, "prompt": "word " * 5000}, "prompt"),
 ])
 def test_bad_completion_requests_get_openai_400s(http_stack, body, param):
-    r = httpx.post(http_stack.http_base + "/v1/completions", json=body, timeout=10)
+    r = httpx.post(http_stack.http_base + "/v1/completions", json=body, timeout=10, headers=AUTH)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
@@ -112,14 +114,15 @@ def test_bad_completion_requests_get_openai_400s(http_stack, body, param):
 def test_malformed_json_and_bad_messages(http_stack):
     base = http_stack.http_base
     r = httpx.post(base + "/v1/chat/completions", content=b"{not json", timeout=10,
-                   headers={"content-type": "application/json"})
+                   headers={**AUTH, "content-type": "application/json"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
-    r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "x"}]}, timeout=10)
+    r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL, "messages": [{"content": "x"}]},
+                   timeout=10, headers=AUTH)
     assert r.status_code == 400 and "role" in r.json()["error"]["message"]
-    r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL}, timeout=10)
+    r = httpx.post(base + "/v1/chat/completions", json={"model": MODEL}, timeout=10, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    r = httpx.post(base + "/v1/completions", content=b"x" * 300_000, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+    r = httpx.post(base + "/v1/completions", content=b"x" * 300_000, timeout=10, headers=AUTH)
+    assert r.status_code == 413 and r.json()["error"]["param"] == "body"
 
 
 def test_openai_client_sees_errors(client):

@@ -49,8 +49,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
         metrics_port = free_port()
         router, http = start_router(
             tmp, [(e, w.grpc_address) for e, w in workers.items()],
-            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024", "--metrics-port", str(metrics_port),
-                   "--tenant-salts", '{"key-a": "salt-a", "key-b": "salt-b"}'],
+            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024", "--metrics-port", str(metrics_port)],
             prefill=[("p1", pre.grpc_address)])
         started.append(router)
         st = RouterStack(router, http, workers)

@@ -36,7 +36,7 @@ def vllm_router(vllm_workers, tmp_path_factory: pytest.TempPathFactory) -> Itera
         vllm_workers([{"name": f"vllm-r{i}", "kv_cache_bytes": 8 << 20, "max_model_len": 4096,
                        "extra": ["--indexer-address", idx.grpc_address, "--heartbeat-s", "0.5"]} for i in (1, 2)])
         port, http = free_port(), free_port()
-        router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http),
+        router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--auth", "off",
                                            "--model", TINY_MODEL_NAME, "--block-size", "32",
                                            "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address,
                                            "--registry-poll-s", "0.2", "--speculative-ttl-s", "0.3",

@@ -36,7 +36,7 @@ def lora_router(vllm_workers, tiny_lora_dir, tmp_path_factory: pytest.TempPathFa
                        "vllm_options": {"lora_modules": {"ad1": str(tiny_lora_dir)}, "max_lora_rank": 8},
                        "extra": ["--indexer-address", idx.grpc_address, "--heartbeat-s", "0.5"]}])
         port = free_port()
-        router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", "0",
+        router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", "0", "--auth", "off",
                                            "--model", TINY_MODEL_NAME, "--block-size", "32",
                                            "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address,
                                            "--registry-poll-s", "0.2", "--speculative-ttl-s", "0.2",

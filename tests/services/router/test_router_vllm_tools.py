@@ -34,6 +34,7 @@ def routers(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFacto
             port, http = free_port(), free_port()
             started.append(ServiceProcess("router", [
                 "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
+                "--auth", "off",
                 "--block-size", "32", "--endpoints", f"{w.endpoint_id}={w.address}",
                 "--tokenizer-path", str(tiny_model_dir)], f"127.0.0.1:{port}",
                 log_path=tmp / f"router-{w.endpoint_id}.log").start(120))

@@ -41,8 +41,9 @@ def _workload() -> Trace:
 
 def test_replay_against_live_stack_and_simulator_agrees(live_stack_rr) -> None:
     tr = _workload()
-    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.router_address, time_scale=20.0,
-                                                  concurrency=1, vocab_size=32000, progress=False)))
+    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.router_address, api_key=live_stack_rr.api_key,
+                                                  time_scale=20.0, concurrency=1, vocab_size=32000, progress=False,
+                                                  tls=live_stack_rr.client_tls())))
     m = res.metrics
     assert m["errors"] == 0 and m["ok"] == 10
     assert m["ttft_s"]["p50"] is not None and m["e2e_s"]["p50"] >= m["ttft_s"]["p50"]
@@ -50,6 +51,10 @@ def test_replay_against_live_stack_and_simulator_agrees(live_stack_rr) -> None:
     assert set(m["endpoints"]) == {"decode-0", "decode-1"}
     # the router's prediction is reported for every request
     assert m["predicted_vs_actual"]["requests"] == 10
+    # ... and every miss is classified by the router: round robin does not read the index.
+    wrong = [r for r in res.records if r["predicted"] != r["cached"]]
+    assert m["mismatches"]["requests"] == len(wrong) == m["mismatches"]["no_index"]
+    assert all(r["mismatch"] == "no_index" for r in wrong)
 
     sim = simulate_policies(_workload(), SimConfig(
         decode_workers=2, prefill_workers=0, kv_capacity_tokens=64 * 64, offload_capacity_tokens=10_000_000,
@@ -66,8 +71,11 @@ def test_replay_against_live_stack_and_simulator_agrees(live_stack_rr) -> None:
 def test_replay_http_api(live_stack_rr) -> None:
     tr = _workload()
     tr.sessions = tr.sessions[:1]
-    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.http_address, api="http", time_scale=40.0,
+    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_rr.http_address, api="http",
+                                                  api_key=live_stack_rr.api_key, time_scale=40.0,
                                                   concurrency=2, vocab_size=32000, salt="http", progress=False)))
     assert res.metrics["errors"] == 0, res.records
     assert res.metrics["ok"] == 5 and res.metrics["output_tokens"] == 20
     assert res.metrics["prompt_tokens"] == sum(r.input_tokens for r in tr.requests())
+    # The HTTP front door carries the class too (under "kvmesh"), so the summary counts it.
+    assert res.metrics["mismatches"]["requests"] == sum(1 for r in res.records if r["mismatch"])

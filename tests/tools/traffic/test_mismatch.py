@@ -1,4 +1,6 @@
-"""Prediction mismatches: every mispredicted request is explained, and a view bug is caught."""
+"""Prediction mismatches in the simulator: every miss is explained, and a view bug is caught.
+
+The classifier's own cases are in tests/libs/routing/test_fidelity.py."""
 
 from __future__ import annotations
 
@@ -8,37 +10,10 @@ import pytest
 
 from kvmesh.routing.policy import Policy
 from kvmesh_tools.clustersim import SimConfig, parts, simulate_policies
-from kvmesh_tools.clustersim.mismatch import CLASSES, ViewAtDecision, classify, count
 from kvmesh_tools.traffic.generator import GeneratorConfig, generate
 
 pytestmark = pytest.mark.timeout(180)
 TRACES = Path("/work/shared/traces/claude-code")
-
-
-def _view(**kw) -> ViewAtDecision:
-    base = dict(predicted=10, truth=10, engine_gpu=10, index_gpu=10, speculative=0, lag=False)
-    base.update(kw)
-    return ViewAtDecision(**base)
-
-
-@pytest.mark.parametrize(("view", "actual", "kw", "want"), [
-    (_view(), 10, {}, ""),                                                    # exact
-    (_view(), 4, {}, "evicted"),                                              # right then, gone by schedule
-    (_view(predicted=0, truth=0, engine_gpu=0, index_gpu=0), 6, {}, "filled"),   # a sibling computed it meanwhile
-    (_view(predicted=4, truth=10, index_gpu=4, lag=True), 10, {}, "lag"),     # events not yet in the index
-    (_view(predicted=10, truth=4, engine_gpu=4, index_gpu=4, speculative=6), 4, {}, "speculative"),
-    (_view(predicted=12, truth=10), 10, {}, "view_bug"),                      # up-to-date index, still wrong
-    (_view(predicted=4, truth=10, index_gpu=4), 10, {}, "view_bug"),          # index disagrees, no pending event
-    (_view(), 4, {"uses_index": False}, "no_index"),
-    (_view(), 4, {"split": True}, "split"),
-])
-def test_each_class(view: ViewAtDecision, actual: int, kw: dict, want: str) -> None:
-    assert classify(view, actual, uses_index=kw.get("uses_index", True), split=kw.get("split", False)) == want
-
-
-def test_count_sums_the_classes() -> None:
-    c = count(["", "evicted", "lag", "lag", "view_bug", ""])
-    assert c["requests"] == 4 and c["lag"] == 2 and set(CLASSES) <= set(c)
 
 
 def _trace(sessions: int = 12, seed: int = 5):

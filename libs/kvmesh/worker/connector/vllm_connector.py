@@ -56,7 +56,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvmesh.worker.connector.layout import all_rank_namespaces, connector_namespace, rank_namespace
 from kvmesh.worker.connector.saver import BlockSaver, SaveJob
+from kvmesh.worker.connector.versions import check_vllm_version
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -130,19 +132,27 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
+        check_vllm_version()
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         self._block_size = int(vllm_config.cache_config.block_size)
         self._address = str(extra.get("store_address", ""))
         if not self._address:
             raise ValueError("KvmeshConnector needs kv_connector_extra_config['store_address'] (host:port)")
-        self._namespace = str(extra.get("namespace") or self._default_namespace(vllm_config))
+        base = str(extra.get("namespace") or self._default_namespace(vllm_config))
+        pc = vllm_config.parallel_config
+        tp, pp = int(pc.tensor_parallel_size), int(pc.pipeline_parallel_size)
+        # The scheduler checks every rank's slice; a worker reads and writes its own.
+        self._rank_namespaces = all_rank_namespaces(base, tp, pp)
+        self._namespace = base if role == KVConnectorRole.SCHEDULER else self._worker_namespace(base, tp, pp)
         self._lookup_timeout = float(extra.get("lookup_timeout_s", 2.0))
         self._io_timeout = float(extra.get("io_timeout_s", 30.0))
         self._retry_after = float(extra.get("store_retry_after_s", 5.0))
         self._save_enabled = bool(extra.get("save", True))
         self._load_enabled = bool(extra.get("load", True))
         self._use_shm = extra.get("use_shm")
+        # Skip checksums of same-host shm reads (a store and host you trust): saves a pass over the bytes.
+        self._trust_local_store = bool(extra.get("trust_local_store", False))
         self._async_load = bool(extra.get("async_load", True))
         self._store_down_until = 0.0
         self._client: Any = None
@@ -169,9 +179,15 @@ class KvmeshConnector(KVConnectorBase_V1):
     # ------------------------------------------------------------------ helpers
 
     @staticmethod
-    def _default_namespace(vllm_config: VllmConfig) -> str:
-        from kvmesh.worker.connector.layout import connector_namespace
+    def _worker_namespace(base: str, tp: int, pp: int) -> str:
+        if tp * pp == 1:
+            return base
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
+        return rank_namespace(base, get_tensor_model_parallel_rank(), tp, get_pp_group().rank_in_group, pp)
+
+    @staticmethod
+    def _default_namespace(vllm_config: VllmConfig) -> str:
         mc = vllm_config.model_config
         pc = vllm_config.parallel_config
         name = mc.served_model_name if isinstance(mc.served_model_name, str) else mc.model
@@ -183,7 +199,8 @@ class KvmeshConnector(KVConnectorBase_V1):
             from kvmesh.kvstore.client import SyncOffloadClient
 
             timeout = self._lookup_timeout if self._role == KVConnectorRole.SCHEDULER else self._io_timeout
-            self._client = SyncOffloadClient(self._address, use_shm=self._use_shm, timeout_s=timeout)
+            self._client = SyncOffloadClient(self._address, use_shm=self._use_shm, timeout_s=timeout,
+                                             trust_local_store=self._trust_local_store)
         return self._client
 
     def _store_usable(self) -> bool:
@@ -221,7 +238,11 @@ class KvmeshConnector(KVConnectorBase_V1):
         else:
             keys = self._keys(request)[local_blocks:limit]
             try:
-                present = self._store().contains(self._namespace, keys)
+                present = len(keys)
+                for ns in self._rank_namespaces:
+                    present = min(present, self._store().contains(ns, keys[:present]))
+                    if not present:
+                        break
             except Exception as exc:  # store down/slow: recompute, never fail the request
                 self._mark_store_down(exc, "contains")
                 st.store_fallback = True

@@ -24,7 +24,7 @@ from __future__ import annotations
 import abc
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from kvmesh.worker.config import WorkerConfig
@@ -158,6 +158,20 @@ class EngineRequest:
 
 
 @dataclass
+class CacheTruth:
+    """The engine's cache when a request arrived (``worker.proto`` ``CacheTruth``).
+
+    The router compares it with its prediction to explain a miss
+    (``kvmesh.routing.fidelity``): a prediction equal to this and an engine that later
+    reused less means eviction while queued, not a wrong view.
+    """
+
+    gpu_tokens: int            # leading prompt tokens in the engine's own prefix cache
+    store_tokens: int = 0      # leading prompt tokens the offload store held
+    events_through: int = 0    # KV-event batches that describe that cache (published + pending)
+
+
+@dataclass
 class EngineOutput:
     request_id: str
     new_token_ids: list[int]
@@ -175,6 +189,8 @@ class EngineOutput:
     # the calls, and the text of the answer that is not a call.
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
+    # Final output only: the engine's cache at the request's arrival (None: the engine cannot say).
+    truth: CacheTruth | None = None
 
 
 @dataclass
@@ -282,6 +298,13 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def healthy(self) -> bool:
         """False once the engine has died or been stopped."""
+
+    def vllm_metrics(self, model_name: str) -> Any:
+        """A prometheus collector of the ``vllm:*`` families this engine records itself, or None.
+
+        The worker exports them in place of its own copies of those names.
+        """
+        return None
 
 
 def kv_events_topic(endpoint_id: str, model: str) -> str:

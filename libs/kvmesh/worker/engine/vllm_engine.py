@@ -303,7 +303,8 @@ class VllmEngine(Engine):
             skip_tokenizer_init=self.cfg.skip_tokenizer_init,
             enable_prefix_caching=True,
             prefix_caching_hash_algo=self.cfg.hash_algo,
-            # kvmesh exports its own vllm:* metrics; vLLM's default loggers would double-register them.
+            # No periodic stats log lines. vLLM's Prometheus logger still runs (AsyncLLM adds it
+            # whenever a stat logger is given: ours), and the worker exports it (vllm_metrics).
             disable_log_stats=True,
         )
         if self.cfg.kv_cache_memory_bytes:
@@ -402,6 +403,14 @@ class VllmEngine(Engine):
             hash_seed_matches=not os.environ.get("PYTHONHASHSEED"),
             eos_token_id=eos if isinstance(eos, int) else None,
         )
+
+    def vllm_metrics(self, model_name: str) -> Any:
+        """vLLM's own ``vllm:*`` families (its Prometheus stat logger's registry) for the worker's page."""
+        from vllm.v1.metrics.prometheus import get_prometheus_registry
+
+        from kvmesh.worker.vllm_metrics import PrefixedRegistryCollector
+
+        return PrefixedRegistryCollector(get_prometheus_registry, "vllm:")
 
     def load(self) -> EngineLoad:
         s = self._stats

@@ -80,20 +80,22 @@ class IngestEventsResponse(_message.Message):
     def __init__(self, batches_accepted: _Optional[int] = ..., batches_rejected: _Optional[int] = ..., events_applied: _Optional[int] = ..., events_rejected: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("model", "tokens", "chain", "extra_keys", "endpoint_filter", "include_speculative")
+    __slots__ = ("model", "tokens", "chain", "extra_keys", "endpoint_filter", "include_speculative", "include_applied")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CHAIN_FIELD_NUMBER: _ClassVar[int]
     EXTRA_KEYS_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_FILTER_FIELD_NUMBER: _ClassVar[int]
     INCLUDE_SPECULATIVE_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_APPLIED_FIELD_NUMBER: _ClassVar[int]
     model: str
     tokens: _common_pb2.TokenIds
     chain: BlockChain
     extra_keys: _common_pb2.ExtraKeys
     endpoint_filter: _containers.RepeatedScalarFieldContainer[str]
     include_speculative: bool
-    def __init__(self, model: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., chain: _Optional[_Union[BlockChain, _Mapping]] = ..., extra_keys: _Optional[_Union[_common_pb2.ExtraKeys, _Mapping]] = ..., endpoint_filter: _Optional[_Iterable[str]] = ..., include_speculative: _Optional[bool] = ...) -> None: ...
+    include_applied: bool
+    def __init__(self, model: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., chain: _Optional[_Union[BlockChain, _Mapping]] = ..., extra_keys: _Optional[_Union[_common_pb2.ExtraKeys, _Mapping]] = ..., endpoint_filter: _Optional[_Iterable[str]] = ..., include_speculative: _Optional[bool] = ..., include_applied: _Optional[bool] = ...) -> None: ...
 
 class BlockChain(_message.Message):
     __slots__ = ("keys",)
@@ -124,16 +126,25 @@ class EndpointMatch(_message.Message):
     def __init__(self, endpoint_id: _Optional[str] = ..., tiers: _Optional[_Iterable[_Union[TierMatch, _Mapping]]] = ..., combined_blocks: _Optional[int] = ..., speculative_blocks: _Optional[int] = ..., speculative_ttl_s: _Optional[float] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("matches", "chain_length", "block_size", "keys")
+    __slots__ = ("matches", "chain_length", "block_size", "keys", "applied_batches")
+    class AppliedBatchesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     MATCHES_FIELD_NUMBER: _ClassVar[int]
     CHAIN_LENGTH_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_BATCHES_FIELD_NUMBER: _ClassVar[int]
     matches: _containers.RepeatedCompositeFieldContainer[EndpointMatch]
     chain_length: int
     block_size: int
     keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, matches: _Optional[_Iterable[_Union[EndpointMatch, _Mapping]]] = ..., chain_length: _Optional[int] = ..., block_size: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    applied_batches: _containers.ScalarMap[str, int]
+    def __init__(self, matches: _Optional[_Iterable[_Union[EndpointMatch, _Mapping]]] = ..., chain_length: _Optional[int] = ..., block_size: _Optional[int] = ..., keys: _Optional[_Iterable[int]] = ..., applied_batches: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class PutSpeculativeRequest(_message.Message):
     __slots__ = ("model", "endpoint_id", "keys", "ttl_s")

@@ -179,30 +179,30 @@ class ShmGetResponse(_message.Message):
     truncated: bool
     crc32c: _containers.RepeatedScalarFieldContainer[int]
     segments: _containers.RepeatedScalarFieldContainer[str]
-    lease: int
-    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., truncated: _Optional[bool] = ..., crc32c: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[str]] = ..., lease: _Optional[int] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., truncated: _Optional[bool] = ..., crc32c: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[str]] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class ShmRelease(_message.Message):
     __slots__ = ("lease",)
     LEASE_FIELD_NUMBER: _ClassVar[int]
-    lease: int
-    def __init__(self, lease: _Optional[int] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, lease: _Optional[bytes] = ...) -> None: ...
 
 class BulkGetResponse(_message.Message):
-    __slots__ = ("leading_present", "sizes", "tiers", "crc32c", "lease", "bulk_port")
+    __slots__ = ("leading_present", "sizes", "tiers", "crc32c", "bulk_port", "lease")
     LEADING_PRESENT_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     CRC32C_FIELD_NUMBER: _ClassVar[int]
-    LEASE_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_FIELD_NUMBER: _ClassVar[int]
     leading_present: int
     sizes: _containers.RepeatedScalarFieldContainer[int]
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     crc32c: _containers.RepeatedScalarFieldContainer[int]
-    lease: int
     bulk_port: int
-    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., lease: _Optional[int] = ..., bulk_port: _Optional[int] = ...) -> None: ...
+    lease: bytes
+    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., bulk_port: _Optional[int] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class ShmReleaseResponse(_message.Message):
     __slots__ = ("held",)

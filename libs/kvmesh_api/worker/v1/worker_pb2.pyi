@@ -42,7 +42,7 @@ class ToolCall(_message.Message):
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "usage", "kv_from_prefill", "ttft_s", "tool_calls", "content")
+    __slots__ = ("token_ids", "finished", "finish_reason", "usage", "kv_from_prefill", "ttft_s", "tool_calls", "content", "truth")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +51,7 @@ class GenerateResponse(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TRUTH_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: _common_pb2.FinishReason
@@ -59,7 +60,20 @@ class GenerateResponse(_message.Message):
     ttft_s: float
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_from_prefill: _Optional[bool] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
+    truth: CacheTruth
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_from_prefill: _Optional[bool] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., truth: _Optional[_Union[CacheTruth, _Mapping]] = ...) -> None: ...
+
+class CacheTruth(_message.Message):
+    __slots__ = ("known", "gpu_tokens", "store_tokens", "events_through")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    GPU_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STORE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_THROUGH_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    gpu_tokens: int
+    store_tokens: int
+    events_through: int
+    def __init__(self, known: _Optional[bool] = ..., gpu_tokens: _Optional[int] = ..., store_tokens: _Optional[int] = ..., events_through: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "model", "prompt_token_ids", "sampling", "cache_salt", "lora_name", "session_id")

@@ -33,6 +33,7 @@ import grpc
 
 from kvmesh.worker.engine.base import (
     BadSamplingError,
+    CacheTruth,
     Engine,
     EngineDeadError,
     EngineInfo,
@@ -219,7 +220,9 @@ class _Live:
     last_digest: bytes | None = None
     sample_base: int = 0
     ttft_s: float | None = None
+    last_token_at: float | None = None   # engine clock of the last token (inter-token latency)
     restored_offload: int = 0      # tokens restored from the store beyond the GPU hit
+    truth: CacheTruth | None = None   # the cache at arrival, reported with the final output
     kv_from_prefill: bool = False
     done: bool = False
 
@@ -293,6 +296,7 @@ class SimEngine(Engine):
         self._bg: set[asyncio.Task] = set()
         self._inline_save: set[str] = set()
         self.steps = 0
+        self._vm: Any = None      # VllmRequestMetrics once the worker asks for vLLM's metrics
         self.events_published = 0
         self.offload_saved_blocks = 0
         self.offload_restored_blocks = 0
@@ -474,6 +478,12 @@ class SimEngine(Engine):
                      extra=extra, last_digest=last_digest, sample_base=base)
         return live
 
+    def _truth(self, seq: Seq) -> CacheTruth:
+        """What this engine would reuse of ``seq`` if scheduled now, and which events describe it."""
+        gpu = len(self.blocks.find_longest_hit(seq.block_hashes, seq.num_tokens)) * self.cfg.block_size
+        published = self._publisher.next_seq if self._publisher is not None else 0
+        return CacheTruth(gpu_tokens=gpu, events_through=published + (1 if self.blocks.has_pending_events() else 0))
+
     def _sample(self, seq: Seq) -> int | None:
         """Deterministic pseudo-random token: a function of (seed or request, position)."""
         live = self._live.get(seq.request_id)
@@ -485,6 +495,7 @@ class SimEngine(Engine):
         self._validate(req)
         live = self._make_live(req)
         self._live[req.request_id] = live
+        live.truth = self._truth(live.seq)
         try:
             await self._restore(live)
             if live.done:   # aborted while restoring
@@ -520,6 +531,7 @@ class SimEngine(Engine):
             return False
         live.done = True
         seq = self._abort_seq(request_id)
+        self._record_finished(live, seq or live.seq, "abort", self.now())
         live.queue.put_nowait(self._final(live, seq or live.seq, "abort"))
         return True
 
@@ -604,6 +616,8 @@ class SimEngine(Engine):
         try:
             if h is None:
                 present = await self._lookup(client, namespace, seq.block_hashes[:want])
+                if live.truth is not None:
+                    live.truth.store_tokens = present * bs
                 want = min(want, present)
                 if want <= gpu:
                     return
@@ -785,11 +799,19 @@ class SimEngine(Engine):
             if seq.num_output == 1:
                 out.ttft_s = now - live.arrival
                 live.ttft_s = out.ttft_s
+            if self._vm is not None and tok is not None:
+                if live.last_token_at is None:
+                    self._vm.first_token(now - live.arrival)
+                else:
+                    self._vm.token_gap(now - live.last_token_at)
+            live.last_token_at = now
             if id(seq) in finished:
                 out.finished = True
                 out.finish_reason = seq.finish_reason  # type: ignore[assignment]
                 out.kv_from_prefill = live.kv_from_prefill
+                out.truth = live.truth
                 live.done = True
+                self._record_finished(live, seq, seq.finish_reason or "stop", now)
                 if (c.offload_address and c.offload_save and seq.finish_reason != "abort"
                         and seq.request_id not in self._inline_save):
                     n = seq.num_computed // c.block_size
@@ -801,6 +823,20 @@ class SimEngine(Engine):
                     t.add_done_callback(self._bg.discard)
             live.queue.put_nowait(out)
         self._flush_events()
+
+    def _record_finished(self, live: _Live, seq: Seq, reason: str, now: float) -> None:
+        if self._vm is not None:
+            first = live.arrival + live.ttft_s if live.ttft_s is not None else None
+            self._vm.finished(reason, arrival=live.arrival, scheduled=seq.first_scheduled, first_token=first,
+                              now=now, prompt_tokens=seq.prompt_len, output_tokens=seq.num_output)
+
+    def vllm_metrics(self, model_name: str) -> Any:
+        """vLLM's request metrics, recorded in this engine's clock (see ``kvmesh.worker.vllm_metrics``)."""
+        if self._vm is None:
+            from kvmesh.worker.vllm_metrics import VllmRequestMetrics
+
+            self._vm = VllmRequestMetrics(model_name)
+        return self._vm
 
     def _extend_for_save(self, seq: Seq, n: int) -> None:
         if len(seq.block_hashes) < n:

@@ -64,6 +64,7 @@ class Seq:
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: str | None = None
     first_token_time: float | None = None
+    first_scheduled: float | None = None  # when it left the waiting queue the first time
     num_preemptions: int = 0
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     eos_token_id: int | None = None
@@ -290,6 +291,7 @@ class Scheduler:
             self.waiting.popleft()
             self._waiting_uncached -= seq.prompt_len - seq.est_cached_tokens
             if first:
+                seq.first_scheduled = now
                 bm.count_hit(seq.prompt_len, len(hit) * bs)
                 seq.num_cached_tokens = computed
                 seq.num_cached_gpu = len(hit) * bs

@@ -1,0 +1,1 @@
+"""gRPC fuzzing of kvmesh services (``kvmesh fuzz``, tests/security)."""

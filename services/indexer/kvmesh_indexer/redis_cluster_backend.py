@@ -1,0 +1,872 @@
+"""Block index on Redis Cluster (or Valkey cluster): the index past one Redis.
+
+Why a layout of its own: a Lua script may only touch keys of one hash slot, and
+the single-Redis layout (one holder hash per model, built key names) puts the
+whole index in one slot. Here every key carries a hash tag chosen so that one
+chain lookup reads at most two slots, whatever the cluster size:
+
+- Blocks at depth ``< D`` (``--redis-anchor-depth``) of a chain live under the
+  tag of the chain's first block (the *root*), blocks at depth ``>= D`` under
+  the tag of the chain's block at depth ``D`` (the *anchor*). Block keys are
+  chained hashes (a key fixes its whole prefix), so a block's tag is a property
+  of the key, and a lookup of ``keys`` reads ``{keys[0]}`` for positions
+  ``[0, D)`` and ``{keys[D]}`` for the rest: one or two shards. Chains that
+  share a long prefix (a system prompt) share the root shard for ``D`` blocks
+  only; past it they spread over the cluster by their anchor.
+- ``NS:{<tag>}:h:<model>`` HASH ``<key8> -> ";<endpoint>\\x1f<tier>;..."``
+  the holders, as in the single layout.
+- ``NS:{e:<endpoint>}:r:<model>:<tier>`` HASH ``<key8> -> <tag8>(p<parent8>|r)<depth>,<children>``:
+  the per-endpoint reverse index, on the endpoint's own slot. It is what makes
+  clearing an endpoint O(its blocks) and it is where a new block finds its
+  parent's tag and depth (an engine stores a block after its parent, in some
+  tier). ``NS:{e:<endpoint>}:reg`` names the endpoint's reverse indexes,
+  ``NS:{e:<endpoint>}:n`` counts its entries per tier.
+- ``NS:{<root>}:s:<model>`` HASH ``<key8> -> "<endpoint>=<expiry ms>;..."``:
+  speculative entries of the chains starting at ``root`` (a router writes them
+  for a chain from its first block). Expired fields are dropped by sampling
+  on each write and the key expires with its longest TTL.
+- ``NS:{<tag>}:d:<model>`` SET of endpoints that, within this tag, hold a block
+  without its same-tier parent (or lost a parent under a child). The others are
+  prefix-closed there, so a lookup probes them every ``probe_stride``-th block
+  as the single layout does; dirty ones are walked block by block.
+- ``NS:endpoints``, ``NS:models``, ``NS:layout``: global, written rarely.
+
+A block whose parent its endpoint does not hold in any tier (an orphan, or a
+batch given without parent links) is filed as a new root; lookups of its true
+chain do not see it. vLLM stores and evicts in prefix order, so this only
+loses blocks that could not extend a leading match anyway (counted:
+``orphans``).
+
+Updates are two or three single-slot calls, ordered so a failure in between
+never leaves a holder the reverse index does not know (add: reverse index,
+then holders; remove: holders, then reverse index). A lookup is one Lua call
+per shard (the second only when a run reaches depth ``D``). Any replica of the indexer reads the same keys, so it answers the
+same. Connection errors, a master down, or a slot moving raise
+``IndexUnavailable`` once the client's retries are spent.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import struct
+from collections.abc import Iterable, Sequence
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+
+from kvmesh.index.base import (
+    TIERS,
+    BlockIndex,
+    EndpointMatch,
+    IndexStats,
+    IndexUnavailable,
+    LookupResult,
+    Tier,
+)
+
+log = logging.getLogger(__name__)
+
+LAYOUT_VERSION = "c1"
+SCHEMES = ("redis+cluster://", "rediss+cluster://")
+
+# Lua's unpack has a stack limit: HMGET/HSET in chunks. The reverse-index value is
+# <tag8> then 'p'<parent8> (the parent is held in the same tier) or 'r' (it is not), then
+# "<depth>,<children>" where <children> counts this holder's blocks whose same-tier parent is this one.
+_LIB = """
+local CH = 1000
+local function hmget_all(key, ks)
+  local out = {}
+  for lo = 1, #ks, CH do
+    local vs = redis.call('HMGET', key, unpack(ks, lo, math.min(#ks, lo + CH - 1)))
+    for j = 1, #vs do out[lo + j - 1] = vs[j] end
+  end
+  return out
+end
+local function hset_all(key, kv)
+  for lo = 1, #kv, 2 * CH do redis.call('HSET', key, unpack(kv, lo, math.min(#kv, lo + 2 * CH - 1))) end
+end
+local function rparse(v)
+  local tag, par, rest = string.sub(v, 1, 8), nil, nil
+  if string.sub(v, 9, 9) == 'p' then par = string.sub(v, 10, 17); rest = string.sub(v, 18)
+  else rest = string.sub(v, 10) end
+  local c = string.find(rest, ',', 1, true)
+  return tag, par, tonumber(string.sub(rest, 1, c - 1)), tonumber(string.sub(rest, c + 1))
+end
+local function rval(tag, par, d, n)
+  if par then return tag .. 'p' .. par .. d .. ',' .. n end
+  return tag .. 'r' .. d .. ',' .. n
+end
+"""
+
+# KEYS: reg, counts, rindex of the added tier, rindex of every tier (parents may be in another tier)
+# ARGV: tier, D, blob, nstarts, (offset, parent8 or '')...  (nstarts == 0: links unknown)
+# Returns {new, orphans, first, ndirty, dirty tag8..., tag8 keys-blob ...} for the keys new to this
+# endpoint+tier; a dirty tag is one where this endpoint now holds a block without its same-tier parent.
+_EP_ADD = _LIB + """
+local tier, D, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local nst = tonumber(ARGV[4])
+local starts = {}
+for j = 0, nst - 1 do starts[tonumber(ARGV[5 + 2 * j])] = ARGV[6 + 2 * j] end
+local rkey = KEYS[3]
+local n = #blob / 8
+local ks = {}
+for i = 1, n do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
+local have = hmget_all(rkey, ks)
+local here = {}
+for i = 1, n do here[ks[i]] = have[i] or false end
+local function held_here(k)
+  if here[k] == nil then here[k] = redis.call('HGET', rkey, k) or false end
+  return here[k]
+end
+-- the batch's keys held in the other tiers, read in one HMGET per tier (a call per key costs more)
+local other = {}
+for j = 4, #KEYS do
+  if j ~= 3 + tonumber(tier) and redis.call('EXISTS', KEYS[j]) == 1 then
+    local vs = hmget_all(KEYS[j], ks)
+    for i = 1, n do if vs[i] and not other[ks[i]] then other[ks[i]] = vs[i] end end
+  end
+end
+for i = 1, n do if other[ks[i]] == nil then other[ks[i]] = false end end
+local info = {}
+local function meta(k)
+  if info[k] then return info[k] end
+  local v = held_here(k) or other[k]
+  if v == nil then   -- not in the batch: a parent, looked up on its own
+    for j = 4, #KEYS do
+      if j ~= 3 + tonumber(tier) then v = v or redis.call('HGET', KEYS[j], k) end
+    end
+  end
+  if v then
+    local t, _, d = rparse(v)
+    info[k] = {t, d}
+    return info[k]
+  end
+  return nil
+end
+local orphans, new, order, ext, dirty = 0, {}, {}, {}, {}
+local prev = nil
+for i = 1, n do
+  local k = ks[i]
+  local par = starts[i - 1]
+  if par == nil then par = prev elseif par == '' then par = false end
+  prev = k
+  if have[i] then
+    meta(k)
+  elseif new[k] == nil then
+    local m = meta(k)
+    local tag, d
+    if m then
+      tag, d = m[1], m[2]
+    else
+      local pm = nil
+      if par then pm = meta(par) end
+      if not pm then
+        if par ~= false then orphans = orphans + 1 end
+        tag, d = k, 0
+      elseif pm[2] < D - 1 then tag, d = pm[1], pm[2] + 1
+      elseif pm[2] == D - 1 then tag, d = k, D
+      else tag, d = pm[1], D + 1 end   -- past the anchor; depth capped at D + 1
+      info[k] = {tag, d}
+    end
+    local sp = nil
+    if par and d > 0 then
+      if new[par] then sp = par; new[par][4] = new[par][4] + 1
+      elseif held_here(par) then sp = par; ext[par] = (ext[par] or 0) + 1 end
+    end
+    -- a run inside this tag that may have a hole: lookups walk this endpoint block by block there
+    if not sp and d > 0 and d ~= D then dirty[tag] = true end
+    new[k] = {tag, sp, d, 0}
+    order[#order + 1] = k
+  end
+end
+local kv = {}
+for _, k in ipairs(order) do
+  local nd = new[k]
+  kv[#kv + 1] = k
+  kv[#kv + 1] = rval(nd[1], nd[2], nd[3], nd[4])
+end
+for p, c in pairs(ext) do
+  local t, pp, d, nc = rparse(here[p])
+  kv[#kv + 1] = p
+  kv[#kv + 1] = rval(t, pp, d, nc + c)
+end
+hset_all(rkey, kv)
+if #order > 0 then redis.call('HINCRBY', KEYS[2], tier, #order) end
+local out = {#order, orphans, redis.call('SADD', KEYS[1], rkey), 0}
+for t, _ in pairs(dirty) do out[#out + 1] = t; out[4] = out[4] + 1 end
+-- grouped by tag (a reply of two strings per key costs the client more than the work here)
+local groups, tags = {}, {}
+for _, k in ipairs(order) do
+  local t = new[k][1]
+  if not groups[t] then groups[t] = {}; tags[#tags + 1] = t end
+  groups[t][#groups[t] + 1] = k
+end
+for _, t in ipairs(tags) do
+  out[#out + 1] = t
+  out[#out + 1] = table.concat(groups[t])
+end
+return out
+"""
+
+# KEYS: holder hash, dirty set of that tag. ARGV: field, blob of keys, endpoint, mark dirty ('1'|'0').
+_HOLD_ADD = _LIB + """
+local field, blob = ARGV[1], ARGV[2]
+local n = #blob / 8
+local ks = {}
+for i = 1, n do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
+local vs = hmget_all(KEYS[1], ks)
+local kv = {}
+for i = 1, n do
+  local v = vs[i] or ';'
+  if not string.find(v, ';' .. field, 1, true) then
+    kv[#kv + 1] = ks[i]
+    kv[#kv + 1] = v .. field
+  end
+end
+hset_all(KEYS[1], kv)
+if ARGV[4] == '1' then redis.call('SADD', KEYS[2], ARGV[3]) end
+return #kv / 2
+"""
+
+# KEYS: holder hash, dirty set of that tag. ARGV: field, blob, endpoint, dirty op ('+' mark, '-' unmark, '').
+_HOLD_DEL = """
+local field, blob = ARGV[1], ARGV[2]
+local gone = 0
+for i = 1, #blob / 8 do
+  local k = string.sub(blob, i * 8 - 7, i * 8)
+  local v = redis.call('HGET', KEYS[1], k)
+  if v then
+    local s, e = string.find(v, ';' .. field, 1, true)
+    if s then
+      local rest = string.sub(v, 1, s) .. string.sub(v, e + 1)
+      if rest == ';' then redis.call('HDEL', KEYS[1], k) else redis.call('HSET', KEYS[1], k, rest) end
+      gone = gone + 1
+    end
+  end
+end
+if ARGV[4] == '+' then redis.call('SADD', KEYS[2], ARGV[3]) elseif ARGV[4] == '-' then
+  redis.call('SREM', KEYS[2], ARGV[3]) end
+return gone
+"""
+
+# KEYS: rindex, counts. ARGV: tier, key8...  Drops the keys (whose holders are already unlinked)
+# and lowers their same-tier parents' child counts.
+_EP_REMOVE = _LIB + """
+local ks = {}
+for i = 2, #ARGV do ks[#ks + 1] = ARGV[i] end
+local vs = hmget_all(KEYS[1], ks)
+local gone, dec = {}, {}
+for i, k in ipairs(ks) do if vs[i] then gone[k] = vs[i] end end
+for k, v in pairs(gone) do
+  local _, par = rparse(v)
+  if par and not gone[par] then dec[par] = (dec[par] or 0) + 1 end
+end
+local kv = {}
+for p, c in pairs(dec) do
+  local v = redis.call('HGET', KEYS[1], p)
+  if v then
+    local t, pp, d, nc = rparse(v)
+    kv[#kv + 1] = p
+    kv[#kv + 1] = rval(t, pp, d, math.max(0, nc - c))
+  end
+end
+hset_all(KEYS[1], kv)
+local n = 0
+for lo = 1, #ks, CH do n = n + redis.call('HDEL', KEYS[1], unpack(ks, lo, math.min(#ks, lo + CH - 1))) end
+if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], -n) end
+return n
+"""
+
+# KEYS: rindex, counts. ARGV: tier, key8...  (clearing a whole tier: no child counts to keep)
+_EP_DEL = """
+local n = redis.call('HDEL', KEYS[1], unpack(ARGV, 2))
+if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], -n) end
+return n
+"""
+
+# One shard's part of a lookup: positions [base, base + limit) of the chain.
+# KEYS: per namespace (model first, then extra models) its holder hash and dirty set, then the
+#       speculative hash (if asked).
+# ARGV: blob, base, final('1'|'0'), spec('1'|'0'), limit (blocks of blob to walk; speculative entries
+#       are read along all of it), stride, nallow, allow..., ndeny, deny..., then per namespace a start
+#       state: '-' (from the chain's first block) or "<fields \\n-joined>|<endpoints \\n-joined>" alive
+#       at ``base``.
+# Endpoints not in the tag's dirty set hold, within this tag, no block without its same-tier parent,
+# so "holds block i" flips from true to false once along the range: read every stride-th block, then
+# the one gap where each run ends. Dirty endpoints are walked block by block, parsing a value only
+# when it changes. Returns {runs (field, n ...), combined (ep, n ...), states per namespace,
+# speculative (ep, n, ttl_ms ...)}.
+_WALK = """
+local blob, base, final, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
+local limit, S = tonumber(ARGV[5]), tonumber(ARGV[6])
+local idx = 7
+local nallow = tonumber(ARGV[idx]); idx = idx + 1
+local allow = nil
+if nallow > 0 then
+  allow = {}
+  for j = 1, nallow do allow[ARGV[idx]] = true; idx = idx + 1 end
+end
+local ndeny = tonumber(ARGV[idx]); idx = idx + 1
+local deny = {}
+for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
+local nkeys = math.min(limit, #blob / 8)
+local nall = #blob / 8
+local nns = #KEYS
+if spec then nns = nns - 1 end
+nns = nns / 2
+local run, erun = {}, {}
+local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
+local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
+local function split(s)
+  local t = {}
+  for x in string.gmatch(s, '([^\\n]+)') do t[x] = true end
+  return t
+end
+local function note(t, k, n) if n > 0 and n > (t[k] or 0) then t[k] = n end end
+local function probe(hkey, cand)
+  local ends, alive, last = {}, {}, {}
+  if next(cand) == nil then return ends end
+  for f, _ in pairs(cand) do alive[f] = true; last[f] = 0 end
+  local nprobe = math.floor((nkeys - 1) / S) + 1
+  local j, win = 1, 8
+  while next(alive) ~= nil and j < nprobe do
+    local hi = math.min(nprobe - 1, j + win - 1)
+    local args = {}
+    for q = j, hi do args[#args + 1] = key(q * S) end
+    local vals = redis.call('HMGET', hkey, unpack(args))
+    for q = j, hi do
+      local v = vals[q - j + 1]
+      local nxt = {}
+      if v then
+        for f, _ in pairs(alive) do
+          if string.find(v, ';' .. f .. ';', 1, true) then nxt[f] = true; last[f] = q end
+        end
+      end
+      alive = nxt
+      if next(alive) == nil then break end
+    end
+    j = hi + 1
+    win = math.min(win * 2, 256)
+  end
+  local gaps = {}
+  for f, q in pairs(last) do
+    gaps[q] = gaps[q] or {}
+    gaps[q][#gaps[q] + 1] = f
+  end
+  for q, fs in pairs(gaps) do
+    local lo, hi = q * S + 1, math.min(nkeys - 1, q * S + S - 1)
+    for _, f in ipairs(fs) do ends[f] = q * S + 1 end
+    if lo <= hi then
+      local args = {}
+      for p = lo, hi do args[#args + 1] = key(p) end
+      local vals = redis.call('HMGET', hkey, unpack(args))
+      for p = lo, hi do
+        local v = vals[p - lo + 1]
+        if not v then break end
+        local any = false
+        for _, f in ipairs(fs) do
+          if ends[f] == p and string.find(v, ';' .. f .. ';', 1, true) then ends[f] = p + 1; any = true end
+        end
+        if not any then break end
+      end
+    end
+  end
+  return ends
+end
+-- block by block from the range start; cur/cure: fields/endpoints alive there
+local function blockwalk(hkey, cur, cure, ncur, ncure)
+  local prev, pos, stop, win = nil, 0, nil, 64
+  while stop == nil and pos < nkeys do
+    local hi = math.min(nkeys, pos + win)
+    local args = {}
+    for i = pos, hi - 1 do args[#args + 1] = key(i) end
+    local vals = redis.call('HMGET', hkey, unpack(args))
+    for j = 1, hi - pos do
+      local v = vals[j]
+      local p = pos + j - 1
+      if not v then stop = p; break end
+      if v ~= prev then
+        prev = v
+        local fields, eps = {}, {}
+        for f in string.gmatch(v, '([^;]+)') do
+          fields[f] = true
+          eps[string.sub(f, 1, -3)] = true
+        end
+        for f, _ in pairs(cur) do
+          if not fields[f] then note(run, f, base + p); cur[f] = nil end
+        end
+        for ep, _ in pairs(cure) do
+          if not eps[ep] then note(erun, ep, base + p); cure[ep] = nil end
+        end
+        if next(cure) == nil then stop = p; break end
+      end
+    end
+    pos = hi
+    win = math.min(win * 2, 4096)
+  end
+  if stop == nil and not final then
+    for f, _ in pairs(cur) do ncur[f] = true end
+    for ep, _ in pairs(cure) do ncure[ep] = true end
+    return
+  end
+  local at = base + (stop or nkeys)
+  for f, _ in pairs(cur) do note(run, f, at) end
+  for ep, _ in pairs(cure) do note(erun, ep, at) end
+end
+local function walk(hkey, dkey, state)
+  if nkeys == 0 then return '' end
+  local v0 = redis.call('HGET', hkey, key(0))
+  local cur, cure = {}, {}
+  if state == '-' then
+    if v0 then
+      for f in string.gmatch(v0, '([^;]+)') do
+        local ep = string.sub(f, 1, -3)
+        if allowed(ep) then cur[f] = true; cure[ep] = true end
+      end
+    end
+  else
+    local bar = string.find(state, '|', 1, true)
+    cur, cure = split(string.sub(state, 1, bar - 1)), split(string.sub(state, bar + 1))
+  end
+  if next(cure) == nil then return '' end
+  local dirty = {}
+  for _, ep in ipairs(redis.call('SMEMBERS', dkey)) do if cure[ep] then dirty[ep] = true end end
+  local ncur, ncure = {}, {}
+  -- clean endpoints: every field present at the range start is a candidate (its run gives the
+  -- combined match; only fields alive since block 0 give a per-tier match)
+  local cand = {}
+  if v0 then
+    for f in string.gmatch(v0, '([^;]+)') do
+      local ep = string.sub(f, 1, -3)
+      if cure[ep] and not dirty[ep] then cand[f] = true end
+    end
+  end
+  local ends = probe(hkey, cand)
+  local ebest = {}
+  for f, e in pairs(ends) do
+    local ep = string.sub(f, 1, -3)
+    if e > (ebest[ep] or 0) then ebest[ep] = e end
+  end
+  local dcur, dcure = {}, {}
+  for ep, _ in pairs(cure) do
+    if dirty[ep] then dcure[ep] = true
+    elseif (ebest[ep] or 0) == nkeys and not final then ncure[ep] = true
+    else note(erun, ep, base + (ebest[ep] or 0)) end
+  end
+  for f, _ in pairs(cur) do
+    local ep = string.sub(f, 1, -3)
+    if dirty[ep] then dcur[f] = true
+    elseif (ends[f] or 0) == nkeys and not final then ncur[f] = true
+    else note(run, f, base + (ends[f] or 0)) end
+  end
+  if next(dcure) ~= nil then blockwalk(hkey, dcur, dcure, ncur, ncure) end
+  if next(ncure) == nil then return '' end
+  local fs, es = {}, {}
+  for f, _ in pairs(ncur) do fs[#fs + 1] = f end
+  for ep, _ in pairs(ncure) do es[#es + 1] = ep end
+  return table.concat(fs, '\\n') .. '|' .. table.concat(es, '\\n')
+end
+local states = {}
+for j = 1, nns do states[j] = walk(KEYS[2 * j - 1], KEYS[2 * j], ARGV[idx + j - 1]) end
+local out_t, out_e, out_s = {}, {}, {}
+for f, n in pairs(run) do out_t[#out_t + 1] = f; out_t[#out_t + 1] = n end
+for ep, n in pairs(erun) do out_e[#out_e + 1] = ep; out_e[#out_e + 1] = n end
+if spec then
+  local t = redis.call('TIME')
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local srun, sexp = {}, {}
+  local pos, win, done = 0, 16, false
+  while not done and pos < nall do
+    local hi = math.min(nall, pos + win)
+    local args = {}
+    for i = pos, hi - 1 do args[#args + 1] = key(i) end
+    local vals = redis.call('HMGET', KEYS[#KEYS], unpack(args))
+    for j = 1, hi - pos do
+      local v, p, ext = vals[j], pos + j - 1, false
+      if v then
+        for ep, e in string.gmatch(v, '([^;=]+)=(%d+)') do
+          local exp = tonumber(e)
+          if exp > now and allowed(ep) and (srun[ep] or 0) == p then
+            srun[ep] = p + 1
+            if sexp[ep] == nil or exp < sexp[ep] then sexp[ep] = exp end
+            ext = true
+          end
+        end
+      end
+      if not ext then done = true; break end
+    end
+    pos = hi
+    win = math.min(win * 2, 1024)
+  end
+  for ep, n in pairs(srun) do
+    out_s[#out_s + 1] = ep; out_s[#out_s + 1] = n; out_s[#out_s + 1] = sexp[ep] - now
+  end
+end
+return {out_t, out_e, states, out_s}
+"""
+
+# KEYS: speculative hash. ARGV: endpoint, ttl_ms, blob. Also drops a sample of fully expired fields.
+_PUT_SPEC = """
+local ep, ttl, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local exp = now + ttl
+local function keep(v, drop)
+  local out = {}
+  if v then
+    for e, x in string.gmatch(v, '([^;=]+)=(%d+)') do
+      if e ~= drop and tonumber(x) > now then out[#out + 1] = e .. '=' .. x end
+    end
+  end
+  return out
+end
+for i = 1, #blob / 8 do
+  local k = string.sub(blob, i * 8 - 7, i * 8)
+  local v = keep(redis.call('HGET', KEYS[1], k), ep)
+  v[#v + 1] = ep .. '=' .. exp
+  redis.call('HSET', KEYS[1], k, table.concat(v, ';'))
+end
+local sample = redis.call('HRANDFIELD', KEYS[1], 2 * (#blob / 8), 'WITHVALUES')
+for j = 1, #sample, 2 do
+  if #keep(sample[j + 1], nil) == 0 then redis.call('HDEL', KEYS[1], sample[j]) end
+end
+if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+return 1
+"""
+
+
+def parse_cluster_url(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
+    """``redis+cluster://[user:pw@]host:port[,host:port...]`` -> startup nodes and connection options."""
+    if not url.startswith(SCHEMES):
+        raise ValueError(f"redis cluster url {url!r} must start with redis+cluster:// or rediss+cluster://")
+    parts = urlsplit(url.replace("+cluster", "", 1))
+    netloc = parts.netloc
+    opts: dict[str, Any] = {"ssl": parts.scheme == "rediss"}
+    if "@" in netloc:
+        cred, netloc = netloc.rsplit("@", 1)
+        user, _, pw = cred.partition(":")
+        if user:
+            opts["username"] = unquote(user)
+        if pw:
+            opts["password"] = unquote(pw)
+    nodes = []
+    for hp in netloc.split(","):
+        host, _, port = hp.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"redis cluster url {url!r}: {hp!r} is not host:port")
+        nodes.append(ClusterNode(host.strip("[]"), int(port)))
+    return nodes, opts
+
+
+def _pack(keys: Sequence[int]) -> bytes:
+    return struct.pack(f">{len(keys)}Q", *keys)
+
+
+def _hex(tag8: bytes) -> str:
+    return tag8.hex()
+
+
+class RedisClusterIndex(BlockIndex):
+    """Block index on a Redis Cluster; a lookup touches at most two shards."""
+
+    name = "redis-cluster"
+    blocking = True
+
+    def __init__(self, url: str, namespace: str = "kvm", timeout_s: float = 1.0, clear_chunk: int = 2000,
+                 anchor_depth: int = 64, probe_stride: int = 32, client: RedisCluster | None = None) -> None:
+        nodes, opts = parse_cluster_url(url)
+        if anchor_depth < 1:
+            raise ValueError(f"anchor_depth must be >= 1, got {anchor_depth}")
+        self.url = url
+        self.namespace = namespace
+        self.timeout_s = timeout_s
+        self.clear_chunk = clear_chunk
+        self.anchor_depth = anchor_depth
+        if probe_stride < 1:
+            raise ValueError(f"probe_stride must be >= 1, got {probe_stride}")
+        self.probe_stride = probe_stride
+        self._layout_checked = False
+        # How many shards each lookup touched (the target is <= 2), and orphans filed as roots.
+        self.lookup_shards: collections.Counter[int] = collections.Counter()
+        self.orphans = 0
+        self.last_lookup_shards = 0
+        self.r = client or RedisCluster(
+            startup_nodes=nodes, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+            cluster_error_retry_attempts=2, require_full_coverage=False, **opts)
+        self._ep_add = self.r.register_script(_EP_ADD)
+        self._hold_add = self.r.register_script(_HOLD_ADD)
+        self._hold_del = self.r.register_script(_HOLD_DEL)
+        self._ep_del = self.r.register_script(_EP_DEL)
+        self._ep_remove = self.r.register_script(_EP_REMOVE)
+        self._walk = self.r.register_script(_WALK)
+        self._put_spec = self.r.register_script(_PUT_SPEC)
+
+    # ---- key names -----------------------------------------------------------------
+    def _hkey(self, tag: str, model: str) -> str:
+        return f"{self.namespace}:{{{tag}}}:h:{model}"
+
+    def _dkey(self, tag: str, model: str) -> str:
+        return f"{self.namespace}:{{{tag}}}:d:{model}"
+
+    def _ekey(self, endpoint: str, rest: str) -> str:
+        return f"{self.namespace}:{{e:{endpoint}}}:{rest}"
+
+    def _call(self, fn, *args, **kw):  # type: ignore[no-untyped-def]
+        try:
+            return fn(*args, **kw)
+        except (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.ClusterDownError,
+                redis.exceptions.SlotNotCoveredError, redis.exceptions.TryAgainError) as exc:
+            raise IndexUnavailable(f"redis cluster {self._safe_url()} unavailable: {exc}") from exc
+        except redis.exceptions.RedisClusterException as exc:
+            raise IndexUnavailable(f"redis cluster {self._safe_url()} unavailable: {exc}") from exc
+        except redis.ResponseError as exc:
+            if any(s in str(exc) for s in ("LOADING", "BUSY", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK")):
+                raise IndexUnavailable(f"redis cluster {self._safe_url()} not ready: {exc}") from exc
+            raise
+
+    def _safe_url(self) -> str:
+        if "@" in self.url:
+            scheme, rest = self.url.split("://", 1)
+            return f"{scheme}://***@{rest.split('@', 1)[1]}"
+        return self.url
+
+    def check_layout(self) -> None:
+        try:
+            self._check_layout()
+        except IndexUnavailable:
+            pass
+
+    def _check_layout(self) -> None:
+        if self._layout_checked:
+            return
+        key = f"{self.namespace}:layout"
+        self._call(self.r.setnx, key, f"{LAYOUT_VERSION}:{self.anchor_depth}")
+        got = (self._call(self.r.get, key) or b"").decode()
+        if got != f"{LAYOUT_VERSION}:{self.anchor_depth}":
+            raise ValueError(f"redis namespace {self.namespace!r} holds index layout {got!r}, this indexer writes "
+                             f"{LAYOUT_VERSION}:{self.anchor_depth} (layout:anchor depth); use the same "
+                             "--redis-anchor-depth, another --redis-namespace, or delete its keys")
+        self._layout_checked = True
+
+    def check_auth(self) -> None:
+        try:
+            self.r.ping()
+        except redis.AuthenticationError as exc:
+            raise ValueError(f"redis cluster {self._safe_url()}: authentication failed: {exc}") from None
+        except (redis.RedisError, OSError):
+            pass
+
+    # ---- updates -------------------------------------------------------------------
+    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
+            chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
+        if not keys:
+            return 0
+        self._check_layout()
+        t = int(Tier(tier))
+        rk = [self._ekey(endpoint, f"r:{model}:{x}") for x in (1, 2, 3)]
+        starts: list[Any] = [0]
+        if chain_starts is not None:
+            starts = [len(chain_starts)]
+            for off, parent in chain_starts:
+                starts += [off, b"" if parent is None else parent.to_bytes(8, "big")]
+        out = self._call(self._ep_add, [self._ekey(endpoint, "reg"), self._ekey(endpoint, "n"), rk[t - 1], *rk],
+                         [t, self.anchor_depth, _pack(keys), *starts])
+        new, orphans, first, ndirty = int(out[0]), int(out[1]), int(out[2]), int(out[3])
+        self.orphans += orphans
+        if first:
+            self._call(self.r.sadd, f"{self.namespace}:endpoints", endpoint)
+            self._call(self.r.sadd, f"{self.namespace}:models", model)
+        dirty = set(out[4:4 + ndirty])
+        field = f"{endpoint}\x1f{t};"
+        for i in range(4 + ndirty, len(out), 2):
+            tag8 = out[i]
+            tag = _hex(tag8)
+            self._call(self._hold_add, [self._hkey(tag, model), self._dkey(tag, model)],
+                       [field, out[i + 1], endpoint, "1" if tag8 in dirty else "0"])
+        return new
+
+    def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
+        if not keys:
+            return 0
+        self._check_layout()
+        t = int(Tier(tier))
+        rkey = self._ekey(endpoint, f"r:{model}:{t}")
+        keys8 = list(dict.fromkeys(k.to_bytes(8, "big") for k in keys))
+        vals = self._call(self.r.hmget, rkey, keys8)
+        held = {k: v for k, v in zip(keys8, vals, strict=True) if v is not None}
+        # Children this endpoint keeps in the same tier become orphans: their tag may have a hole now.
+        removed_children: collections.Counter[bytes] = collections.Counter()
+        for v in held.values():
+            if v[8:9] == b"p":
+                removed_children[v[9:17]] += 1
+        by_tag: dict[bytes, list[bytes]] = {}
+        dirty: set[bytes] = set()
+        for k, v in held.items():
+            by_tag.setdefault(v[:8], []).append(k)
+            depth, children = (int(x) for x in v[17 if v[8:9] == b"p" else 9:].split(b","))
+            if children > removed_children[k] and depth != self.anchor_depth - 1:
+                dirty.add(v[:8])     # (children of depth D-1 are anchors: a range start of their own tag)
+        field = f"{endpoint}\x1f{t};"
+        for tag8, ks in by_tag.items():
+            tag = _hex(tag8)
+            self._call(self._hold_del, [self._hkey(tag, model), self._dkey(tag, model)],
+                       [field, b"".join(ks), endpoint, "+" if tag8 in dirty else ""])
+        gone = list(held)
+        n = 0
+        for lo in range(0, len(gone), 4000):
+            n += int(self._call(self._ep_remove, [rkey, self._ekey(endpoint, "n")], [t, *gone[lo:lo + 4000]]))
+        return n
+
+    def _unlink(self, model: str, endpoint: str, t: int, rkey: str, by_tag: dict[bytes, list[bytes]],
+                undirty: bool) -> int:
+        field = f"{endpoint}\x1f{t};"
+        for tag8, ks in by_tag.items():
+            tag = _hex(tag8)
+            self._call(self._hold_del, [self._hkey(tag, model), self._dkey(tag, model)],
+                       [field, b"".join(ks), endpoint, "-" if undirty else ""])
+        gone = [k for ks in by_tag.values() for k in ks]
+        n = 0
+        for lo in range(0, len(gone), 4000):
+            n += int(self._call(self._ep_del, [rkey, self._ekey(endpoint, "n")], [t, *gone[lo:lo + 4000]]))
+        return n
+
+    def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
+        reg = self._ekey(endpoint, "reg")
+        removed = 0
+        for raw in self._call(self.r.smembers, reg):
+            rkey = raw.decode()
+            model_tier = rkey.split("}:r:", 1)[1]
+            model, t = model_tier.rsplit(":", 1)
+            if tier is not None and int(t) != int(tier):
+                continue
+            while True:
+                got = self._call(self.r.hrandfield, rkey, self.clear_chunk, True)
+                if not got:
+                    break
+                by_tag: dict[bytes, list[bytes]] = {}
+                for i in range(0, len(got), 2):
+                    by_tag.setdefault(got[i + 1][:8], []).append(got[i])
+                # a whole-endpoint clear leaves nothing of it in these tags: clean there again
+                removed += self._unlink(model, endpoint, int(t), rkey, by_tag, undirty=tier is None)
+            self._call(self.r.srem, reg, rkey)
+        if tier is None:
+            self._call(self.r.srem, f"{self.namespace}:endpoints", endpoint)
+        return removed
+
+    def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:
+        """``keys`` is a chain from its first block (what a router picked)."""
+        if keys:
+            skey = f"{self.namespace}:{{{keys[0]:016x}}}:s:{model}"
+            self._call(self._put_spec, [skey], [endpoint, max(1, int(ttl_s * 1000)), _pack(keys)])
+
+    # ---- lookup --------------------------------------------------------------------
+    def _node_of(self, key: str) -> str:
+        try:
+            return str(self.r.get_node_from_key(key).name)
+        except Exception:  # noqa: BLE001 - a slot map being refreshed; counted as its own shard
+            return key
+
+    def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
+               include_speculative: bool = False, exclude: Iterable[str] | None = None,
+               extra_models: Sequence[str] = ()) -> LookupResult:
+        result = LookupResult(chain_length=len(keys))
+        if not keys:
+            return result
+        self._check_layout()
+        allow = list(endpoint_filter or [])
+        deny = list(exclude or [])
+        models = [model, *[m for m in dict.fromkeys(extra_models) if m != model]]
+        filt = [len(allow), *allow, len(deny), *deny]
+        n, D = len(keys), self.anchor_depth
+        blob = _pack(keys)
+        root = f"{keys[0]:016x}"
+        hk = [k for m in models for k in (self._hkey(root, m), self._dkey(root, m))]
+        skeys = [f"{self.namespace}:{{{root}}}:s:{model}"] if include_speculative else []
+        runs: dict[bytes, int] = {}
+        combined: dict[bytes, int] = {}
+        first = min(n, D)
+        out = self._call(self._walk, hk + skeys, [blob if include_speculative else blob[:8 * first], 0,
+                                                  "1" if n <= D else "0", "1" if include_speculative else "0",
+                                                  first, self.probe_stride, *filt,
+                                                  *["-"] * len(models)])
+        nodes = {self._node_of(hk[0])}
+        self._merge(out, runs, combined)
+        states = out[2]
+        if n > D and any(states):
+            anchor = f"{keys[D]:016x}"
+            hk2 = [k for m in models for k in (self._hkey(anchor, m), self._dkey(anchor, m))]
+            out2 = self._call(self._walk, hk2, [blob[8 * D:], D, "1", "0", n - D, self.probe_stride, *filt,
+                                                *[s if s else "|" for s in states]])
+            nodes.add(self._node_of(hk2[0]))
+            self._merge(out2, runs, combined)
+        self.lookup_shards[len(nodes)] += 1
+        self.last_lookup_shards = len(nodes)
+        for f, cnt in runs.items():
+            field = f.decode()
+            ep, tier = field[:-2], int(field[-1])
+            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
+            em.tiers[Tier(tier)] = cnt
+        for e, cnt in combined.items():
+            ep = e.decode()
+            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
+            em.combined = cnt
+        spec = out[3]
+        for i in range(0, len(spec), 3):
+            ep = spec[i].decode()
+            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
+            em.speculative = int(spec[i + 1])
+            em.speculative_ttl_s = int(spec[i + 2]) / 1000.0
+        return result
+
+    @staticmethod
+    def _merge(out: list, runs: dict[bytes, int], combined: dict[bytes, int]) -> None:
+        t, e = out[0], out[1]
+        for i in range(0, len(t), 2):
+            runs[t[i]] = max(runs.get(t[i], 0), int(t[i + 1]))
+        for i in range(0, len(e), 2):
+            combined[e[i]] = max(combined.get(e[i], 0), int(e[i + 1]))
+
+    # ---- introspection ---------------------------------------------------------------
+    def endpoint_blocks(self, endpoint: str) -> int:
+        raw = self._call(self.r.hgetall, self._ekey(endpoint, "n"))
+        return sum(int(v) for v in raw.values())
+
+    def endpoints(self) -> list[str]:
+        return sorted(e.decode() for e in self._call(self.r.smembers, f"{self.namespace}:endpoints"))
+
+    def stats(self) -> IndexStats:
+        """Entries from the per-endpoint counters; ``keys`` scans the holder hashes (O(tags), introspection)."""
+        by_tier = {t: 0 for t in TIERS}
+        eps = self.endpoints()
+        for ep in eps:
+            for k, v in self._call(self.r.hgetall, self._ekey(ep, "n")).items():
+                by_tier[Tier(int(k))] += int(v)
+        nkeys = 0
+        for key in self._call(lambda: list(self.r.scan_iter(match=f"{self.namespace}:{{*}}:h:*", count=1000,
+                                                            target_nodes=RedisCluster.PRIMARIES))):
+            nkeys += int(self._call(self.r.hlen, key))
+        counters = {f"lookups_touching_{k}_shards": v for k, v in sorted(self.lookup_shards.items())}
+        counters["lookup_shards_max"] = max(self.lookup_shards, default=0)
+        counters["orphans_filed_as_roots"] = self.orphans
+        return IndexStats(backend=self.name, entries=sum(by_tier.values()), keys=nkeys, endpoints=len(eps),
+                          entries_by_tier=by_tier, counters=counters)
+
+    def ping(self) -> bool:
+        try:
+            return bool(self.r.ping(target_nodes=RedisCluster.PRIMARIES))
+        except (redis.RedisError, OSError):
+            return False
+
+    def run_id(self) -> str | None:
+        """The masters' run ids joined; changes when any master restarts (and lost its shard)."""
+        try:
+            info = self.r.info("server", target_nodes=RedisCluster.PRIMARIES)
+            return ",".join(sorted(str(v.get("run_id")) for v in info.values()))
+        except (redis.RedisError, OSError):
+            return None
+
+    def close(self) -> None:
+        self.r.close()

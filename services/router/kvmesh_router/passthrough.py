@@ -1,0 +1,308 @@
+"""OpenAI requests to external engines: route precisely, then forward the body as it came.
+
+A plain ``vllm serve`` does everything a client may ask (tools and their parser,
+structured output, logprobs, penalties...), so the router must not re-express the
+request: it reads the body only to predict (render with the same chat template and
+hash the tokens with the tenant's salt, exactly as for kvmesh workers), picks the
+endpoint, and forwards the body unchanged but for ``cache_salt``, which it sets to
+the tenant's salt so that the engine hashes its blocks as the prediction did (and
+tenants never share KV). The answer (status, body, SSE stream) goes back untouched;
+the routing decision rides in ``x-kvmesh-*`` response headers, and the engine's
+``usage.prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``)
+is compared with the prediction, as for workers.
+
+A connect failure marks the endpoint down and the request goes to the next best
+one; so does a connection that closes before any answer. Nothing is retried once
+the engine has answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import propagate
+
+from kvmesh.openai.errors import OpenAIError, error_response
+from kvmesh.openai.requests import SESSION_HEADER, parse_json_body, read_body, string
+from kvmesh.routing.types import Decision
+from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
+from kvmesh_router import metrics
+from kvmesh_router.errors import BadRequest, RouterError, Unavailable
+from kvmesh_router.http_guard import SCOPE_KEY
+from kvmesh_router.openai_endpoint import CONNECT_ERRORS
+from kvmesh_router.service import GenInput, Prepared, RouterService
+
+log = logging.getLogger(__name__)
+
+# Failures before any answer that say nothing about the endpoint's health beyond this
+# connection (a pooled keep-alive connection the server had closed, a server that just died).
+_NO_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
+
+
+def _router_error(exc: RouterError) -> JSONResponse:
+    return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
+
+
+def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> GenInput:
+    """What the router needs to predict the engine's prompt; nothing else of the body is read."""
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required and must be a string", "model")
+    inp = GenInput(model=model)
+    if chat:
+        try:
+            inp.chat_request = chat_request_from_body(body)
+        except ChatRenderError as exc:
+            raise BadRequest(exc.message, exc.param) from None
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if isinstance(prompt, str) and prompt:
+            inp.text = prompt
+        elif (isinstance(prompt, list) and prompt
+              and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)):
+            inp.tokens = prompt
+        else:
+            raise BadRequest("'prompt' must be a non-empty string or list of token ids (one prompt per request)",
+                             "prompt")
+        ast = body.get("add_special_tokens", True)
+        if not isinstance(ast, bool):
+            raise BadRequest("'add_special_tokens' must be a boolean", "add_special_tokens")
+        inp.add_special_tokens = ast
+    try:
+        inp.cache_salt = string(body, "cache_salt")
+        user = body.get("user")
+        inp.session_id = (string(body, "session_id") or headers.get(SESSION_HEADER, "")
+                          or (user if isinstance(user, str) else ""))
+    except OpenAIError as exc:
+        raise BadRequest(exc.message, exc.param) from None
+    inp.tenant = tenant   # from the request scope: the key's, never the client's claim
+    inp.request_id = headers.get("x-request-id", "")
+    inp.policy = headers.get("x-kvmesh-policy", "")
+    return inp
+
+
+class _Usage:
+    """The engine's usage, from a JSON answer or the last SSE event that carries one."""
+
+    def __init__(self) -> None:
+        self.doc: dict[str, Any] | None = None
+        self._tail = b""
+
+    def from_json(self, raw: bytes) -> None:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return
+        if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
+            self.doc = doc["usage"]
+
+    def feed(self, chunk: bytes) -> None:
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        if len(self._tail) > 16 << 20:   # no newline for 16 MiB: not SSE; stop looking
+            self._tail = b""
+        for line in lines:
+            if line.startswith(b"data: {") and b'"usage"' in line:
+                self.from_json(line[6:])
+
+    @property
+    def cached_tokens(self) -> int | None:
+        details = (self.doc or {}).get("prompt_tokens_details") or {}
+        n = details.get("cached_tokens")
+        return n if isinstance(n, int) else None
+
+
+class Passthrough:
+    """The HTTP front door's path for routers whose endpoints are external OpenAI servers."""
+
+    def __init__(self, service: RouterService, watch: Callable[[Request, GenInput], Any]) -> None:
+        self.service = service
+        self.cfg = service.cfg
+        self._watch = watch
+
+    @property
+    def cluster(self) -> Any:
+        return self.service.cluster
+
+    def applies(self) -> bool:
+        cluster = getattr(self.service, "cluster", None)   # front-door tests run without one
+        return cluster is not None and cluster.external_mode
+
+    async def handle(self, request: Request, chat: bool) -> Response:
+        api = "passthrough-chat" if chat else "passthrough-completions"
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        cfg = self.cfg
+        try:
+            raw = await read_body(request, cfg.max_text_bytes, cfg.http_body_timeout_s)
+            body = parse_json_body(raw, cfg.max_json_depth)
+        except OpenAIError as exc:
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            return exc.response()
+        try:
+            scope = request.scope.get("state", {}).get(SCOPE_KEY)
+            inp = gen_input(body, request.headers, chat, scope.tenant if scope is not None else "")
+            inp.deadline = scope.deadline if scope is not None else None
+            p = await self.service.prepare(inp)
+        except RouterError as exc:
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            return _router_error(exc)
+        if p.salt and body.get("cache_salt") != p.salt:
+            body["cache_salt"] = p.salt
+            content = json.dumps(body, ensure_ascii=False).encode()
+        else:
+            content = raw   # the very bytes the client sent
+        headers = {"content-type": "application/json", "x-request-id": p.request_id}
+        propagate.inject(headers, context=propagate.extract(dict(request.headers)))
+        watch = self._watch(request, inp)
+        try:
+            return await self._send(request, api, path, inp, p, content, headers)
+        except RouterError as exc:
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            return _router_error(exc)
+        except asyncio.CancelledError:
+            if not watch.gone:
+                raise
+            metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
+            return error_response(499, "client closed the request", "client_closed")
+        finally:
+            watch.stop()
+
+    async def _send(self, request: Request, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
+                    headers: dict[str, str]) -> Response:
+        exclude = {e for e in self.service.core.endpoints if e not in self.cluster.external}
+        failures: list[str] = []
+        deadline = inp.deadline   # the request scope's
+        call = _Call()
+        inp.calls.append(call)
+        try:
+            return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline)
+        finally:
+            inp.calls.remove(call)
+
+    async def _attempts(self, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
+                        headers: dict[str, str], exclude: set[str], failures: list[str],
+                        deadline: float | None) -> Response:
+        client = self.cluster.external.client
+        for attempt in range(1, self.cfg.max_attempts + 1):
+            d, _split = await self.service.decide(p, inp.policy, exclude)
+            self.service.record_routed(p, d)
+            url = self.cluster.external.urls.get(d.endpoint_id)
+            if url is None:   # removed by discovery since the decision
+                self.service.settle(p, d)
+                exclude.add(d.endpoint_id)
+                continue
+            left = None if deadline is None else max(0.001, deadline - time.monotonic())
+            req = client.build_request("POST", url + path, content=content, headers=headers,
+                                       timeout=httpx.Timeout(left, connect=self.cfg.external_connect_timeout_s))
+            try:
+                resp = await client.send(req, stream=True)
+            except CONNECT_ERRORS as exc:
+                self._failed(p, d, exc, failures, exclude, mark_dead=True)
+                continue
+            except _NO_ANSWER as exc:
+                self._failed(p, d, exc, failures, exclude, mark_dead=False)
+                continue
+            except httpx.TimeoutException:
+                self.service.settle(p, d)
+                return error_response(504, "deadline exceeded before the engine answered", "timeout")
+            except BaseException:
+                self.service.settle(p, d)
+                raise
+            self.service.core.on_first_token(p.req)
+            out_headers = {"x-kvmesh-endpoint": d.endpoint_id, "x-kvmesh-request-id": p.request_id,
+                           "x-kvmesh-predicted-cached-tokens": str(d.predicted_cached_tokens),
+                           "x-kvmesh-attempts": str(attempt)}
+            ctype = resp.headers.get("content-type", "application/json")
+            if "text/event-stream" not in ctype:
+                try:
+                    raw = await resp.aread()
+                except httpx.HTTPError as exc:
+                    self.service.settle(p, d)
+                    raise Unavailable(f"endpoint {d.endpoint_id} broke off its answer: {exc}") from None
+                except BaseException:
+                    self.service.settle(p, d)
+                    raise
+                finally:
+                    await resp.aclose()
+                usage = _Usage()
+                if resp.status_code == 200:
+                    usage.from_json(raw)
+                self._done(api, p, d, resp.status_code, usage)
+                return Response(raw, status_code=resp.status_code, media_type=ctype, headers=out_headers)
+            return StreamingResponse(self._stream(api, p, d, resp), status_code=resp.status_code,
+                                     media_type=ctype, headers=out_headers)
+        raise Unavailable(f"no endpoint could serve the request after {self.cfg.max_attempts} attempt(s): "
+                          + "; ".join(failures))
+
+    def _failed(self, p: Prepared, d: Decision, exc: Exception, failures: list[str], exclude: set[str],
+                mark_dead: bool) -> None:
+        why = f"{type(exc).__name__}: {exc}"
+        self.service.settle(p, d)
+        failures.append(f"{d.endpoint_id}: {why}")
+        exclude.add(d.endpoint_id)
+        if mark_dead:
+            self.cluster.mark_dead(d.endpoint_id, why)
+        metrics.RETRIES.labels(reason=type(exc).__name__).inc()
+        log.warning("retrying on another endpoint", extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
+                                                            "why": why})
+
+    async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response) -> AsyncIterator[bytes]:
+        usage = _Usage()
+        outcome = "broken"
+        try:
+            async for chunk in resp.aiter_raw():
+                usage.feed(chunk)
+                yield chunk
+            outcome = "ok"
+        except httpx.HTTPError as exc:
+            # Too late to retry: the client has part of the answer. An SSE error event says so.
+            log.warning("external endpoint broke off a stream", extra={"request_id": p.request_id,
+                                                                      "endpoint": d.endpoint_id, "error": str(exc)})
+            msg = {"error": {"message": f"endpoint {d.endpoint_id} broke off the stream: {exc}",
+                             "type": "upstream_error", "code": 502}}
+            yield b"data: " + json.dumps(msg).encode() + b"\n\n"
+        finally:
+            await resp.aclose()
+            if outcome == "ok":
+                self._done(api, p, d, resp.status_code, usage)
+            else:
+                self.service.settle(p, d)
+                metrics.REQUESTS.labels(api=api, outcome=outcome).inc()
+
+    def _done(self, api: str, p: Prepared, d: Decision, status: int, usage: _Usage) -> None:
+        self.service.settle(p, d)
+        metrics.REQUESTS.labels(api=api, outcome="ok" if status == 200 else f"http_{status}").inc()
+        actual = usage.cached_tokens
+        metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
+        if usage.doc is not None and isinstance(usage.doc.get("prompt_tokens"), int):
+            metrics.PROMPT_TOKENS.inc(usage.doc["prompt_tokens"])
+        if actual is None:
+            return
+        metrics.CACHED_TOKENS.labels(tier="gpu").inc(actual)
+        metrics.CACHED_DIFF.observe(actual - d.predicted_cached_tokens)
+        if actual != d.predicted_cached_tokens:
+            metrics.MISMATCHES.inc()
+            log.info("predicted cached tokens differ from the engine's",
+                     extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
+                            "predicted": d.predicted_cached_tokens, "actual": actual})
+
+
+class _Call:
+    """Lets the disconnect watch cancel the forwarding task while it waits for the engine."""
+
+    def __init__(self) -> None:
+        self._task = asyncio.current_task()
+
+    def cancel(self) -> None:
+        if self._task is not None:
+            self._task.cancel()

@@ -1,0 +1,94 @@
+"""A recording OpenAI server with vLLM's /metrics, for router tests that need no real engine.
+
+It answers ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE) with a fixed
+text and a usage block, keeps every body it received, and serves the three vLLM gauges
+the router reads. Served by uvicorn in the test's own event loop on a port it binds (0).
+The vLLM tier (tests/services/router/test_router_vllm_external.py) covers real vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+
+class OpenAIEngine:
+    def __init__(self, model: str = "tiny-llama", log: list[dict[str, Any]] | None = None) -> None:
+        self.model = model
+        self.bodies: list[dict[str, Any]] = []
+        self.log = log   # shared by several engines: every body in arrival order
+        self.headers: list[dict[str, str]] = []
+        self.waiting = 0
+        self.running = 0
+        self.kv_usage = 0.0
+        self.metrics_status = 200
+        self.cached_tokens = 0
+        self.server: uvicorn.Server | None = None
+        self._task: asyncio.Task | None = None
+        self.port = 0
+        app = FastAPI()
+        app.add_api_route("/metrics", self._metrics, methods=["GET"])
+        app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
+        app.add_api_route("/v1/completions", self._chat, methods=["POST"])
+        self.app = app
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> OpenAIEngine:
+        self.server = uvicorn.Server(uvicorn.Config(self.app, host="127.0.0.1", port=0, log_level="warning",
+                                                    lifespan="off"))
+        self.server.install_signal_handlers = lambda: None
+        self._task = asyncio.create_task(self.server.serve())
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    async def stop(self) -> None:
+        if self.server is not None and self._task is not None:
+            self.server.should_exit = True
+            await self._task
+
+    async def _metrics(self) -> Response:
+        if self.metrics_status != 200:
+            return PlainTextResponse("oops", status_code=self.metrics_status)
+        lab = f'{{engine="0",model_name="{self.model}"}}'
+        return PlainTextResponse(f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{lab} "
+                                 f"{self.running}\n# TYPE vllm:num_requests_waiting gauge\n"
+                                 f"vllm:num_requests_waiting{lab} {self.waiting}\n"
+                                 f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lab} "
+                                 f"{self.kv_usage}\n")
+
+    async def _chat(self, request: Request) -> Response:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.log is not None:
+            self.log.append(body)
+        self.headers.append(dict(request.headers))
+        if body.get("model") != self.model:
+            return JSONResponse({"object": "error", "message": "no such model", "code": 404}, status_code=404)
+        usage = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
+                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+        msg = {"role": "assistant", "content": "hi"}
+        if not body.get("stream"):
+            return JSONResponse({"id": "x", "object": "chat.completion", "model": self.model,
+                                 "choices": [{"index": 0, "message": msg, "finish_reason": "stop",
+                                              "logprobs": {"content": []} if body.get("logprobs") else None}],
+                                 "usage": usage})
+
+        async def events():
+            for piece in ("h", "i"):
+                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': piece}}]})}\n\n"
+            yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
+            yield "data: [DONE]\n\n"
+
+        return StreamingResponse(events(), media_type="text/event-stream")

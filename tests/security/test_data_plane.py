@@ -1,0 +1,162 @@
+"""Attack 5 of issue #20 (the offload data plane) and attack 8 (hostile keys and namespaces).
+
+Each attack is replayed against a real store on loopback gRPC and refused with the
+right status, with no state change and the store still serving other clients.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+
+import grpc
+import pytest
+
+from kvmesh.kvstore.bulk import ANSWER, MAGIC, NO_LEASE, REQUEST
+from kvmesh.kvstore.client import InvalidOffloadRequest, OffloadClient, OffloadError
+from kvmesh.kvstore.shm import SHM_DIR
+from kvmesh.kvstore.wire import encode_put_chunk
+from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
+
+pytestmark = pytest.mark.timeout(60)
+NS = "tiny-llama/L2-H2-D32-bf16-bs32"
+BIG = 512 * 1024   # big enough to live in the store's shared slabs
+
+
+def _blocks(n: int = 3, start: int = 1) -> list[tuple[int, bytes]]:
+    return [(start + i, os.urandom(BIG)) for i in range(n)]
+
+
+def _bulk_probe(port: int, token: bytes) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.sendall(REQUEST.pack(MAGIC, token))
+        (answer,) = ANSWER.unpack(s.recv(ANSWER.size, socket.MSG_WAITALL))
+        return answer
+
+
+async def test_lease_tokens_are_random_and_unguessable(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+    async with OffloadClient(st.address, use_shm=False) as c, grpc.aio.insecure_channel(st.address) as ch:
+        await c.put(NS, data)
+        stub = offload_pb2_grpc.OffloadStub(ch)
+        keys = [k for k, _ in data]
+        a = await stub.GetBulk(offload_pb2.GetRequest(namespace=NS, keys=keys))
+        b = await stub.GetBulk(offload_pb2.GetRequest(namespace=NS, keys=keys))
+        assert len(a.lease) == len(b.lease) == 16 and a.lease != b.lease
+        # Guesses near a real token, and a release with a wrong token, change nothing.
+        near = (int.from_bytes(a.lease, "big") ^ 1).to_bytes(16, "big")
+        for guess in (bytes(16), near, b.lease[:8] + a.lease[8:]):
+            assert await asyncio.to_thread(_bulk_probe, st.servicer.bulk.port, guess) == NO_LEASE
+            assert not (await stub.ReleaseShm(offload_pb2.ShmRelease(lease=guess))).held
+        assert st.servicer.open_leases == 2
+        # The real holder still gets its bytes, once.
+        assert await asyncio.to_thread(_bulk_probe, st.servicer.bulk.port, a.lease) == BIG * len(data)
+        assert (await stub.ReleaseShm(offload_pb2.ShmRelease(lease=b.lease))).held
+        assert st.servicer.open_leases == 0
+
+
+def test_a_lease_is_bound_to_its_caller() -> None:
+    from kvmesh_offload.leases import Caller, LeaseTable, peer_host
+
+    table = LeaseTable(ttl_s=60)
+    owner = Caller("spiffe://kvmesh/worker/w0", "10.0.0.5")
+    tok = table.add(["blocks"], owner)
+    assert not table.release(tok, Caller("spiffe://kvmesh/worker/w1", "10.0.0.5"))   # another identity
+    assert not table.release(tok, Caller(owner.principal, "10.0.0.6"))             # another host
+    assert table.take(tok, "10.0.0.6") is None                                     # bulk from another host
+    assert len(table) == 1 and table.refused == 3
+    assert table.take(tok, "::ffff:10.0.0.5") == ["blocks"]                        # same host, v4-mapped
+    assert peer_host("ipv6:[::1]:4000") == peer_host("ipv4:127.0.0.1:5") == "loopback"
+
+
+async def test_getshm_cannot_name_a_store_slab(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+    async with OffloadClient(st.address, use_shm=True) as c, grpc.aio.insecure_channel(st.address) as ch:
+        await c.put(NS, data)
+        other = _blocks(1, start=100)
+        await c.put(NS, other)
+        slabs = sorted(p.name for p in SHM_DIR.glob(f"kvmesh-slab-{os.getpid()}-*"))
+        assert slabs, "the store keeps big blocks in shared slabs"
+        stub = offload_pb2_grpc.OffloadStub(ch)
+        # Under its own name and under a hard link with an innocent name.
+        alias = f"kvmesh-{os.getpid()}-alias{os.urandom(3).hex()}"
+        os.link(SHM_DIR / slabs[0], SHM_DIR / alias)
+        try:
+            for name in (slabs[0], alias):
+                for rpc, req in (
+                    (stub.GetShm, offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=NS), segment=name,
+                                                         keys=[other[0][0]], capacity=1 << 20)),
+                    (stub.PutShm, offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=NS), segment=name,
+                                                         keys=[555], offsets=[0], sizes=[BIG])),
+                ):
+                    with pytest.raises(grpc.aio.AioRpcError) as err:
+                        await rpc(req)
+                    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        finally:
+            (SHM_DIR / alias).unlink()
+        assert await c.get(NS, [k for k, _ in data]) == [d for _, d in data]   # nothing was overwritten
+        assert await c.contains(NS, [555]) == 0
+
+
+async def test_shm_readers_verify_checksums_unless_trusted(offload_factory) -> None:
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks(1)
+    key = data[0][0]
+    async with OffloadClient(st.address, use_shm=True) as c:
+        await c.put(NS, data)
+        lease = await c.fetch(NS, [key])
+        slot_seg, slot_off = None, None
+        async with lease:
+            assert lease.via_shm
+        # Find where the store keeps the block and damage it in place (another process on the host could).
+        found = st.store.get(NS, [key])[0]
+        slot_seg, slot_off = found.block.data.location()
+        del found
+        with open(SHM_DIR / slot_seg, "r+b") as f:
+            f.seek(slot_off)
+            f.write(b"\xff" * 64)
+        with pytest.raises(OffloadError, match="checksum mismatch"):
+            await c.get(NS, [key])
+    async with OffloadClient(st.address, use_shm=True, trust_local_store=True) as trusting:
+        got = await trusting.get(NS, [key])
+        assert got and got[0][:64] == b"\xff" * 64   # trusted: no second pass over the bytes
+
+
+async def test_key_over_64_bits_and_huge_namespace_are_refused(offload_factory) -> None:
+    events: list = []
+    st = await offload_factory(event_sink=events.extend, ram_capacity_bytes=64 << 20)
+    async with grpc.aio.insecure_channel(st.address, options=[("grpc.max_send_message_length", 8 << 20)]) as ch:
+        put = ch.stream_unary("/kvmesh.offload.v1.Offload/Put", request_serializer=lambda b: b,
+                              response_deserializer=offload_pb2.PutResponse.FromString)
+        header = offload_pb2.PutRequest(header=offload_pb2.PutHeader(namespace=NS)).SerializeToString()
+        chunk = bytearray(encode_put_chunk(1, b"x" * 64, True, 0))
+        # Rewrite the key varint (field 1 of the chunk) as 2^64 + 5: 10 bytes, the last one 0x02.
+        big_key = b"\x85\x80\x80\x80\x80\x80\x80\x80\x80\x02"
+        inner = b"\x08" + big_key + bytes(chunk[2 + 1 + 1:])  # drop the 1-byte key 0x01 after tag 0x08
+        bad_chunk = b"\x12" + bytes([len(inner)]) + inner
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await put(iter([header, bad_chunk]))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        stub = offload_pb2_grpc.OffloadStub(ch)
+        for ns in ("n" * (1 << 20), "has space", "tab\tns", ""):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await stub.Contains(offload_pb2.ContainsRequest(namespace=ns, keys=[1]))
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            raw = ch.unary_unary("/kvmesh.offload.v1.Offload/Stats", request_serializer=lambda b: b)
+            await raw(b"\xff\xff\xff")  # does not parse: INVALID_ARGUMENT, not UNKNOWN
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    stored = [e for e in events if e.kind == "stored"]
+    assert st.store.stats()["ram_blocks"] == 0 and not stored
+    # Another client's Put and Get are unaffected.
+    async with OffloadClient(st.address, use_shm=False) as c:
+        data = [(2**64 - 1, os.urandom(4096))]
+        assert (await c.put(NS, data, token_ids=[[1, 2, 3]])).stored == 1
+        assert await c.get(NS, [2**64 - 1]) == [data[0][1]]
+        with pytest.raises(InvalidOffloadRequest):
+            await c.put("n" * 300, data)
+    stored = [e for e in events if e.kind == "stored"]
+    assert stored and all(k < 2**64 for e in stored for k in e.keys)

@@ -1,0 +1,185 @@
+"""External OpenAI endpoints: the router forwards the client's body (plus the tenant's salt),
+reads load from vLLM's /metrics and routes around an endpoint it cannot connect to.
+
+The router runs in-process (its FastAPI app over httpx's ASGI transport); the engines are
+recording OpenAI servers over real HTTP (tests/helpers/openai_engine.py). Real vLLM: the
+vLLM tier, test_router_vllm_external.py.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from kvmesh.config import ConfigError
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_router.config import RouterConfig, parse_endpoint
+from kvmesh_router.errors import Unavailable
+from kvmesh_router.http_api import build_app
+from kvmesh_router.main import build_service
+from kvmesh_router.service import GenInput
+from tests.helpers.chat_cases import TOOLS
+from tests.helpers.openai_engine import OpenAIEngine
+
+pytestmark = pytest.mark.timeout(60)
+MODEL = "tiny-llama"
+
+
+@pytest.fixture
+async def stack(tiny_model_dir):
+    log: list[dict] = []
+    engines = {"a": await OpenAIEngine(MODEL, log).start(), "b": await OpenAIEngine(MODEL, log).start()}
+    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
+                       endpoints=[f"{k}={e.url}/v1" for k, e in engines.items()],
+                       auth="off", external_connect_timeout_s=1.0)
+    cfg.validate()
+    svc = build_service(cfg)
+    await svc.cluster.poll_all()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router",
+                               timeout=30)
+    yield svc, engines, client
+    await client.aclose()
+    await svc.cluster.stop()
+    for e in engines.values():
+        await e.stop()
+
+
+def _chat(**extra) -> dict:
+    return {"model": MODEL, "messages": [{"role": "system", "content": "You are a coding agent."},
+                                         {"role": "user", "content": "What's the weather in Paris?"}],
+            "max_tokens": 4, **extra}
+
+
+def _received(engines: dict[str, OpenAIEngine]) -> list[dict]:
+    return next(iter(engines.values())).log
+
+
+async def test_the_body_goes_through_unchanged_but_for_the_tenants_salt(stack) -> None:
+    svc, engines, client = stack
+    sent = _chat(tools=TOOLS, tool_choice="auto", logprobs=True, top_logprobs=2,
+                 response_format={"type": "json_object"}, repetition_penalty=1.1, vendor_field={"x": [1, 2]})
+    r = await client.post("/v1/chat/completions", json=sent, headers={"x-tenant": "acme"})
+    assert r.status_code == 200, r.text
+    eid = r.headers["x-kvmesh-endpoint"]
+    assert eid in engines and int(r.headers["x-kvmesh-predicted-cached-tokens"]) >= 0
+    (got,) = _received(engines)
+    assert got == {**sent, "cache_salt": svc.salts.salt("acme")}
+    # The engine's answer comes back as it was (vLLM's own fields included).
+    assert r.json()["choices"][0]["logprobs"] == {"content": []} and r.json()["usage"]["total_tokens"] == 12
+    # Each tenant its secret salt; a client's own salt is mixed in; no tenant and no salt: none at all.
+    await client.post("/v1/chat/completions", json=_chat(), headers={"x-tenant": "other"})
+    await client.post("/v1/chat/completions", json=_chat(cache_salt="mine"))
+    raw = json.dumps(_chat(), separators=(",", ":")).encode()
+    await client.post("/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    bodies = _received(engines)[1:]
+    assert [b.get("cache_salt") for b in bodies] == [svc.salts.salt("other"), svc.salts.salt("", "mine"), None]
+    assert engines[eid].headers[0]["x-request-id"] == r.headers["x-kvmesh-request-id"]
+
+
+async def test_completions_and_streams_pass_through(stack) -> None:
+    svc, engines, client = stack
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": "def f(x):", "max_tokens": 2,
+                                                   "echo": True})
+    assert r.status_code == 200 and _received(engines)[-1]["echo"] is True
+    for e in engines.values():
+        e.cached_tokens = 0
+    r = await client.post("/v1/chat/completions",
+                          json=_chat(stream=True, stream_options={"include_usage": True}))
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in r.text.split("\n") if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert "".join(json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:2]) == "hi"
+
+
+async def test_load_comes_from_vllm_metrics(stack) -> None:
+    svc, engines, client = stack
+    engines["a"].waiting, engines["a"].running, engines["a"].kv_usage = 7, 2, 0.5
+    await svc.cluster.poll_all()
+    rep = svc.core.load.reports["a"]
+    assert (rep.waiting, rep.running, rep.kv_usage) == (7, 2, 0.5)
+    # A busy endpoint loses a new conversation to an idle one.
+    r = await client.post("/v1/chat/completions", json=_chat(user="fresh-session"))
+    assert r.headers["x-kvmesh-endpoint"] == "b"
+
+
+async def test_an_unreadable_metrics_page_keeps_the_endpoint_routable(stack) -> None:
+    svc, engines, client = stack
+    engines["a"].metrics_status = 500
+    await svc.cluster.poll_all()
+    assert svc.core.endpoints["a"].alive
+    # Down (a failed connect) comes back with the next page read over a working connection.
+    engines["a"].metrics_status = 200
+    svc.cluster.mark_dead("a", "test")
+    assert not svc.core.endpoints["a"].alive
+    await svc.cluster.poll_all()
+    assert svc.core.endpoints["a"].alive
+
+
+async def test_a_dead_endpoint_is_routed_around(stack) -> None:
+    svc, engines, client = stack
+    await engines["a"].stop()
+    # Every conversation lands on b, whether the router tried a first (a refused connect) or not.
+    for i in range(4):
+        r = await client.post("/v1/chat/completions", json=_chat(user=f"s{i}"))
+        assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "b", r.text
+    await svc.cluster.poll_all()   # its /metrics connect fails too: down
+    assert not svc.core.endpoints["a"].alive
+    await engines["b"].stop()
+    svc.cluster.mark_dead("b", "test")
+    r = await client.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 503 and r.json()["error"]["message"]
+
+
+async def test_a_refused_connect_is_retried_on_the_next_endpoint(stack) -> None:
+    svc, engines, client = stack
+    await engines["a"].stop()
+    engines["b"].waiting = 50   # a looks far better: the router tries it first
+    await svc.cluster.poll_all()
+    svc.core.set_alive("a", True)
+    r = await client.post("/v1/chat/completions", json=_chat())
+    assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "b"
+    assert r.headers["x-kvmesh-attempts"] == "2" and not svc.core.endpoints["a"].alive
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    (b"{not json", "body"), (b"[1]", "body"), (json.dumps({"messages": []}).encode(), "model"),
+    (json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}).encode(), "model"),
+    (json.dumps({"model": MODEL, "messages": [{"content": "x"}]}).encode(), "messages[0]"),
+    (json.dumps({"model": MODEL, "messages": "x"}).encode(), "messages"),
+])
+async def test_bad_requests_get_a_400_and_reach_no_engine(stack, body, param) -> None:
+    svc, engines, client = stack
+    r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert not _received(engines)
+
+
+async def test_bad_completion_prompts_get_a_400(stack) -> None:
+    svc, engines, client = stack
+    for prompt in (None, "", [], [1, "x"], {"a": 1}):
+        r = await client.post("/v1/completions", json={"model": MODEL, "prompt": prompt})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", (prompt, r.text)
+    assert not _received(engines)
+
+
+async def test_token_id_requests_do_not_go_to_external_endpoints(stack) -> None:
+    svc, engines, client = stack
+    with pytest.raises(Unavailable):
+        [x async for x in svc.generate(GenInput(model=MODEL, tokens=[1, 2, 3],
+                                                sampling=common_pb2.SamplingParams(max_tokens=2)))]
+
+
+def test_endpoint_specs() -> None:
+    assert parse_endpoint("v0=http://10.0.0.1:8000/v1/") == ("v0", "http://10.0.0.1:8000")
+    assert parse_endpoint("http://10.0.0.1:8000") == ("10.0.0.1:8000", "http://10.0.0.1:8000")
+    assert parse_endpoint("w=127.0.0.1:50061") == ("w", "127.0.0.1:50061")
+    for bad in ("v0=http://:8000", "v0=http://h:1/?q=1", "v0=https://h:1#x"):
+        with pytest.raises(ConfigError):
+            parse_endpoint(bad)
+    with pytest.raises(ConfigError, match="P/D split"):
+        RouterConfig(prefill_endpoints=["p=http://h:1"]).validate()
+    with pytest.raises(ConfigError, match="NAMESPACE/NAME"):
+        RouterConfig(inference_pool="just-a-name").validate()
