@@ -114,6 +114,7 @@ async def test_many_engines_on_one_socket_named_by_topic(start_indexer, pods, tm
     listed = {e.endpoint.endpoint_id: e for e in (await ix.stub.ListEndpoints(
         indexer_pb2.ListEndpointsRequest(), timeout=5)).endpoints}
     assert set(listed) == {"10.0.0.1:8000", "10.0.0.2:8001"}
+    assert ix.metric("kvmesh_indexer_central_endpoints") == 2
     assert listed["10.0.0.1:8000"].endpoint.kv_events_replay_endpoint == f"ipc://{tmp_path}/replay-8000.sock"
     assert listed["10.0.0.1:8000"].endpoint.model == MODEL and listed["10.0.0.1:8000"].alive
 
