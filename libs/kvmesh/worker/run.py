@@ -195,7 +195,7 @@ def run_worker(role: str, argv: list[str] | None = None) -> int:
     async def amain() -> int:
         cfg = parse_config(role, argv)
         setup_tracing(f"kvmesh-{role}")
-        tls.set_default(cfg.tls)
+        tls.set_default(cfg.tls, export=True)   # the vLLM engine core runs the offload connector
         worker = await start_worker(cfg)
         worker.server.install_signal_handlers()
         if worker.registration is not None:

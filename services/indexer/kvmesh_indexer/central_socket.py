@@ -126,6 +126,9 @@ class CentralSocket:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)   # bigger: the peer is disconnected
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
+        # A frame larger than any batch the pump accepts drops that peer's connection in ZMQ,
+        # before the bytes are buffered (anyone on the network can connect to this socket).
+        sock.setsockopt(zmq.MAXMSGSIZE, self.pump.max_payload_bytes + 4096)
         try:
             for addr in self.binds:
                 sock.bind(addr)
@@ -169,6 +172,10 @@ class CentralSocket:
             await self.admit(endpoint, model)
         except AdmitError as exc:
             self._reject(exc.reason, str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - one bad topic never stops the socket
+            log.exception("central endpoint admission failed", extra={"endpoint": endpoint})
+            self._reject("admit_error", str(exc))
             return None
         t = self.now()
         ce = self.endpoints[endpoint] = CentralEndpoint(endpoint, model, t, t)

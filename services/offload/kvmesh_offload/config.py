@@ -30,6 +30,9 @@ class OffloadConfig:
     evict_on_full: bool = field(default=True, metadata={
         "help": "evict to make room; if false a Put that does not fit gets RESOURCE_EXHAUSTED"})
     max_block_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "largest accepted block"})
+    malloc_trim_s: float = field(default=5.0, metadata={
+        "help": "return freed heap memory to the OS this often (glibc malloc_trim), so RSS follows the RAM "
+                "tier as blocks are evicted (0 = never: RSS keeps its peak)"})
     shm_enabled: bool = field(default=True, metadata={"help": "serve PutShm/GetShm (same-host fast path)"})
     bulk_port: int = field(default=0, metadata={
         "help": "TCP port of the bulk Get data plane for other hosts (0 = any free port, -1 = off)"})
