@@ -193,7 +193,7 @@ async def test_oversized_message_drops_that_peer_only(start_indexer, pods, tmp_p
     await connected(ok, ix)
     big = pods(central, "10.4.0.2:8000", tmp_path)
     ev, keys = stored(tokens(9, 2))
-    limit = ix.app.pump.max_payload_bytes
+    limit = ix.app.central.max_message_bytes
     for _ in range(3):
         big.pub._pub.send_multipart([b"kv@10.4.0.2:8000@" + MODEL.encode(), (0).to_bytes(8, "big"),
                                      b"\0" * (limit + 8192)])
