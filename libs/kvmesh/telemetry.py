@@ -45,7 +45,7 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def start_metrics_server(port: int, host: str = "0.0.0.0") -> int:
+def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
     """Serve Prometheus ``/metrics`` on ``port`` (0 disables). Idempotent per port."""
     if port <= 0:
         return 0

@@ -165,3 +165,15 @@ def test_gpu_override_switches_workers_to_vllm(base: dict[str, Any], gpu: dict[s
         assert "deploy" not in sim
     # the rest of the stack is untouched by the override
     assert gpu["services"]["indexer"] == base["services"]["indexer"]
+
+
+def test_services_listen_on_every_interface_in_the_stack(base: dict[str, Any], gpu: dict[str, Any]) -> None:
+    """Services bind loopback by default (issue #20); in compose each one is told otherwise."""
+    for name in KVMESH:
+        cmd = base["services"][name]["command"]
+        assert cmd[cmd.index("--host") + 1] == "0.0.0.0", name
+    for name, svc in gpu["services"].items():
+        if "command" in svc and "--port" in svc["command"]:
+            assert svc["command"][svc["command"].index("--host") + 1] == "0.0.0.0", name
+    offload = base["services"]["offload"]["command"]
+    assert offload[offload.index("--bulk-port") + 1].isdigit()   # a fixed port a firewall can name

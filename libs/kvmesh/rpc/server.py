@@ -36,7 +36,7 @@ LIVENESS_SERVICE = "liveness"
 class ServerOptions:
     """Listening and limits of a service's gRPC server."""
 
-    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    host: str = field(default="127.0.0.1", metadata={"help": "gRPC listen host (0.0.0.0 = every interface)"})
     port: int = field(default=0, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={"help": "max gRPC message size"})
     grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})

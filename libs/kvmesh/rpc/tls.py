@@ -86,24 +86,38 @@ def from_files(cert: str, key: str, ca: str, **kw: Any) -> TlsConfig:
 
 
 # The process's own identity: set once by a service's main from its config, used by every server
-# and channel that is not given one explicitly.
-_default = TlsConfig(tls="off")
+# and channel that is not given one explicitly. Until then it comes from env KVMESH_TLS,
+# KVMESH_TLS_CERT, ... (how a service hands its identity to processes it starts, e.g. vLLM's
+# engine and its KV connector, and how the health-check command gets one); unset = plaintext.
+ENV_PREFIX = "KVMESH_"
+_default: TlsConfig | None = None
 
 
-def set_default(cfg: TlsConfig) -> None:
+def set_default(cfg: TlsConfig, warn: bool = True, export: bool = False) -> None:
+    """Make ``cfg`` the process's identity; ``export`` also puts it in the environment for
+    child processes (a worker's vLLM engine core runs the offload connector)."""
     global _default
     _default = cfg
-    if not cfg.enabled():
+    if export:
+        os.environ[ENV_PREFIX + "TLS"] = "on" if cfg.enabled() else "off"
+        for name in ("tls_cert", "tls_key", "tls_ca", "tls_server_name", "tls_trust_domain"):
+            os.environ[ENV_PREFIX + name.upper()] = str(getattr(cfg, name))
+    if warn and not cfg.enabled():
         log.warning("gRPC mutual TLS is OFF: any client on the network can call this service "
                     "(--tls on with --tls-cert/--tls-key/--tls-ca to turn it on)")
 
 
 def default() -> TlsConfig:
+    global _default
+    if _default is None:
+        from kvmesh.config import load_config
+
+        _default = load_config(TlsConfig, env_prefix=ENV_PREFIX)
     return _default
 
 
 def resolve(cfg: TlsConfig | None) -> TlsConfig:
-    return _default if cfg is None else cfg
+    return default() if cfg is None else cfg
 
 
 # ---------------------------------------------------------------------------------------------- files

@@ -32,7 +32,8 @@ class WorkerConfig:
     endpoint_id: str = field(default="", metadata=_h("unique endpoint id ('' = <role>-<hostname>-<port>)"))
     model: str = field(default="sim-model", metadata=_h("served model name (vllm: model directory or name)"))
     served_model_name: str = field(default="", metadata=_h("name clients use ('' = model)"))
-    host: str = field(default="0.0.0.0", metadata=_h("gRPC listen host"))
+    host: str = field(default="127.0.0.1", metadata=_h(
+        "listen host of gRPC, HTTP and /metrics (0.0.0.0 = every interface; loopback by default)"))
     port: int = field(default=0, metadata=_h("gRPC listen port (0 = pick a free one)"))
     advertise_host: str = field(default="127.0.0.1", metadata=_h("host others use to reach this worker"))
     metrics_port: int = field(default=0, metadata=_h("Prometheus /metrics port (0 = off)"))
@@ -56,7 +57,8 @@ class WorkerConfig:
         "sim: LoRA name -> path hashed into its blocks, as vLLM does (JSON; names are served too)"))
     kv_events_endpoint: str = field(default="tcp://*:0", metadata=_h(
         "ZMQ PUB endpoint for KV events ('' = off; '*' binds, a host connects)"))
-    kv_events_replay_endpoint: str = field(default="tcp://*:0", metadata=_h("ZMQ ROUTER replay endpoint"))
+    kv_events_replay_endpoint: str = field(default="tcp://127.0.0.1:0", metadata=_h(
+        "ZMQ ROUTER replay endpoint (loopback by default: replay hands out every buffered event)"))
     indexer_address: str = field(default="", metadata=_h("indexer host:port to self-register with ('' = off)"))
     heartbeat_s: float = field(default=2.0, metadata=_h("indexer heartbeat period"))
     registration_ttl_s: float = field(default=10.0, metadata=_h("endpoint TTL asked of the indexer"))

@@ -60,7 +60,7 @@ class Tokenizer(Protocol):
 class HttpApiConfig:
     """Where the worker's OpenAI HTTP API listens and how it answers."""
 
-    host: str = field(default="0.0.0.0", metadata={"help": "HTTP listen host"})
+    host: str = field(default="127.0.0.1", metadata={"help": "HTTP listen host"})
     port: int = field(default=0, metadata={"help": "HTTP listen port (0 = disabled)"})
     default_max_tokens: int = field(default=0, metadata={
         "help": "max_tokens when the request omits it (0 = what is left of max_model_len, as vLLM)"})
@@ -388,7 +388,7 @@ class HttpApiServer:
         self._task = None
 
 
-async def start_http_api(engine: Engine, *, host: str = "0.0.0.0", port: int = 0, model: str = "",
+async def start_http_api(engine: Engine, *, host: str = "127.0.0.1", port: int = 0, model: str = "",
                          tokenizer: Tokenizer | str | None = None, endpoint_id: str = "",
                          default_max_tokens: int = 0, metrics: MetricsPage | None = None) -> HttpApiServer:
     """Start the worker's OpenAI HTTP API; returns the running server (``.port``, ``.stop()``).

@@ -164,7 +164,7 @@ class WorkerMetrics:
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
-    def serve(self, port: int, host: str = "0.0.0.0") -> int:
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``port`` (0 = off). Returns the port."""
         if port <= 0:
             return 0

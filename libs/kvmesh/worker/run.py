@@ -134,7 +134,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     opened_replay = info.kv_events_replay_endpoint or cfg.kv_events_replay_endpoint
     servicer.kv_events_endpoint = advertised_zmq_endpoint(opened_events, cfg.advertise_host)
     servicer.kv_events_replay_endpoint = advertised_zmq_endpoint(opened_replay, cfg.advertise_host)
-    metrics.serve(cfg.metrics_port)
+    metrics.serve(cfg.metrics_port, host=cfg.host)
     if cfg.http_port >= 0:
         worker.http = await _start_http(cfg, engine, endpoint_id, metrics)
         if worker.http is not None:
@@ -195,7 +195,7 @@ def run_worker(role: str, argv: list[str] | None = None) -> int:
     async def amain() -> int:
         cfg = parse_config(role, argv)
         setup_tracing(f"kvmesh-{role}")
-        tls.set_default(cfg.tls)
+        tls.set_default(cfg.tls, export=True)   # the vLLM engine core runs the offload connector
         worker = await start_worker(cfg)
         worker.server.install_signal_handlers()
         if worker.registration is not None:

@@ -1,4 +1,4 @@
-"""``kvmesh bench indexer --backend memory|redis --json PATH``: ingest rate, lookup latency, memory.
+"""``kvmesh bench indexer --backend memory|redis|redis-cluster --json PATH``: ingest rate, lookup latency, memory.
 
 Why: the index sits on every request's path (lookup) and absorbs every
 engine's event stream (ingest); both must stay fast and the memory per entry
@@ -101,6 +101,18 @@ def _make_index(backend: str, redis_url: str | None, probe_stride: int) -> tuple
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     backend = args.backend
+    if backend == "redis-cluster":
+        from kvmesh_tools.bench import indexer_cluster
+
+        present = int(args.chain_blocks * args.present)
+        chains = _chains(args.endpoints, args.chains_per_endpoint, args.chain_blocks, args.shared_prefix, args.seed)
+        work = [(f"ep{i // args.chains_per_endpoint}", _batches(c, present, args.batch_blocks))
+                for i, c in enumerate(chains)]
+        result = indexer_cluster.run(args, chains, work, present)
+        result["params"] = {k: getattr(args, k) for k in ("endpoints", "chain_blocks", "present",
+                                                          "chains_per_endpoint", "shared_prefix", "batch_blocks",
+                                                          "lookups", "seed", "probe_stride", "anchor_depth")}
+        return result
     params = {"backend": backend, "endpoints": args.endpoints, "chain_blocks": args.chain_blocks,
               "present_fraction": args.present, "chains_per_endpoint": args.chains_per_endpoint,
               "shared_prefix_blocks": args.shared_prefix, "batch_blocks": args.batch_blocks,
@@ -246,7 +258,8 @@ def _baseline(backend: str, index: BlockIndex, chains: list[list[int]], work: li
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("indexer", help="index ingest rate, lookup latency and bytes per entry")
-    p.add_argument("--backend", choices=["memory", "redis"], default="memory")
+    p.add_argument("--backend", choices=["memory", "redis", "redis-cluster"], default="memory",
+                   help="redis-cluster also measures the single-Redis backend in the same run")
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--endpoints", type=int, default=16)
     p.add_argument("--chain-blocks", type=int, default=6000)
@@ -256,6 +269,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch-blocks", type=int, default=256, help="blocks per BlockStored batch")
     p.add_argument("--lookups", type=int, default=400)
     p.add_argument("--redis-url", default=None, help="use this Redis instead of starting one")
+    p.add_argument("--redis-cluster-url", default=None,
+                   help="redis-cluster: use this redis+cluster:// URL instead of starting 3 masters")
+    p.add_argument("--anchor-depth", type=int, default=512,
+                   help="redis-cluster: chain depth of the second hash tag (past --shared-prefix spreads chains)")
     p.add_argument("--probe-stride", type=int, default=32,
                    help="redis: read every Nth block of prefix-closed endpoints (1 = block-by-block walk)")
     p.add_argument("--seed", type=int, default=7)
@@ -266,5 +283,8 @@ def _main(args: argparse.Namespace) -> int:
     logging.getLogger("kvmesh.index").setLevel(logging.WARNING)
     result = write_json(args.json, run(args))
     keys = ("ingest_blocks_per_s", "lookup_p50_ms", "lookup_p99_ms", "bytes_per_block", "meets_targets")
+    if args.backend == "redis-cluster":
+        keys = ("ingest_blocks_per_s", "lookup_p50_ms", "lookup_p99_ms", "lookup_shards_max", "ingest_vs_single",
+                "lookup_p99_vs_single", "meets_targets")
     print(" ".join(f"{k}={result[k]}" for k in keys))
     return 0

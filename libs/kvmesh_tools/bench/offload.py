@@ -85,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default="", help="use a running store instead of starting one")
     p.add_argument("--nt-copies", action=argparse.BooleanOptionalAction, default=True,
                    help="run with glibc's non-temporal copy threshold at 1 MiB (see module doc)")
+    p.add_argument("--tls", choices=["off", "on", "compare"], default="off",
+                   help="gRPC to the store in plaintext, over mutual TLS (a throwaway CA), or both in the "
+                        "same run (compare: tls_compare gives each mode's figures and their ratios)")
     p.set_defaults(func=run)
 
 
@@ -274,33 +277,74 @@ def _rerun_with_nt_copies(args: argparse.Namespace) -> int:
         argv += ["--json", args.json]
     if args.address:
         argv += ["--address", args.address]
+    argv += ["--tls", args.tls]
     code = "import sys; from kvmesh_tools.cli.main import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *argv], env=env, check=False).returncode
+
+
+SUMMARY_KEYS = ("memcpy_gbps", "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc", "put_gbps_shm",
+                "get_gbps_shm", "get_gbps_shm_views", "get_gbps_shm_bytes", "restore_p50_ms_1gib",
+                "grpc_raw_stream_gbps", "memcpy_to_shm_gbps", "get_gbps_bulk", "get_grpc_vs_memcpy",
+                "get_bulk_vs_memcpy", "get_shm_vs_memcpy")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.nt_copies and NT_TUNABLE not in os.environ.get("GLIBC_TUNABLES", ""):
         return _rerun_with_nt_copies(args)
     tune_malloc()  # as the offload service does; workers moving big blocks should too
+    if args.tls != "compare":
+        res = _once(args, args.tls)
+    else:
+        # Both modes in one run, on the same machine state; the TLS-on figures are the result.
+        plain = _once(args, "off")
+        res = _once(args, "on")
+        res["tls_compare"] = {
+            "off": {k: plain[k] for k in SUMMARY_KEYS}, "on": {k: res[k] for k in SUMMARY_KEYS},
+            "get_shm_vs_memcpy_off": plain["get_shm_vs_memcpy"], "get_shm_vs_memcpy_on": res["get_shm_vs_memcpy"],
+            "get_grpc_on_over_off": res["get_gbps_grpc"] / plain["get_gbps_grpc"],
+            "get_shm_on_over_off": res["get_gbps_shm"] / plain["get_gbps_shm"]}
+    out = write_json(args.json, {"bench": "offload", **res})
+    summary = {k: round(out[k], 3) for k in SUMMARY_KEYS}
+    print(summary)
+    if "tls_compare" in out:
+        print({k: round(v, 3) for k, v in out["tls_compare"].items() if isinstance(v, float)})
+    return 0
+
+
+def _once(args: argparse.Namespace, tls_mode: str) -> dict[str, Any]:
+    """One full measurement with the store and this client in plaintext (``off``) or mTLS (``on``)."""
+    from kvmesh.rpc import tls
+    from kvmesh_tools.stack.certs import CertAuthority
+
     total = args.total_mib * MiB
     memcpy = Memcpy(total)
     memcpy.sample()
     proc = None
     tmp = tempfile.TemporaryDirectory(prefix="kvmesh-offload-bench-")
     address = args.address
+    client_tls, server_flags = tls.plaintext(), []
+    if tls_mode == "on":
+        ca = CertAuthority(Path(tmp.name) / "certs")
+        client_tls = ca.issue("worker", "bench").tls_config()
+        server_flags = ca.issue("store", "offload-0").flags()
+    saved = tls.default()
+    tls.set_default(client_tls, warn=False)   # the offload clients below take the process's identity
     if not address:
         port = free_port()
         address = f"127.0.0.1:{port}"
         proc = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(port), "--ram-capacity-bytes",
-                                          str(int(total * 1.5) + 64 * MiB), "--eviction-policy", "lru"],
-                              address, log_path=Path(tmp.name) / "offload.log")
+                                          str(int(total * 1.5) + 64 * MiB), "--eviction-policy", "lru",
+                                          *server_flags],
+                              address, log_path=Path(tmp.name) / "offload.log", tls=client_tls)
         proc.start(timeout_s=60)
     try:
         res = asyncio.run(_bench(address, args, memcpy))
     finally:
+        tls.set_default(saved, warn=False)
         if proc is not None:
             proc.stop()
         tmp.cleanup()
+    res["tls"] = tls_mode
     raw = grpc_ceiling_gbps(total, res["block_bytes"], args.repeats)
     res["grpc_raw_stream_gbps"] = median(raw)
     res["samples"]["grpc_raw_stream_gbps"] = raw
@@ -322,11 +366,5 @@ def run(args: argparse.Namespace) -> int:
     res["repeats"] = args.repeats
     res["warmup_repeats"] = 1
     res["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")
-    out = write_json(args.json, {"bench": "offload", **res})
-    summary = {k: round(out[k], 3) for k in ("memcpy_gbps", "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc",
-                                             "put_gbps_shm", "get_gbps_shm", "get_gbps_shm_views",
-                                             "get_gbps_shm_bytes", "restore_p50_ms_1gib", "grpc_raw_stream_gbps",
-                                             "memcpy_to_shm_gbps", "get_gbps_bulk", "get_grpc_vs_memcpy",
-                                             "get_bulk_vs_memcpy", "get_shm_vs_memcpy")}
-    print(summary)
-    return 0
+    res["load_avg_1m"] = os.getloadavg()[0]
+    return res

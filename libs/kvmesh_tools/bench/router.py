@@ -252,6 +252,14 @@ def _tokenize_times(args: argparse.Namespace, rng: random.Random) -> list[float]
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.tls == "compare":
+        from kvmesh_tools.bench import router_tls
+
+        result = router_tls.run(args)
+        write_json(args.json, result)
+        keys = ("route_p99_ms_plain", "route_p99_ms_tls", "tls_over_plain_p99", "tls_over_plain_p50")
+        print({k: round(result[k], 3) for k in keys}, result["targets"])
+        return 0
     result = run(args)
     write_json(args.json, result)
     keys = ("route_p50_ms", "route_p99_ms", "route_full_hash_p50_ms", "tokenize_p50_ms", "full_over_incremental_p50",
@@ -279,4 +287,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth", choices=["off", "both"], default="off",
                    help="both: also route every turn with the API-key scope and tenant salt (same run, ratio)")
     p.add_argument("--auth-keys", type=int, default=1000, help="keys in the keys file the request is looked up in")
+    p.add_argument("--tls", choices=["off", "compare"], default="off",
+                   help="compare: route over a real indexer hop, plaintext vs mutual TLS in the same run "
+                        "(kvmesh_tools.bench.router_tls); off: the in-process decision alone")
+    p.add_argument("--rounds", type=int, default=3, help="--tls compare: sessions replayed (median of ratios)")
     p.set_defaults(func=_main)

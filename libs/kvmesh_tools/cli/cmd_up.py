@@ -68,6 +68,7 @@ def _run(args: argparse.Namespace) -> int:
         stack.start()
         d = stack.describe()
         print(json.dumps(d, indent=1))
+        print(f"stack description (addresses, pids) in {stack.write_description()}")
         print(banner(d, cfg.model, stack.api_key), flush=True)
         while True:
             dead = [sp.name for sp in stack.procs if not sp.alive()]

@@ -31,6 +31,7 @@ COMMANDS: LazyRegistry[Register] = LazyRegistry("kvmesh command", {
     "replay": ("kvmesh_tools.cli.cmd_replay", "register"),
     "serve": ("kvmesh_tools.cli.cmd_serve", "register"),
     "simulate": ("kvmesh_tools.cli.cmd_simulate", "register"),
+    "soak": ("kvmesh_tools.cli.cmd_soak", "register"),
     "up": ("kvmesh_tools.cli.cmd_up", "register"),
 })
 

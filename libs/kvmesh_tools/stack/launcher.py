@@ -301,6 +301,26 @@ class LocalStack:
                 "tls": ({"ca": str(self.admin.ca.resolve()), "admin_cert": str(self.admin.cert.resolve()),
                          "admin_key": str(self.admin.key.resolve())} if self.admin is not None else "off")}
 
+    def pids(self) -> dict[str, int]:
+        """Every running service's process id, by its log name (``decode-0``, ``offload``, ...)."""
+        out = {(sp.log_path.stem if sp.log_path else sp.name): sp.proc.pid
+               for sp in self.procs if sp.proc is not None and sp.alive()}
+        if self.redis is not None and getattr(self.redis, "proc", None) is not None:
+            out["redis"] = self.redis.proc.pid
+        if self.envoy is not None and getattr(self.envoy, "proc", None) is not None:
+            out["envoy"] = self.envoy.proc.pid
+        return out
+
+    def write_description(self, path: str | Path | None = None) -> Path:
+        """``stack.json`` in the log dir: the addresses of ``describe()`` and every service's pid,
+        for tools that attach to a running stack (``kvmesh soak``)."""
+        import json
+
+        p = Path(path) if path is not None else Path(self.cfg.log_dir) / "stack.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(json.dumps({**self.describe(), "pids": self.pids()}, indent=1))
+        return p
+
     def __enter__(self) -> LocalStack:
         return self.start()
 

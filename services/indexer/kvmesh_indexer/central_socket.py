@@ -100,7 +100,8 @@ class CentralSocket:
 
     def __init__(self, pump: IngestPump, binds: list[str], admit: Admit, purge: Purge, max_endpoints: int = 1024,
                  idle_purge_s: float = 0.0, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000,
-                 now: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], float] = time.monotonic, max_message_bytes: int = 8 * 1024 * 1024) -> None:
+        self.max_message_bytes = max_message_bytes
         self.pump = pump
         self.binds = list(binds)
         self.admit = admit
@@ -122,6 +123,7 @@ class CentralSocket:
         """Bind every address; returns the bound ones (a ``:0`` port resolved)."""
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)   # bigger: the peer is disconnected
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         try:
@@ -167,6 +169,10 @@ class CentralSocket:
             await self.admit(endpoint, model)
         except AdmitError as exc:
             self._reject(exc.reason, str(exc))
+            return None
+        except Exception as exc:  # noqa: BLE001 - one bad topic never stops the socket
+            log.exception("central endpoint admission failed", extra={"endpoint": endpoint})
+            self._reject("admit_error", str(exc))
             return None
         t = self.now()
         ce = self.endpoints[endpoint] = CentralEndpoint(endpoint, model, t, t)

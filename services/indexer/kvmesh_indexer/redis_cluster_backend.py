@@ -15,8 +15,8 @@ chain lookup reads at most two slots, whatever the cluster size:
   only; past it they spread over the cluster by their anchor.
 - ``NS:{<tag>}:h:<model>`` HASH ``<key8> -> ";<endpoint>\\x1f<tier>;..."``
   the holders, as in the single layout.
-- ``NS:{e:<endpoint>}:r:<model>:<tier>`` HASH ``<key8> -> <tag8><depth>``: the
-  per-endpoint reverse index, on the endpoint's own slot. It is what makes
+- ``NS:{e:<endpoint>}:r:<model>:<tier>`` HASH ``<key8> -> <tag8>(p<parent8>|r)<depth>,<children>``:
+  the per-endpoint reverse index, on the endpoint's own slot. It is what makes
   clearing an endpoint O(its blocks) and it is where a new block finds its
   parent's tag and depth (an engine stores a block after its parent, in some
   tier). ``NS:{e:<endpoint>}:reg`` names the endpoint's reverse indexes,
@@ -25,6 +25,10 @@ chain lookup reads at most two slots, whatever the cluster size:
   speculative entries of the chains starting at ``root`` (a router writes them
   for a chain from its first block). Expired fields are dropped by sampling
   on each write and the key expires with its longest TTL.
+- ``NS:{<tag>}:d:<model>`` SET of endpoints that, within this tag, hold a block
+  without its same-tier parent (or lost a parent under a child). The others are
+  prefix-closed there, so a lookup probes them every ``probe_stride``-th block
+  as the single layout does; dirty ones are walked block by block.
 - ``NS:endpoints``, ``NS:models``, ``NS:layout``: global, written rarely.
 
 A block whose parent its endpoint does not hold in any tier (an orphan, or a
@@ -36,9 +40,7 @@ loses blocks that could not extend a leading match anyway (counted:
 Updates are two or three single-slot calls, ordered so a failure in between
 never leaves a holder the reverse index does not know (add: reverse index,
 then holders; remove: holders, then reverse index). A lookup is one Lua call
-per shard (the second only when a run reaches depth ``D``); each walks its
-range block by block with ``HMGET`` windows, parsing a value only when it
-changes. Any replica of the indexer reads the same keys, so it answers the
+per shard (the second only when a run reaches depth ``D``). Any replica of the indexer reads the same keys, so it answers the
 same. Connection errors, a master down, or a slot moving raise
 ``IndexUnavailable`` once the client's retries are spent.
 """
@@ -70,7 +72,9 @@ log = logging.getLogger(__name__)
 LAYOUT_VERSION = "c1"
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
-# Lua's unpack has a stack limit: HMGET/HSET in chunks.
+# Lua's unpack has a stack limit: HMGET/HSET in chunks. The reverse-index value is
+# <tag8> then 'p'<parent8> (the parent is held in the same tier) or 'r' (it is not), then
+# "<depth>,<children>" where <children> counts this holder's blocks whose same-tier parent is this one.
 _LIB = """
 local CH = 1000
 local function hmget_all(key, ks)
@@ -84,11 +88,23 @@ end
 local function hset_all(key, kv)
   for lo = 1, #kv, 2 * CH do redis.call('HSET', key, unpack(kv, lo, math.min(#kv, lo + 2 * CH - 1))) end
 end
+local function rparse(v)
+  local tag, par, rest = string.sub(v, 1, 8), nil, nil
+  if string.sub(v, 9, 9) == 'p' then par = string.sub(v, 10, 17); rest = string.sub(v, 18)
+  else rest = string.sub(v, 10) end
+  local c = string.find(rest, ',', 1, true)
+  return tag, par, tonumber(string.sub(rest, 1, c - 1)), tonumber(string.sub(rest, c + 1))
+end
+local function rval(tag, par, d, n)
+  if par then return tag .. 'p' .. par .. d .. ',' .. n end
+  return tag .. 'r' .. d .. ',' .. n
+end
 """
 
 # KEYS: reg, counts, rindex of the added tier, rindex of every tier (parents may be in another tier)
 # ARGV: tier, D, blob, nstarts, (offset, parent8 or '')...  (nstarts == 0: links unknown)
-# Returns {new, orphans, first, tag8 key8 ...} for the keys new to this endpoint+tier.
+# Returns {new, orphans, first, ndirty, dirty tag8..., tag8 keys-blob ...} for the keys new to this
+# endpoint+tier; a dirty tag is one where this endpoint now holds a block without its same-tier parent.
 _EP_ADD = _LIB + """
 local tier, D, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local nst = tonumber(ARGV[4])
@@ -99,54 +115,103 @@ local n = #blob / 8
 local ks = {}
 for i = 1, n do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
 local have = hmget_all(rkey, ks)
-local meta = {}
-local function known(k)
-  if meta[k] then return meta[k] end
-  for j = 4, #KEYS do
-    local v = redis.call('HGET', KEYS[j], k)
-    if v then meta[k] = v; return v end
+local here = {}
+for i = 1, n do here[ks[i]] = have[i] or false end
+local function held_here(k)
+  if here[k] == nil then here[k] = redis.call('HGET', rkey, k) or false end
+  return here[k]
+end
+-- the batch's keys held in the other tiers, read in one HMGET per tier (a call per key costs more)
+local other = {}
+for j = 4, #KEYS do
+  if j ~= 3 + tonumber(tier) and redis.call('EXISTS', KEYS[j]) == 1 then
+    local vs = hmget_all(KEYS[j], ks)
+    for i = 1, n do if vs[i] and not other[ks[i]] then other[ks[i]] = vs[i] end end
+  end
+end
+for i = 1, n do if other[ks[i]] == nil then other[ks[i]] = false end end
+local info = {}
+local function meta(k)
+  if info[k] then return info[k] end
+  local v = held_here(k) or other[k]
+  if v == nil then   -- not in the batch: a parent, looked up on its own
+    for j = 4, #KEYS do
+      if j ~= 3 + tonumber(tier) then v = v or redis.call('HGET', KEYS[j], k) end
+    end
+  end
+  if v then
+    local t, _, d = rparse(v)
+    info[k] = {t, d}
+    return info[k]
   end
   return nil
 end
-local out = {0, 0, 0}
-local new, kv = {}, {}
+local orphans, new, order, ext, dirty = 0, {}, {}, {}, {}
 local prev = nil
 for i = 1, n do
   local k = ks[i]
-  local m = have[i] or known(k)
-  if not m then
-    local par = starts[i - 1]
-    if par == nil then par = prev elseif par == '' then par = false end
-    local pm = nil
-    if par then pm = known(par) end
-    if not pm then
-      if par ~= false then out[2] = out[2] + 1 end
-      m = k .. '0'
-    else
-      local d = tonumber(string.sub(pm, 9))
-      if d < D - 1 then m = string.sub(pm, 1, 8) .. (d + 1)
-      elseif d == D - 1 then m = k .. D
-      else m = string.sub(pm, 1, 8) .. D end
-    end
-  end
-  meta[k] = m
-  if not have[i] and not new[k] then
-    new[k] = true
-    out[#out + 1] = string.sub(m, 1, 8)
-    out[#out + 1] = k
-    out[1] = out[1] + 1
-    kv[#kv + 1] = k
-    kv[#kv + 1] = m
-  end
+  local par = starts[i - 1]
+  if par == nil then par = prev elseif par == '' then par = false end
   prev = k
+  if have[i] then
+    meta(k)
+  elseif new[k] == nil then
+    local m = meta(k)
+    local tag, d
+    if m then
+      tag, d = m[1], m[2]
+    else
+      local pm = nil
+      if par then pm = meta(par) end
+      if not pm then
+        if par ~= false then orphans = orphans + 1 end
+        tag, d = k, 0
+      elseif pm[2] < D - 1 then tag, d = pm[1], pm[2] + 1
+      elseif pm[2] == D - 1 then tag, d = k, D
+      else tag, d = pm[1], D + 1 end   -- past the anchor; depth capped at D + 1
+      info[k] = {tag, d}
+    end
+    local sp = nil
+    if par and d > 0 then
+      if new[par] then sp = par; new[par][4] = new[par][4] + 1
+      elseif held_here(par) then sp = par; ext[par] = (ext[par] or 0) + 1 end
+    end
+    -- a run inside this tag that may have a hole: lookups walk this endpoint block by block there
+    if not sp and d > 0 and d ~= D then dirty[tag] = true end
+    new[k] = {tag, sp, d, 0}
+    order[#order + 1] = k
+  end
+end
+local kv = {}
+for _, k in ipairs(order) do
+  local nd = new[k]
+  kv[#kv + 1] = k
+  kv[#kv + 1] = rval(nd[1], nd[2], nd[3], nd[4])
+end
+for p, c in pairs(ext) do
+  local t, pp, d, nc = rparse(here[p])
+  kv[#kv + 1] = p
+  kv[#kv + 1] = rval(t, pp, d, nc + c)
 end
 hset_all(rkey, kv)
-if out[1] > 0 then redis.call('HINCRBY', KEYS[2], tier, out[1]) end
-out[3] = redis.call('SADD', KEYS[1], rkey)
+if #order > 0 then redis.call('HINCRBY', KEYS[2], tier, #order) end
+local out = {#order, orphans, redis.call('SADD', KEYS[1], rkey), 0}
+for t, _ in pairs(dirty) do out[#out + 1] = t; out[4] = out[4] + 1 end
+-- grouped by tag (a reply of two strings per key costs the client more than the work here)
+local groups, tags = {}, {}
+for _, k in ipairs(order) do
+  local t = new[k][1]
+  if not groups[t] then groups[t] = {}; tags[#tags + 1] = t end
+  groups[t][#groups[t] + 1] = k
+end
+for _, t in ipairs(tags) do
+  out[#out + 1] = t
+  out[#out + 1] = table.concat(groups[t])
+end
 return out
 """
 
-# KEYS: holder hash. ARGV: field, blob of keys.
+# KEYS: holder hash, dirty set of that tag. ARGV: field, blob of keys, endpoint, mark dirty ('1'|'0').
 _HOLD_ADD = _LIB + """
 local field, blob = ARGV[1], ARGV[2]
 local n = #blob / 8
@@ -162,9 +227,11 @@ for i = 1, n do
   end
 end
 hset_all(KEYS[1], kv)
+if ARGV[4] == '1' then redis.call('SADD', KEYS[2], ARGV[3]) end
 return #kv / 2
 """
 
+# KEYS: holder hash, dirty set of that tag. ARGV: field, blob, endpoint, dirty op ('+' mark, '-' unmark, '').
 _HOLD_DEL = """
 local field, blob = ARGV[1], ARGV[2]
 local gone = 0
@@ -180,26 +247,62 @@ for i = 1, #blob / 8 do
     end
   end
 end
+if ARGV[4] == '+' then redis.call('SADD', KEYS[2], ARGV[3]) elseif ARGV[4] == '-' then
+  redis.call('SREM', KEYS[2], ARGV[3]) end
 return gone
 """
 
-# KEYS: rindex, counts. ARGV: tier, key8...  Drops the keys the holders no longer list.
+# KEYS: rindex, counts. ARGV: tier, key8...  Drops the keys (whose holders are already unlinked)
+# and lowers their same-tier parents' child counts.
+_EP_REMOVE = _LIB + """
+local ks = {}
+for i = 2, #ARGV do ks[#ks + 1] = ARGV[i] end
+local vs = hmget_all(KEYS[1], ks)
+local gone, dec = {}, {}
+for i, k in ipairs(ks) do if vs[i] then gone[k] = vs[i] end end
+for k, v in pairs(gone) do
+  local _, par = rparse(v)
+  if par and not gone[par] then dec[par] = (dec[par] or 0) + 1 end
+end
+local kv = {}
+for p, c in pairs(dec) do
+  local v = redis.call('HGET', KEYS[1], p)
+  if v then
+    local t, pp, d, nc = rparse(v)
+    kv[#kv + 1] = p
+    kv[#kv + 1] = rval(t, pp, d, math.max(0, nc - c))
+  end
+end
+hset_all(KEYS[1], kv)
+local n = 0
+for lo = 1, #ks, CH do n = n + redis.call('HDEL', KEYS[1], unpack(ks, lo, math.min(#ks, lo + CH - 1))) end
+if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], -n) end
+return n
+"""
+
+# KEYS: rindex, counts. ARGV: tier, key8...  (clearing a whole tier: no child counts to keep)
 _EP_DEL = """
 local n = redis.call('HDEL', KEYS[1], unpack(ARGV, 2))
 if n > 0 then redis.call('HINCRBY', KEYS[2], ARGV[1], -n) end
 return n
 """
 
-# One shard's part of a lookup: walk positions [base, base + #blob/8) of the chain.
-# KEYS: holder hash per namespace (model first, then extra models), then the speculative hash (if asked).
+# One shard's part of a lookup: positions [base, base + limit) of the chain.
+# KEYS: per namespace (model first, then extra models) its holder hash and dirty set, then the
+#       speculative hash (if asked).
 # ARGV: blob, base, final('1'|'0'), spec('1'|'0'), limit (blocks of blob to walk; speculative entries
-#       are read along all of it), nallow, allow..., ndeny, deny..., then per namespace
-#       a start state: '-' (from the chain's first block) or "<fields \\n-joined>|<endpoints \\n-joined>".
-# Returns {runs (field, n ...), combined (ep, n ...), states per namespace, speculative (ep, n, ttl_ms ...)}.
+#       are read along all of it), stride, nallow, allow..., ndeny, deny..., then per namespace a start
+#       state: '-' (from the chain's first block) or "<fields \\n-joined>|<endpoints \\n-joined>" alive
+#       at ``base``.
+# Endpoints not in the tag's dirty set hold, within this tag, no block without its same-tier parent,
+# so "holds block i" flips from true to false once along the range: read every stride-th block, then
+# the one gap where each run ends. Dirty endpoints are walked block by block, parsing a value only
+# when it changes. Returns {runs (field, n ...), combined (ep, n ...), states per namespace,
+# speculative (ep, n, ttl_ms ...)}.
 _WALK = """
 local blob, base, final, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
-local limit = tonumber(ARGV[5])
-local idx = 6
+local limit, S = tonumber(ARGV[5]), tonumber(ARGV[6])
+local idx = 7
 local nallow = tonumber(ARGV[idx]); idx = idx + 1
 local allow = nil
 if nallow > 0 then
@@ -213,6 +316,7 @@ local nkeys = math.min(limit, #blob / 8)
 local nall = #blob / 8
 local nns = #KEYS
 if spec then nns = nns - 1 end
+nns = nns / 2
 local run, erun = {}, {}
 local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
 local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
@@ -221,13 +325,59 @@ local function split(s)
   for x in string.gmatch(s, '([^\\n]+)') do t[x] = true end
   return t
 end
-local function walk(hkey, state)
-  local cur, cure = nil, nil
-  if state ~= '-' then
-    local bar = string.find(state, '|', 1, true)
-    cur, cure = split(string.sub(state, 1, bar - 1)), split(string.sub(state, bar + 1))
-    if next(cure) == nil then return '' end
+local function note(t, k, n) if n > 0 and n > (t[k] or 0) then t[k] = n end end
+local function probe(hkey, cand)
+  local ends, alive, last = {}, {}, {}
+  if next(cand) == nil then return ends end
+  for f, _ in pairs(cand) do alive[f] = true; last[f] = 0 end
+  local nprobe = math.floor((nkeys - 1) / S) + 1
+  local j, win = 1, 8
+  while next(alive) ~= nil and j < nprobe do
+    local hi = math.min(nprobe - 1, j + win - 1)
+    local args = {}
+    for q = j, hi do args[#args + 1] = key(q * S) end
+    local vals = redis.call('HMGET', hkey, unpack(args))
+    for q = j, hi do
+      local v = vals[q - j + 1]
+      local nxt = {}
+      if v then
+        for f, _ in pairs(alive) do
+          if string.find(v, ';' .. f .. ';', 1, true) then nxt[f] = true; last[f] = q end
+        end
+      end
+      alive = nxt
+      if next(alive) == nil then break end
+    end
+    j = hi + 1
+    win = math.min(win * 2, 256)
   end
+  local gaps = {}
+  for f, q in pairs(last) do
+    gaps[q] = gaps[q] or {}
+    gaps[q][#gaps[q] + 1] = f
+  end
+  for q, fs in pairs(gaps) do
+    local lo, hi = q * S + 1, math.min(nkeys - 1, q * S + S - 1)
+    for _, f in ipairs(fs) do ends[f] = q * S + 1 end
+    if lo <= hi then
+      local args = {}
+      for p = lo, hi do args[#args + 1] = key(p) end
+      local vals = redis.call('HMGET', hkey, unpack(args))
+      for p = lo, hi do
+        local v = vals[p - lo + 1]
+        if not v then break end
+        local any = false
+        for _, f in ipairs(fs) do
+          if ends[f] == p and string.find(v, ';' .. f .. ';', 1, true) then ends[f] = p + 1; any = true end
+        end
+        if not any then break end
+      end
+    end
+  end
+  return ends
+end
+-- block by block from the range start; cur/cure: fields/endpoints alive there
+local function blockwalk(hkey, cur, cure, ncur, ncure)
   local prev, pos, stop, win = nil, 0, nil, 64
   while stop == nil and pos < nkeys do
     local hi = math.min(nkeys, pos + win)
@@ -242,24 +392,14 @@ local function walk(hkey, state)
         prev = v
         local fields, eps = {}, {}
         for f in string.gmatch(v, '([^;]+)') do
-          local ep = string.sub(f, 1, -3)
-          if allowed(ep) then fields[f] = true; eps[ep] = true end
+          fields[f] = true
+          eps[string.sub(f, 1, -3)] = true
         end
-        if cur == nil then
-          cur, cure = fields, eps
-        else
-          for f, _ in pairs(cur) do
-            if not fields[f] then
-              if base + p > 0 then run[f] = math.max(run[f] or 0, base + p) end
-              cur[f] = nil
-            end
-          end
-          for ep, _ in pairs(cure) do
-            if not eps[ep] then
-              if base + p > 0 then erun[ep] = math.max(erun[ep] or 0, base + p) end
-              cure[ep] = nil
-            end
-          end
+        for f, _ in pairs(cur) do
+          if not fields[f] then note(run, f, base + p); cur[f] = nil end
+        end
+        for ep, _ in pairs(cure) do
+          if not eps[ep] then note(erun, ep, base + p); cure[ep] = nil end
         end
         if next(cure) == nil then stop = p; break end
       end
@@ -267,22 +407,70 @@ local function walk(hkey, state)
     pos = hi
     win = math.min(win * 2, 4096)
   end
-  if cur == nil then return '' end
   if stop == nil and not final then
-    local fs, es = {}, {}
-    for f, _ in pairs(cur) do fs[#fs + 1] = f end
-    for ep, _ in pairs(cure) do es[#es + 1] = ep end
-    return table.concat(fs, '\\n') .. '|' .. table.concat(es, '\\n')
+    for f, _ in pairs(cur) do ncur[f] = true end
+    for ep, _ in pairs(cure) do ncure[ep] = true end
+    return
   end
   local at = base + (stop or nkeys)
-  if at > 0 then
-    for f, _ in pairs(cur) do run[f] = math.max(run[f] or 0, at) end
-    for ep, _ in pairs(cure) do erun[ep] = math.max(erun[ep] or 0, at) end
+  for f, _ in pairs(cur) do note(run, f, at) end
+  for ep, _ in pairs(cure) do note(erun, ep, at) end
+end
+local function walk(hkey, dkey, state)
+  if nkeys == 0 then return '' end
+  local v0 = redis.call('HGET', hkey, key(0))
+  local cur, cure = {}, {}
+  if state == '-' then
+    if v0 then
+      for f in string.gmatch(v0, '([^;]+)') do
+        local ep = string.sub(f, 1, -3)
+        if allowed(ep) then cur[f] = true; cure[ep] = true end
+      end
+    end
+  else
+    local bar = string.find(state, '|', 1, true)
+    cur, cure = split(string.sub(state, 1, bar - 1)), split(string.sub(state, bar + 1))
   end
-  return ''
+  if next(cure) == nil then return '' end
+  local dirty = {}
+  for _, ep in ipairs(redis.call('SMEMBERS', dkey)) do if cure[ep] then dirty[ep] = true end end
+  local ncur, ncure = {}, {}
+  -- clean endpoints: every field present at the range start is a candidate (its run gives the
+  -- combined match; only fields alive since block 0 give a per-tier match)
+  local cand = {}
+  if v0 then
+    for f in string.gmatch(v0, '([^;]+)') do
+      local ep = string.sub(f, 1, -3)
+      if cure[ep] and not dirty[ep] then cand[f] = true end
+    end
+  end
+  local ends = probe(hkey, cand)
+  local ebest = {}
+  for f, e in pairs(ends) do
+    local ep = string.sub(f, 1, -3)
+    if e > (ebest[ep] or 0) then ebest[ep] = e end
+  end
+  local dcur, dcure = {}, {}
+  for ep, _ in pairs(cure) do
+    if dirty[ep] then dcure[ep] = true
+    elseif (ebest[ep] or 0) == nkeys and not final then ncure[ep] = true
+    else note(erun, ep, base + (ebest[ep] or 0)) end
+  end
+  for f, _ in pairs(cur) do
+    local ep = string.sub(f, 1, -3)
+    if dirty[ep] then dcur[f] = true
+    elseif (ends[f] or 0) == nkeys and not final then ncur[f] = true
+    else note(run, f, base + (ends[f] or 0)) end
+  end
+  if next(dcure) ~= nil then blockwalk(hkey, dcur, dcure, ncur, ncure) end
+  if next(ncure) == nil then return '' end
+  local fs, es = {}, {}
+  for f, _ in pairs(ncur) do fs[#fs + 1] = f end
+  for ep, _ in pairs(ncure) do es[#es + 1] = ep end
+  return table.concat(fs, '\\n') .. '|' .. table.concat(es, '\\n')
 end
 local states = {}
-for j = 1, nns do states[j] = walk(KEYS[j], ARGV[idx + j - 1]) end
+for j = 1, nns do states[j] = walk(KEYS[2 * j - 1], KEYS[2 * j], ARGV[idx + j - 1]) end
 local out_t, out_e, out_s = {}, {}, {}
 for f, n in pairs(run) do out_t[#out_t + 1] = f; out_t[#out_t + 1] = n end
 for ep, n in pairs(erun) do out_e[#out_e + 1] = ep; out_e[#out_e + 1] = n end
@@ -388,7 +576,7 @@ class RedisClusterIndex(BlockIndex):
     blocking = True
 
     def __init__(self, url: str, namespace: str = "kvm", timeout_s: float = 1.0, clear_chunk: int = 2000,
-                 anchor_depth: int = 64, client: RedisCluster | None = None) -> None:
+                 anchor_depth: int = 64, probe_stride: int = 32, client: RedisCluster | None = None) -> None:
         nodes, opts = parse_cluster_url(url)
         if anchor_depth < 1:
             raise ValueError(f"anchor_depth must be >= 1, got {anchor_depth}")
@@ -397,6 +585,9 @@ class RedisClusterIndex(BlockIndex):
         self.timeout_s = timeout_s
         self.clear_chunk = clear_chunk
         self.anchor_depth = anchor_depth
+        if probe_stride < 1:
+            raise ValueError(f"probe_stride must be >= 1, got {probe_stride}")
+        self.probe_stride = probe_stride
         self._layout_checked = False
         # How many shards each lookup touched (the target is <= 2), and orphans filed as roots.
         self.lookup_shards: collections.Counter[int] = collections.Counter()
@@ -409,12 +600,16 @@ class RedisClusterIndex(BlockIndex):
         self._hold_add = self.r.register_script(_HOLD_ADD)
         self._hold_del = self.r.register_script(_HOLD_DEL)
         self._ep_del = self.r.register_script(_EP_DEL)
+        self._ep_remove = self.r.register_script(_EP_REMOVE)
         self._walk = self.r.register_script(_WALK)
         self._put_spec = self.r.register_script(_PUT_SPEC)
 
     # ---- key names -----------------------------------------------------------------
     def _hkey(self, tag: str, model: str) -> str:
         return f"{self.namespace}:{{{tag}}}:h:{model}"
+
+    def _dkey(self, tag: str, model: str) -> str:
+        return f"{self.namespace}:{{{tag}}}:d:{model}"
 
     def _ekey(self, endpoint: str, rest: str) -> str:
         return f"{self.namespace}:{{e:{endpoint}}}:{rest}"
@@ -479,26 +674,19 @@ class RedisClusterIndex(BlockIndex):
                 starts += [off, b"" if parent is None else parent.to_bytes(8, "big")]
         out = self._call(self._ep_add, [self._ekey(endpoint, "reg"), self._ekey(endpoint, "n"), rk[t - 1], *rk],
                          [t, self.anchor_depth, _pack(keys), *starts])
-        new, orphans, first = int(out[0]), int(out[1]), int(out[2])
+        new, orphans, first, ndirty = int(out[0]), int(out[1]), int(out[2]), int(out[3])
         self.orphans += orphans
         if first:
             self._call(self.r.sadd, f"{self.namespace}:endpoints", endpoint)
             self._call(self.r.sadd, f"{self.namespace}:models", model)
-        by_tag: dict[bytes, list[bytes]] = {}
-        for i in range(3, len(out), 2):
-            by_tag.setdefault(out[i], []).append(out[i + 1])
+        dirty = set(out[4:4 + ndirty])
         field = f"{endpoint}\x1f{t};"
-        for tag8, ks in by_tag.items():
-            self._call(self._hold_add, [self._hkey(_hex(tag8), model)], [field, b"".join(ks)])
+        for i in range(4 + ndirty, len(out), 2):
+            tag8 = out[i]
+            tag = _hex(tag8)
+            self._call(self._hold_add, [self._hkey(tag, model), self._dkey(tag, model)],
+                       [field, out[i + 1], endpoint, "1" if tag8 in dirty else "0"])
         return new
-
-    def _tags_of(self, rkey: str, keys8: list[bytes]) -> dict[bytes, list[bytes]]:
-        vals = self._call(self.r.hmget, rkey, keys8)
-        by_tag: dict[bytes, list[bytes]] = {}
-        for k, v in zip(keys8, vals, strict=True):
-            if v is not None:
-                by_tag.setdefault(v[:8], []).append(k)
-        return by_tag
 
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         if not keys:
@@ -507,13 +695,38 @@ class RedisClusterIndex(BlockIndex):
         t = int(Tier(tier))
         rkey = self._ekey(endpoint, f"r:{model}:{t}")
         keys8 = list(dict.fromkeys(k.to_bytes(8, "big") for k in keys))
-        by_tag = self._tags_of(rkey, keys8)
-        return self._unlink(model, endpoint, t, rkey, by_tag)
-
-    def _unlink(self, model: str, endpoint: str, t: int, rkey: str, by_tag: dict[bytes, list[bytes]]) -> int:
+        vals = self._call(self.r.hmget, rkey, keys8)
+        held = {k: v for k, v in zip(keys8, vals, strict=True) if v is not None}
+        # Children this endpoint keeps in the same tier become orphans: their tag may have a hole now.
+        removed_children: collections.Counter[bytes] = collections.Counter()
+        for v in held.values():
+            if v[8:9] == b"p":
+                removed_children[v[9:17]] += 1
+        by_tag: dict[bytes, list[bytes]] = {}
+        dirty: set[bytes] = set()
+        for k, v in held.items():
+            by_tag.setdefault(v[:8], []).append(k)
+            depth, children = (int(x) for x in v[17 if v[8:9] == b"p" else 9:].split(b","))
+            if children > removed_children[k] and depth != self.anchor_depth - 1:
+                dirty.add(v[:8])     # (children of depth D-1 are anchors: a range start of their own tag)
         field = f"{endpoint}\x1f{t};"
         for tag8, ks in by_tag.items():
-            self._call(self._hold_del, [self._hkey(_hex(tag8), model)], [field, b"".join(ks)])
+            tag = _hex(tag8)
+            self._call(self._hold_del, [self._hkey(tag, model), self._dkey(tag, model)],
+                       [field, b"".join(ks), endpoint, "+" if tag8 in dirty else ""])
+        gone = list(held)
+        n = 0
+        for lo in range(0, len(gone), 4000):
+            n += int(self._call(self._ep_remove, [rkey, self._ekey(endpoint, "n")], [t, *gone[lo:lo + 4000]]))
+        return n
+
+    def _unlink(self, model: str, endpoint: str, t: int, rkey: str, by_tag: dict[bytes, list[bytes]],
+                undirty: bool) -> int:
+        field = f"{endpoint}\x1f{t};"
+        for tag8, ks in by_tag.items():
+            tag = _hex(tag8)
+            self._call(self._hold_del, [self._hkey(tag, model), self._dkey(tag, model)],
+                       [field, b"".join(ks), endpoint, "-" if undirty else ""])
         gone = [k for ks in by_tag.values() for k in ks]
         n = 0
         for lo in range(0, len(gone), 4000):
@@ -536,7 +749,8 @@ class RedisClusterIndex(BlockIndex):
                 by_tag: dict[bytes, list[bytes]] = {}
                 for i in range(0, len(got), 2):
                     by_tag.setdefault(got[i + 1][:8], []).append(got[i])
-                removed += self._unlink(model, endpoint, int(t), rkey, by_tag)
+                # a whole-endpoint clear leaves nothing of it in these tags: clean there again
+                removed += self._unlink(model, endpoint, int(t), rkey, by_tag, undirty=tier is None)
             self._call(self.r.srem, reg, rkey)
         if tier is None:
             self._call(self.r.srem, f"{self.namespace}:endpoints", endpoint)
@@ -569,22 +783,22 @@ class RedisClusterIndex(BlockIndex):
         n, D = len(keys), self.anchor_depth
         blob = _pack(keys)
         root = f"{keys[0]:016x}"
-        hk = [self._hkey(root, m) for m in models]
+        hk = [k for m in models for k in (self._hkey(root, m), self._dkey(root, m))]
         skeys = [f"{self.namespace}:{{{root}}}:s:{model}"] if include_speculative else []
         runs: dict[bytes, int] = {}
         combined: dict[bytes, int] = {}
         first = min(n, D)
         out = self._call(self._walk, hk + skeys, [blob if include_speculative else blob[:8 * first], 0,
                                                   "1" if n <= D else "0", "1" if include_speculative else "0",
-                                                  first, *filt,
+                                                  first, self.probe_stride, *filt,
                                                   *["-"] * len(models)])
         nodes = {self._node_of(hk[0])}
         self._merge(out, runs, combined)
         states = out[2]
         if n > D and any(states):
             anchor = f"{keys[D]:016x}"
-            hk2 = [self._hkey(anchor, m) for m in models]
-            out2 = self._call(self._walk, hk2, [blob[8 * D:], D, "1", "0", n - D, *filt,
+            hk2 = [k for m in models for k in (self._hkey(anchor, m), self._dkey(anchor, m))]
+            out2 = self._call(self._walk, hk2, [blob[8 * D:], D, "1", "0", n - D, self.probe_stride, *filt,
                                                 *[s if s else "|" for s in states]])
             nodes.add(self._node_of(hk2[0]))
             self._merge(out2, runs, combined)

@@ -183,3 +183,20 @@ def tune_malloc(mmap_threshold: int = 32 * 1024 * 1024, trim_threshold: int = (1
     _tuned = ok
     log.debug("malloc tuned", extra={"ok": ok})
     return ok
+
+
+def malloc_trim() -> bool:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim(0)``); False off glibc.
+
+    ``tune_malloc`` keeps freed big buffers for reuse, which is what makes a warm store
+    fast, but it also means an evicted block's memory stays in the process: RSS follows the
+    peak of what was ever stored, not the RAM tier. Trimming now and then bounds it by the
+    tier plus what is in flight, at the cost of a few page faults on the next big buffers.
+    """
+    name = ctypes.util.find_library("c")
+    if not name:
+        return False
+    try:
+        return bool(ctypes.CDLL(name).malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

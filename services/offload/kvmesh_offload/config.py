@@ -16,7 +16,8 @@ GiB = 1024 ** 3
 class OffloadConfig:
     ENV_PREFIX: ClassVar[str] = "KVMESH_OFFLOAD_"
 
-    host: str = field(default="0.0.0.0", metadata={"help": "gRPC listen host"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "listen host of gRPC, the bulk port and /metrics (0.0.0.0 = every interface; loopback by default)"})
     port: int = field(default=50051, metadata={"help": "gRPC listen port (0 = pick a free one)"})
     grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
@@ -29,6 +30,9 @@ class OffloadConfig:
     evict_on_full: bool = field(default=True, metadata={
         "help": "evict to make room; if false a Put that does not fit gets RESOURCE_EXHAUSTED"})
     max_block_bytes: int = field(default=64 * 1024 * 1024, metadata={"help": "largest accepted block"})
+    malloc_trim_s: float = field(default=5.0, metadata={
+        "help": "return freed heap memory to the OS this often (glibc malloc_trim), so RSS follows the RAM "
+                "tier as blocks are evicted (0 = never: RSS keeps its peak)"})
     shm_enabled: bool = field(default=True, metadata={"help": "serve PutShm/GetShm (same-host fast path)"})
     bulk_port: int = field(default=0, metadata={
         "help": "TCP port of the bulk Get data plane for other hosts (0 = any free port, -1 = off)"})
@@ -40,7 +44,8 @@ class OffloadConfig:
     model: str = field(default="any", metadata={"help": "model name in the KV-event topic and registration"})
     events_endpoint: str = field(default="", metadata={
         "help": "ZMQ KV-event publisher endpoint, e.g. tcp://*:5560 (empty = no events)"})
-    events_replay_endpoint: str = field(default="", metadata={"help": "ZMQ replay endpoint, e.g. tcp://*:5561"})
+    events_replay_endpoint: str = field(default="", metadata={
+        "help": "ZMQ replay endpoint, e.g. tcp://127.0.0.1:5561 (hands out every buffered event: keep it private)"})
     indexer_address: str = field(default="", metadata={"help": "indexer host:port to register with (empty = off)"})
     advertise_host: str = field(default="127.0.0.1", metadata={"help": "host other services use to reach us"})
     register_ttl_s: float = field(default=30.0, metadata={"help": "heartbeat TTL asked of the indexer"})

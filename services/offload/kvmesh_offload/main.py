@@ -22,7 +22,7 @@ from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2
 from kvmesh_api.offload.v1 import offload_pb2
-from kvmesh_offload.arena import tune_malloc
+from kvmesh_offload.arena import malloc_trim, tune_malloc
 from kvmesh_offload.config import OffloadConfig
 from kvmesh_offload.disk_tier import DiskTier
 from kvmesh_offload.metrics import bind_store
@@ -82,7 +82,7 @@ async def serve(cfg: OffloadConfig) -> int:
     server.on_drain.append(drain)
     port = await server.start()
     server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port)
+    start_metrics_server(cfg.metrics_port, host=cfg.host)
     await server.set_ready(True)
     registration = None
     if cfg.indexer_address and pub is not None:
@@ -94,15 +94,25 @@ async def serve(cfg: OffloadConfig) -> int:
                                            "bulk_port": servicer.bulk.port if servicer.bulk else None,
                                            "events": pub.endpoint if pub else None,
                                            "policy": store.policy_name})
+    trim = asyncio.create_task(_trim_loop(cfg.malloc_trim_s), name="malloc-trim") if cfg.malloc_trim_s > 0 else None
     try:
         await server.wait()
     finally:
+        if trim is not None:
+            trim.cancel()
         if registration is not None:
             await registration.stop(deregister=False)
         servicer.close()
         if pub is not None:
             pub.close()
     return 0
+
+
+async def _trim_loop(period_s: float) -> None:
+    """Return freed heap memory to the OS every ``period_s`` (see ``arena.malloc_trim``)."""
+    while True:
+        await asyncio.sleep(period_s)
+        await asyncio.to_thread(malloc_trim)
 
 
 def main(argv: list[str] | None = None) -> int:

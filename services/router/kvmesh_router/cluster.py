@@ -24,11 +24,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import Any
 
 import grpc
 import httpx
 
 from kvmesh.routing.load import LoadReport
+from kvmesh.routing.local_view import LocalView
 from kvmesh.routing.router import RouterCore
 from kvmesh.routing.types import (
     ROLE_BOTH,
@@ -71,8 +73,11 @@ class Cluster:
         self._indexer_ch = aio_channel(cfg.indexer, retry_attempts=1) if cfg.indexer else None
         self.indexer = indexer_pb2_grpc.IndexerStub(self._indexer_ch) if self._indexer_ch else None
         self.indexer_up = True
+        self.local_view = LocalView(ttl_s=cfg.local_view_ttl_s)
+        self._late: set[asyncio.Future] = set()   # lookups past their deadline, still open
         self._tasks: list[asyncio.Task] = []
         self._static: set[str] = set()
+        self.pool_watcher: Any = None   # InferencePoolWatcher when --inference-pool is set
         self.external = OpenAIEndpoints(cfg.external_connect_timeout_s, cfg.external_api_key)
         for spec in cfg.endpoints:
             eid, addr = parse_endpoint(spec)
@@ -102,6 +107,25 @@ class Cluster:
         if cur is None or cur.address != url:
             self._add(EndpointView(eid, url, self.cfg.model, ROLE_DECODE, self.cfg.block_size, alive, source))
             self.http_addresses[eid] = url.split("://", 1)[1]
+
+    @property
+    def external_mode(self) -> bool:
+        """The HTTP front door forwards bodies (external endpoints configured or discovered)."""
+        return bool(self.external) or bool(self.cfg.inference_pool)
+
+    def apply_discovered(self, snapshot: dict[str, str]) -> None:
+        """The InferencePool's endpoints now (id -> URL): add the new, drop the gone."""
+        for eid in [e for e, ep in self.core.endpoints.items() if ep.source == "inference-pool"
+                    and e not in snapshot]:
+            log.info("endpoint left the InferencePool", extra={"endpoint": eid})
+            self.remove_external(eid)
+        for eid, url in snapshot.items():
+            cur = self.core.endpoints.get(eid)
+            if cur is not None and cur.source != "inference-pool":
+                continue   # configured statically: that entry wins
+            if cur is None or cur.address != url:
+                log.info("endpoint joined from the InferencePool", extra={"endpoint": eid, "url": url})
+            self.set_external(eid, url, True, "inference-pool")
 
     def remove_external(self, eid: str) -> None:
         if self.external.urls.pop(eid, None) is not None:
@@ -135,11 +159,21 @@ class Cluster:
 
     # -- background loops ----------------------------------------------------------
     def start(self) -> None:
+        if self.cfg.inference_pool and self.pool_watcher is None:
+            from kvmesh_router.inference_pool import InferencePoolWatcher
+
+            ns, _, name = self.cfg.inference_pool.partition("/")
+            self.pool_watcher = InferencePoolWatcher(ns, name, self.apply_discovered, self.cfg.kubeconfig)
+            self.pool_watcher.start()
         self._tasks.append(asyncio.create_task(self._load_loop(), name="load-poll"))
         if self.indexer is not None:
             self._tasks.append(asyncio.create_task(self._registry_loop(), name="registry-poll"))
 
     async def stop(self) -> None:
+        if self.pool_watcher is not None:
+            await self.pool_watcher.stop()
+        for c in list(self._late):
+            c.cancel()
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -183,6 +217,7 @@ class Cluster:
                     if ep.source == "registry" and eid not in seen]:
             log.info("endpoint left the registry", extra={"endpoint": eid})
             self.core.remove_endpoint(eid)
+            self.local_view.forget_endpoint(eid)
             self._drop_channel(eid)
 
     async def _registry_loop(self) -> None:
@@ -297,27 +332,73 @@ class Cluster:
 
     # -- index -------------------------------------------------------------------------
     async def lookup(self, keys: list[int]) -> Matches | None:
-        """Per-endpoint, per-tier matches of ``keys``; None when the indexer can't answer."""
+        """Per-endpoint, per-tier matches of ``keys``; None when neither the indexer nor the local
+        view can answer.
+
+        The indexer gets ``lookup_timeout_s``. Past it, the router's local view answers
+        (``kvmesh.routing.local_view``) and the call stays open until ``lookup_late_s``, its
+        answer merged into the view when it comes: a loaded indexer slows the view's updates
+        down instead of sending every request to ``approx``.
+        """
         if self.indexer is None:
             return None
         if not keys:
             return Matches()
+        cfg = self.cfg
+        late = cfg.local_view_ttl_s > 0 and cfg.lookup_late_s > cfg.lookup_timeout_s
+        call = asyncio.ensure_future(self._ask(keys, cfg.lookup_late_s if late else cfg.lookup_timeout_s))
         try:
-            resp = await self.indexer.Lookup(
-                indexer_pb2.LookupRequest(model=self.cfg.model, chain=indexer_pb2.BlockChain(keys=keys),
-                                          include_speculative=True, include_applied=True),
-                timeout=self.cfg.lookup_timeout_s)
-        except grpc.aio.AioRpcError as exc:
-            metrics.FALLBACKS.labels(reason=exc.code().name).inc()
-            if self.indexer_up:
-                log.warning("indexer unavailable; precise routing falls back to approx",
-                            extra={"code": exc.code().name, "details": exc.details()})
-            self.indexer_up = False
+            async with asyncio.timeout(cfg.lookup_timeout_s):
+                got = await asyncio.shield(call)
+        except TimeoutError:
+            got = None
+            if late:
+                call.add_done_callback(lambda c: self._merge_late(keys, c))
+                self._late.add(call)
+                call.add_done_callback(self._late.discard)
+            else:
+                call.cancel()
+            local = self.local_view.matches(keys, time.monotonic()) if cfg.local_view_ttl_s > 0 else None
+            if local is not None:
+                metrics.LOOKUPS.labels(outcome="local").inc()
+                return local
+            self._indexer_failed("DEADLINE_EXCEEDED", "lookup past its deadline")
             return None
+        if isinstance(got, grpc.aio.AioRpcError):
+            self._indexer_failed(got.code().name, got.details())
+            return None
+        metrics.LOOKUPS.labels(outcome="ok").inc()
         if not self.indexer_up:
             log.info("indexer back; precise routing resumed")
         self.indexer_up = True
+        if cfg.local_view_ttl_s > 0:
+            self.local_view.learn(keys, got, time.monotonic())
+        return got
+
+    async def _ask(self, keys: list[int], timeout: float) -> Matches | grpc.aio.AioRpcError:
+        try:
+            resp = await self.indexer.Lookup(   # type: ignore[union-attr]
+                indexer_pb2.LookupRequest(model=self.cfg.model, chain=indexer_pb2.BlockChain(keys=keys),
+                                          include_speculative=True, include_applied=True),
+                timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            return exc
         return matches_from_proto(resp, self.stores)
+
+    def _merge_late(self, keys: list[int], call: asyncio.Future) -> None:
+        if call.cancelled() or call.exception() is not None:
+            return
+        got = call.result()
+        if isinstance(got, Matches):
+            metrics.LOOKUPS.labels(outcome="late_merged").inc()
+            self.local_view.learn(keys, got, time.monotonic())
+
+    def _indexer_failed(self, code: str, details: str) -> None:
+        metrics.FALLBACKS.labels(reason=code).inc()
+        if self.indexer_up:
+            log.warning("indexer unavailable; precise routing falls back to approx",
+                        extra={"code": code, "details": details})
+        self.indexer_up = False
 
     async def put_speculative(self, eid: str, keys: list[int], ttl_s: float) -> None:
         if self.indexer is None or not keys or not self.cfg.indexer_speculative or not self.indexer_up:

@@ -15,7 +15,8 @@ from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 class RouterConfig:
     ENV_PREFIX: ClassVar[str] = "KVMESH_ROUTER_"
 
-    host: str = field(default="0.0.0.0", metadata={"help": "listen host (gRPC and HTTP)"})
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "listen host of gRPC, HTTP, ext_proc and /metrics (0.0.0.0 = every interface; loopback by default)"})
     port: int = field(default=50050, metadata={"help": "gRPC port"})
     http_port: int = field(default=8000, metadata={"help": "OpenAI-compatible HTTP port (0 = off)"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
@@ -49,6 +50,12 @@ class RouterConfig:
     load_poll_s: float = field(default=0.25, metadata={"help": "GetLoad poll period per endpoint"})
     load_staleness_s: float = field(default=2.0, metadata={"help": "ignore load reports older than this"})
     lookup_timeout_s: float = field(default=0.25, metadata={"help": "indexer Lookup deadline"})
+    local_view_ttl_s: float = field(default=30.0, metadata={
+        "help": "a lookup past its deadline is answered from the router's own recent view (index answers and "
+                "prompts it saw finish, kept this long); 0 = off: it falls back to approx"})
+    lookup_late_s: float = field(default=2.0, metadata={
+        "help": "a lookup past its deadline stays open this long; its answer is merged into the local view "
+                "when it comes (<= lookup_timeout_s: not kept open)"})
     indexer_speculative: bool = field(default=True, metadata={"help": "also write speculative entries to the indexer"})
     # Hashing (must match the engines)
     block_size: int = field(default=64, metadata={"help": "engine KV block size"})
@@ -122,7 +129,7 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
         for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s", "http_header_timeout_s",
-                     "http_body_timeout_s"):
+                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if self.approx_capacity_blocks < 1:

@@ -363,7 +363,7 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
 # --------------------------------------------------------------------------- server
 
 
-async def start_extproc_server(pick: PickFn, port: int, host: str = "0.0.0.0", ready: bool = True,
+async def start_extproc_server(pick: PickFn, port: int, host: str = "127.0.0.1", ready: bool = True,
                                config: ExtProcConfig | None = None, tls: TlsConfig | None = None) -> ServiceServer:
     """Serve the ext_proc picker on its own gRPC port (with health for its service name).
 

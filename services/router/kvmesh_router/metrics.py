@@ -5,6 +5,10 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 DECISIONS = Counter("kvmesh_router_decisions_total", "routing decisions", ["policy", "endpoint", "split"])
+LOOKUPS = Counter("kvmesh_router_lookups_total",
+                  "indexer lookups by outcome (ok: in time; local: past the deadline, answered from the router's "
+                  "local view; late_merged: an answer that came after the deadline, merged into the local view)",
+                  ["outcome"])
 FALLBACKS = Counter("kvmesh_router_policy_fallbacks_total", "precise fell back to approx", ["reason"])
 CACHED_DIFF = Histogram("kvmesh_router_cached_tokens_diff", "engine-reported minus predicted cached tokens",
                         buckets=(-65536, -4096, -512, -64, -1, 0, 1, 64, 512, 4096, 65536))

@@ -136,7 +136,7 @@ class Passthrough:
 
     def applies(self) -> bool:
         cluster = getattr(self.service, "cluster", None)   # front-door tests run without one
-        return cluster is not None and bool(cluster.external)
+        return cluster is not None and cluster.external_mode
 
     async def handle(self, request: Request, chat: bool) -> Response:
         api = "passthrough-chat" if chat else "passthrough-completions"

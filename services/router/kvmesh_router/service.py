@@ -359,9 +359,10 @@ class RouterService:
         return RouterSide(
             predicted=d.predicted_cached_tokens // bs,
             index_gpu=min(matches.get(d.endpoint_id).gpu, max_hit_blocks(req.num_tokens, bs))
-            if matches is not None else -1,
+            if matches is not None and matches.source != "local" else -1,
             speculative=(win.speculative_blocks + win.pending_blocks) if win is not None else 0,
-            index_applied=applied, lookup_timed_out=uses_index and matches is None, uses_index=uses_index)
+            index_applied=applied, uses_index=uses_index,
+            lookup_timed_out=uses_index and (matches is None or matches.source == "local"))
 
     def _mismatch(self, p: Prepared, d: Decision, msg: worker_pb2.GenerateResponse, actual: int,
                   split: bool) -> str:
@@ -640,6 +641,9 @@ class RouterService:
         metrics.CACHED_TOKENS.labels(tier="offload").inc(usage.cached_tokens_offload)
         metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
         routing.mismatch = self._mismatch(p, d, msg, actual, split=handle is not None)
+        if handle is None and self.cfg.local_view_ttl_s > 0:
+            # The engine now holds this prompt: a lookup past its deadline can still find it.
+            self.cluster.local_view.served(d.endpoint_id, p.req.keys, time.monotonic())
         if handle is None:
             metrics.CACHED_DIFF.observe(int(actual) - d.predicted_cached_tokens)
             if actual != d.predicted_cached_tokens:

@@ -168,3 +168,26 @@ async def test_plaintext_health_port_serves_only_health(certs) -> None:  # noqa:
             assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     finally:
         await server.stop(0)
+
+
+def test_process_identity_comes_from_env_and_is_exported_to_children(certs, monkeypatch) -> None:  # noqa: ANN001
+    """A worker hands its identity to the processes it starts (vLLM's engine core runs the
+    offload connector) through KVMESH_TLS_*; a process that never set one reads them."""
+    import os
+
+    issued = certs("worker", "decode-0")
+    keys = ("KVMESH_TLS", "KVMESH_TLS_CERT", "KVMESH_TLS_KEY", "KVMESH_TLS_CA", "KVMESH_TLS_SERVER_NAME",
+            "KVMESH_TLS_TRUST_DOMAIN")
+    saved = {k: os.environ.pop(k, None) for k in keys}
+    monkeypatch.setattr(tls, "_default", None)
+    try:
+        assert not tls.default().enabled()
+        tls.set_default(issued.tls_config(tls_server_name="kvmesh"), export=True)
+        tls._default = None   # as in a fresh child process with that env
+        child = tls.default()
+        assert child.enabled() and child.tls_cert == str(issued.cert) and child.tls_server_name == "kvmesh"
+    finally:
+        for k, v in saved.items():
+            os.environ.pop(k, None)
+            if v is not None:
+                os.environ[k] = v

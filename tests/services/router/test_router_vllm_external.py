@@ -1,0 +1,141 @@
+"""The router in front of two plain vLLM OpenAI servers (no kvmesh worker): a team's own fleet.
+
+vLLM publishes KV events to the indexer's central socket (llm-d's topic convention names each
+server ``<ip>:<port>``, the id the router gives a bare ``--endpoints`` URL); the router reads each
+server's /metrics for load, renders and hashes every chat request itself, and forwards the
+client's body with the tenant's cache_salt added. Through the router's HTTP with the
+official ``openai`` client, a 20-turn agent conversation with tools: on every turn the
+router's predicted cached tokens (``x-kvmesh-predicted-cached-tokens``) equal vLLM's own
+``usage.prompt_tokens_details.cached_tokens``; the turns that require a tool get vLLM's
+parsed tool call back; another tenant's identical prompt gets no cached token; killing the
+vLLM that holds the conversation moves it to the other one.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import openai
+import pytest
+
+from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.procs import ServiceProcess
+from tests.fixtures.vllm import TINY_MODEL_NAME
+
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.", "strict": True,
+    "parameters": {"type": "object", "properties": {"location": {"type": "string", "enum": ["Paris", "Rome"]}},
+                   "required": ["location"], "additionalProperties": False}}}]
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    tmp = tmp_path_factory.mktemp("router-vllm-external")
+    central: dict[str, str] = {}
+
+    def indexer_ports() -> tuple[list[str], str]:
+        iport, central["port"] = free_port(), str(free_port())
+        return (["--host", "127.0.0.1", "--port", str(iport), "--models", f"{TINY_MODEL_NAME}@32@sha256_cbor",
+                 "--default-model", TINY_MODEL_NAME, "--kv-events-bind", f"tcp://127.0.0.1:{central['port']}",
+                 "--kv-events-replay", f"ipc://{tmp}/replay-{{port}}.sock"], f"127.0.0.1:{iport}")
+
+    idx = ServiceProcess.on_fresh_ports("indexer", indexer_ports, log_path=tmp / "indexer.log").start(60)
+    router = None
+    try:
+        servers = vllm_servers(["v1", "v2"], f"tcp://127.0.0.1:{central['port']}", tmp)
+        port, http = free_port(), free_port()
+        router = ServiceProcess("router", [
+            "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
+            "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address, "--auth", "off",
+            "--tokenizer-path", str(tiny_model_dir), "--speculative-ttl-s", "0.3", "--max-model-len", "4096",
+            "--endpoints", ",".join(s.url for s in servers)],
+            f"127.0.0.1:{port}", log_path=tmp / "router.log").start(60)
+        base = f"http://127.0.0.1:{http}"
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 2:
+            assert time.monotonic() < deadline, "the router never saw both vLLM servers up"
+            time.sleep(0.2)
+        yield {"base": base, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log"}
+    finally:
+        if router is not None:
+            router.stop(grace_s=5)
+        idx.stop(grace_s=5)
+
+
+def _client(fleet: dict, tenant: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fleet["base"] + "/v1", api_key="k", max_retries=0, timeout=120,
+                         default_headers={"x-tenant": tenant})
+
+
+def _turn(client: openai.OpenAI, messages: list[dict], **kw) -> tuple[object, int, str]:
+    raw = client.chat.completions.with_raw_response.create(model=TINY_MODEL_NAME, messages=messages, tools=TOOLS,
+                                                            temperature=0.0, **kw)
+    return raw.parse(), int(raw.headers["x-kvmesh-predicted-cached-tokens"]), raw.headers["x-kvmesh-endpoint"]
+
+
+def _opening(topic: str) -> list[dict]:
+    return [{"role": "system", "content": "You are a coding agent. Use the tools when they help. " * 6},
+            {"role": "user", "content": f"Plan the refactor of {topic}, then check the weather."}]
+
+
+def test_twenty_turns_with_tools_predictions_equal_vllm(fleet) -> None:
+    client = _client(fleet, "acme")
+    messages = _opening("the parser module")
+    endpoints, calls = [], 0
+    for turn in range(20):
+        wants_tool = turn % 4 == 1
+        r, predicted, eid = _turn(client, messages, max_tokens=64 if wants_tool else 8,
+                                  tool_choice="required" if wants_tool else "none")
+        cached = r.usage.prompt_tokens_details.cached_tokens
+        assert predicted == cached, (turn, eid, predicted, cached, r.usage)
+        if turn:
+            assert cached > 0, turn
+        endpoints.append(eid)
+        msg = r.choices[0].message
+        if wants_tool:
+            # vLLM parsed the call out of what the model wrote (guided by the tool's schema).
+            assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls, r
+            call = msg.tool_calls[0]
+            assert call.function.name == "get_weather"
+            assert json.loads(call.function.arguments)["location"] in ("Paris", "Rome")
+            calls += 1
+            messages += [{"role": "assistant", "content": None, "tool_calls": [
+                             {"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                         {"role": "tool", "tool_call_id": call.id, "content": f"Sunny, {turn + 12} C"}]
+        else:
+            messages += [{"role": "assistant", "content": msg.content or ""},
+                         {"role": "user", "content": f"Step {turn}: now look at file_{turn}.py and continue."}]
+        time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
+    assert calls == 5
+    assert len(set(endpoints[1:])) == 1, endpoints   # the conversation stays with its KV
+
+
+def test_tenants_do_not_share_kv(fleet) -> None:
+    messages = _opening("the tenant billing job")
+    first, _, eid = _turn(_client(fleet, "tenant-a"), messages, max_tokens=2, tool_choice="none")
+    time.sleep(0.4)
+    again, predicted, _ = _turn(_client(fleet, "tenant-a"), messages, max_tokens=2, tool_choice="none")
+    assert again.usage.prompt_tokens_details.cached_tokens == predicted > 0
+    time.sleep(0.4)
+    other, predicted, _ = _turn(_client(fleet, "tenant-b"), messages, max_tokens=2, tool_choice="none")
+    assert other.usage.prompt_tokens_details.cached_tokens == predicted == 0
+
+
+def test_killing_the_vllm_that_holds_a_conversation_moves_it(fleet) -> None:
+    client = _client(fleet, "acme")
+    messages = _opening("the scheduler")
+    _, _, holder = _turn(client, messages, max_tokens=2, tool_choice="none")
+    time.sleep(0.4)
+    _, _, again = _turn(client, messages, max_tokens=2, tool_choice="none")
+    assert again == holder
+    fleet["servers"][holder].kill()
+    r, _, moved = _turn(client, messages, max_tokens=2, tool_choice="none")
+    assert moved != holder and r.choices[0].finish_reason in ("length", "stop")
+    health = httpx.get(fleet["base"] + "/health", timeout=5).json()
+    assert health["live_endpoints"] == 1

@@ -1,0 +1,39 @@
+"""``kvmesh soak`` against a real local stack: per-minute figures, RSS of every service, JSON + PNG."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvmesh_tools.stack.launcher import LocalStack, StackConfig
+
+pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
+
+
+def test_a_short_soak_reports_each_minute_and_every_service(tmp_path: Path) -> None:
+    cfg = StackConfig(decode_workers=2, prefill_workers=0, redis="off", time_scale=20.0, num_blocks=512,
+                      log_dir=str(tmp_path / "stack"), offload_ram_bytes=64 << 20)
+    with LocalStack(cfg) as stack:
+        desc = stack.write_description()
+        pids = json.loads(desc.read_text())["pids"]
+        assert {"indexer", "offload", "decode-0", "decode-1"} <= set(pids), pids
+        out = tmp_path / "soak"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvmesh_tools.cli.main", "soak", "--stack", str(desc), "--sessions", "6",
+             "--minutes", "0.4", "--sample-s", "2", "--out", str(out), "--max-output-tokens", "8"],
+            capture_output=True, text=True, timeout=200)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    rep = json.loads((out / "soak.json").read_text())
+    assert (out / "soak.png").stat().st_size > 0
+    t = rep["total"]
+    assert t["requests"] > 6 and t["errors"] == 0
+    assert t["hit_rate"] > 0 and t["prediction_accuracy"] is not None
+    assert t["mismatches"]["view_bug"] == 0, t["mismatches"]
+    (row,) = rep["minutes"]
+    assert row["requests"] == t["requests"] and row["ttft_p50_s"] is not None
+    # Every service's memory was sampled.
+    assert set(pids) <= set(row["rss_mib"]) and all(v > 0 for v in row["rss_mib"].values()), row["rss_mib"]
