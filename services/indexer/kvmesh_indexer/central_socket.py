@@ -126,9 +126,6 @@ class CentralSocket:
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)   # bigger: the peer is disconnected
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        # A frame larger than any batch the pump accepts drops that peer's connection in ZMQ,
-        # before the bytes are buffered (anyone on the network can connect to this socket).
-        sock.setsockopt(zmq.MAXMSGSIZE, self.pump.max_payload_bytes + 4096)
         try:
             for addr in self.binds:
                 sock.bind(addr)

@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 
 import redis
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.events.curve import CurveClient, server_public_file
@@ -169,6 +169,9 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
         central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
                                 max_endpoints=cfg.kv_events_max_endpoints, idle_purge_s=cfg.kv_events_idle_purge_s,
                                 max_message_bytes=cfg.max_message_bytes)
+        # How close the socket is to kv_events_max_endpoints (beyond it new pods are refused).
+        Gauge("kvmesh_indexer_central_endpoints", "Endpoints admitted on the central KV-event socket",
+              registry=registry).set_function(lambda: len(central.endpoints))
     return IndexerApp(cfg, servicer, server, pump, subscriber, metrics, central)
 
 
