@@ -50,6 +50,10 @@ class OffloadConfig:
         "help": "ZMQ KV-event publisher endpoint, e.g. tcp://*:5560 (empty = no events)"})
     events_replay_endpoint: str = field(default="", metadata={
         "help": "ZMQ replay endpoint, e.g. tcp://127.0.0.1:5561 (hands out every buffered event: keep it private)"})
+    events_curve_secret: str = field(default="", metadata={
+        "help": "CURVE secret certificate (NAME.key_secret) of the event and replay sockets (empty = off)"})
+    events_curve_clients: str = field(default="", metadata={
+        "help": "directory of the subscribers' CURVE public keys admitted to events and replay"})
     indexer_address: str = field(default="", metadata={"help": "indexer host:port to register with (empty = off)"})
     advertise_host: str = field(default="127.0.0.1", metadata={"help": "host other services use to reach us"})
     register_ttl_s: float = field(default=30.0, metadata={"help": "heartbeat TTL asked of the indexer"})
@@ -69,5 +73,7 @@ class OffloadConfig:
             raise ConfigError("max_block_bytes must be in (0, 64 MiB]")
         if not self.endpoint_id or "@" in self.endpoint_id:
             raise ConfigError("endpoint_id must be non-empty and contain no '@'")
+        if bool(self.events_curve_secret) != bool(self.events_curve_clients):
+            raise ConfigError("events_curve_secret and events_curve_clients go together")
         if self.indexer_address and not self.events_endpoint:
             raise ConfigError("indexer_address needs events_endpoint (the indexer subscribes to our events)")

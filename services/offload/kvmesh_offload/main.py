@@ -57,12 +57,14 @@ async def serve(cfg: OffloadConfig) -> int:
     pub = None
     sink = None
     if cfg.events_endpoint:
+        from kvmesh.events.curve import CurveServer
         from kvmesh.events.publisher import KvEventPublisher
         from kvmesh.events.topic import make_topic
         from kvmesh_offload.events import EventBridge
 
+        curve = CurveServer(cfg.events_curve_secret, cfg.events_curve_clients) if cfg.events_curve_secret else None
         pub = KvEventPublisher(cfg.events_endpoint, topic=make_topic(cfg.endpoint_id, cfg.model),
-                               replay_endpoint=cfg.events_replay_endpoint or None)
+                               replay_endpoint=cfg.events_replay_endpoint or None, curve=curve)
         sink = EventBridge(pub)
     store = build_store(cfg, sink)
     try:
