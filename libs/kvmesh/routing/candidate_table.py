@@ -146,7 +146,8 @@ class CandidateTable:
         if (h := matches.pos.get(home)) is not None:
             self.own_resident[h] = mine
         room = lc.capacity_blocks * bs - (lc.resident_tokens - self.own_resident)
-        displaced = np.maximum(-(-uncached // bs) * bs - np.maximum(room, 0.0), 0.0)
+        fresh = -(-np.maximum(0, req.num_tokens - gpu * bs) // bs) * bs
+        displaced = np.minimum(fresh, np.maximum(-(-req.num_tokens // bs) * bs - np.maximum(room, 0.0), 0.0))
         self.displace = np.where(lc.capacity_blocks > 0, cfg.displace_weight * displaced * cfg.prefill_s_per_token,
                                  0.0)
         self.cost = self.wait + own + self.decode + self.work + self.displace

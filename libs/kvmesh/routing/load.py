@@ -47,7 +47,8 @@ class EffectiveLoad:
     # context tokens of the router's requests sent since: what every decode step must read there.
     active_blocks: float = 0.0
     inflight_ctx_tokens: float = 0.0
-    # The endpoint's KV capacity (blocks, from its last report, even stale or dropped; 0: unknown) and the
+    # The endpoint's KV capacity (blocks that can hold KV: the last report's num_blocks minus vLLM's
+    # null block, also after the report is stale or dropped; 0: unknown) and the
     # contexts of the sessions routed there within the reuse window (tokens): the KV likely to be
     # reused there soon (see :class:`WorkingSet`).
     capacity_blocks: float = 0.0
@@ -161,7 +162,8 @@ class _Sums:
         cols["report_prefill"][i] = rep.waiting_prefill_tokens
         cols["kv_usage"][i] = rep.kv_usage
         cols["report_blocks"][i] = max(rep.num_blocks, 0)
-        cols["capacity"][i] = max(rep.num_blocks, 0)
+        # vLLM's num_gpu_blocks includes its null block, which never holds KV.
+        cols["capacity"][i] = max(rep.num_blocks - 1, 0)
 
 
 class WorkingSet:
@@ -189,6 +191,14 @@ class WorkingSet:
         self._where[session_id] = (i, endpoint_id, tokens, now)
         self._order.append((now, session_id))
         self.sums.cols["resident"][i] += tokens
+
+    def refresh(self, session_id: str, endpoint_id: str, now: float) -> None:
+        """A turn of the session ended on ``endpoint_id``: its context is reusable from now on,
+        so the window runs from here (a turn can wait in a queue longer than the window)."""
+        w = self._where.get(session_id) if session_id else None
+        if w is not None and w[1] == endpoint_id and now > w[3]:
+            self._where[session_id] = (w[0], w[1], w[2], now)
+            self._order.append((now, session_id))
 
     def home(self, session_id: str) -> tuple[str, int]:
         """(endpoint, tokens) where the session's context is counted, or ("", 0)."""

@@ -223,6 +223,7 @@ class RouterCore:
                     extra: ExtraKeys | None = None) -> None:
         """Release in-flight counts; if the output is known, remember the blocks the engine now holds."""
         self.load.on_finished(req.request_id)
+        self.load.working_set.refresh(req.session_id, decision.endpoint_id, now)
         self.hash_cache.release()
         if prompt_tokens is None or not output_tokens:
             return

@@ -12,7 +12,8 @@ and every kind of load is weighed at its real price::
              + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
     decode   = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
     work     = cluster_work_weight · saturation · (own − least own of any endpoint)
-    displace = displace_weight · prefill_s/token · new tokens beyond (capacity − others' working set)
+    displace = displace_weight · prefill_s/token · tokens of the others' KV the prompt evicts: its
+               new GPU blocks, up to what the whole prompt exceeds (capacity − others' working set)
 
 The first three are this request's TTFT there; ``work`` and ``displace`` are what the
 placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill
@@ -208,10 +209,13 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         # every endpoint is busy.
         work = cfg.cluster_work_weight * cluster.saturation * max(own - cluster.best_own_s, 0.0)
     if load.capacity_blocks > 0:
-        # New blocks beyond what the endpoint's recently used contexts leave free evict some of
-        # them; their sessions' next turns recompute what they lose.
+        # The whole prompt is on the GPU while it runs: what the others' recent contexts leave
+        # must hold it, cached blocks included. What does not fit comes out of those contexts,
+        # at most as much as the request allocates (blocks restored from the store count: they
+        # take GPU blocks as much as recomputed ones). Their sessions' next turns recompute them.
+        fresh = -(-max(0, num_tokens - split.gpu * block_size) // block_size) * block_size
         room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
-        displaced = max(-(-uncached // block_size) * block_size - max(room, 0.0), 0.0)
+        displaced = min(fresh, max(-(-num_tokens // block_size) * block_size - max(room, 0.0), 0.0))
         displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace,
                      credit_blocks=float(split.cached),

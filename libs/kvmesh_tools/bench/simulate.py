@@ -8,6 +8,14 @@ cluster, and as the same-run baseline the same load per worker on the issue's
 8 + 2 workers (proportionally fewer sessions): the wall time per request on the
 large cluster over the baseline's says what the size of the cluster costs,
 apart from the machine's speed.
+
+It also answers how close each policy comes to the best any routing could do at
+that scale: with ``--policy precise,session,llmd,dynamo`` every policy runs on the
+large cluster, and the JSON gives ``ceiling_pooled`` (one LRU of the fleet's GPU +
+store capacity) and each policy's share of it. The fleet's GPU capacity is set from
+the trace (``--gpu-fit``: the fleet's GPU holds this fraction of the working set,
+every distinct block of the trace), so that the working set does not fit and the
+policies are compared where cache is scarce; the ``capacity`` block says whether it fits.
 """
 
 from __future__ import annotations
@@ -33,7 +41,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-workers", type=int, default=32)
     p.add_argument("--baseline-decode-workers", type=int, default=8)
     p.add_argument("--baseline-prefill-workers", type=int, default=2)
-    p.add_argument("--policy", default="precise")
+    p.add_argument("--policy", default="precise",
+                   help="policies, comma-separated: each runs on the large cluster; the first also sets the baseline")
+    p.add_argument("--kv-capacity-tokens", type=int, default=0,
+                   help="GPU KV capacity per worker (tokens; 0 = from --gpu-fit)")
+    p.add_argument("--gpu-fit", type=float, default=0.5,
+                   help="with --kv-capacity-tokens 0: the large cluster's decode GPUs hold this fraction of the "
+                        "trace's working set (its distinct blocks)")
+    p.add_argument("--offload-capacity-tokens", type=int, default=0, help="shared offload store (tokens; 0 = none)")
+    p.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel on the large cluster")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
 
@@ -55,29 +71,60 @@ def peak_concurrent_sessions(records: list[dict[str, Any]]) -> int:
     return peak
 
 
-def _one(trace, decode: int, prefill: int, args: argparse.Namespace) -> dict[str, Any]:
-    from kvmesh_tools.clustersim.config import SimConfig
-    from kvmesh_tools.clustersim.run import simulate_policies
+def working_set_tokens(trace) -> int:
+    """Tokens of KV the trace ever asks for: its distinct blocks (what never recomputing would hold)."""
+    seen: set[int] = set()
+    for r in trace.requests():
+        seen.update(r.keys)
+    return len(seen) * trace.block_size
 
-    cfg = SimConfig(decode_workers=decode, prefill_workers=prefill, start_window_s=args.start_window_s,
-                    seed=args.seed)
-    t0 = time.perf_counter()
-    rep = simulate_policies(trace, cfg, [args.policy], jobs=1, records=True)
-    wall = time.perf_counter() - t0
-    m = rep["results"][args.policy]
-    out = {k: m[k] for k in ("requests", "errors", "prefix_hit_rate", "ttft_p50_s", "ttft_p90_s",
-                             "load_imbalance", "virtual_time_s", "steps", "offload_blocks_stored",
-                             "offload_evictions")}
+
+def _cfg(decode: int, prefill: int, args: argparse.Namespace, kv_tokens: int):
+    from kvmesh_tools.clustersim.config import SimConfig
+
+    return SimConfig(decode_workers=decode, prefill_workers=prefill, start_window_s=args.start_window_s,
+                     seed=args.seed, kv_capacity_tokens=kv_tokens, offload_capacity_tokens=args.offload_capacity_tokens)
+
+
+def _row(m: dict[str, Any], records: list[dict[str, Any]], decode: int, prefill: int, wall: float) -> dict[str, Any]:
+    out = {k: m[k] for k in ("requests", "errors", "prefix_hit_rate", "share_of_ceiling_pooled", "ttft_p50_s",
+                             "ttft_p90_s", "ttft_p99_s", "load_imbalance", "virtual_time_s", "steps",
+                             "offload_blocks_stored", "offload_evictions")}
     out.update(workers=decode + prefill, decode_workers=decode, prefill_workers=prefill, wall_s=round(wall, 2),
                ms_per_request=round(1000 * wall / max(1, m["requests"]), 3),
                virtual_s_per_wall_s=round(m["virtual_time_s"] / wall, 1) if wall > 0 else 0.0,
-               peak_concurrent_sessions=peak_concurrent_sessions(rep["records"][args.policy]))
+               peak_concurrent_sessions=peak_concurrent_sessions(records))
+    return out
+
+
+def _one(trace, decode: int, prefill: int, args: argparse.Namespace, policy: str, kv_tokens: int) -> dict[str, Any]:
+    from kvmesh_tools.clustersim.run import simulate_policies
+
+    t0 = time.perf_counter()
+    rep = simulate_policies(trace, _cfg(decode, prefill, args, kv_tokens), [policy], jobs=1, records=True)
+    out = _row(rep["results"][policy], rep["records"][policy], decode, prefill, time.perf_counter() - t0)
     log.info("simulated", extra={k: out[k] for k in ("workers", "requests", "wall_s", "peak_concurrent_sessions")})
     return out
 
 
+def _large(trace, args: argparse.Namespace, policies: list[str], kv_tokens: int) -> dict[str, Any]:
+    """Every policy on the large cluster (one report: one ceiling), wall time per policy."""
+    from kvmesh_tools.clustersim.run import simulate_policies
+
+    d, p = args.decode_workers, args.prefill_workers
+    rep = simulate_policies(trace, _cfg(d, p, args, kv_tokens), policies, jobs=args.jobs, records=True)
+    rows = {}
+    for pol in policies:
+        m = rep["results"][pol]
+        rows[pol] = _row(m, rep["records"][pol], d, p, m["wall_s"])
+    return {"ceiling_infinite": rep["ceiling_infinite"], "ceiling_pooled": rep["ceiling_pooled"],
+            "pooled_capacity_tokens": rep["pooled_capacity_tokens"], "results": rows}
+
+
 def run(args: argparse.Namespace) -> int:
     from kvmesh_tools.traffic.generator import GeneratorConfig, generate
+
+    policies = [p for p in args.policy.split(",") if p]
 
     def trace_of(sessions: int):
         return generate(GeneratorConfig(sessions=sessions, turns_median=args.turns_median, seed=args.seed))
@@ -85,27 +132,47 @@ def run(args: argparse.Namespace) -> int:
     share = (args.baseline_decode_workers + args.baseline_prefill_workers) / (args.decode_workers
                                                                             + args.prefill_workers)
     base_sessions = max(1, round(args.sessions * share))
-    # The baseline first, on a small heap (after the large run, its garbage would be in the
-    # measurement); it is short, so the median of three runs.
-    base_trace = trace_of(base_sessions)
-    bases = sorted((_one(base_trace, args.baseline_decode_workers, args.baseline_prefill_workers, args)
-                    for _ in range(3)), key=lambda r: r["ms_per_request"])
-    base = bases[1]
-    base.update(sessions=base_sessions, ms_per_request_runs=[b["ms_per_request"] for b in bases])
     t0 = time.perf_counter()
     trace = trace_of(args.sessions)
     gen_s = time.perf_counter() - t0
-    large = _one(trace, args.decode_workers, args.prefill_workers, args)
-    # Peak resident memory of this process: the large run dominates it.
+    working_set = working_set_tokens(trace)
+    # A worker must hold the longest request (prompt + output) or it fails; that floor wins over the fit.
+    longest = max((r.input_tokens + r.output_tokens for r in trace.requests()), default=0)
+    floor = -(-(longest + 1) // trace.block_size) * trace.block_size
+    kv_tokens = args.kv_capacity_tokens or max(floor, int(args.gpu_fit * working_set / args.decode_workers))
+    gpu_total = kv_tokens * args.decode_workers
+    pooled = gpu_total + max(0, args.offload_capacity_tokens)
+    # The baseline first, on a small heap (after the large run, its garbage would be in the
+    # measurement); it is short, so the median of three runs. Same capacity per worker.
+    base_trace = trace_of(base_sessions)
+    bases = sorted((_one(base_trace, args.baseline_decode_workers, args.baseline_prefill_workers, args, policies[0],
+                         kv_tokens) for _ in range(3)), key=lambda r: r["ms_per_request"])
+    base = bases[1]
+    base.update(sessions=base_sessions, ms_per_request_runs=[b["ms_per_request"] for b in bases])
+    fleet = _large(trace, args, policies, kv_tokens)
+    large = dict(fleet["results"][policies[0]])
+    # Peak resident memory of this process (with --jobs 1 the large runs dominate it).
     large["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     out = write_json(args.json, {
-        "bench": "simulate", "policy": args.policy, "sessions": args.sessions, "seed": args.seed,
+        "bench": "simulate", "policy": policies[0], "policies": policies, "sessions": args.sessions, "seed": args.seed,
         "generate_s": round(gen_s, 2), "large": large, "baseline": base,
+        "capacity": {"working_set_tokens": working_set, "kv_capacity_tokens_per_worker": kv_tokens,
+                     "longest_request_tokens": longest,
+                     "gpu_tokens": gpu_total, "offload_capacity_tokens": args.offload_capacity_tokens,
+                     "pooled_tokens": pooled, "gpu_fits_working_set": gpu_total >= working_set,
+                     "pooled_fits_working_set": pooled >= working_set},
+        "ceiling_infinite": fleet["ceiling_infinite"], "ceiling_pooled": fleet["ceiling_pooled"],
+        "results": fleet["results"],
         "wall_s": large["wall_s"],
         "ms_per_request_ratio_vs_baseline": round(large["ms_per_request"] / base["ms_per_request"], 2)
         if base["ms_per_request"] else None,
     })
-    print({k: out[k] for k in ("sessions", "wall_s", "ms_per_request_ratio_vs_baseline")}
+    print({k: out[k] for k in ("sessions", "wall_s", "ms_per_request_ratio_vs_baseline", "ceiling_pooled")}
           | {"workers": large["workers"], "requests": large["requests"],
-             "peak_concurrent_sessions": large["peak_concurrent_sessions"], "peak_rss_mb": large["peak_rss_mb"]})
+             "peak_concurrent_sessions": large["peak_concurrent_sessions"], "peak_rss_mb": large["peak_rss_mb"],
+             "fits": out["capacity"]["pooled_fits_working_set"]})
+    for pol, r in fleet["results"].items():
+        print(f"{pol:>10}  hit {r['prefix_hit_rate']:.4f}  of pooled {r['share_of_ceiling_pooled']:.4f}  "
+              f"TTFT p50 {r['ttft_p50_s']:.2f}  p90 {r['ttft_p90_s']:.2f}  p99 {r['ttft_p99_s']:.2f}  "
+              f"imbalance {r['load_imbalance']:.2f}")
     return 0

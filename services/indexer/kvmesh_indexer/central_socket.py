@@ -100,7 +100,8 @@ class CentralSocket:
 
     def __init__(self, pump: IngestPump, binds: list[str], admit: Admit, purge: Purge, max_endpoints: int = 1024,
                  idle_purge_s: float = 0.0, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000,
-                 now: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], float] = time.monotonic, max_message_bytes: int = 8 * 1024 * 1024) -> None:
+        self.max_message_bytes = max_message_bytes
         self.pump = pump
         self.binds = list(binds)
         self.admit = admit
@@ -122,11 +123,9 @@ class CentralSocket:
         """Bind every address; returns the bound ones (a ``:0`` port resolved)."""
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)   # bigger: the peer is disconnected
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
-        # A frame larger than any batch the pump accepts drops that peer's connection in ZMQ,
-        # before the bytes are buffered (anyone on the network can connect to this socket).
-        sock.setsockopt(zmq.MAXMSGSIZE, self.pump.max_payload_bytes + 4096)
         try:
             for addr in self.binds:
                 sock.bind(addr)

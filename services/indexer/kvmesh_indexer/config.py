@@ -92,6 +92,20 @@ class IndexerConfig:
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "TTL of PutSpeculative when the request has 0"})
     max_batch_events: int = field(default=10_000, metadata={"help": "larger ingest batches are rejected"})
     queue_size: int = field(default=10_000, metadata={"help": "per-endpoint ingest queue (ZMQ drops beyond)"})
+    queue_bytes: int = field(default=16 * 1024 * 1024, metadata={
+        "help": "per-endpoint ingest queue bound in payload bytes: ZMQ messages beyond are dropped, counted "
+                "(kvmesh_indexer_dropped_messages_total) and repaired by replay; gRPC ingest waits"})
+    max_message_bytes: int = field(default=8 * 1024 * 1024, metadata={
+        "help": "largest KV-event message: ZMQ MAXMSGSIZE of every event socket (a peer sending more is "
+                "disconnected), the gRPC ingest payload and the decoder's limit"})
+    kv_events_curve_secret: str = field(default="", metadata={
+        "help": "CURVE secret certificate (NAME.key_secret) the indexer presents to publishers ('' = off)"})
+    kv_events_curve_servers: str = field(default="", metadata={
+        "help": "directory of publishers' CURVE public keys, ENDPOINT_ID.key: an endpoint with a key there is "
+                "subscribed to and replayed over CURVE"})
+    max_seq_jump: int = field(default=1_000_000, metadata={
+        "help": "a sequence jump past this many batches is refused unless the engine's replay buffer holds it "
+                "or 3 batches in a row continue it (a forged 10^12 must not clear an endpoint)"})
 
     def validate(self) -> None:
         if self.backend not in BACKENDS:

@@ -17,6 +17,15 @@ Sequence rules, per endpoint:
   indexer that subscribed late (or restarted) catches up.
 - a batch that failed because the backend was down marks the endpoint for
   re-sync; the next batch repairs it like a gap (replay, else clear).
+
+Hostile input (issue #20): a forged message must not wipe or jump an endpoint.
+When the engine has a replay socket, the suspicious cases -- a sequence reset,
+a jump of more than ``max_seq_jump`` batches, a batch carrying AllBlocksCleared
+-- are checked against it: the engine's buffer must hold that seq with the same
+events, else the batch is refused (``forged_seq``) and changes nothing. Without
+replay, a reset is believed (nothing can tell a restart apart) but an absurd
+jump (e.g. 10^12) is refused unless ``confirm_jump`` consecutive batches
+continue it (a real long outage does that).
 """
 
 from __future__ import annotations
@@ -71,6 +80,8 @@ class EndpointState:
     last_event_at: float | None = None
     needs_resync: bool = False
     resync_upto: int | None = None   # first seq after the batches lost to a backend outage
+    jump_seq: int | None = None      # last refused implausible seq, and how many in a row
+    jump_run: int = 0
     batches: int = 0
     events_applied: int = 0
     events_rejected: int = 0
@@ -87,11 +98,22 @@ class BatchResult:
     accepted: bool = True
 
 
+class _Refused(Exception):
+    """A batch whose sequence number cannot be the engine's; ``reason`` is the metric label."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
 class Ingestor:
     """Synchronous ingest core shared by the service and the simulator."""
 
     def __init__(self, index: BlockIndex, models: dict[str, ModelSpec], observer: IngestObserver | None = None,
-                 now: Callable[[], float] = time.monotonic, max_events_per_batch: int = 10_000) -> None:
+                 now: Callable[[], float] = time.monotonic, max_events_per_batch: int = 10_000,
+                 max_seq_jump: int = 1_000_000, confirm_jump: int = 3) -> None:
+        self.max_seq_jump = max_seq_jump
+        self.confirm_jump = confirm_jump
         self.index = index
         self.models = models
         self.observer: IngestObserver = observer or NullObserver()
@@ -149,7 +171,13 @@ class Ingestor:
             self._reject(st, "bad_event", len(errs), errs[0].message)
         if seq is not None:
             try:
-                self._check_seq(st, seq, replay)
+                self._check_seq(st, seq, replay, batch)
+            except _Refused as exc:
+                n = len(batch.events) if batch is not None else 1
+                res.accepted = False
+                res.rejected += n
+                self._reject(st, exc.reason, n, str(exc))
+                return res
             except IndexUnavailable:
                 self._mark_resync(st, seq)
                 raise
@@ -211,8 +239,34 @@ class Ingestor:
             st.mapper.reset()
             self._mark_resync(st, upto - 1 if upto else None)
 
-    def _check_seq(self, st: EndpointState, seq: int, replay: ReplayFn | None) -> None:
+    def _engine_sent(self, seq: int, batch: KVEventBatch | None, replay: ReplayFn | None) -> bool | None:
+        """Does the engine's replay buffer hold ``seq`` with these events? None = cannot tell
+        (no replay socket, or it did not answer). The engine buffers a batch as it publishes it,
+        so an answer without ``seq`` means the engine never sent it."""
+        if replay is None:
+            return None
+        try:
+            got = list(replay(seq))
+        except IndexUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - an unreachable replay socket proves nothing
+            return None
+        for s, b in got:
+            if s == seq:
+                if batch is None:
+                    return True
+                try:
+                    return bool(b.events == batch.events)
+                except Exception:  # noqa: BLE001 - incomparable events: the seq alone decides
+                    return True
+        return False
+
+    def _check_seq(self, st: EndpointState, seq: int, replay: ReplayFn | None,
+                   batch: KVEventBatch | None = None) -> None:
         last = st.last_seq
+        if last is not None and (seq <= last or seq - last - 1 > self.max_seq_jump) or (
+                batch is not None and any(isinstance(e, AllBlocksCleared) for e in batch.events)):
+            self._check_plausible(st, seq, replay, batch)
         if st.needs_resync:
             start = 0 if last is None else last + 1
             log.warning("re-syncing endpoint after backend outage", extra={"endpoint": st.endpoint,
@@ -246,6 +300,21 @@ class Ingestor:
         log.warning("sequence gap", extra={"endpoint": st.endpoint, "last_seq": last, "seq": seq,
                                            "missing": missing})
         self._fill(st, last + 1, seq, replay, reason="gap")
+
+    def _check_plausible(self, st: EndpointState, seq: int, replay: ReplayFn | None,
+                         batch: KVEventBatch | None) -> None:
+        """Raise ``_Refused`` for a reset, an absurd jump or a clear that the engine did not send."""
+        sent = self._engine_sent(seq, batch, replay)
+        if sent is False:
+            raise _Refused("forged_seq", f"seq {seq} (last {st.last_seq}) is not in the engine's replay buffer")
+        last = st.last_seq
+        if sent is None and last is not None and seq - last - 1 > self.max_seq_jump:
+            st.jump_run = st.jump_run + 1 if st.jump_seq is not None and seq == st.jump_seq + 1 else 1
+            st.jump_seq = seq
+            if st.jump_run < self.confirm_jump:
+                raise _Refused("implausible_seq", f"seq {seq} jumps {seq - last - 1} batches past {last} "
+                                                  f"(max {self.max_seq_jump} unless {self.confirm_jump} in a row)")
+        st.jump_seq, st.jump_run = None, 0
 
     def _fill(self, st: EndpointState, start: int, upto: int, replay: ReplayFn | None, reason: str,
               clear_on_miss: bool = True) -> None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
 import redis
-from prometheus_client import REGISTRY, CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh.events.curve import CurveClient, server_public_file
 from kvmesh.index.base import BlockIndex
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.logs import setup_logging
@@ -134,6 +136,12 @@ class IndexerApp:
         self.servicer.index.close()
 
 
+def _curve_client(secret: str, servers_dir: str, endpoint_id: str) -> CurveClient | None:
+    """CURVE settings for an endpoint whose publisher key is in ``servers_dir`` (else plaintext)."""
+    server = server_public_file(servers_dir, endpoint_id)
+    return CurveClient(secret, server) if server else None
+
+
 def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> IndexerApp:
     """Wire backend, ingest, liveness and the gRPC server (not started)."""
     models = cfg.model_specs()
@@ -143,10 +151,14 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     registry = registry if registry is not None else CollectorRegistry()
     metrics = IndexMetrics(registry)
     index = InstrumentedIndex(build_index(cfg), metrics)
-    ingestor = Ingestor(index, models, MetricsObserver(metrics), max_events_per_batch=cfg.max_batch_events)
+    ingestor = Ingestor(index, models, MetricsObserver(metrics), max_events_per_batch=cfg.max_batch_events,
+                        max_seq_jump=cfg.max_seq_jump)
     pump = IngestPump(ingestor, replay_timeout_s=cfg.replay_timeout_s, queue_size=cfg.queue_size,
-                      on_drop=lambda ep: metrics.dropped.labels(ep).inc())
-    subscriber = ZmqSubscriber(pump)
+                      on_drop=lambda ep: metrics.dropped.labels(ep).inc(), queue_bytes=cfg.queue_bytes,
+                      max_payload_bytes=cfg.max_message_bytes)
+    if cfg.kv_events_curve_secret:
+        pump.curve_for = functools.partial(_curve_client, cfg.kv_events_curve_secret, cfg.kv_events_curve_servers)
+    subscriber = ZmqSubscriber(pump, max_message_bytes=cfg.max_message_bytes)
     liveness = Liveness(cfg.heartbeat_ttl_s)
     servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)
     registry.register(StateCollector(index.stats, servicer.freshness))
@@ -155,7 +167,11 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     central = None
     if cfg.central_binds():
         central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
-                                max_endpoints=cfg.kv_events_max_endpoints, idle_purge_s=cfg.kv_events_idle_purge_s)
+                                max_endpoints=cfg.kv_events_max_endpoints, idle_purge_s=cfg.kv_events_idle_purge_s,
+                                max_message_bytes=cfg.max_message_bytes)
+        # How close the socket is to kv_events_max_endpoints (beyond it new pods are refused).
+        Gauge("kvmesh_indexer_central_endpoints", "Endpoints admitted on the central KV-event socket",
+              registry=registry).set_function(lambda: len(central.endpoints))
     return IndexerApp(cfg, servicer, server, pump, subscriber, metrics, central)
 
 

@@ -3,9 +3,11 @@
 Why: events of one endpoint must be applied in order, while endpoints must
 not wait for each other (a slow replay or a Redis hiccup on one engine cannot
 stall the rest). Each endpoint gets its own bounded queue and task; work that
-may block (Redis calls, replay requests) runs in a worker thread. A full queue
-drops the message, which later shows up as a sequence gap and is repaired by
-replay (or clears the endpoint) -- memory stays bounded under overload.
+may block (Redis calls, replay requests) runs in a worker thread. The queue is
+bounded in messages *and in payload bytes* (a flood of 12 MB messages must not
+queue gigabytes): a message past either bound is dropped, counted, and the
+endpoint is marked for re-sync, which replays the lost batches (or clears the
+endpoint) once its queue has drained -- memory stays bounded under overload.
 """
 
 from __future__ import annotations
@@ -52,10 +54,14 @@ class _Item:
 class IngestPump:
     def __init__(self, ingestor: Ingestor, replay_timeout_s: float = 2.0, queue_size: int = 10_000,
                  max_payload_bytes: int = 16 * 1024 * 1024, on_drop: Callable[[str], None] | None = None,
-                 resync_interval_s: float = 0.5) -> None:
+                 resync_interval_s: float = 0.5, queue_bytes: int = 64 * 1024 * 1024) -> None:
         self.ingestor = ingestor
         self.replay_timeout_s = replay_timeout_s
         self.queue_size = queue_size
+        self.queue_bytes = queue_bytes
+        self._bytes: dict[str, int] = {}   # payload bytes waiting per endpoint
+        # endpoint id -> CURVE client settings for its event and replay sockets (None = plaintext)
+        self.curve_for: Callable[[str], Any] = lambda endpoint: None
         self.max_payload_bytes = max_payload_bytes
         self.on_drop = on_drop
         self.resync_interval_s = resync_interval_s
@@ -83,13 +89,17 @@ class IngestPump:
         if src is None or not src.replay_endpoint:
             return None
         addr = src.replay_endpoint
+        curve = self.curve_for(endpoint)
 
         def replay(start: int) -> list[tuple[int, KVEventBatch]]:
             try:
-                raw = fetch_replay(addr, start, timeout_s=self.replay_timeout_s)
+                raw = fetch_replay(addr, start, timeout_s=self.replay_timeout_s,
+                                   max_message_bytes=self.max_payload_bytes, curve=curve)
             except ReplayError as exc:
+                # Raised, not []: "no answer" must not read as "the engine has nothing" (ingest
+                # treats a failed replay as empty when filling a gap, and as unknown when checking).
                 log.warning("replay request failed", extra={"endpoint": endpoint, "error": str(exc)})
-                return []
+                raise
             out = []
             for seq, payload in raw:
                 try:
@@ -105,19 +115,36 @@ class IngestPump:
                       batch: KVEventBatch | None = None, model: str | None = None) -> bool:
         """Queue a message (ZMQ path); False when the endpoint's queue is full (dropped)."""
         q = self._queue(endpoint)
-        try:
-            q.put_nowait(_Item(seq, payload, batch, None, model))
-            return True
-        except asyncio.QueueFull:
-            if self.on_drop:
-                self.on_drop(endpoint)
+        size = len(payload) if payload is not None else 0
+        if self._bytes.get(endpoint, 0) + size > self.queue_bytes or q.full():
+            self.dropped(endpoint)
             return False
+        q.put_nowait(_Item(seq, payload, batch, None, model))
+        self._bytes[endpoint] = self._bytes.get(endpoint, 0) + size
+        return True
+
+    def dropped(self, endpoint: str) -> None:
+        """A message was lost here: count it, and have the endpoint re-synced (replay) once drained."""
+        if self.on_drop:
+            self.on_drop(endpoint)
+        st = self.ingestor.endpoints.get(endpoint)
+        if st is not None:
+            st.bump("dropped")
+            st.needs_resync = True
+
+    def queued_bytes(self, endpoint: str) -> int:
+        return self._bytes.get(endpoint, 0)
 
     async def submit(self, endpoint: str, seq: int | None, payload: bytes | None = None,
                      batch: KVEventBatch | None = None, model: str | None = None) -> BatchResult:
         """Queue a message and wait until it is applied (gRPC path, with back-pressure)."""
         fut: asyncio.Future = asyncio.get_running_loop().create_future()
+        size = len(payload) if payload is not None else 0
+        # Back-pressure in bytes too: wait for room rather than queue past the bound.
+        while self._bytes.get(endpoint, 0) and self._bytes.get(endpoint, 0) + size > self.queue_bytes:
+            await asyncio.sleep(0.01)
         await self._queue(endpoint).put(_Item(seq, payload, batch, fut, model))
+        self._bytes[endpoint] = self._bytes.get(endpoint, 0) + size
         return await fut
 
     def _queue(self, endpoint: str) -> asyncio.Queue[_Item]:
@@ -141,6 +168,8 @@ class IngestPump:
     async def _worker(self, endpoint: str, q: asyncio.Queue[_Item]) -> None:
         while True:
             item = await q.get()
+            if item.payload is not None:
+                self._bytes[endpoint] = max(0, self._bytes.get(endpoint, 0) - len(item.payload))
             try:
                 res = await self._handle(endpoint, item)
                 if item.future is not None and not item.future.done():
@@ -222,6 +251,7 @@ class IngestPump:
         """Stop ingesting an endpoint and purge its entries."""
         task = self._tasks.pop(endpoint, None)
         q = self._queues.pop(endpoint, None)
+        self._bytes.pop(endpoint, None)
         while q is not None and not q.empty():
             item = q.get_nowait()
             if item.future is not None and not item.future.done():
@@ -243,3 +273,4 @@ class IngestPump:
                 await t
         self._tasks.clear()
         self._queues.clear()
+        self._bytes.clear()

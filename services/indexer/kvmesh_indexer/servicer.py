@@ -279,7 +279,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             body = req.WhichOneof("body")
             try:
                 if body == "vllm_payload":
-                    if len(req.vllm_payload) > MAX_PAYLOAD:
+                    if len(req.vllm_payload) > min(MAX_PAYLOAD, self.cfg.max_message_bytes):
                         resp.batches_rejected += 1
                         self.ingestor.observer.on_rejected(ep, "oversize_payload", 1)
                         log.warning("oversize ingest payload skipped",

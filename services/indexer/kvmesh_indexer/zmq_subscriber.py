@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.events.codec import DecodeError, decode_seq
+from kvmesh.events.curve import apply_client
 from kvmesh.events.topic import parse_topic
 from kvmesh.rpc.reconnect import tune_zmq_reconnect
 from kvmesh_indexer.pump import EndpointSource, IngestPump
@@ -36,11 +37,15 @@ class Subscription:
     socket: zmq.asyncio.Socket
     task: asyncio.Task
     messages: int = 0
+    watch: asyncio.Task | None = None
+    reconnects: int = 0
 
 
 class ZmqSubscriber:
-    def __init__(self, pump: IngestPump, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000) -> None:
+    def __init__(self, pump: IngestPump, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000,
+                 max_message_bytes: int = 8 * 1024 * 1024) -> None:
         self.pump = pump
+        self.max_message_bytes = max_message_bytes
         self.ctx = context or zmq.asyncio.Context.instance()
         self.rcvhwm = rcvhwm
         self.subs: dict[str, Subscription] = {}
@@ -57,7 +62,12 @@ class ZmqSubscriber:
         self.pump.configure(source)
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+        # A peer sending a bigger message is disconnected by ZMQ before Python sees a byte of it.
+        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.setsockopt(zmq.LINGER, 0)
+        curve = self.pump.curve_for(source.endpoint)
+        if curve is not None:
+            apply_client(sock, curve)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         tune_zmq_reconnect(sock)   # a restarted peer is found again within ~0.5 s
         try:
@@ -71,6 +81,8 @@ class ZmqSubscriber:
                              f"endpoint {source.endpoint!r}: {exc}") from exc
         task = asyncio.create_task(self._recv_loop(source.endpoint, sock), name=f"zmq-sub-{source.endpoint}")
         sub = Subscription(source, zmq_endpoint, bind, sock, task)
+        if not bind:
+            sub.watch = asyncio.create_task(self._watch(source.endpoint, sub), name=f"zmq-watch-{source.endpoint}")
         self.subs[source.endpoint] = sub
         log.info("subscribed to kv events", extra={"endpoint": source.endpoint, "zmq": zmq_endpoint,
                                                    "mode": "bind" if bind else "connect",
@@ -114,11 +126,38 @@ class ZmqSubscriber:
                 model = src.model  # configuration wins over the topic
             self.pump.submit_nowait(endpoint, seq, payload=payload, model=model)
 
+    async def _watch(self, endpoint: str, sub: Subscription) -> None:
+        """Reconnect after ZMQ drops the connection for a message over MAXMSGSIZE.
+
+        libzmq treats that as a protocol error and, unlike a lost connection, never
+        reconnects by itself: one oversized message would silence the engine for good.
+        The messages lost meanwhile count as drops and the endpoint is re-synced by replay.
+        """
+        mon = sub.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            while True:
+                await mon.recv_multipart()
+                sub.reconnects += 1
+                log.warning("kv-event connection dropped (oversized message or peer gone); reconnecting",
+                            extra={"endpoint": endpoint, "zmq": sub.zmq_endpoint})
+                with contextlib.suppress(zmq.ZMQError):
+                    sub.socket.disconnect(sub.zmq_endpoint)
+                sub.socket.connect(sub.zmq_endpoint)
+                self.pump.dropped(endpoint)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sub.socket.disable_monitor()
+            mon.close(linger=0)
+
     async def remove(self, endpoint: str) -> None:
         sub = self.subs.pop(endpoint, None)
         if sub is None:
             return
         sub.task.cancel()
+        if sub.watch is not None:
+            sub.watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sub.watch
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await sub.task
         sub.socket.close(linger=0)

@@ -110,9 +110,15 @@ def test_cluster_work_scales_with_the_least_loaded_queue(fraction: float):
 # ---------------------------------------------------------------- displaced KV
 
 
+def _evict(cfg: ScoringConfig, d: float) -> float:
+    """The price of ``d`` tokens of other sessions' KV evicted: their recompute (linear part)."""
+    return d * cfg.prefill_s_per_token
+
+
 def _capacity(core: RouterCore, blocks: int, *endpoints: str) -> None:
+    """Endpoints that hold ``blocks`` blocks of KV: vLLM's num_blocks counts its null block too."""
     for e in endpoints:
-        core.load.update(e, LoadReport(num_blocks=blocks, received_at=0.0))
+        core.load.update(e, LoadReport(num_blocks=blocks + 1, received_at=0.0))
 
 
 def test_a_new_session_goes_where_its_blocks_displace_no_reusable_kv():
@@ -131,8 +137,8 @@ def test_a_new_session_goes_where_its_blocks_displace_no_reusable_kv():
         d = core.decide(_req(core, n, f"r{i}", session=f"s{i}", seed=i), Matches(), now=0.1)
         by = {c.endpoint_id: c for c in d.candidates}
         assert d.endpoint_id == "e2"
-        assert by["e0"].displace_s == cfg.displace_weight * need * cfg.prefill_s_per_token
-        assert by["e1"].displace_s == cfg.displace_weight * (need - need // 2) * cfg.prefill_s_per_token
+        assert by["e0"].displace_s == cfg.displace_weight * _evict(cfg, need)
+        assert by["e1"].displace_s == cfg.displace_weight * _evict(cfg, need - need // 2)
         assert by["e2"].displace_s == 0.0
     # Without the term every endpoint ties on cost and the session's hash spreads them.
     plain = _core(3, displace_weight=0.0)
@@ -145,25 +151,67 @@ def test_a_new_session_goes_where_its_blocks_displace_no_reusable_kv():
 def test_the_sessions_own_context_is_not_displaced_by_its_next_turn():
     n = 3000
     cap = max_hit_blocks(n, BS)
+    need = -(-n // BS) * BS
     core = _core(2, displace_weight=1.0)
     cfg = core.cfg.scoring
     nb = 2 * cap
     _capacity(core, nb, "e0", "e1")
     ws = core.load.working_set
-    # Both caches are full of recent contexts; one of e0's is this session's own.
+    # Both caches are full of recent contexts; one of e0's is this session's own, and the
+    # other one there leaves exactly room for this whole (longer) prompt.
     ws.touch("s", "e0", n - 600, 0.0)
-    ws.touch("other0", "e0", nb * BS - (n - 600), 0.0)
+    ws.touch("other0", "e0", nb * BS - need, 0.0)
     ws.touch("other1", "e1", nb * BS, 0.0)
     d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
     by = {c.endpoint_id: c for c in d.candidates}
     assert d.endpoint_id == "e0"
-    # At home only the new tokens' blocks count; they fit in what its own old context leaves.
-    new = -(-by["e0"].uncached_tokens // BS) * BS
-    assert by["e0"].displace_s == cfg.displace_weight * max(new - (n - 600), 0) * cfg.prefill_s_per_token == 0.0
-    assert by["e1"].displace_s == cfg.displace_weight * (-(-n // BS) * BS) * cfg.prefill_s_per_token
+    # At home the old context is reused, not displaced; the prompt fits beside other0's.
+    assert by["e0"].displace_s == 0.0
+    assert by["e1"].displace_s == cfg.displace_weight * _evict(cfg, need)
     assert ws.home("s") == ("e0", n - 600)   # deciding changes nothing; routing counts the new prompt
     core.on_routed(_req(core, n, "r2", session="s"), d, now=0.2)
     assert ws.home("s") == ("e0", n)
+
+
+def test_cached_blocks_of_a_prompt_occupy_the_cache_beside_the_others():
+    n = 3000
+    cap = max_hit_blocks(n, BS)
+    need = -(-n // BS) * BS
+    core = _core(1, displace_weight=1.0)
+    cfg = core.cfg.scoring
+    nb = 2 * cap
+    _capacity(core, nb, "e0")
+    ws = core.load.working_set
+    # The session's old context (all but the last 600 tokens) is cached at home; another
+    # session's context takes the rest of the cache. The new blocks have no room of their
+    # own: they evict other0's KV, as many tokens as the prompt exceeds what other0 leaves
+    # (the blocks allocated), never more.
+    ws.touch("s", "e0", n - 600, 0.0)
+    ws.touch("other0", "e0", nb * BS - (n - 600), 0.0)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    c = d.candidates[0]
+    fresh = -(-c.uncached_tokens // BS) * BS
+    over = need - (n - 600)
+    assert c.displace_s == cfg.displace_weight * _evict(cfg, min(fresh, over)) > 0.0
+
+
+def test_refresh_keeps_a_context_in_the_working_set_until_a_window_after_its_turn_ends():
+    core = _core(2, displace_weight=1.0, reuse_window_s=10.0)
+    ws = core.load.working_set
+    ws.touch("s", "e0", 1000, 0.0)
+    ws.refresh("s", "e1", 8.0)        # a turn elsewhere does not refresh e0's entry
+    ws.refresh("s", "e0", 8.0)        # the turn routed at 0 ended at 8 (it queued that long)
+    ws.expire(15.0)
+    assert ws.home("s") == ("e0", 1000)
+    ws.expire(18.5)
+    assert ws.home("s") == ("", 0)
+    # Through the router core: finishing a turn refreshes its session's context.
+    req = _req(core, 500, "r", session="t")
+    d = core.decide(req, Matches(), now=20.0)
+    core.on_routed(req, d, now=20.0)
+    core.on_finished(req, d, now=29.0)
+    ws.expire(35.0)
+    assert ws.home("t") == (d.endpoint_id, 500)
 
 
 def test_contexts_leave_the_working_set_after_the_reuse_window():
@@ -183,3 +231,46 @@ def test_unknown_capacity_prices_no_displacement():
     core.load.working_set.touch("a", "e0", 10_000, 0.0)
     d = core.decide(_req(core, 500, "r", session="s"), Matches(), now=0.1)
     assert all(c.displace_s == 0.0 for c in d.candidates)
+
+
+def test_capacity_is_the_reported_blocks_minus_the_null_block():
+    n = 640
+    need = -(-n // BS) * BS
+    core = _core(2, displace_weight=1.0)
+    cfg = core.cfg.scoring
+    # Both report 41 blocks, 40 of which hold KV. e0's recent contexts leave exactly this
+    # request's blocks free; e1's leave one block fewer.
+    for e in ("e0", "e1"):
+        core.load.update(e, LoadReport(num_blocks=41, received_at=0.0))
+    assert core.load.effective("e0", 0.1).capacity_blocks == 40
+    core.load.working_set.touch("a", "e0", 40 * BS - need, 0.0)
+    core.load.working_set.touch("b", "e1", 40 * BS - need + BS, 0.0)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    by = {c.endpoint_id: c for c in d.candidates}
+    assert by["e0"].displace_s == 0.0
+    assert by["e1"].displace_s == cfg.displace_weight * _evict(cfg, BS)
+    assert d.endpoint_id == "e0"
+
+
+def test_blocks_restored_from_the_store_displace_like_recomputed_ones():
+    n = 3200
+    cap = max_hit_blocks(n, BS)
+    need = -(-n // BS) * BS
+    core = _core(2, displace_weight=1.0)
+    cfg = core.cfg.scoring
+    nb = 4 * cap
+    _capacity(core, nb, "e0", "e1")
+    ws = core.load.working_set
+    # e0 holds the session's context on its GPU; e1's cache is full of other sessions' recent
+    # contexts. The store holds the whole prefix, so on e1 the request recomputes one block
+    # and restores the rest, and every one of those blocks needs a GPU block there.
+    ws.touch("s", "e0", n - 600, 0.0)
+    ws.touch("other", "e1", nb * BS, 0.0)
+    m = Matches(per_endpoint={"e0": TierMatch(gpu=cap)}, store=TierMatch(cpu=cap))
+    d = core.decide(_req(core, n, "r", session="s"), m, now=0.1)
+    by = {c.endpoint_id: c for c in d.candidates}
+    assert by["e1"].offload_blocks == cap and by["e1"].uncached_tokens == n - cap * BS
+    assert by["e1"].displace_s == cfg.displace_weight * _evict(cfg, need)
+    assert by["e0"].displace_s == 0.0
+    assert d.endpoint_id == "e0"
+

@@ -114,6 +114,7 @@ async def test_many_engines_on_one_socket_named_by_topic(start_indexer, pods, tm
     listed = {e.endpoint.endpoint_id: e for e in (await ix.stub.ListEndpoints(
         indexer_pb2.ListEndpointsRequest(), timeout=5)).endpoints}
     assert set(listed) == {"10.0.0.1:8000", "10.0.0.2:8001"}
+    assert ix.metric("kvmesh_indexer_central_endpoints") == 2
     assert listed["10.0.0.1:8000"].endpoint.kv_events_replay_endpoint == f"ipc://{tmp_path}/replay-8000.sock"
     assert listed["10.0.0.1:8000"].endpoint.model == MODEL and listed["10.0.0.1:8000"].alive
 
@@ -192,7 +193,7 @@ async def test_oversized_message_drops_that_peer_only(start_indexer, pods, tmp_p
     await connected(ok, ix)
     big = pods(central, "10.4.0.2:8000", tmp_path)
     ev, keys = stored(tokens(9, 2))
-    limit = ix.app.pump.max_payload_bytes
+    limit = ix.app.central.max_message_bytes
     for _ in range(3):
         big.pub._pub.send_multipart([b"kv@10.4.0.2:8000@" + MODEL.encode(), (0).to_bytes(8, "big"),
                                      b"\0" * (limit + 8192)])

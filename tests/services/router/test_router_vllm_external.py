@@ -1,6 +1,7 @@
 """The router in front of two plain vLLM OpenAI servers (no kvmesh worker): a team's own fleet.
 
-vLLM publishes KV events to the indexer (one ZMQ socket per engine); the router reads each
+vLLM publishes KV events to the indexer's central socket (llm-d's topic convention names each
+server ``<ip>:<port>``, the id the router gives a bare ``--endpoints`` URL); the router reads each
 server's /metrics for load, renders and hashes every chat request itself, and forwards the
 client's body with the tenant's cache_salt added. Through the router's HTTP with the
 official ``openai`` client, a 20-turn agent conversation with tools: on every turn the
@@ -35,28 +36,31 @@ TOOLS = [{"type": "function", "function": {
 @pytest.fixture(scope="module")
 def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("router-vllm-external")
-    servers = vllm_servers(["v1", "v2"])
-    engines = ",".join(f"{s.name}@{TINY_MODEL_NAME}@{s.events_endpoint}@{s.replay_endpoint}" for s in servers)
-    iport = free_port()
-    idx = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(iport), "--models",
-                                     f"{TINY_MODEL_NAME}@32@sha256_cbor", "--default-model", TINY_MODEL_NAME,
-                                     "--engines", engines], f"127.0.0.1:{iport}",
-                         log_path=tmp / "indexer.log").start(60)
+    central: dict[str, str] = {}
+
+    def indexer_ports() -> tuple[list[str], str]:
+        iport, central["port"] = free_port(), str(free_port())
+        return (["--host", "127.0.0.1", "--port", str(iport), "--models", f"{TINY_MODEL_NAME}@32@sha256_cbor",
+                 "--default-model", TINY_MODEL_NAME, "--kv-events-bind", f"tcp://127.0.0.1:{central['port']}",
+                 "--kv-events-replay", f"ipc://{tmp}/replay-{{port}}.sock"], f"127.0.0.1:{iport}")
+
+    idx = ServiceProcess.on_fresh_ports("indexer", indexer_ports, log_path=tmp / "indexer.log").start(60)
     router = None
     try:
+        servers = vllm_servers(["v1", "v2"], f"tcp://127.0.0.1:{central['port']}", tmp)
         port, http = free_port(), free_port()
         router = ServiceProcess("router", [
             "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
             "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address, "--auth", "off",
             "--tokenizer-path", str(tiny_model_dir), "--speculative-ttl-s", "0.3", "--max-model-len", "4096",
-            "--endpoints", ",".join(f"{s.name}={s.url}" for s in servers)],
+            "--endpoints", ",".join(s.url for s in servers)],
             f"127.0.0.1:{port}", log_path=tmp / "router.log").start(60)
         base = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 30
         while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 2:
             assert time.monotonic() < deadline, "the router never saw both vLLM servers up"
             time.sleep(0.2)
-        yield {"base": base, "servers": {s.name: s for s in servers}, "router_log": tmp / "router.log"}
+        yield {"base": base, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log"}
     finally:
         if router is not None:
             router.stop(grace_s=5)

@@ -125,9 +125,20 @@ def test_scale_bench_writes_json(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
     rc = main(["bench", "simulate", "--json", str(out), "--sessions", "12", "--turns-median", "3",
                "--decode-workers", "16", "--prefill-workers", "2", "--baseline-decode-workers", "4",
-               "--baseline-prefill-workers", "1", "--start-window-s", "30"])  # fmt: skip
+               "--baseline-prefill-workers", "1", "--start-window-s", "30", "--policy", "precise,session"])  # fmt: skip
     assert rc == 0
     data = json.loads(out.read_text())
+    # Every policy on the large cluster, against one ceiling; the capacity says whether the
+    # working set fits (--gpu-fit 0.5 by default: the GPUs hold half of it, or the longest request).
+    cap = data["capacity"]
+    assert cap["kv_capacity_tokens_per_worker"] >= cap["longest_request_tokens"]
+    assert cap["gpu_tokens"] == 16 * cap["kv_capacity_tokens_per_worker"]
+    assert cap["gpu_fits_working_set"] == (cap["gpu_tokens"] >= cap["working_set_tokens"])
+    assert set(data["results"]) == {"precise", "session"} and data["policies"] == ["precise", "session"]
+    assert 0 < data["ceiling_pooled"] <= data["ceiling_infinite"] <= 1
+    for r in data["results"].values():
+        assert r["errors"] == 0 and r["requests"] == data["large"]["requests"]
+        assert r["share_of_ceiling_pooled"] == round(r["prefix_hit_rate"] / data["ceiling_pooled"], 4)
     assert data["large"]["workers"] == 18 and data["baseline"]["workers"] == 5
     assert data["baseline"]["sessions"] == 3
     for side in ("large", "baseline"):
