@@ -171,3 +171,17 @@ def test_event_flood_keeps_indexer_memory_bounded(tmp_path: Path) -> None:
         pub.close(linger=0)
         ctx.term()
         indexer.stop(grace_s=3)
+
+
+async def test_largest_sequence_number_keeps_lookups_answering(start_indexer) -> None:
+    """Found by the fuzzer: seq 2^64-1 made Lookup's applied-batch count overflow (UNKNOWN)."""
+    from kvmesh.events.codec import encode_batch as enc
+
+    ix = await start_indexer(models=f"{M}@{BS}@sha256_cbor", default_model=M)
+    req = indexer_pb2.IngestEventsRequest(endpoint_id="e9", model=M, seq=(1 << 64) - 1,
+                                          vllm_payload=enc(batch(store(0, 2))))
+    resp = await ix.stub.IngestEvents(iter([req]), timeout=5)
+    assert resp.batches_accepted == 1
+    got = await ix.stub.Lookup(indexer_pb2.LookupRequest(model=M, chain=indexer_pb2.BlockChain(keys=KEYS[:2])),
+                               timeout=5)
+    assert [m.endpoint_id for m in got.matches] == ["e9"]

@@ -38,6 +38,7 @@ T = TypeVar("T")
 MAX_CHAIN = 65_536
 MAX_TOKENS = 1_048_576
 MAX_PAYLOAD = 16 * 1024 * 1024
+_MAX_U64 = (1 << 64) - 1   # a publisher may send seq 2^64-1; the count must still fit the field
 MAX_SALT = 256
 
 _ALGO_NAMES = {common_pb2.HASH_ALGO_SHA256: "sha256", common_pb2.HASH_ALGO_SHA256_CBOR: "sha256_cbor",
@@ -220,7 +221,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 # How far each engine's events are applied: the router tells index lag from a view bug.
                 for eid, st in self.ingestor.endpoints.copy().items():
                     if st.model == model:
-                        resp.applied_batches[eid] = 0 if st.last_seq is None else st.last_seq + 1
+                        resp.applied_batches[eid] = 0 if st.last_seq is None else min(st.last_seq + 1, _MAX_U64)
             for em in sorted(res.matches.values(), key=lambda m: (-m.combined, -m.speculative, m.endpoint_id)):
                 out = resp.matches.add(endpoint_id=em.endpoint_id, combined_blocks=em.combined,
                                        speculative_blocks=em.speculative, speculative_ttl_s=em.speculative_ttl_s)
