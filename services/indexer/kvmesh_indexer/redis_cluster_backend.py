@@ -292,8 +292,8 @@ return n
 #       speculative hash (if asked).
 # ARGV: blob, base, final('1'|'0'), spec('1'|'0'), limit (blocks of blob to walk; speculative entries
 #       are read along all of it), stride, nallow, allow..., ndeny, deny..., then per namespace a start
-#       state: '-' (from the chain's first block) or "<fields \\n-joined>|<endpoints \\n-joined>" alive
-#       at ``base``.
+#       state: '-' (from the chain's first block) or "<fields ;-joined>@<endpoints ;-joined>" alive
+#       at ``base`` (holder values keep ';' out of fields; endpoint ids have no '@').
 # Endpoints not in the tag's dirty set hold, within this tag, no block without its same-tier parent,
 # so "holds block i" flips from true to false once along the range: read every stride-th block, then
 # the one gap where each run ends. Dirty endpoints are walked block by block, parsing a value only
@@ -322,7 +322,7 @@ local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
 local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
 local function split(s)
   local t = {}
-  for x in string.gmatch(s, '([^\\n]+)') do t[x] = true end
+  for x in string.gmatch(s, '([^;]+)') do t[x] = true end
   return t
 end
 local function note(t, k, n) if n > 0 and n > (t[k] or 0) then t[k] = n end end
@@ -428,7 +428,7 @@ local function walk(hkey, dkey, state)
       end
     end
   else
-    local bar = string.find(state, '|', 1, true)
+    local bar = string.find(state, '@', 1, true)
     cur, cure = split(string.sub(state, 1, bar - 1)), split(string.sub(state, bar + 1))
   end
   if next(cure) == nil then return '' end
@@ -467,7 +467,7 @@ local function walk(hkey, dkey, state)
   local fs, es = {}, {}
   for f, _ in pairs(ncur) do fs[#fs + 1] = f end
   for ep, _ in pairs(ncure) do es[#es + 1] = ep end
-  return table.concat(fs, '\\n') .. '|' .. table.concat(es, '\\n')
+  return table.concat(fs, ';') .. '@' .. table.concat(es, ';')
 end
 local states, out_t, out_e, out_s = {}, {}, {}, {}
 for j = 1, nns do
@@ -810,13 +810,13 @@ class RedisClusterIndex(BlockIndex):
             for j, state in enumerate(out[2]):
                 if not state:
                     continue
-                fields, _, eps = state.partition(b"|")
+                fields, _, eps = state.partition(b"@")
                 brun = dict(zip(out2[0][j][::2], out2[0][j][1::2], strict=True))
                 berun = dict(zip(out2[1][j][::2], out2[1][j][1::2], strict=True))
-                for f in fields.split(b"\n"):
+                for f in fields.split(b";"):
                     if f:
                         runs[f] = max(runs.get(f, 0), int(brun.get(f, D)))
-                for e in eps.split(b"\n"):
+                for e in eps.split(b";"):
                     if e:
                         combined[e] = max(combined.get(e, 0), int(berun.get(e, D)))
         self.lookup_shards[len(nodes)] += 1
