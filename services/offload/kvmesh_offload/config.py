@@ -34,6 +34,10 @@ class OffloadConfig:
         "help": "return freed heap memory to the OS this often (glibc malloc_trim), so RSS follows the RAM "
                 "tier as blocks are evicted (0 = never: RSS keeps its peak)"})
     shm_enabled: bool = field(default=True, metadata={"help": "serve PutShm/GetShm (same-host fast path)"})
+    direct_put: bool = field(default=True, metadata={
+        "help": "serve ReservePut/CommitPut: same-host clients write blocks straight into the store's shared "
+                "slabs (one copy); they map the slabs writable, so turn off when same-uid clients do not trust "
+                "each other"})
     bulk_port: int = field(default=0, metadata={
         "help": "TCP port of the bulk Get data plane for other hosts (0 = any free port, -1 = off)"})
     lease_ttl_s: float = field(default=120.0, metadata={

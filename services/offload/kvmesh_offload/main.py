@@ -75,7 +75,7 @@ async def serve(cfg: OffloadConfig) -> int:
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes,
                                lease_ttl_s=cfg.lease_ttl_s, bulk_host=cfg.host,
                                bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None,
-                               lease_bind_host=cfg.lease_bind_host)
+                               lease_bind_host=cfg.lease_bind_host, direct_put=cfg.direct_put)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
 
