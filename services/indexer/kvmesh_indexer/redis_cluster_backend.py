@@ -40,7 +40,7 @@ loses blocks that could not extend a leading match anyway (counted:
 Updates are two or three single-slot calls, ordered so a failure in between
 never leaves a holder the reverse index does not know (add: reverse index,
 then holders; remove: holders, then reverse index). A lookup is one Lua call
-per shard (the second only when a run reaches depth ``D``). Any replica of the indexer reads the same keys, so it answers the
+per shard, both in one pipeline for chains longer than ``D``. Any replica of the indexer reads the same keys, so it answers the
 same. Connection errors, a master down, or a slot moving raise
 ``IndexUnavailable`` once the client's retries are spent.
 """

@@ -133,6 +133,8 @@ class PickResult:
     # upstream HTTP status (0 = none seen); lets the router settle its in-flight bookkeeping.
     on_done: Callable[[int], Any] | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # The request body to forward instead of the one received (the tenant's cache_salt set); None = as is.
+    body: bytes | None = None
 
 
 PickFn = Callable[[PickRequest], Awaitable[PickResult]]
@@ -346,15 +348,18 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         PICK_LATENCY.observe(time.perf_counter() - t0)
         set_headers = [_set_header(DEST_HEADER, result.address)]
         set_headers += [_set_header(k, v) for k, v in {**carrier, **result.extra_headers}.items()]
+        replaced = raw is not None and result.body is not None
         headers_resp = ep.ProcessingResponse(
             request_headers=ep.HeadersResponse(response=ep.CommonResponse(
-                header_mutation=ep.HeaderMutation(set_headers=set_headers),
+                # A replaced body has another length: Envoy sends it on without the client's.
+                header_mutation=ep.HeaderMutation(set_headers=set_headers,
+                                                  remove_headers=["content-length"] if replaced else []),
                 clear_route_cache=True)),
             dynamic_metadata=_lb_metadata(result.address),
         )
         out = [headers_resp]
         if raw is not None:
-            out.append(self._body_passthrough(raw, body_eos))
+            out.append(self._body_passthrough(result.body if replaced else raw, body_eos))
         log.debug("ext_proc picked", extra={"request_id": st.request_id, "address": result.address,
                                            "endpoint": result.endpoint_id, "reason": result.reason})
         return out

@@ -1,6 +1,7 @@
 """The router in front of two plain vLLM OpenAI servers (no kvmesh worker): a team's own fleet.
 
-vLLM publishes KV events to the indexer's central socket (llm-d's topic convention names each
+vLLM saves and restores KV through kvmesh's connector and the shared store, and publishes KV
+events to the indexer's central socket (llm-d's topic convention names each
 server ``<ip>:<port>``, the id the router gives a bare ``--endpoints`` URL); the router reads each
 server's /metrics for load, renders and hashes every chat request itself, and forwards the
 client's body with the tenant's cache_salt added. Through the router's HTTP with the
@@ -8,7 +9,7 @@ official ``openai`` client, a 20-turn agent conversation with tools: on every tu
 router's predicted cached tokens (``x-kvmesh-predicted-cached-tokens``) equal vLLM's own
 ``usage.prompt_tokens_details.cached_tokens``; the turns that require a tool get vLLM's
 parsed tool call back; another tenant's identical prompt gets no cached token; killing the
-vLLM that holds the conversation moves it to the other one.
+vLLM that holds the conversation moves it to the other one, which restores it from the store.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import httpx
 import openai
 import pytest
 
+from kvmesh.worker.connector import CONNECTOR_MODULE
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
@@ -45,11 +47,25 @@ def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory
                  "--kv-events-replay", f"ipc://{tmp}/replay-{{port}}.sock"], f"127.0.0.1:{iport}")
 
     idx = ServiceProcess.on_fresh_ports("indexer", indexer_ports, log_path=tmp / "indexer.log").start(60)
-    router = None
+    router = store = None
     try:
-        servers = vllm_servers(["v1", "v2"], f"tcp://127.0.0.1:{central['port']}", tmp)
-        port, http = free_port(), free_port()
+        # The shared store, registered with the indexer for every model; its events index what it holds.
+        sp = free_port()
+        store = ServiceProcess("offload", [
+            "--host", "127.0.0.1", "--port", str(sp), "--endpoint-id", "store-0", "--ram-capacity-bytes",
+            str(256 << 20), "--events-endpoint", f"tcp://*:{free_port()}", "--indexer-address", idx.grpc_address,
+            "--advertise-host", "127.0.0.1"], f"127.0.0.1:{sp}", log_path=tmp / "offload.log").start(60)
+        connector = {"kv_connector": "KvmeshConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                     "kv_connector_extra_config": {"store_address": store.grpc_address}}
+        servers = vllm_servers(["v1", "v2"], f"tcp://127.0.0.1:{central['port']}", tmp,
+                               kv_transfer=lambda _eid: connector)
+        port, http, metrics_port = free_port(), free_port(), free_port()
+        # A lookup past --lookup-timeout-s is answered by the router's local view (what earlier
+        # lookups learned), which misses what the last turn added: on this shared, loaded machine
+        # the indexer gets a deadline long enough that every prediction is the index's.
         router = ServiceProcess("router", [
+            "--metrics-port", str(metrics_port), "--lookup-timeout-s", "2", "--lookup-late-s", "4",
             "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
             "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address, "--auth", "off",
             "--tokenizer-path", str(tiny_model_dir), "--speculative-ttl-s", "0.3", "--max-model-len", "4096",
@@ -60,10 +76,13 @@ def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory
         while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 2:
             assert time.monotonic() < deadline, "the router never saw both vLLM servers up"
             time.sleep(0.2)
-        yield {"base": base, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log"}
+        yield {"base": base, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log",
+               "metrics": f"http://127.0.0.1:{metrics_port}/metrics"}
     finally:
         if router is not None:
             router.stop(grace_s=5)
+        if store is not None:
+            store.stop(grace_s=5)
         idx.stop(grace_s=5)
 
 
@@ -76,6 +95,12 @@ def _turn(client: openai.OpenAI, messages: list[dict], **kw) -> tuple[object, in
     raw = client.chat.completions.with_raw_response.create(model=TINY_MODEL_NAME, messages=messages, tools=TOOLS,
                                                             temperature=0.0, **kw)
     return raw.parse(), int(raw.headers["x-kvmesh-predicted-cached-tokens"]), raw.headers["x-kvmesh-endpoint"]
+
+
+def _lookups(fleet: dict) -> list[str]:
+    """The router's lookup outcomes so far (ok / local / late_merged), for a failure's message."""
+    text = httpx.get(fleet["metrics"], timeout=5).text
+    return [line for line in text.splitlines() if line.startswith("kvmesh_router_lookups_total")]
 
 
 def _opening(topic: str) -> list[dict]:
@@ -92,7 +117,7 @@ def test_twenty_turns_with_tools_predictions_equal_vllm(fleet) -> None:
         r, predicted, eid = _turn(client, messages, max_tokens=64 if wants_tool else 8,
                                   tool_choice="required" if wants_tool else "none")
         cached = r.usage.prompt_tokens_details.cached_tokens
-        assert predicted == cached, (turn, eid, predicted, cached, r.usage)
+        assert predicted == cached, (turn, eid, predicted, cached, r.usage, _lookups(fleet))
         if turn:
             assert cached > 0, turn
         endpoints.append(eid)
@@ -135,7 +160,12 @@ def test_killing_the_vllm_that_holds_a_conversation_moves_it(fleet) -> None:
     _, _, again = _turn(client, messages, max_tokens=2, tool_choice="none")
     assert again == holder
     fleet["servers"][holder].kill()
-    r, _, moved = _turn(client, messages, max_tokens=2, tool_choice="none")
+    raw = client.chat.completions.with_raw_response.create(
+        model=TINY_MODEL_NAME, messages=messages, tools=TOOLS, temperature=0.0, max_tokens=2, tool_choice="none")
+    r, moved = raw.parse(), raw.headers["x-kvmesh-endpoint"]
     assert moved != holder and r.choices[0].finish_reason in ("length", "stop")
+    # The other server restores the conversation's prefix from the store, as the router predicted.
+    assert int(raw.headers["x-kvmesh-predicted-cached-tokens-offload"]) > 0
+    assert int(raw.headers["x-kvmesh-predicted-cached-tokens"]) == r.usage.prompt_tokens_details.cached_tokens
     health = httpx.get(fleet["base"] + "/health", timeout=5).json()
     assert health["live_endpoints"] == 1
