@@ -60,7 +60,7 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
     """Adapter from the ext_proc module's ``PickRequest`` to :func:`kvmesh_router.picker.pick`."""
     from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
     from kvmesh_router import extproc
-    from kvmesh_router.errors import BadRequest, RouterError, Unavailable
+    from kvmesh_router.errors import BadRequest, Overloaded, RouterError, Unavailable
     from kvmesh_router.picker import pick
 
     async def pick_fn(preq: Any) -> Any:
@@ -97,12 +97,15 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
             raise extproc.BadRequestError(exc.message) from None
         except Unavailable as exc:
             raise extproc.NoEligibleEndpointError(exc.message) from None
+        except Overloaded as exc:
+            raise extproc.ShedLoadError(exc.message) from None
         except RouterError as exc:
             raise extproc.PickError(exc.message) from None
         return extproc.PickResult(address=picked.http_address or picked.grpc_address,
                                   endpoint_id=picked.endpoint_id,
                                   predicted_cached_tokens=picked.predicted_cached_tokens, reason=picked.reason,
-                                  on_done=lambda _status: picked.done(), body=new_body)
+                                  on_done=lambda _status: picked.done(), body=new_body,
+                                  extra_headers=picked.extra_headers)
 
     return pick_fn
 
