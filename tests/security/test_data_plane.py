@@ -58,7 +58,8 @@ async def test_lease_tokens_are_random_and_unguessable(offload_factory) -> None:
 
 
 def test_a_lease_is_bound_to_its_caller() -> None:
-    from kvmesh_offload.leases import Caller, LeaseTable, peer_host
+    from kvmesh.rpc.peers import peer_host
+    from kvmesh_offload.leases import Caller, LeaseTable
 
     table = LeaseTable(ttl_s=60)
     owner = Caller("spiffe://kvmesh/worker/w0", "10.0.0.5")

@@ -14,6 +14,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvmesh.rpc.healthcheck import check
+from kvmesh.rpc.tls import plaintext
 from kvmesh_router.extproc import PickResult, start_extproc_server
 from kvmesh_tools.stack.certs import CertAuthority, write_envoy_sds
 from kvmesh_tools.stack.envoy import EnvoyProcess, envoy_binary, render_config, start_envoy
@@ -64,6 +66,10 @@ async def test_envoy_reaches_the_picker_over_mtls_and_only_with_the_right_identi
                                         tls=ca.issue("router", "router-1", out=tmp_path / "r").tls_config())
     started: list[EnvoyProcess] = []
     try:
+        # The picker port itself: no certificate, no answer (not even health).
+        for cfg in (plaintext(), CertAuthority(tmp_path / "ca3").issue("gateway", "x", out=tmp_path / "x").tls_config()):
+            code, _ = await asyncio.to_thread(check, f"127.0.0.1:{picker.port}", "", 3.0, cfg)
+            assert code == 2, cfg.tls
         good = write_envoy_sds(ca.issue("gateway", "envoy", out=tmp_path / "gw"))
         started.append(await _envoy(picker.port, uport, good, tmp_path / "e1", "good"))
         assert await _status(started[-1].base) == 200

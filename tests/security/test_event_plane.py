@@ -171,3 +171,37 @@ def test_event_flood_keeps_indexer_memory_bounded(tmp_path: Path) -> None:
         pub.close(linger=0)
         ctx.term()
         indexer.stop(grace_s=3)
+
+
+async def test_largest_sequence_number_keeps_lookups_answering(start_indexer) -> None:
+    """Found by the fuzzer: seq 2^64-1 made Lookup's applied-batch count overflow (UNKNOWN)."""
+    from kvmesh.events.codec import encode_batch as enc
+
+    ix = await start_indexer(models=f"{M}@{BS}@sha256_cbor", default_model=M)
+    req = indexer_pb2.IngestEventsRequest(endpoint_id="e9", model=M, seq=(1 << 64) - 1,
+                                          vllm_payload=enc(batch(store(0, 2))))
+    resp = await ix.stub.IngestEvents(iter([req]), timeout=5)
+    assert resp.batches_accepted == 1
+    got = await ix.stub.Lookup(indexer_pb2.LookupRequest(model=M, chain=indexer_pb2.BlockChain(keys=KEYS[:2])),
+                               timeout=5)
+    assert [m.endpoint_id for m in got.matches] == ["e9"]
+
+
+async def test_plaintext_takeover_of_a_live_endpoint_is_refused(start_indexer) -> None:
+    """Attack 1 without mTLS: a live endpoint moves only from the host that registered it."""
+    ix = await start_indexer(models=f"{M}@{BS}@sha256_cbor", default_model=M)
+
+    def reg(addr: str) -> indexer_pb2.RegisterEndpointRequest:
+        return indexer_pb2.RegisterEndpointRequest(
+            endpoint=indexer_pb2.Endpoint(endpoint_id="w0", model=M, grpc_address=addr), ttl_s=60)
+
+    await ix.stub.RegisterEndpoint(reg("10.9.9.9:50051"), timeout=5)
+    ix.app.servicer.registrars["w0"] = "10.9.9.9"   # as if it had registered from its own host
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await ix.stub.RegisterEndpoint(reg("127.0.0.1:6666"), timeout=5)   # the attacker's address
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    eps = await ix.stub.ListEndpoints(indexer_pb2.ListEndpointsRequest(), timeout=5)
+    assert [e.endpoint.grpc_address for e in eps.endpoints if e.endpoint.endpoint_id == "w0"] == ["10.9.9.9:50051"]
+    await ix.stub.RegisterEndpoint(reg("10.9.9.9:50051"), timeout=5)       # same addresses: a refresh
+    await ix.stub.DeregisterEndpoint(indexer_pb2.DeregisterEndpointRequest(endpoint_id="w0"), timeout=5)
+    await ix.stub.RegisterEndpoint(reg("127.0.0.1:6666"), timeout=5)       # free again once gone

@@ -31,7 +31,7 @@ def test_a_short_soak_reports_each_minute_and_every_service(tmp_path: Path) -> N
     assert (out / "soak.png").stat().st_size > 0
     t = rep["total"]
     assert t["requests"] > 6 and t["errors"] == 0
-    assert t["hit_rate"] > 0 and t["prediction_accuracy"] is not None
+    assert t["hit_rate"] > 0 and t["prediction_accuracy"] is not None and t["prediction_accuracy_unsplit"] is not None
     assert t["mismatches"]["view_bug"] == 0, t["mismatches"]
     (row,) = rep["minutes"]
     assert row["requests"] == t["requests"] and row["ttft_p50_s"] is not None

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import zmq
 
 from kvmesh.events.codec import REPLAY_END_SEQ, KVEvent, KVEventBatch, encode_batch
+from kvmesh.events.curve import CurveServer, apply_server
 from kvmesh.rpc.reconnect import tune_zmq_reconnect
 
 log = logging.getLogger(__name__)
@@ -68,6 +69,7 @@ class KvEventPublisher:
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         data_parallel_rank: int = 0,
         context: zmq.Context | None = None,
+        curve: CurveServer | None = None,
     ) -> None:
         if buffer_steps <= 0:
             raise ValueError("buffer_steps must be > 0")
@@ -90,6 +92,11 @@ class KvEventPublisher:
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.set_hwm(hwm)
         tune_zmq_reconnect(self._pub)   # a restarted peer is found again within ~0.5 s
+        if curve is not None:
+            if not is_bind_endpoint(ep):
+                self._pub.close(linger=0)
+                raise ValueError(f"CURVE needs a binding KV-event endpoint ('*'), got {ep!r}")
+            apply_server(self._pub, curve)   # only admitted subscribers receive (and can decrypt) events
         try:
             if is_bind_endpoint(ep):
                 self._pub.bind(ep)
@@ -108,6 +115,8 @@ class KvEventPublisher:
         rep = offset_endpoint_port(replay_endpoint, data_parallel_rank)
         if rep is not None:
             self._replay = self._ctx.socket(zmq.ROUTER)
+            if curve is not None:
+                apply_server(self._replay, curve)   # replay answers admitted subscribers only
             try:
                 self._replay.bind(rep)
             except zmq.ZMQError as e:

@@ -49,11 +49,13 @@ from kvmesh.kvstore.client_messages import (
     plan_put,
     put_result,
     put_stream,
+    reserve_request,
     shm_get_request,
     shm_put_request,
     store_stats,
     stream_get_request,
     views_from_shm,
+    write_reserved,
 )
 from kvmesh.kvstore.client_types import (
     BlockLease,
@@ -230,6 +232,11 @@ class ClientCore:
         self._shm = want_shm(address, use_shm)
         self._pool = SegmentPool()
         self._store_maps = StoreMaps()
+        # Zero-copy puts (ReservePut/CommitPut) write into the store's slabs; off for good
+        # once the store does not offer them or a slab cannot be mapped writable.
+        self._direct_put = True
+        self._direct_min = 0   # the store keeps blocks smaller than this out of its slabs
+        self._store_wmaps = StoreMaps(writable=True)
         self._bulk_host = host_of(address)
         self._bulk = use_bulk is not False and self._bulk_host is not None
         self._conns = BulkConnections()
@@ -254,6 +261,7 @@ class ClientCore:
         self._conns.close()
         self._pool.close()
         self._store_maps.close()
+        self._store_wmaps.close()
 
     # --- operations (the public methods of both drivers) ---------------------------------
 
@@ -363,6 +371,11 @@ class ClientCore:
             self._bulk = False
 
     def _put_blocks(self, plan: PutPlan) -> Plan[PutResult]:
+        if self._shm and self._direct_put and plan.keys \
+                and min(memoryview(d).nbytes for d in plan.datas) >= self._direct_min:
+            res = yield from self._put_direct(plan)
+            if res is not None:
+                return res
         seg = None
         if self._shm:
             try:
@@ -382,6 +395,35 @@ class ClientCore:
         except grpc.RpcError as exc:
             raise map_error(exc, "put") from exc
         return put_result(resp, False)
+
+    def _put_direct(self, plan: PutPlan) -> Plan[PutResult | None]:
+        """Zero-copy shm put; None means: use PutShm for this call."""
+        try:
+            resv = yield Unary(self._stub.ReservePut, reserve_request(plan))
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:   # an older store
+                self._direct_put = False
+                return None
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:   # no shared slot now: copy path
+                return None
+            raise map_error(exc, "put") from exc
+        if not resv.reservation:
+            self._direct_min = resv.min_block_bytes
+            return None
+        try:
+            req = yield Blocking(write_reserved, (plan, resv, self._store_wmaps))
+        except (OffloadError, ShmError, OSError) as exc:
+            log.info("zero-copy put unavailable, using PutShm", extra={"address": self.address, "reason": str(exc)})
+            self._direct_put = False
+            try:
+                yield Unary(self._stub.CommitPut, offload_pb2.PutCommit(reservation=resv.reservation, abort=True))
+            except grpc.RpcError:
+                pass   # the reservation expires on its own
+            return None
+        try:
+            return put_result((yield Unary(self._stub.CommitPut, req)), True)
+        except grpc.RpcError as exc:
+            raise map_error(exc, "put") from exc
 
     def _fetch_keys(self, namespace: str, keys: list[int], span: trace.Span) -> Plan[BlockLease]:
         """Path choice for a Get: shm, else bulk, else a gRPC stream."""

@@ -7,6 +7,7 @@ messages and buffers, shared by the client core (``client_core``) and testable a
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -75,9 +76,13 @@ class PutPlan:
     header: offload_pb2.PutHeader
     keys: list[int]
     datas: list[BytesLike]
-    crcs: list[int]
     tokens: list[list[int]] | None
     total: int
+
+    @functools.cached_property
+    def crcs(self) -> list[int]:
+        """Checksums of the source blocks; the zero-copy put checksums the written slots instead."""
+        return [crc32c(d) for d in self.datas]
 
 
 def plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids: Sequence[Sequence[int]] | None,
@@ -106,7 +111,7 @@ def plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids:
         raise InvalidOffloadRequest("token ids must be uint32")
     header = offload_pb2.PutHeader(namespace=namespace, session_id=session_id or "",
                                    parent_key=parent or 0, has_parent=parent is not None, block_size=block_size)
-    return PutPlan(header, keys, datas, [crc32c(d) for d in datas], tokens,
+    return PutPlan(header, keys, datas, tokens,
                    sum(len(d) for d in datas))
 
 
@@ -137,6 +142,33 @@ def shm_put_request(plan: PutPlan, seg: Segment) -> offload_pb2.ShmRequest:
         off += n
     req = offload_pb2.ShmRequest(header=plan.header, segment=seg.name, keys=plan.keys, offsets=offsets,
                                  sizes=sizes, crc32c=plan.crcs)
+    if plan.tokens is not None:
+        req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
+    return req
+
+
+def reserve_request(plan: PutPlan) -> offload_pb2.ShmRequest:
+    return offload_pb2.ShmRequest(header=plan.header, keys=plan.keys,
+                                  sizes=[memoryview(d).nbytes for d in plan.datas])
+
+
+def write_reserved(plan: PutPlan, resv: offload_pb2.PutReservation, maps: StoreMaps) -> offload_pb2.PutCommit:
+    """Copies each block into its reserved slab slot and checksums the slot right after,
+    while its bytes are still in cache (blocking: the one copy of the put)."""
+    n = len(plan.keys)
+    if len(resv.segments) != n or len(resv.offsets) != n:
+        raise OffloadError(f"ReservePut answered {len(resv.segments)} slots for {n} blocks")
+    crcs: list[int] = []
+    for name, off, data in zip(resv.segments, resv.offsets, plan.datas, strict=True):
+        seg = maps.get(name)
+        mv = memoryview(data).cast("B")
+        size = len(mv)
+        if off + size > seg.size:
+            raise OffloadError(f"reserved slot at {off}+{size} is past slab {name}")
+        dst = seg.buf[off:off + size]
+        dst[:] = mv
+        crcs.append(crc32c(dst))
+    req = offload_pb2.PutCommit(reservation=resv.reservation, crc32c=crcs)
     if plan.tokens is not None:
         req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
     return req
@@ -202,15 +234,17 @@ def shm_get_request(namespace: str, keys: list[int], seg: Segment) -> offload_pb
 
 
 class StoreMaps:
-    """Read-only mappings of the store's shared slabs, by segment name.
+    """Mappings of the store's shared slabs, by segment name (read-only unless ``writable``:
+    the zero-copy put writes into reserved slots).
 
     Slabs live as long as the store, so a mapping is kept; when an unknown name
     shows up (new slab, or a restarted store) mappings of unlinked slabs are dropped.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, writable: bool = False) -> None:
         self._lock = threading.Lock()
         self._maps: dict[str, Segment] = {}
+        self._readonly = not writable
 
     def get(self, name: str) -> Segment:
         with self._lock:
@@ -218,7 +252,7 @@ class StoreMaps:
         if seg is not None:
             return seg
         self._prune()
-        seg = Segment.attach(name, readonly=True)
+        seg = Segment.attach(name, readonly=self._readonly)
         with self._lock:
             old = self._maps.setdefault(name, seg)
         if old is not seg:

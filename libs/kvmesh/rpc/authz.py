@@ -115,7 +115,7 @@ RULES: dict[str, Rule] = {
     _WRK + "Prefill": _rule("router", ADMIN),
     _WRK + "Abort": _rule("router", ADMIN),
     **{_OFF + m: _rule("worker", ADMIN)
-       for m in ("Put", "Get", "Contains", "PutShm", "GetShm", "ReleaseShm", "GetBulk")},
+       for m in ("Put", "Get", "Contains", "PutShm", "GetShm", "ReleaseShm", "GetBulk", "ReservePut", "CommitPut")},
     _OFF + "Delete": _rule("worker", ADMIN),
     "/envoy.service.ext_proc.v3.ExternalProcessor/Process": _rule("gateway", ADMIN),
 }

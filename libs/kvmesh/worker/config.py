@@ -59,6 +59,11 @@ class WorkerConfig:
         "ZMQ PUB endpoint for KV events ('' = off; '*' binds, a host connects)"))
     kv_events_replay_endpoint: str = field(default="tcp://127.0.0.1:0", metadata=_h(
         "ZMQ ROUTER replay endpoint (loopback by default: replay hands out every buffered event)"))
+    kv_events_curve_secret: str = field(default="", metadata=_h(
+        "CURVE secret certificate (NAME.key_secret) of the event and replay sockets ('' = off; sim engine "
+        "only: vLLM's publisher has no CURVE)"))
+    kv_events_curve_clients: str = field(default="", metadata=_h(
+        "directory of the subscribers' CURVE public keys admitted to events and replay (with the secret)"))
     indexer_address: str = field(default="", metadata=_h("indexer host:port to self-register with ('' = off)"))
     heartbeat_s: float = field(default=2.0, metadata=_h("indexer heartbeat period"))
     registration_ttl_s: float = field(default=10.0, metadata=_h("endpoint TTL asked of the indexer"))
@@ -114,6 +119,19 @@ class WorkerConfig:
             raise ConfigError("setting 'endpoint_id' must not contain '@'")
         if len(self.endpoint_id.encode()) > 128:
             raise ConfigError("setting 'endpoint_id' is longer than 128 bytes")
+        if bool(self.kv_events_curve_secret) != bool(self.kv_events_curve_clients):
+            raise ConfigError("settings 'kv_events_curve_secret' and 'kv_events_curve_clients' go together")
+        if self.kv_events_curve_secret and self.engine != "sim":
+            raise ConfigError(f"setting 'kv_events_curve_secret': the {self.engine} engine's KV-event publisher "
+                              "cannot use CURVE (vLLM's has no CURVE); keep its sockets on loopback or behind "
+                              "network policies instead")
+
+    def curve_server(self):  # -> kvmesh.events.curve.CurveServer | None
+        if not self.kv_events_curve_secret:
+            return None
+        from kvmesh.events.curve import CurveServer
+
+        return CurveServer(self.kv_events_curve_secret, self.kv_events_curve_clients)
 
     @property
     def model_name(self) -> str:
@@ -145,6 +163,7 @@ class WorkerConfig:
             lora_paths=dict(self.lora_paths),
             time_scale=self.time_scale, virtual_time=self.virtual_time,
             kv_events_endpoint=self.kv_events_endpoint, kv_events_replay_endpoint=self.kv_events_replay_endpoint,
+            kv_events_curve=self.curve_server(),
             offload_address=self.offload_address, offload_timeout_s=self.offload_timeout_s,
             offload_lookup_timeout_s=self.offload_lookup_timeout_s,
             model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,

@@ -8,6 +8,12 @@ The same turn is routed twice in the same run: once with incremental hashing
 (the hash cache) and once by a second core that re-hashes the whole prompt
 (the baseline). Tokenizing the turn's full text with the model's tokenizer is
 timed separately, on a sample of turns.
+
+``--auth both`` also routes each turn as the router does with API keys on: the key is
+read from the headers and looked up among ``--auth-keys`` others (``kvmesh.api_keys``),
+its tenant's secret salt is derived, and the salted chain is hashed, looked up and
+scored, on a third core whose index holds the salted blocks; ``auth_on_over_off_p99`` is
+the same-run ratio of the two routes' p99 (and ``..._p50`` of the medians).
 """
 
 from __future__ import annotations
@@ -18,9 +24,11 @@ import os
 import random
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
-from kvmesh.hashing import BlockHasher
+from kvmesh.api_keys import ApiKeys, TenantSalts, add_key, key_from_headers
+from kvmesh.hashing import BlockHasher, ExtraKeys
 from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.routing.hash_cache import HashCacheConfig
@@ -43,10 +51,13 @@ def _core(block_size: int, endpoints: int, incremental: bool, verify: str) -> Ro
     return core
 
 
-def _route(core: RouterCore, index: MemoryIndex, tokens: list[int], rid: str, session: str, now: float):
+def _route(core: RouterCore, index: MemoryIndex, tokens: list[int], rid: str, session: str, now: float,
+           scope: Any = None):
+    """Route one turn; ``scope`` (timed with it) authenticates the request and gives its salt."""
     c0 = time.thread_time()
     t0 = time.perf_counter()
-    chain = core.chain(tokens, None, session)
+    extra = ExtraKeys(cache_salt=scope()) if scope is not None else None
+    chain = core.chain(tokens, extra, session)
     t1 = time.perf_counter()
     res = index.lookup(MODEL, chain.keys)
     t2 = time.perf_counter()
@@ -78,6 +89,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     incr.chain(tokens, None, "agent")
     grpc_core.chain(tokens, None, "agent")
     grpc_ms: list[float] = []
+    auth = _AuthPath(args, tokens, noise_hasher, index, bs) if args.auth == "both" else None
+    auth_ms: list[float] = []
+    off_ms: list[float] = []
+    auth_cpu_ms: list[float] = []
+    off_cpu_ms: list[float] = []
 
     route_ms: list[float] = []
     cpu_ms: list[float] = []
@@ -92,7 +108,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         turn += 1
         now += 5.0
         tokens = tokens + [rng.randrange(vocab) for _ in range(args.turn_tokens)]
+        if auth is not None and turn % 2:
+            # Alternate which of the two goes first, so neither always runs on a warmer cache.
+            auth_ms.append(auth.route(tokens, turn, now) * 1e3)
+            auth_cpu_ms.append(auth.cpu * 1e3)
         req, d, total, th, tl, ts, cpu = _route(incr, index, tokens, f"t{turn}", "agent", now)
+        if auth is not None:
+            off_ms.append(total * 1e3)
+            off_cpu_ms.append(cpu * 1e3)
+            if not turn % 2:
+                auth_ms.append(auth.route(tokens, turn, now) * 1e3)
+                auth_cpu_ms.append(auth.cpu * 1e3)
         route_ms.append(total * 1e3)
         cpu_ms.append(cpu * 1e3)
         hash_ms.append(th * 1e3)
@@ -117,6 +143,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tok_ms = _tokenize_times(args, rng)
     r50 = percentile(route_ms, 50)
     f50 = percentile(full_ms, 50)
+    extra: dict[str, Any] = {}
+    if auth is not None:
+        on99, off99 = percentile(auth_ms, 99), percentile(off_ms, 99)
+        extra = {"auth_keys": args.auth_keys, "route_auth_on_p50_ms": percentile(auth_ms, 50),
+                 "route_auth_on_p99_ms": on99, "route_auth_off_p50_ms": percentile(off_ms, 50),
+                 "route_auth_off_p99_ms": off99,
+                 "auth_on_over_off_p50": percentile(auth_ms, 50) / percentile(off_ms, 50),
+                 "auth_on_over_off_p99": on99 / off99,
+                 # CPU time of the deciding thread: the same comparison without this machine's preemption.
+                 "auth_on_over_off_cpu_p99": percentile(auth_cpu_ms, 99) / percentile(off_cpu_ms, 99),
+                 "auth_on_over_off_cpu_p50": percentile(auth_cpu_ms, 50) / percentile(off_cpu_ms, 50),
+                 "auth_decisions_differ": auth.differ}
     return {
         "bench": "router",
         "endpoints": args.endpoints,
@@ -145,9 +183,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "incremental_vs_full_disagreements": mismatches,
         "tokenize_p50_ms": median(tok_ms),
         "tokenize_samples": len(tok_ms),
+        **extra,
         "targets": {"route_p99_ms_le_2": percentile(route_ms, 99) <= 2.0,
-                    "full_hash_ge_10x": bool(r50) and f50 >= 10 * r50},
+                    "full_hash_ge_10x": bool(r50) and f50 >= 10 * r50,
+                    **({"auth_p99_growth_le_10pct": extra["auth_on_over_off_p99"] <= 1.10} if extra else {})},
     }
+
+
+class _AuthPath:
+    """The routing core of a router with API keys on: authenticate, salt, then route."""
+
+    def __init__(self, args: argparse.Namespace, first_turn: list[int], hasher: BlockHasher, index: MemoryIndex,
+                 block_size: int) -> None:
+        self._dir = tempfile.TemporaryDirectory()
+        keys = Path(self._dir.name) / "keys"
+        mine = ""
+        for i in range(args.auth_keys):
+            k = add_key(keys, f"tenant-{i}")
+            mine = k if i == args.auth_keys // 2 else mine
+        self.keys = ApiKeys(keys)
+        self.salts = TenantSalts(os.urandom(32))
+        self.headers = {"authorization": f"Bearer {mine}", "content-type": "application/json"}
+        self.core = _core(block_size, args.endpoints, True, args.verify)
+        self.index = index
+        salt = self.salts.salt(self.keys.lookup(mine).tenant)
+        # The session's first turn, salted as this tenant, was served before (as in the keys-off run).
+        index.add(MODEL, "e07", Tier.GPU, hasher.block_keys(first_turn, ExtraKeys(cache_salt=salt)))
+        self.core.chain(first_turn, ExtraKeys(cache_salt=salt), "agent")
+        self.cpu = 0.0
+        self.differ = 0
+
+    def scope(self) -> str:
+        principal = self.keys.lookup(key_from_headers(self.headers.get))
+        assert principal is not None
+        return self.salts.salt(principal.tenant)
+
+    def route(self, tokens: list[int], turn: int, now: float) -> float:
+        req, d, total, _h, _l, _s, self.cpu = _route(self.core, self.index, tokens, f"a{turn}", "agent", now,
+                                                     self.scope)
+        if d.endpoint_id != "e07":     # the session's blocks are there, salted or not
+            self.differ += 1
+        self.index.add(MODEL, d.endpoint_id, Tier.GPU, req.keys)
+        self.core.on_finished(req, d, now)
+        return total
 
 
 def _tokenize_times(args: argparse.Namespace, rng: random.Random) -> list[float]:
@@ -184,7 +262,10 @@ def _main(args: argparse.Namespace) -> int:
         return 0
     result = run(args)
     write_json(args.json, result)
-    keys = ("route_p50_ms", "route_p99_ms", "route_full_hash_p50_ms", "tokenize_p50_ms", "full_over_incremental_p50")
+    keys = ("route_p50_ms", "route_p99_ms", "route_full_hash_p50_ms", "tokenize_p50_ms", "full_over_incremental_p50",
+            *(("route_auth_on_p99_ms", "route_auth_off_p99_ms", "auth_on_over_off_p99", "auth_on_over_off_p50",
+               "auth_on_over_off_cpu_p99") if args.auth == "both"
+              else ()))
     print({k: round(result[k], 3) for k in keys}, result["targets"])
     return 0
 
@@ -203,6 +284,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify", choices=["sampled", "full"], default="sampled",
                    help="hash-cache prefix check (see kvmesh.routing.hash_cache)")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--auth", choices=["off", "both"], default="off",
+                   help="both: also route every turn with the API-key scope and tenant salt (same run, ratio)")
+    p.add_argument("--auth-keys", type=int, default=1000, help="keys in the keys file the request is looked up in")
     p.add_argument("--tls", choices=["off", "compare"], default="off",
                    help="compare: route over a real indexer hop, plaintext vs mutual TLS in the same run "
                         "(kvmesh_tools.bench.router_tls); off: the in-process decision alone")

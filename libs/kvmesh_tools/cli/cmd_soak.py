@@ -30,7 +30,8 @@ def _run(args: argparse.Namespace) -> int:
     jpath, ppath = write(report, cfg.out)
     t = report["total"]
     print(f"soak: {t['requests']} requests, {t['errors']} errors, TTFT p50 {t['ttft_p50_s']} p99 {t['ttft_p99_s']} s, "
-          f"hit {t['hit_rate']}, predicted==actual {t['prediction_accuracy']}, mispredicted {t['mismatches']}")
+          f"hit {t['hit_rate']}, predicted==actual {t['prediction_accuracy']} "
+          f"({t['prediction_accuracy_unsplit']} of unsplit requests), mispredicted {t['mismatches']}")
     print(f"RSS last/ref minute: {report['rss_last_over_ref']}")
     print(f"wrote {jpath} and {ppath}")
     return 1 if t["errors"] else 0

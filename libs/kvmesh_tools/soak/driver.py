@@ -155,4 +155,4 @@ def _line(row: dict[str, Any]) -> str:
     rss = ", ".join(f"{k} {v:.0f}" for k, v in sorted(row["rss_mib"].items()) if v is not None)
     return (f"minute {row['minute']}: {row['requests']} requests, {row['errors']} errors, TTFT p50 "
             f"{row['ttft_p50_s']} p99 {row['ttft_p99_s']} s, hit {row['hit_rate']}, predicted==actual "
-            f"{row['prediction_accuracy']}, view bugs {row['mismatches'].get('view_bug', 0)}; RSS MiB: {rss}")
+            f"{row['prediction_accuracy']} ({row['prediction_accuracy_unsplit']} unsplit), view bugs {row['mismatches'].get('view_bug', 0)}; RSS MiB: {rss}")

@@ -98,6 +98,11 @@ class IndexerConfig:
     max_message_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "largest KV-event message: ZMQ MAXMSGSIZE of every event socket (a peer sending more is "
                 "disconnected), the gRPC ingest payload and the decoder's limit"})
+    kv_events_curve_secret: str = field(default="", metadata={
+        "help": "CURVE secret certificate (NAME.key_secret) the indexer presents to publishers ('' = off)"})
+    kv_events_curve_servers: str = field(default="", metadata={
+        "help": "directory of publishers' CURVE public keys, ENDPOINT_ID.key: an endpoint with a key there is "
+                "subscribed to and replayed over CURVE"})
     max_seq_jump: int = field(default=1_000_000, metadata={
         "help": "a sequence jump past this many batches is refused unless the engine's replay buffer holds it "
                 "or 3 batches in a row continue it (a forged 10^12 must not clear an endpoint)"})

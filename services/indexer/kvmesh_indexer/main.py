@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ import redis
 from prometheus_client import REGISTRY, CollectorRegistry, Gauge
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh.events.curve import CurveClient, server_public_file
 from kvmesh.index.base import BlockIndex
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.logs import setup_logging
@@ -134,6 +136,12 @@ class IndexerApp:
         self.servicer.index.close()
 
 
+def _curve_client(secret: str, servers_dir: str, endpoint_id: str) -> CurveClient | None:
+    """CURVE settings for an endpoint whose publisher key is in ``servers_dir`` (else plaintext)."""
+    server = server_public_file(servers_dir, endpoint_id)
+    return CurveClient(secret, server) if server else None
+
+
 def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> IndexerApp:
     """Wire backend, ingest, liveness and the gRPC server (not started)."""
     models = cfg.model_specs()
@@ -148,6 +156,8 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     pump = IngestPump(ingestor, replay_timeout_s=cfg.replay_timeout_s, queue_size=cfg.queue_size,
                       on_drop=lambda ep: metrics.dropped.labels(ep).inc(), queue_bytes=cfg.queue_bytes,
                       max_payload_bytes=cfg.max_message_bytes)
+    if cfg.kv_events_curve_secret:
+        pump.curve_for = functools.partial(_curve_client, cfg.kv_events_curve_secret, cfg.kv_events_curve_servers)
     subscriber = ZmqSubscriber(pump, max_message_bytes=cfg.max_message_bytes)
     liveness = Liveness(cfg.heartbeat_ttl_s)
     servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)

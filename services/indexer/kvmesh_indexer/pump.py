@@ -60,6 +60,8 @@ class IngestPump:
         self.queue_size = queue_size
         self.queue_bytes = queue_bytes
         self._bytes: dict[str, int] = {}   # payload bytes waiting per endpoint
+        # endpoint id -> CURVE client settings for its event and replay sockets (None = plaintext)
+        self.curve_for: Callable[[str], Any] = lambda endpoint: None
         self.max_payload_bytes = max_payload_bytes
         self.on_drop = on_drop
         self.resync_interval_s = resync_interval_s
@@ -87,11 +89,12 @@ class IngestPump:
         if src is None or not src.replay_endpoint:
             return None
         addr = src.replay_endpoint
+        curve = self.curve_for(endpoint)
 
         def replay(start: int) -> list[tuple[int, KVEventBatch]]:
             try:
                 raw = fetch_replay(addr, start, timeout_s=self.replay_timeout_s,
-                                   max_message_bytes=self.max_payload_bytes)
+                                   max_message_bytes=self.max_payload_bytes, curve=curve)
             except ReplayError as exc:
                 # Raised, not []: "no answer" must not read as "the engine has nothing" (ingest
                 # treats a failed replay as empty when filling a gap, and as unknown when checking).

@@ -40,7 +40,7 @@ loses blocks that could not extend a leading match anyway (counted:
 Updates are two or three single-slot calls, ordered so a failure in between
 never leaves a holder the reverse index does not know (add: reverse index,
 then holders; remove: holders, then reverse index). A lookup is one Lua call
-per shard (the second only when a run reaches depth ``D``). Any replica of the indexer reads the same keys, so it answers the
+per shard, both in one pipeline for chains longer than ``D``. Any replica of the indexer reads the same keys, so it answers the
 same. Connection errors, a master down, or a slot moving raise
 ``IndexUnavailable`` once the client's retries are spent.
 """
@@ -292,13 +292,13 @@ return n
 #       speculative hash (if asked).
 # ARGV: blob, base, final('1'|'0'), spec('1'|'0'), limit (blocks of blob to walk; speculative entries
 #       are read along all of it), stride, nallow, allow..., ndeny, deny..., then per namespace a start
-#       state: '-' (from the chain's first block) or "<fields \\n-joined>|<endpoints \\n-joined>" alive
-#       at ``base``.
+#       state: '-' (from the chain's first block) or "<fields ;-joined>@<endpoints ;-joined>" alive
+#       at ``base`` (holder values keep ';' out of fields; endpoint ids have no '@').
 # Endpoints not in the tag's dirty set hold, within this tag, no block without its same-tier parent,
 # so "holds block i" flips from true to false once along the range: read every stride-th block, then
 # the one gap where each run ends. Dirty endpoints are walked block by block, parsing a value only
-# when it changes. Returns {runs (field, n ...), combined (ep, n ...), states per namespace,
-# speculative (ep, n, ttl_ms ...)}.
+# when it changes. Returns, per namespace, {runs (field, n ...)}, {combined (ep, n ...)} and the
+# state alive at the range end, then the speculative runs (ep, n, ttl_ms ...).
 _WALK = """
 local blob, base, final, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
 local limit, S = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -322,7 +322,7 @@ local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
 local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
 local function split(s)
   local t = {}
-  for x in string.gmatch(s, '([^\\n]+)') do t[x] = true end
+  for x in string.gmatch(s, '([^;]+)') do t[x] = true end
   return t
 end
 local function note(t, k, n) if n > 0 and n > (t[k] or 0) then t[k] = n end end
@@ -428,7 +428,7 @@ local function walk(hkey, dkey, state)
       end
     end
   else
-    local bar = string.find(state, '|', 1, true)
+    local bar = string.find(state, '@', 1, true)
     cur, cure = split(string.sub(state, 1, bar - 1)), split(string.sub(state, bar + 1))
   end
   if next(cure) == nil then return '' end
@@ -467,13 +467,17 @@ local function walk(hkey, dkey, state)
   local fs, es = {}, {}
   for f, _ in pairs(ncur) do fs[#fs + 1] = f end
   for ep, _ in pairs(ncure) do es[#es + 1] = ep end
-  return table.concat(fs, '\\n') .. '|' .. table.concat(es, '\\n')
+  return table.concat(fs, ';') .. '@' .. table.concat(es, ';')
 end
-local states = {}
-for j = 1, nns do states[j] = walk(KEYS[2 * j - 1], KEYS[2 * j], ARGV[idx + j - 1]) end
-local out_t, out_e, out_s = {}, {}, {}
-for f, n in pairs(run) do out_t[#out_t + 1] = f; out_t[#out_t + 1] = n end
-for ep, n in pairs(erun) do out_e[#out_e + 1] = ep; out_e[#out_e + 1] = n end
+local states, out_t, out_e, out_s = {}, {}, {}, {}
+for j = 1, nns do
+  run, erun = {}, {}
+  states[j] = walk(KEYS[2 * j - 1], KEYS[2 * j], ARGV[idx + j - 1])
+  local t, e = {}, {}
+  for f, n in pairs(run) do t[#t + 1] = f; t[#t + 1] = n end
+  for ep, n in pairs(erun) do e[#e + 1] = ep; e[#e + 1] = n end
+  out_t[j], out_e[j] = t, e
+end
 if spec then
   local t = redis.call('TIME')
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -788,20 +792,33 @@ class RedisClusterIndex(BlockIndex):
         runs: dict[bytes, int] = {}
         combined: dict[bytes, int] = {}
         first = min(n, D)
-        out = self._call(self._walk, hk + skeys, [blob if include_speculative else blob[:8 * first], 0,
-                                                  "1" if n <= D else "0", "1" if include_speculative else "0",
-                                                  first, self.probe_stride, *filt,
-                                                  *["-"] * len(models)])
+        args_a = [blob if include_speculative else blob[:8 * first], 0, "1" if n <= D else "0",
+                  "1" if include_speculative else "0", first, self.probe_stride, *filt, *["-"] * len(models)]
         nodes = {self._node_of(hk[0])}
-        self._merge(out, runs, combined)
-        states = out[2]
-        if n > D and any(states):
+        if n <= D:
+            out = self._call(self._walk, hk + skeys, args_a)
+            self._merge(out, runs, combined)
+        else:
+            # Both shards at once: the anchor's shard walks from depth D as if the chain
+            # started there, and only the runs alive at D on the root's shard take its answer.
             anchor = f"{keys[D]:016x}"
             hk2 = [k for m in models for k in (self._hkey(anchor, m), self._dkey(anchor, m))]
-            out2 = self._call(self._walk, hk2, [blob[8 * D:], D, "1", "0", n - D, self.probe_stride, *filt,
-                                                *[s if s else "|" for s in states]])
+            args_b = [blob[8 * D:], D, "1", "0", n - D, self.probe_stride, *filt, *["-"] * len(models)]
+            out, out2 = self._both(hk + skeys, args_a, hk2, args_b)
             nodes.add(self._node_of(hk2[0]))
-            self._merge(out2, runs, combined)
+            self._merge(out, runs, combined)
+            for j, state in enumerate(out[2]):
+                if not state:
+                    continue
+                fields, _, eps = state.partition(b"@")
+                brun = dict(zip(out2[0][j][::2], out2[0][j][1::2], strict=True))
+                berun = dict(zip(out2[1][j][::2], out2[1][j][1::2], strict=True))
+                for f in fields.split(b";"):
+                    if f:
+                        runs[f] = max(runs.get(f, 0), int(brun.get(f, D)))
+                for e in eps.split(b";"):
+                    if e:
+                        combined[e] = max(combined.get(e, 0), int(berun.get(e, D)))
         self.lookup_shards[len(nodes)] += 1
         self.last_lookup_shards = len(nodes)
         for f, cnt in runs.items():
@@ -821,13 +838,31 @@ class RedisClusterIndex(BlockIndex):
             em.speculative_ttl_s = int(spec[i + 2]) / 1000.0
         return result
 
+    def _both(self, keys_a: list[str], args_a: list, keys_b: list[str], args_b: list) -> tuple[list, list]:
+        """The two parts of a lookup in one pipeline: sent to both shards, then both read."""
+        for attempt in (0, 1):
+            pipe = self.r.pipeline()
+            pipe.execute_command("EVALSHA", self._walk.sha, len(keys_a), *keys_a, *args_a)
+            pipe.execute_command("EVALSHA", self._walk.sha, len(keys_b), *keys_b, *args_b)
+            try:
+                a, b = self._call(pipe.execute)
+                return a, b
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                # a restarted or new master: load the script where the keys live, then retry
+                self._call(self._walk, keys_a, args_a)
+                self._call(self._walk, keys_b, args_b)
+        raise AssertionError("unreachable")
+
     @staticmethod
     def _merge(out: list, runs: dict[bytes, int], combined: dict[bytes, int]) -> None:
-        t, e = out[0], out[1]
-        for i in range(0, len(t), 2):
-            runs[t[i]] = max(runs.get(t[i], 0), int(t[i + 1]))
-        for i in range(0, len(e), 2):
-            combined[e[i]] = max(combined.get(e[i], 0), int(e[i + 1]))
+        for t in out[0]:
+            for i in range(0, len(t), 2):
+                runs[t[i]] = max(runs.get(t[i], 0), int(t[i + 1]))
+        for e in out[1]:
+            for i in range(0, len(e), 2):
+                combined[e[i]] = max(combined.get(e[i], 0), int(e[i + 1]))
 
     # ---- introspection ---------------------------------------------------------------
     def endpoint_blocks(self, endpoint: str) -> int:

@@ -19,6 +19,7 @@ import time
 import zmq
 
 from kvmesh.events.codec import REPLAY_END_SEQ
+from kvmesh.events.curve import CurveClient, apply_client
 from kvmesh.rpc.reconnect import tune_zmq_reconnect
 
 log = logging.getLogger(__name__)
@@ -32,7 +33,7 @@ class ReplayError(RuntimeError):
 
 def fetch_replay(endpoint: str, start_seq: int, timeout_s: float = 2.0, max_batches: int = 100_000,
                  context: zmq.Context | None = None, max_message_bytes: int = 8 * 1024 * 1024,
-                 max_bytes: int = 64 * 1024 * 1024) -> list[tuple[int, bytes]]:
+                 max_bytes: int = 64 * 1024 * 1024, curve: CurveClient | None = None) -> list[tuple[int, bytes]]:
     """Buffered ``(seq, payload)`` pairs with ``seq >= start_seq``; raises ``ReplayError``.
 
     At most ``max_bytes`` of payloads are kept (a hostile or broken replay socket must not
@@ -41,6 +42,8 @@ def fetch_replay(endpoint: str, start_seq: int, timeout_s: float = 2.0, max_batc
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
+    if curve is not None:
+        apply_client(sock, curve)   # a CURVE replay socket answers admitted keys only
     tune_zmq_reconnect(sock)   # a restarted peer is found again within ~0.5 s
     try:
         sock.connect(endpoint)

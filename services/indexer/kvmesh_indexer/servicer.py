@@ -21,6 +21,8 @@ from opentelemetry import trace
 from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.hashing import BlockHasher, ExtraKeys, HashAlgo, MMRange
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S, BlockIndex, IndexUnavailable, LookupResult, Tier
+from kvmesh.rpc.authz import peer_identity
+from kvmesh.rpc.peers import LOCAL, LOOPBACK, peer_host
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_indexer.central_socket import AdmitError, replay_address
@@ -38,6 +40,7 @@ T = TypeVar("T")
 MAX_CHAIN = 65_536
 MAX_TOKENS = 1_048_576
 MAX_PAYLOAD = 16 * 1024 * 1024
+_MAX_U64 = (1 << 64) - 1   # a publisher may send seq 2^64-1; the count must still fit the field
 MAX_SALT = 256
 
 _ALGO_NAMES = {common_pb2.HASH_ALGO_SHA256: "sha256", common_pb2.HASH_ALGO_SHA256_CBOR: "sha256_cbor",
@@ -51,6 +54,13 @@ class _Abort(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def _plaintext_host(context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's host when it has no mTLS identity (roles decide then), else None."""
+    if peer_identity(context) is not None:
+        return None
+    return peer_host(context.peer() or "")
 
 
 class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
@@ -67,6 +77,8 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         self._hashers: dict[str, BlockHasher] = {}
         self.started_at = time.monotonic()
         self.first_seen: dict[str, float] = {}
+        # Without mTLS: the host each endpoint registered from (the only fact about a plaintext caller).
+        self.registrars: dict[str, str] = {}
         self.counters: dict[str, int] = {}
         self.central_bound: list[str] = []   # addresses of the central socket, once bound
 
@@ -220,7 +232,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 # How far each engine's events are applied: the router tells index lag from a view bug.
                 for eid, st in self.ingestor.endpoints.copy().items():
                     if st.model == model:
-                        resp.applied_batches[eid] = 0 if st.last_seq is None else st.last_seq + 1
+                        resp.applied_batches[eid] = 0 if st.last_seq is None else min(st.last_seq + 1, _MAX_U64)
             for em in sorted(res.matches.values(), key=lambda m: (-m.combined, -m.speculative, m.endpoint_id)):
                 out = resp.matches.add(endpoint_id=em.endpoint_id, combined_blocks=em.combined,
                                        speculative_blocks=em.speculative, speculative_ttl_s=em.speculative_ttl_s)
@@ -342,7 +354,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                 if addr and not addr.startswith(("tcp://", "ipc://", "inproc://")):
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"{what} {addr!r} must be tcp://, ipc:// or inproc://")
             known = self.liveness.records.get(eid)
+            host = _plaintext_host(context)
+            self._check_takeover(eid, ep, known, host)
             self.liveness.register(eid, ep, request.ttl_s)
+            if host is not None:
+                self.registrars[eid] = host
             self.first_seen.setdefault(eid, time.monotonic())
             src = EndpointSource(eid, model, engine, ep.kv_events_replay_endpoint or None)
             if ep.kv_events_endpoint:
@@ -367,10 +383,36 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     async def DeregisterEndpoint(self, request: indexer_pb2.DeregisterEndpointRequest,
                                  context: grpc.aio.ServicerContext) -> indexer_pb2.DeregisterEndpointResponse:
         eid = request.endpoint_id
+        host = _plaintext_host(context)
+        owner = self.registrars.get(eid)
+        if host is not None and owner is not None and host not in (owner, LOOPBACK, LOCAL):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                f"endpoint {eid!r} was registered from another host: without mTLS only that host "
+                                "(or a caller on the indexer's own host) may deregister it")
         if not self.liveness.deregister(eid):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"endpoint {eid!r} is not registered")
         blocks = await self._guard(context, self.purge(eid, "deregistered"))
         return indexer_pb2.DeregisterEndpointResponse(blocks_purged=blocks)
+
+    def _check_takeover(self, eid: str, ep: indexer_pb2.Endpoint, known: Any, host: str | None) -> None:
+        """Without mTLS, a live endpoint's addresses change only from the host that registered it.
+
+        Otherwise anyone could re-register an endpoint id with their own address and receive
+        its share of prompts (issue #20, attack 1). With mTLS the role table already binds the
+        id to the certificate. A registration that expired, or was deregistered, is free again.
+        """
+        if host is None or known is None or known.static or not self.liveness.is_alive(eid):
+            return
+        owner = self.registrars.get(eid)
+        if owner is None or owner == host:
+            return
+        old = known.info
+        moved = old is None or (ep.grpc_address, ep.kv_events_endpoint, ep.kv_events_replay_endpoint) != (
+            old.grpc_address, old.kv_events_endpoint, old.kv_events_replay_endpoint)
+        if moved:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION,
+                         f"endpoint {eid!r} is registered from another host and still alive: it can move only "
+                         "after it deregisters or its TTL expires (or with mTLS identities)")
 
     async def purge(self, endpoint: str, reason: str) -> int:
         await self.subscriber.remove(endpoint)

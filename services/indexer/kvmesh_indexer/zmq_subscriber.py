@@ -21,6 +21,7 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.events.codec import DecodeError, decode_seq
+from kvmesh.events.curve import apply_client
 from kvmesh.events.topic import parse_topic
 from kvmesh.rpc.reconnect import tune_zmq_reconnect
 from kvmesh_indexer.pump import EndpointSource, IngestPump
@@ -64,6 +65,9 @@ class ZmqSubscriber:
         # A peer sending a bigger message is disconnected by ZMQ before Python sees a byte of it.
         sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)
         sock.setsockopt(zmq.LINGER, 0)
+        curve = self.pump.curve_for(source.endpoint)
+        if curve is not None:
+            apply_client(sock, curve)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         tune_zmq_reconnect(sock)   # a restarted peer is found again within ~0.5 s
         try:

@@ -34,6 +34,10 @@ class OffloadConfig:
         "help": "return freed heap memory to the OS this often (glibc malloc_trim), so RSS follows the RAM "
                 "tier as blocks are evicted (0 = never: RSS keeps its peak)"})
     shm_enabled: bool = field(default=True, metadata={"help": "serve PutShm/GetShm (same-host fast path)"})
+    direct_put: bool = field(default=True, metadata={
+        "help": "serve ReservePut/CommitPut: same-host clients write blocks straight into the store's shared "
+                "slabs (one copy); they map the slabs writable, so turn off when same-uid clients do not trust "
+                "each other"})
     bulk_port: int = field(default=0, metadata={
         "help": "TCP port of the bulk Get data plane for other hosts (0 = any free port, -1 = off)"})
     lease_ttl_s: float = field(default=120.0, metadata={
@@ -46,6 +50,10 @@ class OffloadConfig:
         "help": "ZMQ KV-event publisher endpoint, e.g. tcp://*:5560 (empty = no events)"})
     events_replay_endpoint: str = field(default="", metadata={
         "help": "ZMQ replay endpoint, e.g. tcp://127.0.0.1:5561 (hands out every buffered event: keep it private)"})
+    events_curve_secret: str = field(default="", metadata={
+        "help": "CURVE secret certificate (NAME.key_secret) of the event and replay sockets (empty = off)"})
+    events_curve_clients: str = field(default="", metadata={
+        "help": "directory of the subscribers' CURVE public keys admitted to events and replay"})
     indexer_address: str = field(default="", metadata={"help": "indexer host:port to register with (empty = off)"})
     advertise_host: str = field(default="127.0.0.1", metadata={"help": "host other services use to reach us"})
     register_ttl_s: float = field(default=30.0, metadata={"help": "heartbeat TTL asked of the indexer"})
@@ -65,5 +73,7 @@ class OffloadConfig:
             raise ConfigError("max_block_bytes must be in (0, 64 MiB]")
         if not self.endpoint_id or "@" in self.endpoint_id:
             raise ConfigError("endpoint_id must be non-empty and contain no '@'")
+        if bool(self.events_curve_secret) != bool(self.events_curve_clients):
+            raise ConfigError("events_curve_secret and events_curve_clients go together")
         if self.indexer_address and not self.events_endpoint:
             raise ConfigError("indexer_address needs events_endpoint (the indexer subscribes to our events)")

@@ -13,7 +13,6 @@ else, is the same answer as an expired lease and changes nothing.
 
 from __future__ import annotations
 
-import ipaddress
 import secrets
 import threading
 import time
@@ -24,10 +23,9 @@ from typing import Any
 import grpc
 
 from kvmesh.rpc.authz import peer_identity
+from kvmesh.rpc.peers import normalize_host, peer_host
 
 TOKEN_BYTES = 16
-LOOPBACK = "loopback"
-LOCAL = "local"
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,30 +34,6 @@ class Caller:
 
     principal: str
     host: str
-
-
-def normalize_host(host: str) -> str:
-    """One spelling per host: loopback addresses are all one host, v4-mapped v6 is v4."""
-    host = host.strip("[]")
-    try:
-        ip = ipaddress.ip_address(host.split("%", 1)[0])
-    except ValueError:
-        return host
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return LOOPBACK if ip.is_loopback else str(ip)
-
-
-def peer_host(peer: str) -> str:
-    """The host of a gRPC ``context.peer()`` string (``ipv4:1.2.3.4:5``, ``ipv6:[::1]:5``, ``unix:...``)."""
-    if peer.startswith("unix"):
-        return LOCAL
-    for prefix in ("ipv4:", "ipv6:"):
-        if peer.startswith(prefix):
-            rest = peer[len(prefix):]
-            host = rest.rsplit(":", 1)[0] if ":" in rest else rest
-            return normalize_host(host)
-    return peer
 
 
 def _principal(context: Any) -> str:

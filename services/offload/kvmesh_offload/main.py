@@ -57,12 +57,14 @@ async def serve(cfg: OffloadConfig) -> int:
     pub = None
     sink = None
     if cfg.events_endpoint:
+        from kvmesh.events.curve import CurveServer
         from kvmesh.events.publisher import KvEventPublisher
         from kvmesh.events.topic import make_topic
         from kvmesh_offload.events import EventBridge
 
+        curve = CurveServer(cfg.events_curve_secret, cfg.events_curve_clients) if cfg.events_curve_secret else None
         pub = KvEventPublisher(cfg.events_endpoint, topic=make_topic(cfg.endpoint_id, cfg.model),
-                               replay_endpoint=cfg.events_replay_endpoint or None)
+                               replay_endpoint=cfg.events_replay_endpoint or None, curve=curve)
         sink = EventBridge(pub)
     store = build_store(cfg, sink)
     try:
@@ -73,7 +75,7 @@ async def serve(cfg: OffloadConfig) -> int:
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes,
                                lease_ttl_s=cfg.lease_ttl_s, bulk_host=cfg.host,
                                bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None,
-                               lease_bind_host=cfg.lease_bind_host)
+                               lease_bind_host=cfg.lease_bind_host, direct_put=cfg.direct_put)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
 

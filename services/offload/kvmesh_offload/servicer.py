@@ -27,6 +27,7 @@ from kvmesh_offload.arena import SLAB_PREFIX, Arena, Slot
 from kvmesh_offload.bulk import BulkServer
 from kvmesh_offload.leases import Caller, LeaseTable, caller_of
 from kvmesh_offload.metrics import RESTORE_LATENCY
+from kvmesh_offload.reserve import ReservationTable, ReserveError
 from kvmesh_offload.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
 
 log = logging.getLogger(__name__)
@@ -67,9 +68,11 @@ def _check_keys(n: int) -> None:
 class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     def __init__(self, store: OffloadStore, *, shm_enabled: bool = True,
                  max_block_bytes: int = 64 * 1024 * 1024, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
-                 bulk_host: str = "127.0.0.1", bulk_port: int | None = None, lease_bind_host: bool = True) -> None:
+                 bulk_host: str = "127.0.0.1", bulk_port: int | None = None, lease_bind_host: bool = True,
+                 direct_put: bool = True) -> None:
         self.store = store
         self.shm_enabled = shm_enabled
+        self.direct_put = direct_put
         self.max_block_bytes = max_block_bytes
         self.draining = False
         self._segments = AttachCache()
@@ -78,6 +81,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         self.arena = Arena(int(store.ram.capacity * 1.25) + 64 * 1024 * 1024, shared=shm_enabled)
         # GetShm/GetBulk leases: token -> blocks kept alive while their caller reads them.
         self.leases = LeaseTable(lease_ttl_s, bind_host=lease_bind_host)
+        # ReservePut: slab slots a same-host client writes into before CommitPut.
+        self.reservations = ReservationTable(self.arena, max(store.ram.capacity // 2, 1))
         # Bulk TCP data plane (GetBulk); None = off, 0 = any free port.
         self.bulk = BulkServer(bulk_host, bulk_port, self._take_lease) if bulk_port is not None else None
         # Bytes buffered by all in-flight Put streams: many concurrent streams must not
@@ -296,6 +301,54 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             blocks.append(BlockIn(k, data, crc, toks))
         return blocks
 
+    async def ReservePut(self, request: offload_pb2.ShmRequest,
+                         context: grpc.aio.ServicerContext) -> offload_pb2.PutReservation:
+        return await self._guard(context, self._reserve_put(request, caller_of(context)))
+
+    async def _reserve_put(self, req: offload_pb2.ShmRequest, caller: Caller) -> offload_pb2.PutReservation:
+        if not (self.shm_enabled and self.direct_put):
+            raise _Abort(grpc.StatusCode.UNIMPLEMENTED, "zero-copy puts are disabled on this store (--direct-put)")
+        _check_ns(req.header.namespace)
+        n = len(req.keys)
+        _check_keys(n)
+        if len(req.sizes) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys and sizes must have the same length")
+        for k, size in zip(req.keys, req.sizes, strict=True):
+            if size == 0 or size > self.max_block_bytes:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"block {k}: size {size} outside (0, {self.max_block_bytes}]")
+        if sum(req.sizes) > self.store.ram.capacity:
+            raise StoreFullError(f"Put of {sum(req.sizes)} bytes exceeds the RAM capacity {self.store.ram.capacity}")
+        if min(req.sizes, default=0) < self.arena.min_block:
+            return offload_pb2.PutReservation(min_block_bytes=self.arena.min_block)
+        self._sweep_leases()  # expired leases pin slab slots
+        try:
+            token, locs = await asyncio.to_thread(self.reservations.reserve, req.header, list(req.keys),
+                                                  list(req.sizes), caller)
+        except ReserveError as exc:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, f"no reservation: {exc}") from None
+        return offload_pb2.PutReservation(reservation=token, segments=[seg for seg, _ in locs],
+                                          offsets=[off for _, off in locs], ttl_s=self.reservations.ttl_s)
+
+    async def CommitPut(self, request: offload_pb2.PutCommit,
+                        context: grpc.aio.ServicerContext) -> offload_pb2.PutResponse:
+        return await self._guard(context, self._commit_put(request, caller_of(context)))
+
+    async def _commit_put(self, req: offload_pb2.PutCommit, caller: Caller) -> offload_pb2.PutResponse:
+        res = self.reservations.take(req.reservation, caller)
+        if res is None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "unknown or expired put reservation")
+        if req.abort:
+            return offload_pb2.PutResponse()
+        n = len(res.keys)
+        if len(req.crc32c) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"crc32c must have one entry per block ({n})")
+        if req.tokens and len(req.tokens) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be empty or one per block")
+        blocks = [BlockIn(k, slot, crc, tuple(req.tokens[i].ids) if req.tokens else ())  # type: ignore[arg-type]
+                  for i, (k, slot, crc) in enumerate(zip(res.keys, res.slots, req.crc32c, strict=True))]
+        return await self._commit(res.header, blocks)
+
     async def GetShm(self, request: offload_pb2.ShmRequest,
                      context: grpc.aio.ServicerContext) -> offload_pb2.ShmGetResponse:
         return await self._guard(context, self._get_shm(request, caller_of(context)))
@@ -459,6 +512,12 @@ def add_offload_servicer(servicer: OffloadServicer, server: grpc.aio.Server) -> 
                                                      response_serializer=pb.StatsResponse.SerializeToString),
         "PutShm": grpc.unary_unary_rpc_method_handler(servicer.PutShm, request_deserializer=pb.ShmRequest.FromString,
                                                       response_serializer=pb.PutResponse.SerializeToString),
+        "ReservePut": grpc.unary_unary_rpc_method_handler(
+            servicer.ReservePut, request_deserializer=pb.ShmRequest.FromString,
+            response_serializer=pb.PutReservation.SerializeToString),
+        "CommitPut": grpc.unary_unary_rpc_method_handler(
+            servicer.CommitPut, request_deserializer=pb.PutCommit.FromString,
+            response_serializer=pb.PutResponse.SerializeToString),
         "GetShm": grpc.unary_unary_rpc_method_handler(servicer.GetShm, request_deserializer=pb.ShmRequest.FromString,
                                                       response_serializer=pb.ShmGetResponse.SerializeToString),
         "GetBulk": grpc.unary_unary_rpc_method_handler(

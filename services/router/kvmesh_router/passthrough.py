@@ -221,6 +221,8 @@ class Passthrough:
             self.service.core.on_first_token(p.req)
             out_headers = {"x-kvmesh-endpoint": d.endpoint_id, "x-kvmesh-request-id": p.request_id,
                            "x-kvmesh-predicted-cached-tokens": str(d.predicted_cached_tokens),
+                           "x-kvmesh-predicted-cached-tokens-gpu": str(d.predicted_cached_tokens_gpu),
+                           "x-kvmesh-predicted-cached-tokens-offload": str(d.predicted_cached_tokens_offload),
                            "x-kvmesh-attempts": str(attempt)}
             ctype = resp.headers.get("content-type", "application/json")
             if "text/event-stream" not in ctype:
@@ -294,7 +296,9 @@ class Passthrough:
             metrics.MISMATCHES.inc()
             log.info("predicted cached tokens differ from the engine's",
                      extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
-                            "predicted": d.predicted_cached_tokens, "actual": actual})
+                            "predicted": d.predicted_cached_tokens, "actual": actual,
+                            "predicted_gpu": d.predicted_cached_tokens_gpu,
+                            "predicted_offload": d.predicted_cached_tokens_offload})
 
 
 class _Call:

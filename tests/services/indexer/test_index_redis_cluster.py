@@ -250,3 +250,13 @@ def test_reshard_during_ingest_keeps_answers_exact() -> None:
         idx.close()
     finally:
         cluster.stop()
+
+
+def test_odd_endpoint_names_survive_the_two_shard_merge(redis_cluster) -> None:
+    idx = make_cluster_index(redis_cluster, anchor_depth=3, probe_stride=2)
+    c = [(7 << 40) + i for i in range(1, 12)]
+    for ep, n in (("a|b", 11), ("x\ny", 7), ("{t}", 5)):
+        idx.add(M, ep, Tier.GPU, c[:n], [(0, None)])
+    got = {e: m.combined for e, m in idx.lookup(M, c).matches.items()}
+    assert got == {"a|b": 11, "x\ny": 7, "{t}": 5}
+    idx.close()

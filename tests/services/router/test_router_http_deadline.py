@@ -3,7 +3,7 @@
 The only worker is stopped with SIGSTOP and the router's first-token timeout is off, so
 nothing but the deadline can end a request: the official ``openai`` client gets a clean 504
 error document, streamed or not. A stream still going at its deadline ends with an SSE error
-event.
+event. The Anthropic Messages API has the same deadline (the shared request scope).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -35,7 +36,7 @@ def _pause(w: ServiceProcess, on: bool) -> None:
 
 
 @pytest.fixture
-def hung(tmp_path) -> Iterator[tuple[str, ServiceProcess]]:
+def hung(tmp_path, tiny_model_dir) -> Iterator[tuple[str, ServiceProcess]]:
     workers = start_workers(tmp_path, ["h1"])
     (w,) = workers.values()
     router = None
@@ -43,7 +44,8 @@ def hung(tmp_path) -> Iterator[tuple[str, ServiceProcess]]:
         router, http = start_router(tmp_path, [("h1", w.grpc_address)], indexer=f"127.0.0.1:{free_port()}",
                                     extra=["--load-poll-s", "60", "--policy", "round_robin",
                                            "--first-token-timeout-s", "0", "--stream-idle-timeout-s", "0",
-                                           "--http-deadline-s", str(DEADLINE_S)])
+                                           "--http-deadline-s", str(DEADLINE_S),
+                                           "--tokenizer-path", str(tiny_model_dir)])
         yield f"http://127.0.0.1:{http}", w
     finally:
         if w.alive():
@@ -97,3 +99,23 @@ def test_a_stream_still_going_at_its_deadline_ends_with_an_error_event(hung) -> 
     assert err["code"] == 504 and "deadline" in err["message"], rest[-3:]
     assert len(rest) > 2      # tokens were streamed before the cut
     assert DEADLINE_S <= took < DEADLINE_S + MARGIN_S
+
+
+def test_messages_requests_have_the_same_deadline(hung) -> None:
+    """/v1/messages takes its deadline from the same request scope as the OpenAI endpoints."""
+    base, worker = hung
+    client = anthropic.Anthropic(base_url=base, api_key="unused", max_retries=0, timeout=60)
+    _pause(worker, True)
+    for stream in (False, True):
+        t0 = time.monotonic()
+        if stream:   # no token came: the router answers the stream request with the 504 itself
+            with pytest.raises(anthropic.APIStatusError) as err, client.messages.stream(
+                    model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "stuck " * 20}]) as s:
+                s.get_final_message()
+        else:
+            with pytest.raises(anthropic.APIStatusError) as err:
+                client.messages.create(model=MODEL, max_tokens=4, messages=[{"role": "user", "content": "stuck"}])
+        took = time.monotonic() - t0
+        assert err.value.status_code == 504, err.value
+        assert "deadline" in str(err.value.message), err.value
+        assert DEADLINE_S <= took < DEADLINE_S + MARGIN_S, (stream, took)

@@ -63,7 +63,9 @@ async def test_the_body_goes_through_unchanged_but_for_the_tenants_salt(stack) -
     r = await client.post("/v1/chat/completions", json=sent, headers={"x-tenant": "acme"})
     assert r.status_code == 200, r.text
     eid = r.headers["x-kvmesh-endpoint"]
-    assert eid in engines and int(r.headers["x-kvmesh-predicted-cached-tokens"]) >= 0
+    assert eid in engines and int(r.headers["x-kvmesh-predicted-cached-tokens"]) == (
+        int(r.headers["x-kvmesh-predicted-cached-tokens-gpu"])
+        + int(r.headers["x-kvmesh-predicted-cached-tokens-offload"]))
     (got,) = _received(engines)
     assert got == {**sent, "cache_salt": svc.salts.salt("acme")}
     # The engine's answer comes back as it was (vLLM's own fields included).

@@ -209,3 +209,29 @@ class ShmReleaseResponse(_message.Message):
     HELD_FIELD_NUMBER: _ClassVar[int]
     held: bool
     def __init__(self, held: _Optional[bool] = ...) -> None: ...
+
+class PutReservation(_message.Message):
+    __slots__ = ("reservation", "segments", "offsets", "ttl_s", "min_block_bytes")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    OFFSETS_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
+    MIN_BLOCK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    reservation: bytes
+    segments: _containers.RepeatedScalarFieldContainer[str]
+    offsets: _containers.RepeatedScalarFieldContainer[int]
+    ttl_s: float
+    min_block_bytes: int
+    def __init__(self, reservation: _Optional[bytes] = ..., segments: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., min_block_bytes: _Optional[int] = ...) -> None: ...
+
+class PutCommit(_message.Message):
+    __slots__ = ("reservation", "crc32c", "tokens", "abort")
+    RESERVATION_FIELD_NUMBER: _ClassVar[int]
+    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ABORT_FIELD_NUMBER: _ClassVar[int]
+    reservation: bytes
+    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenBlock]
+    abort: bool
+    def __init__(self, reservation: _Optional[bytes] = ..., crc32c: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., abort: _Optional[bool] = ...) -> None: ...

@@ -79,6 +79,16 @@ class OffloadStub:
                 request_serializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.GetRequest.SerializeToString,
                 response_deserializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.BulkGetResponse.FromString,
                 _registered_method=True)
+        self.ReservePut = channel.unary_unary(
+                '/kvmesh.offload.v1.Offload/ReservePut',
+                request_serializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.ShmRequest.SerializeToString,
+                response_deserializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutReservation.FromString,
+                _registered_method=True)
+        self.CommitPut = channel.unary_unary(
+                '/kvmesh.offload.v1.Offload/CommitPut',
+                request_serializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutCommit.SerializeToString,
+                response_deserializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutResponse.FromString,
+                _registered_method=True)
 
 
 class OffloadServicer:
@@ -146,6 +156,22 @@ class OffloadServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReservePut(self, request, context):
+        """Zero-copy same-host put: the store reserves slots in its shared slabs for the
+        blocks (ShmRequest: header, keys, sizes), the client writes each block straight
+        into its slot and commits the reservation with the checksums. One copy, where
+        PutShm copies into a segment and again into the slab.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CommitPut(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_OffloadServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -193,6 +219,16 @@ def add_OffloadServicer_to_server(servicer, server):
                     servicer.GetBulk,
                     request_deserializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.GetRequest.FromString,
                     response_serializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.BulkGetResponse.SerializeToString,
+            ),
+            'ReservePut': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReservePut,
+                    request_deserializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.ShmRequest.FromString,
+                    response_serializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutReservation.SerializeToString,
+            ),
+            'CommitPut': grpc.unary_unary_rpc_method_handler(
+                    servicer.CommitPut,
+                    request_deserializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutCommit.FromString,
+                    response_serializer=kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -438,6 +474,60 @@ class Offload:
             '/kvmesh.offload.v1.Offload/GetBulk',
             kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.GetRequest.SerializeToString,
             kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.BulkGetResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReservePut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.offload.v1.Offload/ReservePut',
+            kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.ShmRequest.SerializeToString,
+            kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutReservation.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CommitPut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvmesh.offload.v1.Offload/CommitPut',
+            kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutCommit.SerializeToString,
+            kvmesh__api_dot_offload_dot_v1_dot_offload__pb2.PutResponse.FromString,
             options,
             channel_credentials,
             insecure,
