@@ -123,10 +123,12 @@ def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> Non
 
 
 def _indexed_blocks(stack: LocalStack, tokens: list[int], endpoint: str) -> int:
-    """Blocks of ``tokens`` the indexer places on ``endpoint``: speculative or from engine events."""
+    """Blocks of ``tokens`` the indexer places on ``endpoint``: speculative or from engine events
+    (hashed with the tenant salt of the stack's API key, as the router and the engines do)."""
     with sync_channel(stack.indexer_address, stack.client_tls()) as ch:
         r = indexer_pb2_grpc.IndexerStub(ch).Lookup(indexer_pb2.LookupRequest(
-            model=MODEL, tokens=common_pb2.TokenIds(ids=tokens), include_speculative=True), timeout=5)
+            model=MODEL, tokens=common_pb2.TokenIds(ids=tokens), include_speculative=True,
+            extra_keys=common_pb2.ExtraKeys(cache_salt=stack.tenant_salt())), timeout=5)
     return max((max(m.speculative_blocks, m.combined_blocks) for m in r.matches if m.endpoint_id == endpoint),
                default=0)
 
