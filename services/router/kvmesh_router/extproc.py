@@ -21,7 +21,8 @@ Protocol (per the EPP spec):
 - no eligible endpoint -> ImmediateResponse 503; shedding load (more than
   ``max_inflight`` requests picked and unfinished, or the picker says so) -> 429;
   bad body -> 400, over ``max_body_bytes`` -> 413.
-- response headers, when Envoy sends them, get ``x-kvmesh-picked-endpoint``.
+- response headers, when Envoy sends them, get ``x-kvmesh-picked-endpoint`` and
+  ``x-kvmesh-predicted-cached-tokens``.
 - gRPC health serves ``envoy.service.ext_proc.v3.ExternalProcessor`` (and ``""``
   and ``liveness``) via ``kvmesh.rpc.server.ServiceServer``.
 
@@ -61,6 +62,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 LB_NAMESPACE = "envoy.lb"
 PICKED_RESPONSE_HEADER = "x-kvmesh-picked-endpoint"
+PREDICTED_RESPONSE_HEADER = "x-kvmesh-predicted-cached-tokens"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -269,7 +271,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     for h in req.response_headers.headers.headers:
                         if h.key == ":status":
                             st.status = int(_header_value(h) or 0)
-                    mutation = ep.HeaderMutation(set_headers=[_set_header(PICKED_RESPONSE_HEADER, st.result.address)]) \
+                    # What was picked and what it should have cached, next to the engine's own usage.
+                    mutation = ep.HeaderMutation(set_headers=[
+                        _set_header(PICKED_RESPONSE_HEADER, st.result.address),
+                        _set_header(PREDICTED_RESPONSE_HEADER, str(st.result.predicted_cached_tokens))]) \
                         if st.result is not None else ep.HeaderMutation()
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
                         response=ep.CommonResponse(header_mutation=mutation)))
