@@ -82,7 +82,8 @@ class RouterConfig:
         "help": "ext_proc picker: request header naming the prefill endpoint's host:port when the split is "
                 "chosen (llm-d's P/D sidecar reads it on the decode pod); '' = the gateway path never splits"})
     inference_objectives: dict[str, int] = field(default_factory=dict, metadata={
-        "help": "InferenceObjective name -> priority (JSON); a request names its objective in the "
+        "help": "InferenceObjective name -> priority (JSON; with --inference-pool also read from the pool's "
+                "InferenceObjective objects, these win); a request names its objective in the "
                 "x-gateway-inference-objective header (unknown or none: 0); priority < 0 is sheddable"})
     shed_queue_depth: int = field(default=5, metadata={
         "help": "the pool is saturated when every live endpoint has this many waiting requests or "

@@ -84,7 +84,7 @@ OBJECTIVE_HEADER = "x-gateway-inference-objective"
 
 def objective_priority(service: RouterService, headers: dict[str, str]) -> int:
     """The priority of the request's InferenceObjective (none or unknown: 0, as the EPP)."""
-    return service.cfg.inference_objectives.get(headers.get(OBJECTIVE_HEADER, ""), 0)
+    return service.cluster.objective_priority(headers.get(OBJECTIVE_HEADER, ""))
 
 
 def saturated(service: RouterService, now: float) -> bool:

@@ -103,6 +103,18 @@ def _turn(client: openai.OpenAI, messages: list[dict], **kw) -> tuple[object, in
     return raw.parse(), int(raw.headers["x-kvmesh-predicted-cached-tokens"]), raw.headers["x-kvmesh-endpoint"]
 
 
+def _streamed_turn(client: openai.OpenAI, messages: list[dict], **kw) -> tuple[object, int, str]:
+    """A streamed turn (SSE passed through from vLLM): (the last chunk, with usage; content; ...)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=TINY_MODEL_NAME, messages=messages, tools=TOOLS, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, **kw)
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = chunks[-1]
+    assert last.usage is not None and any(c.choices and c.choices[0].finish_reason for c in chunks)
+    return (last, text), int(raw.headers["x-kvmesh-predicted-cached-tokens"]), raw.headers["x-kvmesh-endpoint"]
+
+
 def _lookups(fleet: dict) -> list[str]:
     """The router's lookup outcomes so far (ok / local / late_merged), for a failure's message."""
     text = httpx.get(fleet["metrics"], timeout=5).text
@@ -120,14 +132,17 @@ def test_twenty_turns_with_tools_predictions_equal_vllm(fleet) -> None:
     endpoints, calls = [], 0
     for turn in range(20):
         wants_tool = turn % 4 == 1
-        r, predicted, eid = _turn(client, messages, max_tokens=64 if wants_tool else 8,
-                                  tool_choice="required" if wants_tool else "none")
+        if turn % 4 == 3:   # some turns stream: vLLM's SSE goes through untouched
+            (r, streamed_text), predicted, eid = _streamed_turn(client, messages, max_tokens=8, tool_choice="none")
+        else:
+            r, predicted, eid = _turn(client, messages, max_tokens=64 if wants_tool else 8,
+                                      tool_choice="required" if wants_tool else "none")
         cached = r.usage.prompt_tokens_details.cached_tokens
         assert predicted == cached, (turn, eid, predicted, cached, r.usage, _lookups(fleet))
         if turn:
             assert cached > 0, turn
         endpoints.append(eid)
-        msg = r.choices[0].message
+        msg = r.choices[0].message if turn % 4 != 3 else None
         if wants_tool:
             # vLLM parsed the call out of what the model wrote (guided by the tool's schema).
             assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls, r
@@ -140,7 +155,8 @@ def test_twenty_turns_with_tools_predictions_equal_vllm(fleet) -> None:
                               "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
                          {"role": "tool", "tool_call_id": call.id, "content": f"Sunny, {turn + 12} C"}]
         else:
-            messages += [{"role": "assistant", "content": msg.content or ""},
+            content = streamed_text if msg is None else (msg.content or "")
+            messages += [{"role": "assistant", "content": content},
                          {"role": "user", "content": f"Step {turn}: now look at file_{turn}.py and continue."}]
         time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
     assert calls == 5
