@@ -91,6 +91,28 @@ def test_session_turns_stick_to_their_kv(deploy_stack, gateway) -> None:
                 msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
 
 
+def test_tenants_stay_apart_behind_envoy(deploy_stack, gateway) -> None:
+    """The picker hands the worker the tenant's secret salt (the body's cache_salt is replaced,
+    the client's mixed in): another tenant, or a client guessing the salt, gets no cache hit.
+    (This stack runs the router with --auth off, so the claimed x-tenant is the tenant.)"""
+    prompt = [3000 + j for j in range(600)]
+
+    def cached(headers: dict[str, str], **body) -> int:
+        r = c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 2, **body},
+                   headers=headers)
+        assert r.status_code == 200, r.text
+        worker, picked = served_by(r, deploy_stack)
+        assert worker == picked
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    with httpx.Client(base_url=gateway.base, timeout=30) as c:
+        cached({"x-tenant": "t1"})
+        assert cached({"x-tenant": "t1"}) > 0
+        assert cached({"x-tenant": "t2"}) == 0
+        assert cached({}, cache_salt="tenant:t1") == 0
+        assert cached({"x-tenant": "t2"}, cache_salt="t1") == 0
+
+
 def test_agent_turns_with_tools_stick_to_their_kv(deploy_stack, gateway) -> None:
     """Tool-using agents: the picker renders tools, tool calls and tool results exactly as the worker
     behind Envoy does, so every turn lands where its KV is and most of it is cached."""

@@ -9,6 +9,8 @@ file takes effect without a restart.
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 
 import anthropic
@@ -21,7 +23,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from kvmesh.api_keys import new_key
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
-from tests.fixtures.router import MODEL
+from tests.fixtures.router import MODEL, start_router
 from tests.fixtures.security import bearer
 
 pytestmark = pytest.mark.timeout(180)
@@ -170,3 +172,16 @@ def test_keys_rotate_without_a_restart(secure_stack):
     assert wait(401)
     assert secure_stack.pid == pid and secure_stack.router.alive()
     assert httpx.get(url, headers=bearer(secure_stack.key_a), timeout=10).status_code == 200
+
+
+def test_auth_off_is_logged_loudly_and_keys_without_a_file_refuse_to_start(tmp_path):
+    router, http = start_router(tmp_path, [])          # the fixture's default: --auth off
+    try:
+        httpx.get(f"http://127.0.0.1:{http}/v1/models", timeout=10)
+        log = router.log_path.read_text()
+        assert log.count("AUTH IS OFF") >= 2, log[-2000:]    # at start, and on the first request
+    finally:
+        router.stop(grace_s=3)
+    r = subprocess.run([sys.executable, "-m", "kvmesh_tools.cli.main", "serve", "router", "--auth", "keys",
+                        "--port", "0", "--http-port", "0"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "api_keys_file" in (r.stdout + r.stderr)

@@ -59,3 +59,22 @@ def test_fuzz_command_reports_json(stack: LocalStack, tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert rc == 0 and data["unknown"] == 0 and data["messages"] >= 100
     assert all(p.startswith("/kvmesh.offload.v1.Offload/") for p in data["by_method"])
+
+
+def test_fuzz_the_ext_proc_picker(stack: LocalStack, tmp_path: Path) -> None:
+    """Envoy's ext_proc service (bidirectional stream) on a router in front of the stack's workers."""
+    from kvmesh_tools.testing.ports import free_port
+    from tests.fixtures.router import start_router
+
+    xport = free_port()
+    router, _ = start_router(tmp_path, list(stack.decode_addresses.items()),
+                             extra=["--extproc-port", str(xport)])
+    try:
+        with Fuzzer([f"127.0.0.1:{xport}"], seed=3, call_timeout_s=10.0) as f:
+            assert {m.service for m in f.methods} == {"envoy.service.ext_proc.v3.ExternalProcessor"}
+            report = f.run(150, concurrency=4)
+        assert report.unknown == 0, report.unknown_samples
+        assert report.hangs == 0 and report.unhealthy == [] and router.alive()
+        assert report.codes["INVALID_ARGUMENT"] > 0 and report.codes["OK"] > 0
+    finally:
+        router.stop(grace_s=2)

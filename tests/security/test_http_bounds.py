@@ -225,6 +225,16 @@ def test_hostile_json_gets_an_anthropic_400(secure_stack, case):
     assert r.json()["type"] == "error" and r.json()["error"]["type"] == "invalid_request_error"
 
 
+@pytest.mark.parametrize("raw", [b"\x16\x03\x01\x02\x00garbage\r\n\r\n", b"GET / HTTP/9.9\r\n\r\n",
+                                 b"POST /v1/completions HTTP/1.1\r\ncontent-length: -5\r\n\r\n"])
+def test_bytes_that_are_not_http_get_a_json_400(secure_stack, raw):
+    with socket.create_connection(("127.0.0.1", secure_stack.http_port), timeout=10) as s:
+        s.sendall(raw)
+        status, doc, _ = _response(s)
+    assert status == 400 and doc["error"]["code"] == 400 and "malformed HTTP" in doc["error"]["message"]
+    _healthy(secure_stack)
+
+
 def test_oversized_headers_get_431(secure_stack):
     with socket.create_connection(("127.0.0.1", secure_stack.http_port), timeout=10) as s:
         s.sendall(b"GET /v1/models HTTP/1.1\r\nhost: x\r\nx-junk: " + b"a" * 200_000 + b"\r\n\r\n")

@@ -18,10 +18,12 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
+from kvmesh.api_keys import TenantSalts
 from kvmesh.rpc.tls import sync_channel
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
@@ -124,9 +126,13 @@ def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> Non
 
 def _indexed_blocks(stack: LocalStack, tokens: list[int], endpoint: str) -> int:
     """Blocks of ``tokens`` the indexer places on ``endpoint``: speculative or from engine events."""
+    # With API keys on, the router salts every request with the key's tenant salt.
+    salt = TenantSalts.from_file(Path(stack.cfg.log_dir) / "auth" / "salt-secret").salt("local") \
+        if stack.api_key else ""
     with sync_channel(stack.indexer_address, stack.client_tls()) as ch:
         r = indexer_pb2_grpc.IndexerStub(ch).Lookup(indexer_pb2.LookupRequest(
-            model=MODEL, tokens=common_pb2.TokenIds(ids=tokens), include_speculative=True), timeout=5)
+            model=MODEL, tokens=common_pb2.TokenIds(ids=tokens), include_speculative=True,
+            extra_keys=common_pb2.ExtraKeys(cache_salt=salt)), timeout=5)
     return max((max(m.speculative_blocks, m.combined_blocks) for m in r.matches if m.endpoint_id == endpoint),
                default=0)
 

@@ -40,17 +40,21 @@ def test_same_scoring_flags_everywhere() -> None:
     assert router == sim == cli
 
 
+# The router refuses to start with keys on and no key file; scoring is what is tested here.
+OFF = {"KVMESH_ROUTER_AUTH": "off"}
+
+
 def test_scoring_env_names_and_old_router_env() -> None:
     for cls, prefix in ((RouterConfig, "KVMESH_ROUTER_"), (SimConfig, "KVMESH_SIM_")):
         args = _parser(cls, prefix).parse_args(["--queue-weight", "0.5"])
-        cfg = load_config(cls, args, env_prefix=prefix, env={prefix + "SCORING_DECODE_HORIZON_STEPS": "8"})
+        cfg = load_config(cls, args, env_prefix=prefix, env={prefix + "SCORING_DECODE_HORIZON_STEPS": "8", **OFF})
         assert cfg.scoring == ScoringConfig(queue_weight=0.5, decode_horizon_steps=8.0)
     # The router's flat env names from before the nesting still work (lower precedence).
     env = {"KVMESH_ROUTER_QUEUE_WEIGHT": "2", "KVMESH_ROUTER_PREFILL_S_PER_TOKEN": "1e-4",
-           "KVMESH_ROUTER_SCORING_PREFILL_S_PER_TOKEN": "2e-4"}
+           "KVMESH_ROUTER_SCORING_PREFILL_S_PER_TOKEN": "2e-4", **OFF}
     cfg = load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env=env)
     assert cfg.scoring.queue_weight == 2.0 and cfg.scoring.prefill_s_per_token == 2e-4
-    assert load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env={}).scoring == ScoringConfig()
+    assert load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env=OFF).scoring == ScoringConfig()
 
 
 def test_help_shows_scoring_default_and_env() -> None:

@@ -78,6 +78,7 @@ class Cluster:
         self._tasks: list[asyncio.Task] = []
         self._static: set[str] = set()
         self.pool_watcher: Any = None   # InferencePoolWatcher when --inference-pool is set
+        self.discovered_objectives: dict[str, int] = {}   # InferenceObjective name -> priority
         self.external = OpenAIEndpoints(cfg.external_connect_timeout_s, cfg.external_api_key)
         for spec in cfg.endpoints:
             eid, addr = parse_endpoint(spec)
@@ -127,6 +128,16 @@ class Cluster:
                 log.info("endpoint joined from the InferencePool", extra={"endpoint": eid, "url": url})
             self.set_external(eid, url, True, "inference-pool")
 
+    def apply_objectives(self, priorities: dict[str, int]) -> None:
+        """The pool's InferenceObjective priorities from the cluster (``--inference-objectives`` wins)."""
+        if priorities != self.discovered_objectives:
+            log.info("InferenceObjective priorities", extra={"objectives": priorities})
+        self.discovered_objectives = priorities
+
+    def objective_priority(self, name: str) -> int:
+        static = self.cfg.inference_objectives
+        return static[name] if name in static else self.discovered_objectives.get(name, 0)
+
     def remove_external(self, eid: str) -> None:
         if self.external.urls.pop(eid, None) is not None:
             self.http_addresses.pop(eid, None)
@@ -163,7 +174,8 @@ class Cluster:
             from kvmesh_router.inference_pool import InferencePoolWatcher
 
             ns, _, name = self.cfg.inference_pool.partition("/")
-            self.pool_watcher = InferencePoolWatcher(ns, name, self.apply_discovered, self.cfg.kubeconfig)
+            self.pool_watcher = InferencePoolWatcher(ns, name, self.apply_discovered, self.cfg.kubeconfig,
+                                                     objectives=self.apply_objectives)
             self.pool_watcher.start()
         self._tasks.append(asyncio.create_task(self._load_loop(), name="load-poll"))
         if self.indexer is not None:

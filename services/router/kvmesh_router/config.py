@@ -77,6 +77,18 @@ class RouterConfig:
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
+    # Gateway path (Envoy ext_proc picker): llm-d's P/D protocol and InferenceObjective priorities.
+    gateway_prefill_header: str = field(default="x-prefiller-host-port", metadata={
+        "help": "ext_proc picker: request header naming the prefill endpoint's host:port when the split is "
+                "chosen (llm-d's P/D sidecar reads it on the decode pod); '' = the gateway path never splits"})
+    inference_objectives: dict[str, int] = field(default_factory=dict, metadata={
+        "help": "InferenceObjective name -> priority (JSON; with --inference-pool also read from the pool's "
+                "InferenceObjective objects, these win); a request names its objective in the "
+                "x-gateway-inference-objective header (unknown or none: 0); priority < 0 is sheddable"})
+    shed_queue_depth: int = field(default=5, metadata={
+        "help": "the pool is saturated when every live endpoint has this many waiting requests or "
+                "shed_kv_usage KV in use; saturated, sheddable requests get 429"})
+    shed_kv_usage: float = field(default=0.8, metadata={"help": "KV usage (0..1) that counts as saturated"})
     # Failures and tenants
     tokenize_cache_bytes: int = field(default=256 << 20, metadata={
         "help": "memory for incremental tokenization of long conversations, LRU (0 = off)"})

@@ -42,6 +42,14 @@ class StreamBroken(RouterError):
         self.generated = generated
 
 
+class Overloaded(RouterError):
+    """The pool is saturated and the request is sheddable (its InferenceObjective priority < 0)."""
+
+    grpc_code = grpc.StatusCode.RESOURCE_EXHAUSTED
+    http_status = 429
+    error_type = "rate_limit_exceeded"
+
+
 class DeadlineExceeded(RouterError):
     grpc_code = grpc.StatusCode.DEADLINE_EXCEEDED
     http_status = 504

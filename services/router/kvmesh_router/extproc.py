@@ -21,7 +21,8 @@ Protocol (per the EPP spec):
 - no eligible endpoint -> ImmediateResponse 503; shedding load (more than
   ``max_inflight`` requests picked and unfinished, or the picker says so) -> 429;
   bad body -> 400, over ``max_body_bytes`` -> 413.
-- response headers, when Envoy sends them, get ``x-kvmesh-picked-endpoint``.
+- response headers, when Envoy sends them, get ``x-kvmesh-picked-endpoint`` and
+  ``x-kvmesh-predicted-cached-tokens``.
 - gRPC health serves ``envoy.service.ext_proc.v3.ExternalProcessor`` (and ``""``
   and ``liveness``) via ``kvmesh.rpc.server.ServiceServer``.
 
@@ -61,6 +62,7 @@ SUBSET_KEY = "x-gateway-destination-endpoint-subset"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 LB_NAMESPACE = "envoy.lb"
 PICKED_RESPONSE_HEADER = "x-kvmesh-picked-endpoint"
+PREDICTED_RESPONSE_HEADER = "x-kvmesh-predicted-cached-tokens"
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -133,6 +135,8 @@ class PickResult:
     # upstream HTTP status (0 = none seen); lets the router settle its in-flight bookkeeping.
     on_done: Callable[[int], Any] | None = None
     extra_headers: dict[str, str] = field(default_factory=dict)
+    # The request body to forward instead of the one received (the tenant's cache_salt set); None = as is.
+    body: bytes | None = None
 
 
 PickFn = Callable[[PickRequest], Awaitable[PickResult]]
@@ -267,7 +271,10 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     for h in req.response_headers.headers.headers:
                         if h.key == ":status":
                             st.status = int(_header_value(h) or 0)
-                    mutation = ep.HeaderMutation(set_headers=[_set_header(PICKED_RESPONSE_HEADER, st.result.address)]) \
+                    # What was picked and what it should have cached, next to the engine's own usage.
+                    mutation = ep.HeaderMutation(set_headers=[
+                        _set_header(PICKED_RESPONSE_HEADER, st.result.address),
+                        _set_header(PREDICTED_RESPONSE_HEADER, str(st.result.predicted_cached_tokens))]) \
                         if st.result is not None else ep.HeaderMutation()
                     yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
                         response=ep.CommonResponse(header_mutation=mutation)))
@@ -346,15 +353,18 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
         PICK_LATENCY.observe(time.perf_counter() - t0)
         set_headers = [_set_header(DEST_HEADER, result.address)]
         set_headers += [_set_header(k, v) for k, v in {**carrier, **result.extra_headers}.items()]
+        replaced = raw is not None and result.body is not None
         headers_resp = ep.ProcessingResponse(
             request_headers=ep.HeadersResponse(response=ep.CommonResponse(
-                header_mutation=ep.HeaderMutation(set_headers=set_headers),
+                # A replaced body has another length: Envoy sends it on without the client's.
+                header_mutation=ep.HeaderMutation(set_headers=set_headers,
+                                                  remove_headers=["content-length"] if replaced else []),
                 clear_route_cache=True)),
             dynamic_metadata=_lb_metadata(result.address),
         )
         out = [headers_resp]
         if raw is not None:
-            out.append(self._body_passthrough(raw, body_eos))
+            out.append(self._body_passthrough(result.body if replaced else raw, body_eos))
         log.debug("ext_proc picked", extra={"request_id": st.request_id, "address": result.address,
                                            "endpoint": result.endpoint_id, "reason": result.reason})
         return out

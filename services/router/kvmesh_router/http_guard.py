@@ -11,7 +11,7 @@ Why it exists: the router faces clients it does not trust. Two layers:
 * ``guarded_protocol`` (uvicorn's httptools protocol): a cap on open connections
   (503 JSON, closed), a deadline for the request line and headers of each request
   (408 JSON, closed: no half-sent request holds a connection forever) and a cap on
-  their size (431). The body's size and read time are bounded where it is read
+  their size (431); bytes that are not HTTP get a JSON 400 too. The body's size and read time are bounded where it is read
   (``kvmesh.openai.requests.read_body``: 413 at the limit, chunked or not; 408).
 """
 
@@ -172,6 +172,10 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                              f"request line and headers over {max_header_bytes} bytes")
                 return
             super().on_headers_complete()
+
+        def send_400_response(self, msg: str) -> None:
+            # uvicorn's answer to bytes that are not HTTP: JSON like every other error.
+            self._refuse(400, "Bad Request", f"malformed HTTP request: {msg}")
 
         def on_body(self, body: bytes) -> None:
             if self.cycle is None or self.transport.is_closing():

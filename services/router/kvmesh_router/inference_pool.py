@@ -9,6 +9,9 @@ port) is one external OpenAI endpoint ``<pod-ip>:<port>`` at ``http://<pod-ip>:<
 the id is the one llm-d's event topic carries (``kv@<pod-ip>:<port>@<model>``), so
 the indexer's events and the router's endpoints agree without configuration.
 
+The pool's ``InferenceObjective`` objects (``spec.poolRef`` naming the pool) give the
+priorities the gateway path sheds by (``picker``); they are listed again at every relist.
+
 Both pool API versions are read: ``inference.networking.k8s.io/v1`` (``selector.matchLabels``,
 ``targetPorts[].number``) and ``inference.networking.x-k8s.io/v1alpha2`` (``selector`` map,
 ``targetPortNumber``). The client is blocking, so the list-then-watch loop runs in a
@@ -28,6 +31,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 POOL_APIS = (("inference.networking.k8s.io", "v1"), ("inference.networking.x-k8s.io", "v1alpha2"))
+OBJECTIVE_APIS = (("inference.networking.x-k8s.io", "v1alpha2"), ("llm-d.ai", "v1alpha2"))
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,19 @@ def pool_spec(obj: dict[str, Any]) -> PoolSpec:
     return PoolSpec(",".join(f"{k}={v}" for k, v in sorted(labels.items())), tuple(ports))
 
 
+def objective_priorities(items: list[dict[str, Any]], pool: str) -> dict[str, int]:
+    """InferenceObjective name -> priority (unset: 0) of the objectives whose poolRef is ``pool``."""
+    out = {}
+    for obj in items:
+        spec = obj.get("spec") or {}
+        ref = spec.get("poolRef") or {}
+        name = (obj.get("metadata") or {}).get("name")
+        prio = spec.get("priority", 0)
+        if ref.get("name") == pool and isinstance(name, str) and isinstance(prio, int) and not isinstance(prio, bool):
+            out[name] = prio
+    return out
+
+
 def pod_ready(pod: Any) -> bool:
     st = pod.status
     if pod.metadata.deletion_timestamp is not None or st is None or not st.pod_ip or st.phase != "Running":
@@ -72,9 +89,11 @@ class InferencePoolWatcher:
     """Keeps ``apply(snapshot)`` called (on the event loop) with the pool's endpoints."""
 
     def __init__(self, namespace: str, name: str, apply: Callable[[dict[str, str]], None], kubeconfig: str = "",
-                 retry_s: float = 2.0, watch_timeout_s: int = 60) -> None:
+                 retry_s: float = 2.0, watch_timeout_s: int = 60,
+                 objectives: Callable[[dict[str, int]], None] | None = None) -> None:
         self.namespace, self.name = namespace, name
         self._apply = apply
+        self._objectives = objectives
         self.kubeconfig = kubeconfig
         self.retry_s = retry_s
         self.watch_timeout_s = watch_timeout_s
@@ -128,6 +147,26 @@ class InferencePoolWatcher:
             return pool_spec(obj)
         raise LookupError(f"InferencePool {self.namespace}/{self.name} not found ({err and err.reason})")
 
+    def _read_objectives(self, api: Any) -> None:
+        """Hand the pool's objective priorities over; an API without the CRD leaves them as they were."""
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        if self._objectives is None:
+            return
+        objs = client.CustomObjectsApi(api)
+        for group, version in OBJECTIVE_APIS:
+            try:
+                got = objs.list_namespaced_custom_object(group, version, self.namespace, "inferenceobjectives")
+            except ApiException as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            prios = objective_priorities(got.get("items") or [], self.name)
+            if self._loop is not None and not self._stop.is_set():
+                self._loop.call_soon_threadsafe(self._objectives, prios)
+            return
+
     def _post(self, pods: dict[str, Any], ports: tuple[int, ...]) -> None:
         snap = endpoints_of(pods, ports)
         if self._loop is not None and not self._stop.is_set():
@@ -147,6 +186,7 @@ class InferencePoolWatcher:
                 if api is None:
                     api = self._client()
                 spec = self._read_pool(api)
+                self._read_objectives(api)
                 core = client.CoreV1Api(api)
                 listed = core.list_namespaced_pod(self.namespace, label_selector=spec.label_selector)
                 pods = {p.metadata.name: p for p in listed.items}

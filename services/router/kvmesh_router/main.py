@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import json
 import logging
 from typing import Any
 
@@ -59,15 +60,25 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
     """Adapter from the ext_proc module's ``PickRequest`` to :func:`kvmesh_router.picker.pick`."""
     from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
     from kvmesh_router import extproc
-    from kvmesh_router.errors import BadRequest, RouterError, Unavailable
+    from kvmesh_router.errors import BadRequest, Overloaded, RouterError, Unavailable
     from kvmesh_router.picker import pick
 
     async def pick_fn(preq: Any) -> Any:
         try:
-            scopes.authenticate(preq.headers.get)   # the same keys as the router's own front doors
+            # The same keys and tenants as the router's own front doors.
+            principal = scopes.authenticate(preq.headers.get)
         except Unauthenticated as exc:
             raise extproc.UnauthenticatedError(str(exc)) from None
         body = preq.body or {}
+        client_salt = body.get("cache_salt", "")
+        if not isinstance(client_salt, str):
+            raise extproc.BadRequestError("cache_salt: must be a string")
+        # The worker behind Envoy hashes with the body's cache_salt: it gets the tenant's secret salt
+        # (the client's mixed in), so tenants stay apart on this path too, and the prediction matches.
+        salt = service.salts.salt(scopes.tenant(principal, preq.headers.get(scopes.tenant_header, "")), client_salt)
+        new_body = None
+        if salt != client_salt and preq.body is not None:
+            new_body = json.dumps({**body, "cache_salt": salt}, ensure_ascii=False).encode()
         prompt = body.get("prompt")
         tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
         text = prompt if isinstance(prompt, str) else None
@@ -81,17 +92,20 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
                                 chat_request=chat, headers=preq.headers,
                                 subset=set(preq.subset) if preq.subset is not None else None,
                                 session_id=str(body.get("session_id", "")),
-                                cache_salt=str(body.get("cache_salt", "")))
+                                cache_salt=salt)
         except BadRequest as exc:
             raise extproc.BadRequestError(exc.message) from None
         except Unavailable as exc:
             raise extproc.NoEligibleEndpointError(exc.message) from None
+        except Overloaded as exc:
+            raise extproc.ShedLoadError(exc.message) from None
         except RouterError as exc:
             raise extproc.PickError(exc.message) from None
         return extproc.PickResult(address=picked.http_address or picked.grpc_address,
                                   endpoint_id=picked.endpoint_id,
                                   predicted_cached_tokens=picked.predicted_cached_tokens, reason=picked.reason,
-                                  on_done=lambda _status: picked.done())
+                                  on_done=lambda _status: picked.done(), body=new_body,
+                                  extra_headers=picked.extra_headers)
 
     return pick_fn
 

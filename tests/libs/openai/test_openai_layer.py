@@ -112,14 +112,14 @@ def _app() -> FastAPI:
 def test_error_shape_and_mapping() -> None:
     c = TestClient(_app())
     assert c.post("/echo", json={"a": 1}).json() == {"a": 1}
-    for content, words in [(b"{not json", "malformed"), (b"[1]", "JSON object"), (b"\xff\xfe", "malformed"),
-                           (b"x" * 200, "over 100 bytes")]:
+    for content, words, status in [(b"{not json", "malformed", 400), (b"[1]", "JSON object", 400),
+                                   (b"\xff\xfe", "malformed", 400), (b"x" * 200, "over 100 bytes", 413)]:
         r = c.post("/echo", content=content)
-        assert r.status_code == 400 and r.headers["x-test"] == "1"
+        assert r.status_code == status and r.headers["x-test"] == "1"
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"}
         assert words in err["message"] and err["param"] == "body" and err["type"] == "invalid_request_error"
-        assert err["code"] == 400
+        assert err["code"] == status
     r = c.get("/boom")
     assert r.status_code == 503 and r.json() == error_body(503, "engine down", "server_error")
     r = c.get("/nowhere")

@@ -47,6 +47,7 @@ class FakeApiServer:
         app = FastAPI()
         app.add_api_route("/apis/{group}/{version}/namespaces/{ns}/inferencepools/{name}", self._pool)
         app.add_api_route("/api/v1/namespaces/{ns}/pods", self._pods)
+        app.add_api_route("/apis/{group}/{version}/namespaces/{ns}/inferenceobjectives", self._objectives)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
                                                     lifespan="off"))
         self.server.install_signal_handlers = lambda: None
@@ -67,6 +68,16 @@ class FakeApiServer:
             return JSONResponse({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound",
                                  "code": 404}, status_code=404)
         return JSONResponse(self.pool)
+
+    async def _objectives(self, group: str, version: str, ns: str) -> JSONResponse:
+        if (group, version, ns) != ("inference.networking.x-k8s.io", "v1alpha2", "llm"):
+            return JSONResponse({"kind": "Status", "status": "Failure", "reason": "NotFound", "code": 404},
+                                status_code=404)
+        items = [{"metadata": {"name": n}, "spec": {**({"priority": p} if p is not None else {}),
+                                                    "poolRef": {"name": pool}}}
+                 for n, p, pool in (("batch", -1, "pool"), ("chat", 10, "pool"), ("plain", None, "pool"),
+                                    ("elsewhere", -5, "other-pool"))]
+        return JSONResponse({"apiVersion": f"{group}/{version}", "kind": "InferenceObjectiveList", "items": items})
 
     async def _pods(self, ns: str, request: Request):
         q = request.query_params
@@ -112,7 +123,7 @@ async def test_pods_of_the_pool_become_endpoints(tmp_path, tiny_model_dir) -> No
     api = FakeApiServer(pool, [_pod("p1", "127.0.0.1", True, 5), _pod("p2", "127.0.0.2", False, 6)])
     port = await api.start()
     cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
-                       auth="off", inference_pool="llm/pool", kubeconfig=_kubeconfig(tmp_path / "kubeconfig", port))
+                       auth="off", inference_objectives={"chat": 3}, inference_pool="llm/pool", kubeconfig=_kubeconfig(tmp_path / "kubeconfig", port))
     cfg.validate()
     svc = build_service(cfg)
     svc.cluster.start()
@@ -122,6 +133,10 @@ async def test_pods_of_the_pool_become_endpoints(tmp_path, tiny_model_dir) -> No
         await _until(lambda: first in svc.core.endpoints)
         assert second not in svc.core.endpoints   # not ready
         assert api.selectors[0] == "app=vllm,tier=gpu"
+        # The pool's InferenceObjectives give the gateway path its priorities (static config wins).
+        await _until(lambda: svc.cluster.discovered_objectives != {})
+        assert svc.cluster.discovered_objectives == {"batch": -1, "chat": 10, "plain": 0}
+        assert [svc.cluster.objective_priority(n) for n in ("batch", "chat", "elsewhere", "")] == [-1, 3, 0, 0]
         r = await client.post("/v1/chat/completions", headers={"x-tenant": "t1"},
                               json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
         assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == first, r.text

@@ -1,6 +1,7 @@
 """The router in front of two plain vLLM OpenAI servers (no kvmesh worker): a team's own fleet.
 
-vLLM publishes KV events to the indexer's central socket (llm-d's topic convention names each
+vLLM saves and restores KV through kvmesh's connector and the shared store, and publishes KV
+events to the indexer's central socket (llm-d's topic convention names each
 server ``<ip>:<port>``, the id the router gives a bare ``--endpoints`` URL); the router reads each
 server's /metrics for load, renders and hashes every chat request itself, and forwards the
 client's body with the tenant's cache_salt added. Through the router's HTTP with the
@@ -8,7 +9,9 @@ official ``openai`` client, a 20-turn agent conversation with tools: on every tu
 router's predicted cached tokens (``x-kvmesh-predicted-cached-tokens``) equal vLLM's own
 ``usage.prompt_tokens_details.cached_tokens``; the turns that require a tool get vLLM's
 parsed tool call back; another tenant's identical prompt gets no cached token; killing the
-vLLM that holds the conversation moves it to the other one.
+vLLM that holds the conversation moves it to the other one, which restores it from the store.
+The same fleet behind a real Envoy with the router as ext_proc picker: the picker writes the
+tenant's salt into the forwarded body, and predictions equal vLLM's there too.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import httpx
 import openai
 import pytest
 
+from kvmesh.worker.connector import CONNECTOR_MODULE
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.envoy, pytest.mark.timeout(600)]
 
 TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.", "strict": True,
@@ -34,7 +38,8 @@ TOOLS = [{"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+def fleet(vllm_servers, envoy_factory, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory
+          ) -> Iterator[dict]:
     tmp = tmp_path_factory.mktemp("router-vllm-external")
     central: dict[str, str] = {}
 
@@ -45,11 +50,26 @@ def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory
                  "--kv-events-replay", f"ipc://{tmp}/replay-{{port}}.sock"], f"127.0.0.1:{iport}")
 
     idx = ServiceProcess.on_fresh_ports("indexer", indexer_ports, log_path=tmp / "indexer.log").start(60)
-    router = None
+    router = store = None
     try:
-        servers = vllm_servers(["v1", "v2"], f"tcp://127.0.0.1:{central['port']}", tmp)
-        port, http = free_port(), free_port()
+        # The shared store, registered with the indexer for every model; its events index what it holds.
+        sp = free_port()
+        store = ServiceProcess("offload", [
+            "--host", "127.0.0.1", "--port", str(sp), "--endpoint-id", "store-0", "--ram-capacity-bytes",
+            str(256 << 20), "--events-endpoint", f"tcp://*:{free_port()}", "--indexer-address", idx.grpc_address,
+            "--advertise-host", "127.0.0.1"], f"127.0.0.1:{sp}", log_path=tmp / "offload.log").start(60)
+        connector = {"kv_connector": "KvmeshConnector", "kv_connector_module_path": CONNECTOR_MODULE,
+                     "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
+                     "kv_connector_extra_config": {"store_address": store.grpc_address}}
+        servers = vllm_servers(["v1", "v2"], f"tcp://127.0.0.1:{central['port']}", tmp,
+                               kv_transfer=lambda _eid: connector)
+        port, http, metrics_port, extproc_port = free_port(), free_port(), free_port(), free_port()
+        # A lookup past --lookup-timeout-s is answered by the router's local view (what earlier
+        # lookups learned), which misses what the last turn added: on this shared, loaded machine
+        # the indexer gets a deadline long enough that every prediction is the index's.
         router = ServiceProcess("router", [
+            "--metrics-port", str(metrics_port), "--lookup-timeout-s", "2", "--lookup-late-s", "4",
+            "--extproc-port", str(extproc_port),
             "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
             "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address, "--auth", "off",
             "--tokenizer-path", str(tiny_model_dir), "--speculative-ttl-s", "0.3", "--max-model-len", "4096",
@@ -60,10 +80,15 @@ def fleet(vllm_servers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory
         while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 2:
             assert time.monotonic() < deadline, "the router never saw both vLLM servers up"
             time.sleep(0.2)
-        yield {"base": base, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log"}
+        # The same fleet behind Envoy, the router as its ext_proc endpoint picker.
+        gateway = envoy_factory(extproc_port, [s.port for s in servers], fail_open=False, name="gateway")
+        yield {"base": base, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log",
+               "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gateway": gateway.base}
     finally:
         if router is not None:
             router.stop(grace_s=5)
+        if store is not None:
+            store.stop(grace_s=5)
         idx.stop(grace_s=5)
 
 
@@ -78,6 +103,24 @@ def _turn(client: openai.OpenAI, messages: list[dict], **kw) -> tuple[object, in
     return raw.parse(), int(raw.headers["x-kvmesh-predicted-cached-tokens"]), raw.headers["x-kvmesh-endpoint"]
 
 
+def _streamed_turn(client: openai.OpenAI, messages: list[dict], **kw) -> tuple[object, int, str]:
+    """A streamed turn (SSE passed through from vLLM): (the last chunk, with usage; content; ...)."""
+    raw = client.chat.completions.with_raw_response.create(
+        model=TINY_MODEL_NAME, messages=messages, tools=TOOLS, temperature=0.0, stream=True,
+        stream_options={"include_usage": True}, **kw)
+    chunks = list(raw.parse())
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    last = chunks[-1]
+    assert last.usage is not None and any(c.choices and c.choices[0].finish_reason for c in chunks)
+    return (last, text), int(raw.headers["x-kvmesh-predicted-cached-tokens"]), raw.headers["x-kvmesh-endpoint"]
+
+
+def _lookups(fleet: dict) -> list[str]:
+    """The router's lookup outcomes so far (ok / local / late_merged), for a failure's message."""
+    text = httpx.get(fleet["metrics"], timeout=5).text
+    return [line for line in text.splitlines() if line.startswith("kvmesh_router_lookups_total")]
+
+
 def _opening(topic: str) -> list[dict]:
     return [{"role": "system", "content": "You are a coding agent. Use the tools when they help. " * 6},
             {"role": "user", "content": f"Plan the refactor of {topic}, then check the weather."}]
@@ -89,14 +132,17 @@ def test_twenty_turns_with_tools_predictions_equal_vllm(fleet) -> None:
     endpoints, calls = [], 0
     for turn in range(20):
         wants_tool = turn % 4 == 1
-        r, predicted, eid = _turn(client, messages, max_tokens=64 if wants_tool else 8,
-                                  tool_choice="required" if wants_tool else "none")
+        if turn % 4 == 3:   # some turns stream: vLLM's SSE goes through untouched
+            (r, streamed_text), predicted, eid = _streamed_turn(client, messages, max_tokens=8, tool_choice="none")
+        else:
+            r, predicted, eid = _turn(client, messages, max_tokens=64 if wants_tool else 8,
+                                      tool_choice="required" if wants_tool else "none")
         cached = r.usage.prompt_tokens_details.cached_tokens
-        assert predicted == cached, (turn, eid, predicted, cached, r.usage)
+        assert predicted == cached, (turn, eid, predicted, cached, r.usage, _lookups(fleet))
         if turn:
             assert cached > 0, turn
         endpoints.append(eid)
-        msg = r.choices[0].message
+        msg = r.choices[0].message if turn % 4 != 3 else None
         if wants_tool:
             # vLLM parsed the call out of what the model wrote (guided by the tool's schema).
             assert r.choices[0].finish_reason == "tool_calls" and msg.tool_calls, r
@@ -109,11 +155,52 @@ def test_twenty_turns_with_tools_predictions_equal_vllm(fleet) -> None:
                               "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
                          {"role": "tool", "tool_call_id": call.id, "content": f"Sunny, {turn + 12} C"}]
         else:
-            messages += [{"role": "assistant", "content": msg.content or ""},
+            content = streamed_text if msg is None else (msg.content or "")
+            messages += [{"role": "assistant", "content": content},
                          {"role": "user", "content": f"Step {turn}: now look at file_{turn}.py and continue."}]
         time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
     assert calls == 5
     assert len(set(endpoints[1:])) == 1, endpoints   # the conversation stays with its KV
+
+
+def test_through_envoy_the_picker_salts_and_predicts(fleet) -> None:
+    """Envoy forwards the client's request to the vLLM the picker chose, with the tenant's salt
+    written into the body: predictions equal vLLM's, tool calls are vLLM's, tenants stay apart."""
+    def client(tenant: str) -> openai.OpenAI:
+        return openai.OpenAI(base_url=fleet["gateway"] + "/v1", api_key="k", max_retries=0, timeout=120,
+                             default_headers={"x-tenant": tenant})
+
+    messages = _opening("the gateway config")
+    picked = []
+    for turn in range(6):
+        wants_tool = turn % 3 == 1
+        raw = client("globex").chat.completions.with_raw_response.create(
+            model=TINY_MODEL_NAME, messages=messages, tools=TOOLS, temperature=0.0,
+            max_tokens=64 if wants_tool else 8, tool_choice="required" if wants_tool else "none")
+        r = raw.parse()
+        predicted = int(raw.headers["x-kvmesh-predicted-cached-tokens"])
+        assert predicted == r.usage.prompt_tokens_details.cached_tokens, (turn, predicted, r.usage)
+        if turn:
+            assert predicted > 0
+        picked.append(raw.headers["x-kvmesh-picked-endpoint"])
+        msg = r.choices[0].message
+        if wants_tool:
+            call = msg.tool_calls[0]
+            assert call.function.name == "get_weather"
+            messages += [{"role": "assistant", "content": None, "tool_calls": [
+                             {"id": call.id, "type": "function",
+                              "function": {"name": call.function.name, "arguments": call.function.arguments}}]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "Rain"}]
+        else:
+            messages += [{"role": "assistant", "content": msg.content or ""},
+                         {"role": "user", "content": f"Gateway step {turn}."}]
+        time.sleep(0.4)
+    assert len(set(picked)) == 1 and picked[0] in fleet["servers"], picked
+    # Another tenant's identical conversation: the picker salted its body differently.
+    raw = client("initech").chat.completions.with_raw_response.create(
+        model=TINY_MODEL_NAME, messages=messages, tools=TOOLS, temperature=0.0, max_tokens=2, tool_choice="none")
+    assert raw.parse().usage.prompt_tokens_details.cached_tokens == int(
+        raw.headers["x-kvmesh-predicted-cached-tokens"]) == 0
 
 
 def test_tenants_do_not_share_kv(fleet) -> None:
@@ -135,7 +222,12 @@ def test_killing_the_vllm_that_holds_a_conversation_moves_it(fleet) -> None:
     _, _, again = _turn(client, messages, max_tokens=2, tool_choice="none")
     assert again == holder
     fleet["servers"][holder].kill()
-    r, _, moved = _turn(client, messages, max_tokens=2, tool_choice="none")
+    raw = client.chat.completions.with_raw_response.create(
+        model=TINY_MODEL_NAME, messages=messages, tools=TOOLS, temperature=0.0, max_tokens=2, tool_choice="none")
+    r, moved = raw.parse(), raw.headers["x-kvmesh-endpoint"]
     assert moved != holder and r.choices[0].finish_reason in ("length", "stop")
+    # The other server restores the conversation's prefix from the store, as the router predicted.
+    assert int(raw.headers["x-kvmesh-predicted-cached-tokens-offload"]) > 0
+    assert int(raw.headers["x-kvmesh-predicted-cached-tokens"]) == r.usage.prompt_tokens_details.cached_tokens
     health = httpx.get(fleet["base"] + "/health", timeout=5).json()
     assert health["live_endpoints"] == 1

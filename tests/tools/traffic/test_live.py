@@ -79,3 +79,30 @@ def test_replay_http_api(live_stack_rr) -> None:
     assert res.metrics["prompt_tokens"] == sum(r.input_tokens for r in tr.requests())
     # The HTTP front door carries the class too (under "kvmesh"), so the summary counts it.
     assert res.metrics["mismatches"]["requests"] == sum(1 for r in res.records if r["mismatch"])
+
+
+def test_precise_decides_live_as_in_the_simulator(live_stack_precise) -> None:
+    """The placement cost's terms (displaced KV against each worker's capacity without vLLM's
+    null block, the sessions' working set) decide the same way in the live router and in the
+    simulator: the same endpoint and the same cached tokens for every request.
+
+    Two sessions whose contexts (up to 3,400 tokens) do not both fit one worker's 64 blocks.
+    The live router's clock is real time, the simulator's is recorded time (20x): the
+    simulator's speculative entries live 20x longer in recorded seconds, as the router's do.
+    """
+    tr = _workload()
+    res = asyncio.run(run_replay(tr, ReplayConfig(target=live_stack_precise.router_address,
+                                                  api_key=live_stack_precise.api_key, time_scale=20.0, concurrency=1,
+                                                  vocab_size=32000, progress=False,
+                                                  tls=live_stack_precise.client_tls())))
+    assert res.metrics["errors"] == 0 and res.metrics["ok"] == 10
+    sim = simulate_policies(_workload(), SimConfig(
+        decode_workers=2, prefill_workers=0, kv_capacity_tokens=64 * 64, offload_capacity_tokens=10_000_000,
+        kv_bytes_per_token=512, seed=0, start_window_s=None, speculative_ttl_s=2.0 * 20.0), ["precise"], jobs=1,
+        records=True)
+    assert sim["results"]["precise"]["requests"] == 10
+    live = {r["uid"]: (r["endpoint"], r["cached_gpu"], r["cached_offload"]) for r in res.records}
+    simulated = {r["uid"]: (r["endpoint"], r["cached_gpu"], r["cached_offload"]) for r in sim["records"]["precise"]}
+    assert simulated == live
+    # Both sessions are placed where their contexts fit: on different workers.
+    assert {live["s0/main/0"][0], live["s1/main/0"][0]} == {"decode-0", "decode-1"}
