@@ -28,6 +28,7 @@ class OpenAIEngine:
         self.kv_usage = 0.0
         self.metrics_status = 200
         self.cached_tokens = 0
+        self.break_stream = False   # die after the first SSE event (a crashed engine mid-answer)
         self.server: uvicorn.Server | None = None
         self._task: asyncio.Task | None = None
         self.port = 0
@@ -76,6 +77,9 @@ class OpenAIEngine:
         self.headers.append(dict(request.headers))
         if body.get("model") != self.model:
             return JSONResponse({"object": "error", "message": "no such model", "code": 404}, status_code=404)
+        if isinstance(body.get("max_tokens"), int) and body["max_tokens"] < 1:   # vLLM's own validation
+            return JSONResponse({"error": {"message": "max_tokens must be at least 1", "type": "BadRequestError",
+                                           "param": None, "code": 400}}, status_code=400)
         usage = {"prompt_tokens": 10, "completion_tokens": 2, "total_tokens": 12,
                  "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
         msg = {"role": "assistant", "content": "hi"}
@@ -88,6 +92,8 @@ class OpenAIEngine:
         async def events():
             for piece in ("h", "i"):
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': piece}}]})}\n\n"
+                if self.break_stream:
+                    raise RuntimeError("engine died mid-stream")
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"
 

@@ -10,7 +10,8 @@ every miss with the same classifier, so a class means the same thing in
   arrived); blocks left the GPU cache (or the store) before it was scheduled.
 - ``filled``: the view was right; more was cached by the time the request was
   scheduled (a sibling computed the prefix in between).
-- ``lag``: the index had not yet applied the engine's latest KV events.
+- ``lag``: the index had not yet applied the engine's latest KV events (or, live, the
+  offload store's: the engine's part of the view was right and the store's was not).
 - ``speculative``: the prediction counted blocks from the router's own
   speculative (or pending split) entries that the engine did not hold.
 - ``lookup_timeout``: the index did not answer in time (or at all), so the
@@ -51,6 +52,8 @@ class ViewAtDecision:
     speculative: int        # of ``predicted``, blocks only the router's speculative/pending entries claimed
     lag: bool               # the engine had KV events the index had not applied yet
     lookup_timed_out: bool = False   # the index was asked and did not answer in time
+    index_store: int = -1   # the index's leading store blocks (-1: not known; the simulator leaves it)
+    engine_store: int = -1  # the store's leading blocks when the request arrived (-1: not known)
 
 
 def classify(view: ViewAtDecision, actual: int, *, uses_index: bool, split: bool) -> str:
@@ -71,6 +74,11 @@ def classify(view: ViewAtDecision, actual: int, *, uses_index: bool, split: bool
         return "speculative"
     if view.lag and view.index_gpu != view.engine_gpu:
         return "lag"
+    if (view.index_gpu == view.engine_gpu and view.index_store >= 0 and view.engine_store >= 0
+            and view.index_store != view.engine_store):
+        # The engine's part was right; the store's was not: the store's KV events (saves,
+        # evictions) had not reached the index. Not checked by sequence numbers as the engine's are.
+        return "lag"
     return "view_bug"
 
 
@@ -82,6 +90,7 @@ class RouterSide:
     index_gpu: int = -1         # the index's leading GPU blocks on the chosen endpoint (-1: no answer)
     speculative: int = 0        # blocks only speculative/pending entries claimed
     index_applied: int = -1     # KV-event batches of the chosen endpoint the index had applied (-1: not told)
+    index_store: int = -1       # the index's leading store blocks (-1: no answer)
     lookup_timed_out: bool = False
     uses_index: bool = True
 
@@ -94,7 +103,7 @@ def live_view(side: RouterSide, *, known: bool, gpu_blocks: int, store_blocks: i
                               side.lookup_timed_out)
     lag = side.index_applied < 0 or side.index_applied < events_through
     return ViewAtDecision(side.predicted, max(gpu_blocks, store_blocks), gpu_blocks, side.index_gpu,
-                          side.speculative, lag, side.lookup_timed_out)
+                          side.speculative, lag, side.lookup_timed_out, side.index_store, store_blocks)
 
 
 def count(classes: list[str]) -> dict[str, int]:

@@ -254,6 +254,14 @@ class LocalStack:
         write_secret(secret)
         return ["--auth", "keys", "--api-keys-file", str(keys), "--salt-secret-file", str(secret)]
 
+    def tenant_salt(self) -> str:
+        """The cache salt of the stack key's requests ('' with auth off): what the engines hash with."""
+        if not self.api_key:
+            return ""
+        from kvmesh.api_keys import TenantSalts
+
+        return TenantSalts.from_file(Path(self.cfg.log_dir).resolve() / "auth" / "salt-secret").salt("local")
+
     def auth_headers(self) -> dict[str, str]:
         """The HTTP headers a client of this stack sends (none with auth off)."""
         return {"authorization": f"Bearer {self.api_key}"} if self.api_key else {}

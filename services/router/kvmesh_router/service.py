@@ -362,6 +362,8 @@ class RouterService:
             if matches is not None and matches.source != "local" else -1,
             speculative=(win.speculative_blocks + win.pending_blocks) if win is not None else 0,
             index_applied=applied, uses_index=uses_index,
+            index_store=min(max(matches.store.cpu, matches.store.disk), max_hit_blocks(req.num_tokens, bs))
+            if matches is not None and matches.source != "local" else -1,
             lookup_timed_out=uses_index and (matches is None or matches.source == "local"))
 
     def _mismatch(self, p: Prepared, d: Decision, msg: worker_pb2.GenerateResponse, actual: int,

@@ -57,6 +57,18 @@ def test_live_view_lag_is_an_index_behind_the_engine_events() -> None:
     assert not v.lag and classify(v, 10, uses_index=True, split=False) == "view_bug"
 
 
+def test_a_store_behind_its_index_is_lag_not_a_view_bug() -> None:
+    # The engine's GPU part matched the index; the index still showed 42 store blocks the store
+    # had partly evicted (its removal events not yet applied).
+    v = live_view(_side(predicted=42, index_gpu=3, index_store=42, index_applied=8), known=True, gpu_blocks=3,
+                  store_blocks=40, events_through=8)
+    assert classify(v, 40, uses_index=True, split=False) == "lag"
+    # The same miss with the store's part right is a view bug.
+    v = live_view(_side(predicted=42, index_gpu=3, index_store=40, index_applied=8), known=True, gpu_blocks=3,
+                  store_blocks=40, events_through=8)
+    assert classify(v, 40, uses_index=True, split=False) == "view_bug"
+
+
 def test_live_view_truth_is_the_better_of_gpu_and_store() -> None:
     v = live_view(_side(predicted=9, index_gpu=2), known=True, gpu_blocks=2, store_blocks=9, events_through=7)
     assert v.truth == 9 and classify(v, 5, uses_index=True, split=False) == "evicted"

@@ -96,6 +96,25 @@ async def test_completions_and_streams_pass_through(stack) -> None:
     assert "".join(json.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:2]) == "hi"
 
 
+async def test_the_engines_own_errors_come_back_unchanged(stack) -> None:
+    svc, engines, client = stack
+    r = await client.post("/v1/chat/completions", json=_chat(max_tokens=0))
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be at least 1"
+    assert r.headers["x-kvmesh-endpoint"] in engines
+
+
+async def test_an_engine_dying_mid_stream_ends_the_stream_with_an_error(stack) -> None:
+    svc, engines, client = stack
+    for e in engines.values():
+        e.break_stream = True
+    r = await client.post("/v1/chat/completions", json=_chat(stream=True))
+    assert r.status_code == 200   # the answer had begun: too late for a status or a retry
+    events = [json.loads(line[6:]) for line in r.text.split("\n") if line.startswith("data: {")]
+    assert events[0]["choices"][0]["delta"]["content"] == "h"
+    assert events[-1]["error"]["type"] == "upstream_error" and "broke off" in events[-1]["error"]["message"]
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)   # the router settled it
+
+
 async def test_load_comes_from_vllm_metrics(stack) -> None:
     svc, engines, client = stack
     engines["a"].waiting, engines["a"].running, engines["a"].kv_usage = 7, 2, 0.5
