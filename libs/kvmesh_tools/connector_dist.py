@@ -38,7 +38,9 @@ def module_file(name: str, libs: Path = LIBS) -> Path | None:
     return None
 
 
-def _imports(path: Path, name: str) -> set[str]:
+def module_imports(path: Path, name: str) -> set[str]:
+    """Every module ``path`` (module ``name``) imports, relative imports resolved; a
+    ``from m import x`` also yields ``m.x`` (a module or not: callers keep what exists)."""
     tree = ast.parse(path.read_text(), str(path))
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     out: set[str] = set()
@@ -53,8 +55,8 @@ def _imports(path: Path, name: str) -> set[str]:
             else:
                 mod = node.module or ""
             out.add(mod)
-            out.update(f"{mod}.{a.name}" for a in node.names)  # kept only when it is a module
-    return {m for m in out if m.split(".")[0] in FIRST_PARTY}
+            out.update(f"{mod}.{a.name}" for a in node.names)
+    return out
 
 
 def closure(roots: tuple[str, ...] = ROOTS, libs: Path = LIBS) -> dict[str, Path]:
@@ -73,7 +75,7 @@ def closure(roots: tuple[str, ...] = ROOTS, libs: Path = LIBS) -> dict[str, Path
         found[name] = path
         parts = name.split(".")
         todo.extend(".".join(parts[:i]) for i in range(1, len(parts)))
-        todo.extend(_imports(path, name))
+        todo.extend(m for m in module_imports(path, name) if m.split(".")[0] in FIRST_PARTY)
     return found
 
 

@@ -11,7 +11,6 @@ server.
 
 from __future__ import annotations
 
-import ast
 import asyncio
 import importlib.util
 import re
@@ -23,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvmesh.rpc.server import ServerOptions, ServiceServer
+from kvmesh_tools.connector_dist import module_imports
 from kvmesh_tools.testing.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -77,25 +77,6 @@ def _module_file(name: str) -> Path | None:
     return Path(spec.origin)
 
 
-def _imports(path: Path, modname: str) -> set[str]:
-    tree = ast.parse(path.read_text(), str(path))
-    pkg = modname if path.name == "__init__.py" else modname.rpartition(".")[0]
-    out: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = pkg.split(".")
-                base = base[: len(base) - node.level + 1]
-                mod = ".".join([*base, node.module] if node.module else base)
-            else:
-                mod = node.module or ""
-            out.add(mod)
-            out.update(f"{mod}.{a.name}" for a in node.names)
-    return out
-
-
 def third_party_imports(entry: str, first_party: tuple[str, ...]) -> dict[str, str]:
     """Top-level third-party modules reachable from ``entry`` -> an importing module."""
     seen: set[str] = set()
@@ -110,7 +91,7 @@ def third_party_imports(entry: str, first_party: tuple[str, ...]) -> dict[str, s
         f = _module_file(mod)
         if f is None or f.suffix != ".py":
             continue
-        for imp in _imports(f, mod):
+        for imp in module_imports(f, mod):
             top = imp.split(".")[0]
             if not top or top in stdlib or top == "__future__":
                 continue

@@ -24,7 +24,8 @@ def _u32(value: int, what: str) -> int:
     return value
 
 
-def _varint(n: int) -> bytes:
+def encode_varint(n: int) -> bytes:
+    """Protobuf base-128 varint of a non-negative int (no bound: the fuzzer uses over-long ones)."""
     out = bytearray()
     while True:
         b = n & 0x7F
@@ -84,30 +85,30 @@ class Chunk:
 def encode_chunk_parts(key: int, data_len: int, last: bool, crc: int,
                        token_ids: list[int] | tuple[int, ...] = ()) -> tuple[bytes, bytes]:
     """(prefix, suffix) of a ``BlockChunk`` around ``data_len`` bytes of payload."""
-    prefix = b"\x08" + _varint(key) + b"\x12" + _varint(data_len)
+    prefix = b"\x08" + encode_varint(key) + b"\x12" + encode_varint(data_len)
     suffix = bytearray()
     if last:
         suffix += b"\x18\x01"
     if crc:
-        suffix += b"\x20" + _varint(crc)
+        suffix += b"\x20" + encode_varint(crc)
     if token_ids:
-        packed = b"".join(_varint(t) for t in token_ids)
-        suffix += b"\x2a" + _varint(len(packed)) + packed
+        packed = b"".join(encode_varint(t) for t in token_ids)
+        suffix += b"\x2a" + encode_varint(len(packed)) + packed
     return prefix, bytes(suffix)
 
 
 def encode_get_response(key: int, data: bytes | memoryview, last: bool, crc: int, tier: int) -> bytes:
     prefix, suffix = encode_chunk_parts(key, len(data), last, crc)
     clen = len(prefix) + len(data) + len(suffix)
-    tail = suffix + (b"\x10" + _varint(tier) if tier else b"")
-    return b"".join((b"\x0a", _varint(clen), prefix, data, tail))
+    tail = suffix + (b"\x10" + encode_varint(tier) if tier else b"")
+    return b"".join((b"\x0a", encode_varint(clen), prefix, data, tail))
 
 
 def encode_put_chunk(key: int, data: bytes | memoryview, last: bool, crc: int,
                      token_ids: list[int] | tuple[int, ...] = ()) -> bytes:
     prefix, suffix = encode_chunk_parts(key, len(data), last, crc, token_ids)
     clen = len(prefix) + len(data) + len(suffix)
-    return b"".join((b"\x12", _varint(clen), prefix, data, suffix))
+    return b"".join((b"\x12", encode_varint(clen), prefix, data, suffix))
 
 
 def _decode_chunk(buf: memoryview, pos: int, end: int, out: Chunk) -> None:

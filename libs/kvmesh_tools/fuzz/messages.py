@@ -17,6 +17,8 @@ from google.protobuf import descriptor as _d
 from google.protobuf import message as _message
 from google.protobuf import message_factory
 
+from kvmesh.kvstore.wire import encode_varint
+
 _INT_EDGES = {
     "i32": [0, 1, -1, 2**31 - 1, -(2**31)],
     "i64": [0, 1, -1, 2**63 - 1, -(2**63), 10**12],
@@ -142,18 +144,6 @@ class MessageGenerator:
         return "n" * rng.choice([4096, 65536, 1 << 20])
 
 
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
 def mutate(raw: bytes, rng: random.Random) -> bytes:
     """Damaged bytes: the parser may accept them (as other values) or refuse them."""
     op = rng.randrange(7)
@@ -169,9 +159,9 @@ def mutate(raw: bytes, rng: random.Random) -> bytes:
     elif op == 3:                                     # an overlong varint (11 bytes: over 64 bits) in field 1..15
         buf += bytes([(rng.randint(1, 15) << 3) | 0]) + b"\xff" * 10 + b"\x01"
     elif op == 4:                                     # a length prefix larger than what follows
-        buf += bytes([(rng.randint(1, 15) << 3) | 2]) + _varint(rng.randint(1 << 20, 1 << 30))
+        buf += bytes([(rng.randint(1, 15) << 3) | 2]) + encode_varint(rng.randint(1 << 20, 1 << 30))
     elif op == 5:                                     # a varint key just over 2^64 in field 1..8
-        buf += bytes([(rng.randint(1, 8) << 3) | 0]) + _varint((1 << 64) + rng.randint(0, 1 << 20))
+        buf += bytes([(rng.randint(1, 8) << 3) | 0]) + encode_varint((1 << 64) + rng.randint(0, 1 << 20))
     else:                                             # nothing like a message
         buf = bytearray(rng.randbytes(rng.randint(0, 256)))
     return bytes(buf)
