@@ -96,7 +96,7 @@ async def _watch_engine(worker: Worker, period_s: float = 0.2) -> None:
             log.error("engine is down; readiness NOT_SERVING", extra={"endpoint_id": worker.endpoint_id})
             await worker.server.set_ready(False)
             if worker.registration is not None:
-                await worker.registration.stop(deregister=True)
+                await worker.registration.stop(leave=True)
                 worker.registration = None
             return
 

@@ -103,7 +103,7 @@ async def serve(cfg: OffloadConfig) -> int:
         if trim is not None:
             trim.cancel()
         if registration is not None:
-            await registration.stop(deregister=False)
+            await registration.stop(leave=False)
         servicer.close()
         if pub is not None:
             pub.close()
