@@ -38,7 +38,7 @@ from kvmesh.rpc.tls import DEFAULT_TRUST_DOMAIN, peer_identity_pem
 
 log = logging.getLogger(__name__)
 
-ROLES = ("router", "worker", "store", "indexer", "gateway", "admin", "client")
+ROLES = ("router", "worker", "store", "indexer", "gateway", "admin", "client", "monitor")
 ADMIN = "admin"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 

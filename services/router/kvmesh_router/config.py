@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.config import ConfigError
+from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
@@ -22,6 +23,7 @@ class RouterConfig:
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     extproc_port: int = field(default=0, metadata={"help": "Envoy ext_proc endpoint-picker port (0 = off)"})
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     model: str = field(default="tiny", metadata={"help": "served model name"})
     tokenizer_path: str = field(default="", metadata={"help": "model dir with tokenizer.json (+ chat template)"})
     max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})

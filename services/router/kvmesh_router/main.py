@@ -113,7 +113,7 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
 async def serve(cfg: RouterConfig) -> int:
     setup_tracing("kvmesh-router")
     tls.set_default(cfg.tls)
-    start_metrics_server(cfg.metrics_port, host=cfg.host)
+    start_metrics_server(cfg.metrics_port, host=cfg.host, auth=cfg.metrics_auth, tls=cfg.tls)
     service = build_service(cfg)
     scopes = scopes_from_config(cfg)   # one request scope for the gRPC and HTTP front doors
     server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service, scopes),
