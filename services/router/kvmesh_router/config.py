@@ -122,6 +122,15 @@ class RouterConfig:
         "help": "API keys file or directory (a mounted Kubernetes Secret): 'TENANT KEY-or-sha256:DIGEST "
                 "[trusted]' per line; re-read when it changes (kvmesh.api_keys)"})
     api_keys_reload_s: float = field(default=1.0, metadata={"help": "check the keys file for changes this often"})
+    trusted_gateways: str = field(default="", metadata={
+        "help": "SPIFFE ids of gateways (mTLS client certificates, on gRPC or the HTTPS front door) that may "
+                "name the tenant (x-tenant / the gRPC tenant field) and need no API key; comma-separated, a "
+                "trailing * matches any id (spiffe://kvmesh.local/gateway/*); '' = none (keys' 'trusted' flag "
+                "grants nothing)"})
+    http_tls: str = field(default="off", metadata={
+        "choices": ["auto", "on", "off"],
+        "help": "serve the HTTP front door over HTTPS with the router's certificate (client certificates "
+                "optional: they identify trusted gateways): on | off | auto (= with gRPC mTLS)"})
     salt_secret_file: str = field(default="", metadata={
         "help": "server secret of the tenants' cache salts (HMAC); replicas must share it ('' = a random "
                 "secret per process: replicas then share no cache)"})
