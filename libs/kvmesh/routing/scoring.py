@@ -101,10 +101,10 @@ class ScoringConfig:
                 "fraction of its recompute (0 = off)"})
     reuse_window_s: float = field(default=600.0, metadata={
         "help": "a session's context counts in its endpoint's working set for this long after its last turn"})
-    hold_min_ratio: float = field(default=0.5, metadata={
+    hold_min_ratio: float = field(default=0.0, metadata={
         "help": "when every endpoint has prefill queued, a request whose prompt some endpoint holds at least this "
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
-                "a wave of evictions there (0 = off)"})
+                "a wave of evictions there (0 = off; see docs/router.md for why it is off by default)"})
 
     def validate(self) -> None:
         for name in self.__dataclass_fields__:
