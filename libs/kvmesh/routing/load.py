@@ -68,7 +68,6 @@ class _InFlight:
     keys: list[int] | None = None     # the prompt's block keys (what its prefill computes)
     num_tokens: int = 0
     cached_tokens: int = 0            # predicted cached at send: its prefill starts there
-    session_id: str = ""              # pins the session's working-set entry while in flight
 
     @property
     def queued_prefill(self) -> int:
@@ -168,8 +167,7 @@ class _Sums:
 
 
 class WorkingSet:
-    """Per endpoint, the context of every session routed there within the last ``window_s``
-    (counted from the end of its last turn) or with a request in flight there.
+    """Per endpoint, the context of every session routed there within the last ``window_s``.
 
     That is the KV the endpoint is likely to be asked for again soon: an agent's next turn
     reuses its whole context. A placement whose new blocks exceed the endpoint's capacity
@@ -179,12 +177,9 @@ class WorkingSet:
     load view (``_Sums``), as floats holding integers, so per-endpoint and column reads agree.
     """
 
-    def __init__(self, sums: _Sums, window_s: float, pinned: dict[str, int] | None = None) -> None:
+    def __init__(self, sums: _Sums, window_s: float) -> None:
         self.sums = sums
         self.window_s = window_s
-        # Sessions with a request in flight (count per session, kept by the load view): a turn
-        # queued longer than the window still needs its context, so its entry does not expire.
-        self.pinned: dict[str, int] = pinned if pinned is not None else {}
         self._where: dict[str, tuple[int, str, int, float]] = {}   # session -> (slot, endpoint, tokens, touched)
         self._order: deque[tuple[float, str]] = deque()
 
@@ -211,17 +206,12 @@ class WorkingSet:
         return (w[1], w[2]) if w is not None else ("", 0)
 
     def expire(self, now: float) -> None:
-        order, where, pinned = self._order, self._where, self.pinned
+        order, where = self._order, self._where
         while order and order[0][0] < now - self.window_s:
             t, sid = order.popleft()
             w = where.get(sid)
             if w is not None and w[3] == t:
-                if pinned.get(sid):
-                    # In flight: looked at again a window from now (its end refreshes it sooner).
-                    where[sid] = (w[0], w[1], w[2], now)
-                    order.append((now, sid))
-                else:
-                    self._drop(sid)
+                self._drop(sid)
 
     def _drop(self, session_id: str) -> None:
         w = self._where.pop(session_id, None)
@@ -259,11 +249,10 @@ class LoadView:
     _sums: _Sums = field(default_factory=_Sums)
     _version: int = 0   # bumped by every change to the in-flight requests
     _overlap_memo: tuple[list[int], int, int, dict[str, int]] | None = None
-    _session_inflight: dict[str, int] = field(default_factory=dict)
     working_set: WorkingSet = field(init=False)
 
     def __post_init__(self) -> None:
-        self.working_set = WorkingSet(self._sums, self.reuse_window_s, self._session_inflight)
+        self.working_set = WorkingSet(self._sums, self.reuse_window_s)
 
     def update(self, endpoint_id: str, report: LoadReport) -> None:
         self.reports[endpoint_id] = report
@@ -309,14 +298,11 @@ class LoadView:
         return rep is None or f.sent_at > rep.received_at
 
     def on_sent(self, endpoint_id: str, request_id: str, prefill_tokens: int, now: float,
-                keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0,
-                session_id: str = "") -> None:
+                keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0) -> None:
         self.on_finished(request_id)
         self._version += 1
         f = _InFlight(endpoint_id, now, max(0, int(prefill_tokens)), True, keys, max(0, int(num_tokens)),
-                      max(0, int(cached_tokens)), session_id)
-        if session_id:
-            self._session_inflight[session_id] = self._session_inflight.get(session_id, 0) + 1
+                      max(0, int(cached_tokens)))
         self._inflight[request_id] = f
         self._by_endpoint.setdefault(endpoint_id, {})[request_id] = f
         if keys and f.prefill_tokens > 0:
@@ -371,12 +357,6 @@ class LoadView:
         if f is None:
             return
         self._version += 1
-        if f.session_id:
-            n = self._session_inflight.get(f.session_id, 0) - 1
-            if n > 0:
-                self._session_inflight[f.session_id] = n
-            else:
-                self._session_inflight.pop(f.session_id, None)
         _drop(self._by_endpoint, f.endpoint_id, request_id)
         _drop(self._prefilling_by_head, f.keys[0] if f.keys else None, request_id)
         self._sums.add(self._sums.slot_of(f.endpoint_id), -1, -f.queued_prefill, -f.num_tokens,

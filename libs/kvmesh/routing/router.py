@@ -209,11 +209,9 @@ class RouterCore:
             prefill_ep = split.prefill_endpoint
             todo = split.prefill_uncached_tokens
             self.load.on_sent(prefill_ep, prefill_request_id(req.request_id), todo, now, keys=req.keys,
-                              num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo,
-                              session_id=req.session_id)
+                              num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo)
         self.load.on_sent(decision.endpoint_id, req.request_id, local_prefill, now, keys=req.keys,
-                          num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens,
-                          session_id=req.session_id)
+                          num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens)
         self.load.working_set.touch(req.session_id, decision.endpoint_id, req.num_tokens, now)
         self.policy(decision.policy).on_routed(req, decision, now, prefill_ep)
 

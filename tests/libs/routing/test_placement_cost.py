@@ -217,29 +217,6 @@ def test_refresh_keeps_a_context_in_the_working_set_until_a_window_after_its_tur
     assert ws.home("t") == (d.endpoint_id, 500)
 
 
-def test_a_turn_queued_longer_than_the_window_keeps_its_context_in_the_working_set():
-    core = _core(2, displace_weight=1.0, reuse_window_s=10.0)
-    ws = core.load.working_set
-    req = _req(core, 500, "r", session="s")
-    d = core.decide(req, Matches(), now=0.0)
-    core.on_routed(req, d, now=0.0)
-    # Still queued 3 windows later: its context is what the endpoint must hold for it.
-    ws.expire(30.0)
-    assert ws.home("s") == (d.endpoint_id, 500)
-    core.on_finished(req, d, now=31.0)
-    ws.expire(40.0)
-    assert ws.home("s") == (d.endpoint_id, 500)      # a window from its end
-    ws.expire(42.0)
-    assert ws.home("s") == ("", 0)
-    # A request that fails without an end (only its in-flight count released) unpins too.
-    req2 = _req(core, 700, "r2", session="u")
-    d2 = core.decide(req2, Matches(), now=50.0)
-    core.on_routed(req2, d2, now=50.0)
-    core.load.on_finished("r2")
-    ws.expire(70.0)
-    assert ws.home("u") == ("", 0)
-
-
 def test_contexts_leave_the_working_set_after_the_reuse_window():
     core = _core(2, displace_weight=1.0, reuse_window_s=10.0)
     _capacity(core, 100, "e0", "e1")
