@@ -270,3 +270,22 @@ def test_pool_config_is_validated() -> None:
                      (OffloadConfig(byte_pool="nope"), "unknown")):
         with pytest.raises(ConfigError, match=msg):
             cfg.validate()
+
+
+def test_pooled_replay_keeps_the_store_hit_rate(master) -> None:
+    """The pool loses no block the store still indexes: the same hits, eviction for eviction."""
+    from kvmesh_tools.bench.offload_policy_pool import replay_pooled, replay_store
+    from kvmesh_tools.policysim import TraceRequest
+
+    rng = np.random.default_rng(7)
+    reqs = []
+    for i in range(60):   # 6 sessions whose chains grow turn by turn, plus shared system prompts
+        s = i % 6
+        turn = i // 6
+        reqs.append(TraceRequest(float(i), "ns", f"s{s}", [1000 + j for j in range(8)] +
+                                 [s * 100_000 + j for j in range(10 * (turn + 1))] +
+                                 [int(x) for x in rng.integers(10**9, 2 * 10**9, 3)]))
+    store = replay_store(reqs, "agent", 120)
+    pool = replay_pooled(reqs, "agent", 120, master.address, "test")
+    assert store.evictions > 0 and pool.holes == 0
+    assert (pool.hits, pool.total, pool.evictions) == (store.hits, store.total, store.evictions)
