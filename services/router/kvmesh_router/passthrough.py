@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from opentelemetry import propagate
 
 from kvmesh.openai.errors import OpenAIError, error_response
@@ -37,6 +37,7 @@ from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_b
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError, Unavailable
 from kvmesh_router.http_guard import SCOPE_KEY
+from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS
 from kvmesh_router.service import GenInput, Prepared, RouterService
 
@@ -45,10 +46,6 @@ log = logging.getLogger(__name__)
 # Failures before any answer that say nothing about the endpoint's health beyond this
 # connection (a pooled keep-alive connection the server had closed, a server that just died).
 _NO_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
-
-
-def _router_error(exc: RouterError) -> JSONResponse:
-    return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
 
 
 def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> GenInput:
@@ -154,8 +151,7 @@ class Passthrough:
             inp.deadline = scope.deadline if scope is not None else None
             p = await self.service.prepare(inp)
         except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
+            return router_error_response(exc, api)
         if p.salt and body.get("cache_salt") != p.salt:
             body["cache_salt"] = p.salt
             content = json.dumps(body, ensure_ascii=False).encode()
@@ -164,18 +160,7 @@ class Passthrough:
         headers = {"content-type": "application/json", "x-request-id": p.request_id}
         propagate.inject(headers, context=propagate.extract(dict(request.headers)))
         watch = self._watch(request, inp)
-        try:
-            return await self._send(request, api, path, inp, p, content, headers)
-        except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
-        except asyncio.CancelledError:
-            if not watch.gone:
-                raise
-            metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
-            return error_response(499, "client closed the request", "client_closed")
-        finally:
-            watch.stop()
+        return await answer_or_error(api, watch, self._send(request, api, path, inp, p, content, headers))
 
     async def _send(self, request: Request, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
                     headers: dict[str, str]) -> Response:

@@ -95,6 +95,10 @@ class GenInput:
     # final report (the Messages API on a stop sequence): the prompt's length and predicted hit.
     prompt_tokens: int = 0
     predicted_cached_tokens: int = 0
+    # time.perf_counter() when the front door got the request (before reading its body), and the
+    # time from then to the first decision: RoutingDecision.decision_ms.
+    received: float | None = None
+    decision_s: float = 0.0
 
 
 @dataclass
@@ -126,6 +130,16 @@ class FinalInfo:
     # The worker parsed tool calls out of the answer: the calls and the text that is not one.
     tool_calls: list[worker_pb2.ToolCall] = field(default_factory=list)
     content: str | None = None
+
+
+@dataclass
+class Parsed:
+    """A chat-with-tools answer as the worker's tool parser read its newest tokens (``worker.proto``
+    ``GenerateResponse.parsed``): new text that is not a tool call, and new pieces of tool calls.
+    ``generate`` yields it as ("parsed", Parsed) after the chunk of the same tokens."""
+
+    content: str
+    tool_calls: list[worker_pb2.ToolCallDelta]
 
 
 class _BeforeFirstToken(Exception):
@@ -441,9 +455,12 @@ class RouterService:
                 with trace.use_span(span, end_on_exit=False):
                     d, split = await self.decide(p, inp.policy, exclude)
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
-                overhead = time.perf_counter() - t0
+                now = time.perf_counter()
+                overhead = now - t0
                 if attempts == 1:
                     metrics.OVERHEAD.observe(overhead)
+                    inp.decision_s = now - (inp.received if inp.received is not None else t0)
+                    metrics.DECISION.observe(inp.decision_s)
                 self._trace_decision(span, d, split, attempts)
                 self.record_routed(p, d, split)
                 try:
@@ -571,6 +588,8 @@ class RouterService:
                     ids = list(msg.token_ids)
                     generated.extend(ids)
                     yield "chunk", ids
+                if msg.parsed:
+                    yield "parsed", Parsed(msg.content_delta, list(msg.tool_call_deltas))
                 if msg.finished:
                     final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead,
                                         span)
@@ -636,7 +655,8 @@ class RouterService:
             split=handle is not None, prefill_endpoint=split.prefill_endpoint if handle is not None else "",
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
-            kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0)
+            kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
+            decision_ms=inp.decision_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
