@@ -99,6 +99,7 @@ class GenInput:
     # time from then to the first decision: RoutingDecision.decision_ms.
     received: float | None = None
     decision_s: float = 0.0
+    tokenize_s: float = 0.0
 
 
 @dataclass
@@ -236,7 +237,8 @@ class RouterService:
                 tokens = await asyncio.to_thread(fn) if size > 65536 else fn()
             except TokenizerError as exc:
                 raise BadRequest(str(exc), getattr(exc, "param", field_name)) from None
-            metrics.TOKENIZE.observe(time.perf_counter() - t0)
+            inp.tokenize_s = time.perf_counter() - t0
+            metrics.TOKENIZE.observe(inp.tokenize_s)
         if not tokens:
             raise BadRequest("the prompt is empty", field_name)
         if len(tokens) > self.cfg.max_prompt_tokens:
@@ -247,8 +249,10 @@ class RouterService:
             raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({inp.sampling.max_tokens or 1}) exceeds "
                              f"max_model_len {max_len}", field_name)
         # Token ids over gRPC arrive as a protobuf field; a Python scan of 200k ids costs ~8 ms, so
-        # their vocabulary check is left to the worker (INVALID_ARGUMENT is passed through).
-        if self.vocab_size and isinstance(tokens, list) and (max(tokens) >= self.vocab_size or min(tokens) < 0):
+        # their vocabulary check is left to the worker (INVALID_ARGUMENT is passed through). Ids the
+        # router's own tokenizer made are in its vocabulary: only a client's list is scanned.
+        if (self.vocab_size and inp.tokens is not None and isinstance(tokens, list)
+                and (max(tokens) >= self.vocab_size or min(tokens) < 0)):
             bad = next(t for t in tokens if t >= self.vocab_size or t < 0)
             raise BadRequest(f"token id {bad} outside the vocabulary (size {self.vocab_size})", field_name)
         return tokens
@@ -279,7 +283,7 @@ class RouterService:
         if self.incremental is None or size < INCREMENTAL_MIN_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=False)
         key = (self.salt_for(inp), inp.session_id or hash(text[:INCREMENTAL_KEY_CHARS]))
-        return self.incremental.encode(key, text)
+        return self.incremental.encode_ids(key, text)
 
     def salt_for(self, inp: GenInput) -> str:
         """The tenant's secret salt, mixed with the client's ``cache_salt`` (which never replaces it)."""
@@ -656,7 +660,7 @@ class RouterService:
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
             kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
-            decision_ms=inp.decision_s * 1000.0)
+            decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
