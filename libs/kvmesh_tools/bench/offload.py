@@ -85,6 +85,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default="", help="use a running store instead of starting one")
     p.add_argument("--nt-copies", action=argparse.BooleanOptionalAction, default=True,
                    help="run with glibc's non-temporal copy threshold at 1 MiB (see module doc)")
+    p.add_argument("--backend", choices=["kvmesh", "mooncake"], default="kvmesh",
+                   help="kvmesh: the store's own paths (shm, bulk, gRPC); mooncake: the Mooncake byte pool "
+                        "against the bulk path in the same run (see kvmesh_tools.bench.offload_pool)")
     p.add_argument("--tls", choices=["off", "on", "compare"], default="off",
                    help="gRPC to the store in plaintext, over mutual TLS (a throwaway CA), or both in the "
                         "same run (compare: tls_compare gives each mode's figures and their ratios)")
@@ -278,7 +281,7 @@ def _rerun_with_nt_copies(args: argparse.Namespace) -> int:
         argv += ["--json", args.json]
     if args.address:
         argv += ["--address", args.address]
-    argv += ["--tls", args.tls]
+    argv += ["--tls", args.tls, "--backend", args.backend]
     code = "import sys; from kvmesh_tools.cli.main import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *argv], env=env, check=False).returncode
 
@@ -293,6 +296,13 @@ def run(args: argparse.Namespace) -> int:
     if args.nt_copies and NT_TUNABLE not in os.environ.get("GLIBC_TUNABLES", ""):
         return _rerun_with_nt_copies(args)
     tune_malloc()  # as the offload service does; workers moving big blocks should too
+    if args.backend == "mooncake":
+        from kvmesh_tools.bench.offload_pool import run_pool_bench
+
+        out = write_json(args.json, {"bench": "offload", "backend": "mooncake", **run_pool_bench(args)})
+        print({k: round(out[k], 3) for k in ("get_gbps_bulk", "get_gbps_pool", "get_gbps_pool_staged",
+                                             "put_gbps_grpc", "put_gbps_pool", "get_pool_vs_bulk")})
+        return 0
     if args.tls != "compare":
         res = _once(args, args.tls)
     else:

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
+from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 from kvmesh_indexer.central_socket import check_replay_template
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
@@ -51,6 +52,7 @@ class IndexerConfig:
     grace_s: float = field(default=5.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     backend: str = field(default="memory", metadata={
         "help": "index backend: memory | redis | redis-cluster (redis with a redis+cluster:// URL = redis-cluster)"})
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={
@@ -89,6 +91,9 @@ class IndexerConfig:
     heartbeat_ttl_s: float = field(default=10.0, metadata={"help": "default heartbeat TTL of registered endpoints"})
     lookup_timeout_s: float = field(default=1.0, metadata={"help": "max time a Lookup waits for the backend"})
     replay_timeout_s: float = field(default=2.0, metadata={"help": "max time for one replay request"})
+    tail_probe_s: float = field(default=5.0, metadata={
+        "help": "check a quiet endpoint's replay buffer this often, catching event messages lost with "
+                "nothing after them (e.g. right after an engine restart); 0 = off"})
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "TTL of PutSpeculative when the request has 0"})
     max_batch_events: int = field(default=10_000, metadata={"help": "larger ingest batches are rejected"})
     queue_size: int = field(default=10_000, metadata={"help": "per-endpoint ingest queue (ZMQ drops beyond)"})
@@ -123,6 +128,8 @@ class IndexerConfig:
         for name in ("heartbeat_ttl_s", "lookup_timeout_s", "replay_timeout_s", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0")
+        if self.tail_probe_s < 0:
+            raise ConfigError("setting 'tail_probe_s' must be >= 0 (0 = off)")
         if not 0 < self.speculative_ttl_s <= 300:
             raise ConfigError("setting 'speculative_ttl_s' must be in (0, 300]")
         if self.redis_probe_stride < 1:

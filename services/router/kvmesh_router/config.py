@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.config import ConfigError
+from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
@@ -22,6 +23,7 @@ class RouterConfig:
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     extproc_port: int = field(default=0, metadata={"help": "Envoy ext_proc endpoint-picker port (0 = off)"})
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     model: str = field(default="tiny", metadata={"help": "served model name"})
     tokenizer_path: str = field(default="", metadata={"help": "model dir with tokenizer.json (+ chat template)"})
     max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})
@@ -101,6 +103,13 @@ class RouterConfig:
     stream_idle_timeout_s: float = field(default=30.0, metadata={
         "help": "a stream silent this long after its first token ends with an error naming what was "
                 "sent (0 = no limit)"})
+    hedge_delay_s: float = field(default=0.0, metadata={
+        "help": "hedge the first token: a request with no token this long after it was sent also goes to the "
+                "next best endpoint; the first to answer wins and the other is cancelled (0 = off, the default)"})
+    hedge_budget: float = field(default=0.1, metadata={
+        "help": "long-run share of requests that may be hedged (0..1; a token bucket, kvmesh.routing.hedge)"})
+    hedge_burst: float = field(default=5.0, metadata={
+        "help": "hedges allowed at once after a quiet spell (the bucket's size; < 1 = never)"})
     http_deadline_s: float = field(default=600.0, metadata={
         "help": "total deadline of an OpenAI HTTP request, arrival to last token (0 = none): past it the "
                 "worker call is cancelled and the client gets a 504 error (an SSE error event once streaming)"})
@@ -113,6 +122,15 @@ class RouterConfig:
         "help": "API keys file or directory (a mounted Kubernetes Secret): 'TENANT KEY-or-sha256:DIGEST "
                 "[trusted]' per line; re-read when it changes (kvmesh.api_keys)"})
     api_keys_reload_s: float = field(default=1.0, metadata={"help": "check the keys file for changes this often"})
+    trusted_gateways: str = field(default="", metadata={
+        "help": "SPIFFE ids of gateways (mTLS client certificates, on gRPC or the HTTPS front door) that may "
+                "name the tenant (x-tenant / the gRPC tenant field) and need no API key; comma-separated, a "
+                "trailing * matches any id (spiffe://kvmesh.local/gateway/*); '' = none (keys' 'trusted' flag "
+                "grants nothing)"})
+    http_tls: str = field(default="off", metadata={
+        "choices": ["auto", "on", "off"],
+        "help": "serve the HTTP front door over HTTPS with the router's certificate (client certificates "
+                "optional: they identify trusted gateways): on | off | auto (= with gRPC mTLS)"})
     salt_secret_file: str = field(default="", metadata={
         "help": "server secret of the tenants' cache salts (HMAC); replicas must share it ('' = a random "
                 "secret per process: replicas then share no cache)"})
@@ -141,9 +159,11 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
         for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s", "http_header_timeout_s",
-                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s"):
+                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s", "hedge_delay_s", "hedge_burst"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.hedge_budget <= 1.0:
+            raise ConfigError(f"setting 'hedge_budget' must be in [0, 1], got {self.hedge_budget}")
         if self.approx_capacity_blocks < 1:
             raise ConfigError("setting 'approx_capacity_blocks' must be >= 1")
         self.scoring.validate()
