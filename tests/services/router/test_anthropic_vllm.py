@@ -41,7 +41,7 @@ def client(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactor
 def test_tool_round_trip_against_vllm(client):
     user = {"role": "user", "content": "What is in setup.cfg?"}
     kw = dict(model=TINY_MODEL_NAME, system=SYSTEM, tools=TOOLS)
-    m1 = client.messages.create(max_tokens=8, messages=[user], temperature=0, **kw)
+    m1 = client.messages.create(max_tokens=8, messages=[user], extra_body={"temperature": 0}, **kw)
     assert m1.content[0].type == "text" and m1.usage.output_tokens >= 1
     assert m1.usage.input_tokens + m1.usage.cache_read_input_tokens == client.messages.count_tokens(
         messages=[user], **kw).input_tokens
@@ -50,7 +50,7 @@ def test_tool_round_trip_against_vllm(client):
                  {"type": "tool_use", "id": "toolu_01", "name": "read_file", "input": {"path": "setup.cfg"}}]},
              {"role": "user", "content": [
                  {"type": "tool_result", "tool_use_id": "toolu_01", "content": "[metadata]\nname = demo\n"}]}]
-    with client.messages.stream(max_tokens=8, messages=turn2, temperature=0, **kw) as s:
+    with client.messages.stream(max_tokens=8, messages=turn2, extra_body={"temperature": 0}, **kw) as s:
         m2 = s.get_final_message()
     count2 = client.messages.count_tokens(messages=turn2, **kw).input_tokens
     # vLLM served turn 1's prompt (a prefix of turn 2's) from its cache, in whole blocks.
