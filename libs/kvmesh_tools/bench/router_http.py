@@ -48,7 +48,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as d:
         cfg = StackConfig(decode_workers=args.http_workers, prefill_workers=0, model=MODEL, tls="off", split=False,
-                          num_blocks=16384, max_model_len=1 << 20, time_scale=args.http_time_scale, log_dir=d)
+                          num_blocks=16384, max_model_len=1 << 20, time_scale=args.http_time_scale, log_dir=d,
+                          redis=args.http_redis)
         with LocalStack(cfg) as stack, httpx.Client(base_url=stack.http_address, timeout=600,
                                                            headers=stack.auth_headers()) as client:
             messages = [{"role": "system", "content": _message(rng, 2000)},
@@ -90,9 +91,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 tokens.append(inc[2])
                 differ += inc[2] != full[2]
             outcomes = {k: v - before.get(k, 0.0) for k, v in _outcomes(stack.metrics_address).items()}
+            redis_used = stack.redis is not None
     p50, f50 = median(incr_ms), median(full_ms)
     return {
         "http_turns": len(incr_ms),
+        "http_index": "redis" if redis_used else "embedded",
         "http_tokens_first": tokens[0] if tokens else 0,
         "http_tokens_last": tokens[-1] if tokens else 0,
         "http_decision_p50_ms": p50,
@@ -124,4 +127,6 @@ def register_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--min-turn-tokens", type=int, default=1_000, help="--http: least growth per turn")
     p.add_argument("--max-turn-tokens", type=int, default=5_000, help="--http: most growth per turn")
     p.add_argument("--http-workers", type=int, default=2, help="--http: sim decode workers")
+    p.add_argument("--http-redis", choices=["auto", "on", "off"], default="auto",
+                   help="--http: the indexer's backend, Redis (auto: when installed) or its embedded index (off)")
     p.add_argument("--http-time-scale", type=float, default=50.0, help="--http: sim workers' speed-up over an H100")
