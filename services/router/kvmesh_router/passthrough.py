@@ -11,6 +11,13 @@ the routing decision rides in ``x-kvmesh-*`` response headers, and the engine's
 ``usage.prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``)
 is compared with the prediction, as for workers.
 
+The Messages API takes the same path (``/v1/messages`` is vLLM's own, since 0.11):
+the body goes to the engine's ``/v1/messages`` with the tenant's ``cache_salt``, so
+vLLM parses tool calls, applies stop sequences and writes Anthropic's events; the
+router predicts from the chat conversation ``kvmesh.anthropic.requests`` converts it
+to (vLLM's own conversion), and errors it writes itself have Anthropic's shape
+(``Shape``).
+
 A connect failure marks the endpoint down and the request goes to the next best
 one; so does a connection that closes before any answer. Nothing is retried once
 the engine has answered.
@@ -27,7 +34,7 @@ from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from opentelemetry import propagate
 
 from kvmesh.openai.errors import OpenAIError, error_response
@@ -47,8 +54,22 @@ log = logging.getLogger(__name__)
 _NO_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
-def _router_error(exc: RouterError) -> JSONResponse:
-    return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
+class Shape:
+    """How an API writes the errors the router itself answers (OpenAI's shape by default)."""
+
+    def error(self, status: int, message: str, etype: str) -> Response:
+        return error_response(status, message, etype)
+
+    def router_error(self, exc: RouterError) -> Response:
+        return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
+
+    def stream_error(self, message: str) -> bytes:
+        """An SSE event that ends a stream the engine broke off."""
+        msg = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+        return b"data: " + json.dumps(msg).encode() + b"\n\n"
+
+
+OPENAI = Shape()
 
 
 def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> GenInput:
@@ -92,7 +113,11 @@ def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> Ge
 
 
 class _Usage:
-    """The engine's usage, from a JSON answer or the last SSE event that carries one."""
+    """The engine's usage, from a JSON answer or the last SSE event that carries one.
+
+    OpenAI's ``usage`` has ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``;
+    Anthropic's has ``input_tokens`` (the uncached part), ``cache_read_input_tokens`` and
+    ``cache_creation_input_tokens``."""
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -117,8 +142,19 @@ class _Usage:
 
     @property
     def cached_tokens(self) -> int | None:
-        details = (self.doc or {}).get("prompt_tokens_details") or {}
-        n = details.get("cached_tokens")
+        doc = self.doc or {}
+        n = doc.get("cache_read_input_tokens")
+        if n is None:
+            n = (doc.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return n if isinstance(n, int) else None
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        doc = self.doc or {}
+        n = doc.get("prompt_tokens")
+        if n is None and isinstance(doc.get("input_tokens"), int):
+            n = sum(v for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+                    if isinstance(v := doc.get(k), int))
         return n if isinstance(n, int) else None
 
 
@@ -152,12 +188,22 @@ class Passthrough:
             scope = request.scope.get("state", {}).get(SCOPE_KEY)
             inp = gen_input(body, request.headers, chat, scope.tenant if scope is not None else "")
             inp.deadline = scope.deadline if scope is not None else None
+        except RouterError as exc:
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            return OPENAI.router_error(exc)
+        return await self.forward(request, api, path, inp, body, raw, OPENAI)
+
+    async def forward(self, request: Request, api: str, path: str, inp: GenInput, body: dict[str, Any],
+                      raw: bytes | None, shape: Shape) -> Response:
+        """Predict and pick for ``inp``, then send ``body`` (``raw`` when the salt is already there)."""
+        try:
             p = await self.service.prepare(inp)
         except RouterError as exc:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
-        if p.salt and body.get("cache_salt") != p.salt:
-            body["cache_salt"] = p.salt
+            return shape.router_error(exc)
+        if raw is None or (p.salt and body.get("cache_salt") != p.salt):
+            if p.salt:
+                body["cache_salt"] = p.salt
             content = json.dumps(body, ensure_ascii=False).encode()
         else:
             content = raw   # the very bytes the client sent
@@ -165,33 +211,33 @@ class Passthrough:
         propagate.inject(headers, context=propagate.extract(dict(request.headers)))
         watch = self._watch(request, inp)
         try:
-            return await self._send(request, api, path, inp, p, content, headers)
+            return await self._send(request, api, path, inp, p, content, headers, shape)
         except RouterError as exc:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
+            return shape.router_error(exc)
         except asyncio.CancelledError:
             if not watch.gone:
                 raise
             metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
-            return error_response(499, "client closed the request", "client_closed")
+            return shape.error(499, "client closed the request", "client_closed")
         finally:
             watch.stop()
 
     async def _send(self, request: Request, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
-                    headers: dict[str, str]) -> Response:
+                    headers: dict[str, str], shape: Shape) -> Response:
         exclude = {e for e in self.service.core.endpoints if e not in self.cluster.external}
         failures: list[str] = []
         deadline = inp.deadline   # the request scope's
         call = _Call()
         inp.calls.append(call)
         try:
-            return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline)
+            return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline, shape)
         finally:
             inp.calls.remove(call)
 
     async def _attempts(self, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
                         headers: dict[str, str], exclude: set[str], failures: list[str],
-                        deadline: float | None) -> Response:
+                        deadline: float | None, shape: Shape) -> Response:
         client = self.cluster.external.client
         for attempt in range(1, self.cfg.max_attempts + 1):
             d, _split = await self.service.decide(p, inp.policy, exclude)
@@ -214,7 +260,7 @@ class Passthrough:
                 continue
             except httpx.TimeoutException:
                 self.service.settle(p, d)
-                return error_response(504, "deadline exceeded before the engine answered", "timeout")
+                return shape.error(504, "deadline exceeded before the engine answered", "timeout")
             except BaseException:
                 self.service.settle(p, d)
                 raise
@@ -241,7 +287,7 @@ class Passthrough:
                     usage.from_json(raw)
                 self._done(api, p, d, resp.status_code, usage)
                 return Response(raw, status_code=resp.status_code, media_type=ctype, headers=out_headers)
-            return StreamingResponse(self._stream(api, p, d, resp), status_code=resp.status_code,
+            return StreamingResponse(self._stream(api, p, d, resp, shape), status_code=resp.status_code,
                                      media_type=ctype, headers=out_headers)
         raise Unavailable(f"no endpoint could serve the request after {self.cfg.max_attempts} attempt(s): "
                           + "; ".join(failures))
@@ -258,7 +304,8 @@ class Passthrough:
         log.warning("retrying on another endpoint", extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
                                                             "why": why})
 
-    async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response, shape: Shape
+                      ) -> AsyncIterator[bytes]:
         usage = _Usage()
         outcome = "broken"
         try:
@@ -270,9 +317,7 @@ class Passthrough:
             # Too late to retry: the client has part of the answer. An SSE error event says so.
             log.warning("external endpoint broke off a stream", extra={"request_id": p.request_id,
                                                                       "endpoint": d.endpoint_id, "error": str(exc)})
-            msg = {"error": {"message": f"endpoint {d.endpoint_id} broke off the stream: {exc}",
-                             "type": "upstream_error", "code": 502}}
-            yield b"data: " + json.dumps(msg).encode() + b"\n\n"
+            yield shape.stream_error(f"endpoint {d.endpoint_id} broke off the stream: {exc}")
         finally:
             await resp.aclose()
             if outcome == "ok":
@@ -286,8 +331,8 @@ class Passthrough:
         metrics.REQUESTS.labels(api=api, outcome="ok" if status == 200 else f"http_{status}").inc()
         actual = usage.cached_tokens
         metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
-        if usage.doc is not None and isinstance(usage.doc.get("prompt_tokens"), int):
-            metrics.PROMPT_TOKENS.inc(usage.doc["prompt_tokens"])
+        if usage.prompt_tokens is not None:
+            metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         if actual is None:
             return
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(actual)

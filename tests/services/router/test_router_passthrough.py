@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import grpc
 import httpx
+import httpx2
 import pytest
 
 from kvmesh.config import ConfigError
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router.config import RouterConfig, parse_endpoint
-from kvmesh_router.errors import Unavailable
+from kvmesh_router.errors import UpstreamError
 from kvmesh_router.http_api import build_app
 from kvmesh_router.main import build_service
 from kvmesh_router.service import GenInput
@@ -186,11 +189,101 @@ async def test_bad_completion_prompts_get_a_400(stack) -> None:
     assert not _received(engines)
 
 
-async def test_token_id_requests_do_not_go_to_external_endpoints(stack) -> None:
+async def test_token_id_requests_go_to_vllm_completions(stack) -> None:
+    """The router's token path (gRPC Generate) reaches an external engine as a streamed
+    completions request of token ids, with the tenant's salt; the ids stream back."""
     svc, engines, client = stack
-    with pytest.raises(Unavailable):
-        [x async for x in svc.generate(GenInput(model=MODEL, tokens=[1, 2, 3],
+    for e in engines.values():
+        e.cached_tokens = 3
+    inp = GenInput(model=MODEL, tokens=[1, 2, 3], tenant="acme",
+                   sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.5, stop=["\n"]))
+    items = [x async for x in svc.generate(inp)]
+    assert [ids for kind, ids in items if kind == "chunk"] == [[100], [101]]
+    kind, fin = items[-1]
+    assert kind == "final" and fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert fin.usage.prompt_tokens == 10 and fin.usage.cached_tokens == 3 and fin.output_ids == [100, 101]
+    assert fin.routing.endpoint in engines and not fin.routing.split
+    got = _received(engines)[-1]
+    assert got["prompt"] == [1, 2, 3] and got["return_token_ids"] is True and got["stream"] is True
+    assert got["cache_salt"] == svc.salts.salt("acme") and got["stop"] == ["\n"] and got["max_tokens"] == 2
+    assert got["stream_options"] == {"include_usage": True} and got["temperature"] == 0.5
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+
+
+async def test_token_id_requests_the_engine_refuses_keep_its_message(stack) -> None:
+    svc, engines, client = stack
+    for e in engines.values():
+        e.model = "another-model"   # the engine's own validation refuses the request
+    with pytest.raises(UpstreamError) as err:
+        [x async for x in svc.generate(GenInput(model=MODEL, tokens=[1, 2],
                                                 sampling=common_pb2.SamplingParams(max_tokens=2)))]
+    assert err.value.grpc_code == grpc.StatusCode.NOT_FOUND and "no such model" in err.value.message
+    assert len(_received(engines)) == 1   # refused, not retried elsewhere
+
+
+async def test_a_token_id_request_survives_a_dead_endpoint(stack) -> None:
+    svc, engines, client = stack
+    await engines["a"].stop()
+    for _ in range(3):
+        items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=[5, 6, 7],
+                                                        sampling=common_pb2.SamplingParams(max_tokens=2)))]
+        assert items[-1][1].routing.endpoint == "b"
+def _anthropic(svc) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url="http://router", api_key="k", max_retries=0, http_client=httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=build_app(svc))))
+
+
+ANTHROPIC_TOOLS = [{"name": "read_file", "description": "Read a file.",
+                    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+
+
+async def test_messages_go_to_the_engines_own_messages_api(stack) -> None:
+    """/v1/messages: vLLM's own Messages API gets the client's body with the tenant's salt
+    (what only vLLM honours, like top_k and a forced tool, included); its answer comes back."""
+    svc, engines, _ = stack
+    client = _anthropic(svc)
+    for e in engines.values():
+        e.cached_tokens = 4
+    kw = dict(model=MODEL, max_tokens=8, system="You are a coding agent.", tools=ANTHROPIC_TOOLS,
+              tool_choice={"type": "tool", "name": "read_file"},
+              messages=[{"role": "user", "content": "What is in a.py?"}])
+    raw = await client.messages.with_raw_response.create(**kw, extra_headers={"x-tenant": "acme"},
+                                                         extra_body={"kvmesh_policy": "precise", "top_k": 5})
+    m = await raw.parse()
+    assert m.content[0].text == "hi" and m.usage.cache_read_input_tokens == 4 and m.usage.input_tokens == 6
+    assert raw.headers["x-kvmesh-endpoint"] in engines and int(raw.headers["x-kvmesh-predicted-cached-tokens"]) >= 0
+    got = _received(engines)[-1]
+    assert got == {**kw, "top_k": 5, "cache_salt": svc.salts.salt("acme")}   # kvmesh_policy is the router's, not sent
+    # Streamed: vLLM's events come through as it wrote them.
+    async with client.messages.stream(**kw) as stream:
+        text = "".join([t async for t in stream.text_stream])
+        final = await stream.get_final_message()
+    assert text == "hi" and final.usage.cache_read_input_tokens == 4
+    assert _received(engines)[-1]["stream"] is True
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+
+
+async def test_messages_errors_have_anthropics_shape(stack) -> None:
+    svc, engines, _ = stack
+    client = _anthropic(svc)
+    with pytest.raises(anthropic.BadRequestError) as err:   # the router's own validation
+        await client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "robot", "content": "x"}])
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "messages.0.role" in err.value.message
+    with pytest.raises(anthropic.BadRequestError):
+        await client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],
+                                     extra_body={"output_config": {"effort": "high"}})
+    with pytest.raises(anthropic.NotFoundError):
+        await client.messages.create(model="nope", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    assert not _received(engines)
+    for e in engines.values():
+        e.break_stream = True
+    with pytest.raises(anthropic.APIStatusError) as err:
+        async with client.messages.stream(model=MODEL, max_tokens=8,
+                                          messages=[{"role": "user", "content": "x"}]) as stream:
+            async for _ in stream:
+                pass
+    assert "broke off the stream" in str(err.value)
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
 
 
 def test_endpoint_specs() -> None:
