@@ -27,6 +27,8 @@ class OpenAIEngine:
         self.waiting = 0
         self.running = 0
         self.kv_usage = 0.0
+        # Data parallel: (waiting, running, kv_usage) per engine label (DP rank); None = one engine.
+        self.engine_loads: dict[str, tuple[int, int, float]] | None = None
         self.metrics_status = 200
         self.cached_tokens = 0
         self.break_stream = False   # die after the first SSE event (a crashed engine mid-answer)
@@ -65,6 +67,14 @@ class OpenAIEngine:
         if self.metrics_status != 200:
             return PlainTextResponse("oops", status_code=self.metrics_status)
         lab = f'{{engine="0",model_name="{self.model}"}}'
+        if self.engine_loads is not None:
+            lines = []
+            for name, idx in (("vllm:num_requests_waiting", 0), ("vllm:num_requests_running", 1),
+                              ("vllm:kv_cache_usage_perc", 2)):
+                lines.append(f"# TYPE {name} gauge")
+                lines += [f'{name}{{engine="{e}",model_name="{self.model}"}} {v[idx]}'
+                          for e, v in self.engine_loads.items()]
+            return PlainTextResponse("\n".join(lines) + "\n")
         return PlainTextResponse(f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{lab} "
                                  f"{self.running}\n# TYPE vllm:num_requests_waiting gauge\n"
                                  f"vllm:num_requests_waiting{lab} {self.waiting}\n"

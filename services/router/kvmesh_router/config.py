@@ -45,6 +45,9 @@ class RouterConfig:
         "help": "connect timeout to external OpenAI endpoints; a failed connect marks one down"})
     external_api_key: str = field(default="", metadata={
         "help": "bearer token sent to external OpenAI endpoints (their --api-key; '' = none)"})
+    external_dp_size: int = field(default=1, metadata={
+        "help": "data-parallel ranks of each external vLLM (its --data-parallel-size): every URL is N endpoints, "
+                "ID and ID_dp<r> (the indexer's names), picked with vLLM's X-data-parallel-rank header"})
     indexer: str = field(default="", metadata={"help": "indexer HOST:PORT ('' = none: precise falls back)"})
     registry_poll_s: float = field(default=1.0, metadata={"help": "ListEndpoints poll period"})
     load_poll_s: float = field(default=0.25, metadata={"help": "GetLoad poll period per endpoint"})
@@ -131,6 +134,8 @@ class RouterConfig:
     def validate(self) -> None:
         if self.policy not in available_policies():
             raise ConfigError(f"setting 'policy': unknown {self.policy!r}; one of {available_policies()}")
+        if not 1 <= self.external_dp_size <= 1024:
+            raise ConfigError("setting 'external_dp_size' must be in [1, 1024]")
         if self.block_size <= 0:
             raise ConfigError("setting 'block_size' must be > 0")
         if self.max_attempts < 1:

@@ -248,7 +248,8 @@ class Passthrough:
                 exclude.add(d.endpoint_id)
                 continue
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            req = client.build_request("POST", url + path, content=content, headers=headers,
+            req = client.build_request("POST", url + path, content=content,
+                                       headers={**headers, **self.cluster.external.rank_headers(d.endpoint_id)},
                                        timeout=httpx.Timeout(left, connect=self.cfg.external_connect_timeout_s))
             try:
                 resp = await client.send(req, stream=True)

@@ -624,7 +624,8 @@ class RouterService:
         try:
             async with asyncio.timeout(left):
                 async for ids in external_generate.stream_tokens(
-                        ext.client, url, body, {**ext.headers, **headers}, ext.connect_timeout_s,
+                        ext.client, url, body, {**ext.headers, **headers, **ext.rank_headers(d.endpoint_id)},
+                        ext.connect_timeout_s,
                         self.cfg.first_token_timeout_s, self.cfg.stream_idle_timeout_s, done):
                     if not generated:
                         self.core.on_first_token(p.req)

@@ -286,6 +286,60 @@ async def test_messages_errors_have_anthropics_shape(stack) -> None:
     assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
 
 
+@pytest.fixture
+async def dp_stack(tiny_model_dir):
+    """Two external vLLM servers with --data-parallel-size 2 each."""
+    engines = {"a": await OpenAIEngine(MODEL).start(), "b": await OpenAIEngine(MODEL).start()}
+    for e in engines.values():
+        e.engine_loads = {"0": (0, 0, 0.0), "1": (0, 0, 0.0)}
+    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
+                       endpoints=[f"{k}={e.url}" for k, e in engines.items()], auth="off",
+                       external_connect_timeout_s=1.0, external_dp_size=2)
+    cfg.validate()
+    svc = build_service(cfg)
+    await svc.cluster.poll_all()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router",
+                               timeout=30)
+    yield svc, engines, client
+    await client.aclose()
+    await svc.cluster.stop()
+    for e in engines.values():
+        await e.stop()
+
+
+async def test_data_parallel_servers_are_one_endpoint_per_rank(dp_stack) -> None:
+    """Each DP rank is an endpoint named as the indexer names its events (<id>_dp<r>), with its own
+    engine's load; the rank the router picked serves (vLLM's X-data-parallel-rank header)."""
+    svc, engines, client = dp_stack
+    assert set(svc.core.endpoints) == {"a", "a_dp1", "b", "b_dp1"}
+    engines["a"].engine_loads = {"0": (0, 1, 0.25), "1": (7, 2, 0.5)}
+    await svc.cluster.poll_all()
+    rep0, rep1 = svc.core.load.reports["a"], svc.core.load.reports["a_dp1"]
+    assert (rep0.waiting, rep0.running, rep0.kv_usage) == (0, 1, 0.25)
+    assert (rep1.waiting, rep1.running, rep1.kv_usage) == (7, 2, 0.5)
+    seen = set()
+    for i in range(6):
+        r = await client.post("/v1/chat/completions", json=_chat(session_id=f"s{i}"))
+        assert r.status_code == 200, r.text
+        eid = r.headers["x-kvmesh-endpoint"]
+        server, rank = eid.split("_dp") if "_dp" in eid else (eid, "0")
+        assert engines[server].headers[-1]["x-data-parallel-rank"] == rank
+        seen.add(eid)
+    items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=[1, 2, 3],
+                                                    sampling=common_pb2.SamplingParams(max_tokens=2)))]
+    eid = items[-1][1].routing.endpoint
+    server, rank = eid.split("_dp") if "_dp" in eid else (eid, "0")
+    assert engines[server].headers[-1]["x-data-parallel-rank"] == rank
+    # A server that refuses connections is down with every rank: one failed connect says so.
+    await engines["a"].stop()
+    svc.cluster.mark_dead("a_dp1", "ConnectError")
+    assert not svc.core.endpoints["a"].alive and not svc.core.endpoints["a_dp1"].alive
+    assert svc.core.endpoints["b"].alive and svc.core.endpoints["b_dp1"].alive
+    for _ in range(4):
+        r = await client.post("/v1/chat/completions", json=_chat())
+        assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] in ("b", "b_dp1")
+
+
 def test_endpoint_specs() -> None:
     assert parse_endpoint("v0=http://10.0.0.1:8000/v1/") == ("v0", "http://10.0.0.1:8000")
     assert parse_endpoint("http://10.0.0.1:8000") == ("10.0.0.1:8000", "http://10.0.0.1:8000")
