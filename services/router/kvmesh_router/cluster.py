@@ -91,7 +91,10 @@ class Cluster:
             self._static.add(eid)
         for spec in cfg.prefill_endpoints:
             eid, addr = parse_endpoint(spec)
-            self._add(EndpointView(eid, addr, cfg.model, ROLE_PREFILL, cfg.block_size, True, "static"))
+            if is_http_address(addr):   # an external prefill engine (P/D split through the store)
+                self.set_external(eid, addr, True, "static", ROLE_PREFILL)
+            else:
+                self._add(EndpointView(eid, addr, cfg.model, ROLE_PREFILL, cfg.block_size, True, "static"))
             self._static.add(eid)
 
     # -- endpoints ---------------------------------------------------------------
@@ -101,7 +104,7 @@ class Cluster:
             self._drop_channel(ep.endpoint_id)
         self.core.set_endpoint(ep)
 
-    def set_external(self, eid: str, url: str, alive: bool, source: str) -> None:
+    def set_external(self, eid: str, url: str, alive: bool, source: str, role: str = ROLE_DECODE) -> None:
         """Add or update an external OpenAI endpoint (static config or discovery; a pod that is
         not ready is removed, not added down, since a working ``/metrics`` would revive it).
         A data-parallel server is one endpoint per DP rank (``external_dp_size``)."""
@@ -111,7 +114,7 @@ class Cluster:
             self.external.ranks[rid] = (eid, rank)
             cur = self.core.endpoints.get(rid)
             if cur is None or cur.address != url:
-                self._add(EndpointView(rid, url, self.cfg.model, ROLE_DECODE, self.cfg.block_size, alive, source))
+                self._add(EndpointView(rid, url, self.cfg.model, role, self.cfg.block_size, alive, source))
                 self.http_addresses[rid] = url.split("://", 1)[1]
 
     @property

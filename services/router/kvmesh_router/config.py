@@ -80,6 +80,9 @@ class RouterConfig:
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
+    split_store_wait_s: float = field(default=5.0, metadata={
+        "help": "external P/D split: longest wait, after the prefill engine answered, for the store to hold the "
+                "prompt's KV (the index says so) before the decode engine is sent the request"})
     # Gateway path (Envoy ext_proc picker): llm-d's P/D protocol and InferenceObjective priorities.
     gateway_prefill_header: str = field(default="x-prefiller-host-port", metadata={
         "help": "ext_proc picker: request header naming the prefill endpoint's host:port when the split is "
@@ -156,10 +159,14 @@ class RouterConfig:
             raise ConfigError("setting 'hash_cache_verify' must be sampled or full")
         for spec in [*self.endpoints, *self.prefill_endpoints]:
             parse_endpoint(spec)
+        http_decode = any(parse_endpoint(s)[1].startswith(("http://", "https://")) for s in self.endpoints) or bool(
+            self.inference_pool)
         for spec in self.prefill_endpoints:
-            if parse_endpoint(spec)[1].startswith(("http://", "https://")):
-                raise ConfigError(f"prefill endpoint {spec!r}: external OpenAI endpoints serve whole requests "
-                                  "(the P/D split needs kvmesh workers)")
+            if parse_endpoint(spec)[1].startswith(("http://", "https://")) != http_decode:
+                raise ConfigError(f"prefill endpoint {spec!r}: an external OpenAI prefill endpoint hands its KV to "
+                                  "external decode endpoints only, a kvmesh worker's to kvmesh workers only")
+        if self.split_store_wait_s < 0:
+            raise ConfigError("setting 'split_store_wait_s' must be >= 0")
         if self.inference_pool:
             ns, _, name = self.inference_pool.partition("/")
             if not ns or not name or "/" in name:

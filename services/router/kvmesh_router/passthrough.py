@@ -21,11 +21,20 @@ to (vLLM's own conversion), and errors it writes itself have Anthropic's shape
 A connect failure marks the endpoint down and the request goes to the next best
 one; so does a connection that closes before any answer. Nothing is retried once
 the engine has answered.
+
+P/D split (``--split-enabled`` with external ``--prefill-endpoints``), llm-d's sidecar
+convention with kvmesh's store as the KV transport: the prefill engine gets the body
+with ``max_tokens`` 1, no stream and ``kv_transfer_params`` ``{"kvmesh": {"prefill_only":
+true}}``; its ``KvmeshConnector`` saves the prompt's blocks to the store. Once the index
+says the store holds them (``split_store_wait_s`` at most), the decode engine gets the
+client's body as usual, and its connector loads the prefix from the store instead of
+computing it. A failed prefill only costs the split: the decode engine computes the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -39,6 +48,7 @@ from opentelemetry import propagate
 
 from kvmesh.openai.errors import OpenAIError, error_response
 from kvmesh.openai.requests import SESSION_HEADER, parse_json_body, read_body, string
+from kvmesh.routing.scoring import max_hit_blocks
 from kvmesh.routing.types import Decision
 from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
 from kvmesh_router import metrics
@@ -110,6 +120,20 @@ def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> Ge
     inp.request_id = headers.get("x-request-id", "")
     inp.policy = headers.get("x-kvmesh-policy", "")
     return inp
+
+
+def prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill engine's request: one token, no stream, and the connector told to save the prompt."""
+    b = dict(body)
+    b["stream"] = False
+    b.pop("stream_options", None)
+    if "max_completion_tokens" in b:
+        b["max_completion_tokens"] = 1
+    b["max_tokens"] = 1
+    if "n" in b:
+        b["n"] = 1
+    b["kv_transfer_params"] = {"kvmesh": {"prefill_only": True}}
+    return json.dumps(b, ensure_ascii=False).encode()
 
 
 class _Usage:
@@ -211,7 +235,7 @@ class Passthrough:
         propagate.inject(headers, context=propagate.extract(dict(request.headers)))
         watch = self._watch(request, inp)
         try:
-            return await self._send(request, api, path, inp, p, content, headers, shape)
+            return await self._send(request, api, path, inp, p, content, headers, shape, body)
         except RouterError as exc:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
             return shape.router_error(exc)
@@ -224,29 +248,46 @@ class Passthrough:
             watch.stop()
 
     async def _send(self, request: Request, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
-                    headers: dict[str, str], shape: Shape) -> Response:
+                    headers: dict[str, str], shape: Shape, body: dict[str, Any]) -> Response:
         exclude = {e for e in self.service.core.endpoints if e not in self.cluster.external}
         failures: list[str] = []
         deadline = inp.deadline   # the request scope's
         call = _Call()
         inp.calls.append(call)
         try:
-            return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline, shape)
+            return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline, shape,
+                                        body)
         finally:
             inp.calls.remove(call)
 
     async def _attempts(self, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
                         headers: dict[str, str], exclude: set[str], failures: list[str],
-                        deadline: float | None, shape: Shape) -> Response:
-        client = self.cluster.external.client
+                        deadline: float | None, shape: Shape, body: dict[str, Any]) -> Response:
+        ext = self.cluster.external
+        client = ext.client
         for attempt in range(1, self.cfg.max_attempts + 1):
-            d, _split = await self.service.decide(p, inp.policy, exclude)
-            self.service.record_routed(p, d)
-            url = self.cluster.external.urls.get(d.endpoint_id)
+            d, split = await self.service.decide(p, inp.policy, exclude)
+            # Only the first try splits: a retry is already late.
+            split_to = split.prefill_endpoint if split.split and split.prefill_endpoint in ext and attempt == 1 else ""
+            self.service.record_routed(p, d, split if split_to else None)
+            url = ext.urls.get(d.endpoint_id)
             if url is None:   # removed by discovery since the decision
                 self.service.settle(p, d)
                 exclude.add(d.endpoint_id)
                 continue
+            split_headers: dict[str, str] = {}
+            if split_to:
+                try:
+                    held = await self._prefill(p, split_to, path, prefill_body(body), headers, deadline)
+                except BaseException:
+                    self.service.settle(p, d)
+                    raise
+                split_headers = {"x-kvmesh-split": "true" if held is not None else "failed",
+                                 "x-kvmesh-prefill-endpoint": split_to}
+                if held is not None:
+                    # The decode engine restores what the store now holds of the prompt.
+                    tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
+                    d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             req = client.build_request("POST", url + path, content=content,
                                        headers={**headers, **self.cluster.external.rank_headers(d.endpoint_id)},
@@ -270,7 +311,7 @@ class Passthrough:
                            "x-kvmesh-predicted-cached-tokens": str(d.predicted_cached_tokens),
                            "x-kvmesh-predicted-cached-tokens-gpu": str(d.predicted_cached_tokens_gpu),
                            "x-kvmesh-predicted-cached-tokens-offload": str(d.predicted_cached_tokens_offload),
-                           "x-kvmesh-attempts": str(attempt)}
+                           "x-kvmesh-attempts": str(attempt), **split_headers}
             ctype = resp.headers.get("content-type", "application/json")
             if "text/event-stream" not in ctype:
                 try:
@@ -292,6 +333,52 @@ class Passthrough:
                                      media_type=ctype, headers=out_headers)
         raise Unavailable(f"no endpoint could serve the request after {self.cfg.max_attempts} attempt(s): "
                           + "; ".join(failures))
+
+    async def _prefill(self, p: Prepared, eid: str, path: str, content: bytes, headers: dict[str, str],
+                       deadline: float | None) -> int | None:
+        """Run the prompt on the external prefill engine ``eid`` and wait until the store holds its
+        KV; the prompt's blocks the store then holds, or None when the prefill failed."""
+        ext = self.cluster.external
+        url = ext.urls.get(eid)
+        if url is None:
+            return None
+        rid = p.request_id + "-prefill"
+        load = self.service.core.load
+        load.on_sent(eid, rid, len(p.tokens), time.monotonic())
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        try:
+            r = await ext.client.post(url + path, content=content,
+                                      headers={**headers, "x-request-id": rid, **ext.rank_headers(eid)},
+                                      timeout=httpx.Timeout(left, connect=self.cfg.external_connect_timeout_s))
+        except httpx.HTTPError as exc:
+            if isinstance(exc, CONNECT_ERRORS):
+                self.cluster.mark_dead(eid, f"{type(exc).__name__}: {exc}")
+            log.warning("prefill engine failed; the decode engine computes the prompt",
+                        extra={"request_id": p.request_id, "endpoint": eid, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+        finally:
+            load.on_finished(rid)
+        if r.status_code != 200:
+            log.warning("prefill engine refused; the decode engine computes the prompt",
+                        extra={"request_id": p.request_id, "endpoint": eid, "status": r.status_code,
+                               "body": r.text[:500]})
+            return None
+        # The connector saves in the background: the store's KV events say when it is there.
+        want = max_hit_blocks(p.req.num_tokens, p.req.block_size)
+        until = time.monotonic() + self.cfg.split_store_wait_s
+        held, pause = 0, 0.01
+        while True:
+            m = await self.cluster.lookup(p.req.keys)
+            if m is not None and m.source != "local":
+                held = min(max(m.store.cpu, m.store.disk), want)
+            if held >= want or time.monotonic() >= until:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        if held < want:
+            log.warning("the store holds part of the prefilled prompt", extra={
+                "request_id": p.request_id, "endpoint": eid, "held_blocks": held, "wanted_blocks": want})
+        return held
 
     def _failed(self, p: Prepared, d: Decision, exc: Exception, failures: list[str], exclude: set[str],
                 mark_dead: bool) -> None:

@@ -340,6 +340,41 @@ async def test_data_parallel_servers_are_one_endpoint_per_rank(dp_stack) -> None
         assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] in ("b", "b_dp1")
 
 
+async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(tiny_model_dir) -> None:
+    """llm-d's P/D convention toward external engines: the prefill engine gets the body with one
+    token, no stream and the connector's prefill_only; then the decode engine gets the client's body."""
+    engines = {"d": await OpenAIEngine(MODEL).start(), "p": await OpenAIEngine(MODEL).start()}
+    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0, auth="off",
+                       endpoints=[f"d={engines['d'].url}"], prefill_endpoints=[f"p={engines['p'].url}"],
+                       split_enabled=True, split_threshold_tokens=1, split_store_wait_s=0.05)
+    cfg.validate()
+    svc = build_service(cfg)
+    await svc.cluster.poll_all()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router", timeout=30)
+    try:
+        sent = _chat(stream=True, stream_options={"include_usage": True}, n=1, max_completion_tokens=9)
+        r = await client.post("/v1/chat/completions", json=sent, headers={"x-tenant": "acme"})
+        assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "d"
+        assert r.headers["x-kvmesh-split"] == "true" and r.headers["x-kvmesh-prefill-endpoint"] == "p"
+        salt = svc.salts.salt("acme")
+        (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
+        assert dec == {**sent, "cache_salt": salt}
+        want = {**sent, "cache_salt": salt, "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
+                "kv_transfer_params": {"kvmesh": {"prefill_only": True}}}
+        del want["stream_options"]
+        assert pre == want
+        assert engines["p"].headers[0]["x-request-id"] == r.headers["x-kvmesh-request-id"] + "-prefill"
+        # A prefill engine that is gone costs the split only.
+        await engines["p"].stop()
+        r = await client.post("/v1/chat/completions", json=_chat(session_id="x"))
+        assert r.status_code == 200 and r.headers["x-kvmesh-split"] == "failed" and len(engines["d"].bodies) == 2
+        assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+    finally:
+        await client.aclose()
+        await svc.cluster.stop()
+        await engines["d"].stop()
+
+
 def test_endpoint_specs() -> None:
     assert parse_endpoint("v0=http://10.0.0.1:8000/v1/") == ("v0", "http://10.0.0.1:8000")
     assert parse_endpoint("http://10.0.0.1:8000") == ("10.0.0.1:8000", "http://10.0.0.1:8000")
@@ -347,7 +382,11 @@ def test_endpoint_specs() -> None:
     for bad in ("v0=http://:8000", "v0=http://h:1/?q=1", "v0=https://h:1#x"):
         with pytest.raises(ConfigError):
             parse_endpoint(bad)
-    with pytest.raises(ConfigError, match="P/D split"):
+    # A prefill engine hands its KV to decode engines of its own kind (external: through the store).
+    with pytest.raises(ConfigError, match="external OpenAI prefill endpoint"):
         RouterConfig(prefill_endpoints=["p=http://h:1"]).validate()
+    with pytest.raises(ConfigError, match="external OpenAI prefill endpoint"):
+        RouterConfig(endpoints=["d=http://h:2"], prefill_endpoints=["p=h:1"]).validate()
+    RouterConfig(endpoints=["d=http://h:2"], prefill_endpoints=["p=http://h:1"], auth="off").validate()
     with pytest.raises(ConfigError, match="NAMESPACE/NAME"):
         RouterConfig(inference_pool="just-a-name").validate()

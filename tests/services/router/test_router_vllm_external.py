@@ -87,7 +87,8 @@ def fleet(vllm_servers, envoy_factory, tiny_model_dir, tmp_path_factory: pytest.
             time.sleep(0.2)
         # The same fleet behind Envoy, the router as its ext_proc endpoint picker.
         gateway = envoy_factory(extproc_port, [s.port for s in servers], fail_open=False, name="gateway")
-        yield {"base": base, "grpc": f"127.0.0.1:{port}", "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log",
+        yield {"base": base, "grpc": f"127.0.0.1:{port}", "indexer": idx.grpc_address, "tmp": tmp,
+               "model_dir": tiny_model_dir, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log",
                "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gateway": gateway.base}
     finally:
         if router is not None:
@@ -298,6 +299,54 @@ def test_grpc_generate_on_external_engines(fleet) -> None:
         (fin,) = [m.final for m in router_pb2_grpc.RouterStub(ch).Generate(
             req, timeout=120, metadata=[("x-tenant", "initech")]) if m.HasField("final")]
         assert fin.usage.cached_tokens == fin.routing.predicted_cached_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def pd_router(fleet) -> Iterator[dict]:
+    """A second router over the same two vLLM servers: the first decodes, the second prefills."""
+    decode, prefill = fleet["servers"].values()
+    port, http = free_port(), free_port()
+    router = ServiceProcess("router", [
+        "--lookup-timeout-s", "2", "--lookup-late-s", "4", "--host", "127.0.0.1", "--port", str(port),
+        "--http-port", str(http), "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor",
+        "--indexer", fleet["indexer"], "--auth", "off", "--tokenizer-path", str(fleet["model_dir"]),
+        "--max-model-len", "4096", "--endpoints", decode.url, "--prefill-endpoints", prefill.url,
+        "--split-enabled", "--split-threshold-tokens", "64", "--split-store-wait-s", "20"],
+        f"127.0.0.1:{port}", log_path=fleet["tmp"] / "router-pd.log").start(60)
+    try:
+        base = f"http://127.0.0.1:{http}"
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 1:
+            assert time.monotonic() < deadline, "the P/D router never saw its decode server up"
+            time.sleep(0.2)
+        yield {"base": base, "decode": decode.endpoint_id, "prefill": prefill.endpoint_id}
+    finally:
+        router.stop(grace_s=5)
+
+
+def test_pd_split_hands_the_prompt_over_through_the_store(pd_router) -> None:
+    """llm-d's P/D convention with kvmesh's store as the transport: the prefill vLLM computes the
+    prompt (max_tokens 1) and its connector saves it; the decode vLLM restores it from the store,
+    exactly as much as the router predicted."""
+    client = openai.OpenAI(base_url=pd_router["base"] + "/v1", api_key="k", max_retries=0, timeout=120,
+                           default_headers={"x-tenant": "pd"})
+    for turn, stream in enumerate((False, True)):
+        messages = _opening(f"the P/D split, part {turn}")
+        kw = dict(model=TINY_MODEL_NAME, messages=messages, temperature=0.0, max_tokens=4)
+        if stream:
+            raw = client.chat.completions.with_raw_response.create(**kw, stream=True,
+                                                                    stream_options={"include_usage": True})
+            usage = list(raw.parse())[-1].usage
+        else:
+            raw = client.chat.completions.with_raw_response.create(**kw)
+            usage = raw.parse().usage
+        h = raw.headers
+        assert h["x-kvmesh-split"] == "true" and h["x-kvmesh-prefill-endpoint"] == pd_router["prefill"], dict(h)
+        assert h["x-kvmesh-endpoint"] == pd_router["decode"]
+        cached = usage.prompt_tokens_details.cached_tokens
+        # Every full block but the one holding the last prompt token (vLLM computes that one).
+        assert cached == int(h["x-kvmesh-predicted-cached-tokens"]) == (usage.prompt_tokens - 1) // 32 * 32 > 0, (
+            turn, usage, dict(h))
 
 
 def test_killing_the_vllm_that_holds_a_conversation_moves_it(fleet) -> None:
