@@ -38,6 +38,7 @@ COMMANDS: LazyRegistry[Register] = LazyRegistry("kvmesh command", {
 BENCHES: LazyRegistry[Register] = LazyRegistry("benchmark", {
     "events": ("kvmesh_tools.bench.events", "register"),
     "hashing": ("kvmesh_tools.bench.hashing", "register"),
+    "hedge": ("kvmesh_tools.bench.hedge", "register"),
     "indexer": ("kvmesh_tools.bench.indexer", "register"),
     "offload": ("kvmesh_tools.bench.offload", "register"),
     "offload-policy": ("kvmesh_tools.bench.offload_policy", "register"),

@@ -92,6 +92,9 @@ class IndexerConfig:
     heartbeat_ttl_s: float = field(default=10.0, metadata={"help": "default heartbeat TTL of registered endpoints"})
     lookup_timeout_s: float = field(default=1.0, metadata={"help": "max time a Lookup waits for the backend"})
     replay_timeout_s: float = field(default=2.0, metadata={"help": "max time for one replay request"})
+    tail_probe_s: float = field(default=5.0, metadata={
+        "help": "check a quiet endpoint's replay buffer this often, catching event messages lost with "
+                "nothing after them (e.g. right after an engine restart); 0 = off"})
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "TTL of PutSpeculative when the request has 0"})
     max_batch_events: int = field(default=10_000, metadata={"help": "larger ingest batches are rejected"})
     queue_size: int = field(default=10_000, metadata={"help": "per-endpoint ingest queue (ZMQ drops beyond)"})
@@ -126,6 +129,8 @@ class IndexerConfig:
         for name in ("heartbeat_ttl_s", "lookup_timeout_s", "replay_timeout_s", "redis_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0")
+        if self.tail_probe_s < 0:
+            raise ConfigError("setting 'tail_probe_s' must be >= 0 (0 = off)")
         if not 0 < self.speculative_ttl_s <= 300:
             raise ConfigError("setting 'speculative_ttl_s' must be in (0, 300]")
         if self.redis_probe_stride < 1:

@@ -17,6 +17,14 @@ Sequence rules, per endpoint:
   indexer that subscribed late (or restarted) catches up.
 - a batch that failed because the backend was down marks the endpoint for
   re-sync; the next batch repairs it like a gap (replay, else clear).
+- a quiet endpoint is probed (``probe_tail``): a message lost on the event socket
+  with nothing after it (ZMQ's slow joiner right after an engine restart, a
+  publisher high-water-mark drop of the last batch) leaves no gap for the rules
+  above to see. The probe asks the replay buffer for the last seq seen: the same
+  events there means in sync (newer batches are applied); a missing or different
+  batch means the engine restarted, so the endpoint is cleared and rebuilt from
+  the buffer. Batches a probe applied may still arrive live; they are skipped as
+  duplicates, not read as a reset.
 
 Hostile input (issue #20): a forged message must not wipe or jump an endpoint.
 When the engine has a replay socket, the suspicious cases -- a sequence reset,
@@ -42,6 +50,9 @@ from kvmesh_indexer.keys import EngineHashing, KeyError_, KeyMapper, ModelSpec
 
 log = logging.getLogger(__name__)
 
+# Batches applied by a tail probe whose live copies may still be in flight.
+PROBE_DUPLICATE_WINDOW = 64
+
 # Returns the buffered batches with seq >= start, in order: [(seq, batch), ...].
 ReplayFn = Callable[[int], Sequence[tuple[int, KVEventBatch]]]
 
@@ -52,6 +63,7 @@ class IngestObserver(Protocol):
     def on_gap(self, endpoint: str, missing: int) -> None: ...
     def on_replay(self, endpoint: str, outcome: str) -> None: ...
     def on_clear(self, endpoint: str, reason: str, blocks: int) -> None: ...
+    def on_probe(self, endpoint: str, outcome: str) -> None: ...
 
 
 class NullObserver:
@@ -70,6 +82,9 @@ class NullObserver:
     def on_clear(self, endpoint: str, reason: str, blocks: int) -> None:
         pass
 
+    def on_probe(self, endpoint: str, outcome: str) -> None:
+        pass
+
 
 @dataclass
 class EndpointState:
@@ -82,6 +97,9 @@ class EndpointState:
     resync_upto: int | None = None   # first seq after the batches lost to a backend outage
     jump_seq: int | None = None      # last refused implausible seq, and how many in a row
     jump_run: int = 0
+    last_events: list | None = None  # events of batch ``last_seq``: what a tail probe compares
+    # The last batches a tail probe applied (seq -> events): their live copies are duplicates.
+    probed: dict[int, list] | None = None
     batches: int = 0
     events_applied: int = 0
     events_rejected: int = 0
@@ -169,6 +187,12 @@ class Ingestor:
         if errs:
             res.rejected += len(errs)
             self._reject(st, "bad_event", len(errs), errs[0].message)
+        if seq is not None and st.probed is not None:
+            if batch is not None and seq in st.probed and _events_equal(st.probed[seq], batch.events):
+                st.bump("duplicate")
+                return res  # already applied by a tail probe
+            if seq > max(st.probed):
+                st.probed = None
         if seq is not None:
             try:
                 self._check_seq(st, seq, replay, batch)
@@ -185,7 +209,7 @@ class Ingestor:
         if batch is None:
             res.accepted = False
             if seq is not None:
-                st.last_seq = seq
+                st.last_seq, st.last_events = seq, None
             return res
         if len(batch.events) > self.max_events_per_batch:
             res.accepted = False
@@ -193,7 +217,7 @@ class Ingestor:
             self._reject(st, "oversize_batch", len(batch.events),
                          f"{len(batch.events)} events > limit {self.max_events_per_batch}")
             if seq is not None:
-                st.last_seq = seq
+                st.last_seq, st.last_events = seq, None
             return res
         try:
             applied, rejected = self._apply(st, batch)
@@ -204,6 +228,7 @@ class Ingestor:
         res.rejected += rejected
         if seq is not None:
             st.last_seq = seq
+            st.last_events = batch.events
         st.batches += 1
         return res
 
@@ -352,9 +377,66 @@ class Ingestor:
         for s, b in got:
             if len(b.events) <= self.max_events_per_batch:
                 self._apply(st, b)
-            st.last_seq = s
-        if upto > 0:
-            st.last_seq = upto - 1
+            st.last_seq, st.last_events = s, b.events
+        if upto > 0 and st.last_seq != upto - 1:
+            st.last_seq, st.last_events = upto - 1, None
+
+    # ---- tail probe ------------------------------------------------------------------
+    def probe_tail(self, endpoint: str, model: str, replay: ReplayFn | None,
+                   engine: EngineHashing | None = None) -> str:
+        """Check a quiet endpoint against its engine's replay buffer; returns the outcome.
+
+        ``in_sync``: the buffer's batch at the last seq seen is the one applied, nothing newer.
+        ``caught_up``: newer batches were there and are applied now (messages were lost).
+        ``restarted``: the buffer does not hold the batch applied last, so the engine is a new
+        process: the endpoint is cleared and rebuilt from the buffer.
+        ``unreachable``: no answer; nothing changes.
+        """
+        if replay is None:
+            return "skipped"
+        st = self.ensure_endpoint(endpoint, model, engine)
+        last = st.last_seq
+        try:
+            got = sorted(replay(0 if last is None else last), key=lambda x: x[0])
+        except IndexUnavailable:
+            raise
+        except Exception:  # noqa: BLE001 - an engine that is down proves nothing
+            return "unreachable"
+        if last is not None:
+            head = got[0] if got else None
+            same = head is not None and head[0] == last and (
+                st.last_events is None or _events_equal(head[1].events, st.last_events))
+            if head is not None and head[0] > last:
+                # Missed more than the buffer holds since: a gap, repaired (or cleared) as live.
+                self._fill(st, last + 1, got[-1][0] + 1, _from_list(got), reason="probe_gap")
+                return self._probed(st, "caught_up", got)
+            if not same:
+                st.bump("seq_reset")
+                log.warning("engine restarted (tail probe)", extra={"endpoint": st.endpoint, "last_seq": last})
+                self.clear(st, "probe_restart")
+                st.last_seq, st.last_events = None, None
+                try:
+                    got = sorted(replay(0), key=lambda x: x[0])
+                except IndexUnavailable:
+                    raise
+                except Exception:  # noqa: BLE001
+                    got = []
+                if got:
+                    self._fill(st, got[0][0], got[-1][0] + 1, _from_list(got), reason="restart",
+                               clear_on_miss=False)
+                return self._probed(st, "restarted", got)
+            got = got[1:]
+        if not got:
+            return self._probed(st, "in_sync", got)
+        self._fill(st, got[0][0], got[-1][0] + 1, _from_list(got), reason="probe", clear_on_miss=False)
+        return self._probed(st, "caught_up", got)
+
+    def _probed(self, st: EndpointState, outcome: str, applied: Sequence[tuple[int, KVEventBatch]]) -> str:
+        if applied and outcome != "in_sync":
+            st.probed = {s: b.events for s, b in applied[-PROBE_DUPLICATE_WINDOW:]}
+        st.bump(f"probe_{outcome}")
+        self.observer.on_probe(st.endpoint, outcome)
+        return outcome
 
     def _reject(self, st: EndpointState, reason: str, n: int, detail: str) -> None:
         st.events_rejected += n
@@ -419,3 +501,15 @@ class Ingestor:
         flush()
         st.events_applied += applied
         return applied, rejected
+
+
+def _from_list(got: Sequence[tuple[int, KVEventBatch]]) -> ReplayFn:
+    """A replay function answering from batches already fetched (no second request)."""
+    return lambda start: [(s, b) for s, b in got if s >= start]
+
+
+def _events_equal(a: Sequence, b: Sequence) -> bool:
+    try:
+        return bool(list(a) == list(b))
+    except Exception:  # noqa: BLE001 - incomparable events: the seq alone decides
+        return True

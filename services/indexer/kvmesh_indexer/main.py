@@ -155,7 +155,7 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
                         max_seq_jump=cfg.max_seq_jump)
     pump = IngestPump(ingestor, replay_timeout_s=cfg.replay_timeout_s, queue_size=cfg.queue_size,
                       on_drop=lambda ep: metrics.dropped.labels(ep).inc(), queue_bytes=cfg.queue_bytes,
-                      max_payload_bytes=cfg.max_message_bytes)
+                      max_payload_bytes=cfg.max_message_bytes, tail_probe_s=cfg.tail_probe_s)
     if cfg.kv_events_curve_secret:
         pump.curve_for = functools.partial(_curve_client, cfg.kv_events_curve_secret, cfg.kv_events_curve_servers)
     subscriber = ZmqSubscriber(pump, max_message_bytes=cfg.max_message_bytes)

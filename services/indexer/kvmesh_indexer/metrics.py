@@ -40,6 +40,10 @@ class IndexMetrics:
                                registry=registry)
         self.replays = Counter("kvmesh_indexer_replays", "Replay requests, by outcome", ["endpoint", "outcome"],
                                registry=registry)
+        self.tail_probes = Counter(
+            "kvmesh_indexer_tail_probes", "Replay-buffer checks of quiet endpoints, by outcome "
+            "(in_sync, caught_up = lost messages applied, restarted = engine restart found, unreachable)",
+            ["endpoint", "outcome"], registry=registry)
         self.clears = Counter("kvmesh_indexer_endpoint_clears", "Endpoint clears, by reason",
                               ["endpoint", "reason"], registry=registry)
         self.dropped = Counter("kvmesh_indexer_dropped_messages", "Messages dropped on a full endpoint queue",
@@ -71,6 +75,9 @@ class MetricsObserver:
 
     def on_replay(self, endpoint: str, outcome: str) -> None:
         self.m.replays.labels(endpoint, outcome).inc()
+
+    def on_probe(self, endpoint: str, outcome: str) -> None:
+        self.m.tail_probes.labels(endpoint, outcome).inc()
 
     def on_clear(self, endpoint: str, reason: str, blocks: int) -> None:
         self.m.clears.labels(endpoint, reason).inc()

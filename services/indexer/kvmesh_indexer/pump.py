@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -49,12 +50,14 @@ class _Item:
     future: asyncio.Future | None
     model: str | None = None
     resync: bool = False
+    probe: bool = False
 
 
 class IngestPump:
     def __init__(self, ingestor: Ingestor, replay_timeout_s: float = 2.0, queue_size: int = 10_000,
                  max_payload_bytes: int = 16 * 1024 * 1024, on_drop: Callable[[str], None] | None = None,
-                 resync_interval_s: float = 0.5, queue_bytes: int = 64 * 1024 * 1024) -> None:
+                 resync_interval_s: float = 0.5, queue_bytes: int = 64 * 1024 * 1024,
+                 tail_probe_s: float = 5.0, max_probes_in_flight: int = 2) -> None:
         self.ingestor = ingestor
         self.replay_timeout_s = replay_timeout_s
         self.queue_size = queue_size
@@ -65,6 +68,15 @@ class IngestPump:
         self.max_payload_bytes = max_payload_bytes
         self.on_drop = on_drop
         self.resync_interval_s = resync_interval_s
+        # Tail probes: a quiet endpoint's replay buffer is checked every ``tail_probe_s`` (0 = off),
+        # backing off while it does not answer, with few in flight so a fleet of dead engines
+        # cannot tie up the worker threads that ingest runs on.
+        self.tail_probe_s = tail_probe_s
+        self.max_probes_in_flight = max_probes_in_flight
+        self._last_msg: dict[str, float] = {}
+        self._next_probe: dict[str, float] = {}
+        self._probe_backoff: dict[str, float] = {}
+        self._probing: set[str] = set()
         self.sources: dict[str, EndpointSource] = {}
         self._queues: dict[str, asyncio.Queue[_Item]] = {}
         self._tasks: dict[str, asyncio.Task] = {}
@@ -121,6 +133,7 @@ class IngestPump:
             return False
         q.put_nowait(_Item(seq, payload, batch, None, model))
         self._bytes[endpoint] = self._bytes.get(endpoint, 0) + size
+        self._last_msg[endpoint] = time.monotonic()
         return True
 
     def dropped(self, endpoint: str) -> None:
@@ -145,6 +158,7 @@ class IngestPump:
             await asyncio.sleep(0.01)
         await self._queue(endpoint).put(_Item(seq, payload, batch, fut, model))
         self._bytes[endpoint] = self._bytes.get(endpoint, 0) + size
+        self._last_msg[endpoint] = time.monotonic()
         return await fut
 
     def _queue(self, endpoint: str) -> asyncio.Queue[_Item]:
@@ -190,6 +204,9 @@ class IngestPump:
         if item.resync:
             await self._run(self.ingestor.resync, endpoint, self.replay_fn(endpoint))
             return BatchResult()
+        if item.probe:
+            await self._probe(endpoint, src)
+            return BatchResult()
         model = item.model or (src.model if src else None)
         if not model:
             self.ingestor.observer.on_rejected(endpoint, "unknown_endpoint", 1)
@@ -219,6 +236,48 @@ class IngestPump:
             span.set_attribute("kvmesh.rejected", res.rejected)
             return res
 
+    async def _probe(self, endpoint: str, src: EndpointSource | None) -> None:
+        try:
+            if src is None:
+                return
+            try:
+                outcome = await self._run(self.ingestor.probe_tail, endpoint, src.model,
+                                          self.replay_fn(endpoint), src.engine)
+            except ValueError:   # a model this indexer does not serve: ingest refuses it anyway
+                outcome = "unreachable"
+            if outcome == "unreachable":
+                back = min(max(self._probe_backoff.get(endpoint, 0.0) * 2, self.tail_probe_s), 12 * self.tail_probe_s)
+                self._probe_backoff[endpoint] = back
+            else:
+                self._probe_backoff.pop(endpoint, None)
+                back = self.tail_probe_s
+                if outcome != "in_sync":
+                    log.warning("tail probe repaired the endpoint", extra={"endpoint": endpoint, "outcome": outcome})
+            self._next_probe[endpoint] = time.monotonic() + back
+        finally:
+            self._probing.discard(endpoint)
+
+    def _schedule_probes(self) -> None:
+        """Queue a tail probe for each quiet endpoint that has a replay socket and is due."""
+        if self.tail_probe_s <= 0 or self._closed:
+            return
+        now = time.monotonic()
+        for endpoint, src in list(self.sources.items()):
+            if len(self._probing) >= self.max_probes_in_flight:
+                return
+            if not src.replay_endpoint or endpoint in self._probing:
+                continue
+            if now - self._last_msg.get(endpoint, 0.0) < self.tail_probe_s:
+                continue
+            due = self._next_probe.setdefault(endpoint, now + self.tail_probe_s)
+            if now < due:
+                continue
+            q = self._queue(endpoint)
+            if not q.empty():
+                continue
+            self._probing.add(endpoint)
+            q.put_nowait(_Item(None, None, None, None, probe=True))
+
     async def _run(self, fn: Callable[..., Any], *args: Any) -> Any:
         # Replay requests and Redis calls block; keep them off the event loop.
         return await asyncio.to_thread(fn, *args)
@@ -242,6 +301,7 @@ class IngestPump:
                     if q is not None and q.empty():
                         # Through the endpoint's own queue, so it stays ordered with live batches.
                         q.put_nowait(_Item(None, None, None, None, resync=True))
+                self._schedule_probes()
             except IndexUnavailable:
                 continue
             except Exception:  # noqa: BLE001
@@ -252,6 +312,9 @@ class IngestPump:
         task = self._tasks.pop(endpoint, None)
         q = self._queues.pop(endpoint, None)
         self._bytes.pop(endpoint, None)
+        for d in (self._last_msg, self._next_probe, self._probe_backoff):
+            d.pop(endpoint, None)
+        self._probing.discard(endpoint)
         while q is not None and not q.empty():
             item = q.get_nowait()
             if item.future is not None and not item.future.done():

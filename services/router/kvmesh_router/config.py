@@ -107,6 +107,13 @@ class RouterConfig:
     stream_idle_timeout_s: float = field(default=30.0, metadata={
         "help": "a stream silent this long after its first token ends with an error naming what was "
                 "sent (0 = no limit)"})
+    hedge_delay_s: float = field(default=0.0, metadata={
+        "help": "hedge the first token: a request with no token this long after it was sent also goes to the "
+                "next best endpoint; the first to answer wins and the other is cancelled (0 = off, the default)"})
+    hedge_budget: float = field(default=0.1, metadata={
+        "help": "long-run share of requests that may be hedged (0..1; a token bucket, kvmesh.routing.hedge)"})
+    hedge_burst: float = field(default=5.0, metadata={
+        "help": "hedges allowed at once after a quiet spell (the bucket's size; < 1 = never)"})
     http_deadline_s: float = field(default=600.0, metadata={
         "help": "total deadline of an OpenAI HTTP request, arrival to last token (0 = none): past it the "
                 "worker call is cancelled and the client gets a 504 error (an SSE error event once streaming)"})
@@ -149,9 +156,11 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
         for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s", "http_header_timeout_s",
-                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s"):
+                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s", "hedge_delay_s", "hedge_burst"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.hedge_budget <= 1.0:
+            raise ConfigError(f"setting 'hedge_budget' must be in [0, 1], got {self.hedge_budget}")
         if self.approx_capacity_blocks < 1:
             raise ConfigError("setting 'approx_capacity_blocks' must be >= 1")
         self.scoring.validate()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,6 +57,10 @@ class Rejected(Exception):
 
 class Broken(Exception):
     """The stream failed after it began (connection lost, an error event, silence)."""
+
+
+class Deadline(Exception):
+    """The request's deadline passed before the stream ended."""
 
 
 @dataclass
@@ -104,14 +109,17 @@ def _error_message(raw: bytes) -> str:
 
 async def stream_tokens(client: httpx.AsyncClient, url: str, body: dict[str, Any], headers: dict[str, str],
                         connect_timeout_s: float, first_token_timeout_s: float, idle_timeout_s: float,
-                        done: Completion) -> AsyncIterator[list[int]]:
+                        done: Completion, deadline: float | None = None) -> AsyncIterator[list[int]]:
     """Yield each chunk's generated token ids; ``done`` holds the finish reason and usage at the end.
 
-    Raises ``NoAnswer`` / ``Rejected`` before the first token, ``Broken`` after it;
-    ``TimeoutError`` never escapes (silence is ``NoAnswer`` or ``Broken``).
+    Raises ``NoAnswer`` / ``Rejected`` before the first token, ``Broken`` after it, ``Deadline``
+    past ``deadline`` (``time.monotonic()``); ``TimeoutError`` never escapes (silence is
+    ``NoAnswer`` or ``Broken``). Timeouts are per read, never across a yield: the consumer may
+    resume this generator from another task (the router's hedging does).
     """
+    left = None if deadline is None else max(0.001, deadline - time.monotonic())
     req = client.build_request("POST", url + "/v1/completions", json=body, headers=headers,
-                               timeout=httpx.Timeout(None, connect=connect_timeout_s))
+                               timeout=httpx.Timeout(left, connect=min(connect_timeout_s, left or connect_timeout_s)))
     try:
         resp = await client.send(req, stream=True)
     except CONNECT_ERRORS as exc:
@@ -128,15 +136,23 @@ async def stream_tokens(client: httpx.AsyncClient, url: str, body: dict[str, Any
         lines = resp.aiter_lines()
         while True:
             limit = idle_timeout_s if started else first_token_timeout_s
+            wait = limit or None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Deadline()
+                wait = left if wait is None else min(wait, left)
             try:
-                if limit:
-                    async with asyncio.timeout(limit):
+                if wait is not None:
+                    async with asyncio.timeout(wait):
                         line = await anext(lines)
                 else:
                     line = await anext(lines)
             except StopAsyncIteration:
                 break
             except TimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise Deadline() from None
                 if started:
                     raise Broken(f"silent for {limit:g}s") from None
                 raise NoAnswer(f"STALLED: no token within {limit:g}s", mark_dead=False) from None
@@ -172,6 +188,12 @@ async def stream_tokens(client: httpx.AsyncClient, url: str, body: dict[str, Any
             if started:
                 raise Broken("the stream ended without a finish reason")
             raise NoAnswer("the stream ended without an answer", mark_dead=False)
+    except httpx.TimeoutException as exc:
+        if deadline is not None and time.monotonic() >= deadline - 0.01:
+            raise Deadline() from None
+        if started:
+            raise Broken(f"{type(exc).__name__}: {exc}") from None
+        raise NoAnswer(f"{type(exc).__name__}: {exc}", mark_dead=isinstance(exc, httpx.ConnectTimeout)) from None
     except httpx.HTTPError as exc:
         if started:
             raise Broken(f"{type(exc).__name__}: {exc}") from None

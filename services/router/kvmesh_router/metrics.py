@@ -33,3 +33,7 @@ STALLS = Counter("kvmesh_router_stalls_total", "worker streams cancelled for sil
                  ["stage"])
 REQUESTS = Counter("kvmesh_router_requests_total", "requests by outcome", ["api", "outcome"])
 HASH_BLOCKS = Counter("kvmesh_router_hash_blocks_total", "blocks hashed vs reused from the hash cache", ["kind"])
+HEDGES = Counter("kvmesh_router_hedges_total",
+                 "hedged first tokens (sent: a second copy went out; won: the copy answered first; lost: the "
+                 "first try did; denied: the hedge budget was spent; no_endpoint: no other endpoint could take it)",
+                 ["event"])

@@ -11,6 +11,7 @@ call, which aborts the engine request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import secrets
@@ -27,6 +28,7 @@ from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
 from kvmesh.routing.fidelity import RouterSide, classify, live_view
+from kvmesh.routing.hedge import HedgeBudget
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
 from kvmesh.routing.prefix_memory import speculative_ttl
@@ -128,11 +130,20 @@ class FinalInfo:
     content: str | None = None
 
 
+# One try of a request: its prepared copy, its decision, its worker stream.
+_Try = tuple[Prepared, Decision, AsyncIterator[tuple[str, Any]]]
+
+
 class _BeforeFirstToken(Exception):
-    def __init__(self, why: str, mark_dead: bool = True) -> None:
+    def __init__(self, why: str, mark_dead: bool = True, endpoint: str = "") -> None:
         super().__init__(why)
         self.why = why
         self.mark_dead = mark_dead
+        self.endpoint = endpoint   # the endpoint that failed, when not the try's own (a hedge)
+
+
+async def _next_item(gen: AsyncIterator[tuple[str, Any]]) -> tuple[str, Any]:
+    return await gen.__anext__()
 
 
 # Below this a full tokenization is cheap (< ~5 ms) and caching would only cost memory.
@@ -159,6 +170,7 @@ class RouterService:
         self.vocab_size = cfg.vocab_size or (tokenizer.vocab_size if tokenizer is not None else 0)
         self.salts = tenant_salts(cfg)
         self._bg: set[asyncio.Task] = set()
+        self.hedge_budget = HedgeBudget(cfg.hedge_budget, cfg.hedge_burst)
         self.incremental = None
         if tokenizer is not None and cfg.tokenize_cache_bytes > 0:
             from kvmesh.tokenization.incremental import IncrementalTokenizer
@@ -435,14 +447,15 @@ class RouterService:
             exclude: set[str] = set()
             failures: list[str] = []
             attempts = 0
+            if self.cfg.hedge_delay_s > 0:
+                self.hedge_budget.on_request()
             while True:
                 attempts += 1
                 if inp.deadline is not None and time.monotonic() >= inp.deadline:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
                     d, split = await self.decide(p, inp.policy, exclude)
-                external = d.endpoint_id in self.cluster.external
-                if external and split.split:
+                if split.split and d.endpoint_id in self.cluster.external:
                     # An external engine cannot take a kvmesh prefill worker's KV handle.
                     split = SplitDecision(False, reason="decode endpoint is an external engine")
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
@@ -452,25 +465,24 @@ class RouterService:
                 self._trace_decision(span, d, split, attempts)
                 self.record_routed(p, d, split)
                 try:
-                    run = (self._run_external(p, inp, d, split, attempts, overhead, span) if external
-                           else self._run(p, inp, d, split, attempts, overhead, span))
-                    async for item in run:
+                    async for item in self._attempt(p, inp, d, split, attempts, overhead, span, exclude, failures):
                         yield item
                     metrics.REQUESTS.labels(api="core", outcome="ok").inc()
                     return
                 except _BeforeFirstToken as exc:
                     self.settle(p, d)
-                    failures.append(f"{d.endpoint_id}: {exc.why}")
+                    failed = exc.endpoint or d.endpoint_id
+                    failures.append(f"{failed}: {exc.why}")
                     if exc.mark_dead:
-                        self.cluster.mark_dead(d.endpoint_id, exc.why)
-                    exclude.add(d.endpoint_id)
-                    span.add_event("retry", {"endpoint": d.endpoint_id, "why": exc.why})
+                        self.cluster.mark_dead(failed, exc.why)
+                    exclude.add(failed)
+                    span.add_event("retry", {"endpoint": failed, "why": exc.why})
                     if attempts >= self.cfg.max_attempts:
                         raise Unavailable(f"no endpoint could serve the request after {attempts} attempt(s): "
                                           + "; ".join(failures)) from None
                     metrics.RETRIES.labels(reason=exc.why.split(" ")[0]).inc()
                     log.warning("retrying on another endpoint",
-                                extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "why": exc.why})
+                                extra={"request_id": p.request_id, "endpoint": failed, "why": exc.why})
                 except BaseException:
                     self.settle(p, d)
                     raise
@@ -537,11 +549,141 @@ class RouterService:
                 self.core.load.on_finished(p.request_id + "-prefill")
             return resp.handle
 
+    # -- hedging the first token ---------------------------------------------------------
+    async def _attempt(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
+                       overhead: float, span: trace.Span, exclude: set[str], failures: list[str]
+                       ) -> AsyncIterator[tuple[str, Any]]:
+        """One try on ``d``; with hedging on, and no first token after ``hedge_delay_s``, a copy
+        races it on the next best endpoint (budget permitting). The first to yield wins and the
+        other is cancelled, which aborts its engine request and releases its in-flight count.
+
+        The caller owns the first try (settles it on failure); this owns the copy. A try that
+        fails while the other still runs is recorded here (``failures``, ``exclude``); when both
+        fail, the last failure is raised, naming its endpoint.
+        """
+        primary = self._run(p, inp, d, split, attempt, overhead, span)
+        delay = self.cfg.hedge_delay_s
+        if delay <= 0 or split.split:   # a split's prefill is on its own endpoint: not hedged
+            async for item in primary:
+                yield item
+            return
+        first = asyncio.ensure_future(_next_item(primary))
+        tries: dict[asyncio.Future, _Try] = {first: (p, d, primary)}
+        hedge: _Try | None = None
+        winner: _Try | None = None
+        try:
+            done, _ = await asyncio.wait({first}, timeout=delay)
+            if not done:
+                hedge = await self._start_hedge(p, inp, d, attempt, overhead, span, exclude)
+            if hedge is None:
+                item = await first
+                winner = tries.pop(first)
+            else:
+                tries[asyncio.ensure_future(_next_item(hedge[2]))] = hedge
+                fut, item = await self._race(tries, primary, exclude, failures)
+                winner = tries.pop(fut)
+                loser = hedge if winner[2] is primary else (p, d, primary)
+                for fut in list(tries):   # cancel the loser's call (aborts its engine request)
+                    await self._drop_try(fut, tries.pop(fut)[2])
+                self.settle(loser[0], loser[1])
+                won = winner[2] is not primary
+                inp.predicted_cached_tokens = winner[1].predicted_cached_tokens
+                metrics.HEDGES.labels(event="won" if won else "lost").inc()
+                msg = f"hedged after {delay:g}s: {winner[1].endpoint_id} answered before {loser[1].endpoint_id}"
+                span.add_event("hedge_done", {"winner": winner[1].endpoint_id, "loser": loser[1].endpoint_id})
+                log.info("hedged request answered", extra={
+                    "request_id": p.request_id, "endpoint": winner[1].endpoint_id, "hedge_won": won})
+                if item[0] == "final":
+                    item[1].routing.reason += "; " + msg
+                else:
+                    winner[1].reason += "; " + msg   # read when the final message is built
+            yield item
+            wp, wd, wgen = winner
+            try:
+                async for item in wgen:
+                    yield item
+            except BaseException:
+                if wgen is not primary:
+                    self.settle(wp, wd)
+                raise
+        finally:
+            for fut in list(tries):
+                await self._drop_try(fut, tries.pop(fut)[2])
+            if hedge is not None and winner is None:
+                self.settle(hedge[0], hedge[1])   # the caller settles the first try
+
+    async def _race(self, tries: dict[asyncio.Future, _Try], primary: AsyncIterator[tuple[str, Any]],
+                    exclude: set[str], failures: list[str]) -> tuple[asyncio.Future, tuple[str, Any]]:
+        """The try that yields first, with its first item. A try that fails before its first
+        token while the other runs is recorded and released; the last failure is raised."""
+        while True:
+            done, _ = await asyncio.wait(tries, return_when=asyncio.FIRST_COMPLETED)
+            for fut in sorted(done, key=lambda f: tries[f][2] is not primary):   # a tie goes to the first try
+                exc = fut.exception()
+                if exc is None:
+                    return fut, fut.result()
+                tp, td, gen = tries.pop(fut)
+                if not tries or not isinstance(exc, _BeforeFirstToken):
+                    if gen is not primary:
+                        self.settle(tp, td)
+                        if isinstance(exc, _BeforeFirstToken):
+                            exc.endpoint = td.endpoint_id
+                    raise exc
+                failures.append(f"{td.endpoint_id}: {exc.why}")
+                if exc.mark_dead:
+                    self.cluster.mark_dead(td.endpoint_id, exc.why)
+                exclude.add(td.endpoint_id)
+                self.settle(tp, td)
+
+    async def _start_hedge(self, p: Prepared, inp: GenInput, d: Decision, attempt: int, overhead: float,
+                           span: trace.Span, exclude: set[str]
+                           ) -> _Try | None:
+        """Decide and send the copy, or None (budget spent, no other endpoint)."""
+        if inp.deadline is not None and time.monotonic() >= inp.deadline:
+            return None
+        if not self.hedge_budget.take():
+            metrics.HEDGES.labels(event="denied").inc()
+            return None
+        # Its own in-flight entry (the load view is keyed by request id) and its own variant pick.
+        hp = dataclasses.replace(p, variants=list(p.variants))
+        try:
+            with trace.use_span(span, end_on_exit=False):
+                hd, _ = await self.decide(hp, inp.policy, exclude | {d.endpoint_id})
+        except Unavailable:
+            self.hedge_budget.tokens += 1.0   # not spent
+            metrics.HEDGES.labels(event="no_endpoint").inc()
+            return None
+        hp.req = dataclasses.replace(hp.req, request_id=f"{p.request_id}-h{attempt}")
+        no_split = SplitDecision(split=False)
+        self.record_routed(hp, hd, no_split)
+        metrics.HEDGES.labels(event="sent").inc()
+        span.add_event("hedge", {"endpoint": hd.endpoint_id, "after_s": self.cfg.hedge_delay_s,
+                                 "first": d.endpoint_id})
+        log.info("hedging the first token on another endpoint", extra={
+            "request_id": p.request_id, "endpoint": hd.endpoint_id, "first": d.endpoint_id})
+        return hp, hd, self._run(hp, inp, hd, no_split, attempt, overhead, span, worker_rid=hp.req.request_id)
+
+    @staticmethod
+    async def _drop_try(fut: asyncio.Future, gen: AsyncIterator[tuple[str, Any]]) -> None:
+        """End a try that lost (or whose request ended): ``_run``'s cleanup cancels its worker
+        call, which aborts the engine request."""
+        if not fut.done():
+            fut.cancel()
+        await asyncio.wait({fut})
+        if not fut.cancelled():
+            fut.exception()   # retrieved: the loser's own error is not the request's
+        await gen.aclose()   # type: ignore[attr-defined]
+
     async def _run(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
-                   overhead: float, span: trace.Span) -> AsyncIterator[tuple[str, Any]]:
+                   overhead: float, span: trace.Span, worker_rid: str = "") -> AsyncIterator[tuple[str, Any]]:
+        if d.endpoint_id in self.cluster.external:   # a plain vLLM (also as a hedge): its completions API
+            async for item in self._run_external(p, inp, d, split, attempt, overhead, span, worker_rid):
+                yield item
+            return
         handle = await self._prefill(p, inp, split, span) if split.split else None
         wreq = worker_pb2.GenerateRequest(
-            request_id=p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}", model=inp.model,
+            request_id=worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}"),
+            model=inp.model,
             prompt_token_ids=p.tokens, sampling=inp.sampling, cache_salt=p.salt, lora_name=inp.lora_name,
             session_id=inp.session_id)
         if inp.sampling.max_tokens == 0:
@@ -604,7 +746,8 @@ class RouterService:
                 call.cancel()
 
     async def _run_external(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
-                            overhead: float, span: trace.Span) -> AsyncIterator[tuple[str, Any]]:
+                            overhead: float, span: trace.Span, worker_rid: str = ""
+                            ) -> AsyncIterator[tuple[str, Any]]:
         """``_run`` for an external vLLM: the token ids through its completions API (``external_generate``)."""
         url = self.cluster.external.urls.get(d.endpoint_id)
         if url is None:
@@ -612,7 +755,7 @@ class RouterService:
         max_tokens = inp.sampling.max_tokens or self.cfg.max_tokens_default or max(
             1, self.max_model_len() - len(p.tokens))
         body = external_generate.request_body(inp.model, p.tokens, inp.sampling, max_tokens, p.salt)
-        headers = {"x-request-id": p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}"}
+        headers = {"x-request-id": worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}")}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
         ext = self.cluster.external
@@ -620,19 +763,18 @@ class RouterService:
         generated: list[int] = []
         ttft = 0.0
         t_start = time.monotonic()
-        left = self._remaining(inp)
+        self._remaining(inp)   # DeadlineExceeded when already past it
         try:
-            async with asyncio.timeout(left):
-                async for ids in external_generate.stream_tokens(
-                        ext.client, url, body, {**ext.headers, **headers, **ext.rank_headers(d.endpoint_id)},
-                        ext.connect_timeout_s,
-                        self.cfg.first_token_timeout_s, self.cfg.stream_idle_timeout_s, done):
-                    if not generated:
-                        self.core.on_first_token(p.req)
-                        ttft = time.monotonic() - t_start
-                    generated.extend(ids)
-                    yield "chunk", ids
-        except TimeoutError:
+            async for ids in external_generate.stream_tokens(
+                    ext.client, url, body, {**ext.headers, **headers, **ext.rank_headers(d.endpoint_id)},
+                    ext.connect_timeout_s, self.cfg.first_token_timeout_s, self.cfg.stream_idle_timeout_s, done,
+                    inp.deadline):
+                if not generated:
+                    self.core.on_first_token(p.req)
+                    ttft = time.monotonic() - t_start
+                generated.extend(ids)
+                yield "chunk", ids
+        except external_generate.Deadline:
             raise DeadlineExceeded(f"deadline exceeded after {len(generated)} generated tokens") from None
         except external_generate.NoAnswer as exc:
             raise _BeforeFirstToken(exc.why, mark_dead=exc.mark_dead) from None

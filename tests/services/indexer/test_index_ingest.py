@@ -160,3 +160,85 @@ def test_backend_outage_resyncs_by_replay_or_clear() -> None:
     idx.down = False
     ing.resync("e", replay=None)
     assert idx.endpoint_blocks("e") == 0 and ing.endpoints["e"].last_seq == 2
+
+
+# ---- tail probe: messages lost with nothing after them --------------------------------
+def _buffer(buf: dict[int, KVEventBatch]):  # noqa: ANN202
+    return lambda s: [(q, b) for q, b in sorted(buf.items()) if q >= s]
+
+
+def test_probe_in_sync_changes_nothing() -> None:
+    ing, idx, rec = make()
+    buf = {0: batch(store(0, 2)), 1: batch(store(2, 4))}
+    for q, b in buf.items():
+        ing.process("e", M, q, b)
+    assert ing.probe_tail("e", M, _buffer(buf)) == "in_sync"
+    assert combined(idx) == 4 and not [c for c in rec.calls if c[0] in ("on_clear", "on_replay")]
+
+
+def test_probe_applies_lost_tail_and_skips_its_late_live_copy() -> None:
+    ing, idx, rec = make()
+    buf = {0: batch(store(0, 2)), 1: batch(store(2, 4)), 2: batch(store(4, 6))}
+    ing.process("e", M, 0, buf[0])
+    # seq 1 and 2 never arrived and nothing followed them: no gap for the live rules to see.
+    assert ing.probe_tail("e", M, _buffer(buf)) == "caught_up"
+    assert combined(idx) == 6 and ing.endpoints["e"].last_seq == 2
+    # The late live copy of seq 2 is a duplicate, not an engine restart.
+    res = ing.process("e", M, 2, buf[2], replay=_buffer(buf))
+    assert res.accepted and combined(idx) == 6
+    assert not [c for c in rec.calls if c[0] == "on_clear"]
+    ing.process("e", M, 3, batch(store(6, 7)), replay=_buffer(buf))
+    assert combined(idx) == 7 and ing.endpoints["e"].probed is None
+
+
+def test_probe_finds_a_restarted_engine_whose_first_batch_was_lost() -> None:
+    ing, idx, rec = make()
+    old = {0: batch(store(0, 2)), 1: batch(store(2, 5))}
+    for q, b in old.items():
+        ing.process("e", M, q, b)
+    # A new process: its seq 0 and 1 were lost to the subscriber (slow joiner), nothing after.
+    new = {0: batch(store(0, 1)), 1: batch(store(1, 3))}
+    assert ing.probe_tail("e", M, _buffer(new)) == "restarted"
+    assert combined(idx) == 3 and ing.endpoints["e"].last_seq == 1
+    assert ("on_clear", "e", "probe_restart", 5) in rec.calls
+
+
+def test_probe_finds_a_restart_that_already_passed_the_last_seq() -> None:
+    ing, idx, _ = make()
+    ing.process("e", M, 0, batch(store(0, 4)))
+    # The new process published more batches than the old one: seq 0 exists but differs.
+    new = {0: batch(store(0, 1)), 1: batch(store(1, 2))}
+    assert ing.probe_tail("e", M, _buffer(new)) == "restarted"
+    assert combined(idx) == 2
+
+
+def test_probe_restart_then_live_reset_batch_with_a_probed_seq_is_not_skipped() -> None:
+    ing, idx, _ = make()
+    ing.process("e", M, 0, batch(store(0, 2)))
+    buf = {0: batch(store(0, 2)), 1: batch(store(2, 4))}
+    assert ing.probe_tail("e", M, _buffer(buf)) == "caught_up"
+    # The engine then restarts: its new seq 1 carries other events and must count as a reset.
+    new = {0: batch(store(0, 1)), 1: batch(store(5, 6))}
+    ing.process("e", M, 1, new[1], replay=_buffer(new))
+    assert ing.endpoints["e"].counters.get("seq_reset") == 1
+
+
+def test_probe_late_join_and_unreachable() -> None:
+    ing, idx, _ = make()
+    buf = {0: batch(store(0, 2)), 1: batch(store(2, 3))}
+    assert ing.probe_tail("e", M, _buffer(buf)) == "caught_up"   # never saw a message: all lost
+    assert combined(idx) == 3
+
+    def down(start: int):  # noqa: ANN202, ARG001
+        raise TimeoutError("no answer")
+    assert ing.probe_tail("e", M, down) == "unreachable" and combined(idx) == 3
+    assert ing.probe_tail("e", M, None) == "skipped"
+
+
+def test_probe_after_buffer_overflow_is_a_gap() -> None:
+    ing, idx, rec = make()
+    ing.process("e", M, 0, batch(store(0, 2)))
+    buf = {5: batch(store(7, 8)), 6: batch(store(8, 9))}   # seq 1..4 fell out of the buffer
+    assert ing.probe_tail("e", M, _buffer(buf)) == "caught_up"
+    assert ("on_clear", "e", "probe_gap_unrepaired", 2) in rec.calls
+    assert ing.endpoints["e"].last_seq == 6

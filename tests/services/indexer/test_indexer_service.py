@@ -219,6 +219,40 @@ async def test_engine_restart_and_all_blocks_cleared_clear_the_endpoint(start_in
     await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 0), what="AllBlocksCleared applied")
 
 
+def _try_start(eng: Engine) -> bool:
+    try:
+        eng.start()
+    except ValueError:
+        return False
+    return True
+
+
+async def test_restart_whose_messages_are_all_lost_is_found_by_the_tail_probe(start_indexer, engines) -> None:
+    """The engine restarts and its only batches never reach the indexer (ZMQ's slow joiner drops
+    what a fresh publisher sends first). No later message shows a reset or a gap; the tail probe
+    reads the replay buffer, clears the old entries and applies the new ones."""
+    eng = engines("e0", replay=True)
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]", tail_probe_s=0.3)
+    eng.start()
+    await _connected(eng, ix)
+    ev, keys = stored(tokens(7, 3))
+    eng.publish(ev)
+    await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="a ingested")
+    eng.stop()
+    # A new process: seq from 0 again, on the same ports (their release by libzmq is asynchronous).
+    await wait_until(lambda: _try_start(eng), what="publisher restarted on its ports")
+    ev_b, keys_b = stored(tokens(8, 2))
+    eng.publish_lost(ev_b)
+    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 2), timeout_s=15, what="lost batch probed in")
+    assert await combined(ix.stub, keys, "e0") == 0
+    assert ix.metric("kvmesh_indexer_tail_probes_total", {"endpoint": "e0", "outcome": "restarted"}) == 1
+    assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "probe_restart"}) == 1
+    # Probes of an engine in sync change nothing.
+    await wait_until(lambda: (ix.metric("kvmesh_indexer_tail_probes_total",
+                                        {"endpoint": "e0", "outcome": "in_sync"}) or 0) >= 1, what="in-sync probe")
+    assert await combined(ix.stub, keys_b, "e0") == 2
+
+
 async def test_malformed_input_is_counted_and_skipped(start_indexer) -> None:
     port = free_port()
     spec = {"endpoint_id": "raw", "model": MODEL, "zmq_endpoint": f"tcp://127.0.0.1:{port}", "bind": True}
