@@ -171,9 +171,9 @@ class RouterConfig:
         http_decode = any(parse_endpoint(s)[1].startswith(("http://", "https://")) for s in self.endpoints) or bool(
             self.inference_pool)
         for spec in self.prefill_endpoints:
-            if parse_endpoint(spec)[1].startswith(("http://", "https://")) != http_decode:
-                raise ConfigError(f"prefill endpoint {spec!r}: an external OpenAI prefill endpoint hands its KV to "
-                                  "external decode endpoints only, a kvmesh worker's to kvmesh workers only")
+            if parse_endpoint(spec)[1].startswith(("http://", "https://")) and not http_decode:
+                raise ConfigError(f"prefill endpoint {spec!r}: an external OpenAI prefill endpoint hands its KV "
+                                  "(through the store) to external decode endpoints only")
         if self.split_store_wait_s < 0:
             raise ConfigError("setting 'split_store_wait_s' must be >= 0")
         if self.inference_pool:

@@ -276,6 +276,9 @@ class Passthrough:
                 exclude.add(d.endpoint_id)
                 continue
             split_headers: dict[str, str] = {}
+            if self.cfg.split_enabled and not split_to:
+                split_headers = {"x-kvmesh-split": "false", "x-kvmesh-split-reason": split.reason[:200]
+                                 or "the prefill endpoint is not an external engine"}
             if split_to:
                 try:
                     held = await self._prefill(p, split_to, path, prefill_body(body), headers, deadline)

@@ -385,8 +385,6 @@ def test_endpoint_specs() -> None:
     # A prefill engine hands its KV to decode engines of its own kind (external: through the store).
     with pytest.raises(ConfigError, match="external OpenAI prefill endpoint"):
         RouterConfig(prefill_endpoints=["p=http://h:1"]).validate()
-    with pytest.raises(ConfigError, match="external OpenAI prefill endpoint"):
-        RouterConfig(endpoints=["d=http://h:2"], prefill_endpoints=["p=h:1"]).validate()
     RouterConfig(endpoints=["d=http://h:2"], prefill_endpoints=["p=http://h:1"], auth="off").validate()
     with pytest.raises(ConfigError, match="NAMESPACE/NAME"):
         RouterConfig(inference_pool="just-a-name").validate()
