@@ -11,13 +11,13 @@ regular files are all read): one key per line, ``#`` comments::
     # tenant     key                              flags
     team-a       sha256:9f86d081884c7d659a2feaa0
     team-b       kvm-3q2...                       (a plain key: hashed on load, never kept)
-    gateway      sha256:...                       trusted
+    old-gw       sha256:...                       trusted   (accepted, grants nothing)
 
 Only SHA-256 digests of the keys are kept in memory, and a presented key is hashed
 and looked up, so the file may hold digests only (``kvmesh auth add-key`` writes
-them). A key flagged ``trusted`` belongs to a gateway that authenticated the end user
-itself: its requests may name their tenant (header / gRPC field); everyone else's
-tenant is the key's. The file is re-read when it changes (checked at most every
+them). A request's tenant is its key's. The ``trusted`` flag is still parsed (old files
+load) but the router ignores it: only a gateway's mTLS identity (``--trusted-gateways``)
+may name the tenant (issue #20). The file is re-read when it changes (checked at most every
 ``reload_s`` on use); a file that no longer parses keeps the previous keys and logs
 an error, so a bad edit does not lock everyone out.
 

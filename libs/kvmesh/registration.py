@@ -6,8 +6,9 @@ notice when the source goes away so its blocks stop attracting traffic. Both
 the worker services and the offload service register through this one module,
 so they advertise endpoints and decide who binds the ZMQ pair the same way.
 A source registers on start, heartbeats every ``heartbeat_s`` (re-registering
-if the indexer forgot it, e.g. after an indexer restart) and may deregister on
-shutdown. An unreachable indexer is logged and retried; it never stops the
+if the indexer forgot it, e.g. after an indexer restart) and may leave on
+shutdown with a last heartbeat marked ``leaving`` (the indexer expires it at once;
+deregistering is an admin's call, issue #20). An unreachable indexer is logged and retried; it never stops the
 source from serving.
 """
 
@@ -114,8 +115,9 @@ class IndexerRegistration:
         await self.register()
         self._task = asyncio.create_task(self._loop(), name="indexer-heartbeat")
 
-    async def stop(self, deregister: bool = True) -> None:
-        """Stop heartbeating, deregister (so the index drops our blocks) and close. Idempotent."""
+    async def stop(self, leave: bool = True) -> None:
+        """Stop heartbeating, leave (a last heartbeat marked ``leaving``: the index expires us now
+        and drops our blocks) and close. Idempotent."""
         if self._closed:
             return
         self._closed = True
@@ -126,11 +128,11 @@ class IndexerRegistration:
             except asyncio.CancelledError:
                 pass
             self._task = None
-        if deregister and self.registered:
+        if leave and self.registered:
             try:
-                await self._stub.DeregisterEndpoint(
-                    indexer_pb2.DeregisterEndpointRequest(endpoint_id=self.endpoint.endpoint_id), timeout=2)
+                await self._stub.Heartbeat(
+                    indexer_pb2.HeartbeatRequest(endpoint_id=self.endpoint.endpoint_id, leaving=True), timeout=2)
             except grpc.aio.AioRpcError as exc:
-                log.info("indexer deregistration failed", extra={"code": exc.code().name})
+                log.info("leaving the indexer failed (the TTL will expire us)", extra={"code": exc.code().name})
             self.registered = False
         await self._channel.close()

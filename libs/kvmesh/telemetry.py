@@ -15,7 +15,9 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from prometheus_client import start_http_server
+
+from kvmesh.metrics_http import MetricsAuthConfig, serve_metrics
+from kvmesh.rpc.tls import TlsConfig
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -45,12 +47,14 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def start_metrics_server(port: int, host: str = "127.0.0.1") -> int:
-    """Serve Prometheus ``/metrics`` on ``port`` (0 disables). Idempotent per port."""
+def start_metrics_server(port: int, host: str = "127.0.0.1", auth: MetricsAuthConfig | None = None,
+                         tls: TlsConfig | None = None) -> int:
+    """Serve Prometheus ``/metrics`` on ``port`` (0 disables), with the scrape credentials of
+    ``auth`` (``kvmesh.metrics_http``; ``tls`` is the service's identity). Idempotent per port."""
     if port <= 0:
         return 0
     with _lock:
         if port not in _metrics_started:
-            start_http_server(port, addr=host)
+            serve_metrics(port, host, auth=auth, tls=tls)
             _metrics_started.add(port)
     return port

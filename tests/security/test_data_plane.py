@@ -121,6 +121,10 @@ async def test_shm_readers_verify_checksums_unless_trusted(offload_factory) -> N
             f.write(b"\xff" * 64)
         with pytest.raises(OffloadError, match="checksum mismatch"):
             await c.get(NS, [key])
+        # get_into verifies while it copies (the copied bytes, piece by piece): same refusal.
+        dest = bytearray(len(data[0][1]))
+        with pytest.raises(OffloadError, match="checksum mismatch"):
+            await c.get_into(NS, [key], [dest])
     async with OffloadClient(st.address, use_shm=True, trust_local_store=True) as trusting:
         got = await trusting.get(NS, [key])
         assert got and got[0][:64] == b"\xff" * 64   # trusted: no second pass over the bytes
@@ -161,3 +165,21 @@ async def test_key_over_64_bits_and_huge_namespace_are_refused(offload_factory) 
             await c.put("n" * 300, data)
     stored = [e for e in events if e.kind == "stored"]
     assert stored and all(k < 2**64 for e in stored for k in e.keys)
+
+
+def test_copy_into_verifies_what_it_copied_piece_by_piece() -> None:
+    """The fused copy+verify checks every piece of a multi-piece block, and the destination bytes."""
+    from kvmesh.kvstore.client_messages import VERIFY_CHUNK_BYTES, copy_into
+    from kvmesh.kvstore.client_types import crc32c
+
+    block = os.urandom(3 * VERIFY_CHUNK_BYTES + 123)
+    good = crc32c(block)
+    dest = bytearray(len(block))
+    assert copy_into([memoryview(block)], [dest], [good], [7]) == 1 and bytes(dest) == block
+    for where in (0, VERIFY_CHUNK_BYTES + 5, len(block) - 1):   # first, a middle and the last piece
+        bad = bytearray(block)
+        bad[where] ^= 1
+        with pytest.raises(OffloadError, match="block 7: checksum mismatch"):
+            copy_into([memoryview(bad)], [bytearray(len(block))], [good], [7])
+    # 0 = no checksum known: copied as is.
+    assert copy_into([memoryview(bad)], [dest], [0]) == 1 and bytes(dest) == bytes(bad)

@@ -88,3 +88,51 @@ async def test_envoy_reaches_the_picker_over_mtls_and_only_with_the_right_identi
             e.stop()
         await picker.stop(0)
         upstream.close()
+
+
+async def test_envoy_reaches_https_workers_with_its_gateway_identity(tmp_path: Path) -> None:
+    """The workers' OpenAI API over HTTPS: Envoy's gateway certificate is let in; Envoy with a
+    certificate of another role is refused by the worker (403), and so is a direct caller."""
+    from kvmesh.worker.config import WorkerConfig
+    from kvmesh.worker.run import start_worker
+
+    ca = CertAuthority(tmp_path / "ca")
+    w = await start_worker(WorkerConfig(
+        engine="sim", role="decode", model="m", endpoint_id="w-tls", block_size=16, num_blocks=64,
+        host="127.0.0.1", time_scale=50.0, max_model_len=4096, vocab_size=1000, kv_events_endpoint="",
+        http_port=0, tls=ca.issue("worker", "w-tls", out=tmp_path / "wk").tls_config()))
+
+    async def pick(_req: object) -> PickResult:
+        return PickResult(address=f"127.0.0.1:{w.http.port}", endpoint_id="w-tls")
+
+    picker = await start_extproc_server(pick, 0, host="127.0.0.1",
+                                        tls=ca.issue("router", "router-1", out=tmp_path / "r").tls_config())
+    started: list[EnvoyProcess] = []
+
+    async def envoy(identity: Path, name: str) -> EnvoyProcess:
+        cfg = render_config(extproc_ports=[picker.port], fallback_ports=[w.http.port], extproc_sds=identity,
+                            workers_sds=identity)
+        started.append(await asyncio.to_thread(start_envoy, cfg, tmp_path / name, name))
+        return started[-1]
+
+    try:
+        gw = await envoy(write_envoy_sds(ca.issue("gateway", "envoy", out=tmp_path / "gw")), "good")
+        assert await _status(gw.base) == 200
+        async with httpx.AsyncClient(timeout=15) as c:
+            r = await c.post(gw.base + "/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 2})
+            assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "w-tls", r.text
+        assert w.http.guard.refused == 0
+        # A fleet certificate of a role the workers do not serve: the worker answers 403 through Envoy.
+        client_id = write_envoy_sds(ca.issue("client", "c", out=tmp_path / "c"))
+        bad = await asyncio.to_thread(start_envoy, render_config(
+            extproc_ports=[picker.port], fallback_ports=[w.http.port],
+            extproc_sds=write_envoy_sds(ca.issue("gateway", "g2", out=tmp_path / "g2")), workers_sds=client_id),
+            tmp_path / "bad", "bad")
+        started.append(bad)
+        assert await _status(bad.base, tries=8) == 403
+        assert w.http.guard.refused >= 1
+    finally:
+        for e in started:
+            e.stop()
+        await picker.stop(0)
+        await w.stop(0)

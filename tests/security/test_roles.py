@@ -148,6 +148,12 @@ async def test_an_endpoint_acts_only_as_itself(mesh, certs) -> None:  # noqa: AN
             indexer_pb2.DeregisterEndpointRequest(endpoint_id="decode-7"), timeout=5),
         stub["router/router-0"].DeregisterEndpoint(
             indexer_pb2.DeregisterEndpointRequest(endpoint_id="decode-7"), timeout=5),
+        # Deregistering is the admin's: not even the endpoint itself may (it leaves by heartbeat).
+        stub["worker/decode-7"].DeregisterEndpoint(
+            indexer_pb2.DeregisterEndpointRequest(endpoint_id="decode-7"), timeout=5),
+        # Nor may another worker make it "leave".
+        stub["worker/attacker"].Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="decode-7", leaving=True),
+                                          timeout=5),
         stub["worker/attacker"].PutSpeculative(
             indexer_pb2.PutSpeculativeRequest(model="m", endpoint_id="decode-7", keys=[1, 2, 3]), timeout=5),
     ]
@@ -171,6 +177,16 @@ async def test_an_endpoint_acts_only_as_itself(mesh, certs) -> None:  # noqa: AN
     await stub["admin/ops"].DeregisterEndpoint(indexer_pb2.DeregisterEndpointRequest(endpoint_id="decode-7"),
                                                 timeout=5)
     assert "decode-7" not in await addresses()
+    # An endpoint ends its own registration at shutdown: it expires at once and must register again.
+    await stub["worker/decode-7"].RegisterEndpoint(
+        indexer_pb2.RegisterEndpointRequest(endpoint=endpoint("decode-7", victim)), timeout=5)
+    await stub["worker/decode-7"].Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="decode-7", leaving=True),
+                                            timeout=5)
+    eps = await stub["admin/ops"].ListEndpoints(indexer_pb2.ListEndpointsRequest(), timeout=5)
+    assert [e.alive for e in eps.endpoints if e.endpoint.endpoint_id == "decode-7"] == [False]
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await stub["worker/decode-7"].Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="decode-7"), timeout=5)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
     for ch in as_cert.values():
         await ch.close()
 

@@ -324,8 +324,9 @@ class ClientCore:
                 if got is not None:
                     _record_get(span, got[0], "bulk")
                     return len(got[0])
-            lease = yield from self._fetch_keys(namespace, keys, span)
-            return (yield from self._consume(lease, lambda views: copy_into(views, dests), "copying"))
+            lease = yield from self._fetch_keys(namespace, keys, span, verify_on_copy=True)
+            return (yield from self._consume(
+                lease, lambda views: copy_into(views, dests, lease.unverified_crcs, keys), "copying"))
 
     def plan_release(self, lease_id: bytes) -> Plan[bool | None]:
         """End the store's lease: False if it had expired, None if the store did not answer."""
@@ -425,10 +426,14 @@ class ClientCore:
         except grpc.RpcError as exc:
             raise map_error(exc, "put") from exc
 
-    def _fetch_keys(self, namespace: str, keys: list[int], span: trace.Span) -> Plan[BlockLease]:
-        """Path choice for a Get: shm, else bulk, else a gRPC stream."""
+    def _fetch_keys(self, namespace: str, keys: list[int], span: trace.Span,
+                    verify_on_copy: bool = False) -> Plan[BlockLease]:
+        """Path choice for a Get: shm, else bulk, else a gRPC stream.
+
+        ``verify_on_copy``: the caller copies the blocks with ``copy_into``, which checks shm
+        blocks while copying (``lease.unverified_crcs``) instead of in a pass of its own here."""
         if self._shm:
-            lease = yield from self._fetch_shm(namespace, keys)
+            lease = yield from self._fetch_shm(namespace, keys, verify_on_copy)
             if lease is not None:
                 _record_get(span, lease.views, "shm")
                 return lease
@@ -446,7 +451,7 @@ class ClientCore:
         _record_get(span, asm.blocks, "stream")
         return BlockLease(asm.blocks, asm.tiers)
 
-    def _fetch_shm(self, namespace: str, keys: list[int]) -> Plan[BlockLease | None]:
+    def _fetch_shm(self, namespace: str, keys: list[int], verify_on_copy: bool = False) -> Plan[BlockLease | None]:
         """None means: use another path for this call (shm unusable now or for good)."""
         with self._hint_lock:
             size = first_shm_size(self._block_size_hint.get(namespace), len(keys))
@@ -465,7 +470,7 @@ class ClientCore:
                     return None
                 raise
             if not resp.truncated:
-                return (yield from self._shm_lease(namespace, keys, resp, seg))
+                return (yield from self._shm_lease(namespace, keys, resp, seg, verify_on_copy))
             # Retried with a segment big enough for the whole chain.
             size = grown_shm_size(resp, len(keys), seg)
             self._pool.release(seg)
@@ -473,14 +478,14 @@ class ClientCore:
                 yield from self.plan_release(resp.lease)
 
     def _shm_lease(self, namespace: str, keys: list[int], resp: offload_pb2.ShmGetResponse,
-                   seg: Segment) -> Plan[BlockLease]:
+                   seg: Segment, verify_on_copy: bool = False) -> Plan[BlockLease]:
         """A complete GetShm answer as a lease holding ``seg`` and the store's lease
         (both released here on error or when empty)."""
         try:
             if resp.sizes:
                 with self._hint_lock:
                     self._block_size_hint[namespace] = max(resp.sizes)
-            views = views_from_shm(resp, seg, self.verify_shm, keys, self._store_maps)
+            views = views_from_shm(resp, seg, self.verify_shm and not verify_on_copy, keys, self._store_maps)
         except BaseException:
             self._pool.release(seg)
             if resp.lease:
@@ -489,7 +494,10 @@ class ClientCore:
         if not views:
             self._pool.release(seg)
             return BlockLease([], [], True)
-        return BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg), resp.lease, self)
+        lease = BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg), resp.lease, self)
+        if self.verify_shm and verify_on_copy:
+            lease.unverified_crcs = [resp.crc32c[i] if i < len(resp.crc32c) else 0 for i in range(len(views))]
+        return lease
 
     def _bulk_get(self, namespace: str, keys: list[int], dests: Sequence[object] | None,
                   ) -> Plan[tuple[list[memoryview], list[int], bytearray | None] | None]:

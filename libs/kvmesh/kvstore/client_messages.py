@@ -21,6 +21,7 @@ from kvmesh.kvstore.client_types import (
     PutResult,
     StoreStats,
     crc32c,
+    crc32c_update,
 )
 from kvmesh.kvstore.limits import MAX_U32, key_problem, namespace_problem, session_problem
 from kvmesh.kvstore.shm import SHM_DIR, Segment
@@ -61,10 +62,33 @@ def check_dests(sizes: list[int], dests: Sequence[object]) -> list[memoryview]:
     return out
 
 
-def copy_into(views: list[memoryview], dests: Sequence[object]) -> int:
-    """Copy each view into the matching caller buffer (one memcpy per block)."""
-    for d, v in zip(check_dests([len(v) for v in views], dests), views, strict=True):
-        d[:] = v
+# Verify-while-copying works on pieces this big: each piece is checksummed right after it is
+# copied, while it is still in the core's cache, so verification adds no second trip to memory.
+VERIFY_CHUNK_BYTES = 512 * 1024
+
+
+def copy_into(views: list[memoryview], dests: Sequence[object], crcs: Sequence[int] | None = None,
+              keys: Sequence[int] | None = None) -> int:
+    """Copy each view into the matching caller buffer (one memcpy per block).
+
+    ``crcs`` (a CRC32C per block, 0 = unknown): verify each block as it is copied. The checksum
+    is taken over the *destination* bytes, piece by piece right after copying them, so what the
+    caller ends up with is what was verified even if the source (shared memory another process
+    may write) changes meanwhile; a mismatch raises ``OffloadError``.
+    """
+    for i, (d, v) in enumerate(zip(check_dests([len(v) for v in views], dests), views, strict=True)):
+        want = crcs[i] if crcs is not None and i < len(crcs) else 0
+        if not want:
+            d[:] = v
+            continue
+        crc = 0
+        for off in range(0, len(v), VERIFY_CHUNK_BYTES):
+            piece = d[off:off + VERIFY_CHUNK_BYTES]
+            piece[:] = v[off:off + VERIFY_CHUNK_BYTES]
+            crc = crc32c_update(piece, crc)
+        if crc != want:
+            name = keys[i] if keys is not None and i < len(keys) else i
+            raise OffloadError(f"block {name}: checksum mismatch in shared memory")
     return len(views)
 
 

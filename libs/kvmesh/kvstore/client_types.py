@@ -30,6 +30,11 @@ def crc32c(data: BytesLike) -> int:
     return _crc32c.crc32c(data)
 
 
+def crc32c_update(data: BytesLike, crc: int) -> int:
+    """``crc32c`` continued over ``data`` (checksums a block piece by piece)."""
+    return _crc32c.crc32c(data, crc)
+
+
 class OffloadError(Exception):
     """An offload store call failed."""
 
@@ -113,6 +118,8 @@ class BlockLease:
     _lease_id: bytes = b""                      # the store's lease token on its memory (b"": none)
     _ender: LeaseEnder | None = None            # the client that ends it
     valid: bool = True
+    # Checksums still to verify (shm blocks fetched to be copied: verified while copying); None = done.
+    unverified_crcs: list[int] | None = None
 
     def take(self) -> bytes:
         """Drop the views and the client's memory; the store's lease token still to end (b"": none)."""

@@ -12,8 +12,9 @@ these). The rules:
 * only workers and stores register, heartbeat and publish events, and only as themselves
   (the request's endpoint id must equal the certificate's id);
 * only routers write speculative entries and call workers' Generate/Prefill/Abort;
-* only an admin deregisters another endpoint (an endpoint may still deregister itself when it
-  drains);
+* only an admin deregisters an endpoint; an endpoint leaving at shutdown ends its own
+  registration with ``Heartbeat(leaving=true)`` (the Heartbeat rule: only as itself), which
+  expires it as a missed TTL would;
 * the offload store's data methods serve workers (and admin);
 * Envoy's ext_proc calls come from the ``gateway`` role;
 * every other method (reads such as Lookup, ListEndpoints, Stats, GetLoad, the router's
@@ -37,7 +38,7 @@ from kvmesh.rpc.tls import DEFAULT_TRUST_DOMAIN, peer_identity_pem
 
 log = logging.getLogger(__name__)
 
-ROLES = ("router", "worker", "store", "indexer", "gateway", "admin", "client")
+ROLES = ("router", "worker", "store", "indexer", "gateway", "admin", "client", "monitor")
 ADMIN = "admin"
 OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -109,7 +110,7 @@ RULES: dict[str, Rule] = {
     _IDX + "RegisterEndpoint": _rule("worker", "store", self_of=lambda r: r.endpoint.endpoint_id),
     _IDX + "Heartbeat": _rule("worker", "store", self_of=lambda r: r.endpoint_id),
     _IDX + "IngestEvents": _rule("worker", "store", self_of=lambda r: r.endpoint_id),
-    _IDX + "DeregisterEndpoint": _rule(ADMIN, "worker", "store", self_of=lambda r: r.endpoint_id, any_id=(ADMIN,)),
+    _IDX + "DeregisterEndpoint": _rule(ADMIN),
     _IDX + "PutSpeculative": _rule("router"),
     _WRK + "Generate": _rule("router", ADMIN),
     _WRK + "Prefill": _rule("router", ADMIN),

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.config import ConfigError
+from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 from kvmesh.worker.engine.registry import ENGINES
 from kvmesh.worker.engine.sim.latency import LatencyParams
@@ -38,7 +39,14 @@ class WorkerConfig:
     advertise_host: str = field(default="127.0.0.1", metadata=_h("host others use to reach this worker"))
     metrics_port: int = field(default=0, metadata=_h("Prometheus /metrics port (0 = off)"))
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     http_port: int = field(default=-1, metadata=_h("OpenAI HTTP API port (-1 = off, 0 = free port)"))
+    http_tls: str = field(default="auto", metadata={**_h(
+        "OpenAI HTTP API over HTTPS with the worker's certificate, its endpoints then need a client "
+        "certificate with a role in http_client_roles (/health stays open): on | off | auto (= with gRPC mTLS)"),
+        "choices": ["auto", "on", "off"]})
+    http_client_roles: str = field(default="gateway,router,admin", metadata=_h(
+        "with HTTPS, the client-certificate roles that may call the OpenAI HTTP API (monitor may also read /metrics)"))
     tokenizer: str = field(default="", metadata=_h("HF tokenizer dir for the HTTP API's text prompts"))
     block_size: int = field(default=64, metadata=_h("KV block size in tokens"))
     num_blocks: int = field(default=8192, metadata=_h("KV cache capacity in blocks (sim; vllm: derived)"))

@@ -31,11 +31,13 @@ from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate, trace
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kvmesh.http_tls import RequireRoles, ServerSsl, peer_aware
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json
 from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
+from kvmesh.rpc.tls import TlsConfig
 from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 
@@ -43,6 +45,8 @@ log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
 
 ENDPOINT_HEADER = "x-kvmesh-endpoint"
+# Who may call a worker's OpenAI API over HTTPS: the gateway forwarding clients' requests, routers, admins.
+DEFAULT_CLIENT_ROLES = frozenset({"gateway", "router", "admin"})
 MAX_BODY_BYTES = 8 * 1024 * 1024
 
 
@@ -344,15 +348,30 @@ class WorkerHttpApi:
 
 
 class HttpApiServer:
-    """uvicorn serving a ``WorkerHttpApi`` on the current asyncio loop."""
+    """uvicorn serving a ``WorkerHttpApi`` on the current asyncio loop.
 
-    def __init__(self, api: WorkerHttpApi, host: str, port: int) -> None:
+    ``tls``: serve HTTPS with that identity (``kvmesh.http_tls``); every path but ``/health``
+    then needs a client certificate with a role in ``client_roles`` (``/metrics`` also ``monitor``).
+    """
+
+    def __init__(self, api: WorkerHttpApi, host: str, port: int, tls: TlsConfig | None = None,
+                 client_roles: frozenset[str] = DEFAULT_CLIENT_ROLES) -> None:
         import uvicorn
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
         self.api = api
         self.host = host
-        self._config = uvicorn.Config(api.app, host=host, port=port, log_level="warning", access_log=False,
-                                      lifespan="off", timeout_graceful_shutdown=5)
+        self.https = tls is not None
+        app: Any = api.app
+        extra: dict[str, Any] = {}
+        if tls is not None:
+            ssl_ctx = ServerSsl(tls).ctx
+            self.guard = RequireRoles(api.app, client_roles, tls.tls_trust_domain,
+                                      extra={"/metrics": frozenset({"monitor"})})
+            app = self.guard
+            extra = {"http": peer_aware(HttpToolsProtocol), "ssl_context_factory": lambda _cfg, _default: ssl_ctx}
+        self._config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                                      lifespan="off", timeout_graceful_shutdown=5, **extra)
         self._server = uvicorn.Server(self._config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]  # the worker owns signals
         self._task: asyncio.Task[None] | None = None
@@ -390,7 +409,9 @@ class HttpApiServer:
 
 async def start_http_api(engine: Engine, *, host: str = "127.0.0.1", port: int = 0, model: str = "",
                          tokenizer: Tokenizer | str | None = None, endpoint_id: str = "",
-                         default_max_tokens: int = 0, metrics: MetricsPage | None = None) -> HttpApiServer:
+                         default_max_tokens: int = 0, metrics: MetricsPage | None = None,
+                         tls: TlsConfig | None = None,
+                         client_roles: frozenset[str] = DEFAULT_CLIENT_ROLES) -> HttpApiServer:
     """Start the worker's OpenAI HTTP API; returns the running server (``.port``, ``.stop()``).
 
     ``tokenizer`` is a loaded tokenizer or a HF tokenizer directory ('' / None =
@@ -399,6 +420,6 @@ async def start_http_api(engine: Engine, *, host: str = "127.0.0.1", port: int =
     tok = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     api = WorkerHttpApi(engine, model=model, tokenizer=tok, endpoint_id=endpoint_id,
                         default_max_tokens=default_max_tokens, metrics=metrics)
-    server = HttpApiServer(api, host, port)
+    server = HttpApiServer(api, host, port, tls, client_roles)
     await server.start()
     return server

@@ -20,10 +20,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvmesh.metrics_http import MetricsAuthConfig, serve_metrics
+from kvmesh.rpc.tls import TlsConfig
 from kvmesh.worker.engine.base import Engine
 
 log = logging.getLogger(__name__)
@@ -164,11 +166,10 @@ class WorkerMetrics:
     def render(self) -> str:
         return generate_latest(self.registry).decode()
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``port`` (0 = off). Returns the port."""
+    def serve(self, port: int, host: str = "127.0.0.1", auth: MetricsAuthConfig | None = None,
+              tls: TlsConfig | None = None) -> int:
+        """Serve ``/metrics`` on ``port`` (0 = off) with ``auth``'s scrape credentials. Returns the port."""
         if port <= 0:
             return 0
-        start_http_server(port, addr=host, registry=self.registry)
-        self._port = port
-        log.info("metrics served", extra={"port": port})
-        return port
+        self._port = serve_metrics(port, host, self.registry, auth=auth, tls=tls)
+        return self._port

@@ -96,7 +96,7 @@ async def _watch_engine(worker: Worker, period_s: float = 0.2) -> None:
             log.error("engine is down; readiness NOT_SERVING", extra={"endpoint_id": worker.endpoint_id})
             await worker.server.set_ready(False)
             if worker.registration is not None:
-                await worker.registration.stop(deregister=True)
+                await worker.registration.stop(leave=True)
                 worker.registration = None
             return
 
@@ -134,7 +134,7 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
     opened_replay = info.kv_events_replay_endpoint or cfg.kv_events_replay_endpoint
     servicer.kv_events_endpoint = advertised_zmq_endpoint(opened_events, cfg.advertise_host)
     servicer.kv_events_replay_endpoint = advertised_zmq_endpoint(opened_replay, cfg.advertise_host)
-    metrics.serve(cfg.metrics_port, host=cfg.host)
+    metrics.serve(cfg.metrics_port, host=cfg.host, auth=cfg.metrics_auth, tls=cfg.tls)
     if cfg.http_port >= 0:
         worker.http = await _start_http(cfg, engine, endpoint_id, metrics)
         if worker.http is not None:
@@ -164,9 +164,19 @@ async def _start_http(cfg: WorkerConfig, engine: Engine, endpoint_id: str, metri
     except ImportError:
         log.warning("http_port set but kvmesh.worker.http_api is not available")
         return None
+    from kvmesh.http_tls import http_tls_enabled, roles_list
+
+    https = http_tls_enabled(cfg.http_tls, cfg.tls)
+    if https and not cfg.tls.enabled():
+        raise ConfigError("--http-tls on needs the worker's certificate (--tls-cert, --tls-key, --tls-ca)")
+    if not https:
+        log.warning("the worker's OpenAI HTTP API is plaintext and open to anyone who reaches it "
+                    "(--tls on, or --http-tls on, to require a client certificate)")
     return await http_api.start_http_api(engine, host=cfg.host, port=cfg.http_port, model=cfg.model_name,
                                          tokenizer=cfg.tokenizer or None, endpoint_id=endpoint_id,
-                                         default_max_tokens=cfg.default_max_tokens, metrics=metrics)
+                                         default_max_tokens=cfg.default_max_tokens, metrics=metrics,
+                                         tls=cfg.tls if https else None,
+                                         client_roles=roles_list(cfg.http_client_roles))
 
 
 def parse_config(role: str, argv: list[str] | None) -> WorkerConfig:

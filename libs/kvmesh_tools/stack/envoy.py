@@ -42,13 +42,16 @@ def _endpoints(host: str, ports: list[int]) -> list[dict[str, Any]]:
 def render_config(*, extproc_ports: list[int] | None = None, fallback_ports: list[int] | None = None,
                   router_http_ports: list[int] | None = None, fail_open: bool = False, host: str = "127.0.0.1",
                   listen_ports: dict[str, int] | None = None, extproc_sds: str | Path | None = None,
-                  trust_domain: str = "kvmesh.local") -> dict[str, Any]:
+                  trust_domain: str = "kvmesh.local", workers_sds: str | Path | None = None,
+                  routers_sds: str | Path | None = None) -> dict[str, Any]:
     """The shipped config with every address on ``host``; listeners and admin on port 0 unless
     ``listen_ports`` (listener name -> port) pins one.
 
     ``extproc_sds``: the folder of Envoy's identity towards the picker as SDS files
     (``kvmesh_tools.stack.certs.write_envoy_sds``), for a picker that runs mutual TLS; None
-    talks plaintext to it (the shipped file's TLS transport socket is dropped).
+    talks plaintext to it (the shipped file's TLS transport socket is dropped). ``workers_sds``
+    likewise for the workers' HTTPS (the pool and fallback clusters), ``routers_sds`` for the
+    routers' front doors (an HTTPS router that trusts the gateway's identity to name tenants).
 
     ``router_http_ports`` None drops the routers' front-door listener and its cluster;
     ``extproc_ports`` None drops the gateway over the pool and its clusters. ``fail_open`` sets
@@ -79,14 +82,24 @@ def render_config(*, extproc_ports: list[int] | None = None, fallback_ports: lis
         if c["name"] in ports:
             c["load_assignment"]["endpoints"][0]["lb_endpoints"] = _endpoints(host, ports[c["name"]])
         if c["name"] == "kvmesh-epp":
-            _picker_tls(c, extproc_sds, trust_domain)
+            _upstream_tls(c, extproc_sds, trust_domain, "router")
+        elif c["name"] in ("kvmesh-pool", "kvmesh-fallback"):
+            _upstream_tls(c, workers_sds, trust_domain, "worker")
+        elif c["name"] == ROUTERS:
+            _upstream_tls(c, routers_sds, trust_domain, "router")
     return cfg
 
 
-def _picker_tls(cluster: dict[str, Any], sds: str | Path | None, trust_domain: str) -> None:
+def _upstream_tls(cluster: dict[str, Any], sds: str | Path | None, trust_domain: str, role: str) -> None:
+    """Envoy's gateway identity towards ``cluster`` from the SDS files in ``sds`` (a peer whose
+    certificate names ``role`` only); None = plaintext."""
     if sds is None:
         cluster.pop("transport_socket", None)
         return
+    if "transport_socket" not in cluster:   # the shipped routers' cluster is plaintext: same shape as the pool's
+        shipped = yaml.safe_load(ENVOY_YAML.read_text())["static_resources"]["clusters"]
+        (pool,) = [c for c in shipped if c["name"] == "kvmesh-pool"]
+        cluster["transport_socket"] = pool["transport_socket"]
     ctx = cluster["transport_socket"]["typed_config"]["common_tls_context"]
     for c in ctx["tls_certificate_sds_secret_configs"]:
         c["sds_config"]["path_config_source"]["path"] = str(Path(sds) / "envoy-sds-cert.yaml")
@@ -94,7 +107,7 @@ def _picker_tls(cluster: dict[str, Any], sds: str | Path | None, trust_domain: s
     combined["validation_context_sds_secret_config"]["sds_config"]["path_config_source"]["path"] = str(
         Path(sds) / "envoy-sds-ca.yaml")
     for m in combined["default_validation_context"]["match_typed_subject_alt_names"]:
-        m["matcher"]["prefix"] = f"spiffe://{trust_domain}/router/"
+        m["matcher"]["prefix"] = f"spiffe://{trust_domain}/{role}/"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
+from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 from kvmesh_indexer.central_socket import check_replay_template, dp_binds
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
@@ -51,6 +52,7 @@ class IndexerConfig:
     grace_s: float = field(default=5.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     backend: str = field(default="memory", metadata={
         "help": "index backend: memory | redis | redis-cluster (redis with a redis+cluster:// URL = redis-cluster)"})
     redis_url: str = field(default="redis://127.0.0.1:6379/0", metadata={

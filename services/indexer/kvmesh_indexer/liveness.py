@@ -24,6 +24,7 @@ class EndpointRecord:
     last_heartbeat: float = 0.0
     static: bool = False             # from configuration: no heartbeat required
     purged: bool = False
+    left: bool = False               # the endpoint said it is leaving: expired now, whatever its TTL
     labels: dict[str, str] = field(default_factory=dict)
 
 
@@ -55,9 +56,18 @@ class Liveness:
         re-subscribes to its events.
         """
         rec = self.records.get(endpoint_id)
-        if rec is None or rec.purged:
+        if rec is None or rec.purged or rec.left:
             return False
         rec.last_heartbeat = self.now()
+        return True
+
+    def expire(self, endpoint_id: str) -> bool:
+        """The endpoint leaves (its own shutdown): dead from now on, purged like a missed TTL;
+        it must register again to come back. False when it is not registered."""
+        rec = self.records.get(endpoint_id)
+        if rec is None or rec.static:
+            return False
+        rec.left = True
         return True
 
     def deregister(self, endpoint_id: str) -> bool:
@@ -67,7 +77,7 @@ class Liveness:
         rec = self.records.get(endpoint_id)
         if rec is None:
             return True  # unknown to liveness (e.g. gRPC-only producer): judged by its events only
-        return rec.static or (self.now() - rec.last_heartbeat) <= rec.ttl_s
+        return rec.static or (not rec.left and (self.now() - rec.last_heartbeat) <= rec.ttl_s)
 
     def seconds_since_heartbeat(self, endpoint_id: str) -> float:
         rec = self.records.get(endpoint_id)
@@ -76,7 +86,8 @@ class Liveness:
     def dead(self) -> list[str]:
         """Registered endpoints past their TTL (purged or not)."""
         t = self.now()
-        return [r.endpoint_id for r in self.records.values() if not r.static and t - r.last_heartbeat > r.ttl_s]
+        return [r.endpoint_id for r in self.records.values()
+                if not r.static and (r.left or t - r.last_heartbeat > r.ttl_s)]
 
     def to_purge(self) -> list[str]:
         return [ep for ep in self.dead() if not self.records[ep].purged]

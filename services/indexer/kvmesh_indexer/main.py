@@ -182,7 +182,7 @@ async def serve(cfg: IndexerConfig) -> int:
     app = build_app(cfg, REGISTRY)
     await app.start()
     app.server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port, host=cfg.host)
+    start_metrics_server(cfg.metrics_port, host=cfg.host, auth=cfg.metrics_auth, tls=cfg.tls)
     try:
         await app.server.wait()
     finally:

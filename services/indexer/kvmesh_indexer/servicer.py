@@ -377,20 +377,41 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
 
     async def Heartbeat(self, request: indexer_pb2.HeartbeatRequest, context: grpc.aio.ServicerContext
                         ) -> indexer_pb2.HeartbeatResponse:
+        if request.leaving:
+            return await self._leave(request.endpoint_id, context)
         if not self.liveness.heartbeat(request.endpoint_id):
             await context.abort(grpc.StatusCode.NOT_FOUND,
                                 f"endpoint {request.endpoint_id!r} is not registered (or expired); register again")
         return indexer_pb2.HeartbeatResponse()
 
-    async def DeregisterEndpoint(self, request: indexer_pb2.DeregisterEndpointRequest,
-                                 context: grpc.aio.ServicerContext) -> indexer_pb2.DeregisterEndpointResponse:
-        eid = request.endpoint_id
+    async def _leave(self, eid: str, context: grpc.aio.ServicerContext) -> indexer_pb2.HeartbeatResponse:
+        """An endpoint ends its own registration at shutdown: it expires now (as after a missed
+        TTL) and its blocks are purged. With mTLS the role table lets only the endpoint itself
+        send this; without, only the host that registered it (or the indexer's own host)."""
         host = _plaintext_host(context)
         owner = self.registrars.get(eid)
         if host is not None and owner is not None and host not in (owner, LOOPBACK, LOCAL):
             await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                 f"endpoint {eid!r} was registered from another host: without mTLS only that host "
-                                "(or a caller on the indexer's own host) may deregister it")
+                                "may end its registration")
+        if not self.liveness.expire(eid):
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"endpoint {eid!r} is not registered")
+        await self._guard(context, self.purge(eid, "left"))
+        self.liveness.mark_purged(eid)
+        log.info("endpoint left", extra={"endpoint": eid})
+        return indexer_pb2.HeartbeatResponse()
+
+    async def DeregisterEndpoint(self, request: indexer_pb2.DeregisterEndpointRequest,
+                                 context: grpc.aio.ServicerContext) -> indexer_pb2.DeregisterEndpointResponse:
+        """Admin only: with mTLS the role table admits only ``admin``; without, only callers on the
+        indexer's own host (the local admin). Endpoints leave with ``Heartbeat(leaving=true)``."""
+        eid = request.endpoint_id
+        host = _plaintext_host(context)
+        if host is not None and host not in (LOOPBACK, LOCAL):
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED,
+                                "without mTLS only a caller on the indexer's own host (the local admin) may "
+                                f"deregister an endpoint; {eid!r} may end its own registration with "
+                                "Heartbeat(leaving=true)")
         if not self.liveness.deregister(eid):
             await context.abort(grpc.StatusCode.NOT_FOUND, f"endpoint {eid!r} is not registered")
         blocks = await self._guard(context, self.purge(eid, "deregistered"))

@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.kvstore.eviction_registry import eviction_policy_names
+from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 
 GiB = 1024 ** 3
@@ -22,6 +23,7 @@ class OffloadConfig:
     grace_s: float = field(default=10.0, metadata={"help": "drain time for in-flight calls on shutdown"})
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     ram_capacity_bytes: int = field(default=2 * GiB, metadata={"help": "RAM tier budget in bytes"})
     disk_path: str = field(default="", metadata={"help": "disk tier folder (empty = no disk tier)"})
     disk_capacity_bytes: int = field(default=16 * GiB, metadata={"help": "disk tier budget in bytes"})

@@ -84,7 +84,7 @@ async def serve(cfg: OffloadConfig) -> int:
     server.on_drain.append(drain)
     port = await server.start()
     server.install_signal_handlers()
-    start_metrics_server(cfg.metrics_port, host=cfg.host)
+    start_metrics_server(cfg.metrics_port, host=cfg.host, auth=cfg.metrics_auth, tls=cfg.tls)
     await server.set_ready(True)
     registration = None
     if cfg.indexer_address and pub is not None:
@@ -103,7 +103,7 @@ async def serve(cfg: OffloadConfig) -> int:
         if trim is not None:
             trim.cancel()
         if registration is not None:
-            await registration.stop(deregister=False)
+            await registration.stop(leave=False)
         servicer.close()
         if pub is not None:
             pub.close()

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from kvmesh.config import ConfigError
+from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
@@ -22,6 +23,7 @@ class RouterConfig:
     metrics_port: int = field(default=0, metadata={"help": "Prometheus /metrics port (0 = off)"})
     extproc_port: int = field(default=0, metadata={"help": "Envoy ext_proc endpoint-picker port (0 = off)"})
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
+    metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     model: str = field(default="tiny", metadata={"help": "served model name"})
     tokenizer_path: str = field(default="", metadata={"help": "model dir with tokenizer.json (+ chat template)"})
     max_model_len: int = field(default=1_048_576, metadata={"help": "max prompt + output tokens"})
@@ -126,6 +128,15 @@ class RouterConfig:
         "help": "API keys file or directory (a mounted Kubernetes Secret): 'TENANT KEY-or-sha256:DIGEST "
                 "[trusted]' per line; re-read when it changes (kvmesh.api_keys)"})
     api_keys_reload_s: float = field(default=1.0, metadata={"help": "check the keys file for changes this often"})
+    trusted_gateways: str = field(default="", metadata={
+        "help": "SPIFFE ids of gateways (mTLS client certificates, on gRPC or the HTTPS front door) that may "
+                "name the tenant (x-tenant / the gRPC tenant field) and need no API key; comma-separated, a "
+                "trailing * matches any id (spiffe://kvmesh.local/gateway/*); '' = none (keys' 'trusted' flag "
+                "grants nothing)"})
+    http_tls: str = field(default="off", metadata={
+        "choices": ["auto", "on", "off"],
+        "help": "serve the HTTP front door over HTTPS with the router's certificate (client certificates "
+                "optional: they identify trusted gateways): on | off | auto (= with gRPC mTLS)"})
     salt_secret_file: str = field(default="", metadata={
         "help": "server secret of the tenants' cache salts (HMAC); replicas must share it ('' = a random "
                 "secret per process: replicas then share no cache)"})

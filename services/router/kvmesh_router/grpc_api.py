@@ -13,6 +13,8 @@ from typing import Any
 
 import grpc
 
+from kvmesh.api_keys import key_from_headers
+from kvmesh.rpc.authz import peer_identity
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
@@ -42,8 +44,13 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if handler is None or details.method.startswith(PUBLIC_SERVICE_PREFIXES) or not self.scopes.enabled:
             return handler
+        get = metadata_getter(details.invocation_metadata)
+        if self.scopes.gateways and not key_from_headers(get):
+            # Maybe a trusted gateway (no key): only the call's context shows its certificate,
+            # so the servicer's scope check decides (every Router method starts with it).
+            return handler
         try:
-            self.scopes.authenticate(metadata_getter(details.invocation_metadata))
+            self.scopes.authenticate(get)
         except Unauthenticated as exc:
             metrics.REQUESTS.labels(api="grpc", outcome="unauthenticated").inc()
             return _refusal(handler, str(exc))
@@ -100,7 +107,8 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         rem = context.time_remaining()
         try:
             return self.scopes.scope(metadata_getter(context.invocation_metadata()), claimed_tenant,
-                                     deadline_s=rem if rem is not None and rem < 1e9 else 0.0)
+                                     deadline_s=rem if rem is not None and rem < 1e9 else 0.0,
+                                     peer=peer_identity(context))
         except Unauthenticated as exc:   # the interceptor refused it already unless it was not installed
             metrics.REQUESTS.labels(api="grpc", outcome="unauthenticated").inc()
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))

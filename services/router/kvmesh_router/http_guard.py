@@ -24,6 +24,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvmesh.anthropic.errors import AnthropicError
+from kvmesh.http_tls import scope_identity
 from kvmesh.openai.errors import error_body
 from kvmesh_router import metrics
 from kvmesh_router.request_scope import PUBLIC_PATHS, RequestScopes, Unauthenticated
@@ -66,7 +67,7 @@ class ScopeMiddleware:
             for k, v in scope.get("headers") or ():
                 headers.setdefault(k.decode("latin-1").lower(), v.decode("latin-1"))
             try:
-                rs = self.scopes.scope(headers.get)
+                rs = self.scopes.scope(headers.get, peer=scope_identity(scope))
             except Unauthenticated as exc:
                 metrics.REQUESTS.labels(api="http", outcome="unauthenticated").inc()
                 hdrs = [(b"www-authenticate", b'Bearer realm="kvmesh"')]

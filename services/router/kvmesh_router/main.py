@@ -11,8 +11,9 @@ from typing import Any
 
 import uvicorn
 
-from kvmesh.config import add_dataclass_args, load_config
+from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.hashing import BlockHasher
+from kvmesh.http_tls import ServerSsl, http_tls_enabled, peer_aware
 from kvmesh.routing.hash_cache import HashCacheConfig
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
@@ -113,7 +114,7 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
 async def serve(cfg: RouterConfig) -> int:
     setup_tracing("kvmesh-router")
     tls.set_default(cfg.tls)
-    start_metrics_server(cfg.metrics_port, host=cfg.host)
+    start_metrics_server(cfg.metrics_port, host=cfg.host, auth=cfg.metrics_auth, tls=cfg.tls)
     service = build_service(cfg)
     scopes = scopes_from_config(cfg)   # one request scope for the gRPC and HTTP front doors
     server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service, scopes),
@@ -132,10 +133,19 @@ async def serve(cfg: RouterConfig) -> int:
     http_server = None
     http_task = None
     if cfg.http_port:
+        protocol = guarded_protocol(cfg.http_max_connections, cfg.http_header_timeout_s, cfg.http_max_header_bytes)
+        https: dict[str, Any] = {}
+        if http_tls_enabled(cfg.http_tls, cfg.tls):
+            if not cfg.tls.enabled():
+                raise ConfigError("--http-tls on needs the router's certificate (--tls-cert, --tls-key, --tls-ca)")
+            ssl_ctx = ServerSsl(cfg.tls).ctx   # client certificates optional: they name trusted gateways
+            protocol = peer_aware(protocol)
+            https = {"ssl_context_factory": lambda _cfg, _default: ssl_ctx}
+        elif scopes.gateways:
+            log.warning("--trusted-gateways is set but the HTTP front door is plaintext (--http-tls on): "
+                        "gateways are recognised on gRPC only")
         ucfg = uvicorn.Config(build_app(service, scopes), host=cfg.host, port=cfg.http_port, log_level="warning",
-                              lifespan="off", access_log=False,
-                              http=guarded_protocol(cfg.http_max_connections, cfg.http_header_timeout_s,
-                                                    cfg.http_max_header_bytes))
+                              lifespan="off", access_log=False, http=protocol, **https)
         http_server = uvicorn.Server(ucfg)
         http_server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
         http_task = asyncio.create_task(http_server.serve())

@@ -11,7 +11,10 @@ any body is read.
   ``x-api-key``, HTTP header or gRPC metadata) listed in the keys file
   (``kvmesh.api_keys``); else 401 / ``UNAUTHENTICATED``. Its tenant is the key's.
   A claimed tenant (the ``x-tenant`` header, the gRPC ``tenant`` field) is used
-  only when the key is flagged ``trusted`` (a gateway that authenticated its users).
+  only from a trusted gateway: a peer whose mTLS client certificate (gRPC, or the
+  HTTPS front door) carries a SPIFFE id listed in ``--trusted-gateways``. Such a
+  gateway authenticated its users itself, so it needs no API key; a key's
+  ``trusted`` flag grants nothing (issue #20: trust comes from an identity).
 * ``--auth off`` (local demo only; logged as a warning at start and on the first
   request): nobody is authenticated and a claimed tenant is taken as sent.
 """
@@ -25,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvmesh.api_keys import ApiKeys, Principal, key_from_headers
+from kvmesh.rpc.authz import Identity
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +52,7 @@ class RequestScopes:
     """Builds the ``Scope`` of a request from its headers / metadata."""
 
     def __init__(self, auth: str, keys: ApiKeys | None, tenant_header: str = "x-tenant",
-                 http_deadline_s: float = 0.0) -> None:
+                 http_deadline_s: float = 0.0, trusted_gateways: str = "") -> None:
         if auth not in AUTH_MODES:
             raise ValueError(f"auth must be one of {AUTH_MODES}, got {auth!r}")
         if auth == "keys" and keys is None:
@@ -57,14 +61,28 @@ class RequestScopes:
         self.keys = keys if auth == "keys" else None
         self.tenant_header = tenant_header.lower()
         self.http_deadline_s = http_deadline_s
+        self.gateways = tuple(g.strip() for g in trusted_gateways.split(",") if g.strip())
+        for g in self.gateways:
+            if not g.startswith("spiffe://"):
+                raise ValueError(f"trusted gateway {g!r}: expected a SPIFFE id (spiffe://DOMAIN/ROLE/ID, ID may be *)")
         self._warned = False
+
+    def trusts(self, peer: Identity | None) -> bool:
+        """Whether ``peer`` (a verified client certificate's identity) is a configured trusted gateway."""
+        if peer is None:
+            return False
+        uri = peer.uri
+        return any(uri == g or (g.endswith("*") and uri.startswith(g[:-1])) for g in self.gateways)
 
     @property
     def enabled(self) -> bool:
         return self.keys is not None
 
-    def authenticate(self, get: Callable[[str], str | None]) -> Principal | None:
-        """The caller's principal (None with auth off); ``Unauthenticated`` when refused."""
+    def authenticate(self, get: Callable[[str], str | None], peer: Identity | None = None) -> Principal | None:
+        """The caller's principal (None with auth off); ``Unauthenticated`` when refused.
+
+        ``peer``: the caller's mTLS identity, if it presented a certificate. A trusted gateway
+        needs no key (it forwards users it authenticated); a key it forwards is still checked."""
         if self.keys is None:
             if not self._warned:
                 self._warned = True
@@ -72,12 +90,16 @@ class RequestScopes:
                             "clients claim them (--auth keys to require API keys)")
             return None
         key = key_from_headers(get)
+        gateway = self.trusts(peer)
         if not key:
+            if gateway:
+                return Principal(tenant="", trusted=True, key_id=peer.uri if peer else "")
             raise Unauthenticated("missing API key: send 'Authorization: Bearer <key>' or 'x-api-key: <key>'")
         p = self.keys.lookup(key)
         if p is None:
             raise Unauthenticated("invalid API key")
-        return p
+        # Trust comes from the gateway's certificate, never from the key (its 'trusted' flag is ignored).
+        return Principal(p.tenant, gateway, p.key_id) if p.trusted != gateway else p
 
     def tenant(self, principal: Principal | None, claimed: str) -> str:
         """The tenant a request is served as: the key's, unless a trusted gateway (or auth off) names one."""
@@ -85,14 +107,16 @@ class RequestScopes:
             return claimed
         if principal.trusted and claimed:
             return claimed
+        if principal.trusted and not principal.tenant:
+            raise Unauthenticated(f"a gateway without an API key must name the tenant ({self.tenant_header})")
         return principal.tenant
 
     def scope(self, get: Callable[[str], str | None], claimed_tenant: str | None = None,
-              deadline_s: float | None = None) -> Scope:
+              deadline_s: float | None = None, peer: Identity | None = None) -> Scope:
         """Authenticate, then the tenant, then the deadline (``deadline_s`` from now; default the HTTP one).
 
-        ``claimed_tenant`` None = the tenant header."""
-        principal = self.authenticate(get)
+        ``claimed_tenant`` None = the tenant header; ``peer`` the caller's mTLS identity."""
+        principal = self.authenticate(get, peer)
         claimed = (get(self.tenant_header) or "") if claimed_tenant is None else claimed_tenant
         if deadline_s is None:
             deadline_s = self.http_deadline_s or None
@@ -124,4 +148,5 @@ def scopes_from_config(cfg: Any) -> RequestScopes:
     else:
         log.warning("AUTH IS OFF (--auth off): any client can use this router and claim any tenant; "
                     "for a local demo only")
-    return RequestScopes(cfg.auth, keys, cfg.tenant_header, cfg.http_deadline_s)
+    return RequestScopes(cfg.auth, keys, cfg.tenant_header, cfg.http_deadline_s,
+                         getattr(cfg, "trusted_gateways", ""))

@@ -289,11 +289,11 @@ async def test_worker_registers_with_indexer_and_its_events_are_indexed(tmp_path
                     break
                 await asyncio.sleep(0.1)
             assert blocks == 4
-            # Stopping deregisters: the index forgets the endpoint (and its blocks).
+            # Stopping leaves: the index expires the endpoint at once and forgets its blocks.
             await w.stop(0)
             w = None
             eps = (await ix.ListEndpoints(indexer_pb2.ListEndpointsRequest())).endpoints
-            assert not [e for e in eps if e.endpoint.endpoint_id == "w-reg"]
+            assert [(e.alive, e.blocks) for e in eps if e.endpoint.endpoint_id == "w-reg"] == [(False, 0)]
     finally:
         if w is not None:
             await w.stop(0)

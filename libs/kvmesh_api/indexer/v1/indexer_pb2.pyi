@@ -210,10 +210,12 @@ class RegisterEndpointResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("endpoint_id",)
+    __slots__ = ("endpoint_id", "leaving")
     ENDPOINT_ID_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     endpoint_id: str
-    def __init__(self, endpoint_id: _Optional[str] = ...) -> None: ...
+    leaving: bool
+    def __init__(self, endpoint_id: _Optional[str] = ..., leaving: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ()

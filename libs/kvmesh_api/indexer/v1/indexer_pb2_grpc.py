@@ -108,13 +108,16 @@ class IndexerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Heartbeat(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Keeps a registration alive; with leaving=true the endpoint ends its own registration
+        (shutdown): it expires now, as after a missed TTL, and its blocks are purged.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def DeregisterEndpoint(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """Admin only (mTLS role admin, or a caller on the indexer's host without TLS).
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
