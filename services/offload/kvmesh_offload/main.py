@@ -33,7 +33,30 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = offload_pb2.DESCRIPTOR.services_by_name["Offload"].full_name
 
 
-def build_store(cfg: OffloadConfig, event_sink=None) -> OffloadStore:  # noqa: ANN001
+def build_pool(cfg: OffloadConfig):  # noqa: ANN201 - a PoolTier, or None for the local byte pool
+    """Join the Mooncake pool (``--byte-pool mooncake``); imports Mooncake only then."""
+    if cfg.byte_pool != "mooncake":
+        return None
+    import dataclasses
+
+    from kvmesh.kvstore.mooncake.pool import MIN_SEGMENT, Pool, PoolError
+    from kvmesh_offload.pool_tier import HEADROOM, PoolTier, pool_prefix
+
+    pc = cfg.mooncake
+    if pc.segment_bytes == -1:
+        pc = dataclasses.replace(pc, segment_bytes=max(MIN_SEGMENT, int(cfg.ram_capacity_bytes * HEADROOM)))
+    try:
+        return PoolTier(Pool(pc), pool_prefix(cfg.endpoint_id))
+    except PoolError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_store(cfg: OffloadConfig, event_sink=None, pool=None) -> OffloadStore:  # noqa: ANN001
+    if pool is not None:
+        # The bytes are the pool's: the store keeps sizes, chains, checksums and its policy.
+        return OffloadStore(cfg.ram_capacity_bytes, policy=cfg.eviction_policy, evict_on_full=cfg.evict_on_full,
+                            event_sink=pool.sink(event_sink), metadata_only=True,
+                            max_block_bytes=cfg.max_block_bytes)
     disk = None
     if cfg.disk_path:
         disk = DiskTier(cfg.disk_path, cfg.disk_capacity_bytes, make_eviction_policy("lru"), fsync=cfg.disk_fsync)
@@ -66,7 +89,8 @@ async def serve(cfg: OffloadConfig) -> int:
         pub = KvEventPublisher(cfg.events_endpoint, topic=make_topic(cfg.endpoint_id, cfg.model),
                                replay_endpoint=cfg.events_replay_endpoint or None, curve=curve)
         sink = EventBridge(pub)
-    store = build_store(cfg, sink)
+    pool = await asyncio.to_thread(build_pool, cfg)
+    store = build_store(cfg, sink, pool)
     try:
         found = await asyncio.to_thread(store.open)
     except OSError as exc:
@@ -75,7 +99,7 @@ async def serve(cfg: OffloadConfig) -> int:
     servicer = OffloadServicer(store, shm_enabled=cfg.shm_enabled, max_block_bytes=cfg.max_block_bytes,
                                lease_ttl_s=cfg.lease_ttl_s, bulk_host=cfg.host,
                                bulk_port=cfg.bulk_port if cfg.bulk_port >= 0 else None,
-                               lease_bind_host=cfg.lease_bind_host, direct_put=cfg.direct_put)
+                               lease_bind_host=cfg.lease_bind_host, direct_put=cfg.direct_put, pool=pool)
     server = ServiceServer("offload", [(add_offload_servicer, servicer, SERVICE_NAME)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls))
 
@@ -95,7 +119,8 @@ async def serve(cfg: OffloadConfig) -> int:
     log.info("offload store ready", extra={"port": port, "disk_blocks_recovered": found,
                                            "bulk_port": servicer.bulk.port if servicer.bulk else None,
                                            "events": pub.endpoint if pub else None,
-                                           "policy": store.policy_name})
+                                           "policy": store.policy_name,
+                                           "byte_pool": cfg.byte_pool})
     trim = asyncio.create_task(_trim_loop(cfg.malloc_trim_s), name="malloc-trim") if cfg.malloc_trim_s > 0 else None
     try:
         await server.wait()
@@ -105,6 +130,8 @@ async def serve(cfg: OffloadConfig) -> int:
         if registration is not None:
             await registration.stop(leave=False)
         servicer.close()
+        if pool is not None:
+            pool.close()
         if pub is not None:
             pub.close()
     return 0

@@ -27,6 +27,7 @@ from kvmesh_offload.arena import SLAB_PREFIX, Arena, Slot
 from kvmesh_offload.bulk import BulkServer
 from kvmesh_offload.leases import Caller, LeaseTable, caller_of
 from kvmesh_offload.metrics import RESTORE_LATENCY
+from kvmesh_offload.pool_tier import POOL_NAME, PoolTier
 from kvmesh_offload.reserve import ReservationTable, ReserveError
 from kvmesh_offload.store import CPU, BadBlockError, BlockIn, Found, OffloadStore, StoreFullError
 
@@ -60,6 +61,11 @@ def _check_header(header: offload_pb2.PutHeader) -> None:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
 
 
+POOLED = ("this store keeps its block bytes in a Mooncake pool: move them with a pool client "
+          "(kvmesh.kvstore.mooncake.client, store_backend 'mooncake'); it serves Contains, GetBulk "
+          "(sizes and checksums), Delete, Stats and PutShm with no segment")
+
+
 def _check_keys(n: int) -> None:
     if n > MAX_KEYS:
         raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"chain of {n} keys exceeds the max of {MAX_KEYS}")
@@ -69,8 +75,12 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     def __init__(self, store: OffloadStore, *, shm_enabled: bool = True,
                  max_block_bytes: int = 64 * 1024 * 1024, lease_ttl_s: float = DEFAULT_LEASE_TTL_S,
                  bulk_host: str = "127.0.0.1", bulk_port: int | None = None, lease_bind_host: bool = True,
-                 direct_put: bool = True) -> None:
+                 direct_put: bool = True, pool: PoolTier | None = None) -> None:
         self.store = store
+        # Bytes in a Mooncake pool: this store answers for the index only (see pool_tier).
+        self.pool = pool
+        if pool is not None:
+            bulk_port = None
         self.shm_enabled = shm_enabled
         self.direct_put = direct_put
         self.max_block_bytes = max_block_bytes
@@ -107,7 +117,12 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                   context: grpc.aio.ServicerContext) -> offload_pb2.PutResponse:
         return await self._guard(context, self._put(request_iterator))
 
+    def _not_pooled(self) -> None:
+        if self.pool is not None:
+            raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, POOLED)
+
     async def _put(self, it: AsyncIterator[offload_pb2.PutRequest]) -> offload_pb2.PutResponse:
+        self._not_pooled()
         held = [0]
         try:
             return await self._put_stream(it, held)
@@ -185,6 +200,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     async def Get(self, request: offload_pb2.GetRequest,
                   context: grpc.aio.ServicerContext) -> AsyncIterator[offload_pb2.GetResponse]:
         t0 = time.perf_counter()
+        if self.pool is not None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, POOLED)
         found = await self._guard(context, self._lookup(request.namespace, request.keys))
         chunk = request.chunk_bytes or DEFAULT_CHUNK
         chunk = max(4096, min(chunk, MAX_CHUNK_BYTES))
@@ -229,7 +246,9 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     async def Stats(self, request: offload_pb2.StatsRequest,
                     context: grpc.aio.ServicerContext) -> offload_pb2.StatsResponse:
         s = self.store.stats()
-        return offload_pb2.StatsResponse(
+        pool = {} if self.pool is None else {"pool": POOL_NAME, "pool_prefix": self.pool.prefix,
+                                             "pool_master": self.pool.master}
+        return offload_pb2.StatsResponse(**pool,
             ram_bytes=s["ram_bytes"], ram_capacity_bytes=s["ram_capacity_bytes"], disk_bytes=s["disk_bytes"],
             disk_capacity_bytes=s["disk_capacity_bytes"], ram_blocks=s["ram_blocks"], disk_blocks=s["disk_blocks"],
             counters={k: int(v) for k, v in s["counters"].items() if v >= 0}, eviction_policy=s["eviction_policy"])
@@ -268,6 +287,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         _check_header(req.header)
         n = len(req.keys)
         _check_keys(n)
+        if self.pool is not None:
+            return await self._put_pool(req)
         if len(req.offsets) != n or len(req.sizes) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, offsets and sizes must have the same length")
         if req.crc32c and len(req.crc32c) != n:
@@ -285,6 +306,31 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         if end > seg.size:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
         blocks = await asyncio.to_thread(self._copy_in, req, seg)
+        return await self._commit(req.header, blocks)
+
+    async def _put_pool(self, req: offload_pb2.ShmRequest) -> offload_pb2.PutResponse:
+        """Commit blocks a client already wrote to the pool (their objects must exist)."""
+        assert self.pool is not None
+        n = len(req.keys)
+        if req.segment:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a pooled store takes no segment: write the blocks "
+                                                           "to the pool, then PutShm with an empty segment")
+        if len(req.sizes) != n or len(req.crc32c) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, sizes and crc32c must have the same length")
+        if req.tokens and len(req.tokens) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be empty or one per key")
+        for k, size in zip(req.keys, req.sizes, strict=True):
+            if size == 0 or size > self.max_block_bytes:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             f"block {k}: size {size} outside (0, {self.max_block_bytes}]")
+        if sum(req.sizes) > self.store.ram.capacity:
+            raise StoreFullError(f"Put of {sum(req.sizes)} bytes exceeds the pool budget {self.store.ram.capacity}")
+        missing = await asyncio.to_thread(self.pool.missing, req.header.namespace, list(req.keys))
+        if missing:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"{len(missing)} block(s) not in the pool (first: {missing[0]}): write them before PutShm")
+        blocks = [BlockIn(k, None, crc, tuple(req.tokens[i].ids) if req.tokens else (), size)
+                  for i, (k, size, crc) in enumerate(zip(req.keys, req.sizes, req.crc32c, strict=True))]
         return await self._commit(req.header, blocks)
 
     def _copy_in(self, req: offload_pb2.ShmRequest, seg: Segment) -> list[BlockIn]:
@@ -306,6 +352,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         return await self._guard(context, self._reserve_put(request, caller_of(context)))
 
     async def _reserve_put(self, req: offload_pb2.ShmRequest, caller: Caller) -> offload_pb2.PutReservation:
+        self._not_pooled()
         if not (self.shm_enabled and self.direct_put):
             raise _Abort(grpc.StatusCode.UNIMPLEMENTED, "zero-copy puts are disabled on this store (--direct-put)")
         _check_ns(req.header.namespace)
@@ -355,6 +402,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
 
     async def _get_shm(self, req: offload_pb2.ShmRequest, caller: Caller) -> offload_pb2.ShmGetResponse:
         t0 = time.perf_counter()
+        self._not_pooled()
         _check_ns(req.header.namespace)
         _check_keys(len(req.keys))
         seg = await asyncio.to_thread(self._attach, req.segment)
@@ -414,6 +462,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
 
     async def GetBulk(self, request: offload_pb2.GetRequest,
                       context: grpc.aio.ServicerContext) -> offload_pb2.BulkGetResponse:
+        if self.pool is not None:
+            return await self._guard(context, self._get_pool(request))
         if self.bulk is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "bulk path is disabled on this store")
         found = await self._guard(context, self._lookup(request.namespace, request.keys))
@@ -425,6 +475,14 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         if found:
             resp.lease = self.leases.add(found, caller_of(context))
         return resp
+
+    async def _get_pool(self, request: offload_pb2.GetRequest) -> offload_pb2.BulkGetResponse:
+        """The leading blocks' sizes and checksums; the client reads the bytes from the pool (no lease:
+        Mooncake's read lease covers the transfer, and a block evicted before it is a short read)."""
+        found = await self._lookup(request.namespace, request.keys)
+        return offload_pb2.BulkGetResponse(leading_present=len(found), sizes=[f.block.size for f in found],
+                                           tiers=[_TIER[f.medium] for f in found],
+                                           crc32c=[f.block.crc32c for f in found])
 
     async def ReleaseShm(self, request: offload_pb2.ShmRelease,
                          context: grpc.aio.ServicerContext) -> offload_pb2.ShmReleaseResponse:

@@ -68,6 +68,8 @@ class RouterConfig:
     hash_seed: str = field(default="", metadata={"help": "NONE_HASH seed ('' = vLLM's rule)"})
     hash_cache_verify: str = field(default="sampled", metadata={"help": "incremental-hash prefix check"})
     hash_cache_max_blocks: int = field(default=2_000_000, metadata={"help": "hash cache bound (blocks)"})
+    hash_cache_max_bytes: int = field(default=256 << 20, metadata={
+        "help": "hash cache bound (estimated bytes: token ids kept by reference, digests, keys)"})
     lora_modules: dict[str, str] = field(default_factory=dict, metadata={"help": "LoRA name -> path (JSON)"})
     # Policy
     policy: str = field(default="precise", metadata={"help": "routing policy"})

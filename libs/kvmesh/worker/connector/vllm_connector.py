@@ -40,6 +40,7 @@ Worker side (model-runner process):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -56,6 +57,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
+from kvmesh.kvstore.mooncake.pool import PoolConfig
 from kvmesh.worker.connector.layout import all_rank_namespaces, connector_namespace, rank_namespace
 from kvmesh.worker.connector.saver import BlockSaver, SaveJob
 from kvmesh.worker.connector.versions import check_vllm_version
@@ -71,6 +73,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PARAMS_KEY = "kvmesh"
+STORE_BACKENDS = ("kvmesh", "mooncake")
+POOL_OPTIONS = {f.name for f in dataclasses.fields(PoolConfig)}
 _MASK64 = (1 << 64) - 1
 
 
@@ -154,6 +158,15 @@ class KvmeshConnector(KVConnectorBase_V1):
         # Skip checksums of same-host shm reads (a store and host you trust): saves a pass over the bytes.
         self._trust_local_store = bool(extra.get("trust_local_store", False))
         self._async_load = bool(extra.get("async_load", True))
+        # "kvmesh": the store holds the bytes; "mooncake": a store started with --byte-pool mooncake,
+        # whose bytes this worker moves to and from the pool itself (mooncake_* options: PoolConfig).
+        self._backend = str(extra.get("store_backend", "kvmesh"))
+        if self._backend not in STORE_BACKENDS:
+            raise ValueError(f"store_backend {self._backend!r} unknown; choose one of {', '.join(STORE_BACKENDS)}")
+        self._pool_opts = {k[len("mooncake_"):]: v for k, v in extra.items() if k.startswith("mooncake_")}
+        unknown = sorted(set(self._pool_opts) - POOL_OPTIONS)
+        if unknown:
+            raise ValueError(f"unknown mooncake_ option(s) {unknown}; known: {sorted(POOL_OPTIONS)}")
         self._store_down_until = 0.0
         self._client: Any = None
         # scheduler side
@@ -196,11 +209,17 @@ class KvmeshConnector(KVConnectorBase_V1):
 
     def _store(self) -> Any:
         if self._client is None:
-            from kvmesh.kvstore.client import SyncOffloadClient
-
             timeout = self._lookup_timeout if self._role == KVConnectorRole.SCHEDULER else self._io_timeout
-            self._client = SyncOffloadClient(self._address, use_shm=self._use_shm, timeout_s=timeout,
-                                             trust_local_store=self._trust_local_store)
+            if self._backend == "mooncake":
+                # The store keeps the index; the bytes move between this process and the Mooncake pool.
+                from kvmesh.kvstore.mooncake.client import MooncakeStoreClient
+
+                self._client = MooncakeStoreClient(self._address, pool=PoolConfig(**self._pool_opts), timeout_s=timeout)
+            else:
+                from kvmesh.kvstore.client import SyncOffloadClient
+
+                self._client = SyncOffloadClient(self._address, use_shm=self._use_shm, timeout_s=timeout,
+                                                 trust_local_store=self._trust_local_store)
         return self._client
 
     def _store_usable(self) -> bool:

@@ -108,7 +108,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("ram_bytes", "ram_capacity_bytes", "disk_bytes", "disk_capacity_bytes", "ram_blocks", "disk_blocks", "counters", "eviction_policy")
+    __slots__ = ("ram_bytes", "ram_capacity_bytes", "disk_bytes", "disk_capacity_bytes", "ram_blocks", "disk_blocks", "counters", "eviction_policy", "pool", "pool_prefix", "pool_master")
     class CountersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -124,6 +124,9 @@ class StatsResponse(_message.Message):
     DISK_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     COUNTERS_FIELD_NUMBER: _ClassVar[int]
     EVICTION_POLICY_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    POOL_PREFIX_FIELD_NUMBER: _ClassVar[int]
+    POOL_MASTER_FIELD_NUMBER: _ClassVar[int]
     ram_bytes: int
     ram_capacity_bytes: int
     disk_bytes: int
@@ -132,7 +135,10 @@ class StatsResponse(_message.Message):
     disk_blocks: int
     counters: _containers.ScalarMap[str, int]
     eviction_policy: str
-    def __init__(self, ram_bytes: _Optional[int] = ..., ram_capacity_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., ram_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ...) -> None: ...
+    pool: str
+    pool_prefix: str
+    pool_master: str
+    def __init__(self, ram_bytes: _Optional[int] = ..., ram_capacity_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., ram_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., pool: _Optional[str] = ..., pool_prefix: _Optional[str] = ..., pool_master: _Optional[str] = ...) -> None: ...
 
 class ShmRequest(_message.Message):
     __slots__ = ("header", "segment", "keys", "offsets", "sizes", "crc32c", "tokens", "capacity", "map_store")
