@@ -154,6 +154,7 @@ class CandidateTable:
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)
+        self.excluded_held = np.zeros(len(ids), dtype=bool)
         self._built: dict[int, Candidate] = {}   # the winner is built for its reason, then reported
 
     # -- the overload guard (scoring.mark_hot) ---------------------------------
@@ -165,18 +166,27 @@ class CandidateTable:
         self.hot = ((q - min_q >= cfg.hot_abs) & (q >= cfg.hot_rel * (min_q + 1))) | (self.loads.kv_usage >= cfg.hot_kv_usage)
         if cfg.max_inflight:
             self.excluded_inflight = self.loads.inflight >= cfg.max_inflight
-        ratio = (self.gpu + self.offload) / self.cap if self.cap else np.zeros(len(q))
+        credit = self.gpu + self.offload
+        ratio = credit / self.cap if self.cap else np.zeros(len(q))
         self.excluded_hot = self.hot & ~self.excluded_inflight & (ratio < cfg.hot_min_hit_ratio)
+        # scoring.holders, element-wise: under saturation only the prompt's holders may take it.
+        if cfg.hold_min_ratio > 0 and self.cap > 0 and self.state.saturation > 0:
+            held = credit >= cfg.hold_min_ratio * self.cap
+            if held.any():
+                self.excluded_hot &= ~held
+                self.excluded_held = ~held & ~self.excluded_inflight & ~self.excluded_hot
         self._built.clear()   # their guard flags changed
 
     def excluded(self, i: int) -> str:
-        return "max_inflight" if self.excluded_inflight[i] else "hot" if self.excluded_hot[i] else ""
+        if self.excluded_inflight[i]:
+            return "max_inflight"
+        return "hot" if self.excluded_hot[i] else "held" if self.excluded_held[i] else ""
 
     # -- the choice (scoring.pick) ---------------------------------------------
     def pick(self, affinity: str = "", spread: tuple[str, bool] = ("", False)) -> Choice:
         """Lowest cost among non-excluded endpoints; ties as in :func:`kvmesh.routing.scoring.pick`."""
         n = len(self.ids)
-        pool = ~(self.excluded_inflight | self.excluded_hot)
+        pool = ~(self.excluded_inflight | self.excluded_hot | self.excluded_held)
         skipped = n - int(pool.sum())
         if not pool.any():
             pool, skipped = np.ones(n, dtype=bool), 0

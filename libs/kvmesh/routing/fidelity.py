@@ -22,8 +22,9 @@ every miss with the same classifier, so a class means the same thing in
   estimate, by design: session, approx, least_load, ...).
 - ``split``: a P/D split; the prediction is for the decode endpoint and the prompt
   was computed on a prefill endpoint.
-- ``unknown``: the engine did not report its cache at arrival (vLLM's in-process
-  engine core keeps it private), so the miss cannot be told apart.
+- ``unknown``: the engine did not report its cache at arrival, or its report was older
+  than the index's view (vLLM's comes from the worker's mirror of the engine's KV events,
+  ``kvmesh.worker.engine.cache_mirror``), so the miss cannot be told apart.
 
 Where the truth comes from: the simulator holds every engine and the index in
 memory. Live, the worker reports a ``CacheTruth`` with its final message: its
@@ -98,6 +99,11 @@ class RouterSide:
 def live_view(side: RouterSide, *, known: bool, gpu_blocks: int, store_blocks: int,
               events_through: int) -> ViewAtDecision:
     """Join the router's half with the worker's report of its cache at arrival."""
+    if side.index_applied > events_through >= 0 and known:
+        # The index had applied batches the worker's report did not rest on: the report is the
+        # older view (vLLM's comes from the worker's own mirror of the engine's events, which
+        # can trail the indexer by a batch), so it cannot judge the prediction.
+        known = False
     if not known:
         return ViewAtDecision(side.predicted, -1, -1, side.index_gpu, side.speculative, False,
                               side.lookup_timed_out)

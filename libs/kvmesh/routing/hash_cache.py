@@ -11,7 +11,11 @@ and the seed give exactly the engine's hashes.
 A previous chain is found by session id (the fast path) or by content: chains
 are also indexed by the digest of their first block, which already folds in the
 tenant salt and LoRA, so two tenants never share an entry. Memory is bounded
-by ``max_blocks`` across all chains (least recently used dropped first).
+by ``max_bytes`` (an estimate: a chain keeps its prompt's token ids by reference, 36 bytes
+a token in a Python list) and by ``max_blocks``, across all chains, least recently used
+dropped first. A session that ended keeps its last chain until it is the oldest: without
+the byte bound, a router serving short-lived agent sessions grew by gigabytes before the
+block bound was reached.
 
 Verifying that the old prefix is really unchanged is the only O(n) step left.
 ``verify="full"`` compares every token (≈2 ms for 200k tokens in CPython);
@@ -37,6 +41,8 @@ from kvmesh.hashing import BlockHasher, ExtraKeys, event_key
 class HashCacheConfig:
     enabled: bool = field(default=True, metadata={"help": "reuse hashes of earlier prompts (incremental hashing)"})
     max_blocks: int = field(default=2_000_000, metadata={"help": "blocks kept across all cached chains"})
+    max_bytes: int = field(default=256 << 20, metadata={
+        "help": "estimated memory of all cached chains (token ids, digests, keys)"})
     max_per_head: int = field(default=32, metadata={"help": "chains kept per first-block digest"})
     verify: str = field(default="sampled", metadata={"help": "prefix check: sampled | full"})
     verify_samples: int = field(default=64, metadata={"help": "token positions compared when sampled"})
@@ -77,8 +83,24 @@ class ConcatTokens(Sequence[int]):
         return self.a[i] if i < na else self.b[i - na]
 
 
+# Per block: a 32-byte digest (bytes object), a 64-bit key (int object), two list slots.
+_BLOCK_BYTES = 65 + 36 + 16
+# Per token: a Python list holds an int object (28 bytes) and a slot (8) for each; a protobuf
+# repeated field or an array packs them (4 bytes, rounded up for the message around them).
+_LIST_TOKEN_BYTES = 36
+_PACKED_TOKEN_BYTES = 8
+
+
+def token_bytes(tokens: Sequence[int]) -> int:
+    """Estimated memory a sequence of token ids keeps alive."""
+    if isinstance(tokens, ConcatTokens):
+        return token_bytes(tokens.a) + token_bytes(tokens.b)
+    per = _LIST_TOKEN_BYTES if isinstance(tokens, list | tuple) else _PACKED_TOKEN_BYTES
+    return per * len(tokens)
+
+
 class _Chain:
-    __slots__ = ("tokens", "n_blocks", "digests", "keys", "head", "session")
+    __slots__ = ("tokens", "n_blocks", "digests", "keys", "head", "session", "nbytes")
 
     def __init__(self, tokens: Sequence[int], n_blocks: int, digests: list[bytes], keys: list[int],
                  head: bytes, session: tuple | None) -> None:
@@ -88,6 +110,7 @@ class _Chain:
         self.keys = keys
         self.head = head
         self.session = session
+        self.nbytes = token_bytes(tokens) + n_blocks * _BLOCK_BYTES
 
 
 @dataclass
@@ -110,6 +133,7 @@ class HashCache:
         self._heads: dict[bytes, list[_Chain]] = {}
         self._sessions: dict[tuple, _Chain] = {}
         self._blocks = 0
+        self._bytes = 0
         # Superseded chains, freed by release() off the decision path: dropping the last
         # reference to a 200k-token list costs ~0.5 ms of decrefs.
         self._graveyard: list[_Chain] = []
@@ -119,6 +143,11 @@ class HashCache:
     @property
     def blocks(self) -> int:
         return self._blocks
+
+    @property
+    def nbytes(self) -> int:
+        """Estimated memory of the cached chains."""
+        return self._bytes
 
     def __len__(self) -> int:
         return len(self._lru)
@@ -193,6 +222,7 @@ class HashCache:
         self._heads.clear()
         self._sessions.clear()
         self._blocks = 0
+        self._bytes = 0
 
     # -- internals -------------------------------------------------------------
     def _common_blocks(self, c: _Chain, tokens: Sequence[int], n_full: int) -> int:
@@ -243,7 +273,8 @@ class HashCache:
                 # The session moved on (e.g. after a compaction); its old chain is only content-reachable.
                 old.session = None
         self._blocks += c.n_blocks
-        while self._blocks > self.cfg.max_blocks and len(self._lru) > 1:
+        self._bytes += c.nbytes
+        while (self._blocks > self.cfg.max_blocks or self._bytes > self.cfg.max_bytes) and len(self._lru) > 1:
             _, victim = next(iter(self._lru.items()))
             self._drop(victim)
 
@@ -254,6 +285,7 @@ class HashCache:
         if len(self._graveyard) > 64:
             del self._graveyard[:32]
         self._blocks -= c.n_blocks
+        self._bytes -= c.nbytes
         lst = self._heads.get(c.head)
         if lst is not None:
             try:

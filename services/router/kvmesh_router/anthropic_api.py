@@ -10,6 +10,11 @@ the API key from ``x-api-key`` / ``Authorization: Bearer``, and the deadline), s
 tokenization. The token stream comes back as an Anthropic message or event
 stream; every error has Anthropic's shape (``kvmesh.anthropic.errors``).
 
+With external OpenAI engines (``vllm serve``, ``Cluster.external_mode``) the request
+goes to the engine's own ``/v1/messages`` instead (``passthrough``): vLLM parses tool
+calls, applies stop sequences and writes the answer, so what it honours beyond the
+workers (``top_k``, forced tool choice, ``output_config.format``) is accepted there.
+
 Stop sequences are found in the decoded text here (the workers' token streams
 carry no stop strings); on a match the worker call is cancelled, so the engine
 stops too. The usage of such a message comes from the router's own count of
@@ -33,7 +38,13 @@ from opentelemetry import propagate
 
 from kvmesh.anthropic import responses as R
 from kvmesh.anthropic.errors import OVERLOADED, AnthropicError, bad_request
-from kvmesh.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
+from kvmesh.anthropic.requests import (
+    MessagesRequest,
+    merge_inline_system,
+    needs_system_first,
+    parse_count_tokens,
+    parse_messages,
+)
 from kvmesh.anthropic.stops import StopMatcher
 from kvmesh.anthropic.stream import STREAM_HEADERS, MessageStream, error_event
 from kvmesh.openai.errors import OpenAIError
@@ -41,6 +52,7 @@ from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_r
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError
+from kvmesh_router.passthrough import Shape
 from kvmesh_router.service import FinalInfo, GenInput
 
 if TYPE_CHECKING:
@@ -59,6 +71,27 @@ def from_router_error(exc: RouterError) -> AnthropicError:
     status = OVERLOADED if exc.http_status == 503 else exc.http_status
     field = {"prompt": "messages"}.get(exc.param or "", exc.param or "")
     return AnthropicError(f"{field}: {exc.message}" if field and status < 500 else exc.message, status)
+
+
+class _AnthropicShape(Shape):
+    """The errors the router itself answers on the pass-through path, in Anthropic's shape."""
+
+    def error(self, status: int, message: str, etype: str) -> Response:
+        return AnthropicError(message, status).response()
+
+    def router_error(self, exc: RouterError) -> Response:
+        return from_router_error(exc).response()
+
+    def stream_error(self, message: str) -> bytes:
+        return error_event(502, message)
+
+
+ANTHROPIC = _AnthropicShape()
+# What vLLM's /v1/messages honours that does not change the prompt: left out of the copy of the
+# body the router validates and renders, forwarded to the engine as sent.
+_ENGINE_ONLY = ("top_k", "output_config")
+# kvmesh's own fields: read here, never forwarded.
+_ROUTER_ONLY = ("kvmesh_policy",)
 
 
 def _finish(fin: FinalInfo) -> str:
@@ -99,6 +132,7 @@ class AnthropicApi:
         self.api = api
         self.service = api.service
         self.cfg = api.cfg
+        self._system_first: bool | None = None   # the template's need, once known
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PREFIX, self.messages, methods=["POST"])
@@ -192,6 +226,8 @@ class AnthropicApi:
         return exc.response()
 
     async def messages(self, request: Request) -> Response:
+        if self.api.passthrough.applies():
+            return await self._external(request)
         received = time.perf_counter()
         try:
             req = parse_messages(await self._body(request), request.headers)
@@ -221,6 +257,48 @@ class AnthropicApi:
             return self._failed(AnthropicError(f"internal error: {type(exc).__name__}: {exc}", 500), API)
         return StreamingResponse(self._events(request, req, inp, gen, first, out, msg_id),
                                  media_type="text/event-stream", headers=STREAM_HEADERS)
+
+    async def _external(self, request: Request) -> Response:
+        """Forward to an external engine's own /v1/messages: body as sent, plus the tenant's salt."""
+        api = "passthrough-messages"
+        try:
+            body = await self._body(request)
+            if not isinstance(body, dict):
+                raise bad_request("", "the body must be a JSON object")
+            out_cfg = body.get("output_config")
+            if out_cfg is not None and (not isinstance(out_cfg, dict) or set(out_cfg) - {"format"}):
+                # ``effort`` becomes a reasoning effort the chat template renders; not predicted.
+                raise bad_request("output_config", "only 'format' is supported through this router")
+            top_k = body.get("top_k")
+            if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+                raise bad_request("top_k", f"must be an integer >= 1, got {top_k!r}")
+            ctk = body.get("chat_template_kwargs")
+            view = {k: v for k, v in body.items() if k not in (*_ENGINE_ONLY, "chat_template_kwargs")}
+            req = parse_messages(view, request.headers)
+            if _ext(req, "lora_name"):
+                raise bad_request("lora_name", "LoRA adapters are not routed to external engines")
+            if self._system_first is None:
+                tok = self.service.tokenizer
+                tpl = getattr(tok, "chat_template", None)
+                # A template per tool set is checked as vLLM checks both.
+                self._system_first = any(needs_system_first(t) for t in (
+                    tpl.values() if isinstance(tpl, dict) else [tpl]))
+            if self._system_first:
+                req.messages = merge_inline_system(req.messages)   # as vLLM's /v1/messages does
+            try:
+                chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
+                                               "tool_choice": req.tool_choice, "chat_template_kwargs": ctk})
+            except ChatRenderError as exc:
+                raise bad_request(exc.param or "messages", exc.message) from None
+            inp = GenInput(model=req.model, chat_request=chat, session_id=req.session_id,
+                           cache_salt=_ext(req, "cache_salt"),
+                           policy=_ext(req, "kvmesh_policy") or request.headers.get("x-kvmesh-policy", ""),
+                           request_id=request.headers.get("x-request-id", ""))
+            self.api.apply_scope(inp, request)
+        except AnthropicError as exc:
+            return self._failed(exc, api)
+        forwarded = {k: v for k, v in body.items() if k not in _ROUTER_ONLY}
+        return await self.api.passthrough.forward(request, api, PREFIX, inp, forwarded, None, ANTHROPIC)
 
     def _usage(self, inp: GenInput, out: _Output, fin: FinalInfo | None) -> dict[str, int]:
         if fin is not None:

@@ -41,7 +41,8 @@ def core_config(cfg: RouterConfig) -> RouterCoreConfig:
         approx_capacity_blocks=cfg.approx_capacity_blocks,
         scoring=cfg.scoring,
         split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens),
-        hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks))
+        hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks,
+                                   max_bytes=cfg.hash_cache_max_bytes))
 
 
 def build_service(cfg: RouterConfig) -> RouterService:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
@@ -40,7 +40,7 @@ from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_api.worker.v1 import worker_pb2
-from kvmesh_router import metrics
+from kvmesh_router import external_generate, metrics
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.errors import (
@@ -460,8 +460,9 @@ class RouterService:
             span.set_attribute("kvmesh.prompt_tokens", len(p.tokens))
             span.set_attribute("kvmesh.hash.reused_blocks", p.reused_blocks)
             span.set_attribute("kvmesh.hash.hashed_blocks", p.hashed_blocks)
-            # External OpenAI endpoints take the HTTP body itself (``passthrough``), not token ids.
-            exclude: set[str] = set(self.cluster.external.urls)
+            # External OpenAI endpoints get the token ids through vLLM's completions API
+            # (``external_generate``); the HTTP front door forwards bodies instead (``passthrough``).
+            exclude: set[str] = set()
             failures: list[str] = []
             attempts = 0
             if self.cfg.hedge_delay_s > 0:
@@ -472,6 +473,9 @@ class RouterService:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
                     d, split = await self.decide(p, inp.policy, exclude)
+                if split.split and d.endpoint_id in self.cluster.external:
+                    # An external engine cannot take a kvmesh prefill worker's KV handle.
+                    split = SplitDecision(False, reason="decode endpoint is an external engine")
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
                 now = time.perf_counter()
                 overhead = now - t0
@@ -693,6 +697,10 @@ class RouterService:
 
     async def _run(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
                    overhead: float, span: trace.Span, worker_rid: str = "") -> AsyncIterator[tuple[str, Any]]:
+        if d.endpoint_id in self.cluster.external:   # a plain vLLM (also as a hedge): its completions API
+            async for item in self._run_external(p, inp, d, split, attempt, overhead, span, worker_rid):
+                yield item
+            return
         handle = await self._prefill(p, inp, split, span) if split.split else None
         wreq = worker_pb2.GenerateRequest(
             request_id=worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}"),
@@ -759,6 +767,53 @@ class RouterService:
             inp.calls.remove(call)
             if not call.done():
                 call.cancel()
+
+    async def _run_external(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
+                            overhead: float, span: trace.Span, worker_rid: str = ""
+                            ) -> AsyncIterator[tuple[str, Any]]:
+        """``_run`` for an external vLLM: the token ids through its completions API (``external_generate``)."""
+        url = self.cluster.external.urls.get(d.endpoint_id)
+        if url is None:
+            raise _BeforeFirstToken("endpoint vanished", mark_dead=False)
+        max_tokens = inp.sampling.max_tokens or self.cfg.max_tokens_default or max(
+            1, self.max_model_len() - len(p.tokens))
+        body = external_generate.request_body(inp.model, p.tokens, inp.sampling, max_tokens, p.salt)
+        headers = {"x-request-id": worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}")}
+        with trace.use_span(span, end_on_exit=False):
+            propagate.inject(headers)
+        ext = self.cluster.external
+        done = external_generate.Completion()
+        generated: list[int] = []
+        ttft = 0.0
+        t_start = time.monotonic()
+        self._remaining(inp)   # DeadlineExceeded when already past it
+        try:
+            async for ids in external_generate.stream_tokens(
+                    ext.client, url, body, {**ext.headers, **headers, **ext.rank_headers(d.endpoint_id)},
+                    ext.connect_timeout_s, self.cfg.first_token_timeout_s, self.cfg.stream_idle_timeout_s, done,
+                    inp.deadline):
+                if not generated:
+                    self.core.on_first_token(p.req)
+                    ttft = time.monotonic() - t_start
+                generated.extend(ids)
+                yield "chunk", ids
+        except external_generate.Deadline:
+            raise DeadlineExceeded(f"deadline exceeded after {len(generated)} generated tokens") from None
+        except external_generate.NoAnswer as exc:
+            raise _BeforeFirstToken(exc.why, mark_dead=exc.mark_dead) from None
+        except external_generate.Rejected as exc:
+            code = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                    422: grpc.StatusCode.INVALID_ARGUMENT}.get(exc.status, grpc.StatusCode.UNKNOWN)
+            raise UpstreamError(f"endpoint {d.endpoint_id}: {exc.message}", code) from None
+        except external_generate.Broken as exc:
+            raise StreamBroken(f"endpoint {d.endpoint_id} failed ({exc}) after {len(generated)} generated "
+                               f"tokens: {generated}", generated) from None
+        msg = worker_pb2.GenerateResponse(finished=True, finish_reason=done.finish_reason)
+        if done.usage_seen:
+            msg.usage.prompt_tokens = done.prompt_tokens
+            msg.usage.completion_tokens = done.completion_tokens
+            msg.usage.cached_tokens = done.cached_tokens
+        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span)
 
     async def _read(self, call: Any, d: Decision, generated: list[int]) -> Any:
         """The next message of a worker stream, or EOF, within the first-token or idle timeout.

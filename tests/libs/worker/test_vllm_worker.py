@@ -144,6 +144,28 @@ def test_cache_salt_isolates_prefixes(stub) -> None:
     assert same.usage.cached_tokens == 4 * BS
 
 
+def test_the_cache_at_arrival_is_reported(stub) -> None:
+    """The worker reports vLLM's cache as each request arrived (CacheTruth), from its own mirror
+    of the engine's KV events, so the router can classify a vLLM miss instead of "unknown"."""
+    p = _prompt(11, 5 * BS + 9)
+    _, first = _generate(stub, "truth-1", p)
+    assert first.truth.known and first.truth.gpu_tokens == 0, first.truth
+    # The engine now holds the prompt's 5 full blocks. Its KV events reach the worker's mirror
+    # on their own socket, so the next request may arrive before they did: ask until they have.
+    deadline = time.monotonic() + 30
+    again = first
+    i = 0
+    while again.truth.gpu_tokens < 5 * BS and time.monotonic() < deadline:
+        i += 1
+        _, again = _generate(stub, f"truth-again-{i}", p)
+    assert again.truth.known and again.truth.gpu_tokens == 5 * BS, again.truth
+    assert again.truth.events_through > first.truth.events_through
+    assert again.usage.cached_tokens == 5 * BS
+    # Another tenant's salt is another chain: nothing of it is cached.
+    _, salted = _generate(stub, "truth-salted", p, cache_salt="tenant-truth")
+    assert salted.truth.known and salted.truth.gpu_tokens == 0
+
+
 def test_abort_ends_stream_and_frees_request(stub) -> None:
     req = worker_pb2.GenerateRequest(request_id="abort-1", prompt_token_ids=_prompt(6, 64),
                                      sampling=common_pb2.SamplingParams(max_tokens=3000, temperature=0.0,

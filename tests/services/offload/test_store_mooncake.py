@@ -103,10 +103,16 @@ class Host:
                 return json.loads(line[4:])
 
     def close(self) -> None:
+        """Ask it to leave the pool (Mooncake's close takes a second or two); ``wait`` for it."""
         try:
             self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def wait(self) -> None:
+        try:
             self.proc.wait(20)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
 
@@ -140,8 +146,10 @@ def hosts(tmp_path):
             started.append(Host(address, tmp_path / f"host{i}.log"))
         return started[-n:]
     yield start
-    for h in started:
+    for h in started:   # all leave at once
         h.close()
+    for h in started:
+        h.wait()
 
 
 def wait_for(cond, timeout_s: float = 20.0, what: str = "condition") -> None:  # noqa: ANN001
@@ -270,3 +278,22 @@ def test_pool_config_is_validated() -> None:
                      (OffloadConfig(byte_pool="nope"), "unknown")):
         with pytest.raises(ConfigError, match=msg):
             cfg.validate()
+
+
+def test_pooled_replay_keeps_the_store_hit_rate(master) -> None:
+    """The pool loses no block the store still indexes: the same hits, eviction for eviction."""
+    from kvmesh_tools.bench.offload_policy_pool import replay_pooled, replay_store
+    from kvmesh_tools.policysim import TraceRequest
+
+    rng = np.random.default_rng(7)
+    reqs = []
+    for i in range(60):   # 6 sessions whose chains grow turn by turn, plus shared system prompts
+        s = i % 6
+        turn = i // 6
+        reqs.append(TraceRequest(float(i), "ns", f"s{s}", [1000 + j for j in range(8)] +
+                                 [s * 100_000 + j for j in range(10 * (turn + 1))] +
+                                 [int(x) for x in rng.integers(10**9, 2 * 10**9, 3)]))
+    store = replay_store(reqs, "agent", 120)
+    pool = replay_pooled(reqs, "agent", 120, master.address, "test")
+    assert store.evictions > 0 and pool.holes == 0
+    assert (pool.hits, pool.total, pool.evictions) == (store.hits, store.total, store.evictions)

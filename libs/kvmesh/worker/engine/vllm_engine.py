@@ -16,6 +16,9 @@ What it wires up:
   part the kvmesh connector restored from the offload store (the connector
   reports that through ``kv_transfer_params``);
 - load from the engine's own scheduler stats (a custom stat logger);
+- the cache at each request's arrival (``CacheTruth``, for the router's fidelity classes):
+  the GPU part from a mirror of the engine's own KV events (``cache_mirror``), the store
+  part from one store lookup when an offload store is configured;
 - the kvmesh KV connector (``kvmesh.worker.connector``) when an offload store is
   configured, which saves finished blocks and restores missing prefixes; the
   prefill role uses it to hand KV to decode workers.
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvmesh.config import ConfigError
 from kvmesh.worker.engine.base import (
+    CacheTruth,
     Engine,
     EngineDeadError,
     EngineInfo,
@@ -234,6 +238,7 @@ class VllmEngine(Engine):
         self._num_blocks = 0
         self._namespace = ""
         self._offload: Any = None
+        self._mirror: Any = None   # cache_mirror.CacheMirror, or None: the cache at arrival is unknown
         # Requests that could not use the offload store (down or slow) and recomputed;
         # exported by the worker as kvmesh_worker_offload_fallbacks.
         self.offload_fallbacks = 0
@@ -344,6 +349,8 @@ class VllmEngine(Engine):
         logger.info("starting vLLM engine", extra={"model": self.cfg.model, "endpoint_id": self.cfg.endpoint_id,
                                                    "block_size": self.cfg.block_size})
         factory = _make_stat_logger_factory(self._stats)
+        # Subscribed before the engine binds, so its first batches are not missed.
+        self._mirror = self._make_mirror()
         try:
             self._llm = AsyncLLM.from_engine_args(args, stat_loggers=[factory])
         except Exception as exc:
@@ -351,6 +358,8 @@ class VllmEngine(Engine):
         vc = self._llm.vllm_config
         self._num_blocks = int(vc.cache_config.num_gpu_blocks or 0)
         self._max_model_len = int(vc.model_config.max_model_len)
+        if self._mirror is not None and self._num_blocks:
+            self._mirror.max_blocks = 2 * self._num_blocks
         if self.cfg.offload_address:
             from kvmesh.kvstore.client import OffloadClient
 
@@ -373,6 +382,70 @@ class VllmEngine(Engine):
         if self._offload is not None:
             await self._offload.close()
             self._offload = None
+        if self._mirror is not None:
+            self._mirror.stop()
+            self._mirror = None
+
+    # ------------------------------------------------------------------ the cache at arrival
+
+    def _make_mirror(self) -> Any:
+        if not (self.cfg.enable_kv_events and self.cfg.kv_events_endpoint):
+            return None
+        from kvmesh.hashing import BlockHasher
+        from kvmesh.worker.engine.cache_mirror import CacheMirror
+
+        hasher = BlockHasher(self.cfg.hash_algo, self.cfg.block_size)
+        if hasher.seed_is_random:
+            return None   # the engine core drew its own NONE_HASH seed: its keys are not ours
+        mirror = CacheMirror(self.cfg.kv_events_endpoint,
+                             kv_events_topic(self.cfg.endpoint_id, self.cfg.model_name), hasher,
+                             max_blocks=1 << 22, replay_endpoint=self.cfg.kv_events_replay_endpoint)
+        mirror.start()
+        return mirror
+
+    def _extra_keys(self, req: EngineRequest) -> Any:
+        if not (req.cache_salt or req.lora_name):
+            return None
+        from kvmesh.hashing import ExtraKeys
+
+        lora = req.lora_name or None
+        return ExtraKeys(cache_salt=req.cache_salt or None, lora_name=lora,
+                         lora_path=str(self.cfg.lora_modules.get(lora, "")) if lora else None)
+
+    def _arrival(self, req: EngineRequest) -> tuple[CacheTruth, asyncio.Task | None] | None:
+        """The engine's cache as the request arrives: the GPU part now, the store part as a task
+        (one lookup, run while vLLM starts on the request). None: unknown."""
+        m = self._mirror
+        if m is None or not req.prompt_token_ids:
+            return None
+        tokens = req.prompt_token_ids
+        extra = self._extra_keys(req)
+        if self._offload is None:
+            got = m.truth(tokens, extra)
+            return None if got is None else (CacheTruth(gpu_tokens=got[0], events_through=got[1]), None)
+        bs = self.cfg.block_size
+        limit = (len(tokens) - 1) // bs   # as the connector: one token is always computed
+        keys = m.hasher.block_keys(tokens[:limit * bs], extra)
+        got = m.truth_of_keys(keys)
+        if got is None:
+            return None
+        return (CacheTruth(gpu_tokens=got[0], events_through=got[1]),
+                asyncio.create_task(self._store_hit(keys)))
+
+    async def _store_hit(self, keys: list[int]) -> int:
+        async with asyncio.timeout(self.cfg.offload_lookup_timeout_s):
+            return await self._offload.contains(self.namespace(), keys)
+
+    async def _truth(self, arrival: tuple[CacheTruth, asyncio.Task | None] | None) -> CacheTruth | None:
+        if arrival is None:
+            return None
+        truth, task = arrival
+        if task is not None:
+            try:
+                truth.store_tokens = await task * self.cfg.block_size
+            except Exception:  # noqa: BLE001 - a store that did not answer: its part is unknown
+                return None
+        return truth
 
     # ------------------------------------------------------------------ facts
 
@@ -487,6 +560,7 @@ class VllmEngine(Engine):
         stream = None
         finished = False
         tool_stream = tools.stream(req) if req.tools else None   # vLLM's tool parser over the answer
+        arrival = self._arrival(req)
         try:
             stream = llm.generate(prompt, params, req.request_id, lora_request=self._lora_request(req.lora_name),
                                   session_id=req.session_id or None)
@@ -504,6 +578,8 @@ class VllmEngine(Engine):
                 if ro.finished:
                     finished = True
                     self._finish(out, ro, comp, req)
+                    out.truth = await self._truth(arrival)
+                    arrival = None
                     parsed = None
                     if tool_stream is not None and out.finish_reason in ("stop", "length"):
                         out.delta, parsed = tool_stream.finish(new)
@@ -524,6 +600,8 @@ class VllmEngine(Engine):
             raise InvalidRequestError(str(exc)) from exc
         finally:
             self._inflight.pop(req.request_id, None)
+            if arrival is not None and arrival[1] is not None:
+                arrival[1].cancel()
             if stream is not None and not finished:
                 # Our consumer went away (client cancel): close vLLM's stream now so it
                 # aborts the request and frees its blocks, instead of waiting for GC.
