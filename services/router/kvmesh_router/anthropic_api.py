@@ -38,7 +38,13 @@ from opentelemetry import propagate
 
 from kvmesh.anthropic import responses as R
 from kvmesh.anthropic.errors import OVERLOADED, AnthropicError, bad_request
-from kvmesh.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
+from kvmesh.anthropic.requests import (
+    MessagesRequest,
+    merge_inline_system,
+    needs_system_first,
+    parse_count_tokens,
+    parse_messages,
+)
 from kvmesh.anthropic.stops import StopMatcher
 from kvmesh.anthropic.stream import STREAM_HEADERS, MessageStream, error_event
 from kvmesh.openai.errors import OpenAIError
@@ -128,6 +134,7 @@ class AnthropicApi:
         self.api = api
         self.service = api.service
         self.cfg = api.cfg
+        self._system_first: bool | None = None   # the template's need, once known
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PREFIX, self.messages, methods=["POST"])
@@ -277,6 +284,14 @@ class AnthropicApi:
             req = parse_messages(view, request.headers)
             if _ext(req, "lora_name"):
                 raise bad_request("lora_name", "LoRA adapters are not routed to external engines")
+            if self._system_first is None:
+                tok = self.service.tokenizer
+                tpl = getattr(tok, "chat_template", None)
+                # A template per tool set is checked as vLLM checks both.
+                self._system_first = any(needs_system_first(t) for t in (
+                    tpl.values() if isinstance(tpl, dict) else [tpl]))
+            if self._system_first:
+                req.messages = merge_inline_system(req.messages)   # as vLLM's /v1/messages does
             try:
                 chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
                                                "tool_choice": req.tool_choice, "chat_template_kwargs": ctk})
