@@ -19,9 +19,12 @@ import jsonschema
 import pytest
 import yaml
 
+import kvmesh
+
 ROOT = Path(__file__).resolve().parents[2]
 BASE = ROOT / "docker-compose.yml"
 GPU = ROOT / "docker-compose.gpu.yml"
+EXTERNAL = ROOT / "docker-compose.vllm-external.yml"
 ROUTERS = {"router-1", "router-2"}
 KVMESH = ROUTERS | {"indexer", "offload", "prefill-1", "decode-1", "decode-2"}
 REQUIRED = KVMESH | {"redis", "otel-collector", "jaeger", "prometheus"}
@@ -71,7 +74,7 @@ def gpu() -> dict[str, Any]:
 def test_files_match_the_compose_spec_schema() -> None:
     schema = compose_spec_schema()
     validator = jsonschema.Draft7Validator(schema)
-    for f in (BASE, GPU):
+    for f in (BASE, GPU, EXTERNAL):
         errors = sorted(validator.iter_errors(yaml.safe_load(f.read_text())), key=lambda e: list(e.path))
         assert not errors, f"{f.name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors[:5])
 
@@ -177,3 +180,54 @@ def test_services_listen_on_every_interface_in_the_stack(base: dict[str, Any], g
             assert svc["command"][svc["command"].index("--host") + 1] == "0.0.0.0", name
     offload = base["services"]["offload"]["command"]
     assert offload[offload.index("--bulk-port") + 1].isdigit()   # a fixed port a firewall can name
+
+
+def _arg(cmd: list[str], flag: str) -> str:
+    return cmd[cmd.index(flag) + 1]
+
+
+def test_external_vllm_example_is_consistent() -> None:
+    """docs/vllm-external.md's compose example (no Docker engine here: ``docker-compose config``
+    merges and validates it): every vLLM container publishes to the indexer's central socket under
+    the id the routers give its URL, hashes as the routers and the indexer's model do, saves to
+    the store the stack runs, and presents a certificate certs-init issues."""
+    cfg = compose_config(BASE, EXTERNAL)
+    services = cfg["services"]
+    indexer = services["indexer"]["command"]
+    bind_port = _arg(indexer, "--kv-events-bind").rsplit(":", 1)[1]
+    replay = _arg(indexer, "--kv-events-replay")
+    models = {m.split("@")[0]: m.split("@")[1:] for m in _arg(indexer, "--models").split(",")}
+    offload = services["offload"]["command"]
+    certs = services["certs-init"]["entrypoint"][-1]
+    version = kvmesh.__version__   # the connector wheel's version (packaging/kvmesh-connector)
+    vllms = sorted(n for n, svc in services.items() if svc.get("image", "").startswith("vllm/vllm-openai"))
+    assert vllms == ["vllm-1", "vllm-2"]
+    ids = set()
+    for name in vllms:
+        svc = services[name]
+        cmd = svc["command"]
+        served, port = _arg(cmd, "--served-model-name"), _arg(cmd, "--port")
+        events = json.loads(_arg(cmd, "--kv-events-config"))
+        assert events["publisher"] == "zmq" and events["endpoint"] == f"tcp://indexer:{bind_port}"
+        assert events["topic"] == f"kv@{name}:{port}@{served}"
+        assert replay.format(host=name) == events["replay_endpoint"].replace("*", name)
+        assert models[served] == [_arg(cmd, "--block-size"), _arg(cmd, "--prefix-caching-hash-algo")]
+        ids.add(f"{name}:{port}")
+        kvt = json.loads(_arg(cmd, "--kv-transfer-config"))
+        assert kvt["kv_connector"] == "KvmeshConnector"
+        assert kvt["kv_connector_extra_config"]["store_address"] == f"offload:{_arg(offload, '--port')}"
+        assert svc["depends_on"]["offload"]["condition"] == "service_healthy"
+        cert = svc["environment"]["KVMESH_TLS_CERT"]
+        role, ident = cert.removeprefix("/certs/").removesuffix(".pem").split("-", 1)
+        assert f"--identity {role}/{ident}" in certs, cert
+        # The connector wheel `make connector-wheel` builds, mounted and installed at start.
+        assert f"{ROOT}/dist:/wheels:ro" in svc["volumes"]
+        assert f"/wheels/kvmesh_connector-{version}-py3-none-any.whl" in svc["entrypoint"][-2]
+    assert _arg(offload, "--model") == "any"   # stores the vLLM containers' KV too
+    for r in ROUTERS:
+        cmd = services[r]["command"]
+        served = _arg(cmd, "--model")
+        assert served in models and [_arg(cmd, "--block-size"), _arg(cmd, "--hash-algo")] == models[served]
+        urls = _arg(cmd, "--endpoints").split(",")
+        assert {u.removeprefix("http://") for u in urls} == ids
+        assert all(services[r]["depends_on"][v]["condition"] == "service_healthy" for v in vllms)

@@ -236,12 +236,66 @@ def test_network_policies_admit_only_the_pods_that_need_each_port() -> None:
     for (target, port), allowed in expect.items():
         admitted = {name for name, lab in pods.items() if name != target and _admits(docs, pods[target], port, lab)}
         assert admitted == allowed, f"{target}:{port} admits {sorted(admitted)}"
+    # The indexer's central KV-event socket: only external engine pods (labelled) publish there; the
+    # port the policy opens is the one the indexer binds and its Service names.
+    engine = {"app": "vllm", "kvmesh.io/kv-events": "true"}
+    bind = _central_port(workloads(docs)["indexer"])
+    assert {p["name"]: p["port"] for p in by_kind(docs, "Service")["indexer"]["spec"]["ports"]}["kv-events"] == bind
+    pods_and_engine = {**pods, "engine": engine}
+    for (target, port), allowed in {("indexer", bind): {"engine"}, ("engine", 5558): {"indexer"},
+                                    ("engine", 8000): {"router"}}.items():
+        admitted = {name for name, lab in pods_and_engine.items()
+                    if name != target and _admits(docs, pods_and_engine[target], port, lab)}
+        assert admitted == allowed, f"{target}:{port} admits {sorted(admitted)}"
+    assert not _reachable_from_outside(docs, indexer, bind)
+    assert _admits_from_namespace(docs, indexer, bind, {"kvmesh.io/engines": "true"}, engine)
+    assert not _admits_from_namespace(docs, indexer, bind, {"team": "other"}, engine)
     offload_args = workloads(docs)["offload"]["spec"]["template"]["spec"]["containers"][0]["args"]
     assert offload_args[offload_args.index("--bulk-port") + 1] == "50052"
     for name, wl in workloads(docs).items():
         args = wl["spec"]["template"]["spec"]["containers"][0].get("args", [])
         if "--port" in args:   # kvmesh services bind loopback unless told
             assert args[args.index("--host") + 1] == "0.0.0.0", name
+
+
+def _central_port(indexer: dict[str, Any]) -> int:
+    """The port of the indexer's --kv-events-bind (tcp://HOST:PORT), also its container's kv-events port."""
+    c = indexer["spec"]["template"]["spec"]["containers"][0]
+    bind = c["args"][c["args"].index("--kv-events-bind") + 1]
+    port = int(bind.rsplit(":", 1)[1])
+    assert {p["name"]: p["containerPort"] for p in c["ports"]}["kv-events"] == port
+    return port
+
+
+def _admits_from_namespace(docs: list[dict[str, Any]], target: dict[str, str], port: int, ns: dict[str, str],
+                           source: dict[str, str]) -> bool:
+    """Does some NetworkPolicy admit a pod labelled ``source`` in a namespace labelled ``ns``?"""
+    for np in by_kind(docs, "NetworkPolicy").values():
+        spec = np["spec"]
+        if not _matches(spec["podSelector"], target):
+            continue
+        for rule in spec.get("ingress", []):
+            ports = [p["port"] for p in rule.get("ports", [])]
+            if ports and port not in ports:
+                continue
+            for src in rule.get("from") or [{}]:
+                if "ipBlock" in src:
+                    continue
+                if ("namespaceSelector" in src and _matches(src["namespaceSelector"], ns)
+                        and _matches(src.get("podSelector", {}), source)):
+                    return True
+    return False
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_engines_reach_the_indexers_central_socket(target: str) -> None:
+    """Each overlay's indexer binds the central socket the policies open (after any arg patch)."""
+    docs = build(K8S / "overlays" / target)
+    indexer = workloads(docs)["indexer"]
+    port = _central_port(indexer)
+    labels = indexer["spec"]["template"]["metadata"]["labels"]
+    assert _admits(docs, labels, port, {"kvmesh.io/kv-events": "true"})
+    assert not _admits(docs, labels, port, {"app.kubernetes.io/name": "kvmesh-router"})
 
 
 def test_inference_pool_points_at_the_router_extproc_port() -> None:

@@ -1,8 +1,9 @@
 """A recording OpenAI server with vLLM's /metrics, for router tests that need no real engine.
 
-It answers ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE) with a fixed
-text and a usage block, keeps every body it received, and serves the three vLLM gauges
-the router reads. Served by uvicorn in the test's own event loop on a port it binds (0).
+It answers ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE; with
+``return_token_ids`` each chunk carries its token ids, as vLLM's) and vLLM's Anthropic
+``/v1/messages`` with a fixed text and a usage block, keeps every body it received, and
+serves the three vLLM gauges the router reads. Served by uvicorn in the test's own event loop on a port it binds (0).
 The vLLM tier (tests/services/router/test_router_vllm_external.py) covers real vLLM.
 """
 
@@ -26,6 +27,8 @@ class OpenAIEngine:
         self.waiting = 0
         self.running = 0
         self.kv_usage = 0.0
+        # Data parallel: (waiting, running, kv_usage) per engine label (DP rank); None = one engine.
+        self.engine_loads: dict[str, tuple[int, int, float]] | None = None
         self.metrics_status = 200
         self.cached_tokens = 0
         self.break_stream = False   # die after the first SSE event (a crashed engine mid-answer)
@@ -36,6 +39,7 @@ class OpenAIEngine:
         app.add_api_route("/metrics", self._metrics, methods=["GET"])
         app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
         app.add_api_route("/v1/completions", self._chat, methods=["POST"])
+        app.add_api_route("/v1/messages", self._messages, methods=["POST"])
         self.app = app
 
     @property
@@ -63,18 +67,61 @@ class OpenAIEngine:
         if self.metrics_status != 200:
             return PlainTextResponse("oops", status_code=self.metrics_status)
         lab = f'{{engine="0",model_name="{self.model}"}}'
+        if self.engine_loads is not None:
+            lines = []
+            for name, idx in (("vllm:num_requests_waiting", 0), ("vllm:num_requests_running", 1),
+                              ("vllm:kv_cache_usage_perc", 2)):
+                lines.append(f"# TYPE {name} gauge")
+                lines += [f'{name}{{engine="{e}",model_name="{self.model}"}} {v[idx]}'
+                          for e, v in self.engine_loads.items()]
+            return PlainTextResponse("\n".join(lines) + "\n")
         return PlainTextResponse(f"# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{lab} "
                                  f"{self.running}\n# TYPE vllm:num_requests_waiting gauge\n"
                                  f"vllm:num_requests_waiting{lab} {self.waiting}\n"
                                  f"# TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{lab} "
                                  f"{self.kv_usage}\n")
 
-    async def _chat(self, request: Request) -> Response:
+    async def _record(self, request: Request) -> dict[str, Any]:
         body = await request.json()
         self.bodies.append(body)
         if self.log is not None:
             self.log.append(body)
         self.headers.append(dict(request.headers))
+        return body
+
+    async def _messages(self, request: Request) -> Response:
+        """vLLM's Anthropic endpoint: ``input_tokens`` is the uncached part of the prompt."""
+        body = await self._record(request)
+        if body.get("model") != self.model:
+            return JSONResponse({"type": "error", "error": {"type": "not_found_error", "message": "no such model"}},
+                                status_code=404)
+        usage = {"input_tokens": 10 - self.cached_tokens, "output_tokens": 2,
+                 "cache_read_input_tokens": self.cached_tokens}
+        if not body.get("stream"):
+            return JSONResponse({"id": "msg_x", "type": "message", "role": "assistant", "model": self.model,
+                                 "content": [{"type": "text", "text": "hi"}], "stop_reason": "end_turn",
+                                 "stop_sequence": None, "usage": usage})
+
+        def ev(kind: str, data: dict[str, Any]) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, **data})}\n\n"
+
+        async def events():
+            yield ev("message_start", {"message": {"id": "msg_x", "type": "message", "role": "assistant",
+                                                   "model": self.model, "content": [], "stop_reason": None,
+                                                   "stop_sequence": None, "usage": {**usage, "output_tokens": 0}}})
+            yield ev("content_block_start", {"index": 0, "content_block": {"type": "text", "text": ""}})
+            for piece in ("h", "i"):
+                yield ev("content_block_delta", {"index": 0, "delta": {"type": "text_delta", "text": piece}})
+                if self.break_stream:
+                    raise RuntimeError("engine died mid-stream")
+            yield ev("content_block_stop", {"index": 0})
+            yield ev("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": usage})
+            yield ev("message_stop", {})
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _chat(self, request: Request) -> Response:
+        body = await self._record(request)
         if body.get("model") != self.model:
             return JSONResponse({"object": "error", "message": "no such model", "code": 404}, status_code=404)
         if isinstance(body.get("max_tokens"), int) and body["max_tokens"] < 1:   # vLLM's own validation
@@ -90,8 +137,13 @@ class OpenAIEngine:
                                  "usage": usage})
 
         async def events():
-            for piece in ("h", "i"):
-                yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': {'content': piece}}]})}\n\n"
+            for n, piece in enumerate(("h", "i")):
+                if body.get("return_token_ids"):   # completions: each delta's ids
+                    choice = {"index": 0, "text": piece, "token_ids": [100 + n],
+                              "finish_reason": "length" if n else None}
+                else:
+                    choice = {"index": 0, "delta": {"content": piece}}
+                yield f"data: {json.dumps({'choices': [choice]})}\n\n"
                 if self.break_stream:
                     raise RuntimeError("engine died mid-stream")
             yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"

@@ -29,3 +29,15 @@ def parse_topic(topic: str | bytes) -> tuple[str, str]:
     if len(parts) != 3 or parts[0] != PREFIX or not parts[1] or not parts[2]:
         raise ValueError(f"not a kvmesh topic (want kv@<endpoint>@<model>): {topic!r}")
     return parts[1], parts[2]
+
+
+DP_SUFFIX = "_dp"
+
+
+def dp_endpoint(endpoint_id: str, rank: int) -> str:
+    """The id of data-parallel rank ``rank`` of an engine (rank 0: the engine's own id).
+
+    Every DP rank of a vLLM publishes the same topic; the indexer tells them apart by the
+    port each connects to and names rank r ``<id>_dp<r>`` (vLLM's own suffix for per-rank
+    endpoints); the router gives the same ids to the ranks of an external server."""
+    return endpoint_id if rank == 0 else f"{endpoint_id}{DP_SUFFIX}{rank}"

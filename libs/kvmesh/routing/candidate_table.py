@@ -150,10 +150,17 @@ class CandidateTable:
         displaced = np.minimum(fresh, np.maximum(-(-req.num_tokens // bs) * bs - np.maximum(room, 0.0), 0.0))
         self.displace = np.where(lc.capacity_blocks > 0, cfg.displace_weight * displaced * cfg.prefill_s_per_token,
                                  0.0)
+        if cfg.displace_free_at > 1.0:   # scoring.kept_share, element-wise
+            cap_t = lc.capacity_blocks * bs
+            with np.errstate(divide="ignore", invalid="ignore"):
+                over = ((lc.resident_tokens - self.own_resident) - cap_t) / ((cfg.displace_free_at - 1.0) * cap_t)
+            kept = np.minimum(1.0, np.maximum(0.0, 1.0 - over))
+            self.displace = np.where(lc.capacity_blocks > 0, self.displace * kept, self.displace)
         self.cost = self.wait + own + self.decode + self.work + self.displace
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)
+        self.excluded_held = np.zeros(len(ids), dtype=bool)
         self._built: dict[int, Candidate] = {}   # the winner is built for its reason, then reported
 
     # -- the overload guard (scoring.mark_hot) ---------------------------------
@@ -165,18 +172,27 @@ class CandidateTable:
         self.hot = ((q - min_q >= cfg.hot_abs) & (q >= cfg.hot_rel * (min_q + 1))) | (self.loads.kv_usage >= cfg.hot_kv_usage)
         if cfg.max_inflight:
             self.excluded_inflight = self.loads.inflight >= cfg.max_inflight
-        ratio = (self.gpu + self.offload) / self.cap if self.cap else np.zeros(len(q))
+        credit = self.gpu + self.offload
+        ratio = credit / self.cap if self.cap else np.zeros(len(q))
         self.excluded_hot = self.hot & ~self.excluded_inflight & (ratio < cfg.hot_min_hit_ratio)
+        # scoring.holders, element-wise: under saturation only the prompt's holders may take it.
+        if cfg.hold_min_ratio > 0 and self.cap > 0 and self.state.saturation > 0:
+            held = credit >= cfg.hold_min_ratio * self.cap
+            if held.any():
+                self.excluded_hot &= ~held
+                self.excluded_held = ~held & ~self.excluded_inflight & ~self.excluded_hot
         self._built.clear()   # their guard flags changed
 
     def excluded(self, i: int) -> str:
-        return "max_inflight" if self.excluded_inflight[i] else "hot" if self.excluded_hot[i] else ""
+        if self.excluded_inflight[i]:
+            return "max_inflight"
+        return "hot" if self.excluded_hot[i] else "held" if self.excluded_held[i] else ""
 
     # -- the choice (scoring.pick) ---------------------------------------------
     def pick(self, affinity: str = "", spread: tuple[str, bool] = ("", False)) -> Choice:
         """Lowest cost among non-excluded endpoints; ties as in :func:`kvmesh.routing.scoring.pick`."""
         n = len(self.ids)
-        pool = ~(self.excluded_inflight | self.excluded_hot)
+        pool = ~(self.excluded_inflight | self.excluded_hot | self.excluded_held)
         skipped = n - int(pool.sum())
         if not pool.any():
             pool, skipped = np.ones(n, dtype=bool), 0

@@ -39,7 +39,9 @@ next turns would reuse (``LoadView.working_set``). See docs/router.md.
 An overload guard marks endpoints whose queue is far above the least-loaded one
 (or whose KV cache is full) as hot; a hot endpoint only takes requests with a
 large hit there, so misses never pile onto one busy endpoint (SGLang's "death
-spiral"). Ties go to session affinity, then the least load, then a stable hash of
+spiral"). Under saturation it also holds a request for the endpoints that hold its
+prompt (:func:`holders`): a recompute elsewhere starts a wave of evictions through that
+endpoint's queue. Ties go to session affinity, then the least load, then a stable hash of
 the session (or prefix) — never the endpoint id, which would send every new
 session to the same first endpoint.
 """
@@ -47,6 +49,7 @@ session to the same first endpoint.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvmesh.config import ConfigError
@@ -98,6 +101,14 @@ class ScoringConfig:
                 "fraction of its recompute (0 = off)"})
     reuse_window_s: float = field(default=600.0, metadata={
         "help": "a session's context counts in its endpoint's working set for this long after its last turn"})
+    displace_free_at: float = field(default=0.0, metadata={
+        "help": "displaced KV is priced in full while the other sessions' working set fits the endpoint's "
+                "cache, and less as it exceeds it, down to 0 at this many times the capacity: such an "
+                "endpoint already recycles every context before its next turn (0 = always in full)"})
+    hold_min_ratio: float = field(default=0.0, metadata={
+        "help": "when every endpoint has prefill queued, a request whose prompt some endpoint holds at least this "
+                "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
+                "a wave of evictions there (0 = off; see docs/router.md for why it is off by default)"})
 
     def validate(self) -> None:
         for name in self.__dataclass_fields__:
@@ -217,6 +228,8 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
         displaced = min(fresh, max(-(-num_tokens // block_size) * block_size - max(room, 0.0), 0.0))
         displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+        if cfg.displace_free_at > 1.0:
+            displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
@@ -224,6 +237,18 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
                      wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
+
+
+def kept_share(capacity_tokens: float, others_tokens: float, cfg: ScoringConfig) -> float:
+    """Share of the others' working set an endpoint's cache still gives back (``displace_free_at``).
+
+    vLLM evicts the least recently used blocks, and agents come back in turn: once the contexts
+    of an endpoint's recent sessions exceed its cache, each returning turn finds its context
+    evicted by the turns in between, so there is less reusable KV left to displace. All of it
+    while the working set fits, none once it is ``displace_free_at`` times the capacity.
+    """
+    over = (others_tokens - capacity_tokens) / ((cfg.displace_free_at - 1.0) * capacity_tokens)
+    return min(1.0, max(0.0, 1.0 - over))
 
 
 def split_extra_s(win: Candidate, num_tokens: int, block_size: int, prefill_queued_tokens: float,
@@ -256,20 +281,45 @@ def _restore(tokens: float, cfg: ScoringConfig) -> float:
 
 def mark_hot(cands: list[Candidate], loads: dict[str, EffectiveLoad], cap_blocks: int,
              cfg: ScoringConfig) -> None:
-    """Flag overloaded endpoints and exclude them for requests with a small hit there."""
+    """Flag overloaded endpoints and exclude them for requests with a small hit there; under
+    saturation, exclude every endpoint but the prompt's holders (see :func:`holders`)."""
     if not cands:
         return
     min_q = min(c.queue for c in cands)
-    for c in cands:
+    held = holders([c.gpu_blocks + c.offload_blocks for c in cands], cap_blocks,
+                   cluster_state(cands, cfg).saturation, cfg)
+    for i, c in enumerate(cands):
         ld = loads[c.endpoint_id]
         c.hot = ((c.queue - min_q >= cfg.hot_abs and c.queue >= cfg.hot_rel * (min_q + 1))
                  or ld.kv_usage >= cfg.hot_kv_usage)
         if cfg.max_inflight and ld.inflight >= cfg.max_inflight:
             c.excluded = "max_inflight"
-        elif c.hot:
-            ratio = (c.gpu_blocks + c.offload_blocks) / cap_blocks if cap_blocks else 0.0
-            if ratio < cfg.hot_min_hit_ratio:
-                c.excluded = "hot"
+        elif held is not None and held[i]:
+            continue   # a holder keeps its request even when hot: elsewhere it would be recomputed
+        elif c.hot and ((c.gpu_blocks + c.offload_blocks) / cap_blocks if cap_blocks else 0.0) < cfg.hot_min_hit_ratio:
+            c.excluded = "hot"
+        elif held is not None:
+            c.excluded = "held"
+
+
+def holders(credit: Sequence[float], cap_blocks: int, saturation: float, cfg: ScoringConfig) -> list[bool] | None:
+    """Which endpoints may take a request while the cluster is saturated (None: all of them).
+
+    An endpoint holds the prompt when at least ``hold_min_ratio`` of its blocks are there
+    (GPU cache, or restorable from the offload store: ``credit``). When every endpoint has
+    prefill queued and some endpoint holds the prompt, only holders may take it. Sending it
+    elsewhere recomputes the context into a cache that is full of other sessions' live
+    contexts. That evicts the context of the next turn in that queue, whose recompute evicts
+    the next one's: a wave that runs through the queue until a session leaves. Moved turns
+    spread it from endpoint to endpoint until every endpoint thrashes (seed 1 of the shared
+    traces: hit rate 0.1 on all eight workers for 80 minutes). The holder's queue is the
+    price of containing it.
+    """
+    if cfg.hold_min_ratio <= 0 or cap_blocks <= 0 or saturation <= 0:
+        return None
+    need = cfg.hold_min_ratio * cap_blocks
+    held = [c >= need for c in credit]
+    return held if any(held) else None
 
 
 def spread_key(req: RouteRequest) -> tuple[str, bool]:

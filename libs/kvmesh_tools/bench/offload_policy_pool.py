@@ -79,9 +79,14 @@ def replay_store(reqs: Sequence[TraceRequest], policy: str, capacity: int,
         if not tail:
             continue
         if pool is not None:
-            objs = [pool.key(ns, k) for k in tail]
-            pool.pool.put_from(objs, [addr] * len(objs), [OBJECT_BYTES] * len(objs))
-            missing = set(pool.missing(ns, tail))
+            todo = tail
+            for _ in range(2):   # again once: a janitor removal in flight may have taken a rewritten object
+                objs = [pool.key(ns, k) for k in todo]
+                pool.pool.put_from(objs, [addr] * len(objs), [OBJECT_BYTES] * len(objs))
+                todo = pool.missing(ns, tail)
+                if not todo:
+                    break
+            missing = set(todo)
             if missing:   # the pool refused some (full): commit the leading run it took
                 tail = tail[:next(i for i, k in enumerate(tail) if k in missing)]
         try:

@@ -9,7 +9,16 @@ without touching the indexer; the topic names the endpoint and its model.
 
 Per-engine replay still works: the replay address is derived from the topic's
 endpoint by a template (``tcp://{host}:5558``), since vLLM binds its replay
-ROUTER on the pod. Admission (model known, endpoint id valid, not owned by a
+ROUTER on the pod.
+
+Data-parallel engines (``--data-parallel-size N``): every DP rank of a vLLM
+publishes the same topic, each with its own sequence numbers, from its own PUB
+socket whose address vLLM offsets by the rank (``tcp`` port + rank, for the
+connect address and the replay address alike). With ``dp_size`` N the indexer
+binds each central address at ports P..P+N-1, so the socket a message came in on
+names its rank: rank 0 keeps the topic's endpoint id, rank r > 0 is the endpoint
+``<id>_dp<r>`` (vLLM's own suffix for per-rank endpoints), replayed from the
+template's address offset by r. Admission (model known, endpoint id valid, not owned by a
 per-engine subscription) is the servicer's decision; this module caps how many
 endpoints it admits, so a flood of made-up topics costs a counter, not memory.
 """
@@ -28,7 +37,8 @@ import zmq
 import zmq.asyncio
 
 from kvmesh.events.codec import DecodeError, decode_seq
-from kvmesh.events.topic import parse_topic
+from kvmesh.events.publisher import offset_endpoint_port
+from kvmesh.events.topic import dp_endpoint, parse_topic
 from kvmesh_indexer.pump import EndpointSource, IngestPump
 
 log = logging.getLogger(__name__)
@@ -69,7 +79,20 @@ def check_replay_template(template: str) -> None:
         raise ValueError(f"replay template {template!r} must start with tcp://, ipc:// or inproc://")
 
 
-def replay_address(template: str, endpoint: str) -> str:
+def dp_binds(binds: list[str], dp_size: int) -> list[tuple[str, int]]:
+    """(address, rank) for every central address and DP rank; ValueError when a rank has no port."""
+    out = []
+    for addr in binds:
+        for rank in range(dp_size):
+            a = offset_endpoint_port(addr, rank) or addr
+            if rank and a == addr:
+                raise ValueError(f"{addr!r} needs a fixed port for {dp_size} data-parallel ranks "
+                                 "(vLLM connects rank r to the port + r)")
+            out.append((a, rank))
+    return out
+
+
+def replay_address(template: str, endpoint: str, rank: int = 0) -> str:
     """The engine's replay ROUTER address; ValueError when the endpoint id cannot fill the template."""
     host, port = split_host_port(endpoint)
     if "{host}" in template and not _HOST.match(host):
@@ -79,7 +102,9 @@ def replay_address(template: str, endpoint: str) -> str:
         raise ValueError(f"endpoint {endpoint!r} has no :port for the replay template")
     if "{endpoint}" in template and not _SAFE_ID.match(endpoint):
         raise ValueError(f"endpoint {endpoint!r} cannot be placed in a replay address")
-    return template.format(endpoint=endpoint, host=host, port=port)
+    addr = template.format(endpoint=endpoint, host=host, port=port)
+    # vLLM binds rank r's replay ROUTER at its replay address offset by r (ipc cannot be offset).
+    return offset_endpoint_port(addr, rank) or addr
 
 
 @dataclass
@@ -91,7 +116,8 @@ class CentralEndpoint:
     messages: int = 0
 
 
-Admit = Callable[[str, str], Awaitable[EndpointSource]]
+# (endpoint id, model, the topic's endpoint, DP rank) -> the admitted source
+Admit = Callable[[str, str, str, int], Awaitable[EndpointSource]]
 Purge = Callable[[str, str], Awaitable[int]]
 
 
@@ -100,8 +126,10 @@ class CentralSocket:
 
     def __init__(self, pump: IngestPump, binds: list[str], admit: Admit, purge: Purge, max_endpoints: int = 1024,
                  idle_purge_s: float = 0.0, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000,
-                 now: Callable[[], float] = time.monotonic, max_message_bytes: int = 8 * 1024 * 1024) -> None:
+                 now: Callable[[], float] = time.monotonic, max_message_bytes: int = 8 * 1024 * 1024,
+                 dp_size: int = 1) -> None:
         self.max_message_bytes = max_message_bytes
+        self.dp_size = dp_size
         self.pump = pump
         self.binds = list(binds)
         self.admit = admit
@@ -113,31 +141,41 @@ class CentralSocket:
         self.now = now
         self.bound: list[str] = []
         self.endpoints: dict[str, CentralEndpoint] = {}
-        self._by_topic: dict[bytes, CentralEndpoint] = {}
-        self._sock: zmq.asyncio.Socket | None = None
+        self._by_topic: dict[tuple[int, bytes], CentralEndpoint] = {}
+        self._socks: list[zmq.asyncio.Socket] = []
         self._tasks: list[asyncio.Task] = []
         self._warned: set[str] = set()
         self.rejected = 0
 
     async def start(self) -> list[str]:
-        """Bind every address; returns the bound ones (a ``:0`` port resolved)."""
-        sock = self.ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
-        sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)   # bigger: the peer is disconnected
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        """Bind every address (and its DP ranks' ports); returns the bound ones (a ``:0`` port resolved)."""
         try:
-            for addr in self.binds:
-                sock.bind(addr)
-                self.bound.append(sock.getsockopt_string(zmq.LAST_ENDPOINT))
-        except zmq.ZMQError as exc:
-            sock.close(linger=0)
-            raise ValueError(f"cannot bind the central KV-event socket {addr!r}: {exc}") from exc
-        self._sock = sock
-        self._tasks.append(asyncio.create_task(self._recv_loop(sock), name="zmq-central"))
+            addrs = dp_binds(self.binds, self.dp_size)
+        except ValueError as exc:
+            raise ValueError(f"cannot bind the central KV-event socket: {exc}") from None
+        # One socket per DP rank: the socket a message arrives on tells its rank.
+        for addr, rank in addrs:
+            if rank >= len(self._socks):
+                sock = self.ctx.socket(zmq.SUB)
+                sock.setsockopt(zmq.RCVHWM, self.rcvhwm)
+                sock.setsockopt(zmq.MAXMSGSIZE, self.max_message_bytes)   # bigger: the peer is disconnected
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+                self._socks.append(sock)
+            try:
+                self._socks[rank].bind(addr)
+                self.bound.append(self._socks[rank].getsockopt_string(zmq.LAST_ENDPOINT))
+            except zmq.ZMQError as exc:
+                for sock in self._socks:
+                    sock.close(linger=0)
+                self._socks.clear()
+                raise ValueError(f"cannot bind the central KV-event socket {addr!r}: {exc}") from exc
+        for rank, sock in enumerate(self._socks):
+            self._tasks.append(asyncio.create_task(self._recv_loop(sock, rank), name=f"zmq-central-dp{rank}"))
         if self.idle_purge_s > 0:
             self._tasks.append(asyncio.create_task(self._idle_loop(), name="zmq-central-idle"))
-        log.info("central kv-event socket bound", extra={"bound": self.bound, "max_endpoints": self.max_endpoints})
+        log.info("central kv-event socket bound", extra={"bound": self.bound, "max_endpoints": self.max_endpoints,
+                                                         "dp_size": self.dp_size})
         return self.bound
 
     def _reject(self, reason: str, message: str) -> None:
@@ -147,26 +185,27 @@ class CentralSocket:
             self._warned.add(reason)
             log.warning("central kv-event message rejected", extra={"reason": reason, "error": message})
 
-    async def _resolve(self, topic: bytes) -> CentralEndpoint | None:
+    async def _resolve(self, topic: bytes, rank: int) -> CentralEndpoint | None:
         try:
-            endpoint, model = parse_topic(topic)
+            base, model = parse_topic(topic)
         except ValueError as exc:
             self._reject("bad_topic", str(exc))
             return None
+        endpoint = dp_endpoint(base, rank)
         known = self.endpoints.get(endpoint)
         if known is not None:
             if known.model != model:
                 self._reject("model_mismatch", f"endpoint {endpoint!r} publishes model {model!r}, "
                                                f"first seen with {known.model!r}")
                 return None
-            self._by_topic[topic] = known
+            self._by_topic[(rank, topic)] = known
             return known
         if len(self.endpoints) >= self.max_endpoints:
             self._reject("endpoint_cap", f"{len(self.endpoints)} endpoints already (kv_events_max_endpoints); "
                                          f"{endpoint!r} not admitted")
             return None
         try:
-            await self.admit(endpoint, model)
+            await self.admit(endpoint, model, base, rank)
         except AdmitError as exc:
             self._reject(exc.reason, str(exc))
             return None
@@ -176,11 +215,11 @@ class CentralSocket:
             return None
         t = self.now()
         ce = self.endpoints[endpoint] = CentralEndpoint(endpoint, model, t, t)
-        self._by_topic[topic] = ce
-        log.info("central endpoint admitted", extra={"endpoint": endpoint, "model": model})
+        self._by_topic[(rank, topic)] = ce
+        log.info("central endpoint admitted", extra={"endpoint": endpoint, "model": model, "dp_rank": rank})
         return ce
 
-    async def _recv_loop(self, sock: zmq.asyncio.Socket) -> None:
+    async def _recv_loop(self, sock: zmq.asyncio.Socket, rank: int) -> None:
         while True:
             try:
                 frames = await sock.recv_multipart()
@@ -194,9 +233,9 @@ class CentralSocket:
                 self._reject("malformed_frames", f"{len(frames)} frames (want topic, seq, payload)")
                 continue
             topic, seq_b, payload = frames
-            ce = self._by_topic.get(topic)
+            ce = self._by_topic.get((rank, topic))
             if ce is None:
-                ce = await self._resolve(topic)
+                ce = await self._resolve(topic, rank)
                 if ce is None:
                     continue
             try:
@@ -238,6 +277,6 @@ class CentralSocket:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         self._tasks.clear()
-        if self._sock is not None:
-            self._sock.close(linger=0)
-            self._sock = None
+        for sock in self._socks:
+            sock.close(linger=0)
+        self._socks.clear()

@@ -21,7 +21,7 @@ from kvmesh.config import ConfigError
 from kvmesh.hashing import HashAlgo
 from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
-from kvmesh_indexer.central_socket import check_replay_template
+from kvmesh_indexer.central_socket import check_replay_template, dp_binds
 from kvmesh_indexer.keys import EngineHashing, ModelSpec, check_block_size
 
 BACKENDS = ("memory", "redis", "redis-cluster")
@@ -82,6 +82,9 @@ class IndexerConfig:
     kv_events_replay: str = field(default="", metadata={
         "help": "replay address of central-socket engines from their topic's endpoint, e.g. tcp://{host}:5558 "
                 "(fields {endpoint} {host} {port}; empty = no replay)"})
+    kv_events_dp_size: int = field(default=1, metadata={
+        "help": "central socket: data-parallel ranks per engine (vLLM --data-parallel-size): each bind address "
+                "also binds port+1..port+N-1, where vLLM's rank r connects; rank r>0 is endpoint <id>_dp<r>"})
     kv_events_max_endpoints: int = field(default=1024, metadata={
         "help": "central socket: most endpoints admitted (later topics are counted as rejected)"})
     kv_events_idle_purge_s: float = field(default=0.0, metadata={
@@ -148,6 +151,13 @@ class IndexerConfig:
                 check_replay_template(self.kv_events_replay)
             except ValueError as exc:
                 raise ConfigError(f"setting 'kv_events_replay': {exc}") from None
+        if not 1 <= self.kv_events_dp_size <= 1024:
+            raise ConfigError("setting 'kv_events_dp_size' must be in [1, 1024]")
+        if self.kv_events_dp_size > 1:
+            try:
+                dp_binds(self.central_binds(), self.kv_events_dp_size)
+            except ValueError as exc:
+                raise ConfigError(f"setting 'kv_events_bind': {exc}") from None
         if self.kv_events_max_endpoints < 1:
             raise ConfigError("setting 'kv_events_max_endpoints' must be >= 1")
         if self.kv_events_idle_purge_s < 0:

@@ -168,6 +168,7 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     if cfg.central_binds():
         central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
                                 max_endpoints=cfg.kv_events_max_endpoints, idle_purge_s=cfg.kv_events_idle_purge_s,
+                                dp_size=cfg.kv_events_dp_size,
                                 max_message_bytes=cfg.max_message_bytes)
         # How close the socket is to kv_events_max_endpoints (beyond it new pods are refused).
         Gauge("kvmesh_indexer_central_endpoints", "Endpoints admitted on the central KV-event socket",

@@ -149,8 +149,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                                   eng.zmq_endpoint, eng.bind)
 
     # ---- central socket --------------------------------------------------------------------
-    async def admit_central(self, endpoint: str, model: str) -> EndpointSource:
-        """Admit an endpoint named by a topic on the central socket; ``AdmitError`` says why not."""
+    async def admit_central(self, endpoint: str, model: str, topic_endpoint: str = "", dp_rank: int = 0
+                            ) -> EndpointSource:
+        """Admit an endpoint named by a topic on the central socket (DP rank ``dp_rank`` of the engine
+        the topic names); ``AdmitError`` says why not."""
         if len(endpoint.encode()) > 128:
             raise AdmitError("bad_endpoint", f"endpoint id of {len(endpoint.encode())} bytes (max 128)")
         rec = self.liveness.records.get(endpoint)
@@ -166,7 +168,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         replay = None
         if self.cfg.kv_events_replay:
             try:
-                replay = replay_address(self.cfg.kv_events_replay, endpoint)
+                replay = replay_address(self.cfg.kv_events_replay, topic_endpoint or endpoint, dp_rank)
             except ValueError as exc:
                 raise AdmitError("bad_endpoint", str(exc)) from None
         engine = EngineHashing(self.cfg.kv_events_hash_algo or None, None, True)

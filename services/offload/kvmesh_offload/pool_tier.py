@@ -54,6 +54,7 @@ class PoolTier:
         self._cv = threading.Condition()
         self._removing = threading.Lock()         # held while a removal batch is in flight
         self._stop = False
+        self._inflight = 0                        # removals taken off _pending, not yet settled
         self.removed = 0
         self.remove_failures = 0
         self._thread = threading.Thread(target=self._run, name="kvmesh-pool-janitor", daemon=True)
@@ -112,8 +113,9 @@ class PoolTier:
     # -- janitor ------------------------------------------------------------------------------
 
     def pending(self) -> int:
+        """Removals not done yet (queued, deferred or in flight)."""
         with self._cv:
-            return len(self._pending)
+            return len(self._pending) + self._inflight
 
     def _run(self) -> None:
         while True:
@@ -132,19 +134,22 @@ class PoolTier:
                     due = [k for k in due if k in self._pending]   # a commit may have cancelled some
                     for k in due:
                         del self._pending[k]
+                    self._inflight = len(due)
                 try:
                     codes = self.pool.remove(due)
                 except Exception as exc:  # noqa: BLE001 - the pool may be down; keep trying
                     log.warning("pool removal failed", extra={"objects": len(due), "error": str(exc)})
                     codes = [OBJECT_HAS_LEASE] * len(due)
-            retry = [k for k, c in zip(due, codes, strict=True) if c not in (0, OBJECT_NOT_FOUND)]
-            self.removed += len(due) - len(retry)
-            if retry:
-                self.remove_failures += len(retry)
+                retry = [k for k, c in zip(due, codes, strict=True) if c not in (0, OBJECT_NOT_FOUND)]
                 later = time.monotonic() + RETRY_S
+                # Requeued before a commit can look: it cancels these like any pending removal.
                 with self._cv:
                     for k in retry:
                         self._pending.setdefault(k, later)
+                    self._inflight = 0
+            self.removed += len(due) - len(retry)
+            self.remove_failures += len(retry)
+            if retry:
                 codes_seen = sorted({describe(c) for c in codes if c not in (0, OBJECT_NOT_FOUND)})
                 log.debug("pool removals deferred", extra={"objects": len(retry), "codes": codes_seen})
 

@@ -10,6 +10,11 @@ the API key from ``x-api-key`` / ``Authorization: Bearer``, and the deadline), s
 tokenization. The token stream comes back as an Anthropic message or event
 stream; every error has Anthropic's shape (``kvmesh.anthropic.errors``).
 
+With external OpenAI engines (``vllm serve``, ``Cluster.external_mode``) the request
+goes to the engine's own ``/v1/messages`` instead (``passthrough``): vLLM parses tool
+calls, applies stop sequences and writes the answer, so what it honours beyond the
+workers (``top_k``, forced tool choice, ``output_config.format``) is accepted there.
+
 Stop sequences are found in the decoded text here (the workers' token streams
 carry no stop strings); on a match the worker call is cancelled, so the engine
 stops too. The usage of such a message comes from the router's own count of
@@ -20,8 +25,8 @@ report.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -33,13 +38,21 @@ from opentelemetry import propagate
 
 from kvmesh.anthropic import responses as R
 from kvmesh.anthropic.errors import OVERLOADED, AnthropicError, bad_request
-from kvmesh.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
+from kvmesh.anthropic.requests import (
+    MessagesRequest,
+    merge_inline_system,
+    needs_system_first,
+    parse_count_tokens,
+    parse_messages,
+)
 from kvmesh.anthropic.stops import StopMatcher
 from kvmesh.anthropic.stream import STREAM_HEADERS, MessageStream, error_event
 from kvmesh.openai.errors import OpenAIError
+from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError
+from kvmesh_router.passthrough import Shape
 from kvmesh_router.service import FinalInfo, GenInput
 
 if TYPE_CHECKING:
@@ -49,8 +62,6 @@ log = logging.getLogger(__name__)
 
 API = "messages"
 PREFIX = "/v1/messages"
-# A conversation this long is rendered off the event loop (the service tokenizes it off the loop too).
-RENDER_IN_THREAD_CHARS = 65_536
 
 
 def from_router_error(exc: RouterError) -> AnthropicError:
@@ -60,6 +71,27 @@ def from_router_error(exc: RouterError) -> AnthropicError:
     status = OVERLOADED if exc.http_status == 503 else exc.http_status
     field = {"prompt": "messages"}.get(exc.param or "", exc.param or "")
     return AnthropicError(f"{field}: {exc.message}" if field and status < 500 else exc.message, status)
+
+
+class _AnthropicShape(Shape):
+    """The errors the router itself answers on the pass-through path, in Anthropic's shape."""
+
+    def error(self, status: int, message: str, etype: str) -> Response:
+        return AnthropicError(message, status).response()
+
+    def router_error(self, exc: RouterError) -> Response:
+        return from_router_error(exc).response()
+
+    def stream_error(self, message: str) -> bytes:
+        return error_event(502, message)
+
+
+ANTHROPIC = _AnthropicShape()
+# What vLLM's /v1/messages honours that does not change the prompt: left out of the copy of the
+# body the router validates and renders, forwarded to the engine as sent.
+_ENGINE_ONLY = ("top_k", "output_config")
+# kvmesh's own fields: read here, never forwarded.
+_ROUTER_ONLY = ("kvmesh_policy",)
 
 
 def _finish(fin: FinalInfo) -> str:
@@ -100,6 +132,7 @@ class AnthropicApi:
         self.api = api
         self.service = api.service
         self.cfg = api.cfg
+        self._system_first: bool | None = None   # the template's need, once known
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PREFIX, self.messages, methods=["POST"])
@@ -126,28 +159,21 @@ class AnthropicApi:
                 raise AnthropicError(exc.message, exc.status) from None
             raise bad_request("", exc.message) from None
 
-    async def _render(self, req: MessagesRequest) -> str:
-        """The prompt text: the conversation through the router's chat template, tools included."""
-        tok = self.service.tokenizer
-        if tok is None:
+    def _chat_request(self, req: MessagesRequest) -> ChatRequest:
+        """The chat request the conversation is: rendered, tokenized (incrementally) and hashed by the
+        service like a chat completion, and its tools sent to the worker, which parses tool calls."""
+        if self.service.tokenizer is None:
             raise bad_request("messages", "this router has no tokenizer (--tokenizer-path), so it cannot "
                                           "render messages")
-        from kvmesh.tokenization import TokenizerError
-
-        size = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(json.dumps(m))
-                   for m in req.messages)
-
-        def render() -> str:
-            return tok.render_chat(req.messages, tools=req.tools, add_generation_prompt=True)
-
         try:
-            return await asyncio.to_thread(render) if size > RENDER_IN_THREAD_CHARS else render()
-        except TokenizerError as exc:
-            raise bad_request("messages", str(exc)) from None
+            return chat_request_from_body({"messages": req.messages, "tools": req.tools,
+                                           "tool_choice": req.tool_choice, "add_generation_prompt": True})
+        except ChatRenderError as exc:
+            raise bad_request("messages", exc.message) from None
 
-    def _gen_input(self, req: MessagesRequest, request: Request, text: str) -> GenInput:
+    def _gen_input(self, req: MessagesRequest, request: Request) -> GenInput:
         h = request.headers
-        inp = GenInput(model=req.model, text=text, add_special_tokens=False)   # the template adds BOS
+        inp = GenInput(model=req.model, chat_request=self._chat_request(req))
         s = inp.sampling
         if req.max_tokens is not None:
             s.max_tokens = req.max_tokens
@@ -182,7 +208,7 @@ class AnthropicApi:
     async def count_tokens(self, request: Request) -> Response:
         try:
             req = parse_count_tokens(await self._body(request), request.headers)
-            inp = self._gen_input(req, request, await self._render(req))
+            inp = self._gen_input(req, request)
             self.service.validate(inp)
             tokens = await self.service.tokenize(inp)
         except AnthropicError as exc:
@@ -200,10 +226,14 @@ class AnthropicApi:
         return exc.response()
 
     async def messages(self, request: Request) -> Response:
+        if self.api.passthrough.applies():
+            return await self._external(request)
+        received = time.perf_counter()
         try:
             req = parse_messages(await self._body(request), request.headers)
             self._refuse_unhonoured(req)
-            inp = self._gen_input(req, request, await self._render(req))
+            inp = self._gen_input(req, request)
+            inp.received = received
         except AnthropicError as exc:
             return self._failed(exc, API)
         except Exception as exc:
@@ -228,6 +258,48 @@ class AnthropicApi:
         return StreamingResponse(self._events(request, req, inp, gen, first, out, msg_id),
                                  media_type="text/event-stream", headers=STREAM_HEADERS)
 
+    async def _external(self, request: Request) -> Response:
+        """Forward to an external engine's own /v1/messages: body as sent, plus the tenant's salt."""
+        api = "passthrough-messages"
+        try:
+            body = await self._body(request)
+            if not isinstance(body, dict):
+                raise bad_request("", "the body must be a JSON object")
+            out_cfg = body.get("output_config")
+            if out_cfg is not None and (not isinstance(out_cfg, dict) or set(out_cfg) - {"format"}):
+                # ``effort`` becomes a reasoning effort the chat template renders; not predicted.
+                raise bad_request("output_config", "only 'format' is supported through this router")
+            top_k = body.get("top_k")
+            if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
+                raise bad_request("top_k", f"must be an integer >= 1, got {top_k!r}")
+            ctk = body.get("chat_template_kwargs")
+            view = {k: v for k, v in body.items() if k not in (*_ENGINE_ONLY, "chat_template_kwargs")}
+            req = parse_messages(view, request.headers)
+            if _ext(req, "lora_name"):
+                raise bad_request("lora_name", "LoRA adapters are not routed to external engines")
+            if self._system_first is None:
+                tok = self.service.tokenizer
+                tpl = getattr(tok, "chat_template", None)
+                # A template per tool set is checked as vLLM checks both.
+                self._system_first = any(needs_system_first(t) for t in (
+                    tpl.values() if isinstance(tpl, dict) else [tpl]))
+            if self._system_first:
+                req.messages = merge_inline_system(req.messages)   # as vLLM's /v1/messages does
+            try:
+                chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
+                                               "tool_choice": req.tool_choice, "chat_template_kwargs": ctk})
+            except ChatRenderError as exc:
+                raise bad_request(exc.param or "messages", exc.message) from None
+            inp = GenInput(model=req.model, chat_request=chat, session_id=req.session_id,
+                           cache_salt=_ext(req, "cache_salt"),
+                           policy=_ext(req, "kvmesh_policy") or request.headers.get("x-kvmesh-policy", ""),
+                           request_id=request.headers.get("x-request-id", ""))
+            self.api.apply_scope(inp, request)
+        except AnthropicError as exc:
+            return self._failed(exc, api)
+        forwarded = {k: v for k, v in body.items() if k not in _ROUTER_ONLY}
+        return await self.api.passthrough.forward(request, api, PREFIX, inp, forwarded, None, ANTHROPIC)
+
     def _usage(self, inp: GenInput, out: _Output, fin: FinalInfo | None) -> dict[str, int]:
         if fin is not None:
             u = fin.usage
@@ -246,7 +318,7 @@ class AnthropicApi:
                     text.append(out.push(item))
                     if out.matched is not None:
                         break
-                else:
+                elif kind == "final":
                     fin = item
         except RouterError as exc:
             return self._failed(from_router_error(exc), API)
@@ -263,6 +335,8 @@ class AnthropicApi:
             await gen.aclose()
         text.append(out.stops.flush())
         calls = _tool_calls(fin)
+        if calls:   # the worker's parse: the answer's text that is not a tool call
+            text = [fin.content or ""] if fin is not None else []
         content = R.content_blocks("".join(text), calls)
         tool_use = any(b["type"] == "tool_use" for b in content)
         stop = R.stop_reason(_finish(fin) if fin is not None else "stop", out.matched, tool_use)
@@ -287,22 +361,41 @@ class AnthropicApi:
                 async for it in gen:
                     yield it
 
+            # With tools the text may be a tool call: the worker's parser reads it as it streams
+            # ("parsed": text and tool-call pieces, sent as they come); a worker that does not
+            # stream its parse gets the text held back until its final report.
+            hold = inp.chat_request is not None and inp.chat_request.tools_active
+            held: list[str] = []
+            parsed = False
             chain = items()
             try:
                 async for kind, item in chain:
-                    if kind == "chunk":
+                    if kind == "chunk" and hold:
+                        held.append(out.push(item))
+                    elif kind == "chunk":
                         for e in ms.text(out.push(item)):
                             yield e
-                        if out.matched is not None:
-                            break   # the worker call is cancelled below (gen.aclose)
+                    elif kind == "parsed":
+                        parsed = True
+                        for e in ms.text(out.stops.push(item.content)):
+                            yield e
+                        for d in item.tool_calls:
+                            for e in ms.tool_delta(d.index, d.id, d.name, d.arguments):
+                                yield e
                     else:
                         fin = item
+                    if out.matched is not None:
+                        break   # the worker call is cancelled below (gen.aclose)
             finally:
                 await chain.aclose()
-            for e in ms.text(out.stops.flush()):
+            calls = _tool_calls(fin) if not parsed else []
+            rest = out.stops.flush()
+            if hold and not parsed:
+                rest = (fin.content or "") if calls and fin is not None else "".join(held) + rest
+            for e in ms.text(rest):
                 yield e
-            tool_use = False
-            for call in _tool_calls(fin):
+            tool_use = bool(ms.tool_blocks)
+            for call in calls:
                 tool_use = tool_use or R.tool_input(call) is not None
                 for e in ms.tool_use(call):
                     yield e

@@ -29,6 +29,7 @@ from typing import Any
 import grpc
 import httpx
 
+from kvmesh.events.topic import dp_endpoint
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.local_view import LocalView
 from kvmesh.routing.router import RouterCore
@@ -79,7 +80,7 @@ class Cluster:
         self._static: set[str] = set()
         self.pool_watcher: Any = None   # InferencePoolWatcher when --inference-pool is set
         self.discovered_objectives: dict[str, int] = {}   # InferenceObjective name -> priority
-        self.external = OpenAIEndpoints(cfg.external_connect_timeout_s, cfg.external_api_key)
+        self.external = OpenAIEndpoints(cfg.external_connect_timeout_s, cfg.external_api_key, cfg.external_dp_size)
         for spec in cfg.endpoints:
             eid, addr = parse_endpoint(spec)
             if is_http_address(addr):
@@ -90,7 +91,10 @@ class Cluster:
             self._static.add(eid)
         for spec in cfg.prefill_endpoints:
             eid, addr = parse_endpoint(spec)
-            self._add(EndpointView(eid, addr, cfg.model, ROLE_PREFILL, cfg.block_size, True, "static"))
+            if is_http_address(addr):   # an external prefill engine (P/D split through the store)
+                self.set_external(eid, addr, True, "static", ROLE_PREFILL)
+            else:
+                self._add(EndpointView(eid, addr, cfg.model, ROLE_PREFILL, cfg.block_size, True, "static"))
             self._static.add(eid)
 
     # -- endpoints ---------------------------------------------------------------
@@ -100,14 +104,18 @@ class Cluster:
             self._drop_channel(ep.endpoint_id)
         self.core.set_endpoint(ep)
 
-    def set_external(self, eid: str, url: str, alive: bool, source: str) -> None:
+    def set_external(self, eid: str, url: str, alive: bool, source: str, role: str = ROLE_DECODE) -> None:
         """Add or update an external OpenAI endpoint (static config or discovery; a pod that is
-        not ready is removed, not added down, since a working ``/metrics`` would revive it)."""
-        self.external.urls[eid] = url
-        cur = self.core.endpoints.get(eid)
-        if cur is None or cur.address != url:
-            self._add(EndpointView(eid, url, self.cfg.model, ROLE_DECODE, self.cfg.block_size, alive, source))
-            self.http_addresses[eid] = url.split("://", 1)[1]
+        not ready is removed, not added down, since a working ``/metrics`` would revive it).
+        A data-parallel server is one endpoint per DP rank (``external_dp_size``)."""
+        for rank in range(self.cfg.external_dp_size):
+            rid = dp_endpoint(eid, rank)
+            self.external.urls[rid] = url
+            self.external.ranks[rid] = (eid, rank)
+            cur = self.core.endpoints.get(rid)
+            if cur is None or cur.address != url:
+                self._add(EndpointView(rid, url, self.cfg.model, role, self.cfg.block_size, alive, source))
+                self.http_addresses[rid] = url.split("://", 1)[1]
 
     @property
     def external_mode(self) -> bool:
@@ -117,7 +125,7 @@ class Cluster:
     def apply_discovered(self, snapshot: dict[str, str]) -> None:
         """The InferencePool's endpoints now (id -> URL): add the new, drop the gone."""
         for eid in [e for e, ep in self.core.endpoints.items() if ep.source == "inference-pool"
-                    and e not in snapshot]:
+                    and self.external.ranks.get(e, (e, 0))[0] not in snapshot]:
             log.info("endpoint left the InferencePool", extra={"endpoint": eid})
             self.remove_external(eid)
         for eid, url in snapshot.items():
@@ -139,9 +147,11 @@ class Cluster:
         return static[name] if name in static else self.discovered_objectives.get(name, 0)
 
     def remove_external(self, eid: str) -> None:
-        if self.external.urls.pop(eid, None) is not None:
-            self.http_addresses.pop(eid, None)
-            self.core.remove_endpoint(eid)
+        for rid in self.external.siblings(eid):
+            self.external.ranks.pop(rid, None)
+            if self.external.urls.pop(rid, None) is not None:
+                self.http_addresses.pop(rid, None)
+                self.core.remove_endpoint(rid)
 
     def _drop_channel(self, eid: str) -> None:
         self.lora_paths.pop(eid, None)
@@ -162,8 +172,10 @@ class Cluster:
         return st
 
     def mark_dead(self, eid: str, why: str) -> None:
-        if self.core.set_alive(eid, False):
-            log.warning("endpoint marked down", extra={"endpoint": eid, "why": why})
+        # A server that cannot be connected to is down with all its DP ranks.
+        for rid in self.external.siblings(eid) if eid in self.external else [eid]:
+            if self.core.set_alive(rid, False):
+                log.warning("endpoint marked down", extra={"endpoint": rid, "why": why})
 
     def live_decode_count(self) -> int:
         return len(self.core.decode_endpoints(self.cfg.model))

@@ -47,6 +47,9 @@ class RouterConfig:
         "help": "connect timeout to external OpenAI endpoints; a failed connect marks one down"})
     external_api_key: str = field(default="", metadata={
         "help": "bearer token sent to external OpenAI endpoints (their --api-key; '' = none)"})
+    external_dp_size: int = field(default=1, metadata={
+        "help": "data-parallel ranks of each external vLLM (its --data-parallel-size): every URL is N endpoints, "
+                "ID and ID_dp<r> (the indexer's names), picked with vLLM's X-data-parallel-rank header"})
     indexer: str = field(default="", metadata={"help": "indexer HOST:PORT ('' = none: precise falls back)"})
     registry_poll_s: float = field(default=1.0, metadata={"help": "ListEndpoints poll period"})
     load_poll_s: float = field(default=0.25, metadata={"help": "GetLoad poll period per endpoint"})
@@ -81,6 +84,9 @@ class RouterConfig:
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
+    split_store_wait_s: float = field(default=5.0, metadata={
+        "help": "external P/D split: longest wait, after the prefill engine answered, for the store to hold the "
+                "prompt's KV (the index says so) before the decode engine is sent the request"})
     # Gateway path (Envoy ext_proc picker): llm-d's P/D protocol and InferenceObjective priorities.
     gateway_prefill_header: str = field(default="x-prefiller-host-port", metadata={
         "help": "ext_proc picker: request header naming the prefill endpoint's host:port when the split is "
@@ -151,6 +157,8 @@ class RouterConfig:
     def validate(self) -> None:
         if self.policy not in available_policies():
             raise ConfigError(f"setting 'policy': unknown {self.policy!r}; one of {available_policies()}")
+        if not 1 <= self.external_dp_size <= 1024:
+            raise ConfigError("setting 'external_dp_size' must be in [1, 1024]")
         if self.block_size <= 0:
             raise ConfigError("setting 'block_size' must be > 0")
         if self.max_attempts < 1:
@@ -173,10 +181,14 @@ class RouterConfig:
             raise ConfigError("setting 'hash_cache_verify' must be sampled or full")
         for spec in [*self.endpoints, *self.prefill_endpoints]:
             parse_endpoint(spec)
+        http_decode = any(parse_endpoint(s)[1].startswith(("http://", "https://")) for s in self.endpoints) or bool(
+            self.inference_pool)
         for spec in self.prefill_endpoints:
-            if parse_endpoint(spec)[1].startswith(("http://", "https://")):
-                raise ConfigError(f"prefill endpoint {spec!r}: external OpenAI endpoints serve whole requests "
-                                  "(the P/D split needs kvmesh workers)")
+            if parse_endpoint(spec)[1].startswith(("http://", "https://")) and not http_decode:
+                raise ConfigError(f"prefill endpoint {spec!r}: an external OpenAI prefill endpoint hands its KV "
+                                  "(through the store) to external decode endpoints only")
+        if self.split_store_wait_s < 0:
+            raise ConfigError("setting 'split_store_wait_s' must be >= 0")
         if self.inference_pool:
             ns, _, name = self.inference_pool.partition("/")
             if not ns or not name or "/" in name:

@@ -5,7 +5,8 @@ with are on its ``/metrics`` page: ``vllm:num_requests_waiting``,
 ``vllm:num_requests_running`` and ``vllm:kv_cache_usage_perc`` (a fraction, despite the
 name; ``vllm:gpu_cache_usage_perc`` before vLLM 0.10). ``vllm:cache_config_info``
 carries the KV capacity in blocks as a label. A server with several engines (data
-parallel) reports one sample per engine: queues add up, usage is averaged.
+parallel) reports one sample per engine (label ``engine``, the DP rank): queues add up,
+usage is averaged, unless one engine's load is asked for (the router's DP-rank endpoints).
 The text is parsed with prometheus-client's parser, not by hand.
 """
 
@@ -27,14 +28,18 @@ class MetricsError(ValueError):
     """The page is not Prometheus text or lacks vLLM's queue gauges."""
 
 
-def parse_vllm_metrics(text: str, model: str = "", now: float | None = None) -> LoadReport:
-    """The load in a ``/metrics`` page; samples labelled with another ``model_name`` are skipped."""
+def parse_vllm_metrics(text: str, model: str = "", now: float | None = None, engine: str | None = None
+                       ) -> LoadReport:
+    """The load in a ``/metrics`` page; samples labelled with another ``model_name`` (or, given
+    ``engine``, another ``engine``) are skipped."""
     values: dict[str, list[float]] = {}
     num_blocks = 0
     try:
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
                 if model and s.labels.get("model_name", model) != model:
+                    continue
+                if engine is not None and s.labels.get("engine", engine) != engine:
                     continue
                 if s.name == CACHE_INFO:
                     try:

@@ -9,6 +9,11 @@ next page read over a working connection brings it back. A page that is slow,
 an error status or unparsable leaves the endpoint routable with a stale load
 report (the routing core then counts only the router's own requests there),
 because a busy engine answering its metrics late is still serving.
+
+A data-parallel server (``--data-parallel-size N``, ``external_dp_size``) is N endpoints,
+one per DP rank, named as the indexer names their KV events (``kvmesh.events.topic.dp_endpoint``):
+each has the server's URL, is sent vLLM's ``X-data-parallel-rank`` header so the rank the
+router scored is the rank that serves, and takes its load from its engine's samples.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from kvmesh.config import ConfigError
 from kvmesh.routing.load import LoadReport
 from kvmesh_router.engine_metrics import parse_vllm_metrics
 
+# vLLM's header naming the DP rank that must serve a request.
+DP_RANK_HEADER = "X-data-parallel-rank"
 # Connect errors (refused, unreachable, DNS, connect timeout): the server is not there.
 CONNECT_ERRORS = (httpx.ConnectError, httpx.ConnectTimeout)
 
@@ -43,8 +50,10 @@ def base_url(address: str) -> str:
 class OpenAIEndpoints:
     """Base URLs of the external engines by endpoint id, and the client that talks to them."""
 
-    def __init__(self, connect_timeout_s: float = 2.0, api_key: str = "") -> None:
+    def __init__(self, connect_timeout_s: float = 2.0, api_key: str = "", dp_size: int = 1) -> None:
         self.urls: dict[str, str] = {}
+        self.dp_size = dp_size
+        self.ranks: dict[str, tuple[str, int]] = {}   # endpoint id -> (the server's id, DP rank)
         self.connect_timeout_s = connect_timeout_s
         self.headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         # Long reads: a streamed answer may take minutes; the caller bounds each request.
@@ -58,13 +67,25 @@ class OpenAIEndpoints:
     def __bool__(self) -> bool:
         return bool(self.urls)
 
+    def rank_headers(self, eid: str) -> dict[str, str]:
+        """The header that pins a request to the endpoint's DP rank (none for a server of one rank)."""
+        if self.dp_size <= 1 or eid not in self.ranks:
+            return {}
+        return {DP_RANK_HEADER: str(self.ranks[eid][1])}
+
+    def siblings(self, eid: str) -> list[str]:
+        """Every endpoint of the server ``eid`` is a rank of (itself included)."""
+        base = self.ranks.get(eid, (eid, 0))[0]
+        return [e for e, (b, _) in self.ranks.items() if b == base] or [eid]
+
     async def load(self, eid: str, model: str, timeout_s: float) -> LoadReport:
         """The endpoint's load now; raises a ``CONNECT_ERRORS`` if it is not there, else
         ``httpx.HTTPError`` or ``MetricsError``."""
         r = await self.client.get(self.urls[eid] + "/metrics",
                                   timeout=httpx.Timeout(timeout_s, connect=self.connect_timeout_s))
         r.raise_for_status()
-        return parse_vllm_metrics(r.text, model)
+        engine = str(self.ranks[eid][1]) if self.dp_size > 1 and eid in self.ranks else None
+        return parse_vllm_metrics(r.text, model, engine=engine)
 
     async def aclose(self) -> None:
         await self.client.aclose()

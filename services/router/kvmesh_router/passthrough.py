@@ -11,14 +11,30 @@ the routing decision rides in ``x-kvmesh-*`` response headers, and the engine's
 ``usage.prompt_tokens_details.cached_tokens`` (vLLM's ``--enable-prompt-tokens-details``)
 is compared with the prediction, as for workers.
 
+The Messages API takes the same path (``/v1/messages`` is vLLM's own, since 0.11):
+the body goes to the engine's ``/v1/messages`` with the tenant's ``cache_salt``, so
+vLLM parses tool calls, applies stop sequences and writes Anthropic's events; the
+router predicts from the chat conversation ``kvmesh.anthropic.requests`` converts it
+to (vLLM's own conversion), and errors it writes itself have Anthropic's shape
+(``Shape``).
+
 A connect failure marks the endpoint down and the request goes to the next best
 one; so does a connection that closes before any answer. Nothing is retried once
 the engine has answered.
+
+P/D split (``--split-enabled`` with external ``--prefill-endpoints``), llm-d's sidecar
+convention with kvmesh's store as the KV transport: the prefill engine gets the body
+with ``max_tokens`` 1, no stream and ``kv_transfer_params`` ``{"kvmesh": {"prefill_only":
+true}}``; its ``KvmeshConnector`` saves the prompt's blocks to the store. Once the index
+says the store holds them (``split_store_wait_s`` at most), the decode engine gets the
+client's body as usual, and its connector loads the prefix from the store instead of
+computing it. A failed prefill only costs the split: the decode engine computes the prompt.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -27,16 +43,18 @@ from typing import Any
 
 import httpx
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from opentelemetry import propagate
 
 from kvmesh.openai.errors import OpenAIError, error_response
 from kvmesh.openai.requests import SESSION_HEADER, parse_json_body, read_body, string
+from kvmesh.routing.scoring import max_hit_blocks
 from kvmesh.routing.types import Decision
 from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError, Unavailable
 from kvmesh_router.http_guard import SCOPE_KEY
+from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS
 from kvmesh_router.service import GenInput, Prepared, RouterService
 
@@ -47,8 +65,22 @@ log = logging.getLogger(__name__)
 _NO_ANSWER = (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError)
 
 
-def _router_error(exc: RouterError) -> JSONResponse:
-    return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
+class Shape:
+    """How an API writes the errors the router itself answers (OpenAI's shape by default)."""
+
+    def error(self, status: int, message: str, etype: str) -> Response:
+        return error_response(status, message, etype)
+
+    def router_error(self, exc: RouterError) -> Response:
+        return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
+
+    def stream_error(self, message: str) -> bytes:
+        """An SSE event that ends a stream the engine broke off."""
+        msg = {"error": {"message": message, "type": "upstream_error", "code": 502}}
+        return b"data: " + json.dumps(msg).encode() + b"\n\n"
+
+
+OPENAI = Shape()
 
 
 def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> GenInput:
@@ -91,8 +123,26 @@ def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> Ge
     return inp
 
 
+def prefill_body(body: dict[str, Any]) -> bytes:
+    """The prefill engine's request: one token, no stream, and the connector told to save the prompt."""
+    b = dict(body)
+    b["stream"] = False
+    b.pop("stream_options", None)
+    if "max_completion_tokens" in b:
+        b["max_completion_tokens"] = 1
+    b["max_tokens"] = 1
+    if "n" in b:
+        b["n"] = 1
+    b["kv_transfer_params"] = {"kvmesh": {"prefill_only": True}}
+    return json.dumps(b, ensure_ascii=False).encode()
+
+
 class _Usage:
-    """The engine's usage, from a JSON answer or the last SSE event that carries one."""
+    """The engine's usage, from a JSON answer or the last SSE event that carries one.
+
+    OpenAI's ``usage`` has ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``;
+    Anthropic's has ``input_tokens`` (the uncached part), ``cache_read_input_tokens`` and
+    ``cache_creation_input_tokens``."""
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -117,8 +167,19 @@ class _Usage:
 
     @property
     def cached_tokens(self) -> int | None:
-        details = (self.doc or {}).get("prompt_tokens_details") or {}
-        n = details.get("cached_tokens")
+        doc = self.doc or {}
+        n = doc.get("cache_read_input_tokens")
+        if n is None:
+            n = (doc.get("prompt_tokens_details") or {}).get("cached_tokens")
+        return n if isinstance(n, int) else None
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        doc = self.doc or {}
+        n = doc.get("prompt_tokens")
+        if n is None and isinstance(doc.get("input_tokens"), int):
+            n = sum(v for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
+                    if isinstance(v := doc.get(k), int))
         return n if isinstance(n, int) else None
 
 
@@ -152,57 +213,76 @@ class Passthrough:
             scope = request.scope.get("state", {}).get(SCOPE_KEY)
             inp = gen_input(body, request.headers, chat, scope.tenant if scope is not None else "")
             inp.deadline = scope.deadline if scope is not None else None
+        except RouterError as exc:
+            return router_error_response(exc, api, OPENAI)
+        return await self.forward(request, api, path, inp, body, raw, OPENAI)
+
+    async def forward(self, request: Request, api: str, path: str, inp: GenInput, body: dict[str, Any],
+                      raw: bytes | None, shape: Shape) -> Response:
+        """Predict and pick for ``inp``, then send ``body`` (``raw`` when the salt is already there)."""
+        try:
             p = await self.service.prepare(inp)
         except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
-        if p.salt and body.get("cache_salt") != p.salt:
-            body["cache_salt"] = p.salt
+            return router_error_response(exc, api, shape)
+        if raw is None or (p.salt and body.get("cache_salt") != p.salt):
+            if p.salt:
+                body["cache_salt"] = p.salt
             content = json.dumps(body, ensure_ascii=False).encode()
         else:
             content = raw   # the very bytes the client sent
         headers = {"content-type": "application/json", "x-request-id": p.request_id}
         propagate.inject(headers, context=propagate.extract(dict(request.headers)))
         watch = self._watch(request, inp)
-        try:
-            return await self._send(request, api, path, inp, p, content, headers)
-        except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
-        except asyncio.CancelledError:
-            if not watch.gone:
-                raise
-            metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
-            return error_response(499, "client closed the request", "client_closed")
-        finally:
-            watch.stop()
+        return await answer_or_error(api, watch, self._send(request, api, path, inp, p, content, headers, shape, body),
+                                     shape)
 
     async def _send(self, request: Request, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
-                    headers: dict[str, str]) -> Response:
+                    headers: dict[str, str], shape: Shape, body: dict[str, Any]) -> Response:
         exclude = {e for e in self.service.core.endpoints if e not in self.cluster.external}
         failures: list[str] = []
         deadline = inp.deadline   # the request scope's
         call = _Call()
         inp.calls.append(call)
         try:
-            return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline)
+            return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline, shape,
+                                        body)
         finally:
             inp.calls.remove(call)
 
     async def _attempts(self, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
                         headers: dict[str, str], exclude: set[str], failures: list[str],
-                        deadline: float | None) -> Response:
-        client = self.cluster.external.client
+                        deadline: float | None, shape: Shape, body: dict[str, Any]) -> Response:
+        ext = self.cluster.external
+        client = ext.client
         for attempt in range(1, self.cfg.max_attempts + 1):
-            d, _split = await self.service.decide(p, inp.policy, exclude)
-            self.service.record_routed(p, d)
-            url = self.cluster.external.urls.get(d.endpoint_id)
+            d, split = await self.service.decide(p, inp.policy, exclude)
+            # Only the first try splits: a retry is already late.
+            split_to = split.prefill_endpoint if split.split and split.prefill_endpoint in ext and attempt == 1 else ""
+            self.service.record_routed(p, d, split if split_to else None)
+            url = ext.urls.get(d.endpoint_id)
             if url is None:   # removed by discovery since the decision
                 self.service.settle(p, d)
                 exclude.add(d.endpoint_id)
                 continue
+            split_headers: dict[str, str] = {}
+            if self.cfg.split_enabled and not split_to:
+                split_headers = {"x-kvmesh-split": "false", "x-kvmesh-split-reason": split.reason[:200]
+                                 or "the prefill endpoint is not an external engine"}
+            if split_to:
+                try:
+                    held = await self._prefill(p, split_to, path, prefill_body(body), headers, deadline)
+                except BaseException:
+                    self.service.settle(p, d)
+                    raise
+                split_headers = {"x-kvmesh-split": "true" if held is not None else "failed",
+                                 "x-kvmesh-prefill-endpoint": split_to}
+                if held is not None:
+                    # The decode engine restores what the store now holds of the prompt.
+                    tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
+                    d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
-            req = client.build_request("POST", url + path, content=content, headers=headers,
+            req = client.build_request("POST", url + path, content=content,
+                                       headers={**headers, **self.cluster.external.rank_headers(d.endpoint_id)},
                                        timeout=httpx.Timeout(left, connect=self.cfg.external_connect_timeout_s))
             try:
                 resp = await client.send(req, stream=True)
@@ -214,7 +294,7 @@ class Passthrough:
                 continue
             except httpx.TimeoutException:
                 self.service.settle(p, d)
-                return error_response(504, "deadline exceeded before the engine answered", "timeout")
+                return shape.error(504, "deadline exceeded before the engine answered", "timeout")
             except BaseException:
                 self.service.settle(p, d)
                 raise
@@ -223,7 +303,7 @@ class Passthrough:
                            "x-kvmesh-predicted-cached-tokens": str(d.predicted_cached_tokens),
                            "x-kvmesh-predicted-cached-tokens-gpu": str(d.predicted_cached_tokens_gpu),
                            "x-kvmesh-predicted-cached-tokens-offload": str(d.predicted_cached_tokens_offload),
-                           "x-kvmesh-attempts": str(attempt)}
+                           "x-kvmesh-attempts": str(attempt), **split_headers}
             ctype = resp.headers.get("content-type", "application/json")
             if "text/event-stream" not in ctype:
                 try:
@@ -241,10 +321,56 @@ class Passthrough:
                     usage.from_json(raw)
                 self._done(api, p, d, resp.status_code, usage)
                 return Response(raw, status_code=resp.status_code, media_type=ctype, headers=out_headers)
-            return StreamingResponse(self._stream(api, p, d, resp), status_code=resp.status_code,
+            return StreamingResponse(self._stream(api, p, d, resp, shape), status_code=resp.status_code,
                                      media_type=ctype, headers=out_headers)
         raise Unavailable(f"no endpoint could serve the request after {self.cfg.max_attempts} attempt(s): "
                           + "; ".join(failures))
+
+    async def _prefill(self, p: Prepared, eid: str, path: str, content: bytes, headers: dict[str, str],
+                       deadline: float | None) -> int | None:
+        """Run the prompt on the external prefill engine ``eid`` and wait until the store holds its
+        KV; the prompt's blocks the store then holds, or None when the prefill failed."""
+        ext = self.cluster.external
+        url = ext.urls.get(eid)
+        if url is None:
+            return None
+        rid = p.request_id + "-prefill"
+        load = self.service.core.load
+        load.on_sent(eid, rid, len(p.tokens), time.monotonic())
+        left = None if deadline is None else max(0.001, deadline - time.monotonic())
+        try:
+            r = await ext.client.post(url + path, content=content,
+                                      headers={**headers, "x-request-id": rid, **ext.rank_headers(eid)},
+                                      timeout=httpx.Timeout(left, connect=self.cfg.external_connect_timeout_s))
+        except httpx.HTTPError as exc:
+            if isinstance(exc, CONNECT_ERRORS):
+                self.cluster.mark_dead(eid, f"{type(exc).__name__}: {exc}")
+            log.warning("prefill engine failed; the decode engine computes the prompt",
+                        extra={"request_id": p.request_id, "endpoint": eid, "error": f"{type(exc).__name__}: {exc}"})
+            return None
+        finally:
+            load.on_finished(rid)
+        if r.status_code != 200:
+            log.warning("prefill engine refused; the decode engine computes the prompt",
+                        extra={"request_id": p.request_id, "endpoint": eid, "status": r.status_code,
+                               "body": r.text[:500]})
+            return None
+        # The connector saves in the background: the store's KV events say when it is there.
+        want = max_hit_blocks(p.req.num_tokens, p.req.block_size)
+        until = time.monotonic() + self.cfg.split_store_wait_s
+        held, pause = 0, 0.01
+        while True:
+            m = await self.cluster.lookup(p.req.keys)
+            if m is not None and m.source != "local":
+                held = min(max(m.store.cpu, m.store.disk), want)
+            if held >= want or time.monotonic() >= until:
+                break
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 0.1)
+        if held < want:
+            log.warning("the store holds part of the prefilled prompt", extra={
+                "request_id": p.request_id, "endpoint": eid, "held_blocks": held, "wanted_blocks": want})
+        return held
 
     def _failed(self, p: Prepared, d: Decision, exc: Exception, failures: list[str], exclude: set[str],
                 mark_dead: bool) -> None:
@@ -258,7 +384,8 @@ class Passthrough:
         log.warning("retrying on another endpoint", extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
                                                             "why": why})
 
-    async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response) -> AsyncIterator[bytes]:
+    async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response, shape: Shape
+                      ) -> AsyncIterator[bytes]:
         usage = _Usage()
         outcome = "broken"
         try:
@@ -270,9 +397,7 @@ class Passthrough:
             # Too late to retry: the client has part of the answer. An SSE error event says so.
             log.warning("external endpoint broke off a stream", extra={"request_id": p.request_id,
                                                                       "endpoint": d.endpoint_id, "error": str(exc)})
-            msg = {"error": {"message": f"endpoint {d.endpoint_id} broke off the stream: {exc}",
-                             "type": "upstream_error", "code": 502}}
-            yield b"data: " + json.dumps(msg).encode() + b"\n\n"
+            yield shape.stream_error(f"endpoint {d.endpoint_id} broke off the stream: {exc}")
         finally:
             await resp.aclose()
             if outcome == "ok":
@@ -286,8 +411,8 @@ class Passthrough:
         metrics.REQUESTS.labels(api=api, outcome="ok" if status == 200 else f"http_{status}").inc()
         actual = usage.cached_tokens
         metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
-        if usage.doc is not None and isinstance(usage.doc.get("prompt_tokens"), int):
-            metrics.PROMPT_TOKENS.inc(usage.doc["prompt_tokens"])
+        if usage.prompt_tokens is not None:
+            metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         if actual is None:
             return
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(actual)

@@ -74,9 +74,10 @@ async def pick(service: RouterService, model: str, *, tokens: list[int] | None =
     # Without a prefill address to hand over, the decode endpoint prefills itself: no split.
     service.record_routed(p, d, split if prefill else None)
     ep = service.core.endpoints[d.endpoint_id]
+    # A data-parallel pod's rank is pinned as on the router's own path (vLLM's X-data-parallel-rank).
+    extra = {**({header: prefill} if prefill else {}), **service.cluster.external.rank_headers(d.endpoint_id)}
     return Picked(d.endpoint_id, ep.address, service.cluster.http_addresses.get(d.endpoint_id, ""),
-                  d.predicted_cached_tokens, d.reason, p.request_id, {header: prefill} if prefill else {},
-                  service, p, d)
+                  d.predicted_cached_tokens, d.reason, p.request_id, extra, service, p, d)
 
 
 OBJECTIVE_HEADER = "x-gateway-inference-objective"

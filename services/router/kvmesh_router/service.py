@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 
 from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
@@ -40,7 +40,7 @@ from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_api.worker.v1 import worker_pb2
-from kvmesh_router import metrics
+from kvmesh_router import external_generate, metrics
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.errors import (
@@ -97,6 +97,11 @@ class GenInput:
     # final report (the Messages API on a stop sequence): the prompt's length and predicted hit.
     prompt_tokens: int = 0
     predicted_cached_tokens: int = 0
+    # time.perf_counter() when the front door got the request (before reading its body), and the
+    # time from then to the first decision: RoutingDecision.decision_ms.
+    received: float | None = None
+    decision_s: float = 0.0
+    tokenize_s: float = 0.0
 
 
 @dataclass
@@ -128,6 +133,16 @@ class FinalInfo:
     # The worker parsed tool calls out of the answer: the calls and the text that is not one.
     tool_calls: list[worker_pb2.ToolCall] = field(default_factory=list)
     content: str | None = None
+
+
+@dataclass
+class Parsed:
+    """A chat-with-tools answer as the worker's tool parser read its newest tokens (``worker.proto``
+    ``GenerateResponse.parsed``): new text that is not a tool call, and new pieces of tool calls.
+    ``generate`` yields it as ("parsed", Parsed) after the chunk of the same tokens."""
+
+    content: str
+    tool_calls: list[worker_pb2.ToolCallDelta]
 
 
 # One try of a request: its prepared copy, its decision, its worker stream.
@@ -234,7 +249,8 @@ class RouterService:
                 tokens = await asyncio.to_thread(fn) if size > 65536 else fn()
             except TokenizerError as exc:
                 raise BadRequest(str(exc), getattr(exc, "param", field_name)) from None
-            metrics.TOKENIZE.observe(time.perf_counter() - t0)
+            inp.tokenize_s = time.perf_counter() - t0
+            metrics.TOKENIZE.observe(inp.tokenize_s)
         if not tokens:
             raise BadRequest("the prompt is empty", field_name)
         if len(tokens) > self.cfg.max_prompt_tokens:
@@ -245,8 +261,10 @@ class RouterService:
             raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({inp.sampling.max_tokens or 1}) exceeds "
                              f"max_model_len {max_len}", field_name)
         # Token ids over gRPC arrive as a protobuf field; a Python scan of 200k ids costs ~8 ms, so
-        # their vocabulary check is left to the worker (INVALID_ARGUMENT is passed through).
-        if self.vocab_size and isinstance(tokens, list) and (max(tokens) >= self.vocab_size or min(tokens) < 0):
+        # their vocabulary check is left to the worker (INVALID_ARGUMENT is passed through). Ids the
+        # router's own tokenizer made are in its vocabulary: only a client's list is scanned.
+        if (self.vocab_size and inp.tokens is not None and isinstance(tokens, list)
+                and (max(tokens) >= self.vocab_size or min(tokens) < 0)):
             bad = next(t for t in tokens if t >= self.vocab_size or t < 0)
             raise BadRequest(f"token id {bad} outside the vocabulary (size {self.vocab_size})", field_name)
         return tokens
@@ -277,7 +295,7 @@ class RouterService:
         if self.incremental is None or size < INCREMENTAL_MIN_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=False)
         key = (self.salt_for(inp), inp.session_id or hash(text[:INCREMENTAL_KEY_CHARS]))
-        return self.incremental.encode(key, text)
+        return self.incremental.encode_ids(key, text)
 
     def salt_for(self, inp: GenInput) -> str:
         """The tenant's secret salt, mixed with the client's ``cache_salt`` (which never replaces it)."""
@@ -442,8 +460,9 @@ class RouterService:
             span.set_attribute("kvmesh.prompt_tokens", len(p.tokens))
             span.set_attribute("kvmesh.hash.reused_blocks", p.reused_blocks)
             span.set_attribute("kvmesh.hash.hashed_blocks", p.hashed_blocks)
-            # External OpenAI endpoints take the HTTP body itself (``passthrough``), not token ids.
-            exclude: set[str] = set(self.cluster.external.urls)
+            # External OpenAI endpoints get the token ids through vLLM's completions API
+            # (``external_generate``); the HTTP front door forwards bodies instead (``passthrough``).
+            exclude: set[str] = set()
             failures: list[str] = []
             attempts = 0
             if self.cfg.hedge_delay_s > 0:
@@ -454,10 +473,16 @@ class RouterService:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
                     d, split = await self.decide(p, inp.policy, exclude)
+                if split.split and d.endpoint_id in self.cluster.external:
+                    # An external engine cannot take a kvmesh prefill worker's KV handle.
+                    split = SplitDecision(False, reason="decode endpoint is an external engine")
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
-                overhead = time.perf_counter() - t0
+                now = time.perf_counter()
+                overhead = now - t0
                 if attempts == 1:
                     metrics.OVERHEAD.observe(overhead)
+                    inp.decision_s = now - (inp.received if inp.received is not None else t0)
+                    metrics.DECISION.observe(inp.decision_s)
                 self._trace_decision(span, d, split, attempts)
                 self.record_routed(p, d, split)
                 try:
@@ -672,6 +697,10 @@ class RouterService:
 
     async def _run(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
                    overhead: float, span: trace.Span, worker_rid: str = "") -> AsyncIterator[tuple[str, Any]]:
+        if d.endpoint_id in self.cluster.external:   # a plain vLLM (also as a hedge): its completions API
+            async for item in self._run_external(p, inp, d, split, attempt, overhead, span, worker_rid):
+                yield item
+            return
         handle = await self._prefill(p, inp, split, span) if split.split else None
         wreq = worker_pb2.GenerateRequest(
             request_id=worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}"),
@@ -712,6 +741,8 @@ class RouterService:
                     ids = list(msg.token_ids)
                     generated.extend(ids)
                     yield "chunk", ids
+                if msg.parsed:
+                    yield "parsed", Parsed(msg.content_delta, list(msg.tool_call_deltas))
                 if msg.finished:
                     final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead,
                                         span)
@@ -736,6 +767,53 @@ class RouterService:
             inp.calls.remove(call)
             if not call.done():
                 call.cancel()
+
+    async def _run_external(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision, attempt: int,
+                            overhead: float, span: trace.Span, worker_rid: str = ""
+                            ) -> AsyncIterator[tuple[str, Any]]:
+        """``_run`` for an external vLLM: the token ids through its completions API (``external_generate``)."""
+        url = self.cluster.external.urls.get(d.endpoint_id)
+        if url is None:
+            raise _BeforeFirstToken("endpoint vanished", mark_dead=False)
+        max_tokens = inp.sampling.max_tokens or self.cfg.max_tokens_default or max(
+            1, self.max_model_len() - len(p.tokens))
+        body = external_generate.request_body(inp.model, p.tokens, inp.sampling, max_tokens, p.salt)
+        headers = {"x-request-id": worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}")}
+        with trace.use_span(span, end_on_exit=False):
+            propagate.inject(headers)
+        ext = self.cluster.external
+        done = external_generate.Completion()
+        generated: list[int] = []
+        ttft = 0.0
+        t_start = time.monotonic()
+        self._remaining(inp)   # DeadlineExceeded when already past it
+        try:
+            async for ids in external_generate.stream_tokens(
+                    ext.client, url, body, {**ext.headers, **headers, **ext.rank_headers(d.endpoint_id)},
+                    ext.connect_timeout_s, self.cfg.first_token_timeout_s, self.cfg.stream_idle_timeout_s, done,
+                    inp.deadline):
+                if not generated:
+                    self.core.on_first_token(p.req)
+                    ttft = time.monotonic() - t_start
+                generated.extend(ids)
+                yield "chunk", ids
+        except external_generate.Deadline:
+            raise DeadlineExceeded(f"deadline exceeded after {len(generated)} generated tokens") from None
+        except external_generate.NoAnswer as exc:
+            raise _BeforeFirstToken(exc.why, mark_dead=exc.mark_dead) from None
+        except external_generate.Rejected as exc:
+            code = {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+                    422: grpc.StatusCode.INVALID_ARGUMENT}.get(exc.status, grpc.StatusCode.UNKNOWN)
+            raise UpstreamError(f"endpoint {d.endpoint_id}: {exc.message}", code) from None
+        except external_generate.Broken as exc:
+            raise StreamBroken(f"endpoint {d.endpoint_id} failed ({exc}) after {len(generated)} generated "
+                               f"tokens: {generated}", generated) from None
+        msg = worker_pb2.GenerateResponse(finished=True, finish_reason=done.finish_reason)
+        if done.usage_seen:
+            msg.usage.prompt_tokens = done.prompt_tokens
+            msg.usage.completion_tokens = done.completion_tokens
+            msg.usage.cached_tokens = done.cached_tokens
+        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span)
 
     async def _read(self, call: Any, d: Decision, generated: list[int]) -> Any:
         """The next message of a worker stream, or EOF, within the first-token or idle timeout.
@@ -777,7 +855,8 @@ class RouterService:
             split=handle is not None, prefill_endpoint=split.prefill_endpoint if handle is not None else "",
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
-            kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0)
+            kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
+            decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)

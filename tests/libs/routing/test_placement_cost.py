@@ -3,13 +3,16 @@
 * cluster work: under saturation, a recompute away from the prefix's home is priced again,
   scaled by how saturated the cluster is; with an idle endpoint it is free;
 * displacement: new blocks beyond an endpoint's empty ones evict cached KV, priced as its
-  recompute; unknown cache contents (no count) price nothing.
+  recompute; unknown cache contents (no count) price nothing;
+* hold: under saturation, only endpoints holding enough of the prompt (GPU or restorable)
+  may take it; with an idle endpoint, or no holder, the cost decides.
 
 Expected figures are derived from the config's latency figures, as the cost states them.
 """
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -71,7 +74,7 @@ def test_saturated_cluster_keeps_the_turn_home_when_the_move_only_trades_queue_f
     assert by["e1"].work_s == cfg.cluster_work_weight * 1.0 * (own_away - own_home)
     assert by["e1"].wait_s + by["e1"].own_s + by["e1"].decode_s < by["e0"].cost   # the old cost would move it
     # The same cluster without the term moves the turn.
-    plain = _core(2, cluster_work_weight=0.0)
+    plain = _core(2, cluster_work_weight=0.0, hold_min_ratio=0.0)
     _saturated_home(plain, n, home_q, other_q)
     assert plain.decide(_req(plain, n, "r", session="s"), home, now=0.1).endpoint_id == "e1"
 
@@ -274,3 +277,131 @@ def test_blocks_restored_from_the_store_displace_like_recomputed_ones():
     assert by["e0"].displace_s == 0.0
     assert d.endpoint_id == "e0"
 
+
+
+# ---------------------------------------------------------------- holding a turn for its holder
+
+
+def _queues(core: RouterCore, **prefill: int) -> None:
+    """Load reports with ``prefill[e]`` tokens of prefill queued on each endpoint (0: idle)."""
+    for e, q in prefill.items():
+        core.load.update(e, LoadReport(running=1, waiting=2 if q else 0, waiting_prefill_tokens=q, received_at=0.0))
+
+
+def _long_home_queue(cfg: ScoringConfig, n: int) -> int:
+    """Prefill queued on the home: its wait exceeds a recompute elsewhere plus every other term."""
+    return int(20 * _own(cfg, n, 0) / cfg.prefill_s_per_token)
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 1.0])
+def test_saturated_cluster_holds_the_turn_for_the_endpoint_that_holds_its_prompt(ratio: float):
+    n = 4000
+    cap = max_hit_blocks(n, BS)
+    core = _core(3, hold_min_ratio=ratio, cluster_work_weight=0.0, displace_weight=0.0)
+    cfg = core.cfg.scoring
+    _queues(core, e0=_long_home_queue(cfg, n), e1=BS, e2=2 * BS)
+    # The home is hot too: its queue is far above the others'.
+    core.load.update("e0", LoadReport(running=1, waiting=12, waiting_prefill_tokens=_long_home_queue(cfg, n),
+                                      received_at=0.0))
+    held = math.ceil(ratio * cap)   # the fewest blocks that still hold the prompt
+    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=held)}), now=0.1)
+    by = {c.endpoint_id: c for c in d.candidates}
+    # On cost alone e1 wins by far (e0's queue); it is excluded, and e0 is hot but holds.
+    assert by["e1"].cost < by["e0"].cost and by["e0"].hot
+    assert d.endpoint_id == "e0"
+    assert (by["e0"].excluded, by["e1"].excluded, by["e2"].excluded) == ("", "held", "held")
+
+
+def test_below_the_ratio_the_cost_decides():
+    n = 4000
+    cap = max_hit_blocks(n, BS)
+    core = _core(2, hold_min_ratio=0.5, cluster_work_weight=0.0, displace_weight=0.0)
+    cfg = core.cfg.scoring
+    _queues(core, e0=_long_home_queue(cfg, n), e1=BS)
+    m = Matches(per_endpoint={"e0": TierMatch(gpu=cap // 2 - 1)})
+    d = core.decide(_req(core, n, "r", session="s"), m, now=0.1)
+    assert d.endpoint_id == "e1"
+    assert all(c.excluded != "held" for c in d.candidates)
+
+
+def test_an_idle_endpoint_lifts_the_hold():
+    n = 4000
+    cap = max_hit_blocks(n, BS)
+    core = _core(2, hold_min_ratio=0.5, cluster_work_weight=0.0, displace_weight=0.0)
+    cfg = core.cfg.scoring
+    # e1 has nothing queued: the cluster is not saturated, a recompute there evicts in no queue.
+    _queues(core, e0=_long_home_queue(cfg, n), e1=0)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    assert d.endpoint_id == "e1"
+
+
+def test_a_prefix_restorable_from_the_store_is_held_everywhere():
+    n = 4000
+    cap = max_hit_blocks(n, BS)
+    core = _core(2, hold_min_ratio=0.5, cluster_work_weight=0.0, displace_weight=0.0)
+    cfg = core.cfg.scoring
+    _queues(core, e0=_long_home_queue(cfg, n), e1=BS)
+    # Every endpoint can restore the prefix: a move recomputes nothing, so nothing is held.
+    m = Matches(per_endpoint={"e0": TierMatch(gpu=cap)}, store=TierMatch(cpu=cap))
+    d = core.decide(_req(core, n, "r", session="s"), m, now=0.1)
+    assert d.endpoint_id == "e1"
+    assert all(not c.excluded for c in d.candidates)
+
+
+def test_hold_off_moves_the_turn():
+    n = 4000
+    cap = max_hit_blocks(n, BS)
+    core = _core(2, hold_min_ratio=0.0, cluster_work_weight=0.0, displace_weight=0.0)
+    cfg = core.cfg.scoring
+    _queues(core, e0=_long_home_queue(cfg, n), e1=BS)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    assert d.endpoint_id == "e1"
+
+
+def test_a_new_prompt_is_placed_by_cost_under_saturation():
+    n = 4000
+    core = _core(3, hold_min_ratio=0.5, cluster_work_weight=0.0, displace_weight=0.0)
+    cfg = core.cfg.scoring
+    _queues(core, e0=_long_home_queue(cfg, n), e1=BS, e2=4 * BS)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    assert d.endpoint_id == "e1"
+
+
+# ---------------------------------------------------------------- displacement on a thrashing endpoint
+
+
+@pytest.mark.parametrize("others_x", [1.0, 1.5, 2.0, 3.0])
+def test_displacement_fades_as_the_others_working_set_exceeds_the_cache(others_x: float):
+    n = 3200
+    nb = 1000
+    core = _core(1, displace_weight=1.0, displace_free_at=2.0)
+    cfg = core.cfg.scoring
+    _capacity(core, nb, "e0")
+    cap_t = nb * BS
+    core.load.working_set.touch("other", "e0", int(others_x * cap_t), 0.0)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    need = -(-n // BS) * BS
+    full = cfg.displace_weight * _evict(cfg, need)     # nothing fits beside the others: all of it evicts
+    kept = min(1.0, max(0.0, 2.0 - others_x))          # linear from 1x (all kept) to 2x (none)
+    assert d.candidates[0].displace_s == pytest.approx(full * kept)
+
+
+def test_a_thrashing_endpoint_takes_a_new_session_before_one_at_capacity():
+    n = 3200
+    nb = 1000
+    core = _core(2, displace_weight=1.0, displace_free_at=2.0)
+    _capacity(core, nb, "e0", "e1")
+    core.load.working_set.touch("a", "e0", nb * BS, 0.0)         # exactly full of live contexts
+    core.load.working_set.touch("b", "e1", 3 * nb * BS, 0.0)     # three caches' worth: recycled anyway
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    by = {c.endpoint_id: c for c in d.candidates}
+    assert by["e1"].displace_s == 0.0 < by["e0"].displace_s
+    assert d.endpoint_id == "e1"
+    # Priced in full everywhere (the default), the two endpoints tie and the hash decides.
+    plain = _core(2, displace_weight=1.0)
+    _capacity(plain, nb, "e0", "e1")
+    plain.load.working_set.touch("a", "e0", nb * BS, 0.0)
+    plain.load.working_set.touch("b", "e1", 3 * nb * BS, 0.0)
+    pd = plain.decide(_req(plain, n, "r", session="s"), Matches(), now=0.1)
+    assert {c.endpoint_id: c.displace_s for c in pd.candidates}["e0"] == \
+        {c.endpoint_id: c.displace_s for c in pd.candidates}["e1"] > 0.0

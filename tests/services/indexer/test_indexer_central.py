@@ -18,9 +18,16 @@ import zmq
 from kvmesh.config import ConfigError
 from kvmesh.events.codec import BlockRemoved, KVEventBatch, encode_batch
 from kvmesh.events.publisher import KvEventPublisher
+from kvmesh.events.topic import dp_endpoint
 from kvmesh_api.indexer.v1 import indexer_pb2
-from kvmesh_indexer.central_socket import UNADMITTED, check_replay_template, replay_address, split_host_port
+from kvmesh_indexer.central_socket import (
+    UNADMITTED,
+    check_replay_template,
+    replay_address,
+    split_host_port,
+)
 from kvmesh_indexer.config import IndexerConfig
+from kvmesh_tools.testing.ports import free_port
 from tests.fixtures.indexer import wait_until
 from tests.services.indexer.test_indexer_service import BS, HASHER, MODEL, MODELS, combined, stored, tokens
 
@@ -264,6 +271,8 @@ def test_replay_template_and_topic_host_parsing() -> None:
     ({"kv_events_bind": "tcp://127.0.0.1:0", "kv_events_max_endpoints": 0}, "kv_events_max_endpoints"),
     ({"kv_events_bind": "tcp://127.0.0.1:0", "kv_events_hash_algo": "md5"}, "kv_events_hash_algo"),
     ({"kv_events_idle_purge_s": -1}, "kv_events_idle_purge_s"),
+    ({"kv_events_bind": "tcp://127.0.0.1:5557", "kv_events_dp_size": 0}, "kv_events_dp_size"),
+    ({"kv_events_bind": "tcp://127.0.0.1:0", "kv_events_dp_size": 2}, "kv_events_bind"),   # rank 1: no port
 ])
 def test_bad_central_settings_name_the_setting(overrides, setting) -> None:
     with pytest.raises(ConfigError, match=setting):
@@ -274,3 +283,63 @@ async def test_bind_failure_is_a_config_error(start_indexer, tmp_path) -> None:
     ix, central = await start_central(start_indexer, tmp_path)
     with pytest.raises(ConfigError, match="kv_events_bind"):
         await start_indexer(models=MODELS, kv_events_bind=central)
+
+
+class DpRank:
+    """DP rank ``rank`` of one vLLM: same topic as every rank, its own PUB (vLLM connects rank r to
+    the central address's port + r) and its own sequence numbers."""
+
+    def __init__(self, central: str, pod: str, rank: int) -> None:
+        self.endpoint_id = dp_endpoint(pod, rank)
+        self.pub = KvEventPublisher(central, topic=f"kv@{pod}@{MODEL}", data_parallel_rank=rank)
+
+    def publish(self, *events) -> int:  # noqa: ANN002
+        return self.pub.publish(KVEventBatch(time.time(), list(events), self.pub._dp_rank))
+
+    def close(self) -> None:
+        self.pub.close(linger_ms=0)
+
+
+async def test_data_parallel_ranks_are_endpoints_of_their_own(start_indexer) -> None:
+    """vLLM with --data-parallel-size 2 publishes one topic from two ranks (ports P and P+1, each
+    its own sequence): each rank is an endpoint of its own, replayed from its own replay port."""
+    for _ in range(20):   # the ports P and P+1 must both be free: bind, retry elsewhere if taken
+        base = free_port()
+        try:
+            ix = await start_indexer(models=MODELS, kv_events_bind=f"tcp://127.0.0.1:{base}", kv_events_dp_size=2,
+                                     kv_events_replay="tcp://{host}:5558")
+            break
+        except ConfigError:
+            continue
+    else:
+        pytest.fail("no free pair of ports for the central socket")
+    assert ix.app.central.bound == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
+    pod = "10.3.0.1:8000"
+    ranks = [DpRank(f"tcp://127.0.0.1:{base}", pod, r) for r in (0, 1)]
+    try:
+        for r in ranks:
+            await connected(r, ix)   # type: ignore[arg-type]
+        (ev0, keys0), (ev1, keys1) = stored(tokens(21, 4)), stored(tokens(22, 2))
+        ranks[0].publish(ev0)
+        ranks[1].publish(ev1)
+        await wait_until(lambda: _eq(combined(ix.stub, keys0, pod), 4), what="rank 0's blocks")
+        await wait_until(lambda: _eq(combined(ix.stub, keys1, f"{pod}_dp1"), 2), what="rank 1's blocks")
+        assert await combined(ix.stub, keys0, f"{pod}_dp1") == 0 and await combined(ix.stub, keys1, pod) == 0
+        listed = {e.endpoint.endpoint_id: e.endpoint for e in (await ix.stub.ListEndpoints(
+            indexer_pb2.ListEndpointsRequest(), timeout=5)).endpoints}
+        assert listed[pod].kv_events_replay_endpoint == "tcp://10.3.0.1:5558"
+        assert listed[f"{pod}_dp1"].kv_events_replay_endpoint == "tcp://10.3.0.1:5559"   # vLLM's offset
+        # Neither rank's sequence numbers disturbed the other's (no gap, no clear).
+        for eid in (pod, f"{pod}_dp1"):
+            assert not ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": eid, "reason": "gap"})
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def test_dp_replay_addresses_follow_vllms_offset() -> None:
+    assert replay_address("tcp://{host}:5558", "10.0.0.1:8000", 3) == "tcp://10.0.0.1:5561"
+    assert replay_address("inproc://replay-{port}", "h:1", 2) == "inproc://replay-1_dp2"
+    assert dp_endpoint("h:1", 0) == "h:1" and dp_endpoint("h:1", 2) == "h:1_dp2"
+    with pytest.raises(ValueError):   # vLLM cannot offset an ipc address either
+        replay_address("ipc:///tmp/r-{port}.sock", "h:1", 1)

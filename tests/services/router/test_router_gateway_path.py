@@ -91,3 +91,23 @@ async def test_the_split_decision_rides_in_llm_ds_prefill_header(gateway) -> Non
     off = await pick(svc, MODEL, tokens=[9 + (i * 17) % 800 for i in range(600)])
     assert off.extra_headers == {}
     off.done()
+
+
+async def test_a_data_parallel_pods_rank_rides_in_vllms_header(tiny_model_dir) -> None:
+    """Behind Envoy too, the DP rank the picker predicted for is the rank that serves."""
+    engine = await OpenAIEngine(MODEL).start()
+    engine.engine_loads = {"0": (5, 1, 0.5), "1": (0, 0, 0.0)}
+    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0, auth="off",
+                       endpoints=[f"v={engine.url}"], external_dp_size=2)
+    cfg.validate()
+    svc = build_service(cfg)
+    try:
+        await _poll(svc)
+        picked = await pick(svc, MODEL, tokens=list(range(5, 80)))
+        assert picked.endpoint_id == "v_dp1"   # the idle rank
+        assert picked.extra_headers == {"X-data-parallel-rank": "1"}
+        assert picked.http_address == engine.url.removeprefix("http://")   # both ranks: the one pod
+        picked.done()
+    finally:
+        await svc.cluster.stop()
+        await engine.stop()

@@ -10,13 +10,16 @@ from __future__ import annotations
 
 import json
 
+import anthropic
+import grpc
 import httpx
+import httpx2
 import pytest
 
 from kvmesh.config import ConfigError
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router.config import RouterConfig, parse_endpoint
-from kvmesh_router.errors import Unavailable
+from kvmesh_router.errors import UpstreamError
 from kvmesh_router.http_api import build_app
 from kvmesh_router.main import build_service
 from kvmesh_router.service import GenInput
@@ -186,11 +189,217 @@ async def test_bad_completion_prompts_get_a_400(stack) -> None:
     assert not _received(engines)
 
 
-async def test_token_id_requests_do_not_go_to_external_endpoints(stack) -> None:
+async def test_token_id_requests_go_to_vllm_completions(stack) -> None:
+    """The router's token path (gRPC Generate) reaches an external engine as a streamed
+    completions request of token ids, with the tenant's salt; the ids stream back."""
     svc, engines, client = stack
-    with pytest.raises(Unavailable):
-        [x async for x in svc.generate(GenInput(model=MODEL, tokens=[1, 2, 3],
+    for e in engines.values():
+        e.cached_tokens = 3
+    inp = GenInput(model=MODEL, tokens=[1, 2, 3], tenant="acme",
+                   sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.5, stop=["\n"]))
+    items = [x async for x in svc.generate(inp)]
+    assert [ids for kind, ids in items if kind == "chunk"] == [[100], [101]]
+    kind, fin = items[-1]
+    assert kind == "final" and fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert fin.usage.prompt_tokens == 10 and fin.usage.cached_tokens == 3 and fin.output_ids == [100, 101]
+    assert fin.routing.endpoint in engines and not fin.routing.split
+    got = _received(engines)[-1]
+    assert got["prompt"] == [1, 2, 3] and got["return_token_ids"] is True and got["stream"] is True
+    assert got["cache_salt"] == svc.salts.salt("acme") and got["stop"] == ["\n"] and got["max_tokens"] == 2
+    assert got["stream_options"] == {"include_usage": True} and got["temperature"] == 0.5
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+
+
+async def test_token_id_requests_the_engine_refuses_keep_its_message(stack) -> None:
+    svc, engines, client = stack
+    for e in engines.values():
+        e.model = "another-model"   # the engine's own validation refuses the request
+    with pytest.raises(UpstreamError) as err:
+        [x async for x in svc.generate(GenInput(model=MODEL, tokens=[1, 2],
                                                 sampling=common_pb2.SamplingParams(max_tokens=2)))]
+    assert err.value.grpc_code == grpc.StatusCode.NOT_FOUND and "no such model" in err.value.message
+    assert len(_received(engines)) == 1   # refused, not retried elsewhere
+
+
+async def test_a_token_id_request_survives_a_dead_endpoint(stack) -> None:
+    svc, engines, client = stack
+    await engines["a"].stop()
+    for _ in range(3):
+        items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=[5, 6, 7],
+                                                        sampling=common_pb2.SamplingParams(max_tokens=2)))]
+        assert items[-1][1].routing.endpoint == "b"
+def _anthropic(svc) -> anthropic.AsyncAnthropic:
+    return anthropic.AsyncAnthropic(base_url="http://router", api_key="k", max_retries=0, http_client=httpx2.AsyncClient(
+        transport=httpx2.ASGITransport(app=build_app(svc))))
+
+
+ANTHROPIC_TOOLS = [{"name": "read_file", "description": "Read a file.",
+                    "input_schema": {"type": "object", "properties": {"path": {"type": "string"}}}}]
+
+
+async def test_messages_go_to_the_engines_own_messages_api(stack) -> None:
+    """/v1/messages: vLLM's own Messages API gets the client's body with the tenant's salt
+    (what only vLLM honours, like top_k and a forced tool, included); its answer comes back."""
+    svc, engines, _ = stack
+    client = _anthropic(svc)
+    for e in engines.values():
+        e.cached_tokens = 4
+    kw = dict(model=MODEL, max_tokens=8, system="You are a coding agent.", tools=ANTHROPIC_TOOLS,
+              tool_choice={"type": "tool", "name": "read_file"},
+              messages=[{"role": "user", "content": "What is in a.py?"}])
+    raw = await client.messages.with_raw_response.create(**kw, extra_headers={"x-tenant": "acme"},
+                                                         extra_body={"kvmesh_policy": "precise", "top_k": 5})
+    m = await raw.parse()
+    assert m.content[0].text == "hi" and m.usage.cache_read_input_tokens == 4 and m.usage.input_tokens == 6
+    assert raw.headers["x-kvmesh-endpoint"] in engines and int(raw.headers["x-kvmesh-predicted-cached-tokens"]) >= 0
+    got = _received(engines)[-1]
+    assert got == {**kw, "top_k": 5, "cache_salt": svc.salts.salt("acme")}   # kvmesh_policy is the router's, not sent
+    # Streamed: vLLM's events come through as it wrote them.
+    async with client.messages.stream(**kw) as stream:
+        text = "".join([t async for t in stream.text_stream])
+        final = await stream.get_final_message()
+    assert text == "hi" and final.usage.cache_read_input_tokens == 4
+    assert _received(engines)[-1]["stream"] is True
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+
+
+async def test_messages_errors_have_anthropics_shape(stack) -> None:
+    svc, engines, _ = stack
+    client = _anthropic(svc)
+    with pytest.raises(anthropic.BadRequestError) as err:   # the router's own validation
+        await client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "robot", "content": "x"}])
+    assert err.value.body["error"]["type"] == "invalid_request_error" and "messages.0.role" in err.value.message
+    with pytest.raises(anthropic.BadRequestError):
+        await client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],
+                                     extra_body={"output_config": {"effort": "high"}})
+    with pytest.raises(anthropic.NotFoundError):
+        await client.messages.create(model="nope", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    assert not _received(engines)
+    for e in engines.values():
+        e.break_stream = True
+    with pytest.raises(anthropic.APIStatusError) as err:
+        async with client.messages.stream(model=MODEL, max_tokens=8,
+                                          messages=[{"role": "user", "content": "x"}]) as stream:
+            async for _ in stream:
+                pass
+    assert "broke off the stream" in str(err.value)
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+
+
+@pytest.fixture
+async def dp_stack(tiny_model_dir):
+    """Two external vLLM servers with --data-parallel-size 2 each."""
+    engines = {"a": await OpenAIEngine(MODEL).start(), "b": await OpenAIEngine(MODEL).start()}
+    for e in engines.values():
+        e.engine_loads = {"0": (0, 0, 0.0), "1": (0, 0, 0.0)}
+    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
+                       endpoints=[f"{k}={e.url}" for k, e in engines.items()], auth="off",
+                       external_connect_timeout_s=1.0, external_dp_size=2)
+    cfg.validate()
+    svc = build_service(cfg)
+    await svc.cluster.poll_all()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router",
+                               timeout=30)
+    yield svc, engines, client
+    await client.aclose()
+    await svc.cluster.stop()
+    for e in engines.values():
+        await e.stop()
+
+
+async def test_data_parallel_servers_are_one_endpoint_per_rank(dp_stack) -> None:
+    """Each DP rank is an endpoint named as the indexer names its events (<id>_dp<r>), with its own
+    engine's load; the rank the router picked serves (vLLM's X-data-parallel-rank header)."""
+    svc, engines, client = dp_stack
+    assert set(svc.core.endpoints) == {"a", "a_dp1", "b", "b_dp1"}
+    engines["a"].engine_loads = {"0": (0, 1, 0.25), "1": (7, 2, 0.5)}
+    await svc.cluster.poll_all()
+    rep0, rep1 = svc.core.load.reports["a"], svc.core.load.reports["a_dp1"]
+    assert (rep0.waiting, rep0.running, rep0.kv_usage) == (0, 1, 0.25)
+    assert (rep1.waiting, rep1.running, rep1.kv_usage) == (7, 2, 0.5)
+    seen = set()
+    for i in range(6):
+        r = await client.post("/v1/chat/completions", json=_chat(session_id=f"s{i}"))
+        assert r.status_code == 200, r.text
+        eid = r.headers["x-kvmesh-endpoint"]
+        server, rank = eid.split("_dp") if "_dp" in eid else (eid, "0")
+        assert engines[server].headers[-1]["x-data-parallel-rank"] == rank
+        seen.add(eid)
+    items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=[1, 2, 3],
+                                                    sampling=common_pb2.SamplingParams(max_tokens=2)))]
+    eid = items[-1][1].routing.endpoint
+    server, rank = eid.split("_dp") if "_dp" in eid else (eid, "0")
+    assert engines[server].headers[-1]["x-data-parallel-rank"] == rank
+    # A server that refuses connections is down with every rank: one failed connect says so.
+    await engines["a"].stop()
+    svc.cluster.mark_dead("a_dp1", "ConnectError")
+    assert not svc.core.endpoints["a"].alive and not svc.core.endpoints["a_dp1"].alive
+    assert svc.core.endpoints["b"].alive and svc.core.endpoints["b_dp1"].alive
+    for _ in range(4):
+        r = await client.post("/v1/chat/completions", json=_chat())
+        assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] in ("b", "b_dp1")
+
+
+async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(tiny_model_dir) -> None:
+    """llm-d's P/D convention toward external engines: the prefill engine gets the body with one
+    token, no stream and the connector's prefill_only; then the decode engine gets the client's body."""
+    engines = {"d": await OpenAIEngine(MODEL).start(), "p": await OpenAIEngine(MODEL).start()}
+    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0, auth="off",
+                       endpoints=[f"d={engines['d'].url}"], prefill_endpoints=[f"p={engines['p'].url}"],
+                       split_enabled=True, split_threshold_tokens=1, split_store_wait_s=0.05)
+    cfg.validate()
+    svc = build_service(cfg)
+    await svc.cluster.poll_all()
+    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router", timeout=30)
+    try:
+        sent = _chat(stream=True, stream_options={"include_usage": True}, n=1, max_completion_tokens=9)
+        r = await client.post("/v1/chat/completions", json=sent, headers={"x-tenant": "acme"})
+        assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "d"
+        assert r.headers["x-kvmesh-split"] == "true" and r.headers["x-kvmesh-prefill-endpoint"] == "p"
+        salt = svc.salts.salt("acme")
+        (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
+        assert dec == {**sent, "cache_salt": salt}
+        want = {**sent, "cache_salt": salt, "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
+                "kv_transfer_params": {"kvmesh": {"prefill_only": True}}}
+        del want["stream_options"]
+        assert pre == want
+        assert engines["p"].headers[0]["x-request-id"] == r.headers["x-kvmesh-request-id"] + "-prefill"
+        # A prefill engine that is gone costs the split only.
+        await engines["p"].stop()
+        r = await client.post("/v1/chat/completions", json=_chat(session_id="x"))
+        assert r.status_code == 200 and r.headers["x-kvmesh-split"] == "failed" and len(engines["d"].bodies) == 2
+        assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+    finally:
+        await client.aclose()
+        await svc.cluster.stop()
+        await engines["d"].stop()
+
+
+async def test_messages_merge_inline_system_prompts_as_vllm_does(stack) -> None:
+    """A template that wants the system prompt first (Qwen's): vLLM's /v1/messages merges inline
+    system messages into the leading one, so the router predicts the merged conversation."""
+    svc, engines, _ = stack
+    client = _anthropic(svc)
+    seen = []
+    prepare = svc.prepare
+
+    async def spy(inp):  # noqa: ANN001, ANN202
+        seen.append(inp.chat_request.messages)
+        return await prepare(inp)
+
+    svc.prepare = spy
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "system", "content": "reminder"}, {"role": "user", "content": "u2"}]
+    await client.messages.create(model=MODEL, max_tokens=4, system="S", messages=msgs)
+    assert [m["role"] for m in seen[-1]] == ["system", "user", "assistant", "system", "user"]   # kept in place
+    svc.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{{ m.content }}{% endfor %}")
+    api = _anthropic(svc)   # a new app: the template's need is read once per app
+    await api.messages.create(model=MODEL, max_tokens=4, system="S", messages=msgs)
+    assert seen[-1][0] == {"content": "Sreminder", "role": "system"}
+    assert [m["role"] for m in seen[-1]] == ["system", "user", "assistant", "user"]
+    assert _received(engines)[-1]["messages"] == msgs   # the engine still gets the body as sent
 
 
 def test_endpoint_specs() -> None:
@@ -200,7 +409,9 @@ def test_endpoint_specs() -> None:
     for bad in ("v0=http://:8000", "v0=http://h:1/?q=1", "v0=https://h:1#x"):
         with pytest.raises(ConfigError):
             parse_endpoint(bad)
-    with pytest.raises(ConfigError, match="P/D split"):
+    # A prefill engine hands its KV to decode engines of its own kind (external: through the store).
+    with pytest.raises(ConfigError, match="external OpenAI prefill endpoint"):
         RouterConfig(prefill_endpoints=["p=http://h:1"]).validate()
+    RouterConfig(endpoints=["d=http://h:2"], prefill_endpoints=["p=http://h:1"], auth="off").validate()
     with pytest.raises(ConfigError, match="NAMESPACE/NAME"):
         RouterConfig(inference_pool="just-a-name").validate()

@@ -11,7 +11,9 @@ router's predicted cached tokens (``x-kvmesh-predicted-cached-tokens``) equal vL
 parsed tool call back; another tenant's identical prompt gets no cached token; killing the
 vLLM that holds the conversation moves it to the other one, which restores it from the store.
 The same fleet behind a real Envoy with the router as ext_proc picker: the picker writes the
-tenant's salt into the forwarded body, and predictions equal vLLM's there too.
+tenant's salt into the forwarded body, and predictions equal vLLM's there too. The Messages
+API (official ``anthropic`` client) goes to vLLM's own ``/v1/messages`` and gRPC ``Generate``
+to vLLM's completions with token ids; both predict exactly too.
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import json
 import time
 from collections.abc import Iterator
 
+import anthropic
+import grpc
 import httpx
 import openai
 import pytest
 
 from kvmesh.worker.connector import CONNECTOR_MODULE
+from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
@@ -82,7 +87,8 @@ def fleet(vllm_servers, envoy_factory, tiny_model_dir, tmp_path_factory: pytest.
             time.sleep(0.2)
         # The same fleet behind Envoy, the router as its ext_proc endpoint picker.
         gateway = envoy_factory(extproc_port, [s.port for s in servers], fail_open=False, name="gateway")
-        yield {"base": base, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log",
+        yield {"base": base, "grpc": f"127.0.0.1:{port}", "indexer": idx.grpc_address, "tmp": tmp,
+               "model_dir": tiny_model_dir, "servers": {s.endpoint_id: s for s in servers}, "router_log": tmp / "router.log",
                "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "gateway": gateway.base}
     finally:
         if router is not None:
@@ -212,6 +218,137 @@ def test_tenants_do_not_share_kv(fleet) -> None:
     time.sleep(0.4)
     other, predicted, _ = _turn(_client(fleet, "tenant-b"), messages, max_tokens=2, tool_choice="none")
     assert other.usage.prompt_tokens_details.cached_tokens == predicted == 0
+
+
+ANTHROPIC_TOOLS = [{"name": "get_weather", "description": "The weather in a city.",
+                    "input_schema": {"type": "object", "properties": {"location": {"type": "string",
+                                                                                   "enum": ["Paris", "Rome"]}},
+                                     "required": ["location"], "additionalProperties": False}}]
+
+
+def test_messages_api_through_vllms_own_messages(fleet) -> None:
+    """The official anthropic client through the router: vLLM's /v1/messages answers (its tool
+    parser, its events), and every turn's prediction equals vLLM's cache_read_input_tokens."""
+    client = anthropic.Anthropic(base_url=fleet["base"], api_key="k", max_retries=0, timeout=120,
+                                 default_headers={"x-tenant": "acme"})
+    system = "You are a coding agent. Use the tools when they help. " * 6
+    messages: list[dict] = [{"role": "user", "content": "Plan the refactor of the lexer, then check the weather."}]
+    endpoints, calls = [], 0
+    for turn in range(8):
+        wants_tool = turn % 4 == 1
+        kw = dict(model=TINY_MODEL_NAME, system=system, messages=messages, tools=ANTHROPIC_TOOLS,
+                  extra_body={"temperature": 0.0}, max_tokens=64 if wants_tool else 8,
+                  tool_choice={"type": "tool", "name": "get_weather"} if wants_tool else {"type": "none"})
+        if turn % 4 == 3:   # streamed: vLLM's events pass through
+            with client.messages.stream(**kw) as stream:
+                m = stream.get_final_message()
+                headers = stream.response.headers
+        else:
+            raw = client.messages.with_raw_response.create(**kw)
+            m, headers = raw.parse(), raw.headers
+        predicted, eid = int(headers["x-kvmesh-predicted-cached-tokens"]), headers["x-kvmesh-endpoint"]
+        cached = m.usage.cache_read_input_tokens
+        assert predicted == cached, (turn, eid, predicted, m.usage, _lookups(fleet))
+        if turn:
+            assert cached > 0, turn
+        endpoints.append(eid)
+        if wants_tool:
+            use = [b for b in m.content if b.type == "tool_use"]
+            assert m.stop_reason == "tool_use" and use, m
+            assert use[0].name == "get_weather" and use[0].input["location"] in ("Paris", "Rome")
+            calls += 1
+            messages += [{"role": "assistant", "content": [{"type": "tool_use", "id": use[0].id,
+                                                            "name": use[0].name, "input": use[0].input}]},
+                         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use[0].id,
+                                                       "content": f"Sunny, {turn + 12} C"}]}]
+        else:
+            text = "".join(b.text for b in m.content if b.type == "text")
+            messages += [{"role": "assistant", "content": text or "ok"},
+                         {"role": "user", "content": f"Step {turn}: now look at lex_{turn}.py."}]
+        time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
+    assert calls == 2
+    assert len(set(endpoints[1:])) == 1, endpoints
+
+
+def test_grpc_generate_on_external_engines(fleet) -> None:
+    """gRPC Generate reaches vLLM as completions of the router's token ids (with the tenant's
+    salt): tokens stream back, and the prediction equals vLLM's cached tokens."""
+    text = "def parse(tokens):\n    # the recursive-descent parser of the config language\n" * 12
+    with grpc.insecure_channel(fleet["grpc"]) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        finals = []
+        for turn in range(3):
+            req = router_pb2.GenerateRequest(model=TINY_MODEL_NAME, text=text + f"# step {turn}\n" * turn,
+                                             return_text=True)
+            req.sampling.max_tokens = 4
+            req.sampling.temperature = 0.0
+            out = list(stub.Generate(req, timeout=120, metadata=[("x-tenant", "acme")]))
+            chunks = [m.chunk for m in out if m.HasField("chunk")]
+            (fin,) = [m.final for m in out if m.HasField("final")]
+            assert sum(len(c.token_ids) for c in chunks) == fin.usage.completion_tokens == 4
+            assert fin.finish_reason == 2   # FINISH_REASON_LENGTH
+            assert fin.routing.predicted_cached_tokens == fin.usage.cached_tokens, (turn, fin)
+            finals.append(fin)
+            time.sleep(0.4)
+        assert finals[1].usage.cached_tokens > 0 and finals[2].usage.cached_tokens >= finals[1].usage.cached_tokens
+        assert len({f.routing.endpoint for f in finals}) == 1
+    # Another tenant's identical prompt: salted differently, nothing cached.
+    with grpc.insecure_channel(fleet["grpc"]) as ch:
+        req = router_pb2.GenerateRequest(model=TINY_MODEL_NAME, text=text)
+        req.sampling.max_tokens = 1
+        (fin,) = [m.final for m in router_pb2_grpc.RouterStub(ch).Generate(
+            req, timeout=120, metadata=[("x-tenant", "initech")]) if m.HasField("final")]
+        assert fin.usage.cached_tokens == fin.routing.predicted_cached_tokens == 0
+
+
+@pytest.fixture(scope="module")
+def pd_router(fleet) -> Iterator[dict]:
+    """A second router over the same two vLLM servers: the first decodes, the second prefills."""
+    decode, prefill = fleet["servers"].values()
+    port, http = free_port(), free_port()
+    router = ServiceProcess("router", [
+        "--lookup-timeout-s", "2", "--lookup-late-s", "4", "--host", "127.0.0.1", "--port", str(port),
+        "--http-port", str(http), "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor",
+        "--indexer", fleet["indexer"], "--auth", "off", "--tokenizer-path", str(fleet["model_dir"]),
+        "--max-model-len", "4096", "--endpoints", decode.url, "--prefill-endpoints", prefill.url,
+        "--split-enabled", "--split-threshold-tokens", "64", "--split-store-wait-s", "20"],
+        f"127.0.0.1:{port}", log_path=fleet["tmp"] / "router-pd.log").start(60)
+    try:
+        base = f"http://127.0.0.1:{http}"
+        deadline = time.monotonic() + 30
+        while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 1:
+            assert time.monotonic() < deadline, "the P/D router never saw its decode server up"
+            time.sleep(0.2)
+        yield {"base": base, "decode": decode.endpoint_id, "prefill": prefill.endpoint_id}
+    finally:
+        router.stop(grace_s=5)
+
+
+def test_pd_split_hands_the_prompt_over_through_the_store(pd_router) -> None:
+    """llm-d's P/D convention with kvmesh's store as the transport: the prefill vLLM computes the
+    prompt (max_tokens 1) and its connector saves it; the decode vLLM restores it from the store,
+    exactly as much as the router predicted."""
+    for turn, stream in enumerate((False, True)):
+        # A tenant per turn: nothing of the prompt is cached anywhere, so the split rule splits.
+        client = openai.OpenAI(base_url=pd_router["base"] + "/v1", api_key="k", max_retries=0, timeout=120,
+                               default_headers={"x-tenant": f"pd-{turn}"})
+        messages = _opening(f"the P/D split, part {turn}")
+        kw = dict(model=TINY_MODEL_NAME, messages=messages, temperature=0.0, max_tokens=4)
+        if stream:
+            raw = client.chat.completions.with_raw_response.create(**kw, stream=True,
+                                                                    stream_options={"include_usage": True})
+            usage = list(raw.parse())[-1].usage
+        else:
+            raw = client.chat.completions.with_raw_response.create(**kw)
+            usage = raw.parse().usage
+        h = raw.headers
+        assert h.get("x-kvmesh-split") == "true", h.get("x-kvmesh-split-reason")
+        assert h["x-kvmesh-prefill-endpoint"] == pd_router["prefill"]
+        assert h["x-kvmesh-endpoint"] == pd_router["decode"]
+        cached = usage.prompt_tokens_details.cached_tokens
+        # Every full block but the one holding the last prompt token (vLLM computes that one).
+        assert cached == int(h["x-kvmesh-predicted-cached-tokens"]) == (usage.prompt_tokens - 1) // 32 * 32 > 0, (
+            turn, usage, dict(h))
 
 
 def test_killing_the_vllm_that_holds_a_conversation_moves_it(fleet) -> None:

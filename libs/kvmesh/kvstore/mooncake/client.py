@@ -42,6 +42,7 @@ from kvmesh.kvstore.client_types import (
     DEFAULT_TIMEOUT_S,
     BlockLease,
     BytesLike,
+    InvalidOffloadRequest,
     OffloadError,
     PutResult,
     StoreStats,
@@ -173,11 +174,19 @@ class MooncakeStoreClient:
         sizes = [len(memoryview(d).cast("B")) for d in plan.datas]
         crcs = plan.crcs
         written: list[str] = []
+        req = offload_pb2.ShmRequest(header=plan.header, segment="", keys=plan.keys, sizes=sizes, crc32c=crcs,
+                                     tokens=[offload_pb2.TokenBlock(ids=t) for t in plan.tokens or []])
         try:
             self._write(pool, objs, plan.datas, sizes, written)
-            req = offload_pb2.ShmRequest(header=plan.header, segment="", keys=plan.keys, sizes=sizes, crc32c=crcs,
-                                         tokens=[offload_pb2.TokenBlock(ids=t) for t in plan.tokens or []])
-            resp = self._call(self._stub.PutShm, req, "put")
+            try:
+                resp = self._call(self._stub.PutShm, req, "put")
+            except InvalidOffloadRequest as exc:
+                if "not in the pool" not in str(exc):
+                    raise
+                # The store was removing an evicted copy of one of these blocks as we wrote it
+                # (Mooncake kept the old object, then the removal took it): write again, once.
+                self._write(pool, objs, plan.datas, sizes, written)
+                resp = self._call(self._stub.PutShm, req, "put")
         except BaseException:
             # Nothing committed: do not leave the objects to Mooncake's own LRU.
             if written:
