@@ -17,7 +17,10 @@ prompt an engine serving Anthropic traffic computes:
   (its text blocks joined with ``"\\n"``) placed before the rest of its user
   message; a user message holding only tool results adds no user turn;
 * ``thinking`` blocks become the message's ``reasoning``; ``redacted_thinking``
-  is dropped.
+  is dropped;
+* with a chat template that wants the system prompt first (``needs_system_first``:
+  it fails on ``[system, user, system, user]``, e.g. Qwen's), vLLM merges inline
+  ``system`` messages into the leading one (``merge_inline_system``).
 
 Keys are even in vLLM's order (the one its request validation leaves, e.g. a
 tool call's ``function`` is ``{arguments, name}``), because a template that
@@ -401,3 +404,30 @@ def parse_messages(body: Any, headers: Any) -> MessagesRequest:
     # tokenization); Claude Code's metadata.user_id names its session.
     req.session_id = headers.get(SESSION_HEADER, "") or user_id
     return req
+
+
+def needs_system_first(template: str | None) -> bool:
+    """vLLM's test for merging inline system messages: the template fails to render
+    ``[system, user, system, user]`` in a sandbox (or there is no template)."""
+    if not template:
+        return True
+    import jinja2.ext
+    import jinja2.sandbox
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[jinja2.ext.loopcontrols])
+    msgs = [{"role": r, "content": "t"} for r in ("system", "user", "system", "user")]
+    try:
+        env.from_string(template).render(messages=msgs, add_generation_prompt=False)
+    except jinja2.TemplateError:
+        return True
+    return False
+
+
+def merge_inline_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """vLLM's merge: every system message's text, in order and joined with no separator, as one
+    leading system message (none when there is no text)."""
+    texts = [m["content"] for m in messages if m.get("role") == "system"]
+    rest = [m for m in messages if m.get("role") != "system"]
+    text = "".join(texts)
+    return ([{"content": text, "role": "system"}] if text else []) + rest

@@ -45,6 +45,9 @@ class MessageStream:
         self.model = model
         self.blocks = 0           # content blocks started so far
         self.text_open = False
+        self.tool_open: int | None = None           # the open tool_use block (streamed calls)
+        self.tool_blocks: dict[int, int] = {}       # streamed call index -> its block
+        self._pending: dict[int, list[str]] = {}    # a call's id and arguments until its name comes
 
     def start(self, use: dict[str, int], **extra: Any) -> list[bytes]:
         msg = {"id": self.msg_id, "type": "message", "role": "assistant", "model": self.model, "content": [],
@@ -58,15 +61,19 @@ class MessageStream:
                                               "content_block": {"type": "text", "text": ""}})]
 
     def _close_text(self) -> list[bytes]:
+        out = []
+        if self.tool_open is not None:
+            out.append(event("content_block_stop", {"index": self.tool_open}))
+            self.tool_open = None
         if not self.text_open:
-            return []
+            return out
         self.text_open = False
-        return [event("content_block_stop", {"index": self.blocks - 1})]
+        return [*out, event("content_block_stop", {"index": self.blocks - 1})]
 
     def text(self, delta: str) -> list[bytes]:
         if not delta:
             return []
-        out = [] if self.text_open else self._open_text()
+        out = [] if self.text_open else [*self._close_text(), *self._open_text()]
         out.append(event("content_block_delta", {"index": self.blocks - 1,
                                                  "delta": {"type": "text_delta", "text": delta}}))
         return out
@@ -84,6 +91,28 @@ class MessageStream:
             out.append(event("content_block_delta", {"index": idx, "delta": {
                 "type": "input_json_delta", "partial_json": call.arguments}}))
         out.append(event("content_block_stop", {"index": idx}))
+        return out
+
+    def tool_delta(self, index: int, call_id: str, name: str, arguments: str) -> list[bytes]:
+        """A piece of streamed tool call ``index``: the piece that names it opens its tool_use block,
+        every piece's arguments go out as an ``input_json_delta``."""
+        block = self.tool_blocks.get(index)
+        if block is None:
+            pend = self._pending.setdefault(index, ["", "", ""])
+            pend[0], pend[1], pend[2] = pend[0] + call_id, pend[1] + name, pend[2] + arguments
+            if not pend[1]:
+                return []
+            call_id, name, arguments = self._pending.pop(index)
+            out = self._close_text()
+            block = self.tool_blocks[index] = self.tool_open = self.blocks
+            self.blocks += 1
+            out.append(event("content_block_start", {"index": block, "content_block": {
+                "type": "tool_use", "id": call_id or tool_use_id(ToolCall("", name, "")), "name": name, "input": {}}}))
+        else:
+            out = []
+        if arguments:
+            out.append(event("content_block_delta", {"index": block, "delta": {
+                "type": "input_json_delta", "partial_json": arguments}}))
         return out
 
     def finish(self, stop: tuple[str | None, str | None], use: dict[str, int]) -> list[bytes]:

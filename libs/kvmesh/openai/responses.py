@@ -88,6 +88,23 @@ class Answer:
         return {**self._head(self.chunk_object),
                 "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}]}
 
+    def tool_call_deltas_chunk(self, deltas: list[Any], first: bool) -> dict[str, Any]:
+        """A chat chunk carrying pieces of tool calls (``index``, ``id``, ``name``, ``arguments``), as
+        OpenAI streams them: a call's first piece has its id, type and name, each piece more arguments."""
+        out = []
+        for d in deltas:
+            fn: dict[str, Any] = {"arguments": d.arguments}
+            if d.name:
+                fn = {"name": d.name, **fn}
+            call: dict[str, Any] = {"index": d.index}
+            if d.id:
+                call |= {"id": d.id, "type": "function"}
+            out.append({**call, "function": fn})
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["tool_calls"] = out
+        return {**self._head(self.chunk_object),
+                "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}]}
+
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The last chunk of a stream asked with ``stream_options.include_usage``: no choices, the usage."""
         return {**self._head(self.chunk_object), "choices": [], "usage": usage}

@@ -150,6 +150,12 @@ class CandidateTable:
         displaced = np.minimum(fresh, np.maximum(-(-req.num_tokens // bs) * bs - np.maximum(room, 0.0), 0.0))
         self.displace = np.where(lc.capacity_blocks > 0, cfg.displace_weight * displaced * cfg.prefill_s_per_token,
                                  0.0)
+        if cfg.displace_free_at > 1.0:   # scoring.kept_share, element-wise
+            cap_t = lc.capacity_blocks * bs
+            with np.errstate(divide="ignore", invalid="ignore"):
+                over = ((lc.resident_tokens - self.own_resident) - cap_t) / ((cfg.displace_free_at - 1.0) * cap_t)
+            kept = np.minimum(1.0, np.maximum(0.0, 1.0 - over))
+            self.displace = np.where(lc.capacity_blocks > 0, self.displace * kept, self.displace)
         self.cost = self.wait + own + self.decode + self.work + self.displace
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)

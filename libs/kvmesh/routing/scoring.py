@@ -101,6 +101,10 @@ class ScoringConfig:
                 "fraction of its recompute (0 = off)"})
     reuse_window_s: float = field(default=600.0, metadata={
         "help": "a session's context counts in its endpoint's working set for this long after its last turn"})
+    displace_free_at: float = field(default=0.0, metadata={
+        "help": "displaced KV is priced in full while the other sessions' working set fits the endpoint's "
+                "cache, and less as it exceeds it, down to 0 at this many times the capacity: such an "
+                "endpoint already recycles every context before its next turn (0 = always in full)"})
     hold_min_ratio: float = field(default=0.0, metadata={
         "help": "when every endpoint has prefill queued, a request whose prompt some endpoint holds at least this "
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
@@ -224,6 +228,8 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
         displaced = min(fresh, max(-(-num_tokens // block_size) * block_size - max(room, 0.0), 0.0))
         displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+        if cfg.displace_free_at > 1.0:
+            displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
@@ -231,6 +237,18 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
                      wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
+
+
+def kept_share(capacity_tokens: float, others_tokens: float, cfg: ScoringConfig) -> float:
+    """Share of the others' working set an endpoint's cache still gives back (``displace_free_at``).
+
+    vLLM evicts the least recently used blocks, and agents come back in turn: once the contexts
+    of an endpoint's recent sessions exceed its cache, each returning turn finds its context
+    evicted by the turns in between, so there is less reusable KV left to displace. All of it
+    while the working set fits, none once it is ``displace_free_at`` times the capacity.
+    """
+    over = (others_tokens - capacity_tokens) / ((cfg.displace_free_at - 1.0) * capacity_tokens)
+    return min(1.0, max(0.0, 1.0 - over))
 
 
 def split_extra_s(win: Candidate, num_tokens: int, block_size: int, prefill_queued_tokens: float,

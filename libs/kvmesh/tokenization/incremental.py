@@ -30,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from kvmesh.sequences import common_prefix_len
+from kvmesh.sequences import IdArray, common_prefix_len
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,10 @@ class IncrementalTokenizer:
 
     def encode(self, key: object, text: str) -> list[int]:
         """Token ids of ``text``, equal to a full tokenization; ``key`` names the conversation."""
+        return self.encode_ids(key, text).array.tolist()
+
+    def encode_ids(self, key: object, text: str) -> IdArray:
+        """``encode`` without making a list of 200k ints: the ids as an ``IdArray`` view."""
         with self._lock:
             old = self._entries.get(key)
             if old is not None:
@@ -110,7 +114,7 @@ class IncrementalTokenizer:
                 self._count("mismatch")
                 entry = full
         self._store(key, entry)
-        return entry.ids.tolist()
+        return IdArray(entry.ids)
 
     # ------------------------------------------------------------------ internals
 

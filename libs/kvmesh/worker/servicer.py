@@ -237,6 +237,11 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if ttft is None and (out.new_token_ids or out.finished):
                         ttft = time.monotonic() - t0
                         msg.ttft_s = ttft
+                    if out.delta is not None:
+                        msg.parsed = True
+                        msg.content_delta = out.delta.content
+                        for d in out.delta.tool_calls:
+                            msg.tool_call_deltas.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
                     if out.finished:
                         finished = True
                         msg.finish_reason = FINISH.get(out.finish_reason or "", 0)

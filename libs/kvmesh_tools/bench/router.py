@@ -260,12 +260,29 @@ def _main(args: argparse.Namespace) -> int:
         keys = ("route_p99_ms_plain", "route_p99_ms_tls", "tls_over_plain_p99", "tls_over_plain_p50")
         print({k: round(result[k], 3) for k in keys}, result["targets"])
         return 0
+    if args.http == "only":
+        from kvmesh_tools.bench import router_http
+
+        result = {"bench": "router", **router_http.run(args)}
+        result["targets"] = router_http.targets(result)
+        write_json(args.json, result)
+        keys = ("http_decision_p50_ms", "http_decision_full_tokenize_p50_ms", "http_full_over_incremental_p50",
+                "http_tokens_last")
+        print({k: round(result[k], 3) for k in keys}, result["targets"])
+        return 0
     result = run(args)
+    if args.http == "on":
+        from kvmesh_tools.bench import router_http
+
+        result.update(router_http.run(args))
+        result["targets"].update(router_http.targets(result))
     write_json(args.json, result)
     keys = ("route_p50_ms", "route_p99_ms", "route_full_hash_p50_ms", "tokenize_p50_ms", "full_over_incremental_p50",
             *(("route_auth_on_p99_ms", "route_auth_off_p99_ms", "auth_on_over_off_p99", "auth_on_over_off_p50",
                "auth_on_over_off_cpu_p99") if args.auth == "both"
               else ()))
+    if args.http == "on":
+        keys += ("http_decision_p50_ms", "http_full_over_incremental_p50")
     print({k: round(result[k], 3) for k in keys}, result["targets"])
     return 0
 
@@ -291,4 +308,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="compare: route over a real indexer hop, plaintext vs mutual TLS in the same run "
                         "(kvmesh_tools.bench.router_tls); off: the in-process decision alone")
     p.add_argument("--rounds", type=int, default=3, help="--tls compare: sessions replayed (median of ratios)")
+    from kvmesh_tools.bench import router_http
+
+    router_http.register_args(p)
     p.set_defaults(func=_main)

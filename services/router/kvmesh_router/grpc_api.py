@@ -9,6 +9,7 @@ gateway key) exactly as the HTTP front door does (``request_scope``)."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import grpc
@@ -115,6 +116,7 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             raise
 
     async def Generate(self, request: router_pb2.GenerateRequest, context: grpc.aio.ServicerContext):
+        received = time.perf_counter()
         # A trusted gateway's claimed tenant: the request field, else the tenant header in the metadata.
         claimed = request.tenant or (metadata_getter(context.invocation_metadata())(self.scopes.tenant_header) or "")
         sc = await self._scope(context, claimed)
@@ -124,12 +126,13 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "input: one of tokens, text or chat (with messages) is required")
         inp = to_input(request, sc.deadline, sc.tenant)
+        inp.received = received
         try:
             async for kind, item in self.service.generate(inp):
                 if kind == "chunk":
                     yield router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
                         token_ids=item, text=self._text(request, item)))
-                else:
+                elif kind == "final":
                     yield router_pb2.GenerateResponse(final=router_pb2.Final(
                         usage=item.usage, finish_reason=item.finish_reason, routing=item.routing,
                         request_id=item.request_id, ttft_s=item.ttft_s))

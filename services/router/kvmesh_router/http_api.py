@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -24,7 +25,7 @@ from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate
 
 from kvmesh.openai import sse
-from kvmesh.openai.errors import OpenAIError, error_body, error_response, install_error_handlers
+from kvmesh.openai.errors import OpenAIError, error_body, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
 from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
@@ -33,6 +34,7 @@ from kvmesh_router import metrics
 from kvmesh_router.anthropic_api import AnthropicApi
 from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import SCOPE_KEY, ScopeMiddleware
+from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.passthrough import Passthrough
 from kvmesh_router.request_scope import RequestScopes, Scope, scopes_from_config
 from kvmesh_router.service import FinalInfo, GenInput, RouterService
@@ -42,10 +44,6 @@ log = logging.getLogger(__name__)
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGTH: "length",
            common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error",
            common_pb2.FINISH_REASON_TOOL_CALLS: "tool_calls"}
-
-
-def _router_error(exc: RouterError) -> JSONResponse:
-    return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
 
 
 def _usage(fin: FinalInfo) -> dict[str, Any]:
@@ -183,6 +181,7 @@ class RouterHttpApi:
 
     # -- generation
     async def _handle(self, request: Request, chat: bool) -> Response:
+        received = time.perf_counter()
         api = "chat" if chat else "completions"
         if self.passthrough.applies():
             # External OpenAI engines get the client's body itself (with the tenant's salt).
@@ -194,6 +193,7 @@ class RouterHttpApi:
             metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
             return exc.response()
         inp = self.gen_input(req, request)
+        inp.received = received
         answer = Answer(chat=chat, model=inp.model)
         gen = self.service.generate(inp)
         if not req.stream:
@@ -206,31 +206,22 @@ class RouterHttpApi:
         except StopAsyncIteration:
             first = None
         except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
+            return router_error_response(exc, api)
         return sse.sse_response(self._events(request, inp, gen, first, answer, api, req.include_usage))
 
     async def _collect(self, request: Request, inp: GenInput, gen: AsyncIterator[tuple[str, Any]],
                        answer: Answer, api: str) -> Response:
+        return await answer_or_error(api, _DisconnectWatch(request, inp), self._answer(inp, gen, answer, api))
+
+    async def _answer(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], answer: Answer,
+                      api: str) -> Response:
         ids: list[int] = []
         fin: FinalInfo | None = None
-        watch = _DisconnectWatch(request, inp)
-        try:
-            async for kind, item in gen:
-                if kind == "chunk":
-                    ids.extend(item)
-                else:
-                    fin = item
-        except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return _router_error(exc)
-        except asyncio.CancelledError:
-            if not watch.gone:
-                raise
-            metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
-            return error_response(499, "client closed the request", "client_closed")
-        finally:
-            watch.stop()
+        async for kind, item in gen:
+            if kind == "chunk":
+                ids.extend(item)
+            elif kind == "final":
+                fin = item
         assert fin is not None
         metrics.REQUESTS.labels(api=api, outcome="ok").inc()
         tok = self.service.tokenizer
@@ -245,10 +236,14 @@ class RouterHttpApi:
         detok = _Detok(self.service.tokenizer)
         watch = _DisconnectWatch(request, inp)
         first_chunk = True
-        # With tools the answer's text may be a tool call: it is held back until the worker has
-        # parsed it, then sent as content and tool_calls deltas.
-        hold = inp.chat_request is not None and inp.chat_request.tools_active
+        # With tools the answer's text may be a tool call: the worker's tool parser reads it as it
+        # streams ("parsed" items: content and tool-call deltas, sent as they come). A worker that
+        # does not stream its parse gets the text held back until its final report.
+        creq = inp.chat_request
+        hold = creq is not None and creq.tools_active
+        parallel = creq is None or creq.parallel_tool_calls
         held: list[str] = []
+        parsed = False
         try:
             async def items() -> AsyncIterator[tuple[str, Any]]:
                 if first is not None:
@@ -262,12 +257,22 @@ class RouterHttpApi:
                 elif kind == "chunk":
                     yield sse.event(answer.chunk(detok.push(item), item, None, first_chunk))
                     first_chunk = False
+                elif kind == "parsed":
+                    parsed = True
+                    if item.content:
+                        yield sse.event(answer.chunk(item.content, None, None, first_chunk))
+                        first_chunk = False
+                    # parallel_tool_calls false: an answer keeps its first call only.
+                    calls = [d for d in item.tool_calls if parallel or d.index == 0]
+                    if calls:
+                        yield sse.event(answer.tool_call_deltas_chunk(calls, first_chunk))
+                        first_chunk = False
                 else:
                     text = (item.content or "") if item.tool_calls else "".join(held)
-                    if text:
+                    if text and not parsed:
                         yield sse.event(answer.chunk(text, item.output_ids, None, first_chunk))
                         first_chunk = False
-                    if item.tool_calls:
+                    if item.tool_calls and not parsed:
                         yield sse.event(answer.tool_calls_chunk(_tool_calls(item, inp), first_chunk))
                         first_chunk = False
                     yield sse.event(answer.chunk("", None, _finish(item), first_chunk, kvmesh=_routing(item)))

@@ -22,6 +22,9 @@ CACHED_TOKENS = Counter("kvmesh_router_cached_tokens_total", "engine-reported ca
 PREDICTED_TOKENS = Counter("kvmesh_router_predicted_cached_tokens_total", "predicted cached prompt tokens")
 OVERHEAD = Histogram("kvmesh_router_routing_overhead_seconds", "tokens in -> decision out",
                      buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+DECISION = Histogram("kvmesh_router_decision_seconds",
+                     "request in -> decision out at the front door (body, parse, render, tokenize, hash, lookup, "
+                     "score)", buckets=(0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))
 TOKENIZE = Histogram("kvmesh_router_tokenize_seconds", "tokenization time",
                      buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0))
 RETRIES = Counter("kvmesh_router_retries_total", "attempts on another endpoint after a failure", ["reason"])

@@ -54,6 +54,7 @@ from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_b
 from kvmesh_router import metrics
 from kvmesh_router.errors import BadRequest, RouterError, Unavailable
 from kvmesh_router.http_guard import SCOPE_KEY
+from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS
 from kvmesh_router.service import GenInput, Prepared, RouterService
 
@@ -213,8 +214,7 @@ class Passthrough:
             inp = gen_input(body, request.headers, chat, scope.tenant if scope is not None else "")
             inp.deadline = scope.deadline if scope is not None else None
         except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return OPENAI.router_error(exc)
+            return router_error_response(exc, api, OPENAI)
         return await self.forward(request, api, path, inp, body, raw, OPENAI)
 
     async def forward(self, request: Request, api: str, path: str, inp: GenInput, body: dict[str, Any],
@@ -223,8 +223,7 @@ class Passthrough:
         try:
             p = await self.service.prepare(inp)
         except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return shape.router_error(exc)
+            return router_error_response(exc, api, shape)
         if raw is None or (p.salt and body.get("cache_salt") != p.salt):
             if p.salt:
                 body["cache_salt"] = p.salt
@@ -234,18 +233,8 @@ class Passthrough:
         headers = {"content-type": "application/json", "x-request-id": p.request_id}
         propagate.inject(headers, context=propagate.extract(dict(request.headers)))
         watch = self._watch(request, inp)
-        try:
-            return await self._send(request, api, path, inp, p, content, headers, shape, body)
-        except RouterError as exc:
-            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
-            return shape.router_error(exc)
-        except asyncio.CancelledError:
-            if not watch.gone:
-                raise
-            metrics.REQUESTS.labels(api=api, outcome="client_gone").inc()
-            return shape.error(499, "client closed the request", "client_closed")
-        finally:
-            watch.stop()
+        return await answer_or_error(api, watch, self._send(request, api, path, inp, p, content, headers, shape, body),
+                                     shape)
 
     async def _send(self, request: Request, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
                     headers: dict[str, str], shape: Shape, body: dict[str, Any]) -> Response:

@@ -97,6 +97,11 @@ class GenInput:
     # final report (the Messages API on a stop sequence): the prompt's length and predicted hit.
     prompt_tokens: int = 0
     predicted_cached_tokens: int = 0
+    # time.perf_counter() when the front door got the request (before reading its body), and the
+    # time from then to the first decision: RoutingDecision.decision_ms.
+    received: float | None = None
+    decision_s: float = 0.0
+    tokenize_s: float = 0.0
 
 
 @dataclass
@@ -128,6 +133,16 @@ class FinalInfo:
     # The worker parsed tool calls out of the answer: the calls and the text that is not one.
     tool_calls: list[worker_pb2.ToolCall] = field(default_factory=list)
     content: str | None = None
+
+
+@dataclass
+class Parsed:
+    """A chat-with-tools answer as the worker's tool parser read its newest tokens (``worker.proto``
+    ``GenerateResponse.parsed``): new text that is not a tool call, and new pieces of tool calls.
+    ``generate`` yields it as ("parsed", Parsed) after the chunk of the same tokens."""
+
+    content: str
+    tool_calls: list[worker_pb2.ToolCallDelta]
 
 
 # One try of a request: its prepared copy, its decision, its worker stream.
@@ -234,7 +249,8 @@ class RouterService:
                 tokens = await asyncio.to_thread(fn) if size > 65536 else fn()
             except TokenizerError as exc:
                 raise BadRequest(str(exc), getattr(exc, "param", field_name)) from None
-            metrics.TOKENIZE.observe(time.perf_counter() - t0)
+            inp.tokenize_s = time.perf_counter() - t0
+            metrics.TOKENIZE.observe(inp.tokenize_s)
         if not tokens:
             raise BadRequest("the prompt is empty", field_name)
         if len(tokens) > self.cfg.max_prompt_tokens:
@@ -245,8 +261,10 @@ class RouterService:
             raise BadRequest(f"prompt ({len(tokens)} tokens) + max_tokens ({inp.sampling.max_tokens or 1}) exceeds "
                              f"max_model_len {max_len}", field_name)
         # Token ids over gRPC arrive as a protobuf field; a Python scan of 200k ids costs ~8 ms, so
-        # their vocabulary check is left to the worker (INVALID_ARGUMENT is passed through).
-        if self.vocab_size and isinstance(tokens, list) and (max(tokens) >= self.vocab_size or min(tokens) < 0):
+        # their vocabulary check is left to the worker (INVALID_ARGUMENT is passed through). Ids the
+        # router's own tokenizer made are in its vocabulary: only a client's list is scanned.
+        if (self.vocab_size and inp.tokens is not None and isinstance(tokens, list)
+                and (max(tokens) >= self.vocab_size or min(tokens) < 0)):
             bad = next(t for t in tokens if t >= self.vocab_size or t < 0)
             raise BadRequest(f"token id {bad} outside the vocabulary (size {self.vocab_size})", field_name)
         return tokens
@@ -277,7 +295,7 @@ class RouterService:
         if self.incremental is None or size < INCREMENTAL_MIN_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=False)
         key = (self.salt_for(inp), inp.session_id or hash(text[:INCREMENTAL_KEY_CHARS]))
-        return self.incremental.encode(key, text)
+        return self.incremental.encode_ids(key, text)
 
     def salt_for(self, inp: GenInput) -> str:
         """The tenant's secret salt, mixed with the client's ``cache_salt`` (which never replaces it)."""
@@ -459,9 +477,12 @@ class RouterService:
                     # An external engine cannot take a kvmesh prefill worker's KV handle.
                     split = SplitDecision(False, reason="decode endpoint is an external engine")
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
-                overhead = time.perf_counter() - t0
+                now = time.perf_counter()
+                overhead = now - t0
                 if attempts == 1:
                     metrics.OVERHEAD.observe(overhead)
+                    inp.decision_s = now - (inp.received if inp.received is not None else t0)
+                    metrics.DECISION.observe(inp.decision_s)
                 self._trace_decision(span, d, split, attempts)
                 self.record_routed(p, d, split)
                 try:
@@ -720,6 +741,8 @@ class RouterService:
                     ids = list(msg.token_ids)
                     generated.extend(ids)
                     yield "chunk", ids
+                if msg.parsed:
+                    yield "parsed", Parsed(msg.content_delta, list(msg.tool_call_deltas))
                 if msg.finished:
                     final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead,
                                         span)
@@ -832,7 +855,8 @@ class RouterService:
             split=handle is not None, prefill_endpoint=split.prefill_endpoint if handle is not None else "",
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
-            kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0)
+            kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
+            decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)

@@ -78,3 +78,24 @@ def test_conversion_equals_vllms(i, tiny_model_dir):
     assert json.dumps(ours.tools) == json.dumps(tools)
     tok = load_tokenizer(tiny_model_dir)
     assert tok.render_chat(ours.messages, tools=ours.tools) == tok.render_chat(messages, tools=tools)
+
+
+QWEN_LIKE = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+             "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{{ m.content }}{% endfor %}")
+
+
+@pytest.mark.parametrize("i", range(len(BODIES)))
+def test_merged_inline_system_equals_vllms(i):
+    """For templates that want the system prompt first, vLLM merges inline system messages."""
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesRequest
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    from kvmesh.anthropic.requests import merge_inline_system, needs_system_first
+
+    for tpl in (QWEN_LIKE, "{% for m in messages %}{{ m.content }}{% endfor %}", None):
+        assert needs_system_first(tpl) == AnthropicServingMessages._detect_merge_inline_system(tpl)
+    body = {"model": "m", "max_tokens": 16, **BODIES[i]}
+    ours = merge_inline_system(parse_messages(json.loads(json.dumps(body)), {}).messages)
+    req = AnthropicServingMessages.to_chat_completion_request(AnthropicMessagesRequest(**json.loads(json.dumps(body))),
+                                                              merge_inline_system=True)
+    assert json.dumps(ours) == json.dumps([dict(m) for m in req.messages])

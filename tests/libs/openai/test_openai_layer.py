@@ -165,3 +165,19 @@ def test_usage_and_builders() -> None:
     assert text.id == "r1" and text.chunk("t", None, "stop", True)["choices"][0] == {
         "index": 0, "finish_reason": "stop", "logprobs": None, "text": "t"}
     assert json.loads(sse.event(text.response("t", [], "stop", u))[6:])["object"] == "text_completion"
+
+
+def test_json_depth_limit_counts_containers_not_brackets_in_strings() -> None:
+    from kvmesh.openai.requests import parse_json_body
+
+    def nested(n: int) -> bytes:   # an object whose "a" nests n - 1 lists: n levels in all
+        return b'{"a": ' + b"[" * (n - 1) + b"]" * (n - 1) + b"}"
+
+    assert isinstance(parse_json_body(nested(64), 64)["a"], list)
+    for raw in (nested(65), nested(100_000), b"[" * 5_000_000):
+        with pytest.raises(BadRequest) as ei:
+            parse_json_body(raw, 64)
+        assert ei.value.param == "body" and "nested deeper than 64" in ei.value.message
+    text = "{[" * 5000 + '\\"' + "]}" * 5000      # brackets and an escaped quote inside a string
+    body = parse_json_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode(), 64)
+    assert body["messages"][0]["content"] == text

@@ -365,3 +365,43 @@ def test_a_new_prompt_is_placed_by_cost_under_saturation():
     _queues(core, e0=_long_home_queue(cfg, n), e1=BS, e2=4 * BS)
     d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
     assert d.endpoint_id == "e1"
+
+
+# ---------------------------------------------------------------- displacement on a thrashing endpoint
+
+
+@pytest.mark.parametrize("others_x", [1.0, 1.5, 2.0, 3.0])
+def test_displacement_fades_as_the_others_working_set_exceeds_the_cache(others_x: float):
+    n = 3200
+    nb = 1000
+    core = _core(1, displace_weight=1.0, displace_free_at=2.0)
+    cfg = core.cfg.scoring
+    _capacity(core, nb, "e0")
+    cap_t = nb * BS
+    core.load.working_set.touch("other", "e0", int(others_x * cap_t), 0.0)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    need = -(-n // BS) * BS
+    full = cfg.displace_weight * _evict(cfg, need)     # nothing fits beside the others: all of it evicts
+    kept = min(1.0, max(0.0, 2.0 - others_x))          # linear from 1x (all kept) to 2x (none)
+    assert d.candidates[0].displace_s == pytest.approx(full * kept)
+
+
+def test_a_thrashing_endpoint_takes_a_new_session_before_one_at_capacity():
+    n = 3200
+    nb = 1000
+    core = _core(2, displace_weight=1.0, displace_free_at=2.0)
+    _capacity(core, nb, "e0", "e1")
+    core.load.working_set.touch("a", "e0", nb * BS, 0.0)         # exactly full of live contexts
+    core.load.working_set.touch("b", "e1", 3 * nb * BS, 0.0)     # three caches' worth: recycled anyway
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    by = {c.endpoint_id: c for c in d.candidates}
+    assert by["e1"].displace_s == 0.0 < by["e0"].displace_s
+    assert d.endpoint_id == "e1"
+    # Priced in full everywhere (the default), the two endpoints tie and the hash decides.
+    plain = _core(2, displace_weight=1.0)
+    _capacity(plain, nb, "e0", "e1")
+    plain.load.working_set.touch("a", "e0", nb * BS, 0.0)
+    plain.load.working_set.touch("b", "e1", 3 * nb * BS, 0.0)
+    pd = plain.decide(_req(plain, n, "r", session="s"), Matches(), now=0.1)
+    assert {c.endpoint_id: c.displace_s for c in pd.candidates}["e0"] == \
+        {c.endpoint_id: c.displace_s for c in pd.candidates}["e1"] > 0.0

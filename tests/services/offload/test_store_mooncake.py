@@ -103,10 +103,16 @@ class Host:
                 return json.loads(line[4:])
 
     def close(self) -> None:
+        """Ask it to leave the pool (Mooncake's close takes a second or two); ``wait`` for it."""
         try:
             self.proc.stdin.close()
+        except OSError:
+            pass
+
+    def wait(self) -> None:
+        try:
             self.proc.wait(20)
-        except (OSError, subprocess.TimeoutExpired):
+        except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
 
@@ -140,8 +146,10 @@ def hosts(tmp_path):
             started.append(Host(address, tmp_path / f"host{i}.log"))
         return started[-n:]
     yield start
-    for h in started:
+    for h in started:   # all leave at once
         h.close()
+    for h in started:
+        h.wait()
 
 
 def wait_for(cond, timeout_s: float = 20.0, what: str = "condition") -> None:  # noqa: ANN001

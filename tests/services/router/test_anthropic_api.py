@@ -8,6 +8,7 @@ from collections.abc import Iterator
 
 import anthropic
 import httpx
+import jsonschema
 import pytest
 
 from kvmesh.tokenization import load_tokenizer
@@ -146,20 +147,45 @@ def test_stop_sequences_end_the_text(client, stream):
     assert 0 < m.usage.output_tokens < 40 and _total_input(m.usage) > 0
 
 
-def test_tool_use_round_trip_renders_the_tool_result(client, tiny_model_dir):
+def _ask_tool(client, messages: list[dict], stream: bool, request_id: str):
+    """One turn with tools; streamed, the message the client rebuilds from the events, and how many
+    ``input_json_delta`` pieces the tool's input came in."""
+    kw = dict(model=MODEL, max_tokens=8, system=SYSTEM, tools=TOOLS, messages=messages,
+              tool_choice={"type": "auto"}, extra_headers={"x-request-id": request_id})
+    if not stream:
+        return client.messages.create(**kw), 0
+    pieces = 0
+    with client.messages.stream(**kw) as s:
+        for ev in s:
+            if ev.type == "content_block_delta" and ev.delta.type == "input_json_delta":
+                pieces += 1
+        return s.get_final_message(), pieces
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_tool_use_round_trip_renders_the_tool_result(client, tiny_model_dir, stream):
     user = {"role": "user", "content": "What does setup.cfg say?"}
-    m1 = client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, tools=TOOLS, messages=[user],
-                                tool_choice={"type": "auto"})
-    assert m1.stop_reason == "max_tokens"
+    # The sim's tool mode calls the tool; its call is a function of the request id, so a streamed and
+    # a plain answer to the same request id must carry the same call.
+    m1, pieces = _ask_tool(client, [user], stream, f"tool-rt-{stream}")
+    assert m1.stop_reason == "tool_use"
+    [use] = [b for b in m1.content if b.type == "tool_use"]
+    assert use.name == "read_file" and use.id
+    jsonschema.validate(use.input, TOOLS[0]["input_schema"])
+    if stream:
+        plain, _ = _ask_tool(client, [user], False, "tool-rt-plain")
+        [want] = [b for b in plain.content if b.type == "tool_use"]
+        assert (use.name, use.input) == (want.name, want.input)
+        assert pieces >= 2   # the input really streamed, in pieces
     result = "[metadata]\nname = kvmesh-tool-result-marker\n"
     turn2 = [user,
              {"role": "assistant", "content": [
                  {"type": "text", "text": "Reading it."},
-                 {"type": "tool_use", "id": "toolu_01", "name": "read_file", "input": {"path": "setup.cfg"}}]},
+                 {"type": "tool_use", "id": use.id, "name": "read_file", "input": use.input}]},
              {"role": "user", "content": [
-                 {"type": "tool_result", "tool_use_id": "toolu_01", "content": [{"type": "text", "text": result}]},
+                 {"type": "tool_result", "tool_use_id": use.id, "content": [{"type": "text", "text": result}]},
                  {"type": "text", "text": "Summarize it."}]}]
-    m2 = client.messages.create(model=MODEL, max_tokens=4, system=SYSTEM, tools=TOOLS, messages=turn2)
+    m2, _ = _ask_tool(client, turn2, stream, f"tool-rt2-{stream}")
     count = client.messages.count_tokens(model=MODEL, system=SYSTEM, tools=TOOLS, messages=turn2).input_tokens
     # The prompt is the tiny template's rendering of the OpenAI-style conversation, tool call and result
     # included: the engine saw the tool result.
@@ -167,9 +193,9 @@ def test_tool_use_round_trip_renders_the_tool_result(client, tiny_model_dir):
                                                   "parameters": TOOLS[0]["input_schema"]}}]
     oa = [{"role": "system", "content": SYSTEM}, user,
           {"role": "assistant", "content": "Reading it.", "tool_calls": [
-              {"id": "toolu_01", "type": "function",   # vLLM's key order: arguments, then name
-               "function": {"arguments": json.dumps({"path": "setup.cfg"}), "name": "read_file"}}]},
-          {"role": "tool", "tool_call_id": "toolu_01", "content": result},
+              {"id": use.id, "type": "function",   # vLLM's key order: arguments, then name
+               "function": {"arguments": json.dumps(use.input), "name": "read_file"}}]},
+          {"role": "tool", "tool_call_id": use.id, "content": result},
           {"role": "user", "content": "Summarize it."}]
     assert count == _total_input(m2.usage) == _rendered_tokens(tiny_model_dir, oa, oa_tools)
     no_result = _rendered_tokens(tiny_model_dir, [m for m in oa if m["role"] != "tool"], oa_tools)

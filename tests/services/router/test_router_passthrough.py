@@ -375,6 +375,33 @@ async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(tiny_model_d
         await engines["d"].stop()
 
 
+async def test_messages_merge_inline_system_prompts_as_vllm_does(stack) -> None:
+    """A template that wants the system prompt first (Qwen's): vLLM's /v1/messages merges inline
+    system messages into the leading one, so the router predicts the merged conversation."""
+    svc, engines, _ = stack
+    client = _anthropic(svc)
+    seen = []
+    prepare = svc.prepare
+
+    async def spy(inp):  # noqa: ANN001, ANN202
+        seen.append(inp.chat_request.messages)
+        return await prepare(inp)
+
+    svc.prepare = spy
+    msgs = [{"role": "user", "content": "u1"}, {"role": "assistant", "content": "a1"},
+            {"role": "system", "content": "reminder"}, {"role": "user", "content": "u2"}]
+    await client.messages.create(model=MODEL, max_tokens=4, system="S", messages=msgs)
+    assert [m["role"] for m in seen[-1]] == ["system", "user", "assistant", "system", "user"]   # kept in place
+    svc.tokenizer.chat_template = (
+        "{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+        "{{ raise_exception('System message must be at the beginning.') }}{% endif %}{{ m.content }}{% endfor %}")
+    api = _anthropic(svc)   # a new app: the template's need is read once per app
+    await api.messages.create(model=MODEL, max_tokens=4, system="S", messages=msgs)
+    assert seen[-1][0] == {"content": "Sreminder", "role": "system"}
+    assert [m["role"] for m in seen[-1]] == ["system", "user", "assistant", "user"]
+    assert _received(engines)[-1]["messages"] == msgs   # the engine still gets the body as sent
+
+
 def test_endpoint_specs() -> None:
     assert parse_endpoint("v0=http://10.0.0.1:8000/v1/") == ("v0", "http://10.0.0.1:8000")
     assert parse_endpoint("http://10.0.0.1:8000") == ("10.0.0.1:8000", "http://10.0.0.1:8000")

@@ -73,12 +73,14 @@ def test_tool_round_trip_non_streaming(client) -> None:
     assert r2.usage.prompt_tokens_details.cached_tokens > 0   # the earlier turn's prefix was reused
 
 
-@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "edit"}}])
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "function": {"name": "edit"}}])
 def test_tool_call_streamed_as_deltas(client, choice) -> None:
+    rid = f"stream-{json.dumps(choice)}"
     stream = client.chat.completions.create(model=MODEL, messages=_history(), tools=TOOLS, tool_choice=choice,
-                                            max_tokens=8, stream=True)
+                                            max_tokens=8, stream=True, extra_headers={"x-request-id": rid})
     calls: dict[int, dict] = {}
     finish = None
+    pieces = 0
     for chunk in stream:
         for c in chunk.choices:
             for d in c.delta.tool_calls or []:
@@ -86,11 +88,24 @@ def test_tool_call_streamed_as_deltas(client, choice) -> None:
                 acc["id"] += d.id or ""
                 acc["name"] += d.function.name or ""
                 acc["arguments"] += d.function.arguments or ""
+                pieces += 1
             finish = c.finish_reason or finish
     assert finish == "tool_calls" and len(calls) == 1
+    assert pieces >= 2    # the call streamed in pieces, not whole at the end
     want = choice["function"]["name"] if isinstance(choice, dict) else TOOLS[0]["function"]["name"]
     assert calls[0]["name"] == want and calls[0]["id"]
     _check_call(want, calls[0]["arguments"])
+    # The same request unstreamed gives the same call (the sim's call is a function of the request id),
+    # and the SDK's own accumulation of the deltas agrees.
+    plain = client.chat.completions.create(model=MODEL, messages=_history(), tools=TOOLS, tool_choice=choice,
+                                           max_tokens=8, extra_headers={"x-request-id": rid})
+    [call] = plain.choices[0].message.tool_calls
+    assert [call.id, call.function.name, call.function.arguments] == list(calls[0].values())
+    with client.chat.completions.stream(model=MODEL, messages=_history(), tools=TOOLS, tool_choice=choice,
+                                        max_tokens=8, extra_headers={"x-request-id": rid}) as s:
+        final = s.get_final_completion()
+    [acc] = final.choices[0].message.tool_calls
+    assert [acc.id, acc.function.name, acc.function.arguments] == list(calls[0].values())
 
 
 def test_router_and_worker_render_the_same_ids(client, stack) -> None:

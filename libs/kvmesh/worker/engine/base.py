@@ -122,6 +122,24 @@ class ToolCall:
 
 
 @dataclass
+class ToolCallDelta:
+    """A piece of one tool call as the answer streams (OpenAI's ``delta.tool_calls[i]``)."""
+
+    index: int
+    id: str = ""          # the call's first piece only
+    name: str = ""        # the call's first piece only
+    arguments: str = ""   # more of the arguments' JSON text
+
+
+@dataclass
+class ParsedDelta:
+    """What a streaming tool parser made of an answer's newest tokens."""
+
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+@dataclass
 class EngineRequest:
     request_id: str
     prompt_token_ids: list[int]
@@ -191,6 +209,9 @@ class EngineOutput:
     content: str | None = None
     # Final output only: the engine's cache at the request's arrival (None: the engine cannot say).
     truth: CacheTruth | None = None
+    # Chat with tools, as the answer streams: the tool parser's reading of this output's tokens
+    # (set on every output of such a request, the final one included; None: not parsed).
+    delta: ParsedDelta | None = None
 
 
 @dataclass

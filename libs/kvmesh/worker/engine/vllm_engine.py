@@ -559,8 +559,8 @@ class VllmEngine(Engine):
         cached = 0
         stream = None
         finished = False
+        tool_stream = tools.stream(req) if req.tools else None   # vLLM's tool parser over the answer
         arrival = self._arrival(req)
-        all_ids: list[int] = []   # the whole answer, for the tool-call parser
         try:
             stream = llm.generate(prompt, params, req.request_id, lora_request=self._lora_request(req.lora_name),
                                   session_id=req.session_id or None)
@@ -568,8 +568,6 @@ class VllmEngine(Engine):
                 comp = ro.outputs[0] if ro.outputs else None
                 new = list(comp.token_ids) if comp is not None else []
                 n_out += len(new)
-                if req.tools:
-                    all_ids.extend(new)
                 if ro.num_cached_tokens is not None:
                     cached = int(ro.num_cached_tokens)
                 out = EngineOutput(request_id=req.request_id, new_token_ids=new, num_prompt_tokens=state.prompt_len,
@@ -582,14 +580,19 @@ class VllmEngine(Engine):
                     self._finish(out, ro, comp, req)
                     out.truth = await self._truth(arrival)
                     arrival = None
-                    parsed = tools.parse(req, all_ids) if req.tools and out.finish_reason in ("stop", "length") \
-                        else None
+                    parsed = None
+                    if tool_stream is not None and out.finish_reason in ("stop", "length"):
+                        out.delta, parsed = tool_stream.finish(new)
+                    elif tool_stream is not None:
+                        out.delta = tool_stream.push(new)
                     if parsed is not None:
                         out.tool_calls, out.content = parsed
                         out.finish_reason = "tool_calls"
                     yield out
                     return
                 if new:
+                    if tool_stream is not None:
+                        out.delta = tool_stream.push(new)
                     yield out
         except (VllmDeadError, EngineGenerateError) as exc:
             raise EngineDeadError(f"vLLM engine failed: {exc}") from exc

@@ -70,7 +70,7 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ...) -> None: ...
 
 class RoutingDecision(_message.Message):
-    __slots__ = ("endpoint", "endpoint_address", "policy", "predicted_cached_tokens", "predicted_cached_tokens_gpu", "predicted_cached_tokens_offload", "split", "prefill_endpoint", "uncached_tokens", "score", "attempts", "reason", "kv_from_prefill", "routing_overhead_ms", "mismatch")
+    __slots__ = ("endpoint", "endpoint_address", "policy", "predicted_cached_tokens", "predicted_cached_tokens_gpu", "predicted_cached_tokens_offload", "split", "prefill_endpoint", "uncached_tokens", "score", "attempts", "reason", "kv_from_prefill", "routing_overhead_ms", "mismatch", "decision_ms", "tokenize_ms")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +86,8 @@ class RoutingDecision(_message.Message):
     KV_FROM_PREFILL_FIELD_NUMBER: _ClassVar[int]
     ROUTING_OVERHEAD_MS_FIELD_NUMBER: _ClassVar[int]
     MISMATCH_FIELD_NUMBER: _ClassVar[int]
+    DECISION_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZE_MS_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     endpoint_address: str
     policy: str
@@ -101,7 +103,9 @@ class RoutingDecision(_message.Message):
     kv_from_prefill: bool
     routing_overhead_ms: float
     mismatch: str
-    def __init__(self, endpoint: _Optional[str] = ..., endpoint_address: _Optional[str] = ..., policy: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., predicted_cached_tokens_gpu: _Optional[int] = ..., predicted_cached_tokens_offload: _Optional[int] = ..., split: _Optional[bool] = ..., prefill_endpoint: _Optional[str] = ..., uncached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., kv_from_prefill: _Optional[bool] = ..., routing_overhead_ms: _Optional[float] = ..., mismatch: _Optional[str] = ...) -> None: ...
+    decision_ms: float
+    tokenize_ms: float
+    def __init__(self, endpoint: _Optional[str] = ..., endpoint_address: _Optional[str] = ..., policy: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., predicted_cached_tokens_gpu: _Optional[int] = ..., predicted_cached_tokens_offload: _Optional[int] = ..., split: _Optional[bool] = ..., prefill_endpoint: _Optional[str] = ..., uncached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., kv_from_prefill: _Optional[bool] = ..., routing_overhead_ms: _Optional[float] = ..., mismatch: _Optional[str] = ..., decision_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("usage", "finish_reason", "routing", "request_id", "ttft_s")

@@ -41,8 +41,20 @@ class ToolCall(_message.Message):
     arguments: str
     def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
+class ToolCallDelta(_message.Message):
+    __slots__ = ("index", "id", "name", "arguments")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    id: str
+    name: str
+    arguments: str
+    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
+
 class GenerateResponse(_message.Message):
-    __slots__ = ("token_ids", "finished", "finish_reason", "usage", "kv_from_prefill", "ttft_s", "tool_calls", "content", "truth")
+    __slots__ = ("token_ids", "finished", "finish_reason", "usage", "kv_from_prefill", "ttft_s", "tool_calls", "content", "truth", "parsed", "content_delta", "tool_call_deltas")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISHED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -52,6 +64,9 @@ class GenerateResponse(_message.Message):
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
     TRUTH_FIELD_NUMBER: _ClassVar[int]
+    PARSED_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_DELTA_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_DELTAS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finished: bool
     finish_reason: _common_pb2.FinishReason
@@ -61,7 +76,10 @@ class GenerateResponse(_message.Message):
     tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
     content: str
     truth: CacheTruth
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_from_prefill: _Optional[bool] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., truth: _Optional[_Union[CacheTruth, _Mapping]] = ...) -> None: ...
+    parsed: bool
+    content_delta: str
+    tool_call_deltas: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_from_prefill: _Optional[bool] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., truth: _Optional[_Union[CacheTruth, _Mapping]] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class CacheTruth(_message.Message):
     __slots__ = ("known", "gpu_tokens", "store_tokens", "events_through")

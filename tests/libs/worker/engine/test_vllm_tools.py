@@ -50,3 +50,50 @@ def test_vllm_refusals_without_a_parser(hf) -> None:
     with pytest.raises(InvalidRequestError, match="tool-call-parser"):
         VllmToolCalls("", None, enable_auto_tool_choice=False).check(_req("required"))
     VllmToolCalls("", None, enable_auto_tool_choice=False).check(_req("none"))
+
+
+def _replay(tools, req: EngineRequest, ids: list[int], step: int):
+    """The answer through the streaming parser ``step`` tokens an output, as the engine streams it:
+    the content and each call (id, name, arguments) a client rebuilds from the deltas, and the final parse."""
+    stream = tools.stream(req)
+    deltas = [stream.push(ids[i:i + step]) for i in range(0, len(ids) - step, step)]
+    last, parsed = stream.finish(ids[len(ids) - (len(ids) - 1) % step - 1:])
+    deltas.append(last)
+    content, calls = "", {}
+    for d in deltas:
+        content += d.content
+        for c in d.tool_calls:
+            have = calls.setdefault(c.index, ["", "", ""])
+            have[0], have[1], have[2] = have[0] + c.id, have[1] + c.name, have[2] + c.arguments
+    return content, calls, parsed, deltas
+
+
+@pytest.mark.parametrize("step", [1, 3, 7])
+def test_streamed_deltas_add_up_to_the_final_tool_calls(hf, step: int) -> None:
+    from kvmesh.worker.engine.vllm_tools import VllmToolCalls
+
+    tools = VllmToolCalls("hermes", hf, enable_auto_tool_choice=True)
+    answer = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris", "unit": "c"}}\n'
+              '</tool_call>\n<tool_call>\n{"name": "read_file", "arguments": {"path": "src/a b.py"}}\n</tool_call>')
+    ids = hf.encode(answer, add_special_tokens=False)
+    content, calls, parsed, deltas = _replay(tools, _req(), ids, step)
+    assert parsed is not None
+    final, final_content = parsed
+    assert sorted(calls) == list(range(len(final))) == [0, 1]
+    for i, call in enumerate(final):
+        assert calls[i] == [call.id, call.name, call.arguments]    # the final calls took the streamed ids
+        assert json.loads(calls[i][2]) == json.loads(call.arguments)
+    assert content.strip() == final_content.strip() == "Let me check."
+    # The calls really streamed: the first call's pieces arrived before the answer ended.
+    assert any(c.index == 0 for d in deltas[:-1] for c in d.tool_calls)
+
+
+def test_streamed_text_without_a_call_is_the_whole_answer(hf) -> None:
+    from kvmesh.worker.engine.vllm_tools import VllmToolCalls
+
+    tools = VllmToolCalls("hermes", hf, enable_auto_tool_choice=True)
+    answer = "No tool is needed: the answer is 42, café."
+    content, calls, parsed, _ = _replay(tools, _req(), hf.encode(answer, add_special_tokens=False), 2)
+    assert parsed is None and not calls
+    assert content == hf.decode(hf.encode(answer, add_special_tokens=False), skip_special_tokens=True)
+    assert tools.stream(_req("none")) is None

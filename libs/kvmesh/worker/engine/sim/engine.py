@@ -42,6 +42,7 @@ from kvmesh.worker.engine.base import (
     EngineRequest,
     EngineUnavailableError,
     KvHandle,
+    ParsedDelta,
     PrefillResult,
     PromptTooLongError,
     kv_events_topic,
@@ -49,7 +50,7 @@ from kvmesh.worker.engine.base import (
 from kvmesh.worker.engine.sim.block_manager import BlockManager, Cleared, Removed, Stored
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
-from kvmesh.worker.engine.sim.tool_calls import sim_tool_call
+from kvmesh.worker.engine.sim.tool_calls import SimToolStream, sim_tool_call
 from kvmesh.worker.engine.validation import validate_request
 
 if TYPE_CHECKING:
@@ -508,14 +509,18 @@ class SimEngine(Engine):
             self._check_up()
             self.scheduler.add(live.seq)
             self._wake.set()
+            # The deterministic tool-call mode (tests): the answer is one call, streamed as deltas.
+            call = sim_tool_call(req.request_id, req.tools, req.tool_choice) if req.tools else None
+            tools = SimToolStream(call) if call is not None else None
             while True:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
-                if item.finished and req.tools and item.finish_reason in ("stop", "length"):
-                    call = sim_tool_call(req.request_id, req.tools, req.tool_choice)
-                    if call is not None:   # the deterministic tool-call mode (tests)
-                        item.tool_calls, item.content, item.finish_reason = [call], "", "tool_calls"
+                if tools is not None and item.finished and item.finish_reason in ("stop", "length"):
+                    item.tool_calls, item.content, item.finish_reason = [tools.call], "", "tool_calls"
+                    item.delta = tools.finish(req.request_id)
+                elif tools is not None:   # an aborted answer says no more
+                    item.delta = tools.next() if not item.finished else ParsedDelta()
                 yield item
                 if item.finished:
                     return

@@ -5,7 +5,9 @@ parser to find. When a request offers tools and ``tool_choice`` is not "none", t
 with one call instead: to the named tool (``tool_choice`` = {"function": {"name": ...}}) or the
 first one, with arguments built from the tool's JSON schema so that they validate against it
 (required properties, the first ``enum`` value, numbers within their bounds). The id is a
-function of the request id, so a retried request gives the same call.
+function of the request id, so a retried request gives the same call. Streamed, the call goes out
+as deltas, as vLLM's streaming parsers send them: the first output carries its id, name and the
+first piece of its arguments, each later output the next piece, the final output the rest.
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import hashlib
 import json
 from typing import Any
 
-from kvmesh.worker.engine.base import ToolCall
+from kvmesh.worker.engine.base import ParsedDelta, ToolCall, ToolCallDelta
+from kvmesh.worker.engine.tool_stream import DeltaLedger
 
 MAX_DEPTH = 8
+PIECE_CHARS = 16   # of the arguments per streamed output
 
 
 def example_value(schema: Any, depth: int = 0) -> Any:
@@ -70,3 +74,24 @@ def sim_tool_call(request_id: str, tools: list[dict[str, Any]], tool_choice: Any
     args = example_value(fn.get("parameters") or {"type": "object"})
     call_id = "call_" + hashlib.sha256(request_id.encode()).hexdigest()[:24]
     return ToolCall(id=call_id, name=fn["name"], arguments=json.dumps(args if isinstance(args, dict) else {}))
+
+
+class SimToolStream:
+    """The deltas of the sim's one call, an output at a time; ``finish`` sends what is left."""
+
+    def __init__(self, call: ToolCall) -> None:
+        self.call = call
+        self.sent = 0
+        self.ledger = DeltaLedger()
+
+    def next(self) -> ParsedDelta:
+        piece = self.call.arguments[self.sent:self.sent + PIECE_CHARS]
+        first = self.sent == 0 and not self.ledger.calls
+        self.sent += len(piece)
+        if not first and not piece:
+            return ParsedDelta()
+        head = (self.call.id, self.call.name) if first else ("", "")
+        return self.ledger.record(ParsedDelta(tool_calls=[ToolCallDelta(0, *head, arguments=piece)]))
+
+    def finish(self, request_id: str) -> ParsedDelta:
+        return self.ledger.completion([self.call], "", request_id)
