@@ -293,6 +293,16 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, offsets and sizes must have the same length")
         if req.crc32c and len(req.crc32c) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "crc32c must be empty or one per key")
+        self._check_put_sizes(req, n, "RAM capacity")
+        end = max((o + s for o, s in zip(req.offsets, req.sizes, strict=True)), default=0)
+        seg = await asyncio.to_thread(self._attach, req.segment)
+        if end > seg.size:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
+        blocks = await asyncio.to_thread(self._copy_in, req, seg)
+        return await self._commit(req.header, blocks)
+
+    def _check_put_sizes(self, req: offload_pb2.ShmRequest, n: int, budget: str) -> None:
+        """Per-block size bounds and the whole put against the byte budget (shm and pool puts)."""
         if req.tokens and len(req.tokens) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be empty or one per key")
         for k, size in zip(req.keys, req.sizes, strict=True):
@@ -300,13 +310,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                              f"block {k}: size {size} outside (0, {self.max_block_bytes}]")
         if sum(req.sizes) > self.store.ram.capacity:
-            raise StoreFullError(f"Put of {sum(req.sizes)} bytes exceeds the RAM capacity {self.store.ram.capacity}")
-        end = max((o + s for o, s in zip(req.offsets, req.sizes, strict=True)), default=0)
-        seg = await asyncio.to_thread(self._attach, req.segment)
-        if end > seg.size:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
-        blocks = await asyncio.to_thread(self._copy_in, req, seg)
-        return await self._commit(req.header, blocks)
+            raise StoreFullError(f"Put of {sum(req.sizes)} bytes exceeds the {budget} {self.store.ram.capacity}")
 
     async def _put_pool(self, req: offload_pb2.ShmRequest) -> offload_pb2.PutResponse:
         """Commit blocks a client already wrote to the pool (their objects must exist)."""
@@ -317,14 +321,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                                                            "to the pool, then PutShm with an empty segment")
         if len(req.sizes) != n or len(req.crc32c) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, sizes and crc32c must have the same length")
-        if req.tokens and len(req.tokens) != n:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be empty or one per key")
-        for k, size in zip(req.keys, req.sizes, strict=True):
-            if size == 0 or size > self.max_block_bytes:
-                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
-                             f"block {k}: size {size} outside (0, {self.max_block_bytes}]")
-        if sum(req.sizes) > self.store.ram.capacity:
-            raise StoreFullError(f"Put of {sum(req.sizes)} bytes exceeds the pool budget {self.store.ram.capacity}")
+        self._check_put_sizes(req, n, "pool budget")
         missing = await asyncio.to_thread(self.pool.missing, req.header.namespace, list(req.keys))
         if missing:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
