@@ -8,7 +8,6 @@ gRPC health check answers SERVING.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -21,6 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvmesh.rpc.tls import TlsConfig, plaintext, sync_channel
+from kvmesh_tools.testing.stop import kill_process, stop_process
 
 
 def wait_for_serving(address: str, timeout_s: float = 60.0, service: str = "",
@@ -135,24 +135,10 @@ class ServiceProcess:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM (graceful drain), then SIGKILL after ``grace_s``."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        rc = self.proc.returncode
+        rc = stop_process(self.proc, grace_s, group=True)
         self.proc = None
         return rc
 
     def kill(self) -> None:
         """Hard kill, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+        kill_process(self.proc, group=True)
