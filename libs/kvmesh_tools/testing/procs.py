@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.rpc.ports import free_port
 from kvmesh.rpc.tls import TlsConfig, plaintext, sync_channel
 from kvmesh_tools.testing.stop import kill_process, stop_process
 
@@ -82,6 +83,28 @@ class ServiceProcess:
     def on_fresh_ports(cls, name: str, ports: Callable[[], tuple[list[str], str]], **kw: object) -> ServiceProcess:
         args, address = ports()
         return cls(name, args, address, ports=ports, **kw)  # type: ignore[arg-type]
+
+    @classmethod
+    def with_ports(cls, name: str, build: Callable[..., list[str]], count: int = 1, host: str = "127.0.0.1",
+                   **kw: object) -> ServiceProcess:
+        """``build(p1, ..., p<count>)`` -> the args on ``count`` freshly picked ports, ``p1`` the gRPC
+        port; picked again on a bind failure. Read ports back with ``port`` / ``flag_port``."""
+        def ports() -> tuple[list[str], str]:
+            picked = [free_port(host) for _ in range(count)]
+            return build(*picked), f"{host}:{picked[0]}"
+        return cls.on_fresh_ports(name, ports, **kw)
+
+    @property
+    def port(self) -> int:
+        """The gRPC port it was started on (after a retry, the last one)."""
+        return int(self.grpc_address.rsplit(":", 1)[1])
+
+    def flag_port(self, flag: str) -> int:
+        """The port in the value of ``flag`` (``--http-port 8080`` or ``--x tcp://h:5557``)."""
+        return int(self.args[self.args.index(flag) + 1].rsplit(":", 1)[-1])
+
+    def flag_value(self, flag: str) -> str:
+        return self.args[self.args.index(flag) + 1]
 
     def start(self, timeout_s: float = 60.0, wait: bool = True) -> ServiceProcess:
         self._spawn()
