@@ -40,7 +40,7 @@ from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_api.worker.v1 import worker_pb2
-from kvmesh_router import external_generate, metrics
+from kvmesh_router import external_generate, external_split, metrics
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.errors import (
@@ -474,9 +474,14 @@ class RouterService:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
                     d, split = await self.decide(p, inp.policy, exclude)
-                if split.split and d.endpoint_id in self.cluster.external:
-                    # An external engine cannot take a kvmesh prefill worker's KV handle.
-                    split = SplitDecision(False, reason="decode endpoint is an external engine")
+                if split.split and (d.endpoint_id in self.cluster.external) != (
+                        split.prefill_endpoint in self.cluster.external):
+                    # A kvmesh prefill worker's KV handle means nothing to an external engine, and
+                    # an external prefill engine hands over through the store only to its peers.
+                    split = SplitDecision(False, reason="the decode and prefill endpoints are not of one kind "
+                                                        "(external engine and kvmesh worker)")
+                elif split.split and attempts > 1 and d.endpoint_id in self.cluster.external:
+                    split = SplitDecision(False, reason="a retry does not split")   # already late
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
                 now = time.perf_counter()
                 overhead = now - t0
@@ -783,6 +788,9 @@ class RouterService:
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
         ext = self.cluster.external
+        held: int | None = None
+        if split.split:
+            d, held = await self._prefill_external(p, inp, d, split, body, headers, span)
         done = external_generate.Completion()
         generated: list[int] = []
         ttft = 0.0
@@ -814,7 +822,34 @@ class RouterService:
             msg.usage.prompt_tokens = done.prompt_tokens
             msg.usage.completion_tokens = done.completion_tokens
             msg.usage.cached_tokens = done.cached_tokens
-        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span)
+        if held:
+            # The decode engine found more than its own GPU cache held: the store's copy of the prefill.
+            msg.kv_from_prefill = done.cached_tokens > d.predicted_cached_tokens_gpu
+        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span,
+                                   via_store=held is not None)
+
+    async def _prefill_external(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
+                                body: dict[str, Any], headers: dict[str, str], span: trace.Span
+                                ) -> tuple[Decision, int | None]:
+        """The split toward external engines (``external_split``): the prefill engine computes the
+        prompt and its connector saves it to the store; the decision then counts what the store
+        holds, which the decode engine's connector restores. None: the prefill failed (the decode
+        engine computes the prompt; only the split is lost)."""
+        with _tracer.start_as_current_span("router.prefill", context=trace.set_span_in_context(span)) as pspan:
+            pspan.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
+            held = await external_split.prefill(
+                self.cluster, self.core.load, self.cfg, p.request_id, p.req.keys, p.req.num_tokens,
+                p.req.block_size, len(p.tokens), split.prefill_endpoint, "/v1/completions",
+                external_split.prefill_body(body), {"content-type": "application/json", **headers}, inp.deadline)
+            if held is None:
+                pspan.set_attribute("kvmesh.prefill_failed", "external")
+                d.reason += "; split: the prefill engine failed, the decode engine computes the prompt"
+                return d, None
+            pspan.set_attribute("kvmesh.prefill_store_blocks", held)
+        tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
+        d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
+        inp.predicted_cached_tokens = d.predicted_cached_tokens
+        return d, held
 
     async def _read(self, call: Any, d: Decision, generated: list[int]) -> Any:
         """The next message of a worker stream, or EOF, within the first-token or idle timeout.
@@ -840,7 +875,11 @@ class RouterService:
 
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
-               ttft: float, attempt: int, overhead: float, span: trace.Span) -> FinalInfo:
+               ttft: float, attempt: int, overhead: float, span: trace.Span,
+               via_store: bool = False) -> FinalInfo:
+        """The final message. ``via_store``: the prompt went through an external prefill engine
+        and the store (predicted exactly, unlike a kvmesh worker's handle)."""
+        split_done = handle is not None or via_store
         usage = common_pb2.Usage()
         usage.CopyFrom(msg.usage)
         bs = p.req.block_size
@@ -860,7 +899,7 @@ class RouterService:
             predicted_cached_tokens=predicted,
             predicted_cached_tokens_gpu=predicted_gpu,
             predicted_cached_tokens_offload=predicted - predicted_gpu,
-            split=handle is not None, prefill_endpoint=split.prefill_endpoint if handle is not None else "",
+            split=split_done, prefill_endpoint=split.prefill_endpoint if split_done else "",
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
             kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
