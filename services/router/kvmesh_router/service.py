@@ -27,7 +27,7 @@ from opentelemetry import propagate, trace
 from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
-from kvmesh.routing.fidelity import RouterSide, classify, live_view
+from kvmesh.routing.fidelity import RouterSide, classify, live_view, split_predicted_blocks
 from kvmesh.routing.hedge import HedgeBudget
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
@@ -40,7 +40,7 @@ from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_api.worker.v1 import worker_pb2
-from kvmesh_router import external_generate, metrics
+from kvmesh_router import external_generate, external_split, metrics
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.errors import (
@@ -397,17 +397,18 @@ class RouterService:
             lookup_timed_out=uses_index and (matches is None or matches.source == "local"))
 
     def _mismatch(self, p: Prepared, d: Decision, msg: worker_pb2.GenerateResponse, actual: int,
-                  split: bool) -> str:
+                  split: bool, predicted: int) -> str:
         """The class of a missed prediction ("" when exact), counted by cause."""
-        side: RouterSide = d.view or RouterSide(predicted=d.predicted_cached_tokens // p.req.block_size,
-                                                 uses_index=False)
         bs = p.req.block_size
+        side: RouterSide = d.view or RouterSide(predicted=predicted // bs, uses_index=False)
+        if split:
+            side = dataclasses.replace(side, predicted=predicted // bs)
         t = msg.truth
         cap = max_hit_blocks(p.req.num_tokens, bs)
         view = live_view(side, known=t.known, gpu_blocks=min(t.gpu_tokens // bs, cap),
                          store_blocks=min(t.store_tokens // bs, cap), events_through=t.events_through)
         cls = classify(view, actual // bs, uses_index=side.uses_index, split=split)
-        if not cls and actual != d.predicted_cached_tokens:
+        if not cls and actual != predicted:
             cls = "unknown"   # equal in whole blocks, not in tokens: a partial block was counted
         if cls:
             metrics.MISPREDICTIONS.labels(cause=cls).inc()
@@ -473,9 +474,14 @@ class RouterService:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
                     d, split = await self.decide(p, inp.policy, exclude)
-                if split.split and d.endpoint_id in self.cluster.external:
-                    # An external engine cannot take a kvmesh prefill worker's KV handle.
-                    split = SplitDecision(False, reason="decode endpoint is an external engine")
+                if split.split and (d.endpoint_id in self.cluster.external) != (
+                        split.prefill_endpoint in self.cluster.external):
+                    # A kvmesh prefill worker's KV handle means nothing to an external engine, and
+                    # an external prefill engine hands over through the store only to its peers.
+                    split = SplitDecision(False, reason="the decode and prefill endpoints are not of one kind "
+                                                        "(external engine and kvmesh worker)")
+                elif split.split and attempts > 1 and d.endpoint_id in self.cluster.external:
+                    split = SplitDecision(False, reason="a retry does not split")   # already late
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
                 now = time.perf_counter()
                 overhead = now - t0
@@ -782,6 +788,9 @@ class RouterService:
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
         ext = self.cluster.external
+        held: int | None = None
+        if split.split:
+            d, held = await self._prefill_external(p, inp, d, split, body, headers, span)
         done = external_generate.Completion()
         generated: list[int] = []
         ttft = 0.0
@@ -813,7 +822,34 @@ class RouterService:
             msg.usage.prompt_tokens = done.prompt_tokens
             msg.usage.completion_tokens = done.completion_tokens
             msg.usage.cached_tokens = done.cached_tokens
-        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span)
+        if held:
+            # The decode engine found more than its own GPU cache held: the store's copy of the prefill.
+            msg.kv_from_prefill = done.cached_tokens > d.predicted_cached_tokens_gpu
+        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span,
+                                   via_store=held is not None)
+
+    async def _prefill_external(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
+                                body: dict[str, Any], headers: dict[str, str], span: trace.Span
+                                ) -> tuple[Decision, int | None]:
+        """The split toward external engines (``external_split``): the prefill engine computes the
+        prompt and its connector saves it to the store; the decision then counts what the store
+        holds, which the decode engine's connector restores. None: the prefill failed (the decode
+        engine computes the prompt; only the split is lost)."""
+        with _tracer.start_as_current_span("router.prefill", context=trace.set_span_in_context(span)) as pspan:
+            pspan.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
+            held = await external_split.prefill(
+                self.cluster, self.core.load, self.cfg, p.request_id, p.req.keys, p.req.num_tokens,
+                p.req.block_size, len(p.tokens), split.prefill_endpoint, "/v1/completions",
+                external_split.prefill_body(body), {"content-type": "application/json", **headers}, inp.deadline)
+            if held is None:
+                pspan.set_attribute("kvmesh.prefill_failed", "external")
+                d.reason += "; split: the prefill engine failed, the decode engine computes the prompt"
+                return d, None
+            pspan.set_attribute("kvmesh.prefill_store_blocks", held)
+        tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
+        d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
+        inp.predicted_cached_tokens = d.predicted_cached_tokens
+        return d, held
 
     async def _read(self, call: Any, d: Decision, generated: list[int]) -> Any:
         """The next message of a worker stream, or EOF, within the first-token or idle timeout.
@@ -839,9 +875,20 @@ class RouterService:
 
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
-               ttft: float, attempt: int, overhead: float, span: trace.Span) -> FinalInfo:
+               ttft: float, attempt: int, overhead: float, span: trace.Span,
+               via_store: bool = False) -> FinalInfo:
+        """The final message. ``via_store``: the prompt went through an external prefill engine
+        and the store (predicted exactly, unlike a kvmesh worker's handle)."""
+        split_done = handle is not None or via_store
         usage = common_pb2.Usage()
         usage.CopyFrom(msg.usage)
+        bs = p.req.block_size
+        predicted, predicted_gpu = d.predicted_cached_tokens, d.predicted_cached_tokens_gpu
+        if handle is not None:
+            # A split: the decode endpoint reuses the prefill endpoint's KV once it has arrived,
+            # which the router planned; predict that, not the decode endpoint's cache before.
+            predicted = split_predicted_blocks(p.req.num_tokens, bs, d.predicted_cached_tokens // bs) * bs
+            predicted_gpu = min(predicted_gpu, predicted)
         if not usage.prompt_tokens:
             usage.prompt_tokens = len(p.tokens)
         if not usage.completion_tokens:
@@ -849,10 +896,10 @@ class RouterService:
         routing = router_pb2.RoutingDecision(
             endpoint=d.endpoint_id, endpoint_address=self.core.endpoints[d.endpoint_id].address
             if d.endpoint_id in self.core.endpoints else "", policy=d.policy,
-            predicted_cached_tokens=d.predicted_cached_tokens,
-            predicted_cached_tokens_gpu=d.predicted_cached_tokens_gpu,
-            predicted_cached_tokens_offload=d.predicted_cached_tokens_offload,
-            split=handle is not None, prefill_endpoint=split.prefill_endpoint if handle is not None else "",
+            predicted_cached_tokens=predicted,
+            predicted_cached_tokens_gpu=predicted_gpu,
+            predicted_cached_tokens_offload=predicted - predicted_gpu,
+            split=split_done, prefill_endpoint=split.prefill_endpoint if split_done else "",
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
             kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
@@ -861,18 +908,18 @@ class RouterService:
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
         metrics.CACHED_TOKENS.labels(tier="offload").inc(usage.cached_tokens_offload)
-        metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
-        routing.mismatch = self._mismatch(p, d, msg, actual, split=handle is not None)
-        if handle is None and self.cfg.local_view_ttl_s > 0:
-            # The engine now holds this prompt: a lookup past its deadline can still find it.
+        metrics.PREDICTED_TOKENS.inc(predicted)
+        routing.mismatch = self._mismatch(p, d, msg, actual, handle is not None, predicted)
+        if self.cfg.local_view_ttl_s > 0:
+            # The engine now holds this prompt (a split's decode endpoint too, once its KV
+            # arrived): a lookup past its deadline can still find it.
             self.cluster.local_view.served(d.endpoint_id, p.req.keys, time.monotonic())
-        if handle is None:
-            metrics.CACHED_DIFF.observe(int(actual) - d.predicted_cached_tokens)
-            if actual != d.predicted_cached_tokens:
-                metrics.MISMATCHES.inc()
-                log.info("predicted cached tokens differ from the engine's",
-                         extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "cause": routing.mismatch,
-                                "predicted": d.predicted_cached_tokens, "actual": actual})
+        metrics.CACHED_DIFF.observe(int(actual) - predicted)
+        if actual != predicted:
+            metrics.MISMATCHES.inc()
+            log.info("predicted cached tokens differ from the engine's",
+                     extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "cause": routing.mismatch,
+                            "predicted": predicted, "actual": actual, "split": handle is not None})
         span.set_attribute("kvmesh.usage.cached_tokens", actual)
         span.set_attribute("kvmesh.usage.completion_tokens", usage.completion_tokens)
         # OpenTelemetry GenAI semantic conventions, so trace UIs show the request's shape.
@@ -880,7 +927,7 @@ class RouterService:
         span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
         span.set_attribute("gen_ai.usage.cached_tokens", actual)
-        span.set_attribute("gen_ai.usage.cached_tokens_predicted", d.predicted_cached_tokens)
+        span.set_attribute("gen_ai.usage.cached_tokens_predicted", predicted)
         span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
