@@ -61,7 +61,7 @@ class RouterConfig:
     lookup_late_s: float = field(default=2.0, metadata={
         "help": "a lookup past its deadline stays open this long; its answer is merged into the local view "
                 "when it comes (<= lookup_timeout_s: not kept open)"})
-    lookup_loop_grace_s: float = field(default=1.0, metadata={
+    lookup_loop_grace_s: float = field(default=2.0, metadata={
         "help": "a lookup's deadline is extended by the time the router's own event loop ran behind meanwhile, "
                 "up to this much: an index answer that arrived while a busy loop could not read it is not late "
                 "(0 = off)"})
