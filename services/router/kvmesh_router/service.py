@@ -591,6 +591,10 @@ class RouterService:
         """One try on ``d``; with hedging on, and no first token after ``hedge_delay_s``, a copy
         races it on the next best endpoint (budget permitting). The first to yield wins and the
         other is cancelled, which aborts its engine request and releases its in-flight count.
+        A split try is hedged too: its first token waits on the prefill endpoint, the transfer
+        and the decode endpoint, any of which can stall; the copy runs unsplit on another decode
+        endpoint, and a lost split's prefill call is cancelled with it (kvmesh workers and
+        external engines alike).
 
         The caller owns the first try (settles it on failure); this owns the copy. A try that
         fails while the other still runs is recorded here (``failures``, ``exclude``); when both
@@ -598,7 +602,7 @@ class RouterService:
         """
         primary = self._run(p, inp, d, split, attempt, overhead, span)
         delay = self.cfg.hedge_delay_s
-        if delay <= 0 or split.split:   # a split's prefill is on its own endpoint: not hedged
+        if delay <= 0:
             async for item in primary:
                 yield item
             return
