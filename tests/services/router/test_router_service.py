@@ -36,14 +36,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
         store = ServiceProcess.with_ports(
             "offload", lambda p: ["--host", "127.0.0.1", "--port", str(p), "--model", MODEL,
                                   "--events-endpoint", "", "--events-replay-endpoint", ""],
-            log_path=tmp / "offload.log").start(60, wait=False)
+            log_path=tmp / "offload.log").start(60)   # ready first: a retried start moves its address
         started.append(store)
         off = ["--offload-address", store.grpc_address]
         pre = start_worker(tmp, "p1", role="prefill", extra=off, wait=False)
         started.append(pre)
         workers = start_workers(tmp, ["w1", "w2", "w3"], extra=off)
         started.extend(workers.values())
-        store.wait_ready(60)
         pre.wait_ready(90)
         router, http = start_router(
             tmp, [(e, w.grpc_address) for e, w in workers.items()],
