@@ -210,3 +210,14 @@ def test_copy_into_threads_verify_every_share(threads: int) -> None:
     ro = [memoryview(bytes(b)) for b in blocks]
     out = [bytearray(size) for _ in range(n)]
     assert copy_into(ro, out, None, keys, threads=threads) == n and [bytes(d) for d in out] == blocks
+
+
+def test_copy_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.kvstore.client_messages import COPY_THREADS_ENV, copy_threads
+
+    monkeypatch.setenv(COPY_THREADS_ENV, "3")
+    assert copy_threads() == 3
+    monkeypatch.setenv(COPY_THREADS_ENV, "0")
+    assert copy_threads() == 1
+    monkeypatch.delenv(COPY_THREADS_ENV)
+    assert copy_threads() == min(2, len(os.sched_getaffinity(0)))

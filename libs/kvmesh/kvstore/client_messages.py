@@ -84,11 +84,11 @@ PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
 def copy_threads() -> int:
-    """Copy threads per get: ``$KVMESH_OFFLOAD_COPY_THREADS`` (default 2, at least 1)."""
+    """Copy threads per get: ``$KVMESH_OFFLOAD_COPY_THREADS``, else 2 (1 on a single-CPU process)."""
     try:
-        return max(1, int(os.environ.get(COPY_THREADS_ENV, DEFAULT_COPY_THREADS)))
-    except ValueError:
-        return DEFAULT_COPY_THREADS
+        return max(1, int(os.environ[COPY_THREADS_ENV]))
+    except (KeyError, ValueError):
+        return min(DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0)))
 
 
 _pool_lock = threading.Lock()
