@@ -94,14 +94,17 @@ def copy_threads() -> int:
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+_pool_pid = 0
 
 
 def _copy_pool(helpers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+    global _pool, _pool_size, _pool_pid
     with _pool_lock:
-        if _pool is None or _pool_size < helpers:
+        # A forked child inherits the pool object but not its threads: work submitted there
+        # would never run, so a child makes its own.
+        if _pool is None or _pool_size < helpers or _pool_pid != os.getpid():
             _pool = ThreadPoolExecutor(helpers, thread_name_prefix="kvmesh-offload-copy")
-            _pool_size = helpers
+            _pool_size, _pool_pid = helpers, os.getpid()
         return _pool
 
 

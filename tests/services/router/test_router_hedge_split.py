@@ -14,7 +14,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.router import MODEL, RouterStack, rand_tokens, start_router, start_worker
 
@@ -43,27 +42,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterStac
     tmp = tmp_path_factory.mktemp("hedge-split")
     started: list[ServiceProcess] = []
     try:
-        store_port = free_port()
-        store = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(store_port), "--model", MODEL,
-                                           "--events-endpoint", "", "--events-replay-endpoint", ""],
-                               f"127.0.0.1:{store_port}", log_path=tmp / "offload.log").start(60, wait=False)
+        store = ServiceProcess.with_ports(
+            "offload", lambda p: ["--host", "127.0.0.1", "--port", str(p), "--model", MODEL,
+                                  "--events-endpoint", "", "--events-replay-endpoint", ""],
+            log_path=tmp / "offload.log")
         started.append(store)
+        store.start(60)   # ready first: a retried start moves its address
         off = ["--offload-address", store.grpc_address]
-        pport = free_port()
-        pre = start_worker(tmp, "p1", role="prefill", wait=False, extra=[
-            *off, "--metrics-port", str(pport), "--request-overhead-s", str(SLOW_OVERHEAD_S)])
+        pre = start_worker(tmp, "p1", role="prefill", wait=False, port_flags=["--metrics-port"], extra=[
+            *off, "--request-overhead-s", str(SLOW_OVERHEAD_S)])
         started.append(pre)
         decode = {e: start_worker(tmp, e, wait=False, extra=off) for e in ("w1", "w2")}
         started.extend(decode.values())
         for proc in started:
             proc.wait_ready(90)
-        rport = free_port()
+        pport = pre.flag_port("--metrics-port")
         router, http = start_router(
             tmp, [(e, w.grpc_address) for e, w in decode.items()], prefill=[("p1", pre.grpc_address)],
-            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024", "--metrics-port", str(rport),
+            port_flags=["--metrics-port"],
+            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024",
                    "--load-poll-s", "60", "--first-token-timeout-s", "60",
                    "--hedge-delay-s", "0.3", "--hedge-budget", "0", "--hedge-burst", "1"])
         started.append(router)
+        rport = router.flag_port("--metrics-port")
         st = RouterStack(router, http, decode)
         yield st, pport, rport
         st.close()
