@@ -366,3 +366,59 @@ def test_every_kvmesh_workload_runs_mtls_with_its_own_cert_manager_identity(targ
         assert env[f"{pre}_SERVER_NAME"] == "kvmesh" and env[f"{pre}_HEALTH_PORT"] == str(HEALTH_PORT), name
         if name in ("prefill", "decode", "offload"):   # they register as $(POD_NAME): the certificate's id
             assert "$(POD_NAME)" == c["args"][c["args"].index("--endpoint-id") + 1], name
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_metrics_need_the_token_the_servicemonitor_sends(target: str) -> None:
+    """Every kvmesh workload reads its /metrics token from the kvmesh-metrics-token Secret (a
+    scrape without it is 401) and the ServiceMonitor sends that Secret's token."""
+    docs = build(K8S / "overlays" / target)
+    sm = by_kind(docs, "ServiceMonitor")["kvmesh"]
+    for ep in sm["spec"]["endpoints"]:
+        assert ep["authorization"] == {"type": "Bearer", "credentials": {"name": "kvmesh-metrics-token", "key": "token"}}
+    for name, wl in workloads(docs).items():
+        if name not in KVMESH_SERVICES:
+            continue
+        spec = wl["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["metrics-token"]["secret"]["secretName"] == "kvmesh-metrics-token", name
+        c = spec["containers"][0]
+        mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["metrics-token"]
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env[f"KVMESH_{ENV_PREFIX[name]}_METRICS_TOKEN_FILE"] == f"{mount}/token", name
+    schema = json.loads(CRD_SCHEMAS[(sm["apiVersion"], "ServiceMonitor")].read_text())
+    bad = json.loads(json.dumps(sm))
+    bad["spec"]["endpoints"][0]["authorization"]["credentials"] = {"name": "kvmesh-metrics-token"}   # no key
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_gateway_backend_tls_policy_is_valid_and_names_what_the_workers_serve() -> None:
+    """deploy/k8s/gateway: a BackendTLSPolicy (Gateway API v1.4, v1) valid against the fields of the
+    published CRD it uses, aimed at the decode Service's http port and the InferencePool, checking
+    a name every worker certificate carries against the fleet CA."""
+    docs = build(K8S / "gateway")
+    (pol,) = [d for d in docs if d["kind"] == "BackendTLSPolicy"]
+    schema = json.loads((DATA / "backendtlspolicy-v1.schema.json").read_text())
+    jsonschema.validate(pol, schema)
+    assert pol["metadata"]["namespace"] == "kvmesh"
+    base = build(K8S / "base")
+    services, pools = by_kind(base, "Service"), by_kind(base, "InferencePool")
+    for ref in pol["spec"]["targetRefs"]:
+        if ref["kind"] == "Service":
+            assert ref["sectionName"] in {p["name"] for p in services[ref["name"]]["spec"]["ports"]}
+        else:
+            assert (ref["group"], ref["kind"]) == ("inference.networking.k8s.io", "InferencePool")
+            pool = pools[ref["name"]]
+            assert pool["spec"]["selector"]["matchLabels"] == workloads(base)["decode"]["spec"]["selector"]["matchLabels"]
+    hostname = pol["spec"]["validation"]["hostname"]
+    for name in ("decode", "prefill"):
+        tls = {v["name"]: v for v in workloads(base)[name]["spec"]["template"]["spec"]["volumes"]}["tls"]
+        assert hostname in tls["csi"]["volumeAttributes"]["csi.cert-manager.io/dns-names"].split(","), name
+    # The schema is not vacuous: the CRD's rules on hostname and on the CA source hold.
+    for breakage in (lambda v: v.pop("hostname"), lambda v: v.update(wellKnownCACertificates="System"),
+                     lambda v: v.update(caCertificateRefs=[]), lambda v: v.update(hostname="Not_A_Name")):
+        bad = json.loads(json.dumps(pol))
+        breakage(bad["spec"]["validation"])
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)

@@ -48,10 +48,9 @@ from opentelemetry import propagate
 
 from kvmesh.openai.errors import OpenAIError, error_response
 from kvmesh.openai.requests import SESSION_HEADER, parse_json_body, read_body, string
-from kvmesh.routing.scoring import max_hit_blocks
 from kvmesh.routing.types import Decision
 from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
-from kvmesh_router import metrics
+from kvmesh_router import external_split, metrics
 from kvmesh_router.errors import BadRequest, RouterError, Unavailable
 from kvmesh_router.http_guard import SCOPE_KEY
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
@@ -121,20 +120,6 @@ def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> Ge
     inp.request_id = headers.get("x-request-id", "")
     inp.policy = headers.get("x-kvmesh-policy", "")
     return inp
-
-
-def prefill_body(body: dict[str, Any]) -> bytes:
-    """The prefill engine's request: one token, no stream, and the connector told to save the prompt."""
-    b = dict(body)
-    b["stream"] = False
-    b.pop("stream_options", None)
-    if "max_completion_tokens" in b:
-        b["max_completion_tokens"] = 1
-    b["max_tokens"] = 1
-    if "n" in b:
-        b["n"] = 1
-    b["kv_transfer_params"] = {"kvmesh": {"prefill_only": True}}
-    return json.dumps(b, ensure_ascii=False).encode()
 
 
 class _Usage:
@@ -270,7 +255,7 @@ class Passthrough:
                                  or "the prefill endpoint is not an external engine"}
             if split_to:
                 try:
-                    held = await self._prefill(p, split_to, path, prefill_body(body), headers, deadline)
+                    held = await self._prefill(p, split_to, path, external_split.prefill_body(body), headers, deadline)
                 except BaseException:
                     self.service.settle(p, d)
                     raise
@@ -328,49 +313,10 @@ class Passthrough:
 
     async def _prefill(self, p: Prepared, eid: str, path: str, content: bytes, headers: dict[str, str],
                        deadline: float | None) -> int | None:
-        """Run the prompt on the external prefill engine ``eid`` and wait until the store holds its
-        KV; the prompt's blocks the store then holds, or None when the prefill failed."""
-        ext = self.cluster.external
-        url = ext.urls.get(eid)
-        if url is None:
-            return None
-        rid = p.request_id + "-prefill"
-        load = self.service.core.load
-        load.on_sent(eid, rid, len(p.tokens), time.monotonic())
-        left = None if deadline is None else max(0.001, deadline - time.monotonic())
-        try:
-            r = await ext.client.post(url + path, content=content,
-                                      headers={**headers, "x-request-id": rid, **ext.rank_headers(eid)},
-                                      timeout=httpx.Timeout(left, connect=self.cfg.external_connect_timeout_s))
-        except httpx.HTTPError as exc:
-            if isinstance(exc, CONNECT_ERRORS):
-                self.cluster.mark_dead(eid, f"{type(exc).__name__}: {exc}")
-            log.warning("prefill engine failed; the decode engine computes the prompt",
-                        extra={"request_id": p.request_id, "endpoint": eid, "error": f"{type(exc).__name__}: {exc}"})
-            return None
-        finally:
-            load.on_finished(rid)
-        if r.status_code != 200:
-            log.warning("prefill engine refused; the decode engine computes the prompt",
-                        extra={"request_id": p.request_id, "endpoint": eid, "status": r.status_code,
-                               "body": r.text[:500]})
-            return None
-        # The connector saves in the background: the store's KV events say when it is there.
-        want = max_hit_blocks(p.req.num_tokens, p.req.block_size)
-        until = time.monotonic() + self.cfg.split_store_wait_s
-        held, pause = 0, 0.01
-        while True:
-            m = await self.cluster.lookup(p.req.keys)
-            if m is not None and m.source != "local":
-                held = min(max(m.store.cpu, m.store.disk), want)
-            if held >= want or time.monotonic() >= until:
-                break
-            await asyncio.sleep(pause)
-            pause = min(pause * 2, 0.1)
-        if held < want:
-            log.warning("the store holds part of the prefilled prompt", extra={
-                "request_id": p.request_id, "endpoint": eid, "held_blocks": held, "wanted_blocks": want})
-        return held
+        """The prefill half of the split (``external_split``): the blocks the store then holds, or None."""
+        return await external_split.prefill(self.cluster, self.service.core.load, self.cfg, p.request_id,
+                                            p.req.keys, p.req.num_tokens, p.req.block_size, len(p.tokens), eid,
+                                            path, content, headers, deadline)
 
     def _failed(self, p: Prepared, d: Decision, exc: Exception, failures: list[str], exclude: set[str],
                 mark_dead: bool) -> None:

@@ -27,7 +27,7 @@ from opentelemetry import propagate, trace
 from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
-from kvmesh.routing.fidelity import RouterSide, classify, live_view
+from kvmesh.routing.fidelity import RouterSide, classify, live_view, split_predicted_blocks
 from kvmesh.routing.hedge import HedgeBudget
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
@@ -40,7 +40,7 @@ from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_api.worker.v1 import worker_pb2
-from kvmesh_router import external_generate, metrics
+from kvmesh_router import external_generate, external_split, metrics
 from kvmesh_router.cluster import Cluster
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.errors import (
@@ -102,6 +102,8 @@ class GenInput:
     received: float | None = None
     decision_s: float = 0.0
     tokenize_s: float = 0.0
+    hash_s: float = 0.0      # of the decision: hashing the blocks
+    lookup_s: float = 0.0    # of the decision: the first attempt's index lookup
 
 
 @dataclass
@@ -327,7 +329,9 @@ class RouterService:
                                inp.tenant)
             return extra, req, res.reused_blocks, res.hashed_blocks
 
+        t0 = time.perf_counter()
         extra, req, reused, n_hashed = hashed(paths[0])
+        inp.hash_s = time.perf_counter() - t0
         p = Prepared(rid, tokens, extra, salt, req, reused, n_hashed, lora_lacking=lacking, lora_name=inp.lora_name)
         if len(paths) > 1:
             p.variants.append((groups[paths[0]], extra, req))  # type: ignore[arg-type]
@@ -338,15 +342,15 @@ class RouterService:
                 p.hashed_blocks += n_hashed
         return p
 
-    async def decide(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None = None
-                     ) -> tuple[Decision, SplitDecision]:
-        """The decision for ``p``; while admission control holds it (``Decision.hold``,
-        kvmesh.routing.admission) it is decided again every ``admit_recheck_s``, as the
-        simulator does, with the time held so far."""
+    async def decide(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None = None,
+                     timing: GenInput | None = None) -> tuple[Decision, SplitDecision]:
+        """The endpoint (and split) for ``p``; ``timing`` gets the index lookup's time (``lookup_s``).
+        While admission control holds it (``Decision.hold``, kvmesh.routing.admission) it is
+        decided again every ``admit_recheck_s``, as the simulator does, with the time held so far."""
         t0 = time.monotonic()
         held = 0.0
         while True:
-            d, split = await self._decide_once(p, policy, exclude, subset, held)
+            d, split = await self._decide_once(p, policy, exclude, subset, timing, held)
             if not d.hold:
                 if held:
                     metrics.HELD.observe(held)
@@ -356,19 +360,19 @@ class RouterService:
             held = time.monotonic() - t0
 
     async def _decide_once(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None,
-                           held_s: float) -> tuple[Decision, SplitDecision]:
+                           timing: GenInput | None, held_s: float) -> tuple[Decision, SplitDecision]:
         if subset is not None:
             exclude = exclude | {e for e in self.core.endpoints if e not in subset}
         if p.lora_lacking:
             exclude = exclude | p.lora_lacking
         if not p.variants:
-            return await self._decide_keys(p.req, p.lora_name, policy, exclude, held_s)
+            return await self._decide_keys(p.req, p.lora_name, policy, exclude, timing, held_s)
         best: tuple[Decision, SplitDecision, ExtraKeys, RouteRequest] | None = None
         errors: list[str] = []
         for eids, extra, req in p.variants:
             others = {e for e in self.core.endpoints if e not in eids}
             try:
-                d, split = await self._decide_keys(req, p.lora_name, policy, exclude | others, held_s)
+                d, split = await self._decide_keys(req, p.lora_name, policy, exclude | others, timing, held_s)
             except Unavailable as exc:
                 errors.append(exc.message)
                 continue
@@ -381,9 +385,12 @@ class RouterService:
         return best[0], best[1]
 
     async def _decide_keys(self, req: RouteRequest, lora_name: str, policy: str, exclude: set[str],
-                           held_s: float = 0.0) -> tuple[Decision, SplitDecision]:
+                           timing: GenInput | None = None, held_s: float = 0.0) -> tuple[Decision, SplitDecision]:
         pol = self.core.policy(policy) if policy else self.core.default_policy
+        t0 = time.perf_counter()
         matches = await self.cluster.lookup(req.keys) if pol.uses_index else None
+        if timing is not None and pol.uses_index and self.cluster.indexer is not None:
+            timing.lookup_s += time.perf_counter() - t0
         try:
             d = self.core.decide(req, matches, time.monotonic(), policy, exclude, held_s)
         except NoEndpointError as exc:
@@ -414,17 +421,18 @@ class RouterService:
             lookup_timed_out=uses_index and (matches is None or matches.source == "local"))
 
     def _mismatch(self, p: Prepared, d: Decision, msg: worker_pb2.GenerateResponse, actual: int,
-                  split: bool) -> str:
+                  split: bool, predicted: int) -> str:
         """The class of a missed prediction ("" when exact), counted by cause."""
-        side: RouterSide = d.view or RouterSide(predicted=d.predicted_cached_tokens // p.req.block_size,
-                                                 uses_index=False)
         bs = p.req.block_size
+        side: RouterSide = d.view or RouterSide(predicted=predicted // bs, uses_index=False)
+        if split:
+            side = dataclasses.replace(side, predicted=predicted // bs)
         t = msg.truth
         cap = max_hit_blocks(p.req.num_tokens, bs)
         view = live_view(side, known=t.known, gpu_blocks=min(t.gpu_tokens // bs, cap),
                          store_blocks=min(t.store_tokens // bs, cap), events_through=t.events_through)
         cls = classify(view, actual // bs, uses_index=side.uses_index, split=split)
-        if not cls and actual != d.predicted_cached_tokens:
+        if not cls and actual != predicted:
             cls = "unknown"   # equal in whole blocks, not in tokens: a partial block was counted
         if cls:
             metrics.MISPREDICTIONS.labels(cause=cls).inc()
@@ -489,10 +497,15 @@ class RouterService:
                 if inp.deadline is not None and time.monotonic() >= inp.deadline:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
-                    d, split = await self.decide(p, inp.policy, exclude)
-                if split.split and d.endpoint_id in self.cluster.external:
-                    # An external engine cannot take a kvmesh prefill worker's KV handle.
-                    split = SplitDecision(False, reason="decode endpoint is an external engine")
+                    d, split = await self.decide(p, inp.policy, exclude, timing=inp if attempts == 1 else None)
+                if split.split and (d.endpoint_id in self.cluster.external) != (
+                        split.prefill_endpoint in self.cluster.external):
+                    # A kvmesh prefill worker's KV handle means nothing to an external engine, and
+                    # an external prefill engine hands over through the store only to its peers.
+                    split = SplitDecision(False, reason="the decode and prefill endpoints are not of one kind "
+                                                        "(external engine and kvmesh worker)")
+                elif split.split and attempts > 1 and d.endpoint_id in self.cluster.external:
+                    split = SplitDecision(False, reason="a retry does not split")   # already late
                 inp.predicted_cached_tokens = d.predicted_cached_tokens
                 now = time.perf_counter()
                 overhead = now - t0
@@ -594,6 +607,10 @@ class RouterService:
         """One try on ``d``; with hedging on, and no first token after ``hedge_delay_s``, a copy
         races it on the next best endpoint (budget permitting). The first to yield wins and the
         other is cancelled, which aborts its engine request and releases its in-flight count.
+        A split try is hedged too: its first token waits on the prefill endpoint, the transfer
+        and the decode endpoint, any of which can stall; the copy runs unsplit on another decode
+        endpoint, and a lost split's prefill call is cancelled with it (kvmesh workers and
+        external engines alike).
 
         The caller owns the first try (settles it on failure); this owns the copy. A try that
         fails while the other still runs is recorded here (``failures``, ``exclude``); when both
@@ -601,7 +618,7 @@ class RouterService:
         """
         primary = self._run(p, inp, d, split, attempt, overhead, span)
         delay = self.cfg.hedge_delay_s
-        if delay <= 0 or split.split:   # a split's prefill is on its own endpoint: not hedged
+        if delay <= 0:
             async for item in primary:
                 yield item
             return
@@ -799,6 +816,9 @@ class RouterService:
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
         ext = self.cluster.external
+        held: int | None = None
+        if split.split:
+            d, held = await self._prefill_external(p, inp, d, split, body, headers, span)
         done = external_generate.Completion()
         generated: list[int] = []
         ttft = 0.0
@@ -830,7 +850,34 @@ class RouterService:
             msg.usage.prompt_tokens = done.prompt_tokens
             msg.usage.completion_tokens = done.completion_tokens
             msg.usage.cached_tokens = done.cached_tokens
-        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span)
+        if held:
+            # The decode engine found more than its own GPU cache held: the store's copy of the prefill.
+            msg.kv_from_prefill = done.cached_tokens > d.predicted_cached_tokens_gpu
+        yield "final", self._final(p, inp, d, split, None, msg, generated, ttft, attempt, overhead, span,
+                                   via_store=held is not None)
+
+    async def _prefill_external(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
+                                body: dict[str, Any], headers: dict[str, str], span: trace.Span
+                                ) -> tuple[Decision, int | None]:
+        """The split toward external engines (``external_split``): the prefill engine computes the
+        prompt and its connector saves it to the store; the decision then counts what the store
+        holds, which the decode engine's connector restores. None: the prefill failed (the decode
+        engine computes the prompt; only the split is lost)."""
+        with _tracer.start_as_current_span("router.prefill", context=trace.set_span_in_context(span)) as pspan:
+            pspan.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
+            held = await external_split.prefill(
+                self.cluster, self.core.load, self.cfg, p.request_id, p.req.keys, p.req.num_tokens,
+                p.req.block_size, len(p.tokens), split.prefill_endpoint, "/v1/completions",
+                external_split.prefill_body(body), {"content-type": "application/json", **headers}, inp.deadline)
+            if held is None:
+                pspan.set_attribute("kvmesh.prefill_failed", "external")
+                d.reason += "; split: the prefill engine failed, the decode engine computes the prompt"
+                return d, None
+            pspan.set_attribute("kvmesh.prefill_store_blocks", held)
+        tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
+        d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
+        inp.predicted_cached_tokens = d.predicted_cached_tokens
+        return d, held
 
     async def _read(self, call: Any, d: Decision, generated: list[int]) -> Any:
         """The next message of a worker stream, or EOF, within the first-token or idle timeout.
@@ -856,9 +903,20 @@ class RouterService:
 
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
-               ttft: float, attempt: int, overhead: float, span: trace.Span) -> FinalInfo:
+               ttft: float, attempt: int, overhead: float, span: trace.Span,
+               via_store: bool = False) -> FinalInfo:
+        """The final message. ``via_store``: the prompt went through an external prefill engine
+        and the store (predicted exactly, unlike a kvmesh worker's handle)."""
+        split_done = handle is not None or via_store
         usage = common_pb2.Usage()
         usage.CopyFrom(msg.usage)
+        bs = p.req.block_size
+        predicted, predicted_gpu = d.predicted_cached_tokens, d.predicted_cached_tokens_gpu
+        if handle is not None:
+            # A split: the decode endpoint reuses the prefill endpoint's KV once it has arrived,
+            # which the router planned; predict that, not the decode endpoint's cache before.
+            predicted = split_predicted_blocks(p.req.num_tokens, bs, d.predicted_cached_tokens // bs) * bs
+            predicted_gpu = min(predicted_gpu, predicted)
         if not usage.prompt_tokens:
             usage.prompt_tokens = len(p.tokens)
         if not usage.completion_tokens:
@@ -866,30 +924,31 @@ class RouterService:
         routing = router_pb2.RoutingDecision(
             endpoint=d.endpoint_id, endpoint_address=self.core.endpoints[d.endpoint_id].address
             if d.endpoint_id in self.core.endpoints else "", policy=d.policy,
-            predicted_cached_tokens=d.predicted_cached_tokens,
-            predicted_cached_tokens_gpu=d.predicted_cached_tokens_gpu,
-            predicted_cached_tokens_offload=d.predicted_cached_tokens_offload,
-            split=handle is not None, prefill_endpoint=split.prefill_endpoint if handle is not None else "",
+            predicted_cached_tokens=predicted,
+            predicted_cached_tokens_gpu=predicted_gpu,
+            predicted_cached_tokens_offload=predicted - predicted_gpu,
+            split=split_done, prefill_endpoint=split.prefill_endpoint if split_done else "",
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
             kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
-            decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0)
+            decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0, hash_ms=inp.hash_s * 1000.0,
+            lookup_ms=inp.lookup_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
         metrics.CACHED_TOKENS.labels(tier="offload").inc(usage.cached_tokens_offload)
-        metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
-        routing.mismatch = self._mismatch(p, d, msg, actual, split=handle is not None)
-        if handle is None and self.cfg.local_view_ttl_s > 0:
-            # The engine now holds this prompt: a lookup past its deadline can still find it.
+        metrics.PREDICTED_TOKENS.inc(predicted)
+        routing.mismatch = self._mismatch(p, d, msg, actual, handle is not None, predicted)
+        if self.cfg.local_view_ttl_s > 0:
+            # The engine now holds this prompt (a split's decode endpoint too, once its KV
+            # arrived): a lookup past its deadline can still find it.
             self.cluster.local_view.served(d.endpoint_id, p.req.keys, time.monotonic())
-        if handle is None:
-            metrics.CACHED_DIFF.observe(int(actual) - d.predicted_cached_tokens)
-            if actual != d.predicted_cached_tokens:
-                metrics.MISMATCHES.inc()
-                log.info("predicted cached tokens differ from the engine's",
-                         extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "cause": routing.mismatch,
-                                "predicted": d.predicted_cached_tokens, "actual": actual})
+        metrics.CACHED_DIFF.observe(int(actual) - predicted)
+        if actual != predicted:
+            metrics.MISMATCHES.inc()
+            log.info("predicted cached tokens differ from the engine's",
+                     extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "cause": routing.mismatch,
+                            "predicted": predicted, "actual": actual, "split": handle is not None})
         span.set_attribute("kvmesh.usage.cached_tokens", actual)
         span.set_attribute("kvmesh.usage.completion_tokens", usage.completion_tokens)
         # OpenTelemetry GenAI semantic conventions, so trace UIs show the request's shape.
@@ -897,7 +956,7 @@ class RouterService:
         span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
         span.set_attribute("gen_ai.usage.cached_tokens", actual)
-        span.set_attribute("gen_ai.usage.cached_tokens_predicted", d.predicted_cached_tokens)
+        span.set_attribute("gen_ai.usage.cached_tokens_predicted", predicted)
         span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,

@@ -375,6 +375,46 @@ async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(tiny_model_d
         await engines["d"].stop()
 
 
+async def test_pd_split_on_the_token_path_prefills_then_decodes(tiny_model_dir) -> None:
+    """gRPC Generate's token path splits toward external engines as the HTTP path does: the prefill
+    engine gets the completions request of token ids with one token, no stream and the connector's
+    prefill_only; then the decode engine streams. A prefill engine that is gone costs the split only."""
+    engines = {"d": await OpenAIEngine(MODEL).start(), "p": await OpenAIEngine(MODEL).start()}
+    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0, auth="off",
+                       endpoints=[f"d={engines['d'].url}"], prefill_endpoints=[f"p={engines['p'].url}"],
+                       split_enabled=True, split_threshold_tokens=1, split_store_wait_s=0.05)
+    cfg.validate()
+    svc = build_service(cfg)
+    await svc.cluster.poll_all()
+    try:
+        inp = GenInput(model=MODEL, tokens=list(range(1, 71)), tenant="acme", request_id="rq-1",
+                       sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
+        items = [x async for x in svc.generate(inp)]
+        kind, fin = items[-1]
+        assert kind == "final" and [ids for k, ids in items if k == "chunk"] == [[100], [101]]
+        assert fin.routing.endpoint == "d" and fin.routing.split and fin.routing.prefill_endpoint == "p"
+        (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
+        salt = svc.salts.salt("acme")
+        assert dec["prompt"] == pre["prompt"] == list(range(1, 71))
+        assert dec["stream"] is True and dec["max_tokens"] == 2 and dec["cache_salt"] == salt
+        assert "kv_transfer_params" not in dec
+        assert pre["stream"] is False and pre["max_tokens"] == 1 and "stream_options" not in pre
+        assert pre["kv_transfer_params"] == {"kvmesh": {"prefill_only": True}} and pre["cache_salt"] == salt
+        assert pre["temperature"] == 0.0
+        assert engines["p"].headers[0]["x-request-id"] == "rq-1-prefill"
+        assert engines["d"].headers[0]["x-request-id"] == "rq-1"
+        await engines["p"].stop()
+        items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=list(range(2, 72)),
+                                                        sampling=common_pb2.SamplingParams(max_tokens=2)))]
+        fin = items[-1][1]
+        assert fin.routing.endpoint == "d" and not fin.routing.split and "prefill engine failed" in fin.routing.reason
+        assert fin.output_ids == [100, 101] and len(engines["d"].bodies) == 2
+        assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+    finally:
+        await svc.cluster.stop()
+        await engines["d"].stop()
+
+
 async def test_messages_merge_inline_system_prompts_as_vllm_does(stack) -> None:
     """A template that wants the system prompt first (Qwen's): vLLM's /v1/messages merges inline
     system messages into the leading one, so the router predicts the merged conversation."""
