@@ -231,3 +231,38 @@ def test_external_vllm_example_is_consistent() -> None:
         urls = _arg(cmd, "--endpoints").split(",")
         assert {u.removeprefix("http://") for u in urls} == ids
         assert all(services[r]["depends_on"][v]["condition"] == "service_healthy" for v in vllms)
+
+
+TOKEN = "/metrics-auth/token"
+
+
+def _mounts(svc: dict[str, Any]) -> dict[str, str]:
+    out = {}
+    for vol in svc.get("volumes", []):
+        if isinstance(vol, str):
+            src, dst = vol.split(":")[:2]
+        else:
+            src, dst = vol.get("source", ""), vol["target"]
+        out[dst] = src
+    return out
+
+
+@pytest.mark.parametrize("files", [(BASE,), (BASE, EXTERNAL)], ids=["base", "vllm-external"])
+def test_metrics_need_a_token_and_prometheus_sends_it(files: tuple[Path, ...]) -> None:
+    """Every kvmesh service's /metrics takes the token certs-init writes (a scrape without it is
+    401, tests/security/test_http_mtls.py), and Prometheus's kvmesh jobs send that same file."""
+    cfg = compose_config(*files)
+    init = cfg["services"]["certs-init"]
+    assert "/metrics-auth" in _mounts(init) and TOKEN in " ".join(init["entrypoint"])
+    prefix = {"router-1": "ROUTER", "router-2": "ROUTER", "indexer": "INDEXER", "offload": "OFFLOAD"}
+    for name in KVMESH:
+        svc = cfg["services"][name]
+        env = svc.get("environment", {})
+        assert env.get(f"KVMESH_{prefix.get(name, 'WORKER')}_METRICS_TOKEN_FILE") == TOKEN, name
+        assert _mounts(svc).get("/metrics-auth") == "metrics-auth", name
+    prom_svc = cfg["services"]["prometheus"]
+    assert _mounts(prom_svc).get("/metrics-auth") == "metrics-auth"
+    prom = yaml.safe_load((ROOT / "deploy" / "compose" / "prometheus.yml").read_text())
+    for job in prom["scrape_configs"]:
+        if job["job_name"].startswith("kvmesh-"):
+            assert job["authorization"] == {"type": "Bearer", "credentials_file": TOKEN}, job["job_name"]

@@ -366,3 +366,28 @@ def test_every_kvmesh_workload_runs_mtls_with_its_own_cert_manager_identity(targ
         assert env[f"{pre}_SERVER_NAME"] == "kvmesh" and env[f"{pre}_HEALTH_PORT"] == str(HEALTH_PORT), name
         if name in ("prefill", "decode", "offload"):   # they register as $(POD_NAME): the certificate's id
             assert "$(POD_NAME)" == c["args"][c["args"].index("--endpoint-id") + 1], name
+
+
+@pytest.mark.parametrize("target", OVERLAYS)
+def test_metrics_need_the_token_the_servicemonitor_sends(target: str) -> None:
+    """Every kvmesh workload reads its /metrics token from the kvmesh-metrics-token Secret (a
+    scrape without it is 401) and the ServiceMonitor sends that Secret's token."""
+    docs = build(K8S / "overlays" / target)
+    sm = by_kind(docs, "ServiceMonitor")["kvmesh"]
+    for ep in sm["spec"]["endpoints"]:
+        assert ep["authorization"] == {"type": "Bearer", "credentials": {"name": "kvmesh-metrics-token", "key": "token"}}
+    for name, wl in workloads(docs).items():
+        if name not in KVMESH_SERVICES:
+            continue
+        spec = wl["spec"]["template"]["spec"]
+        vols = {v["name"]: v for v in spec["volumes"]}
+        assert vols["metrics-token"]["secret"]["secretName"] == "kvmesh-metrics-token", name
+        c = spec["containers"][0]
+        mount = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}["metrics-token"]
+        env = {e["name"]: e.get("value") for e in c.get("env", [])}
+        assert env[f"KVMESH_{ENV_PREFIX[name]}_METRICS_TOKEN_FILE"] == f"{mount}/token", name
+    schema = json.loads(CRD_SCHEMAS[(sm["apiVersion"], "ServiceMonitor")].read_text())
+    bad = json.loads(json.dumps(sm))
+    bad["spec"]["endpoints"][0]["authorization"]["credentials"] = {"name": "kvmesh-metrics-token"}   # no key
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)

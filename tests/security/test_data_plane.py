@@ -183,3 +183,30 @@ def test_copy_into_verifies_what_it_copied_piece_by_piece() -> None:
             copy_into([memoryview(bad)], [bytearray(len(block))], [good], [7])
     # 0 = no checksum known: copied as is.
     assert copy_into([memoryview(bad)], [dest], [0]) == 1 and bytes(dest) == bytes(bad)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_copy_into_threads_verify_every_share(threads: int) -> None:
+    """Blocks split over copy threads: every share is copied and verified, a bad block in any
+    share is named, and the call returns only after every thread finished."""
+    from kvmesh.kvstore.client_messages import PARALLEL_MIN_BYTES, VERIFY_CHUNK_BYTES, copy_into
+    from kvmesh.kvstore.client_types import crc32c
+
+    size = VERIFY_CHUNK_BYTES + 4097
+    n = PARALLEL_MIN_BYTES // size + 3
+    blocks = [os.urandom(size) for _ in range(n)]
+    crcs = [crc32c(b) for b in blocks]
+    keys = list(range(100, 100 + n))
+    dests = [bytearray(size) for _ in range(n)]
+    assert copy_into([memoryview(b) for b in blocks], dests, crcs, keys, threads=threads) == n
+    assert [bytes(d) for d in dests] == blocks
+    for bad_i in (0, n // 2, n - 1):   # in the caller's share, a middle one, the last thread's
+        src = [bytearray(b) for b in blocks]
+        src[bad_i][size // 2] ^= 0xFF
+        with pytest.raises(OffloadError, match=f"block {keys[bad_i]}: checksum mismatch"):
+            copy_into([memoryview(b) for b in src], [bytearray(size) for _ in range(n)], crcs, keys,
+                      threads=threads)
+    # Read-only sources (the store's slabs are mapped read-only) copy the same way.
+    ro = [memoryview(bytes(b)) for b in blocks]
+    out = [bytearray(size) for _ in range(n)]
+    assert copy_into(ro, out, None, keys, threads=threads) == n and [bytes(d) for d in out] == blocks

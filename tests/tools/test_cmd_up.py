@@ -13,7 +13,9 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
+from pathlib import Path
 
 import openai
 import pytest
@@ -40,6 +42,7 @@ def up(tmp_path_factory: pytest.TempPathFactory):
             break
     try:
         assert len(banner) == 4, f"no banner; kvmesh up printed: {banner}"
+        banner["log_dir"] = str(logs)
         yield banner
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
@@ -48,8 +51,18 @@ def up(tmp_path_factory: pytest.TempPathFactory):
 
 def test_banner_names_the_urls(up) -> None:
     assert up["OpenAI base URL"].startswith("http://127.0.0.1:") and up["OpenAI base URL"].endswith("/v1")
-    text = urllib.request.urlopen(up["metrics"], timeout=10).read().decode()
-    assert "kvmesh_router" in text
+
+
+def test_metrics_need_the_stack_token_by_default(up) -> None:
+    """The default stack's /metrics refuses a scrape without the token (or with another one)
+    and serves the one that sends the token from <log_dir>/auth/metrics-token."""
+    for headers in ({}, {"Authorization": "Bearer not-the-token"}):
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(urllib.request.Request(up["metrics"], headers=headers), timeout=10)
+        assert err.value.code == 401
+    token = (Path(up["log_dir"]) / "auth" / "metrics-token").read_text().strip()
+    req = urllib.request.Request(up["metrics"], headers={"Authorization": f"Bearer {token}"})
+    assert "kvmesh_router" in urllib.request.urlopen(req, timeout=10).read().decode()
 
 
 def test_keys_are_on_by_default(up) -> None:

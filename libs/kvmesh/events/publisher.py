@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 _END_SEQ_BYTES = REPLAY_END_SEQ.to_bytes(8, "big")
 # Replay buffer bound in bytes (besides ``buffer_steps``): what an indexer that missed a few
 # seconds of events needs, not the whole history of a long run.
-DEFAULT_BUFFER_BYTES = 64 << 20
+DEFAULT_BUFFER_BYTES = 16 << 20
 
 
 def is_bind_endpoint(endpoint: str) -> bool:

@@ -223,6 +223,8 @@ class ClientCore:
         self.timeout_s = timeout_s
         self.verify = verify_checksums is not False
         self.verify_shm = bool(verify_checksums) or (verify_checksums is None and not trust_local_store)
+        # Threads copying a same-host get_into (None: $KVMESH_OFFLOAD_COPY_THREADS, default 2).
+        self.copy_threads: int | None = None
         self._channel = channel
         self._stub = offload_pb2_grpc.OffloadStub(channel)
         self._get = channel.unary_stream(GET_METHOD, request_serializer=_serialize,
@@ -326,7 +328,7 @@ class ClientCore:
                     return len(got[0])
             lease = yield from self._fetch_keys(namespace, keys, span, verify_on_copy=True)
             return (yield from self._consume(
-                lease, lambda views: copy_into(views, dests, lease.unverified_crcs, keys), "copying"))
+                lease, lambda views: copy_into(views, dests, lease.unverified_crcs, keys, self.copy_threads), "copying"))
 
     def plan_release(self, lease_id: bytes) -> Plan[bool | None]:
         """End the store's lease: False if it had expired, None if the store did not answer."""

@@ -18,10 +18,10 @@ right type and range (``max_tokens``/``max_completion_tokens`` >= 1,
 from __future__ import annotations
 
 import asyncio
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 from fastapi import Request
 
 from kvmesh.openai.errors import BadRequest
@@ -48,7 +48,7 @@ class BodyTooLarge(BadRequest):
 def json_depth_over(doc: Any, limit: int) -> bool:
     """Whether a parsed JSON document nests objects/arrays deeper than ``limit``.
 
-    The document is parsed first (``json`` is C and turns runaway nesting into RecursionError),
+    The document is parsed first (``msgspec`` is C and turns runaway nesting into RecursionError),
     then only its containers are walked: a 200k-token chat body has a few hundred of them but tens
     of thousands of brackets and escapes inside its strings, which a scan of the raw text (the
     earlier way) went through one by one in Python (~20 ms)."""
@@ -83,10 +83,14 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float = BODY_TI
 
 
 def parse_json_body(raw: bytes, max_depth: int = MAX_JSON_DEPTH) -> dict[str, Any]:
-    """A read body as a JSON object: malformed, nested deeper than ``max_depth`` or not an object -> 400."""
+    """A read body as a JSON object: malformed, nested deeper than ``max_depth`` or not an object -> 400.
+
+    ``msgspec`` parses an agent's 800 KB chat body in ~0.7 ms where ``json`` takes 1.5-13 ms on a
+    busy core, on every turn's decision path. It is also stricter: ``NaN``/``Infinity``, numbers
+    out of a float's range and lone UTF-16 surrogates are malformed JSON (400), not accepted."""
     try:
-        body = json.loads(raw or b"null")
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = msgspec.json.decode(raw or b"null")
+    except (msgspec.DecodeError, UnicodeDecodeError) as exc:
         raise BadRequest(f"malformed JSON body: {exc}", "body") from None
     except RecursionError:
         raise BadRequest(f"JSON body nested deeper than {max_depth} levels", "body") from None

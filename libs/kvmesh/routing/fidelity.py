@@ -20,8 +20,11 @@ every miss with the same classifier, so a class means the same thing in
   up-to-date index and engine. A defect; its count must be 0.
 - ``no_index``: the policy does not read the index (its prediction is its own
   estimate, by design: session, approx, least_load, ...).
-- ``split``: a P/D split; the prediction is for the decode endpoint and the prompt
-  was computed on a prefill endpoint.
+- ``split``: a P/D split whose KV transfer did not deliver what was planned. A
+  split's prediction is what the decode endpoint holds once the prefill endpoint's KV
+  has arrived (``split_predicted_blocks``: every full block of the prompt the handle
+  covers, or more when the decode endpoint's own cache already holds more); a miss
+  means the prefill endpoint saved less, or the decode endpoint restored less.
 - ``unknown``: the engine did not report its cache at arrival, or its report was older
   than the index's view (vLLM's comes from the worker's mirror of the engine's KV events,
   ``kvmesh.worker.engine.cache_mirror``), so the miss cannot be told apart.
@@ -110,6 +113,17 @@ def live_view(side: RouterSide, *, known: bool, gpu_blocks: int, store_blocks: i
     lag = side.index_applied < 0 or side.index_applied < events_through
     return ViewAtDecision(side.predicted, max(gpu_blocks, store_blocks), gpu_blocks, side.index_gpu,
                           side.speculative, lag, side.lookup_timed_out, side.index_store, store_blocks)
+
+
+def split_predicted_blocks(num_tokens: int, block_size: int, decode_blocks: int,
+                           handle_blocks: int | None = None) -> int:
+    """What a split request's decode endpoint reuses: the prefill endpoint's KV (all of the
+    prompt's reusable blocks, or those ``handle_blocks`` the handle names) once transferred,
+    or its own ``decode_blocks`` when it already holds more. vLLM always computes the
+    prompt's last token, so the prompt's last (partial or full) block is not reusable."""
+    cap = max(0, (num_tokens - 1) // block_size) if block_size > 0 else 0
+    sent = cap if handle_blocks is None else min(max(handle_blocks, 0), cap)
+    return max(sent, min(max(decode_blocks, 0), cap))
 
 
 def count(classes: list[str]) -> dict[str, int]:

@@ -72,6 +72,13 @@ class WorkerConfig:
         "only: vLLM's publisher has no CURVE)"))
     kv_events_curve_clients: str = field(default="", metadata=_h(
         "directory of the subscribers' CURVE public keys admitted to events and replay (with the secret)"))
+    kv_events_buffer_bytes: int = field(default=16 << 20, metadata=_h(
+        "sim: KV-event replay buffer bound in bytes (besides 10,000 batches): minutes of events at a soak's "
+        "rate, reached early so the worker's memory is flat after"))
+    malloc_arena_max: int = field(default=2, metadata=_h(
+        "cap glibc malloc arenas (as MALLOC_ARENA_MAX; 0 = glibc's default of 8 per core)"))
+    malloc_trim_s: float = field(default=30.0, metadata=_h(
+        "return free heap memory to the OS this often (glibc malloc_trim; 0 = never)"))
     indexer_address: str = field(default="", metadata=_h("indexer host:port to self-register with ('' = off)"))
     heartbeat_s: float = field(default=2.0, metadata=_h("indexer heartbeat period"))
     registration_ttl_s: float = field(default=10.0, metadata=_h("endpoint TTL asked of the indexer"))
@@ -120,6 +127,9 @@ class WorkerConfig:
             raise ConfigError(f"setting 'default_max_tokens' must be >= 0, got {self.default_max_tokens}")
         if self.time_scale <= 0:
             raise ConfigError(f"setting 'time_scale' must be > 0, got {self.time_scale}")
+        if self.kv_events_buffer_bytes < 1 or self.malloc_arena_max < 0 or self.malloc_trim_s < 0:
+            raise ConfigError("settings 'kv_events_buffer_bytes' must be >= 1, 'malloc_arena_max' and "
+                              "'malloc_trim_s' >= 0")
         for name in ("offload_timeout_s", "offload_lookup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
@@ -171,7 +181,7 @@ class WorkerConfig:
             lora_paths=dict(self.lora_paths),
             time_scale=self.time_scale, virtual_time=self.virtual_time,
             kv_events_endpoint=self.kv_events_endpoint, kv_events_replay_endpoint=self.kv_events_replay_endpoint,
-            kv_events_curve=self.curve_server(),
+            kv_events_curve=self.curve_server(), kv_events_buffer_bytes=self.kv_events_buffer_bytes,
             offload_address=self.offload_address, offload_timeout_s=self.offload_timeout_s,
             offload_lookup_timeout_s=self.offload_lookup_timeout_s,
             model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,

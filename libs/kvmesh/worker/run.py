@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
+from kvmesh.native_memory import limit_arenas, trim_every
 from kvmesh.registration import IndexerRegistration, advertised_zmq_endpoint, kv_events_fields
 from kvmesh.rpc import tls
 from kvmesh.rpc.ports import free_port
@@ -206,12 +207,17 @@ def run_worker(role: str, argv: list[str] | None = None) -> int:
         cfg = parse_config(role, argv)
         setup_tracing(f"kvmesh-{role}")
         tls.set_default(cfg.tls, export=True)   # the vLLM engine core runs the offload connector
+        # Before the engine's and gRPC's threads exist: arenas are made as threads first allocate.
+        limit_arenas(cfg.malloc_arena_max)
         worker = await start_worker(cfg)
+        trim = asyncio.create_task(trim_every(cfg.malloc_trim_s)) if cfg.malloc_trim_s > 0 else None
         worker.server.install_signal_handlers()
         if worker.registration is not None:
             # Leave the index first so no new traffic is routed here while in-flight calls drain.
             worker.server.on_drain.append(worker.registration.stop)
         await worker.server.wait()
+        if trim is not None:
+            trim.cancel()
         await worker.stop(0)
         return 0
 

@@ -17,9 +17,11 @@ How each figure is measured (GB = 1e9 bytes; every figure is the median of
   where each block sits in its shared slabs; the client copies it from there
   into the buffer: one copy per block, plus one GetShm and one ReleaseShm call.
   Each block's CRC32C is verified while it is copied (512 KiB pieces checksummed
-  right after copying, while in cache); ``get_gbps_shm_trusted`` is the same get by
-  a client with ``trust_local_store`` (no verification), ``get_shm_verified_vs_trusted``
-  their same-run ratio.
+  right after copying, while in cache), the blocks split over ``copy_threads``
+  threads (``$KVMESH_OFFLOAD_COPY_THREADS``, default 2); ``get_gbps_shm_trusted`` is
+  the same get by a client with ``trust_local_store`` (no verification),
+  ``get_shm_verified_vs_trusted`` their same-run ratio; ``get_gbps_shm_1thread`` the
+  verified get copied by the calling thread alone.
 - ``get_gbps_shm_views``: ``fetch`` only (views of the store's memory, no copy);
   ``get_gbps_shm_bytes``: ``get`` (a fresh ``bytes`` per block).
 - ``get_gbps_grpc``: ``fetch`` over the gRPC stream (the received messages,
@@ -64,6 +66,7 @@ from typing import Any
 import numpy as np
 
 from kvmesh.kvstore.client import OffloadClient
+from kvmesh.kvstore.client_messages import copy_threads
 from kvmesh.kvstore.layout import kv_bytes_per_block, namespace_for
 from kvmesh.kvstore.shm import Segment
 from kvmesh_offload.arena import tune_malloc
@@ -143,7 +146,7 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
         "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc", "put_gbps_shm", "get_gbps_shm",
         "get_gbps_shm_views", "get_gbps_shm_bytes", "restore_ms_grpc", "restore_ms_shm",
         "get_shm_client_page_faults", "get_gbps_bulk", "get_gbps_bulk_fetch", "restore_ms_bulk",
-        "get_gbps_shm_trusted")}
+        "get_gbps_shm_trusted", "get_gbps_shm_1thread")}
     # The caller's destination (a KV cache stand-in): allocated and touched once, reused.
     dst = np.empty(total, dtype=np.uint8)
     dst.fill(1)
@@ -153,6 +156,9 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
     shm_c = OffloadClient(address, use_shm=True, timeout_s=600)
     # The same shm get without the client's checksum pass (trust_local_store): what verifying costs.
     trusting_c = OffloadClient(address, use_shm=True, timeout_s=600, trust_local_store=True)
+    # The same verified get by the calling thread alone: what the copy threads bring.
+    single_c = OffloadClient(address, use_shm=True, timeout_s=600)
+    single_c.copy_threads = 1
     try:
         # Repeat 0 is a warm-up, not recorded: it grows the store's slabs, creates the
         # client's 1 GiB segment and the store's mapping of it. The figures are steady state.
@@ -199,6 +205,10 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
                     if keep:
                         res["get_gbps_shm_trusted"].append(total / (time.perf_counter() - t0) / 1e9)
                     t0 = time.perf_counter()
+                    await single_c.get_into(ns, keys, dests)
+                    if keep:
+                        res["get_gbps_shm_1thread"].append(total / (time.perf_counter() - t0) / 1e9)
+                    t0 = time.perf_counter()
                     got = await c.get(ns, keys)
                     if keep:
                         res["get_gbps_shm_bytes"].append(total / (time.perf_counter() - t0) / 1e9)
@@ -210,6 +220,7 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
         await bulk_c.close()
         await shm_c.close()
         await trusting_c.close()
+        await single_c.close()
     out: dict[str, Any] = {k: median(v) for k, v in res.items() if not k.startswith("restore_ms")}
     out["restore_p50_ms_1gib"] = percentile(res["restore_ms_shm"], 50) * (1024 * MiB / total)
     out["restore_p50_ms_1gib_grpc"] = percentile(res["restore_ms_grpc"], 50) * (1024 * MiB / total)
@@ -298,7 +309,7 @@ def _rerun_with_nt_copies(args: argparse.Namespace) -> int:
     return subprocess.run([sys.executable, "-c", code, *argv], env=env, check=False).returncode
 
 
-SUMMARY_KEYS = ("memcpy_gbps", "get_gbps_shm_trusted", "get_shm_verified_vs_trusted", "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc", "put_gbps_shm",
+SUMMARY_KEYS = ("memcpy_gbps", "get_gbps_shm_trusted", "get_gbps_shm_1thread", "get_shm_1thread_vs_memcpy", "get_shm_verified_vs_trusted", "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc", "put_gbps_shm",
                 "get_gbps_shm", "get_gbps_shm_views", "get_gbps_shm_bytes", "restore_p50_ms_1gib",
                 "grpc_raw_stream_gbps", "memcpy_to_shm_gbps", "get_gbps_bulk", "get_grpc_vs_memcpy",
                 "get_bulk_vs_memcpy", "get_shm_vs_memcpy", "put_vs_get_shm")
@@ -384,6 +395,8 @@ def _once(args: argparse.Namespace, tls_mode: str) -> dict[str, Any]:
     res["get_shm_vs_memcpy"] = res["get_gbps_shm"] / base
     res["get_shm_trusted_vs_memcpy"] = res["get_gbps_shm_trusted"] / base
     res["get_shm_verified_vs_trusted"] = res["get_gbps_shm"] / res["get_gbps_shm_trusted"]
+    res["get_shm_1thread_vs_memcpy"] = res["get_gbps_shm_1thread"] / base
+    res["copy_threads"] = copy_threads()
     res["grpc_raw_vs_memcpy"] = res["grpc_raw_stream_gbps"] / base
     # Same run: the shm put (zero-copy ReservePut/CommitPut) against the shm get.
     res["put_vs_get_shm"] = res["put_gbps_shm"] / res["get_gbps_shm"]

@@ -306,7 +306,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--auth-keys", type=int, default=1000, help="keys in the keys file the request is looked up in")
     p.add_argument("--tls", choices=["off", "compare"], default="off",
                    help="compare: route over a real indexer hop, plaintext vs mutual TLS in the same run "
-                        "(kvmesh_tools.bench.router_tls); off: the in-process decision alone")
+                        "(kvmesh_tools.bench.router_tls; with --auth both the TLS side also checks an API key and "
+                        "salts the chain: mTLS + keys vs neither); off: the in-process decision alone")
     p.add_argument("--rounds", type=int, default=3, help="--tls compare: sessions replayed (median of ratios)")
     from kvmesh_tools.bench import router_http
 

@@ -29,12 +29,12 @@ from kvmesh_tools.bench.common import median, percentile
 MODEL = "bench-model"
 
 
-def _outcomes(metrics_url: str) -> dict[str, float]:
+def _outcomes(metrics_url: str, headers: dict[str, str]) -> dict[str, float]:
     import httpx
 
     out: dict[str, float] = {}
     for m in re.finditer(r'^kvmesh_router_tokenize_cache_total\{outcome="(\w+)"\} (\S+)$',
-                         httpx.get(metrics_url, timeout=10).text, re.M):
+                         httpx.get(metrics_url, headers=headers, timeout=10).text, re.M):
         out[m.group(1)] = float(m.group(2))
     return out
 
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         k["tokenize_ms"])
 
             send("agent")   # the session's first turn: nothing cached yet (not timed)
-            before = _outcomes(stack.metrics_address)
+            before = _outcomes(stack.metrics_address, stack.metrics_headers())
             for turn in range(1, args.http_turns + 1):
                 messages += [{"role": "assistant", "content": _message(rng, 300)},
                              {"role": "user", "content": _message(rng, rng.randint(args.min_turn_tokens,
@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 full_ms.append(full[0])
                 tokens.append(inc[2])
                 differ += inc[2] != full[2]
-            outcomes = {k: v - before.get(k, 0.0) for k, v in _outcomes(stack.metrics_address).items()}
+            outcomes = {k: v - before.get(k, 0.0) for k, v in _outcomes(stack.metrics_address, stack.metrics_headers()).items()}
             redis_used = stack.redis is not None
     p50, f50 = median(incr_ms), median(full_ms)
     return {

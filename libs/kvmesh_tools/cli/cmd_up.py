@@ -43,7 +43,9 @@ def banner(d: dict[str, object], model: str, api_key: str = "") -> str:
            f"(--tls off for plaintext)"] if isinstance(d.get("tls"), dict) else ["  mutual TLS        off"]),
         *([f"  router replicas   {', '.join(map(str, d['routers_http']))} behind Envoy (admin {d['envoy_admin']})"]
           if d.get("envoy_admin") else []),
-        f"  metrics           {d['router_metrics']}",
+        (f"  metrics           {d['router_metrics']}   (Authorization: Bearer <the token in "
+         f"{d['metrics_token_file']}>)" if d.get("metrics_token_file")
+         else f"  metrics           {d['router_metrics']}   (open: --metrics-auth off)"),
         f"  tokenizer         {d['model_dir']}",
         f"  logs              {d['logs']}",
     ])

@@ -110,7 +110,8 @@ async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                 records.append({
                     "sent_s": round(sent, 3), "ttft_s": (out.first_token - out.sent) if out.first_token else None,
                     "prompt_tokens": out.prompt_tokens, "cached": out.cached, "predicted": out.predicted,
-                    "mismatch": out.mismatch, "endpoint": out.endpoint, "error": out.error})
+                    "mismatch": out.mismatch, "split": out.split, "endpoint": out.endpoint,
+                    "error": out.error})
                 if out.error:
                     log.warning("soak request failed", extra={"uid": req.uid, "error": out.error})
                 think = min(cfg.max_think_s, max(0.0, req.think_time) * cfg.think_scale)

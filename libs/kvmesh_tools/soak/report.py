@@ -32,9 +32,10 @@ def _stats(recs: list[dict[str, Any]]) -> dict[str, Any]:
         if pred else None,
         "mismatches": count([r["mismatch"] for r in pred]),
     }
-    # A split request's prediction is for its decode endpoint before the prefill endpoint's KV
-    # arrives, a miss by design (class "split"); the accuracy of the others is the index's.
-    unsplit = [r for r in pred if r["mismatch"] != "split"]
+    # A split request's prediction is its decode endpoint's cache once the prefill endpoint's KV
+    # has arrived; the requests that were not split measure the index (and the local view) alone.
+    # (Older records carry no "split": a miss classed "split" is then the only sign of one.)
+    unsplit = [r for r in pred if not r.get("split", r["mismatch"] == "split")]
     out["prediction_accuracy_unsplit"] = (round(sum(1 for r in unsplit if r["predicted"] == r["cached"])
                                                 / len(unsplit), 4) if unsplit else None)
     return out

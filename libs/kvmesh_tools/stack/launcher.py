@@ -19,6 +19,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Callable
@@ -79,6 +80,10 @@ class StackConfig:
         "choices": ["keys", "off"],
         "help": "router front door: keys = a fresh API key (tenant 'local') in log_dir/auth/api-key, needed by "
                 "every client; off = no authentication (logged loudly by the router)"})
+    metrics_auth: str = field(default="token", metadata={
+        "choices": ["token", "off"],
+        "help": "who may scrape /metrics: token = a fresh bearer token in log_dir/auth/metrics-token "
+                "(Authorization: Bearer ...), given to every service; off = open to anyone reaching the port"})
     start_timeout_s: float = field(default=120.0, metadata={"help": "max wait for a service to be SERVING"})
     tls: str = field(default="on", metadata={
         "help": "mutual TLS on every gRPC hop: on (a throwaway CA and certificates under log_dir/certs) | off",
@@ -103,6 +108,8 @@ class LocalStack:
     prefill_addresses: dict[str, str] = field(default_factory=dict)
     api_key: str = ""            # the stack's API key ('' with auth off)
     api_key_file: str = ""       # where it is written (mode 0600)
+    metrics_token: str = ""      # the bearer token every /metrics scrape sends ('' with metrics_auth off)
+    metrics_token_file: str = ""  # where it is written (mode 0600), the services' --metrics-token-file
     ca: CertAuthority | None = None
     admin: Issued | None = None
 
@@ -127,8 +134,10 @@ class LocalStack:
         logs.mkdir(parents=True, exist_ok=True)
         tls_flags = self._identity(*identity) if identity else []
 
+        metrics_flags = ["--metrics-token-file", self.metrics_token_file] if self.metrics_token_file else []
+
         def fresh() -> tuple[list[str], str]:
-            args = ["--port", str(port or free_port()), *ports(), *tls_flags]
+            args = ["--port", str(port or free_port()), *ports(), *tls_flags, *metrics_flags]
             return args, f"{self.cfg.host}:{args[1]}"
 
         sp = ServiceProcess.on_fresh_ports(name, fresh, log_path=logs / f"{tag}.log",
@@ -165,6 +174,7 @@ class LocalStack:
         if c.tls == "on":
             self.ca = CertAuthority(Path(c.log_dir) / "certs")
             self.admin = self.ca.issue("admin", "stack")
+        self._write_metrics_token()
         idx_args = ["--host", h, "--default-block-size", str(c.block_size), "--default-model", c.model]
         if self._use_redis():
             self.redis = RedisProcess().start()
@@ -256,6 +266,25 @@ class LocalStack:
         write_secret(secret)
         return ["--auth", "keys", "--api-keys-file", str(keys), "--salt-secret-file", str(secret)]
 
+    def _write_metrics_token(self) -> None:
+        """A fresh scrape token per stack under log_dir/auth (none with metrics_auth off)."""
+        if self.cfg.metrics_auth not in ("token", "off"):
+            raise ValueError(f"metrics_auth must be token or off, got {self.cfg.metrics_auth!r}")
+        if self.cfg.metrics_auth == "off":
+            return
+        d = Path(self.cfg.log_dir).resolve() / "auth"
+        d.mkdir(parents=True, exist_ok=True)
+        path = d / "metrics-token"
+        token = secrets.token_urlsafe(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(token + "\n")
+        self.metrics_token, self.metrics_token_file = token, str(path)
+
+    def metrics_headers(self) -> dict[str, str]:
+        """The headers a scrape of this stack's /metrics sends (none with metrics_auth off)."""
+        return {"authorization": f"Bearer {self.metrics_token}"} if self.metrics_token else {}
+
     def tenant_salt(self) -> str:
         """The cache salt of the stack key's requests ('' with auth off): what the engines hash with."""
         if not self.api_key:
@@ -306,6 +335,7 @@ class LocalStack:
                 "indexer": self.indexer_address, "indexer_backend": "redis" if self.redis else "memory",
                 "redis": self.redis.url if self.redis else "", "offload": self.offload_address,
                 "auth": self.cfg.auth, "api_key_file": self.api_key_file,
+                "metrics_token_file": self.metrics_token_file,
                 "decode": dict(self.decode_addresses), "prefill": dict(self.prefill_addresses),
                 "logs": str(Path(self.cfg.log_dir).resolve()),
                 "tls": ({"ca": str(self.admin.ca.resolve()), "admin_cert": str(self.admin.cert.resolve()),

@@ -93,6 +93,8 @@ class IndexerConfig:
         "help": "central socket: engines' --prefix-caching-hash-algo (empty = the model's)"})
     heartbeat_ttl_s: float = field(default=10.0, metadata={"help": "default heartbeat TTL of registered endpoints"})
     lookup_timeout_s: float = field(default=1.0, metadata={"help": "max time a Lookup waits for the backend"})
+    lookup_threads: int = field(default=4, metadata={
+        "help": "threads that run Lookups against a blocking backend (Redis), apart from ingest's"})
     replay_timeout_s: float = field(default=2.0, metadata={"help": "max time for one replay request"})
     tail_probe_s: float = field(default=5.0, metadata={
         "help": "check a quiet endpoint's replay buffer this often, catching event messages lost with "

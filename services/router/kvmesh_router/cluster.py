@@ -49,6 +49,7 @@ from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh_router import metrics
 from kvmesh_router.config import RouterConfig, parse_endpoint
 from kvmesh_router.engine_metrics import MetricsError
+from kvmesh_router.loop_lag import LoopLag, wait_answer
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS, OpenAIEndpoints, is_http_address
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ class Cluster:
         self.indexer = indexer_pb2_grpc.IndexerStub(self._indexer_ch) if self._indexer_ch else None
         self.indexer_up = True
         self.local_view = LocalView(ttl_s=cfg.local_view_ttl_s)
+        # The lookup deadline does not charge the indexer for the router's own loop lag.
+        self.loop_lag = LoopLag(cfg.loop_lag_period_s) if cfg.loop_lag_period_s > 0 else None
         self._late: set[asyncio.Future] = set()   # lookups past their deadline, still open
         self._tasks: list[asyncio.Task] = []
         self._static: set[str] = set()
@@ -190,10 +193,14 @@ class Cluster:
                                                      objectives=self.apply_objectives)
             self.pool_watcher.start()
         self._tasks.append(asyncio.create_task(self._load_loop(), name="load-poll"))
+        if self.loop_lag is not None:
+            self.loop_lag.start()
         if self.indexer is not None:
             self._tasks.append(asyncio.create_task(self._registry_loop(), name="registry-poll"))
 
     async def stop(self) -> None:
+        if self.loop_lag is not None:
+            await self.loop_lag.stop()
         if self.pool_watcher is not None:
             await self.pool_watcher.stop()
         for c in list(self._late):
@@ -359,7 +366,10 @@ class Cluster:
         """Per-endpoint, per-tier matches of ``keys``; None when neither the indexer nor the local
         view can answer.
 
-        The indexer gets ``lookup_timeout_s``. Past it, the router's local view answers
+        The indexer gets ``lookup_timeout_s``, plus the time the router's own event loop ran
+        behind schedule meanwhile (``kvmesh_router.loop_lag``, at most ``lookup_loop_grace_s``):
+        an answer that has arrived but that a busy loop has not read yet is not late. Past
+        that, the router's local view answers
         (``kvmesh.routing.local_view``) and the call stays open until ``lookup_late_s``, its
         answer merged into the view when it comes: a loaded indexer slows the view's updates
         down instead of sending every request to ``approx``.
@@ -370,11 +380,12 @@ class Cluster:
             return Matches()
         cfg = self.cfg
         late = cfg.local_view_ttl_s > 0 and cfg.lookup_late_s > cfg.lookup_timeout_s
-        call = asyncio.ensure_future(self._ask(keys, cfg.lookup_late_s if late else cfg.lookup_timeout_s))
-        try:
-            async with asyncio.timeout(cfg.lookup_timeout_s):
-                got = await asyncio.shield(call)
-        except TimeoutError:
+        call = asyncio.ensure_future(self._ask(keys, max(cfg.lookup_late_s if late else cfg.lookup_timeout_s,
+                                                         cfg.lookup_timeout_s + cfg.lookup_loop_grace_s)))
+        answered, grace = await wait_answer(call, cfg.lookup_timeout_s, self.loop_lag, cfg.lookup_loop_grace_s)
+        if answered:
+            got = call.result()
+        else:
             got = None
             if late:
                 call.add_done_callback(lambda c: self._merge_late(keys, c))
@@ -391,7 +402,7 @@ class Cluster:
         if isinstance(got, grpc.aio.AioRpcError):
             self._indexer_failed(got.code().name, got.details())
             return None
-        metrics.LOOKUPS.labels(outcome="ok").inc()
+        metrics.LOOKUPS.labels(outcome="ok_loop_lag" if grace > 0 else "ok").inc()
         if not self.indexer_up:
             log.info("indexer back; precise routing resumed")
         self.indexer_up = True

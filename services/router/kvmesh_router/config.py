@@ -61,6 +61,13 @@ class RouterConfig:
     lookup_late_s: float = field(default=2.0, metadata={
         "help": "a lookup past its deadline stays open this long; its answer is merged into the local view "
                 "when it comes (<= lookup_timeout_s: not kept open)"})
+    lookup_loop_grace_s: float = field(default=2.0, metadata={
+        "help": "a lookup's deadline is extended by the time the router's own event loop ran behind meanwhile, "
+                "up to this much: an index answer that arrived while a busy loop could not read it is not late "
+                "(0 = off)"})
+    loop_lag_period_s: float = field(default=0.02, metadata={
+        "help": "how often the router checks its event loop's lag (kvmesh_router_loop_lag_seconds; 0 = off, "
+                "and no lookup grace)"})
     indexer_speculative: bool = field(default=True, metadata={"help": "also write speculative entries to the indexer"})
     # Hashing (must match the engines)
     block_size: int = field(default=64, metadata={"help": "engine KV block size"})
@@ -169,7 +176,8 @@ class RouterConfig:
             if getattr(self, name) < 1:
                 raise ConfigError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
         for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s", "http_header_timeout_s",
-                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s", "hedge_delay_s", "hedge_burst"):
+                     "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s", "hedge_delay_s", "hedge_burst",
+                     "lookup_loop_grace_s", "loop_lag_period_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.hedge_budget <= 1.0:

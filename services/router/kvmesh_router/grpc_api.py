@@ -8,6 +8,7 @@ gateway key) exactly as the HTTP front door does (``request_scope``)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from typing import Any
@@ -18,7 +19,7 @@ from kvmesh.api_keys import key_from_headers
 from kvmesh.rpc.authz import peer_identity
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
 from kvmesh_router import metrics
-from kvmesh_router.errors import RouterError
+from kvmesh_router.errors import BadRequest, RouterError
 from kvmesh_router.request_scope import (
     RequestScopes,
     Scope,
@@ -91,12 +92,46 @@ def to_input(req: router_pb2.GenerateRequest, deadline: float | None, tenant: st
     elif which == "text":
         inp.text = req.text
     elif which == "chat":
-        inp.chat = [{"role": m.role, "content": m.content, **({"name": m.name} if m.name else {})}
-                    for m in req.chat.messages]
+        inp.chat = [_message(m) for m in req.chat.messages]
         inp.add_generation_prompt = req.chat.add_generation_prompt or True
         if not inp.chat:
             inp.chat = None
+        elif req.chat.tools_json or req.chat.tool_choice_json or req.chat.chat_template_kwargs_json:
+            inp.chat_request = _chat_request(req.chat, inp.chat)
     return inp
+
+
+def _message(m: router_pb2.ChatMessage) -> dict[str, Any]:
+    msg: dict[str, Any] = {"role": m.role, "content": m.content}
+    if m.name:
+        msg["name"] = m.name
+    if m.tool_calls:
+        msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+                             for c in m.tool_calls]
+        msg["content"] = m.content or None   # an assistant turn of calls only has no text, as in OpenAI's API
+    if m.tool_call_id:
+        msg["tool_call_id"] = m.tool_call_id
+    return msg
+
+
+def _chat_request(chat: router_pb2.ChatMessages, messages: list[dict[str, Any]]) -> Any:
+    """A chat with tools or template keywords as the HTTP front door reads one (OpenAI's body fields,
+    ``chat_request_from_body``): the same rendering and the same refusals, as INVALID_ARGUMENT."""
+    from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
+
+    body: dict[str, Any] = {"messages": messages}
+    for name, raw in (("tools", chat.tools_json), ("tool_choice", chat.tool_choice_json),
+                      ("chat_template_kwargs", chat.chat_template_kwargs_json)):
+        if raw:
+            try:
+                body[name] = json.loads(raw)
+            except ValueError as exc:
+                raise BadRequest(f"{name}: chat.{name}_json is not JSON: {exc}", name) from None
+    try:
+        return chat_request_from_body(body)
+    except ChatRenderError as exc:
+        msg = exc.message if exc.param in exc.message else f"{exc.param}: {exc.message}"
+        raise BadRequest(msg, exc.param) from None
 
 
 class RouterServicer(router_pb2_grpc.RouterServicer):
@@ -125,17 +160,27 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
             metrics.REQUESTS.labels(api="grpc", outcome="bad_request").inc()
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "input: one of tokens, text or chat (with messages) is required")
-        inp = to_input(request, sc.deadline, sc.tenant)
-        inp.received = received
         try:
+            inp = to_input(request, sc.deadline, sc.tenant)
+            inp.received = received
             async for kind, item in self.service.generate(inp):
                 if kind == "chunk":
                     yield router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
                         token_ids=item, text=self._text(request, item)))
+                elif kind == "parsed":
+                    yield router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
+                        parsed=True, content_delta=item.content, tool_call_deltas=[
+                            router_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
+                            for d in item.tool_calls]))
                 elif kind == "final":
-                    yield router_pb2.GenerateResponse(final=router_pb2.Final(
+                    fin = router_pb2.Final(
                         usage=item.usage, finish_reason=item.finish_reason, routing=item.routing,
-                        request_id=item.request_id, ttft_s=item.ttft_s))
+                        request_id=item.request_id, ttft_s=item.ttft_s,
+                        tool_calls=[router_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
+                                    for c in item.tool_calls])
+                    if item.tool_calls and item.content is not None:
+                        fin.content = item.content
+                    yield router_pb2.GenerateResponse(final=fin)
             metrics.REQUESTS.labels(api="grpc", outcome="ok").inc()
         except RouterError as exc:
             metrics.REQUESTS.labels(api="grpc", outcome=type(exc).__name__).inc()

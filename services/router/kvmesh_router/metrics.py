@@ -6,9 +6,13 @@ from prometheus_client import Counter, Histogram
 
 DECISIONS = Counter("kvmesh_router_decisions_total", "routing decisions", ["policy", "endpoint", "split"])
 LOOKUPS = Counter("kvmesh_router_lookups_total",
-                  "indexer lookups by outcome (ok: in time; local: past the deadline, answered from the router's "
+                  "indexer lookups by outcome (ok: in time; ok_loop_lag: in time once the router's own event-loop "
+                  "lag is not charged to the indexer; local: past the deadline, answered from the router's "
                   "local view; late_merged: an answer that came after the deadline, merged into the local view)",
                   ["outcome"])
+LOOP_LAG = Histogram("kvmesh_router_loop_lag_seconds",
+                     "how late the router's event loop ran a periodic wake-up (a busy or blocked loop)",
+                     buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
 FALLBACKS = Counter("kvmesh_router_policy_fallbacks_total", "precise fell back to approx", ["reason"])
 CACHED_DIFF = Histogram("kvmesh_router_cached_tokens_diff", "engine-reported minus predicted cached tokens",
                         buckets=(-65536, -4096, -512, -64, -1, 0, 1, 64, 512, 4096, 65536))

@@ -27,7 +27,7 @@ from opentelemetry import propagate, trace
 from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
-from kvmesh.routing.fidelity import RouterSide, classify, live_view
+from kvmesh.routing.fidelity import RouterSide, classify, live_view, split_predicted_blocks
 from kvmesh.routing.hedge import HedgeBudget
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
@@ -397,17 +397,18 @@ class RouterService:
             lookup_timed_out=uses_index and (matches is None or matches.source == "local"))
 
     def _mismatch(self, p: Prepared, d: Decision, msg: worker_pb2.GenerateResponse, actual: int,
-                  split: bool) -> str:
+                  split: bool, predicted: int) -> str:
         """The class of a missed prediction ("" when exact), counted by cause."""
-        side: RouterSide = d.view or RouterSide(predicted=d.predicted_cached_tokens // p.req.block_size,
-                                                 uses_index=False)
         bs = p.req.block_size
+        side: RouterSide = d.view or RouterSide(predicted=predicted // bs, uses_index=False)
+        if split:
+            side = dataclasses.replace(side, predicted=predicted // bs)
         t = msg.truth
         cap = max_hit_blocks(p.req.num_tokens, bs)
         view = live_view(side, known=t.known, gpu_blocks=min(t.gpu_tokens // bs, cap),
                          store_blocks=min(t.store_tokens // bs, cap), events_through=t.events_through)
         cls = classify(view, actual // bs, uses_index=side.uses_index, split=split)
-        if not cls and actual != d.predicted_cached_tokens:
+        if not cls and actual != predicted:
             cls = "unknown"   # equal in whole blocks, not in tokens: a partial block was counted
         if cls:
             metrics.MISPREDICTIONS.labels(cause=cls).inc()
@@ -881,6 +882,13 @@ class RouterService:
         split_done = handle is not None or via_store
         usage = common_pb2.Usage()
         usage.CopyFrom(msg.usage)
+        bs = p.req.block_size
+        predicted, predicted_gpu = d.predicted_cached_tokens, d.predicted_cached_tokens_gpu
+        if handle is not None:
+            # A split: the decode endpoint reuses the prefill endpoint's KV once it has arrived,
+            # which the router planned; predict that, not the decode endpoint's cache before.
+            predicted = split_predicted_blocks(p.req.num_tokens, bs, d.predicted_cached_tokens // bs) * bs
+            predicted_gpu = min(predicted_gpu, predicted)
         if not usage.prompt_tokens:
             usage.prompt_tokens = len(p.tokens)
         if not usage.completion_tokens:
@@ -888,9 +896,9 @@ class RouterService:
         routing = router_pb2.RoutingDecision(
             endpoint=d.endpoint_id, endpoint_address=self.core.endpoints[d.endpoint_id].address
             if d.endpoint_id in self.core.endpoints else "", policy=d.policy,
-            predicted_cached_tokens=d.predicted_cached_tokens,
-            predicted_cached_tokens_gpu=d.predicted_cached_tokens_gpu,
-            predicted_cached_tokens_offload=d.predicted_cached_tokens_offload,
+            predicted_cached_tokens=predicted,
+            predicted_cached_tokens_gpu=predicted_gpu,
+            predicted_cached_tokens_offload=predicted - predicted_gpu,
             split=split_done, prefill_endpoint=split.prefill_endpoint if split_done else "",
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
@@ -900,18 +908,18 @@ class RouterService:
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
         metrics.CACHED_TOKENS.labels(tier="offload").inc(usage.cached_tokens_offload)
-        metrics.PREDICTED_TOKENS.inc(d.predicted_cached_tokens)
-        routing.mismatch = self._mismatch(p, d, msg, actual, split=handle is not None)
-        if handle is None and self.cfg.local_view_ttl_s > 0:
-            # The engine now holds this prompt: a lookup past its deadline can still find it.
+        metrics.PREDICTED_TOKENS.inc(predicted)
+        routing.mismatch = self._mismatch(p, d, msg, actual, handle is not None, predicted)
+        if self.cfg.local_view_ttl_s > 0:
+            # The engine now holds this prompt (a split's decode endpoint too, once its KV
+            # arrived): a lookup past its deadline can still find it.
             self.cluster.local_view.served(d.endpoint_id, p.req.keys, time.monotonic())
-        if handle is None:
-            metrics.CACHED_DIFF.observe(int(actual) - d.predicted_cached_tokens)
-            if actual != d.predicted_cached_tokens:
-                metrics.MISMATCHES.inc()
-                log.info("predicted cached tokens differ from the engine's",
-                         extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "cause": routing.mismatch,
-                                "predicted": d.predicted_cached_tokens, "actual": actual})
+        metrics.CACHED_DIFF.observe(int(actual) - predicted)
+        if actual != predicted:
+            metrics.MISMATCHES.inc()
+            log.info("predicted cached tokens differ from the engine's",
+                     extra={"request_id": p.request_id, "endpoint": d.endpoint_id, "cause": routing.mismatch,
+                            "predicted": predicted, "actual": actual, "split": handle is not None})
         span.set_attribute("kvmesh.usage.cached_tokens", actual)
         span.set_attribute("kvmesh.usage.completion_tokens", usage.completion_tokens)
         # OpenTelemetry GenAI semantic conventions, so trace UIs show the request's shape.
@@ -919,7 +927,7 @@ class RouterService:
         span.set_attribute("gen_ai.usage.input_tokens", usage.prompt_tokens)
         span.set_attribute("gen_ai.usage.output_tokens", usage.completion_tokens)
         span.set_attribute("gen_ai.usage.cached_tokens", actual)
-        span.set_attribute("gen_ai.usage.cached_tokens_predicted", d.predicted_cached_tokens)
+        span.set_attribute("gen_ai.usage.cached_tokens_predicted", predicted)
         span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,

@@ -181,3 +181,18 @@ def test_json_depth_limit_counts_containers_not_brackets_in_strings() -> None:
     text = "{[" * 5000 + '\\"' + "]}" * 5000      # brackets and an escaped quote inside a string
     body = parse_json_body(json.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}).encode(), 64)
     assert body["messages"][0]["content"] == text
+
+
+def test_json_body_parse_equals_json_and_refuses_what_json_rfc_does_not_allow() -> None:
+    """The body parser (msgspec) gives what ``json.loads`` gives for valid JSON (unicode escapes, big
+    integers, duplicate keys: last wins) and a 400 for what is not JSON."""
+    from kvmesh.openai.requests import parse_json_body
+
+    doc = {"model": "m", "n": 123456789012345678901234567890, "f": -1.5e300, "s": "caf\u00e9 \U0001F600 \\ \"q\"",
+           "l": [None, True, False, {"k": []}]}
+    for raw in (json.dumps(doc).encode(), json.dumps(doc, ensure_ascii=False).encode(), b'{"a": 1, "a": 2}'):
+        assert parse_json_body(raw) == json.loads(raw)
+    for raw in (b'{"a": NaN}', b'{"a": Infinity}', b'{"a": 1e400}', b'{"a": "\\ud800"}', b'{"a": 1} x', b""):
+        with pytest.raises(BadRequest) as ei:
+            parse_json_body(raw)
+        assert ei.value.param == "body" and ei.value.status == 400

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from kvmesh.routing.fidelity import CLASSES, RouterSide, ViewAtDecision, classify, count, live_view
+from kvmesh.routing.fidelity import (
+    CLASSES,
+    RouterSide,
+    ViewAtDecision,
+    classify,
+    count,
+    live_view,
+    split_predicted_blocks,
+)
 
 
 def _view(**kw) -> ViewAtDecision:
@@ -80,3 +88,22 @@ def test_live_view_without_a_report_is_unknown_unless_the_lookup_failed() -> Non
     v = live_view(_side(index_gpu=-1, lookup_timed_out=True), known=False, gpu_blocks=0, store_blocks=0,
                   events_through=0)
     assert classify(v, 3, uses_index=True, split=False) == "lookup_timeout"
+
+
+def test_a_split_predicts_the_decode_endpoint_after_the_transfer() -> None:
+    # 1,000 tokens of 64: 15 full blocks; the last token is always computed, so 15 reusable.
+    assert split_predicted_blocks(1000, 64, decode_blocks=0) == 15
+    # 1,024 tokens: 16 full blocks, but the last block holds the token vLLM computes.
+    assert split_predicted_blocks(1024, 64, decode_blocks=3) == 15
+    # A handle naming fewer blocks (the prefill endpoint saved less) limits it...
+    assert split_predicted_blocks(1000, 64, decode_blocks=2, handle_blocks=9) == 9
+    # ...unless the decode endpoint's own cache already holds more.
+    assert split_predicted_blocks(1000, 64, decode_blocks=12, handle_blocks=9) == 12
+    assert split_predicted_blocks(10, 64, decode_blocks=0) == 0
+
+
+def test_a_split_that_delivered_what_was_planned_is_exact_and_one_that_did_not_is_split() -> None:
+    planned = split_predicted_blocks(1000, 64, decode_blocks=2)
+    view = _view(predicted=planned, truth=2, engine_gpu=2, index_gpu=2)
+    assert classify(view, planned, uses_index=True, split=True) == ""
+    assert classify(view, planned - 4, uses_index=True, split=True) == "split"

@@ -112,6 +112,8 @@ def test_split_triggers_above_threshold_only(stack):
     assert r.split and r.prefill_endpoint == "p1", r
     assert r.uncached_tokens >= 1024
     assert r.kv_from_prefill and big.usage.cached_tokens_offload > 0
+    # The prediction is the decode endpoint's cache once the prefill endpoint's KV arrived.
+    assert r.predicted_cached_tokens == (2000 - 1) // BLOCK * BLOCK == big.usage.cached_tokens and not r.mismatch
 
 
 def test_grpc_bad_input_names_the_field(stack):

@@ -175,3 +175,88 @@ def test_models_and_default_max_tokens_use_the_workers_max_model_len(client) -> 
     with pytest.raises(openai.BadRequestError) as ei:
         client.chat.completions.create(model=MODEL, messages=_history(), max_tokens=MAX_MODEL_LEN)
     assert ei.value.body["param"] == "messages"
+
+
+# -- the same over the router's gRPC API ------------------------------------------------------------
+
+def _grpc_chat(stack, messages: list[dict], choice: object = None, rid: str = "", **chat_kw):
+    """A gRPC Generate of an OpenAI-shaped conversation: (chunks, final)."""
+    from kvmesh_api.router.v1 import router_pb2
+
+    msgs = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "\n".join(p["text"] for p in content)
+        msgs.append(router_pb2.ChatMessage(
+            role=m["role"], content=content or "", tool_call_id=m.get("tool_call_id", ""),
+            tool_calls=[router_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+                                            arguments=c["function"]["arguments"]) for c in m.get("tool_calls") or []]))
+    chat = router_pb2.ChatMessages(messages=msgs, tools_json=json.dumps(TOOLS), **chat_kw)
+    if choice is not None:
+        chat.tool_choice_json = json.dumps(choice)
+    from kvmesh_api.common.v1 import common_pb2
+
+    req = router_pb2.GenerateRequest(model=MODEL, chat=chat, request_id=rid,
+                                     sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0))
+    out = list(stack[0].stub.Generate(req, timeout=60))
+    return [r.chunk for r in out if r.HasField("chunk")], out[-1].final
+
+
+@pytest.mark.parametrize("choice", [None, "required", {"type": "function", "function": {"name": "edit"}}])
+def test_grpc_tool_call_round_trip(client, stack, choice) -> None:
+    """gRPC carries tools and tool calls both ways: the call comes back in Final.tool_calls and as
+    parsed deltas that join to it, equal to what the HTTP front door returns for the same request."""
+    from kvmesh_api.common.v1 import common_pb2
+
+    rid = f"grpc-{json.dumps(choice)}"
+    history = [{"role": "system", "content": "You are a coding agent."},
+               {"role": "user", "content": "What's the weather in Paris? Then read the README."}]
+    chunks, final = _grpc_chat(stack, history, choice, rid)
+    assert final.finish_reason == common_pb2.FINISH_REASON_TOOL_CALLS
+    [call] = final.tool_calls
+    want = choice["function"]["name"] if isinstance(choice, dict) else TOOLS[0]["function"]["name"]
+    assert call.name == want and call.id
+    _check_call(call.name, call.arguments)
+    joined: dict[int, list[str]] = {}
+    for c in chunks:
+        if c.parsed:
+            for d in c.tool_call_deltas:
+                acc = joined.setdefault(d.index, ["", "", ""])
+                acc[0] += d.id
+                acc[1] += d.name
+                acc[2] += d.arguments
+    assert joined == {0: [call.id, call.name, call.arguments]}
+    http = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, max_tokens=8, temperature=0,
+                                          extra_headers={"x-request-id": rid},
+                                          **({} if choice is None else {"tool_choice": choice}))
+    [hcall] = http.choices[0].message.tool_calls
+    assert (hcall.id, hcall.function.name, hcall.function.arguments) == (call.id, call.name, call.arguments)
+    assert http.usage.prompt_tokens == final.usage.prompt_tokens
+    # The agent's next turn: its call and the tool's result, rendered as over HTTP (same prompt length).
+    turn2 = history + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.id, "content": "Sunny"}]
+    _, final2 = _grpc_chat(stack, turn2, "none")
+    assert not final2.tool_calls and final2.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    http2 = client.chat.completions.create(model=MODEL, messages=turn2, tools=TOOLS, tool_choice="none",
+                                           max_tokens=8, temperature=0)
+    assert final2.usage.prompt_tokens == http2.usage.prompt_tokens > final.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("tools_json", "[{", "tools"), ("tools_json", '{"a": 1}', "tools"),
+    ("tool_choice_json", '"sometimes"', "tool_choice"),
+    ("tool_choice_json", '{"type": "function", "function": {"name": "nope"}}', "tool_choice"),
+    ("chat_template_kwargs_json", "[1]", "chat_template_kwargs")])
+def test_grpc_bad_tool_fields_are_invalid_argument_naming_the_field(stack, field, value, words) -> None:
+    import grpc
+
+    from kvmesh_api.router.v1 import router_pb2
+
+    chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(role="user", content="hi")],
+                                   tools_json=json.dumps(TOOLS))
+    setattr(chat, field, value)
+    with pytest.raises(grpc.RpcError) as ei:
+        list(stack[0].stub.Generate(router_pb2.GenerateRequest(model=MODEL, chat=chat), timeout=30))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in ei.value.details()

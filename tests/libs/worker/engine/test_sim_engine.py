@@ -333,3 +333,23 @@ async def test_lora_blocks_hash_the_configured_path_as_vllm_does(lora_paths) -> 
         await eng.stop()
     got = [h for m in msgs for e in m.batch.events if isinstance(e, BlockStored) for h in e.block_hashes]
     assert got == want and len(want) == 3
+
+
+async def test_the_replay_buffer_keeps_the_worker_configured_byte_bound() -> None:
+    """The replay buffer's byte bound comes from the worker's config (a soak's memory reaches it early)."""
+    from kvmesh.worker.config import WorkerConfig
+
+    bound = 4096
+    cfg = WorkerConfig(kv_events_buffer_bytes=bound, block_size=BS, num_blocks=64, virtual_time=True,
+                       kv_events_endpoint="tcp://*:0", kv_events_replay_endpoint="tcp://*:0")
+    eng = SimEngine(cfg.sim_engine_config("e3"))
+    await eng.start()
+    try:
+        for i in range(20):
+            await _run(eng, EngineRequest(f"r{i}", list(range(i * 1000, i * 1000 + 8 * BS + 1)), max_tokens=1))
+        pub = eng._publisher
+        assert pub is not None and eng.events_published > 20
+        # Every batch here is far smaller than the bound: it holds what fits, not all 20+.
+        assert 0 < pub.buffer_bytes <= bound and len(pub._buffer) < eng.events_published
+    finally:
+        await eng.stop()

@@ -86,6 +86,7 @@ class SimEngineConfig:
     kv_events_endpoint: str = ""
     kv_events_replay_endpoint: str = ""
     kv_events_buffer_steps: int = 10_000
+    kv_events_buffer_bytes: int = 16 << 20   # the replay buffer's byte bound (kvmesh.events.publisher)
     kv_events_curve: Any = None   # kvmesh.events.curve.CurveServer: CURVE on the event and replay sockets
     clear_events_on_start: bool = True
     enable_events: bool = True
@@ -317,7 +318,8 @@ class SimEngine(Engine):
 
             self._publisher = KvEventPublisher(c.kv_events_endpoint, topic=self.topic,
                                                replay_endpoint=c.kv_events_replay_endpoint or None,
-                                               buffer_steps=c.kv_events_buffer_steps, curve=c.kv_events_curve)
+                                               buffer_steps=c.kv_events_buffer_steps,
+                                               buffer_bytes=c.kv_events_buffer_bytes, curve=c.kv_events_curve)
             if c.clear_events_on_start:
                 # A restarted engine's cache is empty: say so, as vLLM's reset does,
                 # so indexers drop whatever they remember for this endpoint.
