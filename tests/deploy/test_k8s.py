@@ -391,3 +391,34 @@ def test_metrics_need_the_token_the_servicemonitor_sends(target: str) -> None:
     bad["spec"]["endpoints"][0]["authorization"]["credentials"] = {"name": "kvmesh-metrics-token"}   # no key
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(bad, schema)
+
+
+def test_gateway_backend_tls_policy_is_valid_and_names_what_the_workers_serve() -> None:
+    """deploy/k8s/gateway: a BackendTLSPolicy (Gateway API v1.4, v1) valid against the fields of the
+    published CRD it uses, aimed at the decode Service's http port and the InferencePool, checking
+    a name every worker certificate carries against the fleet CA."""
+    docs = build(K8S / "gateway")
+    (pol,) = [d for d in docs if d["kind"] == "BackendTLSPolicy"]
+    schema = json.loads((DATA / "backendtlspolicy-v1.schema.json").read_text())
+    jsonschema.validate(pol, schema)
+    assert pol["metadata"]["namespace"] == "kvmesh"
+    base = build(K8S / "base")
+    services, pools = by_kind(base, "Service"), by_kind(base, "InferencePool")
+    for ref in pol["spec"]["targetRefs"]:
+        if ref["kind"] == "Service":
+            assert ref["sectionName"] in {p["name"] for p in services[ref["name"]]["spec"]["ports"]}
+        else:
+            assert (ref["group"], ref["kind"]) == ("inference.networking.k8s.io", "InferencePool")
+            pool = pools[ref["name"]]
+            assert pool["spec"]["selector"]["matchLabels"] == workloads(base)["decode"]["spec"]["selector"]["matchLabels"]
+    hostname = pol["spec"]["validation"]["hostname"]
+    for name in ("decode", "prefill"):
+        tls = {v["name"]: v for v in workloads(base)[name]["spec"]["template"]["spec"]["volumes"]}["tls"]
+        assert hostname in tls["csi"]["volumeAttributes"]["csi.cert-manager.io/dns-names"].split(","), name
+    # The schema is not vacuous: the CRD's rules on hostname and on the CA source hold.
+    for breakage in (lambda v: v.pop("hostname"), lambda v: v.update(wellKnownCACertificates="System"),
+                     lambda v: v.update(caCertificateRefs=[]), lambda v: v.update(hostname="Not_A_Name")):
+        bad = json.loads(json.dumps(pol))
+        breakage(bad["spec"]["validation"])
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(bad, schema)

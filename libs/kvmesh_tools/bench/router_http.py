@@ -62,8 +62,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
             pipeline_ms: list[float] = []
             tokenize_ms: list[float] = []
+            hash_ms: list[float] = []
+            lookup_ms: list[float] = []
 
-            def send(session: str) -> tuple[float, float, int, float, float]:
+            def send(session: str) -> tuple[float, float, int, float, float, float, float]:
                 body = {"model": MODEL, "messages": messages, "max_tokens": 1, "temperature": 0}
                 t0 = time.perf_counter()
                 r = client.post("/v1/chat/completions", json=body, headers={"x-session-id": session})
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 doc = r.json()
                 k = doc["kvmesh"]
                 return (k["decision_ms"], wall, doc["usage"]["prompt_tokens"], k["routing_overhead_ms"],
-                        k["tokenize_ms"])
+                        k["tokenize_ms"], k["hash_ms"], k["lookup_ms"])
 
             send("agent")   # the session's first turn: nothing cached yet (not timed)
             before = _outcomes(stack.metrics_address, stack.metrics_headers())
@@ -86,6 +88,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 incr_ms.append(inc[0])
                 pipeline_ms.append(inc[3])
                 tokenize_ms.append(inc[4])
+                hash_ms.append(inc[5])
+                lookup_ms.append(inc[6])
                 wall_ms.append(inc[1])
                 full_ms.append(full[0])
                 tokens.append(inc[2])
@@ -104,6 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # decision_ms is reading and parsing the body.
         "http_pipeline_p50_ms": median(pipeline_ms),
         "http_render_tokenize_p50_ms": median(tokenize_ms),   # of the pipeline: render + tokenize
+        "http_hash_p50_ms": median(hash_ms),                  # of the pipeline: block hashing
+        "http_lookup_p50_ms": median(lookup_ms),              # of the pipeline: the indexer lookup (gRPC, Redis)
         "http_decision_full_tokenize_p50_ms": f50,
         "http_full_over_incremental_p50": f50 / p50 if p50 else float("nan"),
         "http_request_wall_p50_ms": median(wall_ms),

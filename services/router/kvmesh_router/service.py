@@ -102,6 +102,8 @@ class GenInput:
     received: float | None = None
     decision_s: float = 0.0
     tokenize_s: float = 0.0
+    hash_s: float = 0.0      # of the decision: hashing the blocks
+    lookup_s: float = 0.0    # of the decision: the first attempt's index lookup
 
 
 @dataclass
@@ -327,7 +329,9 @@ class RouterService:
                                inp.tenant)
             return extra, req, res.reused_blocks, res.hashed_blocks
 
+        t0 = time.perf_counter()
         extra, req, reused, n_hashed = hashed(paths[0])
+        inp.hash_s = time.perf_counter() - t0
         p = Prepared(rid, tokens, extra, salt, req, reused, n_hashed, lora_lacking=lacking, lora_name=inp.lora_name)
         if len(paths) > 1:
             p.variants.append((groups[paths[0]], extra, req))  # type: ignore[arg-type]
@@ -338,20 +342,21 @@ class RouterService:
                 p.hashed_blocks += n_hashed
         return p
 
-    async def decide(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None = None
-                     ) -> tuple[Decision, SplitDecision]:
+    async def decide(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None = None,
+                     timing: GenInput | None = None) -> tuple[Decision, SplitDecision]:
+        """The endpoint (and split) for ``p``; ``timing`` gets the index lookup's time (``lookup_s``)."""
         if subset is not None:
             exclude = exclude | {e for e in self.core.endpoints if e not in subset}
         if p.lora_lacking:
             exclude = exclude | p.lora_lacking
         if not p.variants:
-            return await self._decide_keys(p.req, p.lora_name, policy, exclude)
+            return await self._decide_keys(p.req, p.lora_name, policy, exclude, timing)
         best: tuple[Decision, SplitDecision, ExtraKeys, RouteRequest] | None = None
         errors: list[str] = []
         for eids, extra, req in p.variants:
             others = {e for e in self.core.endpoints if e not in eids}
             try:
-                d, split = await self._decide_keys(req, p.lora_name, policy, exclude | others)
+                d, split = await self._decide_keys(req, p.lora_name, policy, exclude | others, timing)
             except Unavailable as exc:
                 errors.append(exc.message)
                 continue
@@ -363,10 +368,13 @@ class RouterService:
         p.extra, p.req = best[2], best[3]
         return best[0], best[1]
 
-    async def _decide_keys(self, req: RouteRequest, lora_name: str, policy: str, exclude: set[str]
-                           ) -> tuple[Decision, SplitDecision]:
+    async def _decide_keys(self, req: RouteRequest, lora_name: str, policy: str, exclude: set[str],
+                           timing: GenInput | None = None) -> tuple[Decision, SplitDecision]:
         pol = self.core.policy(policy) if policy else self.core.default_policy
+        t0 = time.perf_counter()
         matches = await self.cluster.lookup(req.keys) if pol.uses_index else None
+        if timing is not None and pol.uses_index and self.cluster.indexer is not None:
+            timing.lookup_s += time.perf_counter() - t0
         try:
             d = self.core.decide(req, matches, time.monotonic(), policy, exclude)
         except NoEndpointError as exc:
@@ -473,7 +481,7 @@ class RouterService:
                 if inp.deadline is not None and time.monotonic() >= inp.deadline:
                     raise DeadlineExceeded("deadline exceeded before an endpoint answered")
                 with trace.use_span(span, end_on_exit=False):
-                    d, split = await self.decide(p, inp.policy, exclude)
+                    d, split = await self.decide(p, inp.policy, exclude, timing=inp if attempts == 1 else None)
                 if split.split and (d.endpoint_id in self.cluster.external) != (
                         split.prefill_endpoint in self.cluster.external):
                     # A kvmesh prefill worker's KV handle means nothing to an external engine, and
@@ -583,6 +591,10 @@ class RouterService:
         """One try on ``d``; with hedging on, and no first token after ``hedge_delay_s``, a copy
         races it on the next best endpoint (budget permitting). The first to yield wins and the
         other is cancelled, which aborts its engine request and releases its in-flight count.
+        A split try is hedged too: its first token waits on the prefill endpoint, the transfer
+        and the decode endpoint, any of which can stall; the copy runs unsplit on another decode
+        endpoint, and a lost split's prefill call is cancelled with it (kvmesh workers and
+        external engines alike).
 
         The caller owns the first try (settles it on failure); this owns the copy. A try that
         fails while the other still runs is recorded here (``failures``, ``exclude``); when both
@@ -590,7 +602,7 @@ class RouterService:
         """
         primary = self._run(p, inp, d, split, attempt, overhead, span)
         delay = self.cfg.hedge_delay_s
-        if delay <= 0 or split.split:   # a split's prefill is on its own endpoint: not hedged
+        if delay <= 0:
             async for item in primary:
                 yield item
             return
@@ -903,7 +915,8 @@ class RouterService:
             uncached_tokens=d.uncached_tokens, score=d.score, attempts=attempt,
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
             kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
-            decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0)
+            decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0, hash_ms=inp.hash_s * 1000.0,
+            lookup_ms=inp.lookup_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)

@@ -19,7 +19,6 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.router import RouterStack, rand_tokens, start_router, start_worker
 
@@ -51,22 +50,22 @@ def _wait(cond, what: str, timeout: float = 30.0) -> None:
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterStack, dict[str, int], int]]:
     tmp = tmp_path_factory.mktemp("hedge")
-    wports = {"s1": free_port(), "s2": free_port()}
     workers: dict[str, ServiceProcess] = {}
     router = None
     try:
-        workers["s1"] = start_worker(tmp, "s1", wait=False, extra=[
-            "--metrics-port", str(wports["s1"]), "--request-overhead-s", str(SLOW_OVERHEAD_S)])
-        workers["s2"] = start_worker(tmp, "s2", wait=False, extra=["--metrics-port", str(wports["s2"])])
+        workers["s1"] = start_worker(tmp, "s1", wait=False, port_flags=["--metrics-port"], extra=[
+            "--request-overhead-s", str(SLOW_OVERHEAD_S)])
+        workers["s2"] = start_worker(tmp, "s2", wait=False, port_flags=["--metrics-port"])
         for w in workers.values():
             w.wait_ready(90)
-        rport = free_port()
-        router, http = start_router(tmp, [(e, w.grpc_address) for e, w in workers.items()], extra=[
-            "--policy", "round_robin", "--load-poll-s", "60", "--metrics-port", str(rport),
+        wports = {e: w.flag_port("--metrics-port") for e, w in workers.items()}
+        router, http = start_router(tmp, [(e, w.grpc_address) for e, w in workers.items()], port_flags=[
+            "--metrics-port"], extra=[
+            "--policy", "round_robin", "--load-poll-s", "60",
             "--first-token-timeout-s", str(FIRST_TOKEN_S),
             "--hedge-delay-s", "0.3", "--hedge-budget", "0", "--hedge-burst", "1"])
         st = RouterStack(router, http, workers)
-        yield st, wports, rport
+        yield st, wports, router.flag_port("--metrics-port")
         st.close()
     finally:
         if router is not None:

@@ -134,3 +134,13 @@ def test_a_mid_conversation_edit_falls_back_to_full_tokenization(router, tiny_mo
     after = router.outcomes()
     assert after.get("edit", 0) - before.get("edit", 0) == 1
     assert after.get("hit", 0) == before.get("hit", 0)
+
+
+def test_the_decision_reports_its_parts(router) -> None:
+    """``kvmesh`` in the answer splits the decision: render + tokenize, hashing and the index lookup are
+    parts of it (disjoint, so they add up to no more than it); with no indexer there is no lookup."""
+    client = openai.OpenAI(base_url=router.http + "/v1", api_key="k", max_retries=0, timeout=60)
+    r = client.chat.completions.create(model=MODEL, messages=_conversation("parts"), max_tokens=2)
+    k = r.model_extra["kvmesh"]
+    assert k["tokenize_ms"] > 0 and k["hash_ms"] > 0 and k["lookup_ms"] == 0
+    assert k["tokenize_ms"] + k["hash_ms"] + k["lookup_ms"] <= k["decision_ms"]
