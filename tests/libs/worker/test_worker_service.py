@@ -386,12 +386,10 @@ async def test_http_api_started_by_run_worker() -> None:
 
 async def test_connecting_publisher_reaches_a_binding_subscriber() -> None:
     """A concrete host in kv_events_endpoint makes the publisher connect (vLLM's rule); the subscriber binds."""
-    from kvmesh_tools.testing.ports import free_port
-
-    ep = f"tcp://127.0.0.1:{free_port()}"
     sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@w-conn@")
-    sub.bind(ep)
+    sub.bind("tcp://127.0.0.1:0")                      # the kernel's port, held from here on
+    ep = sub.getsockopt_string(zmq.LAST_ENDPOINT)
     w = await start_worker(_cfg(endpoint_id="w-conn", kv_events_endpoint=ep))
     try:
         async with grpc.aio.insecure_channel(w.address) as ch:

@@ -7,34 +7,24 @@ decode sim workers. The router splits long prompts and hedges after 0.3 s, one h
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, rand_tokens, start_router, start_worker
+from tests.fixtures.router import (
+    MODEL,
+    RouterStack,
+    metric,
+    rand_tokens,
+    start_router,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 SLOW_OVERHEAD_S = 200.0   # sim seconds; the fixture's workers run 20x real time: 10 s
-
-
-def _metric(port: int, name: str, **labels: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -81,9 +71,9 @@ def test_a_split_whose_prefill_stalls_is_hedged_unsplit(stack) -> None:
     # The copy won: unsplit, on the decode endpoint the split did not pick, long before the
     # prefill endpoint's 10 s step (and the 60 s first-token timeout).
     assert "hedged after" in r.reason and not r.split and r.attempts == 1, r
-    assert _metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
-    assert _metric(rport, "kvmesh_router_hedges_total", event="won") == 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="won") == 1
     # The lost split's prefill call was cancelled: once its step is over (the sim aborts between
     # steps), the prefill endpoint holds no request.
-    _wait(lambda: _metric(pport, "vllm:num_requests_running") == 0
-          and _metric(pport, "vllm:num_requests_waiting") == 0, "p1 to drop the cancelled prefill", timeout=90)
+    wait_for(lambda: metric(pport, "vllm:num_requests_running") == 0
+          and metric(pport, "vllm:num_requests_waiting") == 0, "p1 to drop the cancelled prefill", timeout=90)
