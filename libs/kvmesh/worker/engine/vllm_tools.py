@@ -125,7 +125,11 @@ class VllmToolCalls:
                                          model_output_token_ids=ids)
         if not calls:
             return None
-        return [ToolCall(id=c.id or "", name=c.name, arguments=c.arguments or "{}") for c in calls], content or ""
+        from vllm.renderers.chat_utils import make_tool_call_id
+
+        # vLLM's server gives a call the parser left without an id one of its own, the same way.
+        return [ToolCall(id=c.id or make_tool_call_id(), name=c.name, arguments=c.arguments or "{}")
+                for c in calls], content or ""
 
 
 class VllmToolStream:
