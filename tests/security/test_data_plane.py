@@ -210,3 +210,45 @@ def test_copy_into_threads_verify_every_share(threads: int) -> None:
     ro = [memoryview(bytes(b)) for b in blocks]
     out = [bytearray(size) for _ in range(n)]
     assert copy_into(ro, out, None, keys, threads=threads) == n and [bytes(d) for d in out] == blocks
+
+
+def test_copy_threads_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvmesh.kvstore.client_messages import COPY_THREADS_ENV, copy_threads
+
+    monkeypatch.setenv(COPY_THREADS_ENV, "3")
+    assert copy_threads() == 3
+    monkeypatch.setenv(COPY_THREADS_ENV, "0")
+    assert copy_threads() == 1
+    monkeypatch.delenv(COPY_THREADS_ENV)
+    assert copy_threads() == min(2, len(os.sched_getaffinity(0)))
+
+
+def test_copy_threads_work_in_a_forked_child() -> None:
+    """A child forked after a threaded copy copies with threads of its own (no hang)."""
+    import multiprocessing as mp
+
+    from kvmesh.kvstore.client_messages import PARALLEL_MIN_BYTES, copy_into
+    from kvmesh.kvstore.client_types import crc32c
+
+    blocks = [os.urandom(PARALLEL_MIN_BYTES // 2) for _ in range(4)]
+    crcs = [crc32c(b) for b in blocks]
+    assert copy_into([memoryview(b) for b in blocks], [bytearray(len(b)) for b in blocks], crcs, threads=2) == 4
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    child = ctx.Process(target=_copy_in_child, args=(blocks, crcs, q))
+    child.start()
+    try:
+        assert q.get(timeout=60) == 4
+    finally:
+        child.join(30)
+        if child.is_alive():
+            child.kill()
+    assert child.exitcode == 0
+
+
+def _copy_in_child(blocks: list[bytes], crcs: list[int], q: object) -> None:
+    from kvmesh.kvstore.client_messages import copy_into
+
+    dests = [bytearray(len(b)) for b in blocks]
+    n = copy_into([memoryview(b) for b in blocks], dests, crcs, threads=2)
+    q.put(n if [bytes(d) for d in dests] == blocks else -1)  # type: ignore[attr-defined]

@@ -21,7 +21,6 @@ from kvmesh.index.memory import MemoryIndex
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_indexer.ingest import Ingestor
 from kvmesh_indexer.keys import ModelSpec
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 
 pytestmark = pytest.mark.timeout(180)
@@ -98,10 +97,9 @@ def _tree_rss_kib(pid: int) -> int:
 
 
 def test_event_flood_keeps_indexer_memory_bounded(tmp_path: Path) -> None:
-    port = free_port()
-    indexer = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(port), "--models", f"{M}@{BS}@sha256_cbor",
-                                         "--default-model", M], f"127.0.0.1:{port}",
-                             log_path=tmp_path / "indexer.log").start(timeout_s=60)
+    indexer = ServiceProcess.with_ports(
+        "indexer", lambda port: ["--host", "127.0.0.1", "--port", str(port), "--models", f"{M}@{BS}@sha256_cbor",
+                                 "--default-model", M], log_path=tmp_path / "indexer.log").start(timeout_s=60)
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     pub.setsockopt(zmq.SNDHWM, 100_000)

@@ -22,7 +22,6 @@ import httpx
 import pytest
 
 from kvmesh.api_keys import digest, new_key, write_secret
-from kvmesh.rpc.ports import free_port
 from kvmesh.rpc.tls import secure_sync_channel
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
@@ -56,27 +55,25 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> Ite
     ca = CertAuthority(tmp / "ca")
     ids = {n: ca.issue(*n.split("/")) for n in ("admin/t", "worker/g1", "router/r1", "gateway/envoy",
                                                   "gateway/other", "client/someone")}
-    port = free_port()
-    worker = ServiceProcess("decode", [
+    worker = ServiceProcess.with_ports("decode", lambda port: [
         "--engine", "sim", "--endpoint-id", "g1", "--model", MODEL, "--host", "127.0.0.1", "--port", str(port),
         "--block-size", str(BLOCK), "--num-blocks", "4096", "--time-scale", "20", "--grace-s", "1",
         "--kv-events-endpoint", "", "--kv-events-replay-endpoint", "", *ids["worker/g1"].flags()],
-        f"127.0.0.1:{port}", log_path=tmp / "g1.log", tls=ids["admin/t"].tls_config()).start(timeout_s=90)
+        log_path=tmp / "g1.log", tls=ids["admin/t"].tls_config()).start(timeout_s=90)
     key_a, key_b, key_flagged = new_key(), new_key(), new_key()
     keys = tmp / "api-keys"
     keys.write_text(f"tenant-a {digest(key_a)}\ntenant-b {digest(key_b)}\nold-gw {digest(key_flagged)} trusted\n")
     secret = tmp / "salt-secret"
     write_secret(secret)
-    rport, http = free_port(), free_port()
-    router = ServiceProcess("router", [
+    router = ServiceProcess.with_ports("router", lambda rport, http: [
         "--host", "127.0.0.1", "--port", str(rport), "--http-port", str(http), "--model", MODEL,
         "--block-size", str(BLOCK), "--load-poll-s", "0.1", "--grace-s", "1", "--endpoints", f"g1={worker.grpc_address}",
         "--auth", "keys", "--api-keys-file", str(keys), "--salt-secret-file", str(secret),
         "--tokenizer-path", str(tiny_model_dir), "--http-tls", "on", "--trusted-gateways", GATEWAY,
         *ids["router/r1"].flags()],
-        f"127.0.0.1:{rport}", log_path=tmp / "router.log", tls=ids["admin/t"].tls_config()).start(timeout_s=90)
+        count=2, log_path=tmp / "router.log", tls=ids["admin/t"].tls_config()).start(timeout_s=90)
     try:
-        yield Stack(ca, router, http, key_a, key_b, key_flagged, ids)
+        yield Stack(ca, router, router.flag_port("--http-port"), key_a, key_b, key_flagged, ids)
     finally:
         router.stop(grace_s=1)
         worker.stop(grace_s=1)

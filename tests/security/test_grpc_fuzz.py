@@ -63,12 +63,10 @@ def test_fuzz_command_reports_json(stack: LocalStack, tmp_path: Path) -> None:
 
 def test_fuzz_the_ext_proc_picker(stack: LocalStack, tmp_path: Path) -> None:
     """Envoy's ext_proc service (bidirectional stream) on a router in front of the stack's workers."""
-    from kvmesh_tools.testing.ports import free_port
     from tests.fixtures.router import start_router
 
-    xport = free_port()
-    router, _ = start_router(tmp_path, list(stack.decode_addresses.items()),
-                             extra=["--extproc-port", str(xport)])
+    router, _ = start_router(tmp_path, list(stack.decode_addresses.items()), port_flags=["--extproc-port"])
+    xport = router.flag_port("--extproc-port")
     try:
         with Fuzzer([f"127.0.0.1:{xport}"], seed=3, call_timeout_s=10.0) as f:
             assert {m.service for m in f.methods} == {"envoy.service.ext_proc.v3.ExternalProcessor"}

@@ -84,3 +84,44 @@ def test_redis_on_a_taken_port_is_started_on_another() -> None:
         rs.free_port = real
         r.stop()
         held.close()
+
+
+def test_with_ports_restarts_on_fresh_ports_and_reads_them_back(tmp_path, monkeypatch) -> None:
+    import urllib.request
+
+    import kvmesh_tools.testing.procs as procs
+
+    held = _held_port()
+    taken = held.getsockname()[1]
+    real, calls = procs.free_port, []
+
+    def first_taken(host: str = "127.0.0.1") -> int:
+        calls.append(host)
+        return taken if len(calls) == 1 else real(host)
+
+    monkeypatch.setattr(procs, "free_port", first_taken)
+    sp = ServiceProcess.with_ports("indexer", lambda port, metrics: [
+        "--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(metrics)], count=2,
+        log_path=tmp_path / "indexer.log")
+    try:
+        sp.start(timeout_s=60)
+        assert sp.alive() and sp.port != taken and len(calls) >= 4
+        mport = sp.flag_port("--metrics-port")
+        assert urllib.request.urlopen(f"http://127.0.0.1:{mport}/metrics", timeout=10).status == 200
+    finally:
+        sp.stop()
+        held.close()
+
+
+def test_stop_kills_and_reaps_a_child_that_ignores_sigterm() -> None:
+    import subprocess
+    import sys
+
+    from kvmesh_tools.testing.stop import stop_process
+
+    code = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('up', flush=True); time.sleep(60)"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "up"      # the handler is installed
+    assert stop_process(proc, grace_s=0.5) == -9
+    assert proc.poll() == -9
+    assert stop_process(proc) == -9                     # stopping a stopped child is a no-op

@@ -84,24 +84,27 @@ PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
 def copy_threads() -> int:
-    """Copy threads per get: ``$KVMESH_OFFLOAD_COPY_THREADS`` (default 2, at least 1)."""
+    """Copy threads per get: ``$KVMESH_OFFLOAD_COPY_THREADS``, else 2 (1 on a single-CPU process)."""
     try:
-        return max(1, int(os.environ.get(COPY_THREADS_ENV, DEFAULT_COPY_THREADS)))
-    except ValueError:
-        return DEFAULT_COPY_THREADS
+        return max(1, int(os.environ[COPY_THREADS_ENV]))
+    except (KeyError, ValueError):
+        return min(DEFAULT_COPY_THREADS, len(os.sched_getaffinity(0)))
 
 
 _pool_lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+_pool_pid = 0
 
 
 def _copy_pool(helpers: int) -> ThreadPoolExecutor:
-    global _pool, _pool_size
+    global _pool, _pool_size, _pool_pid
     with _pool_lock:
-        if _pool is None or _pool_size < helpers:
+        # A forked child inherits the pool object but not its threads: work submitted there
+        # would never run, so a child makes its own.
+        if _pool is None or _pool_size < helpers or _pool_pid != os.getpid():
             _pool = ThreadPoolExecutor(helpers, thread_name_prefix="kvmesh-offload-copy")
-            _pool_size = helpers
+            _pool_size, _pool_pid = helpers, os.getpid()
         return _pool
 
 

@@ -52,6 +52,7 @@ class Policy(abc.ABC):
 
     name: str = ""
     uses_index: bool = False   # wants the indexer's matches in the context
+    admits: bool = False       # its decisions go through admission control (kvmesh.routing.admission)
 
     def __init__(self, scoring: ScoringConfig | None = None, *, report_candidates: int = REPORTED_CANDIDATES,
                  **options: Any) -> None:

@@ -23,6 +23,7 @@ from kvmesh.routing.types import Decision, RouteRequest
 class PrecisePolicy(Policy):
     name = "precise"
     uses_index = True
+    admits = True
 
     def __init__(self, scoring: ScoringConfig | None = None, *, speculative_ttl_s: float = 2.0,
                  session_ttl_s: float = 600.0, approx_capacity_blocks: int = 100_000,

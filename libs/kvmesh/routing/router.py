@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.hashing import BlockHasher, ExtraKeys
+from kvmesh.routing.admission import hold_reason
 from kvmesh.routing.hash_cache import ChainResult, ConcatTokens, HashCache, HashCacheConfig
 from kvmesh.routing.load import EffectiveLoad, LoadView
 from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
@@ -143,14 +144,20 @@ class RouterCore:
         return self.hash_cache.chain(tokens, extra, session_id)
 
     def decide(self, req: RouteRequest, matches: Matches | None, now: float, policy: str = "",
-               exclude: set[str] | frozenset[str] = frozenset()) -> Decision:
+               exclude: set[str] | frozenset[str] = frozenset(), held_s: float = 0.0) -> Decision:
+        """The policy's choice. For a policy with admission control (``Policy.admits``) the
+        decision may say ``hold`` (kvmesh.routing.admission): the caller then sends nothing and
+        decides again after ``admit_recheck_s``, passing the time the request has waited so far."""
         pol = self.policy(policy) if policy else self.default_policy
         eps = self._eligible_set("decode", req.model, exclude)
         if not eps.endpoints:
             raise NoEndpointError(f"no live endpoint for model {req.model!r}")
         ctx = RouteContext(endpoints=list(eps.endpoints), load=self.load, now=now, matches=matches,
                            offload_enabled=self.cfg.offload_enabled, ids=eps.ids, pos=eps.pos)
-        return pol.choose(req, ctx)
+        d = pol.choose(req, ctx)
+        if pol.admits and self.cfg.scoring.admit_miss_ratio > 0:
+            d.hold = hold_reason(req, d, self.load, eps.ids, now, held_s, self.cfg.scoring)
+        return d
 
     def decide_split(self, decision: Decision, req: RouteRequest, now: float,
                      exclude: set[str] | frozenset[str] = frozenset(),

@@ -110,6 +110,16 @@ class ScoringConfig:
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
                 "a wave of evictions there (0 = off; see docs/router.md for why it is off by default)"})
 
+    admit_miss_ratio: float = field(default=0.0, metadata={
+        "help": "admission control: when every endpoint has prefill queued, hold at the router a request whose "
+                "predicted hit on the chosen endpoint is below this share of its prompt (it recomputes anyway) and "
+                "whose prompt does not fit there beside the other sessions' working set (0 = off; "
+                "kvmesh.routing.admission)"})
+    admit_recheck_s: float = field(default=1.0, metadata={
+        "help": "a held request is decided again after this many seconds"})
+    admit_max_hold_s: float = field(default=600.0, metadata={
+        "help": "a request is never held longer than this in all"})
+
     def validate(self) -> None:
         for name in self.__dataclass_fields__:
             if getattr(self, name) < 0:

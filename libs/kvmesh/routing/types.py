@@ -137,6 +137,9 @@ class Decision:
     # The live router's view behind the prediction (kvmesh.routing.fidelity.RouterSide), kept
     # until the engine's final report so a miss can be classified; None elsewhere.
     view: Any = None
+    # Non-empty: admission control holds the request at the router (kvmesh.routing.admission);
+    # the caller decides again after ``ScoringConfig.admit_recheck_s`` instead of sending it.
+    hold: str = ""
 
     @property
     def predicted_cached_tokens(self) -> int:

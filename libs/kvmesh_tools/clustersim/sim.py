@@ -45,7 +45,7 @@ from kvmesh_tools.traffic.schedule import Schedule, ScheduleRunner
 
 log = logging.getLogger(__name__)
 
-RELEASE, ARRIVE, STEP, MACRO, BOUNDARY = 0, 1, 2, 3, 4
+RELEASE, ARRIVE, STEP, MACRO, BOUNDARY, HOLD = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(slots=True)
@@ -72,6 +72,7 @@ class Job:
     error: str = ""
     view: ViewAtDecision | None = None   # the router's view and the truth at decision time
     decided_gpu: int = -1            # the decode worker's GPU hit found at decision, for the dispatch right after
+    holds: int = 0                   # times admission control held it at the router
 
 
 @dataclass
@@ -201,6 +202,8 @@ class ClusterSim:
                 self._on_boundary(*payload)
             elif kind == RELEASE:
                 self._on_release(payload)
+            elif kind == HOLD:
+                self._route(payload)
             else:
                 self._on_arrive(*payload)
 
@@ -254,9 +257,19 @@ class ClusterSim:
                              block_size=self.bs, session_id=f"{req.session}/{req.agent}")
         job = Job(node=node_idx, req=req, route=route, release=self.now)
         self.jobs.append(job)
+        self._route(job)
+
+    def _route(self, job: Job) -> None:
+        """Decide and dispatch; a held decision (admission control) is decided again later,
+        as the live router does (``RouterService.decide``)."""
+        req, route = job.req, job.route
         self._refresh_load()
         matches = self._matches(req.keys) if self.uses_index else None
-        decision = self.core.decide(route, matches, self.now)
+        decision = self.core.decide(route, matches, self.now, held_s=self.now - job.release)
+        if decision.hold:
+            job.holds += 1
+            self._push(self.now + self.core.cfg.scoring.admit_recheck_s, HOLD, job)
+            return
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
         job.view = self._view_at_decision(job, decision, matches)
@@ -581,6 +594,9 @@ class ClusterSim:
             "load_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 0.0,
             "preemptions": sum(w.sched.num_preemptions for w in self.workers),
             "split_requests": sum(1 for j in done if j.split),
+            # Admission control: requests held at the router at least once, and for how long in all.
+            "held_requests": sum(1 for j in self.jobs if j.holds),
+            "held_s_total": round(sum(j.holds for j in self.jobs) * self.core.cfg.scoring.admit_recheck_s, 1),
             # How hard the shared store churns: a store far smaller than the sessions' contexts
             # evicts about one block per block it stores.
             "offload_blocks_stored": self.store.puts if self.store is not None else 0,
@@ -603,6 +619,7 @@ class ClusterSim:
                     "predicted_cached": j.decision.predicted_cached_tokens if j.decision is not None else None,
                     "mismatch": classes.get(id(j), ""),
                     "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),
+                    "held_s": round(j.holds * self.core.cfg.scoring.admit_recheck_s, 6),
                     "error": j.error} for j in self.jobs]
         return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1), records)
 

@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import yaml
 
+from kvmesh_tools.testing.stop import kill_process, stop_process
+
 ENVOY_YAML = Path(__file__).resolve().parents[3] / "deploy" / "envoy" / "envoy.yaml"
 GATEWAY = "kvmesh-gateway"      # the worker pool, picked by the routers over ext_proc
 ROUTERS = "kvmesh-routers"      # the routers' OpenAI HTTP front doors
@@ -138,13 +140,7 @@ class EnvoyProcess:
         return self.proc.poll() is None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, grace_s)
 
     def healthy_hosts(self, cluster: str) -> int:
         """How many of ``cluster``'s hosts Envoy currently counts healthy."""
@@ -176,8 +172,7 @@ def start_envoy(cfg: dict[str, Any], work_dir: Path, name: str = "envoy", timeou
             admin = int(admin_file.read_text().strip().rsplit(":", 1)[1])
             return EnvoyProcess(proc, admin, ports, log_path, host)
         time.sleep(0.1)
-    proc.kill()
-    proc.wait(5)
+    kill_process(proc)
     raise TimeoutError(f"envoy not ready after {timeout_s}s:\n{log_path.read_text()[-3000:]}")
 
 

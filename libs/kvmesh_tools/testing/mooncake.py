@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.stop import stop_process
 
 ATTEMPTS = 4
 
@@ -98,13 +99,7 @@ class MooncakeMaster:
         return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 10, group=True)
         self.proc = None
 
     def __enter__(self) -> MooncakeMaster:

@@ -8,7 +8,6 @@ gRPC health check answers SERVING.
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -20,7 +19,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvmesh.rpc.ports import free_port
 from kvmesh.rpc.tls import TlsConfig, plaintext, sync_channel
+from kvmesh_tools.testing.stop import kill_process, stop_process
 
 
 def wait_for_serving(address: str, timeout_s: float = 60.0, service: str = "",
@@ -83,6 +84,28 @@ class ServiceProcess:
         args, address = ports()
         return cls(name, args, address, ports=ports, **kw)  # type: ignore[arg-type]
 
+    @classmethod
+    def with_ports(cls, name: str, build: Callable[..., list[str]], count: int = 1, host: str = "127.0.0.1",
+                   **kw: object) -> ServiceProcess:
+        """``build(p1, ..., p<count>)`` -> the args on ``count`` freshly picked ports, ``p1`` the gRPC
+        port; picked again on a bind failure. Read ports back with ``port`` / ``flag_port``."""
+        def ports() -> tuple[list[str], str]:
+            picked = [free_port(host) for _ in range(count)]
+            return build(*picked), f"{host}:{picked[0]}"
+        return cls.on_fresh_ports(name, ports, **kw)
+
+    @property
+    def port(self) -> int:
+        """The gRPC port it was started on (after a retry, the last one)."""
+        return int(self.grpc_address.rsplit(":", 1)[1])
+
+    def flag_port(self, flag: str) -> int:
+        """The port in the value of ``flag`` (``--http-port 8080`` or ``--x tcp://h:5557``)."""
+        return int(self.args[self.args.index(flag) + 1].rsplit(":", 1)[-1])
+
+    def flag_value(self, flag: str) -> str:
+        return self.args[self.args.index(flag) + 1]
+
     def start(self, timeout_s: float = 60.0, wait: bool = True) -> ServiceProcess:
         self._spawn()
         if wait:
@@ -135,24 +158,10 @@ class ServiceProcess:
 
     def stop(self, grace_s: float = 10.0) -> int | None:
         """SIGTERM (graceful drain), then SIGKILL after ``grace_s``."""
-        if self.proc is None:
-            return None
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-        rc = self.proc.returncode
+        rc = stop_process(self.proc, grace_s, group=True)
         self.proc = None
         return rc
 
     def kill(self) -> None:
         """Hard kill, as a crash would."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(5)
+        kill_process(self.proc, group=True)

@@ -20,6 +20,7 @@ from pathlib import Path
 import redis
 
 from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.stop import stop_process
 
 
 @dataclass
@@ -145,13 +146,7 @@ class RedisClusterProcess:
 
     @staticmethod
     def _kill(node: ClusterNode) -> None:
-        if node.proc is not None and node.proc.poll() is None:
-            node.proc.terminate()
-            try:
-                node.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                node.proc.kill()
-                node.proc.wait(5)
+        stop_process(node.proc, 5)
         node.proc = None
 
     def stop(self) -> None:

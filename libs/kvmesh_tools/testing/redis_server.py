@@ -12,6 +12,7 @@ from pathlib import Path
 import redis
 
 from kvmesh_tools.testing.ports import free_port
+from kvmesh_tools.testing.stop import stop_process
 
 
 def valkey_server_binary() -> str | None:
@@ -68,10 +69,5 @@ class RedisProcess:
         return False
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
+        stop_process(self.proc, 5)
         self.proc = None

@@ -72,6 +72,7 @@ class Cluster:
         self.max_model_lens: dict[str, int] = {}
         self._conflicts_logged: set[str] = set()
         self._no_info: set[str] = set()   # GetInfo unimplemented: don't ask on every poll
+        self._load_strikes: dict[str, int] = {}   # endpoint -> GetLoad deadlines in a row
         self._indexer_ch = aio_channel(cfg.indexer, retry_attempts=1) if cfg.indexer else None
         self.indexer = indexer_pb2_grpc.IndexerStub(self._indexer_ch) if self._indexer_ch else None
         self.indexer_up = True
@@ -266,8 +267,17 @@ class Cluster:
         try:
             r = await self.stub(eid).GetLoad(worker_pb2.GetLoadRequest(), timeout=max(0.5, self.cfg.load_poll_s * 2))
         except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # A slow answer is not a dead worker: on a loaded machine every worker (or the
+                # router) can stall past the poll deadline at once, and marking them all down
+                # turned a soak's stall into 503s. Only consecutive deadlines mark it down; a hung
+                # worker's requests are retried by the first-token timeout meanwhile.
+                self._load_strikes[eid] = self._load_strikes.get(eid, 0) + 1
+                if self._load_strikes[eid] < self.cfg.load_deadline_strikes:
+                    return
             self.mark_dead(eid, f"GetLoad {exc.code().name}")
             return
+        self._load_strikes.pop(eid, None)
         self.core.load.update(eid, LoadReport(r.running, r.waiting, r.kv_usage, r.waiting_prefill_tokens,
                                               r.num_blocks, r.free_blocks, time.monotonic()))
         ep = self.core.endpoints.get(eid)

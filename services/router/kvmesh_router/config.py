@@ -53,6 +53,9 @@ class RouterConfig:
     indexer: str = field(default="", metadata={"help": "indexer HOST:PORT ('' = none: precise falls back)"})
     registry_poll_s: float = field(default=1.0, metadata={"help": "ListEndpoints poll period"})
     load_poll_s: float = field(default=0.25, metadata={"help": "GetLoad poll period per endpoint"})
+    load_deadline_strikes: int = field(default=3, metadata={
+        "help": "GetLoad polls past their deadline in a row that mark an endpoint down (a refused "
+                "connection marks it down at once)"})
     load_staleness_s: float = field(default=2.0, metadata={"help": "ignore load reports older than this"})
     lookup_timeout_s: float = field(default=0.25, metadata={"help": "indexer Lookup deadline"})
     local_view_ttl_s: float = field(default=30.0, metadata={
@@ -182,6 +185,8 @@ class RouterConfig:
                 raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.hedge_budget <= 1.0:
             raise ConfigError(f"setting 'hedge_budget' must be in [0, 1], got {self.hedge_budget}")
+        if self.load_deadline_strikes < 1:
+            raise ConfigError("setting 'load_deadline_strikes' must be >= 1")
         if self.approx_capacity_blocks < 1:
             raise ConfigError("setting 'approx_capacity_blocks' must be >= 1")
         self.scoring.validate()

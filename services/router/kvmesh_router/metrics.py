@@ -31,6 +31,10 @@ DECISION = Histogram("kvmesh_router_decision_seconds",
                      "score)", buckets=(0.001, 0.002, 0.005, 0.01, 0.015, 0.025, 0.05, 0.1, 0.25, 1.0, 5.0))
 TOKENIZE = Histogram("kvmesh_router_tokenize_seconds", "tokenization time",
                      buckets=(0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0))
+HOLDS = Counter("kvmesh_router_admission_holds_total",
+                "times admission control held a request at the router (kvmesh.routing.admission)")
+HELD = Histogram("kvmesh_router_admission_held_seconds", "time a request held by admission control waited",
+                 buckets=(0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300))
 RETRIES = Counter("kvmesh_router_retries_total", "attempts on another endpoint after a failure", ["reason"])
 TOKENIZE_CACHE = Counter("kvmesh_router_tokenize_cache_total",
                          "incremental tokenization outcomes (hit: tail only; miss, edit, resync: full; "

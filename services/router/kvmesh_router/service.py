@@ -344,19 +344,35 @@ class RouterService:
 
     async def decide(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None = None,
                      timing: GenInput | None = None) -> tuple[Decision, SplitDecision]:
-        """The endpoint (and split) for ``p``; ``timing`` gets the index lookup's time (``lookup_s``)."""
+        """The endpoint (and split) for ``p``; ``timing`` gets the index lookup's time (``lookup_s``).
+        While admission control holds it (``Decision.hold``, kvmesh.routing.admission) it is
+        decided again every ``admit_recheck_s``, as the simulator does, with the time held so far."""
+        t0 = time.monotonic()
+        held = 0.0
+        while True:
+            d, split = await self._decide_once(p, policy, exclude, subset, timing, held)
+            if not d.hold:
+                if held:
+                    metrics.HELD.observe(held)
+                return d, split
+            metrics.HOLDS.inc()
+            await asyncio.sleep(self.core.cfg.scoring.admit_recheck_s)
+            held = time.monotonic() - t0
+
+    async def _decide_once(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None,
+                           timing: GenInput | None, held_s: float) -> tuple[Decision, SplitDecision]:
         if subset is not None:
             exclude = exclude | {e for e in self.core.endpoints if e not in subset}
         if p.lora_lacking:
             exclude = exclude | p.lora_lacking
         if not p.variants:
-            return await self._decide_keys(p.req, p.lora_name, policy, exclude, timing)
+            return await self._decide_keys(p.req, p.lora_name, policy, exclude, timing, held_s)
         best: tuple[Decision, SplitDecision, ExtraKeys, RouteRequest] | None = None
         errors: list[str] = []
         for eids, extra, req in p.variants:
             others = {e for e in self.core.endpoints if e not in eids}
             try:
-                d, split = await self._decide_keys(req, p.lora_name, policy, exclude | others, timing)
+                d, split = await self._decide_keys(req, p.lora_name, policy, exclude | others, timing, held_s)
             except Unavailable as exc:
                 errors.append(exc.message)
                 continue
@@ -369,14 +385,14 @@ class RouterService:
         return best[0], best[1]
 
     async def _decide_keys(self, req: RouteRequest, lora_name: str, policy: str, exclude: set[str],
-                           timing: GenInput | None = None) -> tuple[Decision, SplitDecision]:
+                           timing: GenInput | None = None, held_s: float = 0.0) -> tuple[Decision, SplitDecision]:
         pol = self.core.policy(policy) if policy else self.core.default_policy
         t0 = time.perf_counter()
         matches = await self.cluster.lookup(req.keys) if pol.uses_index else None
         if timing is not None and pol.uses_index and self.cluster.indexer is not None:
             timing.lookup_s += time.perf_counter() - t0
         try:
-            d = self.core.decide(req, matches, time.monotonic(), policy, exclude)
+            d = self.core.decide(req, matches, time.monotonic(), policy, exclude, held_s)
         except NoEndpointError as exc:
             msg = str(exc) + (f" serving LoRA adapter {lora_name!r}" if lora_name else "")
             raise Unavailable(msg) from None

@@ -14,7 +14,6 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import wait_for_serving
 from tests.helpers.slow_server import SERVICE, make_server
 from tests.paths import REPO
@@ -59,10 +58,12 @@ async def test_reflection_lists_services() -> None:
 
 
 def test_sigterm_drains_in_flight_calls() -> None:
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.slow_server", str(port)], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.slow_server"], cwd=REPO, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     try:
+        line = proc.stdout.readline()   # "PORT <n>" once it listens on the port the kernel gave it
+        assert line.startswith("PORT "), line
+        port = int(line.split()[1])
         wait_for_serving(f"127.0.0.1:{port}", timeout_s=30, proc=proc)
         result: dict[str, object] = {}
 

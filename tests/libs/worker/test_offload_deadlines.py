@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -35,14 +34,6 @@ def _cfg(eid: str, role: str, offload: str) -> WorkerConfig:
                         num_blocks=64, host="127.0.0.1", time_scale=50.0, max_model_len=4096, vocab_size=1000,
                         offload_address=offload, offload_timeout_s=TRANSFER_S, offload_lookup_timeout_s=LOOKUP_S,
                         kv_num_layers=2, kv_num_kv_heads=2, kv_head_dim=32, kv_dtype="bf16")
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        await w.stop(0)
 
 
 def _timeouts(w: Worker, op: str) -> float:

@@ -236,16 +236,14 @@ async def test_one_span_per_request_with_gen_ai_attributes(worker, stub) -> None
 
 def test_decode_service_process_serves(tmp_path) -> None:
     """The real `kvmesh serve decode` process: readiness, Generate, graceful stop."""
-    from kvmesh_tools.testing.ports import free_port
     from kvmesh_tools.testing.procs import ServiceProcess
 
-    port = free_port()
-    proc = ServiceProcess("decode", ["--port", str(port), "--host", "127.0.0.1", "--block-size", "16",
-                                     "--num-blocks", "128", "--time-scale", "100", "--endpoint-id", "d1"],
-                          f"127.0.0.1:{port}", log_path=tmp_path / "decode.log")
+    proc = ServiceProcess.with_ports("decode", lambda port: [
+        "--port", str(port), "--host", "127.0.0.1", "--block-size", "16", "--num-blocks", "128",
+        "--time-scale", "100", "--endpoint-id", "d1"], log_path=tmp_path / "decode.log")
     proc.start(timeout_s=30)
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        with grpc.insecure_channel(proc.grpc_address) as ch:
             stub = worker_pb2_grpc.WorkerStub(ch)
             msgs = list(stub.Generate(_gen("r", list(range(50)), 3), timeout=10))
             assert msgs[-1].finished and msgs[-1].usage.completion_tokens == 3
@@ -258,14 +256,13 @@ async def test_worker_registers_with_indexer_and_its_events_are_indexed(tmp_path
     """Real indexer process: the worker self-registers (with its publisher address),
     the indexer subscribes, and a Lookup sees the worker's blocks."""
     from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
-    from kvmesh_tools.testing.ports import free_port
     from kvmesh_tools.testing.procs import ServiceProcess
 
-    iport = free_port()
-    idx = ServiceProcess("indexer", ["--port", str(iport), "--host", "127.0.0.1",
-                                     "--default-block-size", str(BS)],
-                         f"127.0.0.1:{iport}", log_path=tmp_path / "indexer.log")
+    idx = ServiceProcess.with_ports("indexer", lambda p: ["--port", str(p), "--host", "127.0.0.1",
+                                                          "--default-block-size", str(BS)],
+                                    log_path=tmp_path / "indexer.log")
     await asyncio.to_thread(idx.start, 30)
+    iport = idx.port
     w = None
     try:
         w = await start_worker(_cfg(endpoint_id="w-reg", indexer_address=f"127.0.0.1:{iport}", heartbeat_s=0.2))
@@ -389,12 +386,10 @@ async def test_http_api_started_by_run_worker() -> None:
 
 async def test_connecting_publisher_reaches_a_binding_subscriber() -> None:
     """A concrete host in kv_events_endpoint makes the publisher connect (vLLM's rule); the subscriber binds."""
-    from kvmesh_tools.testing.ports import free_port
-
-    ep = f"tcp://127.0.0.1:{free_port()}"
     sub = zmq.asyncio.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv@w-conn@")
-    sub.bind(ep)
+    sub.bind("tcp://127.0.0.1:0")                      # the kernel's port, held from here on
+    ep = sub.getsockopt_string(zmq.LAST_ENDPOINT)
     w = await start_worker(_cfg(endpoint_id="w-conn", kv_events_endpoint=ep))
     try:
         async with grpc.aio.insecure_channel(w.address) as ch:

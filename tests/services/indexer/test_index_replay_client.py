@@ -16,9 +16,10 @@ pytestmark = pytest.mark.timeout(30)
 
 
 def test_fetch_replay_returns_buffered_batches_from_start() -> None:
-    replay = f"tcp://127.0.0.1:{free_port()}"
-    with KvEventPublisher(f"tcp://127.0.0.1:{free_port()}", topic="kv@e@m", replay_endpoint=replay,
+    # The replay socket binds port 0 and reports it; the PUB connects (nothing needs to listen).
+    with KvEventPublisher(f"tcp://127.0.0.1:{free_port()}", topic="kv@e@m", replay_endpoint="tcp://127.0.0.1:0",
                           buffer_steps=3) as pub:
+        replay = pub.replay_endpoint
         for _ in range(5):
             pub.publish([AllBlocksCleared()])
         got = fetch_replay(replay, 0, timeout_s=5)          # buffer keeps the last 3

@@ -29,6 +29,7 @@ from kvmesh_indexer.central_socket import (
 from kvmesh_indexer.config import IndexerConfig
 from kvmesh_tools.testing.ports import free_port
 from tests.fixtures.indexer import wait_until
+from tests.helpers.events import publish_lost
 from tests.services.indexer.test_indexer_service import BS, HASHER, MODEL, MODELS, combined, stored, tokens
 
 pytestmark = pytest.mark.timeout(60)
@@ -48,20 +49,10 @@ class Pod:
 
     def publish_lost(self, *events) -> int:  # noqa: ANN002
         """A batch that never reaches the indexer but stays in the replay buffer."""
-        real = self.pub._pub
-        self.pub._pub = _Blackhole()
-        try:
-            return self.pub.publish(list(events))
-        finally:
-            self.pub._pub = real
+        return publish_lost(self.pub, events)
 
     def close(self) -> None:
         self.pub.close(linger_ms=0)
-
-
-class _Blackhole:
-    def send_multipart(self, *a, **k) -> None:  # noqa: ANN002, ANN003
-        pass
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from kvmesh_api.indexer.v1 import indexer_pb2
 from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.redis_server import RedisProcess
 from tests.fixtures.indexer import wait_until
+from tests.helpers.events import publish_lost
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -85,22 +86,12 @@ class Engine:
     def publish_lost(self, *events) -> int:  # noqa: ANN002
         """Publish a batch that never reaches subscribers (but stays in the replay buffer)."""
         assert self.pub is not None
-        real = self.pub._pub
-        self.pub._pub = _Blackhole()
-        try:
-            return self.pub.publish(list(events))
-        finally:
-            self.pub._pub = real
+        return publish_lost(self.pub, events)
 
     def stop(self) -> None:
         if self.pub is not None:
             self.pub.close(linger_ms=0)
             self.pub = None
-
-
-class _Blackhole:
-    def send_multipart(self, *a, **k) -> None:  # noqa: ANN002, ANN003
-        pass
 
 
 @pytest.fixture
@@ -475,11 +466,12 @@ def test_cli_serves_and_drains(tmp_path) -> None:
     from kvmesh_api.indexer.v1 import indexer_pb2_grpc
     from kvmesh_tools.testing.procs import ServiceProcess
 
-    port, mport = free_port(), free_port()
-    quiet = f"quiet@{MODEL}@tcp://127.0.0.1:{free_port()}"
-    proc = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport)],
-                          f"127.0.0.1:{port}", env={"KVMESH_INDEXER_MODELS": MODELS, "KVMESH_INDEXER_ENGINES": quiet},
-                          log_path=tmp_path / "indexer.log").start(timeout_s=60)
+    quiet = f"quiet@{MODEL}@tcp://127.0.0.1:{free_port()}"   # an engine that never publishes
+    proc = ServiceProcess.with_ports(
+        "indexer", lambda port, mport: ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", str(mport)],
+        count=2, env={"KVMESH_INDEXER_MODELS": MODELS, "KVMESH_INDEXER_ENGINES": quiet},
+        log_path=tmp_path / "indexer.log").start(timeout_s=60)
+    mport = proc.flag_port("--metrics-port")
     try:
         with grpc.insecure_channel(proc.grpc_address) as ch:
             stats = indexer_pb2_grpc.IndexerStub(ch).Stats(indexer_pb2.StatsRequest(), timeout=5)

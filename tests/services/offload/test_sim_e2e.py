@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -40,14 +39,6 @@ def _cfg(eid: str, role: str, offload: str) -> WorkerConfig:
 @pytest.fixture
 def store(offload_process) -> str:
     return offload_process("--ram-capacity-bytes", str(64 << 20)).grpc_address
-
-
-@pytest.fixture
-async def workers() -> AsyncIterator[list[Worker]]:
-    started: list[Worker] = []
-    yield started
-    for w in started:
-        await w.stop(0)
 
 
 async def _generate(w: Worker, rid: str, prompt: list[int], **kw) -> worker_pb2.GenerateResponse:

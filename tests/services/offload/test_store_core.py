@@ -325,3 +325,31 @@ def test_tier_add_many_takes_new_blocks_only() -> None:
         tier.add_many([("n", 9), ("n", 6)], [0, 1], "s")
     assert ("n", 9) not in tier and tier.used == 3   # refused whole
     assert [b for b, _ in tier.make_room(7)] == [b for b, _ in ref.make_room(7)] == [("n", 7), ("n", 6)]
+
+
+def test_a_stored_blocks_metadata_stays_small_next_to_its_data() -> None:
+    """What the RAM tier does not count (token ids, the block record, the policy's entry) is
+    the store's overhead per block: bounded, and small next to even a small block."""
+    import tracemalloc
+
+    n, size = 2048, 32 * 1024
+    payloads = [bytes(size) for _ in range(n)]
+    st = OffloadStore(n * size * 2)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        for i in range(0, n, 16):
+            # Fresh ids each put, as the wire decodes them (above the small-int cache).
+            st.put("ns", [BlockIn(key=i + j + 1, data=payloads[i + j],
+                                  token_ids=tuple(100_000 + 64 * (i + j) + t for t in range(64))) for j in range(16)],
+                   session="s", block_size=64)
+        gc.collect()
+        per_block = (tracemalloc.get_traced_memory()[0] - base) / n
+    finally:
+        tracemalloc.stop()
+    assert len(st.ram) == n
+    # The data is shared with the caller here; everything traced is metadata. A tuple of 64
+    # Python ints alone was ~2.3 KiB.
+    assert per_block < 1024, per_block
+    assert list(st.ram.peek(("ns", 1)).token_ids) == list(range(100_000, 100_064))

@@ -54,9 +54,8 @@ def test_disk_survives_restart_and_corrupt_block_is_a_miss(offload_process, tmp_
             c.put(NS, a[i:i + 2], parent=a[i - 1][0] if i else None)
         c.put(NS, b)                              # a is entirely on disk now
         assert c.stats().disk_blocks == 6
-    port = int(proc.grpc_address.rsplit(":", 1)[1])
     proc.stop()
-    proc = offload_process(*flags, port=port)
+    proc = offload_process(*flags)
     with SyncOffloadClient(proc.grpc_address, use_shm=True) as c:
         stats = c.stats()
         assert stats.disk_blocks == 6 and stats.ram_blocks == 0      # b was only in RAM
@@ -81,12 +80,11 @@ def test_torn_header_and_leftover_temp_files_are_dropped_at_start(offload_proces
     with SyncOffloadClient(proc.grpc_address, use_shm=False) as c:
         c.put(NS, a[:2])
         c.put(NS, a[2:])
-    port = int(proc.grpc_address.rsplit(":", 1)[1])
     proc.stop()
     first = next(p for p in disk.rglob("*.kvb") if p.stem == f"{a[1][0]:016x}")
     first.write_bytes(first.read_bytes()[:20])                          # torn write of an older format
     (disk / "tmp" / "dead.part").write_bytes(b"half a block")
-    proc = offload_process(*flags, port=port)
+    proc = offload_process(*flags)
     with SyncOffloadClient(proc.grpc_address, use_shm=False) as c:
         assert c.contains(NS, [a[0][0]]) == 1
         assert c.contains(NS, [a[1][0]]) == 0
@@ -131,11 +129,9 @@ def test_client_process_dying_mid_put_leaves_nothing(offload_process, tmp_path: 
 def test_prometheus_metrics(offload_process, tmp_path: Path) -> None:
     import urllib.request
 
-    from kvmesh_tools.testing.ports import free_port
-
-    mport = free_port()
     proc = offload_process("--ram-capacity-bytes", str(2 * BS), "--disk-path", str(tmp_path / "m"),
-                           "--metrics-port", str(mport))
+                           port_flags=("--metrics-port",))
+    mport = proc.flag_port("--metrics-port")
     a, b = chain(2, 7), chain(2, 8)
     with SyncOffloadClient(proc.grpc_address, use_shm=True) as c:
         c.put(NS, a)

@@ -76,10 +76,9 @@ async def test_store_events_on_the_wire(offload_factory, tmp_path: Path) -> None
 
 
 async def test_registered_store_blocks_are_restorable_in_the_index(offload_process, tmp_path: Path) -> None:
-    iport = free_port()
-    indexer = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(iport), "--models",
-                                         f"sim-model@{BS}@sha256_cbor"], f"127.0.0.1:{iport}",
-                             log_path=tmp_path / "indexer.log").start(timeout_s=30)
+    indexer = ServiceProcess.with_ports("indexer", lambda p: ["--host", "127.0.0.1", "--port", str(p), "--models",
+                                                              f"sim-model@{BS}@sha256_cbor"],
+                                        log_path=tmp_path / "indexer.log").start(timeout_s=30)
     try:
         store = offload_process("--indexer-address", indexer.grpc_address, "--events-endpoint", "tcp://*:0",
                                 "--endpoint-id", "store-1", "--ram-capacity-bytes", str(16 << 20))
@@ -106,10 +105,9 @@ async def test_registered_store_blocks_are_restorable_in_the_index(offload_proce
 
 async def test_store_with_host_form_events_endpoint_is_indexed(offload_process, tmp_path: Path) -> None:
     """``tcp://127.0.0.1:P`` makes the store's publisher connect (vLLM's rule), so the indexer must bind."""
-    iport = free_port()
-    indexer = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(iport), "--models",
-                                         f"sim-model@{BS}@sha256_cbor"], f"127.0.0.1:{iport}",
-                             log_path=tmp_path / "indexer.log").start(timeout_s=30)
+    indexer = ServiceProcess.with_ports("indexer", lambda p: ["--host", "127.0.0.1", "--port", str(p), "--models",
+                                                              f"sim-model@{BS}@sha256_cbor"],
+                                        log_path=tmp_path / "indexer.log").start(timeout_s=30)
     try:
         events = f"tcp://127.0.0.1:{free_port()}"
         store = offload_process("--indexer-address", indexer.grpc_address, "--events-endpoint", events,

@@ -50,3 +50,40 @@ async def test_a_slow_answer_on_an_idle_loop_times_out() -> None:
         assert (await wait_answer(call, 0.05, lag, 0.0))[0] is False
     finally:
         await lag.stop()
+
+
+def test_a_slow_load_poll_marks_an_endpoint_down_only_when_it_repeats() -> None:
+    """GetLoad past its deadline: a loaded machine, not a dead worker, until it happens in a row."""
+    import grpc
+
+    from kvmesh.routing.router import RouterCore, RouterCoreConfig
+    from kvmesh_router.cluster import Cluster
+    from kvmesh_router.config import RouterConfig
+
+    class _Stub:
+        def __init__(self) -> None:
+            self.code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+        async def GetLoad(self, *_a, **_kw):  # noqa: N802 - the gRPC method's name
+            raise grpc.aio.AioRpcError(self.code, grpc.aio.Metadata(), grpc.aio.Metadata(), "slow")
+
+    async def run() -> None:
+        cl = Cluster(RouterConfig(model="m", block_size=16, endpoints=["a=127.0.0.1:1"], load_deadline_strikes=3),
+                     RouterCore(RouterCoreConfig(block_size=16)))
+        stub = _Stub()
+        cl.stub = lambda eid: stub   # type: ignore[method-assign]
+        alive = lambda: cl.core.endpoints["a"].alive   # noqa: E731
+        await cl.poll_load("a")
+        await cl.poll_load("a")
+        assert alive()
+        await cl.poll_load("a")
+        assert not alive()
+        # A refused connection is down at once.
+        cl.core.set_alive("a", True)
+        cl._load_strikes.clear()
+        stub.code = grpc.StatusCode.UNAVAILABLE
+        await cl.poll_load("a")
+        assert not alive()
+        await cl.stop()
+
+    asyncio.run(run())

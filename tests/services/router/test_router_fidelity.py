@@ -19,9 +19,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh_api.router.v1 import router_pb2
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import RouterStack, rand_tokens, start_indexer, start_router, start_workers
+from tests.fixtures.router import (
+    RouterStack,
+    rand_tokens,
+    start_indexer,
+    start_router,
+    start_workers,
+    wait_endpoints,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -51,27 +57,16 @@ def _misses(metrics_port: int) -> dict[str, float]:
     return out
 
 
-def _wait_endpoints(st: RouterStack, n: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        models = st.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5).models
-        if models and len(models[0].endpoints) >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError("router did not discover the workers")
-
-
 class _Stack:
     def __init__(self, tmp: Path, bug: bool) -> None:
         self.procs: list[ServiceProcess] = []
         self.idx = self._keep(start_indexer(tmp))
-        sp = free_port()
         # No --model: the store announces its blocks for every model ("any"), as in `kvmesh up`.
-        self.store = self._keep(ServiceProcess(
-            "offload", ["--host", "127.0.0.1", "--port", str(sp), "--endpoint-id", "store-0",
-                        "--events-endpoint", f"tcp://*:{free_port()}", "--indexer-address", self.idx.grpc_address,
-                        "--advertise-host", "127.0.0.1"],
-            f"127.0.0.1:{sp}", log_path=tmp / "offload.log").start(60))
+        self.store = self._keep(ServiceProcess.with_ports(
+            "offload", lambda sp, ep: ["--host", "127.0.0.1", "--port", str(sp), "--endpoint-id", "store-0",
+                                       "--events-endpoint", f"tcp://*:{ep}", "--indexer-address",
+                                       self.idx.grpc_address, "--advertise-host", "127.0.0.1"],
+            count=2, log_path=tmp / "offload.log").start(60))
         self.workers = start_workers(tmp, ["w1", "w2"], indexer=self.idx.grpc_address,
                                      extra=["--offload-address", self.store.grpc_address])
         for w in self.workers.values():
@@ -83,12 +78,12 @@ class _Stack:
             (site / "sitecustomize.py").write_text(_OVER_REPORT)
             import os
             env["PYTHONPATH"] = f"{site}:{os.environ.get('PYTHONPATH', '')}"
-        self.metrics_port = free_port()
         router, http = start_router(tmp, [], indexer=self.idx.grpc_address, env=env,
-                                    extra=["--speculative-ttl-s", "0.3", "--metrics-port", str(self.metrics_port)])
+                                    extra=["--speculative-ttl-s", "0.3"], port_flags=["--metrics-port"])
+        self.metrics_port = router.flag_port("--metrics-port")
         self._keep(router)
         self.st = RouterStack(router, http, self.workers, self.idx)
-        _wait_endpoints(self.st, 2)
+        wait_endpoints(self.st, 2)
 
     def _keep(self, p: ServiceProcess) -> ServiceProcess:
         self.procs.append(p)

@@ -12,16 +12,12 @@ budget of exactly one hedge (burst 1, fraction 0), so:
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import RouterStack, rand_tokens, start_router, start_worker
+from tests.fixtures.router import RouterStack, metric, rand_tokens, start_router, start_worker, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -29,44 +25,25 @@ FIRST_TOKEN_S = 3.0
 SLOW_OVERHEAD_S = 600.0   # sim seconds; the fixture's workers run 20x real time: 30 s
 
 
-def _metric(port: int, name: str, **labels: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    total = 0.0
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
-                total += s.value
-    return total
-
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterStack, dict[str, int], int]]:
     tmp = tmp_path_factory.mktemp("hedge")
-    wports = {"s1": free_port(), "s2": free_port()}
     workers: dict[str, ServiceProcess] = {}
     router = None
     try:
-        workers["s1"] = start_worker(tmp, "s1", wait=False, extra=[
-            "--metrics-port", str(wports["s1"]), "--request-overhead-s", str(SLOW_OVERHEAD_S)])
-        workers["s2"] = start_worker(tmp, "s2", wait=False, extra=["--metrics-port", str(wports["s2"])])
+        workers["s1"] = start_worker(tmp, "s1", wait=False, port_flags=["--metrics-port"], extra=[
+            "--request-overhead-s", str(SLOW_OVERHEAD_S)])
+        workers["s2"] = start_worker(tmp, "s2", wait=False, port_flags=["--metrics-port"])
         for w in workers.values():
             w.wait_ready(90)
-        rport = free_port()
-        router, http = start_router(tmp, [(e, w.grpc_address) for e, w in workers.items()], extra=[
-            "--policy", "round_robin", "--load-poll-s", "60", "--metrics-port", str(rport),
+        wports = {e: w.flag_port("--metrics-port") for e, w in workers.items()}
+        router, http = start_router(tmp, [(e, w.grpc_address) for e, w in workers.items()], port_flags=[
+            "--metrics-port"], extra=[
+            "--policy", "round_robin", "--load-poll-s", "60",
             "--first-token-timeout-s", str(FIRST_TOKEN_S),
             "--hedge-delay-s", "0.3", "--hedge-budget", "0", "--hedge-burst", "1"])
         st = RouterStack(router, http, workers)
-        yield st, wports, rport
+        yield st, wports, router.flag_port("--metrics-port")
         st.close()
     finally:
         if router is not None:
@@ -89,14 +66,14 @@ def test_a_hedge_beats_a_stalled_worker_and_the_budget_bounds_hedges(stack) -> N
     assert hedged is not None, "no request was sent to the slow worker first"
     assert "s2 answered before s1" in hedged.routing.reason, hedged.routing.reason
     assert hedged.routing.attempts == 1   # a hedge is not a retry
-    assert _metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
-    assert _metric(rport, "kvmesh_router_hedges_total", event="won") == 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="won") == 1
     # The loser is released: s1 aborted its engine request, long before its 30 s step ends.
-    _wait(lambda: _metric(wports["s1"], "kvmesh_worker_requests_total", rpc="generate", outcome="cancelled") >= 1,
+    wait_for(lambda: metric(wports["s1"], "kvmesh_worker_requests_total", rpc="generate", outcome="cancelled") >= 1,
           "s1 to see the losing call cancelled")
-    _wait(lambda: _metric(wports["s1"], "vllm:num_requests_running") == 0
-          and _metric(wports["s1"], "vllm:num_requests_waiting") == 0, "s1 to hold no request")
-    assert _metric(wports["s1"], "kvmesh_worker_requests_total", rpc="generate", outcome="length") == 0
+    wait_for(lambda: metric(wports["s1"], "vllm:num_requests_running") == 0
+          and metric(wports["s1"], "vllm:num_requests_waiting") == 0, "s1 to hold no request")
+    assert metric(wports["s1"], "kvmesh_worker_requests_total", rpc="generate", outcome="length") == 0
 
     # 2. The budget is spent: the next request sent to s1 is not hedged; it is retried after the
     # first-token timeout instead.
@@ -109,6 +86,6 @@ def test_a_hedge_beats_a_stalled_worker_and_the_budget_bounds_hedges(stack) -> N
             retried = fin
             break
     assert retried is not None, "no request was sent to the slow worker first"
-    assert _metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
-    assert _metric(rport, "kvmesh_router_hedges_total", event="denied") >= 1
-    assert _metric(rport, "kvmesh_router_stalls_total", stage="first_token") >= 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="denied") >= 1
+    assert metric(rport, "kvmesh_router_stalls_total", stage="first_token") >= 1

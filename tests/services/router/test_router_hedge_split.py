@@ -7,35 +7,24 @@ decode sim workers. The router splits long prompts and hedges after 0.3 s, one h
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
-import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, rand_tokens, start_router, start_worker
+from tests.fixtures.router import (
+    MODEL,
+    RouterStack,
+    metric,
+    rand_tokens,
+    start_router,
+    start_worker,
+    wait_for,
+)
 
 pytestmark = pytest.mark.timeout(180)
 
 SLOW_OVERHEAD_S = 200.0   # sim seconds; the fixture's workers run 20x real time: 10 s
-
-
-def _metric(port: int, name: str, **labels: str) -> float:
-    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
-    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
-
-
-def _wait(cond, what: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture(scope="module")
@@ -43,27 +32,29 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[RouterStac
     tmp = tmp_path_factory.mktemp("hedge-split")
     started: list[ServiceProcess] = []
     try:
-        store_port = free_port()
-        store = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(store_port), "--model", MODEL,
-                                           "--events-endpoint", "", "--events-replay-endpoint", ""],
-                               f"127.0.0.1:{store_port}", log_path=tmp / "offload.log").start(60, wait=False)
+        store = ServiceProcess.with_ports(
+            "offload", lambda p: ["--host", "127.0.0.1", "--port", str(p), "--model", MODEL,
+                                  "--events-endpoint", "", "--events-replay-endpoint", ""],
+            log_path=tmp / "offload.log")
         started.append(store)
+        store.start(60)   # ready first: a retried start moves its address
         off = ["--offload-address", store.grpc_address]
-        pport = free_port()
-        pre = start_worker(tmp, "p1", role="prefill", wait=False, extra=[
-            *off, "--metrics-port", str(pport), "--request-overhead-s", str(SLOW_OVERHEAD_S)])
+        pre = start_worker(tmp, "p1", role="prefill", wait=False, port_flags=["--metrics-port"], extra=[
+            *off, "--request-overhead-s", str(SLOW_OVERHEAD_S)])
         started.append(pre)
         decode = {e: start_worker(tmp, e, wait=False, extra=off) for e in ("w1", "w2")}
         started.extend(decode.values())
         for proc in started:
             proc.wait_ready(90)
-        rport = free_port()
+        pport = pre.flag_port("--metrics-port")
         router, http = start_router(
             tmp, [(e, w.grpc_address) for e, w in decode.items()], prefill=[("p1", pre.grpc_address)],
-            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024", "--metrics-port", str(rport),
+            port_flags=["--metrics-port"],
+            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024",
                    "--load-poll-s", "60", "--first-token-timeout-s", "60",
                    "--hedge-delay-s", "0.3", "--hedge-budget", "0", "--hedge-burst", "1"])
         started.append(router)
+        rport = router.flag_port("--metrics-port")
         st = RouterStack(router, http, decode)
         yield st, pport, rport
         st.close()
@@ -80,9 +71,9 @@ def test_a_split_whose_prefill_stalls_is_hedged_unsplit(stack) -> None:
     # The copy won: unsplit, on the decode endpoint the split did not pick, long before the
     # prefill endpoint's 10 s step (and the 60 s first-token timeout).
     assert "hedged after" in r.reason and not r.split and r.attempts == 1, r
-    assert _metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
-    assert _metric(rport, "kvmesh_router_hedges_total", event="won") == 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="sent") == 1
+    assert metric(rport, "kvmesh_router_hedges_total", event="won") == 1
     # The lost split's prefill call was cancelled: once its step is over (the sim aborts between
     # steps), the prefill endpoint holds no request.
-    _wait(lambda: _metric(pport, "vllm:num_requests_running") == 0
-          and _metric(pport, "vllm:num_requests_waiting") == 0, "p1 to drop the cancelled prefill", timeout=90)
+    wait_for(lambda: metric(pport, "vllm:num_requests_running") == 0
+          and metric(pport, "vllm:num_requests_waiting") == 0, "p1 to drop the cancelled prefill", timeout=90)

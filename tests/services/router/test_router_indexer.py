@@ -10,7 +10,15 @@ import pytest
 
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, rand_tokens, start_indexer, start_router, start_workers
+from tests.fixtures.router import (
+    MODEL,
+    RouterStack,
+    rand_tokens,
+    start_indexer,
+    start_router,
+    start_workers,
+    wait_endpoints,
+)
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -32,22 +40,12 @@ def istack(request, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router
         router, http = start_router(tmp, [], indexer=idx.grpc_address, extra=["--speculative-ttl-s", "0.5"])
         started.append(router)
         st = RouterStack(router, http, workers, idx)
-        _wait_endpoints(st, 3)
+        wait_endpoints(st, 3)
         yield st
         st.close()
     finally:
         for p in reversed(started):
             p.stop(grace_s=3)
-
-
-def _wait_endpoints(st: RouterStack, n: int, timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        models = st.stub.ListModels(router_pb2.ListModelsRequest(), timeout=5).models
-        if models and len(models[0].endpoints) >= n:
-            return
-        time.sleep(0.1)
-    raise AssertionError("router did not discover the workers from the indexer registry")
 
 
 def test_session_turns_on_engine_events_with_exact_predictions(istack):
@@ -109,22 +107,20 @@ def test_shared_speculative_entry_lives_until_the_estimated_prefill_is_done(ista
 
 def test_offload_tier_is_credited_and_predicted_exactly(tmp_path, procs):
     """A prefix only in the shared offload store: any endpoint restores it, the router predicts it."""
-    from kvmesh_tools.testing.ports import free_port
 
     idx = procs(start_indexer(tmp_path))
-    sp = free_port()
-    store = procs(ServiceProcess(
-        "offload", ["--host", "127.0.0.1", "--port", str(sp), "--model", MODEL, "--endpoint-id", "store-0",
-                    "--events-endpoint", f"tcp://*:{free_port()}", "--indexer-address", idx.grpc_address,
-                    "--advertise-host", "127.0.0.1"],
-        f"127.0.0.1:{sp}", log_path=tmp_path / "offload.log").start(60))
+    store = procs(ServiceProcess.with_ports(
+        "offload", lambda sp, ep: ["--host", "127.0.0.1", "--port", str(sp), "--model", MODEL, "--endpoint-id",
+                                   "store-0", "--events-endpoint", f"tcp://*:{ep}", "--indexer-address",
+                                   idx.grpc_address, "--advertise-host", "127.0.0.1"],
+        count=2, log_path=tmp_path / "offload.log").start(60))
     ws = start_workers(tmp_path, ["w1", "w2"], indexer=idx.grpc_address,
                        extra=["--offload-address", store.grpc_address])
     for w in ws.values():
         procs(w)
     router, http = start_router(tmp_path, [], indexer=idx.grpc_address, extra=["--speculative-ttl-s", "0.3"])
     st = RouterStack(procs(router), http, ws, idx)
-    _wait_endpoints(st, 2)
+    wait_endpoints(st, 2)
     doc = rand_tokens(1000, 51)
     _, first = st.generate(doc)
     holder = first.routing.endpoint

@@ -14,7 +14,6 @@ import pytest
 
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.router import (
     BLOCK,
@@ -34,23 +33,22 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RouterStack]:
     tmp = tmp_path_factory.mktemp("router-stack")
     started: list[ServiceProcess] = []
     try:
-        store_port = free_port()
-        store = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(store_port), "--model", MODEL,
-                                           "--events-endpoint", "", "--events-replay-endpoint", ""],
-                               f"127.0.0.1:{store_port}", log_path=tmp / "offload.log").start(60, wait=False)
+        store = ServiceProcess.with_ports(
+            "offload", lambda p: ["--host", "127.0.0.1", "--port", str(p), "--model", MODEL,
+                                  "--events-endpoint", "", "--events-replay-endpoint", ""],
+            log_path=tmp / "offload.log").start(60)   # ready first: a retried start moves its address
         started.append(store)
         off = ["--offload-address", store.grpc_address]
         pre = start_worker(tmp, "p1", role="prefill", extra=off, wait=False)
         started.append(pre)
         workers = start_workers(tmp, ["w1", "w2", "w3"], extra=off)
         started.extend(workers.values())
-        store.wait_ready(60)
         pre.wait_ready(90)
-        metrics_port = free_port()
         router, http = start_router(
             tmp, [(e, w.grpc_address) for e, w in workers.items()],
-            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024", "--metrics-port", str(metrics_port)],
+            extra=["--split-enabled", "true", "--split-threshold-tokens", "1024"], port_flags=["--metrics-port"],
             prefill=[("p1", pre.grpc_address)])
+        metrics_port = router.flag_port("--metrics-port")
         started.append(router)
         st = RouterStack(router, http, workers)
         st.metrics_port = metrics_port  # type: ignore[attr-defined]

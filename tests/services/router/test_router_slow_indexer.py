@@ -17,7 +17,6 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmesh_api.router.v1 import router_pb2
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.router import BLOCK, MODEL, RouterStack, rand_tokens, start_router, start_workers
 
@@ -53,19 +52,18 @@ def test_late_lookups_use_the_local_view_not_approx(tmp_path: Path, procs) -> No
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SLOW)
-    port = free_port()
-    idx = procs(ServiceProcess(
-        "indexer", ["--host", "127.0.0.1", "--port", str(port), "--models", f"{MODEL}@{BLOCK}@sha256_cbor",
-                    "--default-model", MODEL],
-        f"127.0.0.1:{port}", env={"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"},
+    idx = procs(ServiceProcess.with_ports(
+        "indexer", lambda port: ["--host", "127.0.0.1", "--port", str(port), "--models",
+                                 f"{MODEL}@{BLOCK}@sha256_cbor", "--default-model", MODEL],
+        env={"PYTHONPATH": f"{site}:{os.environ.get('PYTHONPATH', '')}"},
         log_path=tmp_path / "indexer.log").start(timeout_s=60))
     ws = start_workers(tmp_path, ["w1", "w2", "w3"], indexer=idx.grpc_address)
     for w in ws.values():
         procs(w)
-    mport = free_port()
-    router, http = start_router(tmp_path, [], indexer=idx.grpc_address,
+    router, http = start_router(tmp_path, [], indexer=idx.grpc_address, port_flags=["--metrics-port"],
                                 extra=["--speculative-ttl-s", "0.2", "--lookup-timeout-s", "0.25",
-                                       "--lookup-late-s", "2", "--metrics-port", str(mport)])
+                                       "--lookup-late-s", "2"])
+    mport = router.flag_port("--metrics-port")
     procs(router)
     st = RouterStack(router, http, ws, idx)
     deadline = time.monotonic() + 30

@@ -12,7 +12,6 @@ import openai
 import pytest
 
 from kvmesh.openai.requests import UNSUPPORTED
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.router import MODEL, RouterStack, start_router, start_worker
 from tests.helpers.chat_cases import TOOLS
@@ -27,11 +26,11 @@ SCHEMAS = {t["function"]["name"]: t["function"].get("parameters") or {"type": "o
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[tuple[RouterStack, str]]:
     tmp = tmp_path_factory.mktemp("router-tools")
     started: list[ServiceProcess] = []
-    http_port = free_port()
     try:
-        w = start_worker(tmp, "w1", extra=["--http-port", str(http_port), "--tokenizer", str(tiny_model_dir),
-                                           "--max-model-len", str(MAX_MODEL_LEN)])
+        w = start_worker(tmp, "w1", extra=["--tokenizer", str(tiny_model_dir), "--max-model-len", str(MAX_MODEL_LEN)],
+                         port_flags=["--http-port"])
         started.append(w)
+        http_port = w.flag_port("--http-port")
         router, http = start_router(tmp, [("w1", w.grpc_address)],
                                     extra=["--tokenizer-path", str(tiny_model_dir)])
         started.append(router)

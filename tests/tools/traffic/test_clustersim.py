@@ -209,3 +209,26 @@ def test_decode_fast_forward_changes_nothing(kw: dict) -> None:
     assert m["steps"] > 0 and m["errors"] == 0 and m["requests"] == len(tr.requests())
     if "kv_capacity_tokens" in kw:
         assert m["preemptions"] > 0
+
+
+def test_admission_control_holds_recomputes_and_counts_the_wait() -> None:
+    """Ten sessions started within 2 s on two workers of 16k tokens: under saturation some
+    recomputes find no room and are held at the router (kvmesh.routing.admission). Every
+    request is still served, and a held request's TTFT includes its wait at the router."""
+    tr = generate(GeneratorConfig(sessions=10, seed=1, turns_median=8, system_tokens=2048, first_user_tokens=400,
+                                  growth_median=200, growth_p99=2000, output_median=16, output_p99=64,
+                                  think_median_s=1.0, think_p99_s=20.0, max_context_tokens=12000,
+                                  subagent_group_prob=0.2, group_max=8, subagent_system_tokens=1024,
+                                  subagent_task_tokens=200, subagent_turns_median=3))
+    n = len(tr.requests())
+    on = _cfg(decode_workers=2, kv_capacity_tokens=16000, offload_capacity_tokens=0, start_window_s=2.0,
+              scoring=ScoringConfig(admit_miss_ratio=0.5))
+    rep = simulate_policies(tr, on, ["precise"], jobs=1, records=True)
+    m = rep["results"]["precise"]
+    assert m["requests"] == n and m["errors"] == 0
+    assert m["held_requests"] > 0 and m["held_s_total"] > 0
+    held = [r for r in rep["records"]["precise"] if r["held_s"] > 0]
+    assert len(held) == m["held_requests"]
+    assert all(r["ttft_s"] >= r["held_s"] for r in held)
+    off = simulate_policies(tr, dataclasses.replace(on, scoring=ScoringConfig()), ["precise"], jobs=1)
+    assert off["results"]["precise"]["held_requests"] == 0

