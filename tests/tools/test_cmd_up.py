@@ -83,3 +83,16 @@ def test_official_openai_client_chats_in_text(up) -> None:
     assert resp.usage is not None and resp.usage.prompt_tokens > 5 and 0 < resp.usage.completion_tokens <= 8
     done = client.completions.create(model=model, prompt="def main():", max_tokens=4)
     assert done.usage is not None and done.usage.completion_tokens <= 4
+
+
+def test_the_store_registers_a_replay_socket(up) -> None:
+    """An indexer that lost the store's event batches (a Redis timeout) replays them; without a
+    replay socket it cleared the store's blocks from the index, and restores went unpredicted."""
+    log = Path(up["log_dir"]) / "indexer.log"
+    deadline = time.monotonic() + 60
+    line = ""
+    while time.monotonic() < deadline and not line:
+        line = next((ln for ln in log.read_text().splitlines()
+                     if "subscribed to kv events" in ln and "endpoint=offload-0" in ln), "")
+        time.sleep(0.2)
+    assert re.search(r"replay=tcp://127\.0\.0\.1:\d+", line), line

@@ -31,6 +31,10 @@ _END_SEQ_BYTES = REPLAY_END_SEQ.to_bytes(8, "big")
 # Replay buffer bound in bytes (besides ``buffer_steps``): what an indexer that missed a few
 # seconds of events needs, not the whole history of a long run.
 DEFAULT_BUFFER_BYTES = 16 << 20
+# ... and in age: a publisher with few events (a prefill worker) took half an hour to fill the
+# byte bound, growing all the while; by age every publisher reaches its steady size in minutes.
+DEFAULT_BUFFER_AGE_S = 120.0
+_clock = time.monotonic   # the buffer's age clock (tests replace it)
 
 
 def is_bind_endpoint(endpoint: str) -> bool:
@@ -68,6 +72,7 @@ class KvEventPublisher:
         hwm: int = 100_000,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         data_parallel_rank: int = 0,
+        buffer_age_s: float = DEFAULT_BUFFER_AGE_S,
         context: zmq.Context | None = None,
         curve: CurveServer | None = None,
     ) -> None:
@@ -79,9 +84,10 @@ class KvEventPublisher:
         self._lock = threading.Lock()
         # Bounded in batches and in bytes: a batch carries its blocks' token ids, so 10,000
         # batches of long prompts would hold gigabytes and the process would grow for hours.
-        self._buffer: deque[tuple[int, bytes]] = deque()
+        self._buffer: deque[tuple[int, bytes, float]] = deque()   # (seq, payload, monotonic time)
         self._buffer_steps = buffer_steps
         self._buffer_max_bytes = max(1, buffer_bytes)
+        self._buffer_age_s = buffer_age_s   # <= 0: no age bound
         self.buffer_bytes = 0
         self._next_seq = 0
         self._closed = False
@@ -154,11 +160,14 @@ class KvEventPublisher:
             seq = self._next_seq
             self._next_seq += 1
             self._pub.send_multipart((self._topic, seq.to_bytes(8, "big"), payload), copy=False)
-            self._buffer.append((seq, payload))
+            now = _clock()
+            self._buffer.append((seq, payload, now))
             self.buffer_bytes += len(payload)
-            # The newest batch always stays, whatever its size.
+            # The newest batch always stays, whatever its size or age.
+            old = now - self._buffer_age_s if self._buffer_age_s > 0 else float("-inf")
             while len(self._buffer) > 1 and (len(self._buffer) > self._buffer_steps
-                                             or self.buffer_bytes > self._buffer_max_bytes):
+                                             or self.buffer_bytes > self._buffer_max_bytes
+                                             or self._buffer[0][2] < old):
                 self.buffer_bytes -= len(self._buffer.popleft()[1])
         return seq
 
@@ -186,7 +195,7 @@ class KvEventPublisher:
                 continue
             start = int.from_bytes(start_b, "big")
             with self._lock:
-                snapshot = [(s, p) for s, p in self._buffer if s >= start]
+                snapshot = [(s, p) for s, p, _ in self._buffer if s >= start]
             self.replay_requests += 1
             try:
                 for s, p in snapshot:

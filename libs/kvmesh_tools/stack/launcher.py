@@ -186,6 +186,10 @@ class LocalStack:
             "offload", "offload",
             lambda: ["--host", h, "--advertise-host", h, "--ram-capacity-bytes", str(c.offload_ram_bytes),
                      "--indexer-address", self.indexer_address, "--events-endpoint", f"tcp://{h}:{free_port()}",
+                     # A replay socket, so an indexer that lost batches (a Redis timeout) replays
+                     # them; without one it cleared the store's ~30k blocks from the index, which
+                     # then mispredicted every restore for minutes (the 30-minute soak).
+                     "--events-replay-endpoint", f"tcp://{h}:0",
                      "--endpoint-id", OFFLOAD_ID],
             identity=("store", OFFLOAD_ID),
         ).start(c.start_timeout_s).grpc_address

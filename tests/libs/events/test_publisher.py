@@ -211,3 +211,24 @@ def test_replay_buffer_is_bounded_in_bytes(ctx: zmq.Context, tmp_path: Path) -> 
         rep = _replay(ctx, pub.replay_endpoint, 0)
         got = [int.from_bytes(f[2], "big") for f in rep[:-1]]
         assert got and got == list(range(20 - len(got), 20)) and len(got) <= 3
+
+
+def test_replay_buffer_is_bounded_in_age(ctx: zmq.Context, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publisher with few events keeps minutes of them, not everything until the byte bound."""
+    from kvmesh.events import publisher
+
+    now = [1000.0]
+    monkeypatch.setattr(publisher, "_clock", lambda: now[0])
+    with KvEventPublisher(f"ipc://{tmp_path}/pub", topic="kv@e1@m", replay_endpoint="tcp://127.0.0.1:0",
+                          buffer_steps=1000, buffer_age_s=60.0) as pub:
+        for i in range(10):
+            pub.publish(_events(i), ts=100.0 + i)
+            now[0] += 10.0   # one batch every 10 s
+        # Published at 1000, 1010, ..., 1090; at the last one (1090) those before 1030 are gone.
+        rep = _replay(ctx, pub.replay_endpoint, 0)
+        got = [int.from_bytes(f[2], "big") for f in rep[:-1]]
+        assert got == list(range(3, 10))
+        now[0] += 3600.0
+        pub.publish(_events(10), ts=200.0)
+        rep = _replay(ctx, pub.replay_endpoint, 0)
+        assert [int.from_bytes(f[2], "big") for f in rep[:-1]] == [10]   # the newest always stays
