@@ -346,17 +346,21 @@ class RouterService:
                      timing: GenInput | None = None) -> tuple[Decision, SplitDecision]:
         """The endpoint (and split) for ``p``; ``timing`` gets the index lookup's time (``lookup_s``).
         While admission control holds it (``Decision.hold``, kvmesh.routing.admission) it is
-        decided again every ``admit_recheck_s``, as the simulator does, with the time held so far."""
+        decided again every ``admit_recheck_s``, as the simulator does, with the time held so far;
+        a hold never outlasts the request's deadline (``timing.deadline``): it is sent instead."""
         t0 = time.monotonic()
         held = 0.0
+        recheck = self.core.cfg.scoring.admit_recheck_s
+        deadline = timing.deadline if timing is not None else None
         while True:
             d, split = await self._decide_once(p, policy, exclude, subset, timing, held)
-            if not d.hold:
+            if not d.hold or (deadline is not None and time.monotonic() + recheck >= deadline):
                 if held:
                     metrics.HELD.observe(held)
+                d.hold = ""
                 return d, split
             metrics.HOLDS.inc()
-            await asyncio.sleep(self.core.cfg.scoring.admit_recheck_s)
+            await asyncio.sleep(recheck)
             held = time.monotonic() - t0
 
     async def _decide_once(self, p: Prepared, policy: str, exclude: set[str], subset: set[str] | None,

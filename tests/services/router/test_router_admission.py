@@ -23,7 +23,7 @@ from kvmesh.routing.types import RouteRequest
 from kvmesh_router import metrics
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.main import build_service
-from kvmesh_router.service import Prepared
+from kvmesh_router.service import GenInput, Prepared, RouterService
 
 BS = 16
 N = 4000
@@ -36,9 +36,9 @@ def _report(queued: int) -> LoadReport:
                       received_at=time.monotonic())
 
 
-async def _held_then_sent() -> None:
+def _saturated_service(recheck_s: float) -> tuple[RouterService, Prepared]:
     cfg = RouterConfig(endpoints=["e0=127.0.0.1:1", "e1=127.0.0.1:2"], block_size=BS, load_staleness_s=1e9,
-                       scoring=ScoringConfig(admit_miss_ratio=0.5, admit_recheck_s=0.01))
+                       scoring=ScoringConfig(admit_miss_ratio=0.5, admit_recheck_s=recheck_s))
     svc = build_service(cfg)
     core = svc.core
     for ep in ("e0", "e1"):
@@ -48,7 +48,12 @@ async def _held_then_sent() -> None:
     rng = random.Random(2)
     tokens = [rng.randrange(32000) for _ in range(N)]
     req = RouteRequest("r1", cfg.model, core.chain(tokens, None, "s").keys, N, BS, "s")
-    p = Prepared(request_id="r1", tokens=tokens, extra=None, salt="", req=req)
+    return svc, Prepared(request_id="r1", tokens=tokens, extra=None, salt="", req=req)
+
+
+async def _held_then_sent() -> None:
+    svc, p = _saturated_service(0.01)
+    core, req = svc.core, p.req
     holds0 = metrics.HOLDS._value.get()
     task = asyncio.create_task(svc.decide(p, "", set()))
     # Held: it is decided again and again (a condition, not a sleep), and not sent.
@@ -69,3 +74,16 @@ async def _held_then_sent() -> None:
 
 def test_live_router_holds_then_sends_as_the_core_decides():
     asyncio.run(_held_then_sent())
+
+
+async def _deadline_ends_the_hold() -> None:
+    # Rechecks every 1,000 s: a request whose deadline comes first is sent at once, not held.
+    svc, p = _saturated_service(1000.0)
+    timing = GenInput(model="tiny", deadline=time.monotonic() + 60.0)
+    d, _split = await asyncio.wait_for(svc.decide(p, "", set(), timing=timing), 30)
+    assert d.hold == "" and d.endpoint_id == "e0"
+    assert svc.core.decide(p.req, None, time.monotonic()).hold   # the core alone would hold it
+
+
+def test_a_hold_never_outlasts_the_deadline():
+    asyncio.run(_deadline_ends_the_hold())

@@ -13,7 +13,8 @@ vLLM that holds the conversation moves it to the other one, which restores it fr
 The same fleet behind a real Envoy with the router as ext_proc picker: the picker writes the
 tenant's salt into the forwarded body, and predictions equal vLLM's there too. The Messages
 API (official ``anthropic`` client) goes to vLLM's own ``/v1/messages`` and gRPC ``Generate``
-to vLLM's completions with token ids; both predict exactly too.
+to vLLM's completions with token ids; both predict exactly too. A second router splits P/D
+over the two servers (HTTP and gRPC), handing the prompt over through the store.
 """
 
 from __future__ import annotations
@@ -319,7 +320,7 @@ def pd_router(fleet) -> Iterator[dict]:
         while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 1:
             assert time.monotonic() < deadline, "the P/D router never saw its decode server up"
             time.sleep(0.2)
-        yield {"base": base, "decode": decode.endpoint_id, "prefill": prefill.endpoint_id}
+        yield {"base": base, "grpc": f"127.0.0.1:{port}", "decode": decode.endpoint_id, "prefill": prefill.endpoint_id}
     finally:
         router.stop(grace_s=5)
 
@@ -349,6 +350,24 @@ def test_pd_split_hands_the_prompt_over_through_the_store(pd_router) -> None:
         # Every full block but the one holding the last prompt token (vLLM computes that one).
         assert cached == int(h["x-kvmesh-predicted-cached-tokens"]) == (usage.prompt_tokens - 1) // 32 * 32 > 0, (
             turn, usage, dict(h))
+
+
+def test_pd_split_on_grpc_generate(pd_router) -> None:
+    """gRPC Generate splits the same way: vLLM's completions with the router's token ids, prefill
+    only on the prefill vLLM, then streamed from the decode vLLM, which restores the prompt from
+    the store exactly as predicted."""
+    text = "def schedule(jobs):\n    # the P/D split over gRPC, one job at a time\n" * 10
+    with grpc.insecure_channel(pd_router["grpc"]) as ch:
+        req = router_pb2.GenerateRequest(model=TINY_MODEL_NAME, text=text, return_text=True)
+        req.sampling.max_tokens = 4
+        req.sampling.temperature = 0.0
+        out = list(router_pb2_grpc.RouterStub(ch).Generate(req, timeout=120, metadata=[("x-tenant", "pd-grpc")]))
+    (fin,) = [m.final for m in out if m.HasField("final")]
+    assert sum(len(m.chunk.token_ids) for m in out if m.HasField("chunk")) == fin.usage.completion_tokens == 4
+    assert fin.routing.split, fin.routing.reason
+    assert fin.routing.prefill_endpoint == pd_router["prefill"] and fin.routing.endpoint == pd_router["decode"]
+    assert fin.usage.cached_tokens == fin.routing.predicted_cached_tokens == (
+        fin.usage.prompt_tokens - 1) // 32 * 32 > 0, fin
 
 
 def test_killing_the_vllm_that_holds_a_conversation_moves_it(fleet) -> None:
