@@ -196,9 +196,6 @@ class AnthropicApi:
         """Parameters the engines behind the router cannot honour: a 400 naming them, never silence."""
         if req.top_k is not None:
             raise bad_request("top_k", "not supported: the workers' sampling takes temperature and top_p only")
-        if isinstance(req.tool_choice, dict) or req.tool_choice == "required":
-            raise bad_request("tool_choice", "forcing a tool call ('any' or 'tool') needs guided decoding, which "
-                                             "the workers do not get through this router; use 'auto'")
         dp = (req.body.get("tool_choice") or {}).get("disable_parallel_tool_use")
         if dp:
             raise bad_request("tool_choice.disable_parallel_tool_use", "not supported: the engines' tool-call "

@@ -203,6 +203,16 @@ def test_tool_use_round_trip_renders_the_tool_result(client, tiny_model_dir, str
     assert m2.usage.cache_read_input_tokens > 0   # turn 1's prompt is a prefix of turn 2's
 
 
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "read_file"}])
+def test_forced_tool_choice_reaches_the_worker(client, choice):
+    """``any`` and ``tool`` force a call (the worker constrains its output; the sim's tool mode calls)."""
+    m = client.messages.create(model=MODEL, system=SYSTEM, tools=TOOLS, tool_choice=choice, max_tokens=16,
+                               messages=[{"role": "user", "content": "Read setup.cfg."}])
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and use.name == "read_file"
+    jsonschema.validate(use.input, TOOLS[0]["input_schema"])
+
+
 def test_tenants_by_x_api_key_are_isolated(stack):
     msgs = [{"role": "user", "content": "tenant isolation check " * 40}]
     a, b = _client(stack, "sk-tenant-a"), _client(stack, "sk-tenant-b")
@@ -252,7 +262,10 @@ def _bad(**over):
     (_bad(tools=[{"name": "t"}]), 400, "invalid_request_error", "tools.0.input_schema"),
     (_bad(tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400, "invalid_request_error",
      "tools.0.type"),
-    (_bad(tools=TOOLS, tool_choice={"type": "any"}), 400, "invalid_request_error", "tool_choice"),
+    (_bad(tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True}), 400,
+     "invalid_request_error", "tool_choice.disable_parallel_tool_use"),
+    (_bad(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), 400, "invalid_request_error",
+     "tool_choice.name"),
     (_bad(thinking={"type": "enabled", "budget_tokens": 2048}), 400, "invalid_request_error", "thinking"),
     (_bad(frobnicate=True), 400, "invalid_request_error", "frobnicate"),
     (_bad(metadata={"user_id": 5}), 400, "invalid_request_error", "metadata.user_id"),

@@ -4,12 +4,19 @@ One worker runs vLLM's hermes tool parser (``--tool-call-parser hermes --enable-
 one runs none. The official ``openai`` client sends an agent turn with tools: the parsing worker
 answers it (random weights write no tool call, so the answer is text that the parser found no call
 in), the other refuses ``tool_choice="auto"`` with vLLM's own 400; ``tool_choice="none"`` works on both.
+
+``tool_choice="required"`` or a named function makes the engine constrain its output as vLLM's server
+does (structured outputs in the parser's format), so even the dummy weights answer with a real call
+that vLLM's parser reads: the ``openai`` client gets ``tool_calls`` through the router, streamed and
+not, and the ``anthropic`` client gets a ``tool_use`` block for ``tool_choice`` any and tool.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+import anthropic
 import openai
 import pytest
 
@@ -24,8 +31,14 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 @pytest.fixture(scope="module")
 def routers(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     tmp = tmp_path_factory.mktemp("router-vllm-tools")
+    # Forced tool choices with dummy weights, as tests/fixtures/vllm_external.py: vLLM's JSON-schema
+    # constraint of the calls without free whitespace (its default hermes structural tag lets random
+    # weights write whitespace or argument text until max_tokens, so no call would complete).
     ws = vllm_workers([{"name": "vllm-tools", "max_model_len": 2048,
-                        "extra": ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]},
+                        "extra": ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"],
+                        "env": {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"},
+                        "vllm_options": {"extra_engine_args": {"structured_outputs_config": {
+                            "backend": "xgrammar", "disable_any_whitespace": True}}}},
                        {"name": "vllm-plain", "max_model_len": 2048}])
     started: list[ServiceProcess] = []
     bases = {}
@@ -74,3 +87,52 @@ def test_worker_without_parser_refuses_auto_tools_as_vllm(routers) -> None:
     r = client.chat.completions.create(model=TINY_MODEL_NAME, messages=_msgs(), tools=TOOLS, tool_choice="none",
                                        max_tokens=4)
     assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls
+
+
+# Arguments that are short whatever the weights: one enum value. (A free string argument lets the dummy
+# weights write until max_tokens; real weights close it.)
+FORCED_TOOLS = [{"type": "function", "function": {
+    "name": "set_unit", "description": "Set the temperature unit.", "strict": True,
+    "parameters": {"type": "object", "properties": {"unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["unit"], "additionalProperties": False}}}]
+ASK = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Use celsius."}]
+
+
+def _args_ok(name: str, arguments: str) -> bool:
+    args = json.loads(arguments)
+    return name == "set_unit" and args in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_unit"}}])
+def test_forced_tool_choice_gets_a_real_vllm_tool_call(routers, choice) -> None:
+    client = openai.OpenAI(base_url=routers["vllm-tools"], api_key="k", max_retries=0, timeout=120)
+    kw = dict(model=TINY_MODEL_NAME, messages=ASK, tools=FORCED_TOOLS, tool_choice=choice, max_tokens=64,
+              temperature=0)
+    r = client.chat.completions.create(**kw)
+    calls = r.choices[0].message.tool_calls
+    assert calls and all(_args_ok(c.function.name, c.function.arguments) for c in calls), r.choices[0].message
+    assert calls[0].id
+    with client.chat.completions.stream(**kw) as s:   # the SDK joins the streamed tool-call deltas
+        final = s.get_final_completion()
+    streamed = final.choices[0].message.tool_calls
+    assert not final.choices[0].message.content   # the call's JSON is not sent as text too
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in streamed] == \
+        [(c.function.name, json.loads(c.function.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "set_unit"}])
+def test_anthropic_forced_tool_choice_gets_a_tool_use_block(routers, choice) -> None:
+    client = anthropic.Anthropic(base_url=routers["vllm-tools"].removesuffix("/v1"), api_key="k", max_retries=0,
+                                 timeout=120)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"]} for t in FORCED_TOOLS]
+    tools[0]["strict"] = True
+    kw = dict(model=TINY_MODEL_NAME, system=ASK[0]["content"], messages=[ASK[1]], tools=tools, tool_choice=choice,
+              max_tokens=64, extra_body={"temperature": 0})
+    m = client.messages.create(**kw)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert uses and all(_args_ok(b.name, json.dumps(b.input)) for b in uses), m.content
+    assert m.stop_reason == "tool_use"
+    with client.messages.stream(**kw) as s:
+        streamed = s.get_final_message()
+    assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(b.name, b.input) for b in uses]

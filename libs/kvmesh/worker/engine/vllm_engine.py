@@ -334,7 +334,13 @@ class VllmEngine(Engine):
         if self.cfg.lora_modules:
             kwargs.update(enable_lora=True, max_loras=max(1, len(self.cfg.lora_modules)),
                           max_lora_rank=self.cfg.max_lora_rank)
-        kwargs.update(self.cfg.extra_engine_args)
+        extra = dict(self.cfg.extra_engine_args)
+        if isinstance(extra.get("structured_outputs_config"), dict):
+            # As vLLM's --structured-outputs-config JSON (e.g. {"disable_any_whitespace": true}).
+            from vllm.config import StructuredOutputsConfig
+
+            extra["structured_outputs_config"] = StructuredOutputsConfig(**extra["structured_outputs_config"])
+        kwargs.update(extra)
         return AsyncEngineArgs(**kwargs)
 
     async def start(self) -> None:
@@ -519,10 +525,13 @@ class VllmEngine(Engine):
             extra["kv_transfer_params"] = {CONNECTOR_PARAMS_KEY: {
                 "prefill_only": req.prefill_only,
                 "has_handle": req.kv_handle is not None}}
+        # tool_choice "required" or a named tool: the structured output vLLM's server would impose.
+        structured = self._tool_calls().structured_outputs(req) if req.tools and not req.prefill_only else None
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             stop_token_ids=list(req.stop_token_ids) or None, ignore_eos=req.ignore_eos,
-            output_kind=RequestOutputKind.DELTA, extra_args=extra or None, detokenize=False)
+            output_kind=RequestOutputKind.DELTA, extra_args=extra or None, detokenize=False,
+            structured_outputs=structured)
 
     def _lora_request(self, name: str) -> Any:
         if not name:

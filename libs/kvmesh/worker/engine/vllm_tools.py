@@ -10,6 +10,13 @@ the finished answer with ``extract_tool_calls``. It applies
 vLLM's rules for which requests may ask for tools: ``tool_choice="auto"`` needs
 ``enable_auto_tool_choice`` and a parser, ``"required"`` or a named tool a parser. Imported only
 where vLLM is installed.
+
+``"required"`` and a named tool force a call: vLLM's server constrains the output with structured
+outputs (a structural tag in the parser's own format, e.g. hermes ``<tool_call>`` blocks, or for
+parsers without one a JSON schema of the calls), made by its unified parser's ``adjust_request``
+(``vllm.parser.ParserManager``). ``structured_outputs`` gives the engine the same constraint, and
+``parse`` reads a forced answer with that parser's ``parse``, as vLLM's server does, so even a model
+that would never call a tool (dummy weights) answers with a real call.
 """
 
 from __future__ import annotations
@@ -33,6 +40,13 @@ class VllmToolCalls:
         self.parser_cls = ToolParserManager.get_tool_parser(parser_name) if parser_name else None
         self.tokenizer = tokenizer
         self.enable_auto = enable_auto_tool_choice
+        # vLLM's unified parser (tool parser + its structural tag), for forced tool choices.
+        self.unified_cls = None
+        if parser_name:
+            from vllm.parser import ParserManager
+
+            self.unified_cls = ParserManager.get_parser(tool_parser_name=parser_name,
+                                                        enable_auto_tools=enable_auto_tool_choice, tokenizer=tokenizer)
 
     def check(self, req: EngineRequest) -> None:
         """vLLM's refusals of a request with tools this engine cannot parse (a 400)."""
@@ -47,6 +61,27 @@ class VllmToolCalls:
 
     def active(self, req: EngineRequest) -> bool:
         return self.parser_cls is not None and bool(req.tools) and req.tool_choice not in (None, "none")
+
+    def forced(self, req: EngineRequest) -> bool:
+        """``tool_choice`` "required" or a named function: the answer must be a call."""
+        return self.active(req) and self.unified_cls is not None and (
+            req.tool_choice == "required" or isinstance(req.tool_choice, dict))
+
+    def _unified(self, req: EngineRequest) -> tuple[Any, Any]:
+        """vLLM's unified parser for ``req`` and its chat request as that parser adjusted it."""
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(model="kvmesh", messages=[{"role": "user", "content": ""}],
+                                        tools=req.tools, tool_choice=req.tool_choice)
+        parser = self.unified_cls(self.tokenizer, request.tools)  # type: ignore[misc]
+        return parser, parser.adjust_request(request)
+
+    def structured_outputs(self, req: EngineRequest) -> Any:
+        """The constraint vLLM's server puts on a forced tool call's output (``StructuredOutputsParams``),
+        None when the choice forces nothing."""
+        if not self.forced(req):
+            return None
+        return self._unified(req)[1].extract_structured_outputs()
 
     def parser(self, req: EngineRequest) -> tuple[Any, Any]:
         """A fresh parser for ``req`` and vLLM's chat request as the parser adjusted it."""
@@ -69,6 +104,8 @@ class VllmToolCalls:
         """The calls and the remaining text of a finished answer; None when it called no tool."""
         if not self.active(req):
             return None
+        if self.forced(req):
+            return self._parse_forced(req, output_ids)
         parser, request = self.parser(req)
         text = self.tokenizer.decode(output_ids, skip_special_tokens=bool(request.skip_special_tokens))
         info = parser.extract_tool_calls(text, request)
@@ -77,6 +114,22 @@ class VllmToolCalls:
         calls = [ToolCall(id=c.id, name=c.function.name, arguments=c.function.arguments or "{}")
                  for c in info.tool_calls]
         return calls, info.content or ""
+
+    def _parse_forced(self, req: EngineRequest, output_ids: list[int]) -> tuple[list[ToolCall], str] | None:
+        parser, request = self._unified(req)
+        # vLLM's output text never holds the EOS token that stopped it; a forced answer is parsed whole.
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        ids = output_ids[:-1] if output_ids and eos is not None and output_ids[-1] == eos else output_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=bool(request.skip_special_tokens))
+        _, content, calls = parser.parse(text, request, enable_auto_tools=self.enable_auto,
+                                         model_output_token_ids=ids)
+        if not calls:
+            return None
+        from vllm.renderers.chat_utils import make_tool_call_id
+
+        # vLLM's server gives a call the parser left without an id one of its own, the same way.
+        return [ToolCall(id=c.id or make_tool_call_id(), name=c.name, arguments=c.arguments or "{}")
+                for c in calls], content or ""
 
 
 class VllmToolStream:
@@ -96,10 +149,13 @@ class VllmToolStream:
         self.text = ""
         self.broken = False
         self.ledger = DeltaLedger()
+        # A forced call in vLLM's JSON format (a parser without a structural tag) is not the format the
+        # streaming parser reads: it is sent whole when the answer ends, not as text deltas.
+        self.hold = owner.forced(req) and bool(getattr(owner.parser_cls, "supports_required_and_named", False))
 
     def push(self, new_ids: list[int]) -> ParsedDelta:
         self.ids.extend(new_ids)
-        if self.broken or not new_ids:
+        if self.broken or self.hold or not new_ids:
             return ParsedDelta()
         text = self.owner.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special)
         if text.endswith("\ufffd") or not text.startswith(self.text):

@@ -97,3 +97,23 @@ def test_streamed_text_without_a_call_is_the_whole_answer(hf) -> None:
     assert parsed is None and not calls
     assert content == hf.decode(hf.encode(answer, add_special_tokens=False), skip_special_tokens=True)
     assert tools.stream(_req("none")) is None
+
+
+def test_forced_tool_choice_gets_vllms_constraint_and_parse(hf) -> None:
+    """``required`` and a named tool get the structured output vLLM's server puts on them (its unified
+    parser's), ``auto``/``none`` none; a forced answer is read by that parser, its EOS not part of it."""
+    from kvmesh.worker.engine.vllm_tools import VllmToolCalls
+
+    tools = VllmToolCalls("hermes", hf, enable_auto_tool_choice=True)
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        so = tools.structured_outputs(_req(choice))
+        assert so is not None and (so.structural_tag or so.json), choice
+    assert tools.structured_outputs(_req("auto")) is None and tools.structured_outputs(_req("none")) is None
+    assert VllmToolCalls("", None, enable_auto_tool_choice=False).structured_outputs(_req("required")) is None
+    answer = '<tool_call>\n{"name": "get_weather", "arguments": {"location": "Paris"}}\n</tool_call>'
+    ids = hf.encode(answer, add_special_tokens=False) + [hf.eos_token_id]
+    parsed = tools.parse(_req(named), ids)
+    assert parsed is not None
+    [call] = parsed[0]
+    assert call.name == "get_weather" and json.loads(call.arguments) == {"location": "Paris"} and call.id
