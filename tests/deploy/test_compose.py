@@ -266,3 +266,11 @@ def test_metrics_need_a_token_and_prometheus_sends_it(files: tuple[Path, ...]) -
     for job in prom["scrape_configs"]:
         if job["job_name"].startswith("kvmesh-"):
             assert job["authorization"] == {"type": "Bearer", "credentials_file": TOKEN}, job["job_name"]
+
+
+@pytest.mark.parametrize("name", ["docker-compose.yml", "docker-compose.vllm-external.yml"])
+def test_the_store_publishes_a_replay_socket(name: str) -> None:
+    # Without one, an indexer that lost the store's batches (a Redis timeout) clears its blocks
+    # from the index, and every restore is mispredicted for minutes (the 30-minute soak).
+    cmd = yaml.safe_load((ROOT / name).read_text())["services"]["offload"]["command"]
+    assert _arg(cmd, "--events-replay-endpoint") == "tcp://*:5558"

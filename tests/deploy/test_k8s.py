@@ -230,6 +230,7 @@ def test_network_policies_admit_only_the_pods_that_need_each_port() -> None:
         ("offload", 50051): {"decode", "prefill"},
         ("offload", 50052): {"decode", "prefill"},   # bulk data port
         ("offload", 5557): {"indexer"},
+        ("offload", 5558): {"indexer"},   # the store's replay socket
     }
     pods = {"router": router, "indexer": indexer, "offload": offload, "decode": decode, "prefill": prefill,
             "redis": redis}
