@@ -447,6 +447,54 @@ async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer
         redis.stop()
 
 
+async def test_applied_batches_never_count_a_batch_the_answer_missed(start_indexer, redis_server) -> None:
+    """A batch applied while a Lookup's index read is in flight is not in the answer, so the
+    answer's ``applied_batches`` must not count it: the router reads an answer whose count
+    covers the engine's events as up to date, and a miss against it as a view bug. (In a soak
+    the Redis read took 10-200 ms, a sibling's blocks landed meanwhile, and a lagging answer
+    was classed ``view_bug``.)"""
+    import threading
+
+    ix = await start_indexer(models=MODELS, backend="redis", redis_url=redis_server.url,
+                             redis_namespace=f"ap{random.randrange(1 << 30)}", lookup_timeout_s=30)
+    toks = tokens(40, 6)
+    keys = HASHER.block_keys(toks)
+    first, _ = stored(toks[: 4 * BS])
+    rest, _ = stored(toks, start_block=4)
+
+    async def ingest(seq: int, ev: BlockStored) -> None:
+        await ix.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+            endpoint_id="e0", model=MODEL, seq=seq, vllm_payload=encode_batch(KVEventBatch(0.0, [ev])))]),
+            timeout=10)
+
+    await ingest(0, first)
+    index = ix.app.servicer.index
+    real_lookup = index.lookup
+    read, release = threading.Event(), threading.Event()
+
+    def held_lookup(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the backend's own signature
+        got = real_lookup(*args, **kwargs)
+        read.set()
+        assert release.wait(20), "the test never released the lookup"
+        return got
+
+    index.lookup = held_lookup
+    try:
+        call = asyncio.ensure_future(ix.stub.Lookup(chain_req(keys, include_applied=True), timeout=25))
+        await wait_until(read.is_set, timeout_s=20, what="the lookup read the index")
+        await ingest(1, rest)   # applied while the lookup's answer is in flight
+        assert ix.app.servicer.ingestor.endpoints["e0"].last_seq == 1
+        release.set()
+        resp = await call
+    finally:
+        release.set()
+        index.lookup = real_lookup
+    assert match_of(resp, "e0").combined_blocks == 4       # the state it read: batch 0 only
+    assert resp.applied_batches["e0"] == 1                  # so it rests on one batch, not two
+    after = await ix.stub.Lookup(chain_req(keys, include_applied=True), timeout=5)
+    assert match_of(after, "e0").combined_blocks == 6 and after.applied_batches["e0"] == 2
+
+
 def test_cli_bad_config_names_the_setting(tmp_path) -> None:
     import subprocess
     import sys
