@@ -118,11 +118,17 @@ async def _connected(eng: Engine, ix, warm_keys: list[int] | None = None) -> Non
         await asyncio.sleep(0.1)
 
 
-async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> None:
-    eng = engines("e0")
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
+async def _indexer_on(start_indexer, eng: Engine, **kw) -> object:  # noqa: ANN001, ANN003
+    """An indexer subscribed to ``eng`` alone, returned once the engine's events reach it."""
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]", **kw)
     eng.start()
     await _connected(eng, ix)
+    return ix
+
+
+async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> None:
+    eng = engines("e0")
+    ix = await _indexer_on(start_indexer, eng)
     toks = tokens(1, 6)
     ev, keys = stored(toks)
     eng.publish(ev)
@@ -148,9 +154,7 @@ async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> 
 
 async def test_gap_is_repaired_by_replay(start_indexer, engines) -> None:
     eng = engines("e0", replay=True)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng)
     # A warm-up batch lost to ZMQ's slow joiner is caught up by a replay too: count from here.
     gaps0 = ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": "e0"}) or 0
     replays0 = ix.metric("kvmesh_indexer_replays_total", {"endpoint": "e0", "outcome": "complete"}) or 0
@@ -171,9 +175,7 @@ async def test_gap_is_repaired_by_replay(start_indexer, engines) -> None:
 
 async def test_gap_without_replay_clears_endpoint(start_indexer, engines) -> None:
     eng = engines("e0", replay=False)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng)
     a = tokens(3, 4)
     ev_a, keys_a = stored(a)
     eng.publish(ev_a)
@@ -190,9 +192,7 @@ async def test_gap_without_replay_clears_endpoint(start_indexer, engines) -> Non
 
 async def test_engine_restart_and_all_blocks_cleared_clear_the_endpoint(start_indexer, engines) -> None:
     eng = engines("e0", replay=False)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng)
     a = tokens(5, 3)
     ev, keys = stored(a)
     eng.publish(ev)
@@ -223,9 +223,7 @@ async def test_restart_whose_messages_are_all_lost_is_found_by_the_tail_probe(st
     what a fresh publisher sends first). No later message shows a reset or a gap; the tail probe
     reads the replay buffer, clears the old entries and applies the new ones."""
     eng = engines("e0", replay=True)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]", tail_probe_s=0.3)
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng, tail_probe_s=0.3)
     ev, keys = stored(tokens(7, 3))
     eng.publish(ev)
     await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="a ingested")
@@ -426,10 +424,8 @@ async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer
     redis = RedisProcess().start()
     try:
         eng = engines("e0", replay=True)
-        ix = await start_indexer(models=MODELS, backend="redis", redis_url=redis.url, redis_timeout_s=0.3,
-                                 lookup_timeout_s=0.5, engines=f"[{_json(eng.engine_spec())}]")
-        eng.start()
-        await _connected(eng, ix)
+        ix = await _indexer_on(start_indexer, eng, backend="redis", redis_url=redis.url, redis_timeout_s=0.3,
+                               lookup_timeout_s=0.5)
         toks = tokens(30, 6)
         keys = HASHER.block_keys(toks)
         ev1, _ = stored(toks[: 3 * BS])
