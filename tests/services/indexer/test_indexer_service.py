@@ -327,6 +327,11 @@ async def test_lookup_and_speculative_validation(start_indexer) -> None:
         await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id="x", keys=[1],
                                                                        ttl_s=301), timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s" in e.value.details()
+    for bad in ("a;b", "a=1", "x" * 129):   # would break the Redis layouts' "<endpoint>=<expiry>" values
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id=bad, keys=[1]),
+                                         timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "endpoint_id" in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await ix.stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="ghost"), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
