@@ -58,7 +58,6 @@ never retries on its own, so a caller's deadline bounds every call.
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -75,6 +74,7 @@ from kvmesh.index.base import (
     LookupResult,
     Tier,
 )
+from kvmesh.index.packed import packed_blob
 
 log = logging.getLogger(__name__)
 
@@ -552,7 +552,7 @@ LAYOUT_VERSION = "2"
 
 
 def _pack(keys: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(keys)}Q", *keys)
+    return packed_blob(keys)   # keys that came packed (BlockChain.keys_be64) go to Redis as they are
 
 
 def _starts_args(chain_starts: Sequence[tuple[int, int | None]] | None) -> list[Any]:

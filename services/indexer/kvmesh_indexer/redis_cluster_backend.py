@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -66,6 +65,7 @@ from kvmesh.index.base import (
     LookupResult,
     Tier,
 )
+from kvmesh.index.packed import packed_blob
 
 log = logging.getLogger(__name__)
 
@@ -566,7 +566,7 @@ def parse_cluster_url(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
 
 
 def _pack(keys: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(keys)}Q", *keys)
+    return packed_blob(keys)   # keys that came packed (BlockChain.keys_be64) go to Redis as they are
 
 
 def _hex(tag8: bytes) -> str:
