@@ -75,7 +75,6 @@ from kvmesh.kvstore.layout import kv_bytes_per_block, namespace_for
 from kvmesh.kvstore.shm import Segment
 from kvmesh_offload.arena import tune_malloc
 from kvmesh_tools.bench.common import median, percentile, write_json
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 
 log = logging.getLogger(__name__)
@@ -246,8 +245,9 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
 _RAW_METHOD = "/kvmesh.bench.Raw/Stream"
 
 
-def _raw_server(port: int, nmsgs: int, msg_bytes: int, ready: Any) -> None:
-    """A pass-through gRPC stream of pre-built messages: the transport's own ceiling."""
+def _raw_server(port: Any, nmsgs: int, msg_bytes: int, ready: Any) -> None:
+    """A pass-through gRPC stream of pre-built messages: the transport's own ceiling. Binds
+    port 0 and hands the port it got back in ``port`` (a shared int) before ``ready``."""
     import grpc
 
     tune_malloc()
@@ -261,7 +261,7 @@ def _raw_server(port: int, nmsgs: int, msg_bytes: int, ready: Any) -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * MiB)])
         h = grpc.unary_stream_rpc_method_handler(handler, request_deserializer=bytes, response_serializer=bytes)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvmesh.bench.Raw", {"Stream": h}),))
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        port.value = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         ready.set()
         await server.wait_for_termination()
@@ -277,7 +277,7 @@ def grpc_ceiling_gbps(total: int, msg_bytes: int, repeats: int) -> list[float]:
 
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    port = free_port()
+    port = ctx.Value("i", 0)
     n = max(1, total // msg_bytes)
     proc = ctx.Process(target=_raw_server, args=(port, n, msg_bytes, ready), daemon=True)
     proc.start()
@@ -285,7 +285,7 @@ def grpc_ceiling_gbps(total: int, msg_bytes: int, repeats: int) -> list[float]:
     try:
         if not ready.wait(60):
             return rates
-        with grpc.insecure_channel(f"127.0.0.1:{port}",
+        with grpc.insecure_channel(f"127.0.0.1:{port.value}",
                                    options=[("grpc.max_receive_message_length", 64 * MiB)]) as ch:
             call = ch.unary_stream(_RAW_METHOD, request_serializer=bytes, response_deserializer=bytes)
             list(call(b""))  # warm-up
@@ -375,13 +375,13 @@ def _once(args: argparse.Namespace, tls_mode: str) -> dict[str, Any]:
     saved = tls.default()
     tls.set_default(client_tls, warn=False)   # the offload clients below take the process's identity
     if not address:
-        port = free_port()
-        address = f"127.0.0.1:{port}"
-        proc = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(port), "--ram-capacity-bytes",
-                                          str(int(total * 1.5) + 64 * MiB), "--eviction-policy", "lru",
-                                          *server_flags],
-                              address, log_path=Path(tmp.name) / "offload.log", tls=client_tls)
+        # Started again on fresh ports if its port is taken before it binds (ServiceProcess).
+        proc = ServiceProcess.with_ports(
+            "offload", lambda port: ["--host", "127.0.0.1", "--port", str(port), "--ram-capacity-bytes",
+                                     str(int(total * 1.5) + 64 * MiB), "--eviction-policy", "lru", *server_flags],
+            log_path=Path(tmp.name) / "offload.log", tls=client_tls)
         proc.start(timeout_s=60)
+        address = proc.grpc_address
     try:
         res = asyncio.run(_bench(address, args, memcpy))
     finally:
