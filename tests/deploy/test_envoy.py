@@ -62,6 +62,24 @@ def test_requests_reach_the_endpoint_the_router_picked(deploy_stack, gateway) ->
     assert seen <= {"decode-1", "decode-2"}
 
 
+def _turn_sticks(c: httpx.Client, stack, home: dict[str, str], session: str, body: dict) -> dict:  # noqa: ANN001
+    """One turn of ``session`` through the gateway: it lands on the worker the picker chose and, after
+    the first turn (which sets ``home``), on the session's home with most of the prompt (the
+    previous turns) served from the cache. Returns the response body."""
+    r = c.post("/v1/chat/completions", json=body, headers={"x-session-id": session})
+    assert r.status_code == 200, r.text
+    worker, picked = served_by(r, stack)
+    assert worker == picked
+    out = r.json()
+    if session not in home:
+        home[session] = worker
+    else:
+        assert worker == home[session], f"session {session} left its KV on {home[session]}"
+        usage = out["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2, usage
+    return out
+
+
 def test_session_turns_stick_to_their_kv(deploy_stack, gateway) -> None:
     """Two agent sessions, three turns each, interleaved: every turn lands where its KV is."""
     # Agent-sized system prompts (~1k tokens): the cached prefix must outweigh the load
@@ -75,19 +93,7 @@ def test_session_turns_stick_to_their_kv(deploy_stack, gateway) -> None:
         for turn in range(3):
             for name, msgs in sessions.items():
                 msgs.append({"role": "user", "content": f"turn {turn} of session {name}: do step {turn}"})
-                r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 4},
-                           headers={"x-session-id": name})
-                assert r.status_code == 200, r.text
-                worker, picked = served_by(r, deploy_stack)
-                assert worker == picked
-                body = r.json()
-                if turn == 0:
-                    home[name] = worker
-                else:
-                    assert worker == home[name], f"session {name} turn {turn} left its KV on {home[name]}"
-                    # most of the prompt (the previous turns) was served from the cache
-                    usage = body["usage"]
-                    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2, usage
+                body = _turn_sticks(c, deploy_stack, home, name, {"model": MODEL, "messages": msgs, "max_tokens": 4})
                 msgs.append({"role": "assistant", "content": body["choices"][0]["message"]["content"]})
 
 
@@ -126,18 +132,8 @@ def test_agent_turns_with_tools_stick_to_their_kv(deploy_stack, gateway) -> None
             for name, msgs in sessions.items():
                 msgs.append({"role": "user", "content": [{"type": "text", "text": f"turn {turn}"},
                                                          {"type": "text", "text": f"of {name}"}]})
-                r = c.post("/v1/chat/completions", headers={"x-session-id": name},
-                           json={"model": MODEL, "messages": msgs, "max_tokens": 4, "tools": TOOLS})
-                assert r.status_code == 200, r.text
-                worker, picked = served_by(r, deploy_stack)
-                assert worker == picked
-                body = r.json()
-                if turn == 0:
-                    home[name] = worker
-                else:
-                    assert worker == home[name], f"session {name} turn {turn} left its KV on {home[name]}"
-                    usage = body["usage"]
-                    assert usage["prompt_tokens_details"]["cached_tokens"] >= usage["prompt_tokens"] // 2, usage
+                body = _turn_sticks(c, deploy_stack, home, name,
+                                    {"model": MODEL, "messages": msgs, "max_tokens": 4, "tools": TOOLS})
                 [call] = body["choices"][0]["message"]["tool_calls"]   # the sim's tool mode
                 msgs += [{"role": "assistant", "content": None, "tool_calls": [call]},
                          {"role": "tool", "tool_call_id": call["id"], "content": f"result {turn}"}]

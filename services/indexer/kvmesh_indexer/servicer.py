@@ -229,6 +229,17 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             span.set_attribute("kvmesh.chain_length", len(keys))
             exclude = set(self.liveness.dead())
             filt = list(request.endpoint_filter) or None
+            # How far each engine's events are applied, read BEFORE the index: the router tells
+            # index lag from a view bug by it (kvmesh.routing.fidelity). Read after, it could count
+            # a batch applied while the lookup was in flight (a thread, 10-200 ms under load) that
+            # the answer does not reflect, and a lagging answer would pass for an up-to-date one.
+            # A batch's seq is recorded only once its events are written, so read first it is a
+            # lower bound of what the answer rests on.
+            applied: dict[str, int] = {}
+            if request.include_applied:
+                for eid, st in self.ingestor.endpoints.copy().items():
+                    if st.model == model:
+                        applied[eid] = 0 if st.last_seq is None else min(st.last_seq + 1, _MAX_U64)
             res = LookupResult(chain_length=len(keys))
             if keys:
                 res = await self._backend(context, self._lookup_all, model, keys, filt,
@@ -236,11 +247,8 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             resp = indexer_pb2.LookupResponse(chain_length=len(keys), block_size=spec.block_size if spec else 0)
             if hashed is not None:
                 resp.keys.extend(hashed)
-            if request.include_applied:
-                # How far each engine's events are applied: the router tells index lag from a view bug.
-                for eid, st in self.ingestor.endpoints.copy().items():
-                    if st.model == model:
-                        resp.applied_batches[eid] = 0 if st.last_seq is None else min(st.last_seq + 1, _MAX_U64)
+            for eid, n in applied.items():
+                resp.applied_batches[eid] = n
             for em in sorted(res.matches.values(), key=lambda m: (-m.combined, -m.speculative, m.endpoint_id)):
                 out = resp.matches.add(endpoint_id=em.endpoint_id, combined_blocks=em.combined,
                                        speculative_blocks=em.speculative, speculative_ttl_s=em.speculative_ttl_s)
@@ -262,6 +270,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         async def run() -> indexer_pb2.PutSpeculativeResponse:
             if not request.endpoint_id:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint_id is required")
+            eid = request.endpoint_id
+            # The Redis layouts keep speculative entries as "<endpoint>=<expiry>...;" strings.
+            if len(eid.encode()) > 128 or any(c in eid for c in ";=@\x1f"):
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             "endpoint_id must be 1..128 bytes without ';', '=', '@' or \\x1f")
             model = self._model_name(request.model)
             ttl = request.ttl_s or self.cfg.speculative_ttl_s
             if not 0 < ttl <= MAX_SPECULATIVE_TTL_S:

@@ -118,11 +118,17 @@ async def _connected(eng: Engine, ix, warm_keys: list[int] | None = None) -> Non
         await asyncio.sleep(0.1)
 
 
-async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> None:
-    eng = engines("e0")
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
+async def _indexer_on(start_indexer, eng: Engine, **kw) -> object:  # noqa: ANN001, ANN003
+    """An indexer subscribed to ``eng`` alone, returned once the engine's events reach it."""
+    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]", **kw)
     eng.start()
     await _connected(eng, ix)
+    return ix
+
+
+async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> None:
+    eng = engines("e0")
+    ix = await _indexer_on(start_indexer, eng)
     toks = tokens(1, 6)
     ev, keys = stored(toks)
     eng.publish(ev)
@@ -148,9 +154,7 @@ async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> 
 
 async def test_gap_is_repaired_by_replay(start_indexer, engines) -> None:
     eng = engines("e0", replay=True)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng)
     # A warm-up batch lost to ZMQ's slow joiner is caught up by a replay too: count from here.
     gaps0 = ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": "e0"}) or 0
     replays0 = ix.metric("kvmesh_indexer_replays_total", {"endpoint": "e0", "outcome": "complete"}) or 0
@@ -171,9 +175,7 @@ async def test_gap_is_repaired_by_replay(start_indexer, engines) -> None:
 
 async def test_gap_without_replay_clears_endpoint(start_indexer, engines) -> None:
     eng = engines("e0", replay=False)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng)
     a = tokens(3, 4)
     ev_a, keys_a = stored(a)
     eng.publish(ev_a)
@@ -190,9 +192,7 @@ async def test_gap_without_replay_clears_endpoint(start_indexer, engines) -> Non
 
 async def test_engine_restart_and_all_blocks_cleared_clear_the_endpoint(start_indexer, engines) -> None:
     eng = engines("e0", replay=False)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]")
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng)
     a = tokens(5, 3)
     ev, keys = stored(a)
     eng.publish(ev)
@@ -223,9 +223,7 @@ async def test_restart_whose_messages_are_all_lost_is_found_by_the_tail_probe(st
     what a fresh publisher sends first). No later message shows a reset or a gap; the tail probe
     reads the replay buffer, clears the old entries and applies the new ones."""
     eng = engines("e0", replay=True)
-    ix = await start_indexer(models=MODELS, engines=f"[{_json(eng.engine_spec())}]", tail_probe_s=0.3)
-    eng.start()
-    await _connected(eng, ix)
+    ix = await _indexer_on(start_indexer, eng, tail_probe_s=0.3)
     ev, keys = stored(tokens(7, 3))
     eng.publish(ev)
     await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="a ingested")
@@ -329,6 +327,11 @@ async def test_lookup_and_speculative_validation(start_indexer) -> None:
         await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id="x", keys=[1],
                                                                        ttl_s=301), timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s" in e.value.details()
+    for bad in ("a;b", "a=1", "x" * 129):   # would break the Redis layouts' "<endpoint>=<expiry>" values
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id=bad, keys=[1]),
+                                         timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "endpoint_id" in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await ix.stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="ghost"), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -426,10 +429,8 @@ async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer
     redis = RedisProcess().start()
     try:
         eng = engines("e0", replay=True)
-        ix = await start_indexer(models=MODELS, backend="redis", redis_url=redis.url, redis_timeout_s=0.3,
-                                 lookup_timeout_s=0.5, engines=f"[{_json(eng.engine_spec())}]")
-        eng.start()
-        await _connected(eng, ix)
+        ix = await _indexer_on(start_indexer, eng, backend="redis", redis_url=redis.url, redis_timeout_s=0.3,
+                               lookup_timeout_s=0.5)
         toks = tokens(30, 6)
         keys = HASHER.block_keys(toks)
         ev1, _ = stored(toks[: 3 * BS])
@@ -449,6 +450,54 @@ async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer
                          what="index rebuilt from replay after Redis came back")
     finally:
         redis.stop()
+
+
+async def test_applied_batches_never_count_a_batch_the_answer_missed(start_indexer, redis_server) -> None:
+    """A batch applied while a Lookup's index read is in flight is not in the answer, so the
+    answer's ``applied_batches`` must not count it: the router reads an answer whose count
+    covers the engine's events as up to date, and a miss against it as a view bug. (In a soak
+    the Redis read took 10-200 ms, a sibling's blocks landed meanwhile, and a lagging answer
+    was classed ``view_bug``.)"""
+    import threading
+
+    ix = await start_indexer(models=MODELS, backend="redis", redis_url=redis_server.url,
+                             redis_namespace=f"ap{random.randrange(1 << 30)}", lookup_timeout_s=30)
+    toks = tokens(40, 6)
+    keys = HASHER.block_keys(toks)
+    first, _ = stored(toks[: 4 * BS])
+    rest, _ = stored(toks, start_block=4)
+
+    async def ingest(seq: int, ev: BlockStored) -> None:
+        await ix.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+            endpoint_id="e0", model=MODEL, seq=seq, vllm_payload=encode_batch(KVEventBatch(0.0, [ev])))]),
+            timeout=10)
+
+    await ingest(0, first)
+    index = ix.app.servicer.index
+    real_lookup = index.lookup
+    read, release = threading.Event(), threading.Event()
+
+    def held_lookup(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the backend's own signature
+        got = real_lookup(*args, **kwargs)
+        read.set()
+        assert release.wait(20), "the test never released the lookup"
+        return got
+
+    index.lookup = held_lookup
+    try:
+        call = asyncio.ensure_future(ix.stub.Lookup(chain_req(keys, include_applied=True), timeout=25))
+        await wait_until(read.is_set, timeout_s=20, what="the lookup read the index")
+        await ingest(1, rest)   # applied while the lookup's answer is in flight
+        assert ix.app.servicer.ingestor.endpoints["e0"].last_seq == 1
+        release.set()
+        resp = await call
+    finally:
+        release.set()
+        index.lookup = real_lookup
+    assert match_of(resp, "e0").combined_blocks == 4       # the state it read: batch 0 only
+    assert resp.applied_batches["e0"] == 1                  # so it rests on one batch, not two
+    after = await ix.stub.Lookup(chain_req(keys, include_applied=True), timeout=5)
+    assert match_of(after, "e0").combined_blocks == 6 and after.applied_batches["e0"] == 2
 
 
 def test_cli_bad_config_names_the_setting(tmp_path) -> None:
@@ -540,8 +589,9 @@ async def test_spans_on_lookup_and_ingest_batch(start_indexer) -> None:
 
 async def test_publisher_binds_indexer_connects(start_indexer, tmp_path) -> None:
     addr = f"ipc://{tmp_path}/pub.sock"       # vLLM binds ipc endpoints; the indexer connects
-    replay = f"tcp://127.0.0.1:{free_port()}"
-    pub = KvEventPublisher(addr, topic=make_topic("b0", MODEL), replay_endpoint=replay)
+    # The replay socket binds where the kernel picks; the spec names the port it got.
+    pub = KvEventPublisher(addr, topic=make_topic("b0", MODEL), replay_endpoint="tcp://127.0.0.1:0")
+    replay = pub.replay_endpoint
     try:
         spec = {"endpoint_id": "b0", "model": MODEL, "zmq_endpoint": addr, "replay_endpoint": replay}
         ix = await start_indexer(models=MODELS, engines=f"[{_json(spec)}]")

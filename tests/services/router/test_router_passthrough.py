@@ -8,7 +8,9 @@ vLLM tier, test_router_vllm_external.py.
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import anthropic
 import grpc
@@ -30,23 +32,34 @@ pytestmark = pytest.mark.timeout(60)
 MODEL = "tiny-llama"
 
 
+@contextlib.asynccontextmanager
+async def _routed(tiny_model_dir, engines: dict[str, OpenAIEngine], **cfg) -> AsyncIterator[tuple]:
+    """An in-process router over ``engines`` (already started) and an HTTP client to it; on the
+    way out the client, the router's cluster and the engines are stopped."""
+    try:
+        config = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
+                              auth="off", **cfg)
+        config.validate()
+        svc = build_service(config)
+        try:
+            await svc.cluster.poll_all()
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)),
+                                         base_url="http://router", timeout=30) as client:
+                yield svc, client
+        finally:
+            await svc.cluster.stop()
+    finally:
+        for e in engines.values():
+            await e.stop()
+
+
 @pytest.fixture
 async def stack(tiny_model_dir):
     log: list[dict] = []
     engines = {"a": await OpenAIEngine(MODEL, log).start(), "b": await OpenAIEngine(MODEL, log).start()}
-    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
-                       endpoints=[f"{k}={e.url}/v1" for k, e in engines.items()],
-                       auth="off", external_connect_timeout_s=1.0)
-    cfg.validate()
-    svc = build_service(cfg)
-    await svc.cluster.poll_all()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router",
-                               timeout=30)
-    yield svc, engines, client
-    await client.aclose()
-    await svc.cluster.stop()
-    for e in engines.values():
-        await e.stop()
+    async with _routed(tiny_model_dir, engines, endpoints=[f"{k}={e.url}/v1" for k, e in engines.items()],
+                       external_connect_timeout_s=1.0) as (svc, client):
+        yield svc, engines, client
 
 
 def _chat(**extra) -> dict:
@@ -292,19 +305,19 @@ async def dp_stack(tiny_model_dir):
     engines = {"a": await OpenAIEngine(MODEL).start(), "b": await OpenAIEngine(MODEL).start()}
     for e in engines.values():
         e.engine_loads = {"0": (0, 0, 0.0), "1": (0, 0, 0.0)}
-    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0,
-                       endpoints=[f"{k}={e.url}" for k, e in engines.items()], auth="off",
-                       external_connect_timeout_s=1.0, external_dp_size=2)
-    cfg.validate()
-    svc = build_service(cfg)
-    await svc.cluster.poll_all()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router",
-                               timeout=30)
-    yield svc, engines, client
-    await client.aclose()
-    await svc.cluster.stop()
-    for e in engines.values():
-        await e.stop()
+    async with _routed(tiny_model_dir, engines, endpoints=[f"{k}={e.url}" for k, e in engines.items()],
+                       external_connect_timeout_s=1.0, external_dp_size=2) as (svc, client):
+        yield svc, engines, client
+
+
+@pytest.fixture
+async def pd_stack(tiny_model_dir):
+    """A decode engine "d" and a prefill engine "p" behind a router that splits every request."""
+    engines = {"d": await OpenAIEngine(MODEL).start(), "p": await OpenAIEngine(MODEL).start()}
+    async with _routed(tiny_model_dir, engines, endpoints=[f"d={engines['d'].url}"],
+                       prefill_endpoints=[f"p={engines['p'].url}"], split_enabled=True,
+                       split_threshold_tokens=1, split_store_wait_s=0.05) as (svc, client):
+        yield svc, engines, client
 
 
 async def test_data_parallel_servers_are_one_endpoint_per_rank(dp_stack) -> None:
@@ -340,79 +353,57 @@ async def test_data_parallel_servers_are_one_endpoint_per_rank(dp_stack) -> None
         assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] in ("b", "b_dp1")
 
 
-async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(tiny_model_dir) -> None:
+async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(pd_stack) -> None:
     """llm-d's P/D convention toward external engines: the prefill engine gets the body with one
     token, no stream and the connector's prefill_only; then the decode engine gets the client's body."""
-    engines = {"d": await OpenAIEngine(MODEL).start(), "p": await OpenAIEngine(MODEL).start()}
-    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0, auth="off",
-                       endpoints=[f"d={engines['d'].url}"], prefill_endpoints=[f"p={engines['p'].url}"],
-                       split_enabled=True, split_threshold_tokens=1, split_store_wait_s=0.05)
-    cfg.validate()
-    svc = build_service(cfg)
-    await svc.cluster.poll_all()
-    client = httpx.AsyncClient(transport=httpx.ASGITransport(app=build_app(svc)), base_url="http://router", timeout=30)
-    try:
-        sent = _chat(stream=True, stream_options={"include_usage": True}, n=1, max_completion_tokens=9)
-        r = await client.post("/v1/chat/completions", json=sent, headers={"x-tenant": "acme"})
-        assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "d"
-        assert r.headers["x-kvmesh-split"] == "true" and r.headers["x-kvmesh-prefill-endpoint"] == "p"
-        salt = svc.salts.salt("acme")
-        (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
-        assert dec == {**sent, "cache_salt": salt}
-        want = {**sent, "cache_salt": salt, "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
-                "kv_transfer_params": {"kvmesh": {"prefill_only": True}}}
-        del want["stream_options"]
-        assert pre == want
-        assert engines["p"].headers[0]["x-request-id"] == r.headers["x-kvmesh-request-id"] + "-prefill"
-        # A prefill engine that is gone costs the split only.
-        await engines["p"].stop()
-        r = await client.post("/v1/chat/completions", json=_chat(session_id="x"))
-        assert r.status_code == 200 and r.headers["x-kvmesh-split"] == "failed" and len(engines["d"].bodies) == 2
-        assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
-    finally:
-        await client.aclose()
-        await svc.cluster.stop()
-        await engines["d"].stop()
+    svc, engines, client = pd_stack
+    sent = _chat(stream=True, stream_options={"include_usage": True}, n=1, max_completion_tokens=9)
+    r = await client.post("/v1/chat/completions", json=sent, headers={"x-tenant": "acme"})
+    assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "d"
+    assert r.headers["x-kvmesh-split"] == "true" and r.headers["x-kvmesh-prefill-endpoint"] == "p"
+    salt = svc.salts.salt("acme")
+    (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
+    assert dec == {**sent, "cache_salt": salt}
+    want = {**sent, "cache_salt": salt, "stream": False, "max_tokens": 1, "max_completion_tokens": 1,
+            "kv_transfer_params": {"kvmesh": {"prefill_only": True}}}
+    del want["stream_options"]
+    assert pre == want
+    assert engines["p"].headers[0]["x-request-id"] == r.headers["x-kvmesh-request-id"] + "-prefill"
+    # A prefill engine that is gone costs the split only.
+    await engines["p"].stop()
+    r = await client.post("/v1/chat/completions", json=_chat(session_id="x"))
+    assert r.status_code == 200 and r.headers["x-kvmesh-split"] == "failed" and len(engines["d"].bodies) == 2
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
 
 
-async def test_pd_split_on_the_token_path_prefills_then_decodes(tiny_model_dir) -> None:
+async def test_pd_split_on_the_token_path_prefills_then_decodes(pd_stack) -> None:
     """gRPC Generate's token path splits toward external engines as the HTTP path does: the prefill
     engine gets the completions request of token ids with one token, no stream and the connector's
     prefill_only; then the decode engine streams. A prefill engine that is gone costs the split only."""
-    engines = {"d": await OpenAIEngine(MODEL).start(), "p": await OpenAIEngine(MODEL).start()}
-    cfg = RouterConfig(model=MODEL, block_size=32, tokenizer_path=str(tiny_model_dir), http_port=0, auth="off",
-                       endpoints=[f"d={engines['d'].url}"], prefill_endpoints=[f"p={engines['p'].url}"],
-                       split_enabled=True, split_threshold_tokens=1, split_store_wait_s=0.05)
-    cfg.validate()
-    svc = build_service(cfg)
-    await svc.cluster.poll_all()
-    try:
-        inp = GenInput(model=MODEL, tokens=list(range(1, 71)), tenant="acme", request_id="rq-1",
-                       sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
-        items = [x async for x in svc.generate(inp)]
-        kind, fin = items[-1]
-        assert kind == "final" and [ids for k, ids in items if k == "chunk"] == [[100], [101]]
-        assert fin.routing.endpoint == "d" and fin.routing.split and fin.routing.prefill_endpoint == "p"
-        (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
-        salt = svc.salts.salt("acme")
-        assert dec["prompt"] == pre["prompt"] == list(range(1, 71))
-        assert dec["stream"] is True and dec["max_tokens"] == 2 and dec["cache_salt"] == salt
-        assert "kv_transfer_params" not in dec
-        assert pre["stream"] is False and pre["max_tokens"] == 1 and "stream_options" not in pre
-        assert pre["kv_transfer_params"] == {"kvmesh": {"prefill_only": True}} and pre["cache_salt"] == salt
-        assert pre["temperature"] == 0.0
-        assert engines["p"].headers[0]["x-request-id"] == "rq-1-prefill"
-        assert engines["d"].headers[0]["x-request-id"] == "rq-1"
-        await engines["p"].stop()
-        items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=list(range(2, 72)),
-                                                        sampling=common_pb2.SamplingParams(max_tokens=2)))]
-        fin = items[-1][1]
-        assert fin.routing.endpoint == "d" and not fin.routing.split and "prefill engine failed" in fin.routing.reason
-        assert fin.output_ids == [100, 101] and len(engines["d"].bodies) == 2
-        assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
-    finally:
-        await svc.cluster.stop()
-        await engines["d"].stop()
+    svc, engines, _ = pd_stack
+    inp = GenInput(model=MODEL, tokens=list(range(1, 71)), tenant="acme", request_id="rq-1",
+                   sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
+    items = [x async for x in svc.generate(inp)]
+    kind, fin = items[-1]
+    assert kind == "final" and [ids for k, ids in items if k == "chunk"] == [[100], [101]]
+    assert fin.routing.endpoint == "d" and fin.routing.split and fin.routing.prefill_endpoint == "p"
+    (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
+    salt = svc.salts.salt("acme")
+    assert dec["prompt"] == pre["prompt"] == list(range(1, 71))
+    assert dec["stream"] is True and dec["max_tokens"] == 2 and dec["cache_salt"] == salt
+    assert "kv_transfer_params" not in dec
+    assert pre["stream"] is False and pre["max_tokens"] == 1 and "stream_options" not in pre
+    assert pre["kv_transfer_params"] == {"kvmesh": {"prefill_only": True}} and pre["cache_salt"] == salt
+    assert pre["temperature"] == 0.0
+    assert engines["p"].headers[0]["x-request-id"] == "rq-1-prefill"
+    assert engines["d"].headers[0]["x-request-id"] == "rq-1"
+    await engines["p"].stop()
+    items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=list(range(2, 72)),
+                                                    sampling=common_pb2.SamplingParams(max_tokens=2)))]
+    fin = items[-1][1]
+    assert fin.routing.endpoint == "d" and not fin.routing.split and "prefill engine failed" in fin.routing.reason
+    assert fin.output_ids == [100, 101] and len(engines["d"].bodies) == 2
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
 
 
 async def test_messages_merge_inline_system_prompts_as_vllm_does(stack) -> None:
