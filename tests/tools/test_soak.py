@@ -37,3 +37,6 @@ def test_a_short_soak_reports_each_minute_and_every_service(tmp_path: Path) -> N
     assert row["requests"] == t["requests"] and row["ttft_p50_s"] is not None
     # Every service's memory was sampled.
     assert set(pids) <= set(row["rss_mib"]) and all(v > 0 for v in row["rss_mib"].values()), row["rss_mib"]
+    # ... with its shared-memory part apart (a worker's mapped store slabs are not its own growth).
+    assert set(pids) <= set(row["rss_shmem_mib"]), row["rss_shmem_mib"]
+    assert all(row["rss_shmem_mib"][k] <= row["rss_mib"][k] for k in pids)

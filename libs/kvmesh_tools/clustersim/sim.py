@@ -23,14 +23,14 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 
 from kvmesh.index.memory import MemoryIndex
 from kvmesh.routing.endpoint_columns import ColumnLayout, EndpointColumns
-from kvmesh.routing.fidelity import ViewAtDecision, classify, count
+from kvmesh.routing.fidelity import ViewAtDecision, classify, count, split_predicted_blocks
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_id
@@ -73,6 +73,7 @@ class Job:
     view: ViewAtDecision | None = None   # the router's view and the truth at decision time
     decided_gpu: int = -1            # the decode worker's GPU hit found at decision, for the dispatch right after
     holds: int = 0                   # times admission control held it at the router
+    decode_cached: int = -1          # a split's decode phase: tokens it reused (the prefill's KV from the store)
 
 
 @dataclass
@@ -545,6 +546,8 @@ class ClusterSim:
                 cached = max(0, seq.num_cached_tokens)
                 job.cached_gpu = min(seq.num_cached_gpu, cached)
                 job.cached_offload = cached - job.cached_gpu
+            else:
+                job.decode_cached = max(0, seq.num_cached_tokens)
             if not seq.prefill_only:
                 job.first_token = now
                 self.core.on_first_token(job.route)
@@ -614,20 +617,40 @@ class ClusterSim:
         }
         classes = {id(j): self._mismatch(j) for j in done}
         metrics["mismatches"] = count(list(classes.values()))
+        # ``predicted_cached`` / ``actual_cached`` are what the live router reports as predicted and
+        # engine-reported cached tokens (a split's are its decode endpoint's, after the transfer);
+        # ``cached_gpu`` / ``cached_offload`` are the compute phase's reuse (the hit rate's).
         records = [{"uid": j.req.uid, "endpoint": self.workers[j.decode_ep].id, "split": j.split,
                     "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "release_s": round(j.release, 6),
-                    "predicted_cached": j.decision.predicted_cached_tokens if j.decision is not None else None,
+                    "predicted_cached": self._predicted(j), "actual_cached": self._actual(j),
                     "mismatch": classes.get(id(j), ""),
                     "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),
                     "held_s": round(j.holds * self.core.cfg.scoring.admit_recheck_s, 6),
                     "error": j.error} for j in self.jobs]
         return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1), records)
 
+    def _predicted(self, j: Job) -> int | None:
+        """The prediction the live router reports: a split's is what its decode endpoint holds
+        once the prefill endpoint's KV has arrived (``fidelity.split_predicted_blocks``), as
+        ``RouterService._final`` predicts it; otherwise the decision's."""
+        if j.decision is None:
+            return None
+        if j.split:
+            return split_predicted_blocks(j.req.input_tokens, self.bs, j.decision.predicted_cached_tokens // self.bs
+                                          ) * self.bs
+        return j.decision.predicted_cached_tokens
+
+    def _actual(self, j: Job) -> int:
+        """The engine's cached tokens the live router compares with: a split's decode endpoint's."""
+        return max(j.decode_cached, 0) if j.split else j.cached_gpu + j.cached_offload
+
     def _mismatch(self, j: Job) -> str:
         if j.view is None:
             return ""
-        return classify(j.view, (j.cached_gpu + j.cached_offload) // self.bs, uses_index=self.uses_index,
-                        split=j.split)
+        view = j.view
+        if j.split:
+            view = replace(view, predicted=(self._predicted(j) or 0) // self.bs)
+        return classify(view, self._actual(j) // self.bs, uses_index=self.uses_index, split=j.split)
 
     def _series(self, done: list[Job], t0: float, t1: float) -> list[tuple[float, float]]:
         n = max(1, self.cfg.time_buckets)

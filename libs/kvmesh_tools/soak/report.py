@@ -48,12 +48,17 @@ def minute_rows(records: list[dict[str, Any]], samples: list[dict[str, Any]], mi
     for m in range(n):
         recs = [r for r in records if m * 60 <= r["sent_s"] < (m + 1) * 60]
         rss: dict[str, float | None] = {}
+        shmem: dict[str, float | None] = {}
         for s in samples:
             if m * 60 <= s["t_s"] <= (m + 1) * 60 + 1e-6:
                 for name, v in s["rss"].items():
                     if v is not None:
                         rss[name] = max(rss.get(name) or 0.0, round(v / MiB, 1))
-        rows.append({"minute": m + 1, **_stats(recs), "rss_mib": rss})
+                # Of that, pages of shared segments (the store's slabs a worker maps); older runs lack it.
+                for name, v in (s.get("rss_shmem") or {}).items():
+                    if v is not None:
+                        shmem[name] = max(shmem.get(name) or 0.0, round(v / MiB, 1))
+        rows.append({"minute": m + 1, **_stats(recs), "rss_mib": rss, "rss_shmem_mib": shmem})
     return rows
 
 

@@ -18,8 +18,15 @@ binary strings, the shortest exact form of a uint64):
   prefix-closed (a block stored without its parent, a removal that left
   children behind, or a producer that gave no parent links).
 - ``NS:eps:<endpoint>`` SET naming the endpoint's reverse-index hashes.
-- ``NS:{model}:s:<key8>`` HASH ``endpoint -> expiry (ms)``: speculative
-  entries; the key itself expires with its longest TTL.
+- ``NS:{model}:sp`` HASH ``<key8> -> "<endpoint>=<expiry ms>:<put>;..."``:
+  speculative entries (a router's picks), with ``<put>`` the number of the write
+  (``NS:{model}:spseq``). A write replaces its endpoint's entry on each of its
+  blocks and drops expired entries from the values it rewrites; for each field
+  it adds it drops the fully expired fields among two random samples, so stale
+  fields stay about as many as live ones; the key expires with its longest TTL.
+  (Layout 2 first kept one hash per block, ``NS:{model}:s:<key8>``, read with
+  one HGETALL per block: ~9 ms of Redis time for a 3,400-block chain. Keys of
+  that form expire within 300 s and are no longer read.)
 - ``NS:layout`` the layout version, checked at start.
 
 Why the prefix-closed flag: an engine stores a block only after its parent
@@ -30,6 +37,14 @@ stride-long gap per distinct run end, about ``n / stride + stride`` reads
 instead of ``n``; dirty endpoints are walked block by block. The answer is
 the same either way (tested against the in-memory backend).
 
+Speculative entries are probed the same way. A write is a chain from its first
+block (what a router picked; ``PutSpeculative``'s contract), and a block key
+fixes its whole prefix, so every write that holds block ``i + 1`` of a chain
+holds block ``i`` too: along a chain, the latest write of an endpoint that holds
+each block is the same or an older one. So when two probes ``stride`` apart
+show the endpoint's entry of the same write, still live, every block between
+has it; only where the write changes (or the entry is gone) is the gap read.
+
 Every update and every lookup is one Lua script call (one round trip, atomic).
 The lookup stops at the first probe no candidate holds. Clearing runs as Lua
 chunks of ``clear_chunk`` members so a large endpoint never blocks Redis for
@@ -37,51 +52,39 @@ long. The scripts build key names at run time, so this layout targets
 standalone Redis/Valkey (or one shard), not Redis Cluster.
 
 Any connection error or timeout surfaces as ``IndexUnavailable``; the client
-never retries on its own, so a caller's deadline bounds every call.
+never retries on its own, so a caller's deadline bounds every call. The Lua
+pieces and client glue the cluster backend shares are in ``redis_common``.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvmesh.index.base import (
-    TIERS,
-    BlockIndex,
-    EndpointMatch,
-    IndexStats,
-    IndexUnavailable,
-    LookupResult,
-    Tier,
+from kvmesh.index.base import TIERS, IndexStats, LookupResult, Tier
+from kvmesh_indexer.redis_common import (
+    LUA_FILTER,
+    LUA_LIB,
+    LUA_PROBE,
+    RedisIndexBase,
+    add_matches,
+    filter_args,
+    pack_keys,
+    starts_args,
 )
 
 log = logging.getLogger(__name__)
 
 _SEP = "\x1f"
 
-# Lua helpers shared by the scripts: chunked HMGET/HSET (Lua's unpack has a
-# stack limit) and the reverse-index value, 'r<children>' for a first block or
-# 'p<parent8><children>' where <children> counts this holder's blocks whose
-# parent is this block.
-_LIB = """
-local CH = 1000
-local function hmget_all(key, ks)
-  local out = {}
-  for lo = 1, #ks, CH do
-    local vs = redis.call('HMGET', key, unpack(ks, lo, math.min(#ks, lo + CH - 1)))
-    for j = 1, #vs do out[lo + j - 1] = vs[j] end
-  end
-  return out
-end
-local function hset_all(key, kv)
-  for lo = 1, #kv, 2 * CH do redis.call('HSET', key, unpack(kv, lo, math.min(#kv, lo + 2 * CH - 1))) end
-end
+# The reverse-index value, 'r<children>' for a first block or 'p<parent8><children>' where
+# <children> counts this holder's blocks whose parent is this block (the rest of the Lua
+# helpers: redis_common.LUA_LIB).
+_LIB = LUA_LIB + """
 local function rparse(v)
   if string.sub(v, 1, 1) == 'r' then return nil, tonumber(string.sub(v, 2)) end
   return string.sub(v, 2, 9), tonumber(string.sub(v, 10))
@@ -89,11 +92,6 @@ end
 local function rval(par, n)
   if par == nil then return 'r' .. n end
   return 'p' .. par .. n
-end
-local function keys_of(blob)
-  local ks = {}
-  for i = 1, #blob / 8 do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
-  return ks
 end
 """
 
@@ -165,23 +163,10 @@ if #newk > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, #new
 return #newk
 """
 
-# Removes ';<field>' from one block value; deletes the key when no holder is left.
-_UNLINK_FN = """
-local function unlink(hkey, k, field)
-  local v = redis.call('HGET', hkey, k)
-  if not v then return 0 end
-  local s, e = string.find(v, ';' .. field, 1, true)
-  if not s then return 0 end
-  local rest = string.sub(v, 1, s) .. string.sub(v, e + 1)
-  if rest == ';' then redis.call('HDEL', hkey, k) else redis.call('HSET', hkey, k, rest) end
-  return 1
-end
-"""
-
 # Removing a block that still has children here leaves orphans, so the
 # endpoint loses the prefix-closed guarantee (marked dirty). Children removed
 # in the same call do not count, whatever their order in the batch.
-_REMOVE = _LIB + _UNLINK_FN + """
+_REMOVE = _LIB + """
 local ns, model, ep, tier, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local pre = ns .. ':{' .. model .. '}:'
 local field = ep .. '\\31' .. tier .. ';'
@@ -231,7 +216,7 @@ return #order
 """
 
 # Pops up to n members of one reverse index and unlinks them.
-_CLEAR_CHUNK = _UNLINK_FN + """
+_CLEAR_CHUNK = LUA_LIB + """
 local ns, rkey, n, pre, ep, tier = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 local field = ep .. '\\31' .. tier .. ';'
 local members = redis.call('HRANDFIELD', rkey, n)
@@ -255,21 +240,13 @@ return {#members, removed}
 # first block none of them extends); runs of blocks with the same holders
 # share one interned Lua string, so that walk parses a value only when it
 # changes.
-_LOOKUP = """
+_LOOKUP = LUA_LIB + """
 local ns, model = ARGV[1], ARGV[2]
 local pre = ns .. ':{' .. model .. '}:'
 local spec = ARGV[3] == '1'
 local S = tonumber(ARGV[4])
 local idx = 5
-local nallow = tonumber(ARGV[idx]); idx = idx + 1
-local allow = nil
-if nallow > 0 then
-  allow = {}
-  for j = 1, nallow do allow[ARGV[idx]] = true; idx = idx + 1 end
-end
-local ndeny = tonumber(ARGV[idx]); idx = idx + 1
-local deny = {}
-for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
+""" + LUA_FILTER + """
 local blob = ARGV[idx]
 local nkeys = #blob / 8
 local run, erun = {}, {}
@@ -290,59 +267,9 @@ local function note(f, n)
     erun[ep] = math.max(erun[ep] or 0, n)
   end
 end
+""" + LUA_PROBE + """
 local function probe_walk(hkey, want)
-  -- last[f]: index of the last probe (position j * S) that f holds
-  local last = {}
-  local alive = fields_of(redis.call('HGET', hkey, key(0)), want)
-  if next(alive) == nil then return end
-  for f, _ in pairs(alive) do last[f] = 0 end
-  local nprobe = math.floor((nkeys - 1) / S) + 1
-  local j, win = 1, 8
-  while next(alive) ~= nil and j < nprobe do
-    local hi = math.min(nprobe - 1, j + win - 1)
-    local args = {}
-    for q = j, hi do args[#args + 1] = key(q * S) end
-    local vals = redis.call('HMGET', hkey, unpack(args))
-    for q = j, hi do
-      local v = vals[q - j + 1]
-      local nxt = {}
-      if v then
-        for f, _ in pairs(alive) do
-          if string.find(v, ';' .. f .. ';', 1, true) then nxt[f] = true; last[f] = q end
-        end
-      end
-      alive = nxt
-      if next(alive) == nil then break end
-    end
-    j = hi + 1
-    win = math.min(win * 2, 256)
-  end
-  -- Each run ends inside the gap after its last probe; read each gap once.
-  local gaps = {}
-  for f, q in pairs(last) do
-    gaps[q] = gaps[q] or {}
-    gaps[q][#gaps[q] + 1] = f
-  end
-  for q, fs in pairs(gaps) do
-    local lo, hi = q * S + 1, math.min(nkeys - 1, q * S + S - 1)
-    local ends = {}
-    for _, f in ipairs(fs) do ends[f] = q * S + 1 end
-    if lo <= hi then
-      local args = {}
-      for p = lo, hi do args[#args + 1] = key(p) end
-      local vals = redis.call('HMGET', hkey, unpack(args))
-      for p = lo, hi do
-        local v = vals[p - lo + 1]
-        if not v then break end
-        local any = false
-        for _, f in ipairs(fs) do
-          if ends[f] == p and string.find(v, ';' .. f .. ';', 1, true) then ends[f] = p + 1; any = true end
-        end
-        if not any then break end
-      end
-    end
-    for f, n in pairs(ends) do note(f, n) end
-  end
+  for f, n in pairs(probe(hkey, fields_of(redis.call('HGET', hkey, key(0)), want))) do note(f, n) end
 end
 local function block_walk(hkey, want)
   local cur, cure = nil, nil   -- active field / endpoint sets
@@ -386,7 +313,6 @@ local function block_walk(hkey, want)
   end
   for f, n in pairs(frun) do if n > 0 then run[f] = math.max(run[f] or 0, n) end end
 end
-local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
 local function search(p)
   local dirty = {}
   local nd = 0
@@ -404,43 +330,123 @@ local out_t, out_e, out_s = {}, {}, {}
 for f, n in pairs(run) do out_t[#out_t + 1] = f; out_t[#out_t + 1] = n end
 for ep, n in pairs(erun) do out_e[#out_e + 1] = ep; out_e[#out_e + 1] = n end
 if spec then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local srun, sexp = {}, {}
-  local pos = 0
-  while pos < nkeys do
-    local kv = redis.call('HGETALL', pre .. 's:' .. key(pos))
-    local ext = false
-    for j = 1, #kv, 2 do
-      local ep, exp = kv[j], tonumber(kv[j + 1])
-      if exp > now and allowed(ep) and (srun[ep] or 0) == pos then
-        srun[ep] = pos + 1
-        if sexp[ep] == nil or exp < sexp[ep] then sexp[ep] = exp end
-        ext = true
+  -- Speculative runs, probed every S-th block (see the module docstring); a gap is read
+  -- only for an endpoint whose entry changed write (or ended) across it.
+  local now = now_ms()
+  local skey = pre .. 'sp'
+  local parsed = {}
+  local function live(v)   -- value -> {ep -> {expiry, write}} of its live, allowed entries
+    if not v then return {} end
+    local r = parsed[v]
+    if r == nil then
+      r = {}
+      for ep, e, w in string.gmatch(v, '([^;=]+)=(%d+):(%d+)') do
+        local exp = tonumber(e)
+        if exp > now and allowed(ep) then r[ep] = {exp, w} end
+      end
+      parsed[v] = r
+    end
+    return r
+  end
+  local srun, sexp, swrite, alive = {}, {}, {}, {}
+  -- Blocks lo..hi, walked for each of eps until its first block without a live entry.
+  local function scan(lo, hi, eps)
+    if lo > hi then return end
+    local args = {}
+    for p = lo, hi do args[#args + 1] = key(p) end
+    local vals = redis.call('HMGET', skey, unpack(args))
+    for _, ep in ipairs(eps) do
+      for p = lo, hi do
+        local e = live(vals[p - lo + 1])[ep]
+        if not e then srun[ep] = p; alive[ep] = nil; break end
+        if e[1] < sexp[ep] then sexp[ep] = e[1] end
+        swrite[ep] = e[2]
       end
     end
-    if not ext then break end
-    pos = pos + 1
   end
+  for ep, e in pairs(live(redis.call('HGET', skey, key(0)))) do
+    alive[ep] = true; sexp[ep] = e[1]; swrite[ep] = e[2]
+  end
+  local nprobe = math.floor((nkeys - 1) / S) + 1
+  local q, win = 1, 8
+  while next(alive) ~= nil and q < nprobe do
+    local hi = math.min(nprobe - 1, q + win - 1)
+    local args = {}
+    for r = q, hi do args[#args + 1] = key(r * S) end
+    local vals = redis.call('HMGET', skey, unpack(args))
+    for r = q, hi do
+      local ents = live(vals[r - q + 1])
+      local check = {}
+      for ep, _ in pairs(alive) do
+        local e = ents[ep]
+        if not (e and e[2] == swrite[ep]) then check[#check + 1] = ep end
+      end
+      if #check > 0 then scan((r - 1) * S + 1, r * S, check) end
+      if next(alive) == nil then break end
+    end
+    q = hi + 1
+    win = math.min(win * 2, 256)
+  end
+  local rest = {}
+  for ep, _ in pairs(alive) do rest[#rest + 1] = ep end
+  if #rest > 0 then scan((nprobe - 1) * S + 1, nkeys - 1, rest) end
+  for ep, _ in pairs(alive) do srun[ep] = nkeys end
   for ep, n in pairs(srun) do
-    out_s[#out_s + 1] = ep; out_s[#out_s + 1] = n; out_s[#out_s + 1] = sexp[ep] - now
+    if n > 0 then out_s[#out_s + 1] = ep; out_s[#out_s + 1] = n; out_s[#out_s + 1] = sexp[ep] - now end
   end
 end
 return {out_t, out_e, out_s}
 """
 
-_PUT_SPEC = """
+# ARGV: ns, model, endpoint, ttl_ms, blob (a chain from its first block). Rewrites the blocks' values in HMGET/HSET windows
+# (a chain's blocks mostly share one old value, so each distinct value is rewritten once), then
+# drops the fully expired fields among 2 * (fields added) + 16 random ones.
+_PUT_SPEC = _LIB + """
 local ns, model, ep, ttl_ms, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local pre = ns .. ':{' .. model .. '}:'
-local t = redis.call('TIME')
-local exp = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000) + ttl_ms
-for i = 1, #blob, 8 do
-  local key = pre .. 's:' .. string.sub(blob, i, i + 7)
-  redis.call('HSET', key, ep, exp)
-  if redis.call('PTTL', key) < ttl_ms then redis.call('PEXPIRE', key, ttl_ms) end
+local skey = ns .. ':{' .. model .. '}:sp'
+local now = now_ms()
+local mine = ep .. '=' .. (now + ttl_ms) .. ':' .. redis.call('INCR', ns .. ':{' .. model .. '}:spseq')
+local memo = {}
+local function rewrite(v)
+  if not v then return mine end
+  local r = memo[v]
+  if r == nil then
+    local out = {}
+    for e, x, w in string.gmatch(v, '([^;=]+)=(%d+):(%d+)') do
+      if e ~= ep and tonumber(x) > now then out[#out + 1] = e .. '=' .. x .. ':' .. w end
+    end
+    out[#out + 1] = mine
+    r = table.concat(out, ';')
+    memo[v] = r
+  end
+  return r
 end
+local ks = keys_of(blob)
+local added = 0
+for lo = 1, #ks, CH do
+  local hi = math.min(#ks, lo + CH - 1)
+  local vs = redis.call('HMGET', skey, unpack(ks, lo, hi))
+  local kv = {}
+  for j = lo, hi do
+    kv[#kv + 1] = ks[j]
+    kv[#kv + 1] = rewrite(vs[j - lo + 1])
+  end
+  added = added + redis.call('HSET', skey, unpack(kv))
+end
+if added > 0 then
+  local sample = redis.call('HRANDFIELD', skey, 2 * added + 16, 'WITHVALUES')
+  for j = 1, #sample, 2 do
+    local live = false
+    for _, x in string.gmatch(sample[j + 1], '([^;=]+)=(%d+):%d+') do
+      if tonumber(x) > now then live = true; break end
+    end
+    if not live then redis.call('HDEL', skey, sample[j]) end
+  end
+end
+if redis.call('PTTL', skey) < ttl_ms then redis.call('PEXPIRE', skey, ttl_ms) end
 return 1
 """
+
 
 _ENDPOINT_BLOCKS = """
 local total = 0
@@ -454,24 +460,10 @@ return total
 LAYOUT_VERSION = "2"
 
 
-def _pack(keys: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(keys)}Q", *keys)
-
-
-def _starts_args(chain_starts: Sequence[tuple[int, int | None]] | None) -> list[Any]:
-    if chain_starts is None:
-        return [0]
-    out: list[Any] = [len(chain_starts)]
-    for off, parent in chain_starts:
-        out += [off, b"" if parent is None else parent.to_bytes(8, "big")]
-    return out
-
-
-class RedisIndex(BlockIndex):
+class RedisIndex(RedisIndexBase):
     """Block index in Redis; safe to share between processes."""
 
     name = "redis"
-    blocking = True
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "kvm",
                  timeout_s: float = 1.0, clear_chunk: int = 2000, client: redis.Redis | None = None,
@@ -497,55 +489,27 @@ class RedisIndex(BlockIndex):
         self._put_spec = self.r.register_script(_PUT_SPEC)
         self._ep_blocks = self.r.register_script(_ENDPOINT_BLOCKS)
 
-    def _call(self, fn, *args):  # type: ignore[no-untyped-def]
-        try:
-            return fn(*args)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            raise IndexUnavailable(f"redis {self._safe_url()} unavailable: {exc}") from exc
-        except redis.ResponseError as exc:
-            if "LOADING" in str(exc) or "BUSY" in str(exc):
-                raise IndexUnavailable(f"redis {self._safe_url()} not ready: {exc}") from exc
-            raise
-
-    def _safe_url(self) -> str:
-        if "@" in self.url:
-            scheme, rest = self.url.split("://", 1)
-            return f"{scheme}://***@{rest.split('@', 1)[1]}"
-        return self.url
-
     # ---- updates -------------------------------------------------------------------
-    def check_layout(self) -> None:
-        """Raise ValueError for a namespace written by another layout; an unreachable Redis is checked later."""
-        try:
-            self._check_layout()
-        except IndexUnavailable:
-            pass
+    def layout_value(self) -> str:
+        return LAYOUT_VERSION
 
-    def _check_layout(self) -> None:
-        """Refuse a namespace written by an incompatible layout (once per client)."""
-        if self._layout_checked:
-            return
-        key = f"{self.namespace}:layout"
-        self._call(self.r.setnx, key, LAYOUT_VERSION)
-        got = self._call(self.r.get, key)
-        if got is not None and got.decode() != LAYOUT_VERSION:
-            raise ValueError(f"redis namespace {self.namespace!r} holds index layout v{got.decode()}, this "
-                             f"indexer writes v{LAYOUT_VERSION}; use another --redis-namespace or delete its keys")
-        self._layout_checked = True
+    def layout_mismatch(self, found: str) -> str:
+        return (f"redis namespace {self.namespace!r} holds index layout v{found}, this indexer writes "
+                f"v{LAYOUT_VERSION}; use another --redis-namespace or delete its keys")
 
     def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
             chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
         if not keys:
             return 0
         self._check_layout()
-        return int(self._call(self._add, [], [self.namespace, model, endpoint, int(Tier(tier)), _pack(keys),
-                                              *_starts_args(chain_starts)]))
+        return int(self._call(self._add, [], [self.namespace, model, endpoint, int(Tier(tier)), pack_keys(keys),
+                                              *starts_args(chain_starts)]))
 
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         if not keys:
             return 0
         self._check_layout()
-        return int(self._call(self._remove, [], [self.namespace, model, endpoint, int(Tier(tier)), _pack(keys)]))
+        return int(self._call(self._remove, [], [self.namespace, model, endpoint, int(Tier(tier)), pack_keys(keys)]))
 
     def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
         reg = f"{self.namespace}:eps:{endpoint}"
@@ -571,7 +535,7 @@ class RedisIndex(BlockIndex):
 
     def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:
         if keys:
-            self._call(self._put_spec, [], [self.namespace, model, endpoint, max(1, int(ttl_s * 1000)), _pack(keys)])
+            self._call(self._put_spec, [], [self.namespace, model, endpoint, max(1, int(ttl_s * 1000)), pack_keys(keys)])
 
     # ---- lookup --------------------------------------------------------------------
     def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
@@ -580,33 +544,15 @@ class RedisIndex(BlockIndex):
         result = LookupResult(chain_length=len(keys))
         if not keys:
             return result
-        allow = list(endpoint_filter or [])
-        deny = list(exclude or [])
-        args = [self.namespace, model, "1" if include_speculative else "0", self.probe_stride, len(allow), *allow,
-                len(deny), *deny, _pack(keys), *[m for m in extra_models if m != model]]
+        args = [self.namespace, model, "1" if include_speculative else "0", self.probe_stride,
+                *filter_args(endpoint_filter, exclude), pack_keys(keys), *[m for m in extra_models if m != model]]
         tiers, combined, spec = self._call(self._lookup, [], args)
-        for i in range(0, len(tiers), 2):
-            field = tiers[i].decode()
-            ep, tier = field[:-2], int(field[-1])
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.tiers[Tier(tier)] = int(tiers[i + 1])
-        for i in range(0, len(combined), 2):
-            ep = combined[i].decode()
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.combined = int(combined[i + 1])
-        for i in range(0, len(spec), 3):
-            ep = spec[i].decode()
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.speculative = int(spec[i + 1])
-            em.speculative_ttl_s = int(spec[i + 2]) / 1000.0
-        return result
+        return add_matches(result, zip(tiers[::2], tiers[1::2], strict=True),
+                           zip(combined[::2], combined[1::2], strict=True), spec)
 
     # ---- introspection ---------------------------------------------------------------
     def endpoint_blocks(self, endpoint: str) -> int:
         return int(self._call(self._ep_blocks, [], [self.namespace, endpoint]))
-
-    def endpoints(self) -> list[str]:
-        return sorted(e.decode() for e in self._call(self.r.smembers, f"{self.namespace}:endpoints"))
 
     def stats(self) -> IndexStats:
         raw = self._call(self.r.hgetall, f"{self.namespace}:stats")
@@ -628,21 +574,9 @@ class RedisIndex(BlockIndex):
         except (redis.RedisError, OSError):
             return False
 
-    def check_auth(self) -> None:
-        """Raise ValueError when Redis rejects our credentials (a configuration error, not an outage)."""
-        try:
-            self.r.ping()
-        except redis.AuthenticationError as exc:
-            raise ValueError(f"redis {self._safe_url()}: authentication failed: {exc}") from None
-        except (redis.RedisError, OSError):
-            pass  # unreachable now: lookups answer UNAVAILABLE until it is back
-
     def run_id(self) -> str | None:
         """The server's run id; it changes when Redis restarts (and lost its data)."""
         try:
             return str(self.r.info("server").get("run_id"))
         except (redis.RedisError, OSError):
             return None
-
-    def close(self) -> None:
-        self.r.close()

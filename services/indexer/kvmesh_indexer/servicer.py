@@ -270,6 +270,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
         async def run() -> indexer_pb2.PutSpeculativeResponse:
             if not request.endpoint_id:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "endpoint_id is required")
+            eid = request.endpoint_id
+            # The Redis layouts keep speculative entries as "<endpoint>=<expiry>...;" strings.
+            if len(eid.encode()) > 128 or any(c in eid for c in ";=@\x1f"):
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                             "endpoint_id must be 1..128 bytes without ';', '=', '@' or \\x1f")
             model = self._model_name(request.model)
             ttl = request.ttl_s or self.cfg.speculative_ttl_s
             if not 0 < ttl <= MAX_SPECULATIVE_TTL_S:

@@ -256,6 +256,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
     # -- shared memory ------------------------------------------------------------------------
 
     def _attach(self, name: str) -> Segment:
+        """The client's segment, mapped (cached); the caller releases it (``_segments.release``)."""
         if not self.shm_enabled:
             raise _Abort(grpc.StatusCode.FAILED_PRECONDITION, "shared-memory path is disabled on this store")
         try:
@@ -296,9 +297,12 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         self._check_put_sizes(req, n, "RAM capacity")
         end = max((o + s for o, s in zip(req.offsets, req.sizes, strict=True)), default=0)
         seg = await asyncio.to_thread(self._attach, req.segment)
-        if end > seg.size:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
-        blocks = await asyncio.to_thread(self._copy_in, req, seg)
+        try:
+            if end > seg.size:
+                raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"blocks end at {end}, past the segment's {seg.size}")
+            blocks = await asyncio.to_thread(self._copy_in, req, seg)
+        finally:
+            self._segments.release(seg)
         return await self._commit(req.header, blocks)
 
     def _check_put_sizes(self, req: offload_pb2.ShmRequest, n: int, budget: str) -> None:
@@ -403,7 +407,10 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         _check_ns(req.header.namespace)
         _check_keys(len(req.keys))
         seg = await asyncio.to_thread(self._attach, req.segment)
-        resp = await asyncio.to_thread(self._get_into, req, seg, caller)
+        try:
+            resp = await asyncio.to_thread(self._get_into, req, seg, caller)
+        finally:
+            self._segments.release(seg)
         if resp.leading_present:
             RESTORE_LATENCY.labels("shm").observe(time.perf_counter() - t0)
         return resp

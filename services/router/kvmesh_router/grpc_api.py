@@ -93,11 +93,13 @@ def to_input(req: router_pb2.GenerateRequest, deadline: float | None, tenant: st
         inp.text = req.text
     elif which == "chat":
         inp.chat = [_message(m) for m in req.chat.messages]
-        inp.add_generation_prompt = req.chat.add_generation_prompt or True
+        # An explicit false is the client's; unset is OpenAI's default, true.
+        agp = req.chat.add_generation_prompt if req.chat.HasField("add_generation_prompt") else None
+        inp.add_generation_prompt = True if agp is None else agp
         if not inp.chat:
             inp.chat = None
         elif req.chat.tools_json or req.chat.tool_choice_json or req.chat.chat_template_kwargs_json:
-            inp.chat_request = _chat_request(req.chat, inp.chat)
+            inp.chat_request = _chat_request(req.chat, inp.chat, agp)
     return inp
 
 
@@ -114,12 +116,15 @@ def _message(m: router_pb2.ChatMessage) -> dict[str, Any]:
     return msg
 
 
-def _chat_request(chat: router_pb2.ChatMessages, messages: list[dict[str, Any]]) -> Any:
+def _chat_request(chat: router_pb2.ChatMessages, messages: list[dict[str, Any]],
+                  add_generation_prompt: bool | None = None) -> Any:
     """A chat with tools or template keywords as the HTTP front door reads one (OpenAI's body fields,
     ``chat_request_from_body``): the same rendering and the same refusals, as INVALID_ARGUMENT."""
     from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
 
     body: dict[str, Any] = {"messages": messages}
+    if add_generation_prompt is not None:
+        body["add_generation_prompt"] = add_generation_prompt
     for name, raw in (("tools", chat.tools_json), ("tool_choice", chat.tool_choice_json),
                       ("chat_template_kwargs", chat.chat_template_kwargs_json)):
         if raw:
@@ -168,16 +173,14 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
                     yield router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
                         token_ids=item, text=self._text(request, item)))
                 elif kind == "parsed":
+                    # The worker's deltas are common.v1.ToolCallDelta, as the router's.
                     yield router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
-                        parsed=True, content_delta=item.content, tool_call_deltas=[
-                            router_pb2.ToolCallDelta(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
-                            for d in item.tool_calls]))
+                        parsed=True, content_delta=item.content, tool_call_deltas=item.tool_calls))
                 elif kind == "final":
                     fin = router_pb2.Final(
                         usage=item.usage, finish_reason=item.finish_reason, routing=item.routing,
                         request_id=item.request_id, ttft_s=item.ttft_s,
-                        tool_calls=[router_pb2.ToolCall(id=c.id, name=c.name, arguments=c.arguments)
-                                    for c in item.tool_calls])
+                        tool_calls=item.tool_calls)
                     if item.tool_calls and item.content is not None:
                         fin.content = item.content
                     yield router_pb2.GenerateResponse(final=fin)

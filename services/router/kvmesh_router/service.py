@@ -133,7 +133,7 @@ class FinalInfo:
     ttft_s: float
     output_ids: list[int]
     # The worker parsed tool calls out of the answer: the calls and the text that is not one.
-    tool_calls: list[worker_pb2.ToolCall] = field(default_factory=list)
+    tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
     content: str | None = None
 
 
@@ -144,7 +144,7 @@ class Parsed:
     ``generate`` yields it as ("parsed", Parsed) after the chunk of the same tokens."""
 
     content: str
-    tool_calls: list[worker_pb2.ToolCallDelta]
+    tool_calls: list[common_pb2.ToolCallDelta]
 
 
 # One try of a request: its prepared copy, its decision, its worker stream.

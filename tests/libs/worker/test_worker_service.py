@@ -336,19 +336,15 @@ async def test_readiness_waits_for_the_engine(monkeypatch) -> None:
 
     real_build = run_mod.build_engine
     monkeypatch.setattr(run_mod, "build_engine", lambda cfg, eid: SlowStart(real_build(cfg, eid).cfg))
-    from kvmesh_tools.testing.ports import free_port
-
-    port = free_port()
-    task = asyncio.create_task(start_worker(_cfg(endpoint_id="w-slow", port=port, kv_events_endpoint="")))
+    listening: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+    # Port 0: the worker binds and tells us the port it got (no port picked before the bind).
+    task = asyncio.create_task(start_worker(_cfg(endpoint_id="w-slow", port=0, kv_events_endpoint=""),
+                                            on_listening=listening.set_result))
+    port = await asyncio.wait_for(listening, 30)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
         health = health_pb2_grpc.HealthStub(ch)
-        status = None
-        for _ in range(100):
-            try:
-                status = (await health.Check(health_pb2.HealthCheckRequest(service=""))).status
-                break
-            except grpc.aio.AioRpcError:
-                await asyncio.sleep(0.02)
+        # Serving liveness once on_listening ran: no retry needed.
+        status = (await health.Check(health_pb2.HealthCheckRequest(service=""), timeout=30)).status
         assert status == health_pb2.HealthCheckResponse.NOT_SERVING
         gate.set()
         w = await asyncio.wait_for(task, 10)

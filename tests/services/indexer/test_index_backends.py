@@ -270,3 +270,84 @@ def test_memory_rows_answer_as_lookup(seed: int) -> None:
             want = [0, 0, 0, 0] if m is None else [m.combined, *(m.tiers.get(t, 0) for t in (Tier.GPU, Tier.CPU, Tier.DISK))]
             assert row == want, (ep, row, want)
     assert idx.lookup_rows("other", chains[0]).sum() == 0
+
+
+def _chain_tree(rng, roots: int, leaves: int, length: int) -> list[list[int]]:
+    """Chains as a router hashes them: a block key fixes its whole prefix, so chains share
+    a prefix, then differ at every later block."""
+    chains = [[rng.getrandbits(63) for _ in range(rng.randint(1, length))] for _ in range(roots)]
+    while len(chains) < leaves:
+        base = rng.choice(chains)
+        cut = rng.randint(0, len(base))
+        chains.append(base[:cut] + [rng.getrandbits(63) for _ in range(rng.randint(1, length))])
+    return chains
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_speculative_runs_match_the_memory_backend(any_index, seed: int) -> None:
+    """Speculative entries written as a router writes them (a chain from its first block), some
+    overwritten by shorter-lived writes of a shared prefix, some expired: every backend finds the
+    same leading run per endpoint as the in-memory index, with and without filters."""
+    import random
+
+    rng = random.Random(seed)
+    ref = MemoryIndex()
+    chains = _chain_tree(rng, roots=2, leaves=8, length=150)
+    eps = ["e0", "e1", "e2"]
+    for _ in range(60):
+        c = rng.choice(chains)
+        keys = c[: rng.randint(1, len(c))]
+        ep, ttl = rng.choice(eps), rng.choice([0.05, 60.0, 120.0])
+        for idx in (any_index, ref):
+            idx.put_speculative(M, ep, keys, ttl_s=ttl)
+    # A long-lived write, then a short-lived one over its prefix: once that expires, the
+    # run is 0 although the long write's tail is still live (the newest write of a block wins).
+    over = chains[0]
+    for idx in (any_index, ref):
+        idx.put_speculative(M, "e3", over, ttl_s=60.0)
+        idx.put_speculative(M, "e3", over[: max(1, len(over) // 2)], ttl_s=0.05)
+    sentinel = [rng.getrandbits(63)]
+    for idx in (any_index, ref):
+        idx.put_speculative(M, "sentinel", sentinel, ttl_s=0.05)
+
+    def gone() -> bool:
+        return all("sentinel" not in idx.lookup(M, sentinel, include_speculative=True).matches
+                   for idx in (any_index, ref))
+
+    deadline = time.monotonic() + 10
+    while not gone():
+        assert time.monotonic() < deadline, "short-lived speculative entries never expired"
+        time.sleep(0.02)
+
+    queries = chains + [c[: rng.randint(1, len(c))] for c in chains] + [c + [rng.getrandbits(63)] for c in chains]
+    for q in queries:
+        for filt, excl in ((None, None), (["e0", "e1"], None), (None, ["e1"])):
+            want = ref.lookup(M, q, filt, True, excl).matches
+            got = any_index.lookup(M, q, filt, True, excl).matches
+            assert {e: m.speculative for e, m in got.items()} == {e: m.speculative for e, m in want.items()}
+            for e, m in got.items():
+                assert abs(m.speculative_ttl_s - want[e].speculative_ttl_s) < 5.0
+    assert "e3" not in any_index.lookup(M, over, include_speculative=True).matches
+
+
+def test_redis_speculative_probe_strides_agree(redis_server) -> None:
+    """The Redis lookup probes speculative entries every ``probe_stride``-th block: each stride,
+    down to reading every block, gives the same runs."""
+    import random
+
+    from kvmesh_indexer.redis_backend import RedisIndex
+
+    rng = random.Random(7)
+    chains = _chain_tree(rng, roots=2, leaves=10, length=90)
+    ns = f"probe{rng.getrandbits(32)}"
+    idxs = [RedisIndex(redis_server.url, namespace=ns, probe_stride=s) for s in (1, 2, 5, 32)]
+    for _ in range(50):
+        c = rng.choice(chains)
+        idxs[0].put_speculative(M, rng.choice(["a", "b"]), c[: rng.randint(1, len(c))], ttl_s=60.0)
+    for q in chains:
+        runs = [{e: m.speculative for e, m in i.lookup(M, q, include_speculative=True).matches.items()}
+                for i in idxs]
+        assert all(r == runs[0] for r in runs)
+    assert any(idxs[0].lookup(M, q, include_speculative=True).matches for q in chains)
+    for i in idxs:
+        i.close()

@@ -327,6 +327,11 @@ async def test_lookup_and_speculative_validation(start_indexer) -> None:
         await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id="x", keys=[1],
                                                                        ttl_s=301), timeout=5)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ttl_s" in e.value.details()
+    for bad in ("a;b", "a=1", "x" * 129):   # would break the Redis layouts' "<endpoint>=<expiry>" values
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id=bad, keys=[1]),
+                                         timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "endpoint_id" in e.value.details()
     with pytest.raises(grpc.aio.AioRpcError) as e:
         await ix.stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id="ghost"), timeout=5)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
@@ -584,8 +589,9 @@ async def test_spans_on_lookup_and_ingest_batch(start_indexer) -> None:
 
 async def test_publisher_binds_indexer_connects(start_indexer, tmp_path) -> None:
     addr = f"ipc://{tmp_path}/pub.sock"       # vLLM binds ipc endpoints; the indexer connects
-    replay = f"tcp://127.0.0.1:{free_port()}"
-    pub = KvEventPublisher(addr, topic=make_topic("b0", MODEL), replay_endpoint=replay)
+    # The replay socket binds where the kernel picks; the spec names the port it got.
+    pub = KvEventPublisher(addr, topic=make_topic("b0", MODEL), replay_endpoint="tcp://127.0.0.1:0")
+    replay = pub.replay_endpoint
     try:
         spec = {"endpoint_id": "b0", "model": MODEL, "zmq_endpoint": addr, "replay_endpoint": replay}
         ix = await start_indexer(models=MODELS, engines=f"[{_json(spec)}]")

@@ -185,6 +185,53 @@ async def test_shm_get_grows_segment_for_large_chains(offload_factory) -> None:
             assert lease.via_shm and [bytes(v) for v in lease.views] == [d for _, d in data]
 
 
+def test_a_cached_mapping_is_never_closed_under_its_user() -> None:
+    """The store maps each client's segment once (``AttachCache``); evicting or replacing a
+    mapping that a call is still copying through must wait for that call. Closing it at once
+    failed the call: 76 restores and puts of a 30-minute soak ("released memoryview")."""
+    from kvmesh.kvstore.shm import AttachCache, Segment
+
+    cache = AttachCache(max_entries=1)
+    with Segment.create(4096) as a, Segment.create(4096) as b:
+        ma = cache.get(a.name)
+        mb = cache.get(b.name)                  # evicts a's mapping: its user still holds it
+        assert len(cache) == 1
+        ma.buf[0:4] = b"live"                   # raised ValueError when eviction closed it
+        assert bytes(a.buf[0:4]) == b"live"
+        cache.release(ma)                       # the last user closes it
+        with pytest.raises(ValueError):
+            ma.buf[0:1] = b"x"
+        cache.release(mb)                       # still cached: stays mapped for the next call
+        again = cache.get(b.name)
+        assert again is mb
+        again.buf[0:2] = b"ok"
+        cache.release(again)
+    cache.close()
+
+
+async def test_many_clients_share_the_stores_mapping_cache(offload_factory) -> None:
+    """More clients' segments than the store's mapping cache holds, all calling at once:
+    every shm put and get succeeds (evicted mappings are closed by their last user)."""
+    import asyncio
+
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    clients = [OffloadClient(st.address, use_shm=True) for _ in range(12)]
+    try:
+        async def run(i: int, c: OffloadClient) -> None:
+            for r in range(4):
+                data = blocks(3, 64 << 10, seed=100 * i + r)
+                res = await c.put(NS, data)
+                assert res.stored == 3 and res.via_shm
+                async with await c.fetch(NS, [k for k, _ in data]) as lease:
+                    assert lease.via_shm and [bytes(v) for v in lease.views] == [d for _, d in data]
+
+        await asyncio.gather(*(run(i, c) for i, c in enumerate(clients)))
+    finally:
+        for c in clients:
+            await c.close()
+    assert len(st.servicer._segments) <= 8
+
+
 async def test_mid_stream_cancel_leaves_nothing_visible(offload_factory) -> None:
     import asyncio
 

@@ -180,6 +180,7 @@ def test_models_and_default_max_tokens_use_the_workers_max_model_len(client) -> 
 
 def _grpc_chat(stack, messages: list[dict], choice: object = None, rid: str = "", **chat_kw):
     """A gRPC Generate of an OpenAI-shaped conversation: (chunks, final)."""
+    from kvmesh_api.common.v1 import common_pb2
     from kvmesh_api.router.v1 import router_pb2
 
     msgs = []
@@ -189,13 +190,11 @@ def _grpc_chat(stack, messages: list[dict], choice: object = None, rid: str = ""
             content = "\n".join(p["text"] for p in content)
         msgs.append(router_pb2.ChatMessage(
             role=m["role"], content=content or "", tool_call_id=m.get("tool_call_id", ""),
-            tool_calls=[router_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
+            tool_calls=[common_pb2.ToolCall(id=c["id"], name=c["function"]["name"],
                                             arguments=c["function"]["arguments"]) for c in m.get("tool_calls") or []]))
     chat = router_pb2.ChatMessages(messages=msgs, tools_json=json.dumps(TOOLS), **chat_kw)
     if choice is not None:
         chat.tool_choice_json = json.dumps(choice)
-    from kvmesh_api.common.v1 import common_pb2
-
     req = router_pb2.GenerateRequest(model=MODEL, chat=chat, request_id=rid,
                                      sampling=common_pb2.SamplingParams(max_tokens=8, temperature=0))
     out = list(stack[0].stub.Generate(req, timeout=60))
@@ -259,3 +258,31 @@ def test_grpc_bad_tool_fields_are_invalid_argument_naming_the_field(stack, field
     with pytest.raises(grpc.RpcError) as ei:
         list(stack[0].stub.Generate(router_pb2.GenerateRequest(model=MODEL, chat=chat), timeout=30))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in ei.value.details()
+
+
+@pytest.mark.parametrize("tools", [False, True])
+def test_grpc_add_generation_prompt_false_is_honoured(client, stack, tools) -> None:
+    """``ChatMessages.add_generation_prompt`` is proto3 ``optional``: unset renders with the
+    generation prompt (OpenAI's default), an explicit false without it, as the HTTP front door
+    renders the same conversation (with and without tools, which take another path)."""
+    from kvmesh_api.common.v1 import common_pb2
+    from kvmesh_api.router.v1 import router_pb2
+
+    history = [{"role": "system", "content": "You are a coding agent."}, {"role": "user", "content": "Say hi."}]
+
+    def grpc_prompt(**kw) -> int:  # noqa: ANN003
+        chat = router_pb2.ChatMessages(messages=[router_pb2.ChatMessage(**m) for m in history],
+                                       tools_json=json.dumps(TOOLS) if tools else "", **kw)
+        out = list(stack[0].stub.Generate(router_pb2.GenerateRequest(
+            model=MODEL, chat=chat, sampling=common_pb2.SamplingParams(max_tokens=1, temperature=0)), timeout=60))
+        return out[-1].final.usage.prompt_tokens
+
+    def http_prompt(agp: bool) -> int:
+        extra = {"tools": TOOLS} if tools else {}
+        r = client.chat.completions.create(model=MODEL, messages=history, max_tokens=1, temperature=0,
+                                           extra_body={"add_generation_prompt": agp}, **extra)
+        return r.usage.prompt_tokens
+
+    unset, yes, no = grpc_prompt(), grpc_prompt(add_generation_prompt=True), grpc_prompt(add_generation_prompt=False)
+    assert unset == yes == http_prompt(True)
+    assert no == http_prompt(False) < yes

@@ -40,7 +40,7 @@ def test_simulated_mismatches_are_explained() -> None:
     for p in ("precise", "llmd", "dynamo"):
         assert _mm(rep, p)["view_bug"] == 0 and _mm(rep, p)["no_index"] == 0
         recs = rep["records"][p]
-        wrong = [r for r in recs if not r["error"] and r["predicted_cached"] != r["cached_gpu"] + r["cached_offload"]]
+        wrong = [r for r in recs if not r["error"] and r["predicted_cached"] != r["actual_cached"]]
         assert len(wrong) == _mm(rep, p)["requests"]
         assert all(r["mismatch"] for r in wrong)
     # A GPU this small evicts prefixes a request was routed for before it is scheduled.
@@ -49,6 +49,33 @@ def test_simulated_mismatches_are_explained() -> None:
     assert _mm(rep, "precise")["speculative"] > 0 and _mm(rep, "llmd")["speculative"] > 0
     # session does not read the index: its predictions are its own.
     assert _mm(rep, "session")["no_index"] == _mm(rep, "session")["requests"] > 0
+
+
+def test_a_split_is_predicted_and_classified_as_the_live_router_does() -> None:
+    """A P/D split's prediction is its decode endpoint's cache once the prefill endpoint's KV has
+    arrived, compared with what that endpoint reused (``RouterService._final``); the simulator
+    once compared the decode endpoint's cache before the transfer with the prefill's reuse, and
+    classed nearly every split a miss."""
+    from kvmesh.routing.fidelity import split_predicted_blocks
+
+    trace = _trace()
+    bs = trace.block_size
+    rep = simulate_policies(trace, _cfg(prefill_workers=1, offload_capacity_tokens=400_000,
+                                        kv_capacity_tokens=20000, split_threshold_tokens=512),
+                            ["precise"], jobs=1, records=True)
+    m = rep["results"]["precise"]
+    recs = rep["records"]["precise"]
+    splits = [r for r in recs if r["split"] and not r["error"]]
+    assert m["split_requests"] == len(splits) > 0
+    by_uid = {j.uid: j for j in _trace().requests()}
+    for r in splits:
+        full = split_predicted_blocks(by_uid[r["uid"]].input_tokens, bs, 0) * bs
+        assert r["predicted_cached"] >= full            # every reusable block, once transferred
+        assert (r["mismatch"] == "") == (r["predicted_cached"] == r["actual_cached"])
+        assert r["mismatch"] in ("", "split")
+    # The store carries every split's KV here: the decode endpoint reuses what was predicted.
+    assert sum(r["predicted_cached"] == r["actual_cached"] for r in splits) == len(splits)
+    assert m["mismatches"]["split"] == 0 and m["mismatches"]["view_bug"] == 0
 
 
 def test_an_index_behind_the_engine_is_lag(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,9 +17,9 @@ class ChatMessage(_message.Message):
     role: str
     content: str
     name: str
-    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
     tool_call_id: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., name: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ...) -> None: ...
 
 class ChatMessages(_message.Message):
     __slots__ = ("messages", "add_generation_prompt", "tools_json", "tool_choice_json", "chat_template_kwargs_json")
@@ -34,28 +34,6 @@ class ChatMessages(_message.Message):
     tool_choice_json: str
     chat_template_kwargs_json: str
     def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., add_generation_prompt: _Optional[bool] = ..., tools_json: _Optional[str] = ..., tool_choice_json: _Optional[str] = ..., chat_template_kwargs_json: _Optional[str] = ...) -> None: ...
-
-class ToolCall(_message.Message):
-    __slots__ = ("id", "name", "arguments")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
-    id: str
-    name: str
-    arguments: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
-
-class ToolCallDelta(_message.Message):
-    __slots__ = ("index", "id", "name", "arguments")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    ID_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    id: str
-    name: str
-    arguments: str
-    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "model", "tokens", "text", "chat", "sampling", "cache_salt", "session_id", "lora_name", "tenant", "return_text", "policy")
@@ -104,8 +82,8 @@ class Chunk(_message.Message):
     text: str
     parsed: bool
     content_delta: str
-    tool_call_deltas: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    tool_call_deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCallDelta]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[_common_pb2.ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class RoutingDecision(_message.Message):
     __slots__ = ("endpoint", "endpoint_address", "policy", "predicted_cached_tokens", "predicted_cached_tokens_gpu", "predicted_cached_tokens_offload", "split", "prefill_endpoint", "uncached_tokens", "score", "attempts", "reason", "kv_from_prefill", "routing_overhead_ms", "mismatch", "decision_ms", "tokenize_ms", "hash_ms", "lookup_ms")
@@ -163,9 +141,9 @@ class Final(_message.Message):
     routing: RoutingDecision
     request_id: str
     ttft_s: float
-    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
     content: str
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

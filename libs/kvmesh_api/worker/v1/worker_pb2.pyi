@@ -31,28 +31,6 @@ class GenerateRequest(_message.Message):
     tool_choice_json: str
     def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., cache_salt: _Optional[str] = ..., lora_name: _Optional[str] = ..., session_id: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., tools_json: _Optional[str] = ..., tool_choice_json: _Optional[str] = ...) -> None: ...
 
-class ToolCall(_message.Message):
-    __slots__ = ("id", "name", "arguments")
-    ID_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
-    id: str
-    name: str
-    arguments: str
-    def __init__(self, id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
-
-class ToolCallDelta(_message.Message):
-    __slots__ = ("index", "id", "name", "arguments")
-    INDEX_FIELD_NUMBER: _ClassVar[int]
-    ID_FIELD_NUMBER: _ClassVar[int]
-    NAME_FIELD_NUMBER: _ClassVar[int]
-    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
-    index: int
-    id: str
-    name: str
-    arguments: str
-    def __init__(self, index: _Optional[int] = ..., id: _Optional[str] = ..., name: _Optional[str] = ..., arguments: _Optional[str] = ...) -> None: ...
-
 class GenerateResponse(_message.Message):
     __slots__ = ("token_ids", "finished", "finish_reason", "usage", "kv_from_prefill", "ttft_s", "tool_calls", "content", "truth", "parsed", "content_delta", "tool_call_deltas")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -73,13 +51,13 @@ class GenerateResponse(_message.Message):
     usage: _common_pb2.Usage
     kv_from_prefill: bool
     ttft_s: float
-    tool_calls: _containers.RepeatedCompositeFieldContainer[ToolCall]
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
     content: str
     truth: CacheTruth
     parsed: bool
     content_delta: str
-    tool_call_deltas: _containers.RepeatedCompositeFieldContainer[ToolCallDelta]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_from_prefill: _Optional[bool] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., truth: _Optional[_Union[CacheTruth, _Mapping]] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    tool_call_deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCallDelta]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., kv_from_prefill: _Optional[bool] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., truth: _Optional[_Union[CacheTruth, _Mapping]] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[_common_pb2.ToolCallDelta, _Mapping]]] = ...) -> None: ...
 
 class CacheTruth(_message.Message):
     __slots__ = ("known", "gpu_tokens", "store_tokens", "events_through")
