@@ -60,7 +60,10 @@ class KvEventPublisher:
     """ZMQ PUB of KV-event batches plus an optional ROUTER replay service.
 
     ``endpoint`` e.g. ``tcp://*:5557`` (bind) or ``tcp://indexer:5557`` (connect; the
-    subscriber binds). ``replay_endpoint`` is always bound. Thread-safe.
+    subscriber binds). Port ``0`` or ``*`` (``tcp://*:0``, ``tcp://127.0.0.1:*``: a bind, by
+    vLLM's rule too) lets the kernel pick the port at the bind; ``endpoint`` then names it, so
+    nothing picks a port that must stay free until someone binds it.
+    ``replay_endpoint`` is always bound. Thread-safe.
     """
 
     def __init__(
@@ -106,7 +109,7 @@ class KvEventPublisher:
         try:
             if is_bind_endpoint(ep):
                 self._pub.bind(ep)
-                ep = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if ep.endswith(":0") else ep
+                ep = self._pub.getsockopt_string(zmq.LAST_ENDPOINT) if ep.endswith((":0", ":*")) else ep
             else:
                 self._pub.connect(ep)
         except zmq.ZMQError as e:

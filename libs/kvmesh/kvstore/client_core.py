@@ -223,7 +223,7 @@ class ClientCore:
         self.timeout_s = timeout_s
         self.verify = verify_checksums is not False
         self.verify_shm = bool(verify_checksums) or (verify_checksums is None and not trust_local_store)
-        # Threads copying a same-host get_into (None: $KVMESH_OFFLOAD_COPY_THREADS, default 2).
+        # Threads copying a same-host get_into or put (None: $KVMESH_OFFLOAD_COPY_THREADS, default 2).
         self.copy_threads: int | None = None
         self._channel = channel
         self._stub = offload_pb2_grpc.OffloadStub(channel)
@@ -387,7 +387,7 @@ class ClientCore:
                 log.warning("no shared memory for this put; using gRPC", extra={"reason": str(exc)})
         if seg is not None:
             try:
-                req = yield Blocking(shm_put_request, (plan, seg))
+                req = yield Blocking(shm_put_request, (plan, seg, self.copy_threads))
                 return put_result((yield Unary(self._stub.PutShm, req)), True)
             except grpc.RpcError as exc:
                 self._path_failed(exc, "shm", "put")
@@ -414,7 +414,7 @@ class ClientCore:
             self._direct_min = resv.min_block_bytes
             return None
         try:
-            req = yield Blocking(write_reserved, (plan, resv, self._store_wmaps))
+            req = yield Blocking(write_reserved, (plan, resv, self._store_wmaps, self.copy_threads))
         except (OffloadError, ShmError, OSError) as exc:
             log.info("zero-copy put unavailable, using PutShm", extra={"address": self.address, "reason": str(exc)})
             self._direct_put = False

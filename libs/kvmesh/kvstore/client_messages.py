@@ -73,18 +73,18 @@ def check_dests(sizes: list[int], dests: Sequence[object]) -> list[memoryview]:
 # than whole 2 MiB blocks or smaller pieces, so unverified copies use the same pieces.
 VERIFY_CHUNK_BYTES = 512 * 1024
 
-# Threads that copy (and verify) one get's blocks, each its own share of them. One core's copy
-# plus checksum is bound by that core's memory-level parallelism, not by the memory bus, so a
-# second core nearly doubles a big get; both the copy (ctypes.memmove) and the checksum (crc32c
-# above 32 KiB) release the GIL. 1 = the calling thread alone.
+# Threads that copy (and checksum) one get's or one put's blocks, each its own share of them. One
+# core's copy plus checksum is bound by that core's memory-level parallelism, not by the memory
+# bus, so a second core nearly doubles a big transfer; both the copy (ctypes.memmove) and the
+# checksum (crc32c above 32 KiB) release the GIL. 1 = the calling thread alone.
 COPY_THREADS_ENV = "KVMESH_OFFLOAD_COPY_THREADS"
 DEFAULT_COPY_THREADS = 2
-# Gets smaller than this are copied by the calling thread: a hand-off costs ~50 us.
+# Transfers smaller than this are copied by the calling thread: a hand-off costs ~50 us.
 PARALLEL_MIN_BYTES = 8 * 1024 * 1024
 
 
 def copy_threads() -> int:
-    """Copy threads per get: ``$KVMESH_OFFLOAD_COPY_THREADS``, else 2 (1 on a single-CPU process)."""
+    """Copy threads per transfer: ``$KVMESH_OFFLOAD_COPY_THREADS``, else 2 (1 on a single-CPU process)."""
     try:
         return max(1, int(os.environ[COPY_THREADS_ENV]))
     except (KeyError, ValueError):
@@ -113,11 +113,11 @@ def _address(buf: memoryview) -> int:
     return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
 
 
-def _copy_blocks(dsts: list[memoryview], views: list[memoryview], wants: list[int],
-                 lo: int, hi: int) -> int:
-    """Copy blocks ``lo:hi`` piece by piece; returns the first mismatching block or -1."""
+def _copy_share(dsts: list[memoryview], srcs: list[memoryview], summed: Sequence[bool], sums: list[int],
+                lo: int, hi: int) -> None:
+    """Copy blocks ``lo:hi`` piece by piece; ``sums[i]`` = CRC32C of ``dsts[i]`` where ``summed[i]``."""
     for i in range(lo, hi):
-        d, v, want = dsts[i], views[i], wants[i]
+        d, v, want = dsts[i], srcs[i], summed[i]
         n = len(v)
         da, sa = _address(d), _address(v)
         crc = 0
@@ -126,9 +126,44 @@ def _copy_blocks(dsts: list[memoryview], views: list[memoryview], wants: list[in
             ctypes.memmove(da + off, sa + off, size)
             if want:
                 crc = crc32c_update(d[off:off + size], crc)
-        if want and crc != want:
-            return i
-    return -1
+        sums[i] = crc
+
+
+def share_threads(nbytes: int, nblocks: int, threads: int | None = None) -> int:
+    """How many threads copy a transfer of ``nblocks`` blocks, ``nbytes`` in all: ``threads``
+    (default ``copy_threads()``), at most one per block, and 1 below ``PARALLEL_MIN_BYTES``."""
+    n = min(threads or copy_threads(), nblocks)
+    return 1 if n > 1 and nbytes < PARALLEL_MIN_BYTES else max(1, n)
+
+
+def copy_blocks(dsts: list[memoryview], srcs: list[memoryview], summed: Sequence[bool],
+                threads: int | None = None) -> list[int]:
+    """Copy ``srcs[i]`` into ``dsts[i]`` (same lengths, checked by the caller) in 512 KiB pieces;
+    where ``summed[i]``, checksum each piece of the *destination* right after copying it, while
+    it is in cache. Returns each destination's CRC32C (0 where not summed).
+
+    The one copy loop of the same-host paths: the get's copy into the caller's buffers and the
+    put's copy into the store's slots (or the client's segment). The blocks are split over
+    ``share_threads`` threads, each a contiguous share, the calling thread one of them; it
+    returns only when every share is done (a share's error is raised after that).
+    """
+    n = len(srcs)
+    sums = [0] * n
+    nthreads = share_threads(sum(len(v) for v in srcs), n, threads)
+    bounds = [n * t // nthreads for t in range(nthreads + 1)]
+    futures = []
+    if nthreads > 1:
+        pool = _copy_pool(nthreads - 1)
+        futures = [pool.submit(_copy_share, dsts, srcs, summed, sums, bounds[t], bounds[t + 1])
+                   for t in range(1, nthreads)]
+    try:
+        _copy_share(dsts, srcs, summed, sums, bounds[0], bounds[1])
+    finally:
+        errors = [f.exception() for f in futures]   # waits for every share, even after an error
+    for exc in errors:
+        if exc is not None:
+            raise exc
+    return sums
 
 
 def copy_into(views: list[memoryview], dests: Sequence[object], crcs: Sequence[int] | None = None,
@@ -139,24 +174,13 @@ def copy_into(views: list[memoryview], dests: Sequence[object], crcs: Sequence[i
     is taken over the *destination* bytes, piece by piece right after copying them, so what the
     caller ends up with is what was verified even if the source (shared memory another process
     may write) changes meanwhile; a mismatch raises ``OffloadError``.
-    ``threads``: copy threads (default ``copy_threads()``); each takes a contiguous share
-    of the blocks, the calling thread one of them.
+    ``threads``: copy threads (default ``copy_threads()``), see ``copy_blocks``.
     """
     dsts = check_dests([len(v) for v in views], dests)
     wants = [(crcs[i] if crcs is not None and i < len(crcs) else 0) for i in range(len(views))]
-    nthreads = min(threads or copy_threads(), len(views))
-    if nthreads > 1 and sum(len(v) for v in views) < PARALLEL_MIN_BYTES:
-        nthreads = 1
-    bounds = [len(views) * t // max(1, nthreads) for t in range(nthreads + 1)]
-    futures = []
-    if nthreads > 1:
-        pool = _copy_pool(nthreads - 1)
-        futures = [pool.submit(_copy_blocks, dsts, views, wants, bounds[t], bounds[t + 1])
-                   for t in range(1, nthreads)]
-    bad = [_copy_blocks(dsts, views, wants, bounds[0], bounds[1])]
-    bad += [f.result() for f in futures]   # waits for every share, even after a mismatch
-    for i in bad:
-        if i >= 0:
+    sums = copy_blocks(dsts, views, [w != 0 for w in wants], threads)
+    for i, (want, got) in enumerate(zip(wants, sums, strict=True)):
+        if want and got != want:
             name = keys[i] if keys is not None and i < len(keys) else i
             raise OffloadError(f"block {name}: checksum mismatch in shared memory")
     return len(views)
@@ -175,7 +199,8 @@ class PutPlan:
 
     @functools.cached_property
     def crcs(self) -> list[int]:
-        """Checksums of the source blocks; the zero-copy put checksums the written slots instead."""
+        """Checksums of the source blocks (the gRPC stream and the Mooncake pool; the shm puts
+        checksum what they wrote instead)."""
         return [crc32c(d) for d in self.datas]
 
 
@@ -222,20 +247,20 @@ def put_stream(plan: PutPlan) -> Iterator[bytes]:
                                    plan.tokens[i] if last and plan.tokens is not None else ())
 
 
-def shm_put_request(plan: PutPlan, seg: Segment) -> offload_pb2.ShmRequest:
-    """Copies the blocks into ``seg`` back to back (blocking: a memcpy of the whole put)."""
+def shm_put_request(plan: PutPlan, seg: Segment, threads: int | None = None) -> offload_pb2.ShmRequest:
+    """Copies the blocks into ``seg`` back to back and checksums what it wrote (blocking: the
+    put's memcpy, on ``threads`` copy threads, see ``copy_blocks``)."""
+    srcs = [memoryview(d).cast("B") for d in plan.datas]
+    sizes = [len(v) for v in srcs]
     offsets: list[int] = []
-    sizes: list[int] = []
     off = 0
-    for data in plan.datas:
-        mv = memoryview(data).cast("B")
-        n = len(mv)
-        seg.buf[off:off + n] = mv
+    for n in sizes:
         offsets.append(off)
-        sizes.append(n)
         off += n
+    dsts = [seg.buf[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
+    crcs = copy_blocks(dsts, srcs, [True] * len(srcs), threads)
     req = offload_pb2.ShmRequest(header=plan.header, segment=seg.name, keys=plan.keys, offsets=offsets,
-                                 sizes=sizes, crc32c=plan.crcs)
+                                 sizes=sizes, crc32c=crcs)
     if plan.tokens is not None:
         req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
     return req
@@ -246,23 +271,25 @@ def reserve_request(plan: PutPlan) -> offload_pb2.ShmRequest:
                                   sizes=[memoryview(d).nbytes for d in plan.datas])
 
 
-def write_reserved(plan: PutPlan, resv: offload_pb2.PutReservation, maps: StoreMaps) -> offload_pb2.PutCommit:
-    """Copies each block into its reserved slab slot and checksums the slot right after,
-    while its bytes are still in cache (blocking: the one copy of the put)."""
+def write_reserved(plan: PutPlan, resv: offload_pb2.PutReservation, maps: StoreMaps,
+                   threads: int | None = None) -> offload_pb2.PutCommit:
+    """Copies each block into its reserved slab slot and checksums the slot right after, piece
+    by piece while its bytes are in cache (blocking: the one copy of the put, on ``threads``
+    copy threads like a get's, see ``copy_blocks``)."""
     n = len(plan.keys)
     if len(resv.segments) != n or len(resv.offsets) != n:
         raise OffloadError(f"ReservePut answered {len(resv.segments)} slots for {n} blocks")
-    crcs: list[int] = []
+    srcs: list[memoryview] = []
+    dsts: list[memoryview] = []
     for name, off, data in zip(resv.segments, resv.offsets, plan.datas, strict=True):
         seg = maps.get(name)
         mv = memoryview(data).cast("B")
         size = len(mv)
         if off + size > seg.size:
             raise OffloadError(f"reserved slot at {off}+{size} is past slab {name}")
-        dst = seg.buf[off:off + size]
-        dst[:] = mv
-        crcs.append(crc32c(dst))
-    req = offload_pb2.PutCommit(reservation=resv.reservation, crc32c=crcs)
+        srcs.append(mv)
+        dsts.append(seg.buf[off:off + size])
+    req = offload_pb2.PutCommit(reservation=resv.reservation, crc32c=copy_blocks(dsts, srcs, [True] * n, threads))
     if plan.tokens is not None:
         req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
     return req

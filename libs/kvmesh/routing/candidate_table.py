@@ -147,10 +147,15 @@ class CandidateTable:
             self.own_resident[h] = mine
         room = lc.capacity_blocks * bs - (lc.resident_tokens - self.own_resident)
         fresh = -(-np.maximum(0, req.num_tokens - gpu * bs) // bs) * bs
-        displaced = np.minimum(fresh, np.maximum(-(-req.num_tokens // bs) * bs - np.maximum(room, 0.0), 0.0))
+        need = -(-req.num_tokens // bs) * bs
+        if cfg.displace_cliff:   # scoring.cliff_displaced, element-wise
+            cap_t, others = lc.capacity_blocks * bs, lc.resident_tokens - self.own_resident
+            displaced = np.where(others + need <= cap_t, 0.0, np.where(others <= cap_t, others + need, float(need)))
+        else:
+            displaced = np.minimum(fresh, np.maximum(need - np.maximum(room, 0.0), 0.0))
         self.displace = np.where(lc.capacity_blocks > 0, cfg.displace_weight * displaced * cfg.prefill_s_per_token,
                                  0.0)
-        if cfg.displace_free_at > 1.0:   # scoring.kept_share, element-wise
+        if cfg.displace_free_at > 1.0 and not cfg.displace_cliff:   # scoring.kept_share, element-wise
             cap_t = lc.capacity_blocks * bs
             with np.errstate(divide="ignore", invalid="ignore"):
                 over = ((lc.resident_tokens - self.own_resident) - cap_t) / ((cfg.displace_free_at - 1.0) * cap_t)

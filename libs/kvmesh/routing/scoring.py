@@ -105,6 +105,10 @@ class ScoringConfig:
         "help": "displaced KV is priced in full while the other sessions' working set fits the endpoint's "
                 "cache, and less as it exceeds it, down to 0 at this many times the capacity: such an "
                 "endpoint already recycles every context before its next turn (0 = always in full)"})
+    displace_cliff: bool = field(default=False, metadata={
+        "help": "price displacement as an LRU cache under cyclic reuse does: a placement that pushes an endpoint's "
+                "working set over its cache costs the whole working set, one onto an endpoint already over it only "
+                "the placed context, one that fits nothing (scoring.cliff_displaced; false = the overflow estimate)"})
     hold_min_ratio: float = field(default=0.0, metadata={
         "help": "when every endpoint has prefill queued, a request whose prompt some endpoint holds at least this "
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
@@ -236,10 +240,16 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         # take GPU blocks as much as recomputed ones). Their sessions' next turns recompute them.
         fresh = -(-max(0, num_tokens - split.gpu * block_size) // block_size) * block_size
         room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
-        displaced = min(fresh, max(-(-num_tokens // block_size) * block_size - max(room, 0.0), 0.0))
-        displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
-        if cfg.displace_free_at > 1.0:
-            displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
+        if cfg.displace_cliff:
+            displaced = cliff_displaced(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens,
+                                        -(-num_tokens // block_size) * block_size)
+            displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+        else:
+            displaced = min(fresh, max(-(-num_tokens // block_size) * block_size - max(room, 0.0), 0.0))
+            displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+            if cfg.displace_free_at > 1.0:
+                displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens,
+                                       cfg)
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
@@ -247,6 +257,24 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
                      wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
+
+
+def cliff_displaced(capacity_tokens: float, others_tokens: float, need_tokens: float) -> float:
+    """Reusable KV a placement costs an endpoint whose cache is an LRU under cyclic reuse (``displace_cliff``).
+
+    Agents come back in turn and vLLM evicts the least recently used blocks; a waiting request pins
+    nothing and the turn queued longest is the least recently used. So while the contexts of an
+    endpoint's recent sessions fit its cache they all hit, and once they exceed it each returning
+    turn finds its context evicted by the turns in between: a cliff, not a slope. Placing a prompt
+    of ``need_tokens`` there costs nothing if it fits beside the others' working set; the others'
+    whole working set and its own context if it pushes the endpoint over the cliff; and only its own
+    context (it will not last to its next turn) if the others already exceed the cache.
+    """
+    if others_tokens + need_tokens <= capacity_tokens:
+        return 0.0
+    if others_tokens <= capacity_tokens:
+        return others_tokens + need_tokens
+    return need_tokens
 
 
 def kept_share(capacity_tokens: float, others_tokens: float, cfg: ScoringConfig) -> float:

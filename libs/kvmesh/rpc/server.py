@@ -58,7 +58,8 @@ class ServiceServer:
         self.options = options or ServerOptions()
         self.bindings = list(bindings)
         self.health = health.aio.HealthServicer()
-        self._server: grpc.aio.Server | None = None
+        self._server: grpc.aio.Server | None = None   # serving (after start)
+        self._bound: grpc.aio.Server | None = None    # bound (after bind)
         # The parse guard comes first (outermost) on every server, whatever else is installed.
         extra = interceptors if interceptors is not None else server_interceptors()
         self._interceptors = [ParseGuardInterceptor(), *extra]
@@ -73,7 +74,15 @@ class ServiceServer:
     def service_names(self) -> list[str]:
         return [b[2] for b in self.bindings]
 
-    async def start(self) -> int:
+    async def bind(self) -> int:
+        """Create the server and bind its port, not serving yet; returns the bound port.
+
+        With port 0 the kernel picks a free port at the bind itself, so a caller that needs
+        its port before it can build its servicers (a worker's endpoint id names it) binds
+        first, appends to ``bindings`` and then calls ``start``: no pick-then-bind race.
+        """
+        if self._bound is not None:
+            return self.port
         opts = self.options
         grpc_opts = [
             ("grpc.max_send_message_length", opts.max_message_bytes),
@@ -92,12 +101,6 @@ class ServiceServer:
             options=grpc_opts,
             maximum_concurrent_rpcs=opts.max_concurrent_rpcs or None,
         )
-        for add_fn, servicer, _ in self.bindings:
-            add_fn(servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                 reflection.SERVICE_NAME]
-        reflection.enable_server_reflection(names, server)
         if tls.enabled():
             creds, self.tls_files = server_credentials(tls)
             self.port = server.add_secure_port(f"{opts.host}:{opts.port}", creds)
@@ -105,8 +108,23 @@ class ServiceServer:
             self.port = server.add_insecure_port(f"{opts.host}:{opts.port}")
         if self.port == 0:
             raise RuntimeError(f"{self.name}: cannot bind {opts.host}:{opts.port}")
+        self._bound = server
+        return self.port
+
+    async def start(self) -> int:
+        """Bind (unless ``bind`` did), add the services and serve; returns the bound port."""
+        await self.bind()
+        server = self._bound
+        assert server is not None
+        for add_fn, servicer, _ in self.bindings:
+            add_fn(servicer, server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        names = [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                 reflection.SERVICE_NAME]
+        reflection.enable_server_reflection(names, server)
         await server.start()
         self._server = server
+        tls = resolve(self.options.tls)
         if tls.enabled() and tls.tls_health_port:
             await self._start_health_port(tls)
         await self.health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -131,6 +149,12 @@ class ServiceServer:
     async def stop(self, grace_s: float | None = None) -> None:
         """Drop readiness, run drain hooks, then let in-flight calls finish within the grace."""
         if self._server is None:
+            if self._bound is not None:   # bound, never started: release the port
+                # (grpc closes the listener of a server that never started only at shutdown
+                # after a start; it serves nothing meanwhile, no service was added)
+                await self._bound.start()
+                await self._bound.stop(0)
+                self._bound = None
             return
         grace = self.options.grace_s if grace_s is None else grace_s
         await self.set_ready(False)
@@ -145,6 +169,7 @@ class ServiceServer:
             await self._health_server.stop(0)
             self._health_server = None
         self._server = None
+        self._bound = None
         self._stopped.set()
 
     async def wait(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,8 +103,12 @@ async def _watch_engine(worker: Worker, period_s: float = 0.2) -> None:
             return
 
 
-async def start_worker(cfg: WorkerConfig) -> Worker:
-    """Start engine, gRPC server, metrics, HTTP API and registration; ready when this returns."""
+async def start_worker(cfg: WorkerConfig, on_listening: Callable[[int], None] | None = None) -> Worker:
+    """Start engine, gRPC server, metrics, HTTP API and registration; ready when this returns.
+
+    ``on_listening(port)`` is called once the gRPC server serves liveness on its bound port,
+    before the engine has started (readiness follows it).
+    """
     role = cfg.role or "both"
     if not cfg.kv_events_endpoint:
         cfg.kv_events_replay_endpoint = ""
@@ -112,19 +117,28 @@ async def start_worker(cfg: WorkerConfig) -> Worker:
         # publisher binds port 0 itself and reports the real port (no pick-then-bind race).
         cfg.kv_events_endpoint = _pin_port(cfg.kv_events_endpoint)
         cfg.kv_events_replay_endpoint = _pin_port(cfg.kv_events_replay_endpoint)
-    port = cfg.port or free_port()
-    endpoint_id = cfg.resolve_endpoint_id(port)
-    engine = build_engine(cfg, endpoint_id)
-    metrics = WorkerMetrics(engine, cfg.model_name, role, endpoint_id)
-    servicer = WorkerServicer(engine, role=role, endpoint_id=endpoint_id, model_name=cfg.model_name,
-                              default_max_tokens=cfg.default_max_tokens, metrics=metrics)
-    server = ServiceServer(f"{role}-worker", [(worker_pb2_grpc.add_WorkerServicer_to_server, servicer, SERVICE_NAME)],
-                           ServerOptions(host=cfg.host, port=port, grace_s=cfg.grace_s, tls=cfg.tls))
+    # Bind first (port 0: the kernel picks at the bind, no pick-then-bind race); the endpoint
+    # id and every advertised address name the port actually bound.
+    server = ServiceServer(f"{role}-worker", [], ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s,
+                                                               tls=cfg.tls))
+    port = await server.bind()
+    try:
+        endpoint_id = cfg.resolve_endpoint_id(port)
+        engine = build_engine(cfg, endpoint_id)
+        metrics = WorkerMetrics(engine, cfg.model_name, role, endpoint_id)
+        servicer = WorkerServicer(engine, role=role, endpoint_id=endpoint_id, model_name=cfg.model_name,
+                                  default_max_tokens=cfg.default_max_tokens, metrics=metrics)
+    except BaseException:
+        await server.stop(0)   # release the bound port
+        raise
+    server.bindings.append((worker_pb2_grpc.add_WorkerServicer_to_server, servicer, SERVICE_NAME))
     worker = Worker(cfg=cfg, engine=engine, server=server, servicer=servicer, metrics=metrics,
                     endpoint_id=endpoint_id, port=port)
     servicer.on_engine_dead = worker.mark_dead
     # The server is up (liveness) before the engine; readiness waits for the engine.
     worker.port = await server.start()
+    if on_listening is not None:
+        on_listening(worker.port)
     try:
         await engine.start()
     except Exception:

@@ -31,7 +31,11 @@ How each figure is measured (GB = 1e9 bytes; every figure is the median of
   uses (``GetBulk`` over gRPC, then the bytes over a plain TCP connection,
   received straight into the caller buffer), on loopback here;
   ``get_gbps_bulk_fetch`` receives into a pooled client buffer instead.
-- ``put_gbps_*``: ``put`` of the same blocks after deleting them.
+- ``put_gbps_*``: ``put`` of the same blocks after deleting them. ``put_gbps_shm`` copies
+  each block into its reserved slab slot and checksums it there, 512 KiB pieces at a time,
+  the blocks split over ``copy_threads`` threads as the get's are; ``put_gbps_shm_1thread``
+  is the same put copied by the calling thread alone (same run), ``put_vs_get_shm`` the
+  target ratio (>= 0.8) and ``put_vs_get_shm_1thread`` both on one thread.
 
 Bulk copies and glibc: ``memcpy`` switches to non-temporal stores only above
 ``glibc.cpu.x86_non_temporal_threshold`` (99 MiB on this host), so one 1 GiB
@@ -71,7 +75,6 @@ from kvmesh.kvstore.layout import kv_bytes_per_block, namespace_for
 from kvmesh.kvstore.shm import Segment
 from kvmesh_offload.arena import tune_malloc
 from kvmesh_tools.bench.common import median, percentile, write_json
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 
 log = logging.getLogger(__name__)
@@ -146,7 +149,7 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
         "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc", "put_gbps_shm", "get_gbps_shm",
         "get_gbps_shm_views", "get_gbps_shm_bytes", "restore_ms_grpc", "restore_ms_shm",
         "get_shm_client_page_faults", "get_gbps_bulk", "get_gbps_bulk_fetch", "restore_ms_bulk",
-        "get_gbps_shm_trusted", "get_gbps_shm_1thread")}
+        "get_gbps_shm_trusted", "get_gbps_shm_1thread", "put_gbps_shm_1thread")}
     # The caller's destination (a KV cache stand-in): allocated and touched once, reused.
     dst = np.empty(total, dtype=np.uint8)
     dst.fill(1)
@@ -156,7 +159,7 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
     shm_c = OffloadClient(address, use_shm=True, timeout_s=600)
     # The same shm get without the client's checksum pass (trust_local_store): what verifying costs.
     trusting_c = OffloadClient(address, use_shm=True, timeout_s=600, trust_local_store=True)
-    # The same verified get by the calling thread alone: what the copy threads bring.
+    # The same verified get, and the same put, by the calling thread alone: what the copy threads bring.
     single_c = OffloadClient(address, use_shm=True, timeout_s=600)
     single_c.copy_threads = 1
     try:
@@ -208,6 +211,12 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
                     await single_c.get_into(ns, keys, dests)
                     if keep:
                         res["get_gbps_shm_1thread"].append(total / (time.perf_counter() - t0) / 1e9)
+                    await single_c.delete(ns, keys)
+                    t0 = time.perf_counter()
+                    pr = await single_c.put(ns, blocks)
+                    if keep:
+                        res["put_gbps_shm_1thread"].append(total / (time.perf_counter() - t0) / 1e9)
+                    assert pr.stored == nblocks and pr.via_shm, pr
                     t0 = time.perf_counter()
                     got = await c.get(ns, keys)
                     if keep:
@@ -236,8 +245,9 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
 _RAW_METHOD = "/kvmesh.bench.Raw/Stream"
 
 
-def _raw_server(port: int, nmsgs: int, msg_bytes: int, ready: Any) -> None:
-    """A pass-through gRPC stream of pre-built messages: the transport's own ceiling."""
+def _raw_server(port: Any, nmsgs: int, msg_bytes: int, ready: Any) -> None:
+    """A pass-through gRPC stream of pre-built messages: the transport's own ceiling. Binds
+    port 0 and hands the port it got back in ``port`` (a shared int) before ``ready``."""
     import grpc
 
     tune_malloc()
@@ -251,7 +261,7 @@ def _raw_server(port: int, nmsgs: int, msg_bytes: int, ready: Any) -> None:
         server = grpc.aio.server(options=[("grpc.max_send_message_length", 64 * MiB)])
         h = grpc.unary_stream_rpc_method_handler(handler, request_deserializer=bytes, response_serializer=bytes)
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("kvmesh.bench.Raw", {"Stream": h}),))
-        server.add_insecure_port(f"127.0.0.1:{port}")
+        port.value = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         ready.set()
         await server.wait_for_termination()
@@ -267,7 +277,7 @@ def grpc_ceiling_gbps(total: int, msg_bytes: int, repeats: int) -> list[float]:
 
     ctx = mp.get_context("spawn")
     ready = ctx.Event()
-    port = free_port()
+    port = ctx.Value("i", 0)
     n = max(1, total // msg_bytes)
     proc = ctx.Process(target=_raw_server, args=(port, n, msg_bytes, ready), daemon=True)
     proc.start()
@@ -275,7 +285,7 @@ def grpc_ceiling_gbps(total: int, msg_bytes: int, repeats: int) -> list[float]:
     try:
         if not ready.wait(60):
             return rates
-        with grpc.insecure_channel(f"127.0.0.1:{port}",
+        with grpc.insecure_channel(f"127.0.0.1:{port.value}",
                                    options=[("grpc.max_receive_message_length", 64 * MiB)]) as ch:
             call = ch.unary_stream(_RAW_METHOD, request_serializer=bytes, response_deserializer=bytes)
             list(call(b""))  # warm-up
@@ -312,7 +322,8 @@ def _rerun_with_nt_copies(args: argparse.Namespace) -> int:
 SUMMARY_KEYS = ("memcpy_gbps", "get_gbps_shm_trusted", "get_gbps_shm_1thread", "get_shm_1thread_vs_memcpy", "get_shm_verified_vs_trusted", "put_gbps_grpc", "get_gbps_grpc", "get_into_gbps_grpc", "put_gbps_shm",
                 "get_gbps_shm", "get_gbps_shm_views", "get_gbps_shm_bytes", "restore_p50_ms_1gib",
                 "grpc_raw_stream_gbps", "memcpy_to_shm_gbps", "get_gbps_bulk", "get_grpc_vs_memcpy",
-                "get_bulk_vs_memcpy", "get_shm_vs_memcpy", "put_vs_get_shm")
+                "get_bulk_vs_memcpy", "get_shm_vs_memcpy", "put_vs_get_shm", "put_gbps_shm_1thread",
+                "put_vs_get_shm_1thread")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -364,13 +375,13 @@ def _once(args: argparse.Namespace, tls_mode: str) -> dict[str, Any]:
     saved = tls.default()
     tls.set_default(client_tls, warn=False)   # the offload clients below take the process's identity
     if not address:
-        port = free_port()
-        address = f"127.0.0.1:{port}"
-        proc = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(port), "--ram-capacity-bytes",
-                                          str(int(total * 1.5) + 64 * MiB), "--eviction-policy", "lru",
-                                          *server_flags],
-                              address, log_path=Path(tmp.name) / "offload.log", tls=client_tls)
+        # Started again on fresh ports if its port is taken before it binds (ServiceProcess).
+        proc = ServiceProcess.with_ports(
+            "offload", lambda port: ["--host", "127.0.0.1", "--port", str(port), "--ram-capacity-bytes",
+                                     str(int(total * 1.5) + 64 * MiB), "--eviction-policy", "lru", *server_flags],
+            log_path=Path(tmp.name) / "offload.log", tls=client_tls)
         proc.start(timeout_s=60)
+        address = proc.grpc_address
     try:
         res = asyncio.run(_bench(address, args, memcpy))
     finally:
@@ -398,8 +409,11 @@ def _once(args: argparse.Namespace, tls_mode: str) -> dict[str, Any]:
     res["get_shm_1thread_vs_memcpy"] = res["get_gbps_shm_1thread"] / base
     res["copy_threads"] = copy_threads()
     res["grpc_raw_vs_memcpy"] = res["grpc_raw_stream_gbps"] / base
-    # Same run: the shm put (zero-copy ReservePut/CommitPut) against the shm get.
+    # Same run: the shm put (zero-copy ReservePut/CommitPut) against the shm get, both on the
+    # copy threads, and both on the calling thread alone.
     res["put_vs_get_shm"] = res["put_gbps_shm"] / res["get_gbps_shm"]
+    res["put_vs_get_shm_1thread"] = res["put_gbps_shm_1thread"] / res["get_gbps_shm_1thread"]
+    res["put_shm_threads_vs_1thread"] = res["put_gbps_shm"] / res["put_gbps_shm_1thread"]
     res["targets"] = {"get_grpc_vs_memcpy_min": 0.25, "get_shm_vs_memcpy_min": 0.70, "put_vs_get_shm_min": 0.8,
                       "get_grpc_met": res["get_grpc_vs_memcpy"] >= 0.25,
                       "get_shm_met": res["get_shm_vs_memcpy"] >= 0.70,

@@ -185,7 +185,10 @@ class LocalStack:
         self.offload_address = self._svc(
             "offload", "offload",
             lambda: ["--host", h, "--advertise-host", h, "--ram-capacity-bytes", str(c.offload_ram_bytes),
-                     "--indexer-address", self.indexer_address, "--events-endpoint", f"tcp://{h}:{free_port()}",
+                     # Port '*': the store's publisher binds on h where the kernel picks and
+                     # registers what it got (a picked port could be taken before the indexer
+                     # bound it, and the registration would then fail for good).
+                     "--indexer-address", self.indexer_address, "--events-endpoint", f"tcp://{h}:*",
                      # A replay socket, so an indexer that lost batches (a Redis timeout) replays
                      # them; without one it cleared the store's ~30k blocks from the index, which
                      # then mispredicted every restore for minutes (the 30-minute soak).
@@ -204,9 +207,11 @@ class LocalStack:
                         "--vocab-size", str(c.vocab_size), "--time-scale", str(c.time_scale),
                         *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
                         "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
+                # The sim engine binds both event sockets where the kernel picks (port '*'
+                # or 0) and registers the ports it got: nothing to pick in advance.
                 sp = self._svc(role, ep, lambda args=args: [
-                    *args, "--kv-events-endpoint", f"tcp://{h}:{free_port()}",
-                    "--kv-events-replay-endpoint", f"tcp://{h}:{free_port()}"], identity=("worker", ep))
+                    *args, "--kv-events-endpoint", f"tcp://{h}:*",
+                    "--kv-events-replay-endpoint", f"tcp://{h}:0"], identity=("worker", ep))
                 workers.append((book, ep, sp.start(wait=False)))
         for book, ep, sp in workers:
             sp.wait_ready(c.start_timeout_s)

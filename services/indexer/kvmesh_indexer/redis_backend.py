@@ -52,51 +52,39 @@ long. The scripts build key names at run time, so this layout targets
 standalone Redis/Valkey (or one shard), not Redis Cluster.
 
 Any connection error or timeout surfaces as ``IndexUnavailable``; the client
-never retries on its own, so a caller's deadline bounds every call.
+never retries on its own, so a caller's deadline bounds every call. The Lua
+pieces and client glue the cluster backend shares are in ``redis_common``.
 """
 
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Iterable, Sequence
-from typing import Any
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvmesh.index.base import (
-    TIERS,
-    BlockIndex,
-    EndpointMatch,
-    IndexStats,
-    IndexUnavailable,
-    LookupResult,
-    Tier,
+from kvmesh.index.base import TIERS, IndexStats, LookupResult, Tier
+from kvmesh_indexer.redis_common import (
+    LUA_FILTER,
+    LUA_LIB,
+    LUA_PROBE,
+    RedisIndexBase,
+    add_matches,
+    filter_args,
+    pack_keys,
+    starts_args,
 )
 
 log = logging.getLogger(__name__)
 
 _SEP = "\x1f"
 
-# Lua helpers shared by the scripts: chunked HMGET/HSET (Lua's unpack has a
-# stack limit) and the reverse-index value, 'r<children>' for a first block or
-# 'p<parent8><children>' where <children> counts this holder's blocks whose
-# parent is this block.
-_LIB = """
-local CH = 1000
-local function hmget_all(key, ks)
-  local out = {}
-  for lo = 1, #ks, CH do
-    local vs = redis.call('HMGET', key, unpack(ks, lo, math.min(#ks, lo + CH - 1)))
-    for j = 1, #vs do out[lo + j - 1] = vs[j] end
-  end
-  return out
-end
-local function hset_all(key, kv)
-  for lo = 1, #kv, 2 * CH do redis.call('HSET', key, unpack(kv, lo, math.min(#kv, lo + 2 * CH - 1))) end
-end
+# The reverse-index value, 'r<children>' for a first block or 'p<parent8><children>' where
+# <children> counts this holder's blocks whose parent is this block (the rest of the Lua
+# helpers: redis_common.LUA_LIB).
+_LIB = LUA_LIB + """
 local function rparse(v)
   if string.sub(v, 1, 1) == 'r' then return nil, tonumber(string.sub(v, 2)) end
   return string.sub(v, 2, 9), tonumber(string.sub(v, 10))
@@ -104,11 +92,6 @@ end
 local function rval(par, n)
   if par == nil then return 'r' .. n end
   return 'p' .. par .. n
-end
-local function keys_of(blob)
-  local ks = {}
-  for i = 1, #blob / 8 do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
-  return ks
 end
 """
 
@@ -180,23 +163,10 @@ if #newk > 0 then redis.call('HINCRBY', ns .. ':stats', 'entries:' .. tier, #new
 return #newk
 """
 
-# Removes ';<field>' from one block value; deletes the key when no holder is left.
-_UNLINK_FN = """
-local function unlink(hkey, k, field)
-  local v = redis.call('HGET', hkey, k)
-  if not v then return 0 end
-  local s, e = string.find(v, ';' .. field, 1, true)
-  if not s then return 0 end
-  local rest = string.sub(v, 1, s) .. string.sub(v, e + 1)
-  if rest == ';' then redis.call('HDEL', hkey, k) else redis.call('HSET', hkey, k, rest) end
-  return 1
-end
-"""
-
 # Removing a block that still has children here leaves orphans, so the
 # endpoint loses the prefix-closed guarantee (marked dirty). Children removed
 # in the same call do not count, whatever their order in the batch.
-_REMOVE = _LIB + _UNLINK_FN + """
+_REMOVE = _LIB + """
 local ns, model, ep, tier, blob = ARGV[1], ARGV[2], ARGV[3], ARGV[4], ARGV[5]
 local pre = ns .. ':{' .. model .. '}:'
 local field = ep .. '\\31' .. tier .. ';'
@@ -246,7 +216,7 @@ return #order
 """
 
 # Pops up to n members of one reverse index and unlinks them.
-_CLEAR_CHUNK = _UNLINK_FN + """
+_CLEAR_CHUNK = LUA_LIB + """
 local ns, rkey, n, pre, ep, tier = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 local field = ep .. '\\31' .. tier .. ';'
 local members = redis.call('HRANDFIELD', rkey, n)
@@ -270,21 +240,13 @@ return {#members, removed}
 # first block none of them extends); runs of blocks with the same holders
 # share one interned Lua string, so that walk parses a value only when it
 # changes.
-_LOOKUP = """
+_LOOKUP = LUA_LIB + """
 local ns, model = ARGV[1], ARGV[2]
 local pre = ns .. ':{' .. model .. '}:'
 local spec = ARGV[3] == '1'
 local S = tonumber(ARGV[4])
 local idx = 5
-local nallow = tonumber(ARGV[idx]); idx = idx + 1
-local allow = nil
-if nallow > 0 then
-  allow = {}
-  for j = 1, nallow do allow[ARGV[idx]] = true; idx = idx + 1 end
-end
-local ndeny = tonumber(ARGV[idx]); idx = idx + 1
-local deny = {}
-for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
+""" + LUA_FILTER + """
 local blob = ARGV[idx]
 local nkeys = #blob / 8
 local run, erun = {}, {}
@@ -305,59 +267,9 @@ local function note(f, n)
     erun[ep] = math.max(erun[ep] or 0, n)
   end
 end
+""" + LUA_PROBE + """
 local function probe_walk(hkey, want)
-  -- last[f]: index of the last probe (position j * S) that f holds
-  local last = {}
-  local alive = fields_of(redis.call('HGET', hkey, key(0)), want)
-  if next(alive) == nil then return end
-  for f, _ in pairs(alive) do last[f] = 0 end
-  local nprobe = math.floor((nkeys - 1) / S) + 1
-  local j, win = 1, 8
-  while next(alive) ~= nil and j < nprobe do
-    local hi = math.min(nprobe - 1, j + win - 1)
-    local args = {}
-    for q = j, hi do args[#args + 1] = key(q * S) end
-    local vals = redis.call('HMGET', hkey, unpack(args))
-    for q = j, hi do
-      local v = vals[q - j + 1]
-      local nxt = {}
-      if v then
-        for f, _ in pairs(alive) do
-          if string.find(v, ';' .. f .. ';', 1, true) then nxt[f] = true; last[f] = q end
-        end
-      end
-      alive = nxt
-      if next(alive) == nil then break end
-    end
-    j = hi + 1
-    win = math.min(win * 2, 256)
-  end
-  -- Each run ends inside the gap after its last probe; read each gap once.
-  local gaps = {}
-  for f, q in pairs(last) do
-    gaps[q] = gaps[q] or {}
-    gaps[q][#gaps[q] + 1] = f
-  end
-  for q, fs in pairs(gaps) do
-    local lo, hi = q * S + 1, math.min(nkeys - 1, q * S + S - 1)
-    local ends = {}
-    for _, f in ipairs(fs) do ends[f] = q * S + 1 end
-    if lo <= hi then
-      local args = {}
-      for p = lo, hi do args[#args + 1] = key(p) end
-      local vals = redis.call('HMGET', hkey, unpack(args))
-      for p = lo, hi do
-        local v = vals[p - lo + 1]
-        if not v then break end
-        local any = false
-        for _, f in ipairs(fs) do
-          if ends[f] == p and string.find(v, ';' .. f .. ';', 1, true) then ends[f] = p + 1; any = true end
-        end
-        if not any then break end
-      end
-    end
-    for f, n in pairs(ends) do note(f, n) end
-  end
+  for f, n in pairs(probe(hkey, fields_of(redis.call('HGET', hkey, key(0)), want))) do note(f, n) end
 end
 local function block_walk(hkey, want)
   local cur, cure = nil, nil   -- active field / endpoint sets
@@ -401,7 +313,6 @@ local function block_walk(hkey, want)
   end
   for f, n in pairs(frun) do if n > 0 then run[f] = math.max(run[f] or 0, n) end end
 end
-local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
 local function search(p)
   local dirty = {}
   local nd = 0
@@ -421,8 +332,7 @@ for ep, n in pairs(erun) do out_e[#out_e + 1] = ep; out_e[#out_e + 1] = n end
 if spec then
   -- Speculative runs, probed every S-th block (see the module docstring); a gap is read
   -- only for an endpoint whose entry changed write (or ended) across it.
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local now = now_ms()
   local skey = pre .. 'sp'
   local parsed = {}
   local function live(v)   -- value -> {ep -> {expiry, write}} of its live, allowed entries
@@ -494,8 +404,7 @@ return {out_t, out_e, out_s}
 _PUT_SPEC = _LIB + """
 local ns, model, ep, ttl_ms, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
 local skey = ns .. ':{' .. model .. '}:sp'
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local mine = ep .. '=' .. (now + ttl_ms) .. ':' .. redis.call('INCR', ns .. ':{' .. model .. '}:spseq')
 local memo = {}
 local function rewrite(v)
@@ -551,24 +460,10 @@ return total
 LAYOUT_VERSION = "2"
 
 
-def _pack(keys: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(keys)}Q", *keys)
-
-
-def _starts_args(chain_starts: Sequence[tuple[int, int | None]] | None) -> list[Any]:
-    if chain_starts is None:
-        return [0]
-    out: list[Any] = [len(chain_starts)]
-    for off, parent in chain_starts:
-        out += [off, b"" if parent is None else parent.to_bytes(8, "big")]
-    return out
-
-
-class RedisIndex(BlockIndex):
+class RedisIndex(RedisIndexBase):
     """Block index in Redis; safe to share between processes."""
 
     name = "redis"
-    blocking = True
 
     def __init__(self, url: str = "redis://127.0.0.1:6379/0", namespace: str = "kvm",
                  timeout_s: float = 1.0, clear_chunk: int = 2000, client: redis.Redis | None = None,
@@ -594,55 +489,27 @@ class RedisIndex(BlockIndex):
         self._put_spec = self.r.register_script(_PUT_SPEC)
         self._ep_blocks = self.r.register_script(_ENDPOINT_BLOCKS)
 
-    def _call(self, fn, *args):  # type: ignore[no-untyped-def]
-        try:
-            return fn(*args)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-            raise IndexUnavailable(f"redis {self._safe_url()} unavailable: {exc}") from exc
-        except redis.ResponseError as exc:
-            if "LOADING" in str(exc) or "BUSY" in str(exc):
-                raise IndexUnavailable(f"redis {self._safe_url()} not ready: {exc}") from exc
-            raise
-
-    def _safe_url(self) -> str:
-        if "@" in self.url:
-            scheme, rest = self.url.split("://", 1)
-            return f"{scheme}://***@{rest.split('@', 1)[1]}"
-        return self.url
-
     # ---- updates -------------------------------------------------------------------
-    def check_layout(self) -> None:
-        """Raise ValueError for a namespace written by another layout; an unreachable Redis is checked later."""
-        try:
-            self._check_layout()
-        except IndexUnavailable:
-            pass
+    def layout_value(self) -> str:
+        return LAYOUT_VERSION
 
-    def _check_layout(self) -> None:
-        """Refuse a namespace written by an incompatible layout (once per client)."""
-        if self._layout_checked:
-            return
-        key = f"{self.namespace}:layout"
-        self._call(self.r.setnx, key, LAYOUT_VERSION)
-        got = self._call(self.r.get, key)
-        if got is not None and got.decode() != LAYOUT_VERSION:
-            raise ValueError(f"redis namespace {self.namespace!r} holds index layout v{got.decode()}, this "
-                             f"indexer writes v{LAYOUT_VERSION}; use another --redis-namespace or delete its keys")
-        self._layout_checked = True
+    def layout_mismatch(self, found: str) -> str:
+        return (f"redis namespace {self.namespace!r} holds index layout v{found}, this indexer writes "
+                f"v{LAYOUT_VERSION}; use another --redis-namespace or delete its keys")
 
     def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
             chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
         if not keys:
             return 0
         self._check_layout()
-        return int(self._call(self._add, [], [self.namespace, model, endpoint, int(Tier(tier)), _pack(keys),
-                                              *_starts_args(chain_starts)]))
+        return int(self._call(self._add, [], [self.namespace, model, endpoint, int(Tier(tier)), pack_keys(keys),
+                                              *starts_args(chain_starts)]))
 
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         if not keys:
             return 0
         self._check_layout()
-        return int(self._call(self._remove, [], [self.namespace, model, endpoint, int(Tier(tier)), _pack(keys)]))
+        return int(self._call(self._remove, [], [self.namespace, model, endpoint, int(Tier(tier)), pack_keys(keys)]))
 
     def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
         reg = f"{self.namespace}:eps:{endpoint}"
@@ -668,7 +535,7 @@ class RedisIndex(BlockIndex):
 
     def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:
         if keys:
-            self._call(self._put_spec, [], [self.namespace, model, endpoint, max(1, int(ttl_s * 1000)), _pack(keys)])
+            self._call(self._put_spec, [], [self.namespace, model, endpoint, max(1, int(ttl_s * 1000)), pack_keys(keys)])
 
     # ---- lookup --------------------------------------------------------------------
     def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
@@ -677,33 +544,15 @@ class RedisIndex(BlockIndex):
         result = LookupResult(chain_length=len(keys))
         if not keys:
             return result
-        allow = list(endpoint_filter or [])
-        deny = list(exclude or [])
-        args = [self.namespace, model, "1" if include_speculative else "0", self.probe_stride, len(allow), *allow,
-                len(deny), *deny, _pack(keys), *[m for m in extra_models if m != model]]
+        args = [self.namespace, model, "1" if include_speculative else "0", self.probe_stride,
+                *filter_args(endpoint_filter, exclude), pack_keys(keys), *[m for m in extra_models if m != model]]
         tiers, combined, spec = self._call(self._lookup, [], args)
-        for i in range(0, len(tiers), 2):
-            field = tiers[i].decode()
-            ep, tier = field[:-2], int(field[-1])
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.tiers[Tier(tier)] = int(tiers[i + 1])
-        for i in range(0, len(combined), 2):
-            ep = combined[i].decode()
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.combined = int(combined[i + 1])
-        for i in range(0, len(spec), 3):
-            ep = spec[i].decode()
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.speculative = int(spec[i + 1])
-            em.speculative_ttl_s = int(spec[i + 2]) / 1000.0
-        return result
+        return add_matches(result, zip(tiers[::2], tiers[1::2], strict=True),
+                           zip(combined[::2], combined[1::2], strict=True), spec)
 
     # ---- introspection ---------------------------------------------------------------
     def endpoint_blocks(self, endpoint: str) -> int:
         return int(self._call(self._ep_blocks, [], [self.namespace, endpoint]))
-
-    def endpoints(self) -> list[str]:
-        return sorted(e.decode() for e in self._call(self.r.smembers, f"{self.namespace}:endpoints"))
 
     def stats(self) -> IndexStats:
         raw = self._call(self.r.hgetall, f"{self.namespace}:stats")
@@ -725,21 +574,9 @@ class RedisIndex(BlockIndex):
         except (redis.RedisError, OSError):
             return False
 
-    def check_auth(self) -> None:
-        """Raise ValueError when Redis rejects our credentials (a configuration error, not an outage)."""
-        try:
-            self.r.ping()
-        except redis.AuthenticationError as exc:
-            raise ValueError(f"redis {self._safe_url()}: authentication failed: {exc}") from None
-        except (redis.RedisError, OSError):
-            pass  # unreachable now: lookups answer UNAVAILABLE until it is back
-
     def run_id(self) -> str | None:
         """The server's run id; it changes when Redis restarts (and lost its data)."""
         try:
             return str(self.r.info("server").get("run_id"))
         except (redis.RedisError, OSError):
             return None
-
-    def close(self) -> None:
-        self.r.close()

@@ -49,7 +49,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import struct
 from collections.abc import Iterable, Sequence
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -57,14 +56,16 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from kvmesh.index.base import (
-    TIERS,
-    BlockIndex,
-    EndpointMatch,
-    IndexStats,
-    IndexUnavailable,
-    LookupResult,
-    Tier,
+from kvmesh.index.base import TIERS, IndexStats, LookupResult, Tier
+from kvmesh_indexer.redis_common import (
+    LUA_FILTER,
+    LUA_LIB,
+    LUA_PROBE,
+    RedisIndexBase,
+    add_matches,
+    filter_args,
+    pack_keys,
+    starts_args,
 )
 
 log = logging.getLogger(__name__)
@@ -72,22 +73,10 @@ log = logging.getLogger(__name__)
 LAYOUT_VERSION = "c1"
 SCHEMES = ("redis+cluster://", "rediss+cluster://")
 
-# Lua's unpack has a stack limit: HMGET/HSET in chunks. The reverse-index value is
-# <tag8> then 'p'<parent8> (the parent is held in the same tier) or 'r' (it is not), then
-# "<depth>,<children>" where <children> counts this holder's blocks whose same-tier parent is this one.
-_LIB = """
-local CH = 1000
-local function hmget_all(key, ks)
-  local out = {}
-  for lo = 1, #ks, CH do
-    local vs = redis.call('HMGET', key, unpack(ks, lo, math.min(#ks, lo + CH - 1)))
-    for j = 1, #vs do out[lo + j - 1] = vs[j] end
-  end
-  return out
-end
-local function hset_all(key, kv)
-  for lo = 1, #kv, 2 * CH do redis.call('HSET', key, unpack(kv, lo, math.min(#kv, lo + 2 * CH - 1))) end
-end
+# The reverse-index value is <tag8> then 'p'<parent8> (the parent is held in the same tier) or
+# 'r' (it is not), then "<depth>,<children>" where <children> counts this holder's blocks whose
+# same-tier parent is this one.
+_LIB = LUA_LIB + """
 local function rparse(v)
   local tag, par, rest = string.sub(v, 1, 8), nil, nil
   if string.sub(v, 9, 9) == 'p' then par = string.sub(v, 10, 17); rest = string.sub(v, 18)
@@ -112,8 +101,7 @@ local starts = {}
 for j = 0, nst - 1 do starts[tonumber(ARGV[5 + 2 * j])] = ARGV[6 + 2 * j] end
 local rkey = KEYS[3]
 local n = #blob / 8
-local ks = {}
-for i = 1, n do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
+local ks = keys_of(blob)
 local have = hmget_all(rkey, ks)
 local here = {}
 for i = 1, n do here[ks[i]] = have[i] or false end
@@ -214,9 +202,8 @@ return out
 # KEYS: holder hash, dirty set of that tag. ARGV: field, blob of keys, endpoint, mark dirty ('1'|'0').
 _HOLD_ADD = _LIB + """
 local field, blob = ARGV[1], ARGV[2]
-local n = #blob / 8
-local ks = {}
-for i = 1, n do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
+local ks = keys_of(blob)
+local n = #ks
 local vs = hmget_all(KEYS[1], ks)
 local kv = {}
 for i = 1, n do
@@ -232,21 +219,10 @@ return #kv / 2
 """
 
 # KEYS: holder hash, dirty set of that tag. ARGV: field, blob, endpoint, dirty op ('+' mark, '-' unmark, '').
-_HOLD_DEL = """
+_HOLD_DEL = LUA_LIB + """
 local field, blob = ARGV[1], ARGV[2]
 local gone = 0
-for i = 1, #blob / 8 do
-  local k = string.sub(blob, i * 8 - 7, i * 8)
-  local v = redis.call('HGET', KEYS[1], k)
-  if v then
-    local s, e = string.find(v, ';' .. field, 1, true)
-    if s then
-      local rest = string.sub(v, 1, s) .. string.sub(v, e + 1)
-      if rest == ';' then redis.call('HDEL', KEYS[1], k) else redis.call('HSET', KEYS[1], k, rest) end
-      gone = gone + 1
-    end
-  end
-end
+for _, k in ipairs(keys_of(blob)) do gone = gone + unlink(KEYS[1], k, field) end
 if ARGV[4] == '+' then redis.call('SADD', KEYS[2], ARGV[3]) elseif ARGV[4] == '-' then
   redis.call('SREM', KEYS[2], ARGV[3]) end
 return gone
@@ -299,19 +275,11 @@ return n
 # the one gap where each run ends. Dirty endpoints are walked block by block, parsing a value only
 # when it changes. Returns, per namespace, {runs (field, n ...)}, {combined (ep, n ...)} and the
 # state alive at the range end, then the speculative runs (ep, n, ttl_ms ...).
-_WALK = """
+_WALK = LUA_LIB + """
 local blob, base, final, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
 local limit, S = tonumber(ARGV[5]), tonumber(ARGV[6])
 local idx = 7
-local nallow = tonumber(ARGV[idx]); idx = idx + 1
-local allow = nil
-if nallow > 0 then
-  allow = {}
-  for j = 1, nallow do allow[ARGV[idx]] = true; idx = idx + 1 end
-end
-local ndeny = tonumber(ARGV[idx]); idx = idx + 1
-local deny = {}
-for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
+""" + LUA_FILTER + """
 local nkeys = math.min(limit, #blob / 8)
 local nall = #blob / 8
 local nns = #KEYS
@@ -319,63 +287,13 @@ if spec then nns = nns - 1 end
 nns = nns / 2
 local run, erun = {}, {}
 local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
-local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
 local function split(s)
   local t = {}
   for x in string.gmatch(s, '([^;]+)') do t[x] = true end
   return t
 end
 local function note(t, k, n) if n > 0 and n > (t[k] or 0) then t[k] = n end end
-local function probe(hkey, cand)
-  local ends, alive, last = {}, {}, {}
-  if next(cand) == nil then return ends end
-  for f, _ in pairs(cand) do alive[f] = true; last[f] = 0 end
-  local nprobe = math.floor((nkeys - 1) / S) + 1
-  local j, win = 1, 8
-  while next(alive) ~= nil and j < nprobe do
-    local hi = math.min(nprobe - 1, j + win - 1)
-    local args = {}
-    for q = j, hi do args[#args + 1] = key(q * S) end
-    local vals = redis.call('HMGET', hkey, unpack(args))
-    for q = j, hi do
-      local v = vals[q - j + 1]
-      local nxt = {}
-      if v then
-        for f, _ in pairs(alive) do
-          if string.find(v, ';' .. f .. ';', 1, true) then nxt[f] = true; last[f] = q end
-        end
-      end
-      alive = nxt
-      if next(alive) == nil then break end
-    end
-    j = hi + 1
-    win = math.min(win * 2, 256)
-  end
-  local gaps = {}
-  for f, q in pairs(last) do
-    gaps[q] = gaps[q] or {}
-    gaps[q][#gaps[q] + 1] = f
-  end
-  for q, fs in pairs(gaps) do
-    local lo, hi = q * S + 1, math.min(nkeys - 1, q * S + S - 1)
-    for _, f in ipairs(fs) do ends[f] = q * S + 1 end
-    if lo <= hi then
-      local args = {}
-      for p = lo, hi do args[#args + 1] = key(p) end
-      local vals = redis.call('HMGET', hkey, unpack(args))
-      for p = lo, hi do
-        local v = vals[p - lo + 1]
-        if not v then break end
-        local any = false
-        for _, f in ipairs(fs) do
-          if ends[f] == p and string.find(v, ';' .. f .. ';', 1, true) then ends[f] = p + 1; any = true end
-        end
-        if not any then break end
-      end
-    end
-  end
-  return ends
-end
+""" + LUA_PROBE + """
 -- block by block from the range start; cur/cure: fields/endpoints alive there
 local function blockwalk(hkey, cur, cure, ncur, ncure)
   local prev, pos, stop, win = nil, 0, nil, 64
@@ -479,8 +397,7 @@ for j = 1, nns do
   out_t[j], out_e[j] = t, e
 end
 if spec then
-  local t = redis.call('TIME')
-  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local now = now_ms()
   local srun, sexp = {}, {}
   local pos, win, done = 0, 16, false
   while not done and pos < nall do
@@ -513,10 +430,9 @@ return {out_t, out_e, states, out_s}
 """
 
 # KEYS: speculative hash. ARGV: endpoint, ttl_ms, blob. Also drops a sample of fully expired fields.
-_PUT_SPEC = """
+_PUT_SPEC = LUA_LIB + """
 local ep, ttl, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local now = now_ms()
 local exp = now + ttl
 local function keep(v, drop)
   local out = {}
@@ -565,19 +481,19 @@ def parse_cluster_url(url: str) -> tuple[list[ClusterNode], dict[str, Any]]:
     return nodes, opts
 
 
-def _pack(keys: Sequence[int]) -> bytes:
-    return struct.pack(f">{len(keys)}Q", *keys)
-
-
 def _hex(tag8: bytes) -> str:
     return tag8.hex()
 
 
-class RedisClusterIndex(BlockIndex):
+class RedisClusterIndex(RedisIndexBase):
     """Block index on a Redis Cluster; a lookup touches at most two shards."""
 
     name = "redis-cluster"
-    blocking = True
+    label = "redis cluster"
+    UNAVAILABLE = (*RedisIndexBase.UNAVAILABLE, redis.exceptions.RedisClusterException,
+                   redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError,
+                   redis.exceptions.TryAgainError)
+    NOT_READY = (*RedisIndexBase.NOT_READY, "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK")
 
     def __init__(self, url: str, namespace: str = "kvm", timeout_s: float = 1.0, clear_chunk: int = 2000,
                  anchor_depth: int = 64, probe_stride: int = 32, client: RedisCluster | None = None) -> None:
@@ -618,50 +534,13 @@ class RedisClusterIndex(BlockIndex):
     def _ekey(self, endpoint: str, rest: str) -> str:
         return f"{self.namespace}:{{e:{endpoint}}}:{rest}"
 
-    def _call(self, fn, *args, **kw):  # type: ignore[no-untyped-def]
-        try:
-            return fn(*args, **kw)
-        except (redis.ConnectionError, redis.TimeoutError, OSError, redis.exceptions.ClusterDownError,
-                redis.exceptions.SlotNotCoveredError, redis.exceptions.TryAgainError) as exc:
-            raise IndexUnavailable(f"redis cluster {self._safe_url()} unavailable: {exc}") from exc
-        except redis.exceptions.RedisClusterException as exc:
-            raise IndexUnavailable(f"redis cluster {self._safe_url()} unavailable: {exc}") from exc
-        except redis.ResponseError as exc:
-            if any(s in str(exc) for s in ("LOADING", "BUSY", "CLUSTERDOWN", "TRYAGAIN", "MOVED", "ASK")):
-                raise IndexUnavailable(f"redis cluster {self._safe_url()} not ready: {exc}") from exc
-            raise
+    def layout_value(self) -> str:
+        return f"{LAYOUT_VERSION}:{self.anchor_depth}"
 
-    def _safe_url(self) -> str:
-        if "@" in self.url:
-            scheme, rest = self.url.split("://", 1)
-            return f"{scheme}://***@{rest.split('@', 1)[1]}"
-        return self.url
-
-    def check_layout(self) -> None:
-        try:
-            self._check_layout()
-        except IndexUnavailable:
-            pass
-
-    def _check_layout(self) -> None:
-        if self._layout_checked:
-            return
-        key = f"{self.namespace}:layout"
-        self._call(self.r.setnx, key, f"{LAYOUT_VERSION}:{self.anchor_depth}")
-        got = (self._call(self.r.get, key) or b"").decode()
-        if got != f"{LAYOUT_VERSION}:{self.anchor_depth}":
-            raise ValueError(f"redis namespace {self.namespace!r} holds index layout {got!r}, this indexer writes "
-                             f"{LAYOUT_VERSION}:{self.anchor_depth} (layout:anchor depth); use the same "
-                             "--redis-anchor-depth, another --redis-namespace, or delete its keys")
-        self._layout_checked = True
-
-    def check_auth(self) -> None:
-        try:
-            self.r.ping()
-        except redis.AuthenticationError as exc:
-            raise ValueError(f"redis cluster {self._safe_url()}: authentication failed: {exc}") from None
-        except (redis.RedisError, OSError):
-            pass
+    def layout_mismatch(self, found: str) -> str:
+        return (f"redis namespace {self.namespace!r} holds index layout {found!r}, this indexer writes "
+                f"{self.layout_value()} (layout:anchor depth); use the same --redis-anchor-depth, another "
+                "--redis-namespace, or delete its keys")
 
     # ---- updates -------------------------------------------------------------------
     def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
@@ -671,13 +550,8 @@ class RedisClusterIndex(BlockIndex):
         self._check_layout()
         t = int(Tier(tier))
         rk = [self._ekey(endpoint, f"r:{model}:{x}") for x in (1, 2, 3)]
-        starts: list[Any] = [0]
-        if chain_starts is not None:
-            starts = [len(chain_starts)]
-            for off, parent in chain_starts:
-                starts += [off, b"" if parent is None else parent.to_bytes(8, "big")]
         out = self._call(self._ep_add, [self._ekey(endpoint, "reg"), self._ekey(endpoint, "n"), rk[t - 1], *rk],
-                         [t, self.anchor_depth, _pack(keys), *starts])
+                         [t, self.anchor_depth, pack_keys(keys), *starts_args(chain_starts)])
         new, orphans, first, ndirty = int(out[0]), int(out[1]), int(out[2]), int(out[3])
         self.orphans += orphans
         if first:
@@ -764,7 +638,7 @@ class RedisClusterIndex(BlockIndex):
         """``keys`` is a chain from its first block (what a router picked)."""
         if keys:
             skey = f"{self.namespace}:{{{keys[0]:016x}}}:s:{model}"
-            self._call(self._put_spec, [skey], [endpoint, max(1, int(ttl_s * 1000)), _pack(keys)])
+            self._call(self._put_spec, [skey], [endpoint, max(1, int(ttl_s * 1000)), pack_keys(keys)])
 
     # ---- lookup --------------------------------------------------------------------
     def _node_of(self, key: str) -> str:
@@ -780,12 +654,10 @@ class RedisClusterIndex(BlockIndex):
         if not keys:
             return result
         self._check_layout()
-        allow = list(endpoint_filter or [])
-        deny = list(exclude or [])
         models = [model, *[m for m in dict.fromkeys(extra_models) if m != model]]
-        filt = [len(allow), *allow, len(deny), *deny]
+        filt = filter_args(endpoint_filter, exclude)
         n, D = len(keys), self.anchor_depth
-        blob = _pack(keys)
+        blob = pack_keys(keys)
         root = f"{keys[0]:016x}"
         hk = [k for m in models for k in (self._hkey(root, m), self._dkey(root, m))]
         skeys = [f"{self.namespace}:{{{root}}}:s:{model}"] if include_speculative else []
@@ -821,22 +693,7 @@ class RedisClusterIndex(BlockIndex):
                         combined[e] = max(combined.get(e, 0), int(berun.get(e, D)))
         self.lookup_shards[len(nodes)] += 1
         self.last_lookup_shards = len(nodes)
-        for f, cnt in runs.items():
-            field = f.decode()
-            ep, tier = field[:-2], int(field[-1])
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.tiers[Tier(tier)] = cnt
-        for e, cnt in combined.items():
-            ep = e.decode()
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.combined = cnt
-        spec = out[3]
-        for i in range(0, len(spec), 3):
-            ep = spec[i].decode()
-            em = result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
-            em.speculative = int(spec[i + 1])
-            em.speculative_ttl_s = int(spec[i + 2]) / 1000.0
-        return result
+        return add_matches(result, runs.items(), combined.items(), out[3])
 
     def _both(self, keys_a: list[str], args_a: list, keys_b: list[str], args_b: list) -> tuple[list, list]:
         """The two parts of a lookup in one pipeline: sent to both shards, then both read."""
@@ -869,9 +726,6 @@ class RedisClusterIndex(BlockIndex):
         raw = self._call(self.r.hgetall, self._ekey(endpoint, "n"))
         return sum(int(v) for v in raw.values())
 
-    def endpoints(self) -> list[str]:
-        return sorted(e.decode() for e in self._call(self.r.smembers, f"{self.namespace}:endpoints"))
-
     def stats(self) -> IndexStats:
         """Entries from the per-endpoint counters; ``keys`` scans the holder hashes (O(tags), introspection)."""
         by_tier = {t: 0 for t in TIERS}
@@ -902,6 +756,3 @@ class RedisClusterIndex(BlockIndex):
             return ",".join(sorted(str(v.get("run_id")) for v in info.values()))
         except (redis.RedisError, OSError):
             return None
-
-    def close(self) -> None:
-        self.r.close()

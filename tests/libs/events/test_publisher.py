@@ -128,6 +128,27 @@ def test_connect_mode_reaches_a_bound_subscriber(ctx: zmq.Context) -> None:
     sub.close()
 
 
+def test_a_kernel_picked_port_on_one_interface_is_bound_and_named(ctx: zmq.Context) -> None:
+    """``tcp://127.0.0.1:*`` binds (vLLM's rule: it has a '*') on loopback only, on a port the
+    kernel picks at the bind; ``endpoint`` names that port, which is what gets advertised."""
+    assert is_bind_endpoint("tcp://127.0.0.1:*")
+    with KvEventPublisher("tcp://127.0.0.1:*", topic="t") as pub:
+        host, port = pub.endpoint.removeprefix("tcp://").rsplit(":", 1)
+        assert host == "127.0.0.1" and port.isdigit() and int(port) > 0
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(pub.endpoint)
+        deadline = time.monotonic() + 30
+        got = None
+        while got is None and time.monotonic() < deadline:  # slow joiner: retry until one arrives
+            pub.publish([AllBlocksCleared()])
+            if sub.poll(100):
+                got = decode_message(sub.recv_multipart())
+        sub.close()
+        assert got is not None and got.topic == "t"
+
+
 def test_concurrent_publishers_get_unique_ordered_seqs(ctx: zmq.Context, tmp_path: Path) -> None:
     ep = f"ipc://{tmp_path}/pub"
     with KvEventPublisher(ep, topic="t") as pub:

@@ -99,7 +99,7 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
                         cluster_work_weight=rng.choice([0.0, 1.0, 2.7]), saturation_s=rng.choice([0.0, 0.013, 0.37, 1.0]),
                         displace_weight=rng.choice([0.0, 0.6, 1.0]), reuse_window_s=600.0,
                         hold_min_ratio=rng.choice([0.0, 0.3, 0.5, 1.0]),
-                        displace_free_at=rng.choice([0.0, 1.5, 2.0, 3.0]))
+                        displace_free_at=rng.choice([0.0, 1.5, 2.0, 3.0]), displace_cliff=rng.random() < 0.5)
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     shared = load.pending_overlap(req.keys, BS)

@@ -405,3 +405,63 @@ def test_a_thrashing_endpoint_takes_a_new_session_before_one_at_capacity():
     pd = plain.decide(_req(plain, n, "r", session="s"), Matches(), now=0.1)
     assert {c.endpoint_id: c.displace_s for c in pd.candidates}["e0"] == \
         {c.endpoint_id: c.displace_s for c in pd.candidates}["e1"] > 0.0
+
+
+# ---------------------------------------------------------------- displacement at the LRU cliff
+
+
+@pytest.mark.parametrize(("others_x", "expect"), [
+    (0.5, "fits"), (0.99, "pushes over"), (1.0, "pushes over"), (1.01, "already over"), (3.0, "already over")])
+def test_cliff_prices_the_working_set_a_placement_pushes_over_the_cache(others_x: float, expect: str):
+    n = 3200
+    nb = 1000
+    core = _core(1, displace_weight=1.0, displace_cliff=True)
+    cfg = core.cfg.scoring
+    _capacity(core, nb, "e0")
+    cap_t = nb * BS
+    others = int(others_x * cap_t)
+    core.load.working_set.touch("other", "e0", others, 0.0)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    need = -(-n // BS) * BS
+    displaced = {"fits": 0, "pushes over": others + need, "already over": need}[expect]
+    if expect == "fits":
+        assert others + need <= cap_t
+    assert d.candidates[0].displace_s == pytest.approx(cfg.displace_weight * _evict(cfg, displaced))
+
+
+def test_cliff_sends_a_new_session_to_the_thrashing_endpoint_not_over_the_edge():
+    n = 3200
+    nb = 1000
+    need = -(-n // BS) * BS
+
+    def decide(cliff: bool):
+        core = _core(2, displace_weight=1.0, displace_cliff=cliff)
+        _capacity(core, nb, "e0", "e1")
+        core.load.working_set.touch("a", "e0", nb * BS - need // 2, 0.0)   # half the prompt fits beside "a"
+        core.load.working_set.touch("b", "e1", 2 * nb * BS, 0.0)           # twice the cache: thrashes already
+        return core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+
+    # The overflow estimate evicts half a prompt on e0 against a whole one on e1, so it tips e0
+    # over its cache; at the cliff that costs everything "a" has there, so e1 takes the session.
+    d = decide(cliff=False)
+    assert d.endpoint_id == "e0"
+    d = decide(cliff=True)
+    by = {c.endpoint_id: c for c in d.candidates}
+    cfg = ScoringConfig()
+    assert by["e0"].displace_s == pytest.approx(_evict(cfg, nb * BS - need // 2 + need))
+    assert by["e1"].displace_s == pytest.approx(_evict(cfg, need))
+    assert d.endpoint_id == "e1"
+
+
+def test_cliff_leaves_a_session_home_while_its_own_context_fits_there():
+    n = 3200
+    nb = 1000
+    cap = max_hit_blocks(n, BS)
+    core = _core(2, displace_weight=1.0, displace_cliff=True, cluster_work_weight=0.0)
+    _capacity(core, nb, "e0", "e1")
+    # The session's own context (last turn, 3,000 tokens) is counted on e0 but is what it reuses.
+    core.load.working_set.touch("s", "e0", 3000, 0.0)
+    core.load.working_set.touch("a", "e0", nb * BS - 3300, 0.0)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    assert d.endpoint_id == "e0"
+    assert {c.endpoint_id: c.displace_s for c in d.candidates}["e0"] == 0.0

@@ -57,6 +57,41 @@ async def test_reflection_lists_services() -> None:
         await srv.stop(0)
 
 
+async def test_bind_first_then_add_services_and_start() -> None:
+    """``bind`` on port 0 returns the kernel's port before any servicer exists (a worker names
+    its endpoint after it); services added afterwards are served on that same port."""
+    from kvmesh.rpc.server import ServerOptions, ServiceServer
+    from tests.helpers.slow_server import _binding
+
+    srv = ServiceServer("bind-first", [], ServerOptions(host="127.0.0.1", port=0, grace_s=1))
+    port = await srv.bind()
+    assert port > 0 and await srv.bind() == port
+    srv.bindings.append(_binding())
+    try:
+        assert await srv.start() == port
+        await srv.set_ready(True)
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as ch:
+            assert await _check(ch, SERVICE) == health_pb2.HealthCheckResponse.SERVING
+            assert await ch.unary_unary(f"/{SERVICE}/Sleep")(b"0", timeout=10) == b"done"
+    finally:
+        await srv.stop(0)
+
+
+async def test_a_bound_server_never_started_releases_its_port() -> None:
+    import socket
+
+    from kvmesh.rpc.server import ServerOptions, ServiceServer
+
+    srv = ServiceServer("bound-only", [], ServerOptions(host="127.0.0.1", port=0, grace_s=1))
+    port = await srv.bind()
+    await srv.stop(0)
+    # Nothing listens there any more (a connect is refused; binding the port ourselves could
+    # race an unrelated socket the kernel hands the same ephemeral port).
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.settimeout(10)
+        s.connect(("127.0.0.1", port))
+
+
 def test_sigterm_drains_in_flight_calls() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "tests.helpers.slow_server"], cwd=REPO, stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "PYTHONPATH": str(REPO)})

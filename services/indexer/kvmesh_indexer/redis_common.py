@@ -1,0 +1,247 @@
+"""What the two Redis index backends share: Lua building blocks and the client glue.
+
+``redis_backend`` (one Redis or Valkey) and ``redis_cluster_backend`` (Redis Cluster) keep
+their own key layouts and scripts, one backend per file; the parts that do not depend on the
+layout live here once, so a fix to the lookup's probing or to error mapping reaches both:
+
+- ``LUA_LIB``: chunked HMGET/HSET (Lua's ``unpack`` has a stack limit), ``keys_of`` (a
+  blob of 8-byte keys as a table), ``unlink`` (drop one holder from a block's holder list,
+  the key with it when none is left) and ``now_ms`` (the server's clock).
+- ``LUA_FILTER``: the lookup's endpoint filter (allow list, deny list) read from ``ARGV``
+  from position ``idx`` on, and ``allowed(ep)``.
+- ``LUA_PROBE``: ``probe(hkey, cand)``, the prefix-closed walk: holder fields in ``cand``
+  (held at position 0) are read every ``S``-th block, then the one gap where each run ends.
+- ``RedisIndexBase``: error mapping to ``IndexUnavailable``, the layout check, credentials,
+  the argument encodings and the assembly of a ``LookupResult``.
+
+A script includes the snippets it needs by concatenation; ``LUA_FILTER`` and ``LUA_PROBE``
+expect the including script to define what they name (``idx``; ``key(p)``, ``S``, ``nkeys``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
+
+import redis
+
+from kvmesh.index.base import BlockIndex, EndpointMatch, IndexUnavailable, LookupResult, Tier
+from kvmesh.index.packed import packed_blob
+
+LUA_LIB = """
+local CH = 1000
+local function hmget_all(key, ks)
+  local out = {}
+  for lo = 1, #ks, CH do
+    local vs = redis.call('HMGET', key, unpack(ks, lo, math.min(#ks, lo + CH - 1)))
+    for j = 1, #vs do out[lo + j - 1] = vs[j] end
+  end
+  return out
+end
+local function hset_all(key, kv)
+  for lo = 1, #kv, 2 * CH do redis.call('HSET', key, unpack(kv, lo, math.min(#kv, lo + 2 * CH - 1))) end
+end
+local function keys_of(blob)
+  local ks = {}
+  for i = 1, #blob / 8 do ks[i] = string.sub(blob, i * 8 - 7, i * 8) end
+  return ks
+end
+-- Removes ';<field>' from one block's holders; deletes the field when no holder is left.
+local function unlink(hkey, k, field)
+  local v = redis.call('HGET', hkey, k)
+  if not v then return 0 end
+  local s, e = string.find(v, ';' .. field, 1, true)
+  if not s then return 0 end
+  local rest = string.sub(v, 1, s) .. string.sub(v, e + 1)
+  if rest == ';' then redis.call('HDEL', hkey, k) else redis.call('HSET', hkey, k, rest) end
+  return 1
+end
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+"""
+
+LUA_FILTER = """
+local nallow = tonumber(ARGV[idx]); idx = idx + 1
+local allow = nil
+if nallow > 0 then
+  allow = {}
+  for j = 1, nallow do allow[ARGV[idx]] = true; idx = idx + 1 end
+end
+local ndeny = tonumber(ARGV[idx]); idx = idx + 1
+local deny = {}
+for j = 1, ndeny do deny[ARGV[idx]] = true; idx = idx + 1 end
+local function allowed(ep) return (allow == nil or allow[ep]) and not deny[ep] end
+"""
+
+# Endpoints whose blocks are prefix-closed (every block's parent held in the same tier) hold
+# block i of a chain "true then false" once, so for them the walk reads every S-th block
+# (galloping HMGET windows, stopping at the first probe none of the candidates holds) and then
+# only the one stride-long gap where each run ends: about n / S + S reads instead of n.
+# Returns ends[field] = the run's length from position 0 (fields of ``cand`` only).
+LUA_PROBE = """
+local function probe(hkey, cand)
+  local ends, alive, last = {}, {}, {}
+  if next(cand) == nil then return ends end
+  for f, _ in pairs(cand) do alive[f] = true; last[f] = 0 end
+  local nprobe = math.floor((nkeys - 1) / S) + 1
+  local j, win = 1, 8
+  while next(alive) ~= nil and j < nprobe do
+    local hi = math.min(nprobe - 1, j + win - 1)
+    local args = {}
+    for q = j, hi do args[#args + 1] = key(q * S) end
+    local vals = redis.call('HMGET', hkey, unpack(args))
+    for q = j, hi do
+      local v = vals[q - j + 1]
+      local nxt = {}
+      if v then
+        for f, _ in pairs(alive) do
+          if string.find(v, ';' .. f .. ';', 1, true) then nxt[f] = true; last[f] = q end
+        end
+      end
+      alive = nxt
+      if next(alive) == nil then break end
+    end
+    j = hi + 1
+    win = math.min(win * 2, 256)
+  end
+  -- Each run ends inside the gap after its last probe; read each gap once.
+  local gaps = {}
+  for f, q in pairs(last) do
+    gaps[q] = gaps[q] or {}
+    gaps[q][#gaps[q] + 1] = f
+  end
+  for q, fs in pairs(gaps) do
+    local lo, hi = q * S + 1, math.min(nkeys - 1, q * S + S - 1)
+    for _, f in ipairs(fs) do ends[f] = q * S + 1 end
+    if lo <= hi then
+      local args = {}
+      for p = lo, hi do args[#args + 1] = key(p) end
+      local vals = redis.call('HMGET', hkey, unpack(args))
+      for p = lo, hi do
+        local v = vals[p - lo + 1]
+        if not v then break end
+        local any = false
+        for _, f in ipairs(fs) do
+          if ends[f] == p and string.find(v, ';' .. f .. ';', 1, true) then ends[f] = p + 1; any = true end
+        end
+        if not any then break end
+      end
+    end
+  end
+  return ends
+end
+"""
+
+
+def pack_keys(keys: Sequence[int]) -> bytes:
+    """Block keys as one blob of 8-byte big-endian strings (the shortest exact form of a uint64);
+    keys that came packed (``BlockChain.keys_be64``, ``kvmesh.index.packed``) go as they are."""
+    return packed_blob(keys)
+
+
+def starts_args(chain_starts: Sequence[tuple[int, int | None]] | None) -> list[Any]:
+    """``nstarts, (offset, parent8 or b'')...``; ``nstarts`` 0 = the parent links are unknown."""
+    if chain_starts is None:
+        return [0]
+    out: list[Any] = [len(chain_starts)]
+    for off, parent in chain_starts:
+        out += [off, b"" if parent is None else parent.to_bytes(8, "big")]
+    return out
+
+
+def filter_args(endpoint_filter: Iterable[str] | None, exclude: Iterable[str] | None) -> list[Any]:
+    """What ``LUA_FILTER`` reads: ``nallow, allow..., ndeny, deny...`` (no allow list = all)."""
+    allow = list(endpoint_filter or [])
+    deny = list(exclude or [])
+    return [len(allow), *allow, len(deny), *deny]
+
+
+def add_matches(result: LookupResult, runs: Iterable[tuple[bytes, Any]], combined: Iterable[tuple[bytes, Any]],
+                spec: Sequence[Any]) -> LookupResult:
+    """Fill ``result`` from a lookup's answer: per-tier runs by holder field (``<endpoint>\\x1f<tier>``),
+    combined runs by endpoint, and the flat speculative list ``endpoint, blocks, ttl_ms, ...``."""
+    def match(ep: str) -> EndpointMatch:
+        return result.matches.get(ep) or result.matches.setdefault(ep, EndpointMatch(ep))
+
+    for f, n in runs:
+        field = f.decode()
+        match(field[:-2]).tiers[Tier(int(field[-1]))] = int(n)
+    for e, n in combined:
+        match(e.decode()).combined = int(n)
+    for i in range(0, len(spec), 3):
+        em = match(spec[i].decode())
+        em.speculative = int(spec[i + 1])
+        em.speculative_ttl_s = int(spec[i + 2]) / 1000.0
+    return result
+
+
+class RedisIndexBase(BlockIndex):
+    """The client glue of a Redis-backed index; a backend sets ``r``, ``url``, ``namespace`` and
+    ``_layout_checked`` and says which layout it writes (``layout_value``, ``layout_mismatch``)."""
+
+    blocking = True
+    label: ClassVar[str] = "redis"   # in error messages
+    # Errors meaning "Redis cannot answer now": the caller gets IndexUnavailable (and retries later).
+    UNAVAILABLE: ClassVar[tuple[type[BaseException], ...]] = (redis.ConnectionError, redis.TimeoutError, OSError)
+    NOT_READY: ClassVar[tuple[str, ...]] = ("LOADING", "BUSY")   # in a ResponseError's text
+    r: Any
+    url: str
+    namespace: str
+    _layout_checked: bool
+
+    def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+        try:
+            return fn(*args, **kw)
+        except self.UNAVAILABLE as exc:
+            raise IndexUnavailable(f"{self.label} {self._safe_url()} unavailable: {exc}") from exc
+        except redis.ResponseError as exc:
+            if any(s in str(exc) for s in self.NOT_READY):
+                raise IndexUnavailable(f"{self.label} {self._safe_url()} not ready: {exc}") from exc
+            raise
+
+    def _safe_url(self) -> str:
+        if "@" in self.url:
+            scheme, rest = self.url.split("://", 1)
+            return f"{scheme}://***@{rest.split('@', 1)[1]}"
+        return self.url
+
+    def layout_value(self) -> str:
+        raise NotImplementedError
+
+    def layout_mismatch(self, found: str) -> str:
+        raise NotImplementedError
+
+    def check_layout(self) -> None:
+        """Raise ValueError for a namespace written by another layout; an unreachable Redis is checked later."""
+        try:
+            self._check_layout()
+        except IndexUnavailable:
+            pass
+
+    def _check_layout(self) -> None:
+        """Refuse a namespace written by an incompatible layout (once per client)."""
+        if self._layout_checked:
+            return
+        key, want = f"{self.namespace}:layout", self.layout_value()
+        self._call(self.r.setnx, key, want)
+        got = self._call(self.r.get, key)
+        if got is not None and got.decode() != want:
+            raise ValueError(self.layout_mismatch(got.decode()))
+        self._layout_checked = True
+
+    def check_auth(self) -> None:
+        """Raise ValueError when Redis rejects our credentials (a configuration error, not an outage)."""
+        try:
+            self.r.ping()
+        except redis.AuthenticationError as exc:
+            raise ValueError(f"{self.label} {self._safe_url()}: authentication failed: {exc}") from None
+        except (redis.RedisError, OSError):
+            pass  # unreachable now: lookups answer UNAVAILABLE until it is back
+
+    def endpoints(self) -> list[str]:
+        return sorted(e.decode() for e in self._call(self.r.smembers, f"{self.namespace}:endpoints"))
+
+    def close(self) -> None:
+        self.r.close()
