@@ -76,6 +76,8 @@ class MessagesRequest:
     messages: list[dict[str, Any]]           # OpenAI-style conversation for the chat template
     tools: list[dict[str, Any]] | None = None          # OpenAI-style function tools
     tool_choice: str | dict[str, Any] | None = None    # OpenAI-style: auto, required, none or a named function
+    # OpenAI's parallel_tool_calls: false when tool_choice.disable_parallel_tool_use is true (as vLLM maps it).
+    parallel_tool_calls: bool = True
     max_tokens: int | None = None
     stop_sequences: list[str] = field(default_factory=list)
     temperature: float | None = None
@@ -354,6 +356,8 @@ def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
     tools = _tools(body)
     req = MessagesRequest(model=model, body=body, messages=_messages(body), tools=tools)
     req.tool_choice = _tool_choice(body, tools)
+    req.parallel_tool_calls = not (isinstance(body.get("tool_choice"), dict)
+                                   and body["tool_choice"].get("disable_parallel_tool_use") is True)
     return req
 
 

@@ -107,6 +107,9 @@ class WorkerConfig:
     model_h2d: bool = field(default=True, metadata=_h("sim: add a modelled host-to-device copy to each restore"))
     grace_s: float = field(default=10.0, metadata=_h("drain time on shutdown"))
     labels: dict[str, str] = field(default_factory=dict, metadata=_h("endpoint labels (JSON)"))
+    sim_tool_calls: int = field(default=1, metadata=_h(
+        "sim: tool calls per answer to a request with tools (its deterministic tool mode, for tests); "
+        "parallel_tool_calls false gets one"))
     tool_call_parser: str = field(default="", metadata=_h(
         "vllm engine: vLLM tool parser for chat answers with tools (e.g. hermes), as vLLM's flag"))
     enable_auto_tool_choice: bool = field(default=False, metadata=_h(
@@ -120,7 +123,7 @@ class WorkerConfig:
         if self.role and self.role not in ROLES:
             raise ConfigError(f"setting 'role': expected one of {ROLES}, got {self.role!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-                     "vocab_size"):
+                     "vocab_size", "sim_tool_calls"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
         if self.default_max_tokens < 0:
@@ -186,5 +189,5 @@ class WorkerConfig:
             offload_lookup_timeout_s=self.offload_lookup_timeout_s,
             model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,
             kv_num_kv_heads=self.kv_num_kv_heads, kv_head_dim=self.kv_head_dim, kv_dtype=self.kv_dtype,
-            latency=self.latency(),
+            latency=self.latency(), tool_calls=self.sim_tool_calls,
         )

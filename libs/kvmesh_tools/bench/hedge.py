@@ -51,8 +51,8 @@ def _worker(i: int, log_dir: Path, slow_s: float) -> ServiceProcess:
                                          env={"KVMESH_LOG_FORMAT": "text"})
 
 
-def _router(mode: str, log_dir: Path, endpoints: str, args: argparse.Namespace) -> tuple[ServiceProcess, int]:
-    metrics_port = free_port()
+def _router(mode: str, log_dir: Path, endpoints: str, args: argparse.Namespace) -> ServiceProcess:
+    """Its metrics port is picked with the gRPC port (again on a retry): read it with ``flag_port``."""
     hedge = (["--hedge-delay-s", str(args.hedge_delay_s), "--hedge-budget", str(args.hedge_budget),
               "--hedge-burst", str(args.hedge_burst)] if mode == "hedge" else [])
 
@@ -60,10 +60,10 @@ def _router(mode: str, log_dir: Path, endpoints: str, args: argparse.Namespace) 
         port = free_port()
         return (["--host", "127.0.0.1", "--port", str(port), "--http-port", "0", "--model", MODEL,
                  "--block-size", str(BLOCK), "--endpoints", endpoints, "--policy", args.policy, "--auth", "off",
-                 "--metrics-port", str(metrics_port), "--grace-s", "1", *hedge], f"127.0.0.1:{port}")
+                 "--metrics-port", str(free_port()), "--grace-s", "1", *hedge], f"127.0.0.1:{port}")
     sp = ServiceProcess.on_fresh_ports("router", fresh, log_path=log_dir / f"router-{mode}.log",
                                        env={"KVMESH_LOG_FORMAT": "text"})
-    return sp, metrics_port
+    return sp
 
 
 async def _one(stub: Any, tokens: list[int], max_tokens: int) -> float:
@@ -118,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvmesh-hedge-bench-") as tmp:
         log_dir = Path(tmp)
         workers = [_worker(i, log_dir, args.slow_s if i == 0 else 0.0) for i in range(args.workers)]
-        routers: dict[str, tuple[ServiceProcess, int]] = {}
+        routers: dict[str, ServiceProcess] = {}
         try:
             for w in workers:
                 w.start(wait=False)
@@ -126,15 +126,15 @@ def run(args: argparse.Namespace) -> int:
                 w.wait_ready(90)
             endpoints = ",".join(f"w{i}={w.grpc_address}" for i, w in enumerate(workers))
             routers = {m: _router(m, log_dir, endpoints, args) for m in MODES}
-            for sp, _ in routers.values():
+            for sp in routers.values():
                 sp.start(timeout_s=90)
             time.sleep(1.0)   # a first load poll of every worker
             t0 = time.monotonic()
-            ttft, errors = asyncio.run(_load(args, {m: sp.grpc_address for m, (sp, _) in routers.items()}))
+            ttft, errors = asyncio.run(_load(args, {m: sp.grpc_address for m, sp in routers.items()}))
             wall = time.monotonic() - t0
-            hedges = _hedges(routers["hedge"][1])
+            hedges = _hedges(routers["hedge"].flag_port("--metrics-port"))
         finally:
-            for sp, _ in routers.values():
+            for sp in routers.values():
                 sp.stop(grace_s=2)
             for w in workers:
                 w.stop(grace_s=2)

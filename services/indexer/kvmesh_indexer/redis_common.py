@@ -20,13 +20,13 @@ expect the including script to define what they name (``idx``; ``key(p)``, ``S``
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
 import redis
 
 from kvmesh.index.base import BlockIndex, EndpointMatch, IndexUnavailable, LookupResult, Tier
+from kvmesh.index.packed import packed_blob
 
 LUA_LIB = """
 local CH = 1000
@@ -136,8 +136,9 @@ end
 
 
 def pack_keys(keys: Sequence[int]) -> bytes:
-    """Block keys as one blob of 8-byte big-endian strings (the shortest exact form of a uint64)."""
-    return struct.pack(f">{len(keys)}Q", *keys)
+    """Block keys as one blob of 8-byte big-endian strings (the shortest exact form of a uint64);
+    keys that came packed (``BlockChain.keys_be64``, ``kvmesh.index.packed``) go as they are."""
+    return packed_blob(keys)
 
 
 def starts_args(chain_starts: Sequence[tuple[int, int | None]] | None) -> list[Any]:

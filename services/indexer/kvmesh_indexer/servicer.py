@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from opentelemetry import trace
 from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from kvmesh.hashing import BlockHasher, ExtraKeys, HashAlgo, MMRange
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S, BlockIndex, IndexUnavailable, LookupResult, Tier
+from kvmesh.index.packed import PackedKeys
 from kvmesh.rpc.authz import peer_identity
 from kvmesh.rpc.peers import LOCAL, LOOPBACK, peer_host
 from kvmesh_api.common.v1 import common_pb2
@@ -204,7 +205,7 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             which = request.WhichOneof("query")
             hashed: list[int] | None = None
             if which == "chain":
-                keys = list(request.chain.keys)
+                keys = self._chain_keys(request.chain)
                 if not keys:
                     raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "empty chain")
                 if len(keys) > MAX_CHAIN:
@@ -258,7 +259,23 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             span.set_attribute("kvmesh.best_combined", res.best_combined())
             return resp
 
-    def _lookup_all(self, model: str, keys: list[int], filt: list[str] | None, spec: bool,
+    def _chain_keys(self, chain: indexer_pb2.BlockChain) -> Sequence[int]:
+        """The chain's keys; packed ones (``keys_be64``) stay packed for a Redis backend, which
+        sends them to its scripts as they are (``kvmesh.index.packed``)."""
+        if not chain.keys_be64:
+            return list(chain.keys)
+        if chain.keys:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "chain: set keys or keys_be64, not both")
+        if len(chain.keys_be64) % 8:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"chain.keys_be64 of {len(chain.keys_be64)} bytes is not a multiple of 8")
+        if len(chain.keys_be64) > 8 * MAX_CHAIN:   # before unpacking anything
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
+                         f"chain of {len(chain.keys_be64) // 8} keys exceeds {MAX_CHAIN}")
+        packed = PackedKeys(chain.keys_be64)
+        return packed if self.index.blocking else packed.tolist()
+
+    def _lookup_all(self, model: str, keys: Sequence[int], filt: list[str] | None, spec: bool,
                     exclude: set[str]) -> LookupResult:
         # Offload stores that serve every model announce blocks under a shared
         # model name; their entries answer every model's lookup, in the same call.

@@ -167,7 +167,8 @@ class AnthropicApi:
                                           "render messages")
         try:
             return chat_request_from_body({"messages": req.messages, "tools": req.tools,
-                                           "tool_choice": req.tool_choice, "add_generation_prompt": True})
+                                           "tool_choice": req.tool_choice, "add_generation_prompt": True,
+                                           "parallel_tool_calls": req.parallel_tool_calls})
         except ChatRenderError as exc:
             raise bad_request("messages", exc.message) from None
 
@@ -196,10 +197,6 @@ class AnthropicApi:
         """Parameters the engines behind the router cannot honour: a 400 naming them, never silence."""
         if req.top_k is not None:
             raise bad_request("top_k", "not supported: the workers' sampling takes temperature and top_p only")
-        dp = (req.body.get("tool_choice") or {}).get("disable_parallel_tool_use")
-        if dp:
-            raise bad_request("tool_choice.disable_parallel_tool_use", "not supported: the engines' tool-call "
-                                                                         "parsing cannot limit calls to one")
 
     # -- handlers ---------------------------------------------------------------------------
     async def count_tokens(self, request: Request) -> Response:

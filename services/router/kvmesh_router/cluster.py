@@ -30,6 +30,7 @@ import grpc
 import httpx
 
 from kvmesh.events.topic import dp_endpoint
+from kvmesh.index.packed import pack_keys
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.local_view import LocalView
 from kvmesh.routing.router import RouterCore
@@ -76,6 +77,9 @@ class Cluster:
         self._indexer_ch = aio_channel(cfg.indexer, retry_attempts=1) if cfg.indexer else None
         self.indexer = indexer_pb2_grpc.IndexerStub(self._indexer_ch) if self._indexer_ch else None
         self.indexer_up = True
+        # Lookups send the chain packed (BlockChain.keys_be64) until an indexer that predates it
+        # answers with an empty chain; then repeated keys, as before.
+        self.packed_lookups = True
         self.local_view = LocalView(ttl_s=cfg.local_view_ttl_s)
         # The lookup deadline does not charge the indexer for the router's own loop lag.
         self.loop_lag = LoopLag(cfg.loop_lag_period_s) if cfg.loop_lag_period_s > 0 else None
@@ -421,13 +425,22 @@ class Cluster:
         return got
 
     async def _ask(self, keys: list[int], timeout: float) -> Matches | grpc.aio.AioRpcError:
+        packed = self.packed_lookups
+        chain = indexer_pb2.BlockChain(keys_be64=pack_keys(keys)) if packed else indexer_pb2.BlockChain(keys=keys)
+        t0 = time.monotonic()
         try:
             resp = await self.indexer.Lookup(   # type: ignore[union-attr]
-                indexer_pb2.LookupRequest(model=self.cfg.model, chain=indexer_pb2.BlockChain(keys=keys),
-                                          include_speculative=True, include_applied=True),
+                indexer_pb2.LookupRequest(model=self.cfg.model, chain=chain, include_speculative=True,
+                                          include_applied=True),
                 timeout=timeout)
         except grpc.aio.AioRpcError as exc:
-            return exc
+            if not (packed and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    and "empty chain" in (exc.details() or "")):
+                return exc
+            # An indexer older than BlockChain.keys_be64 read no keys: send them as repeated keys from now on.
+            log.warning("the indexer does not read packed chains (an older version); sending repeated keys")
+            self.packed_lookups = False
+            return await self._ask(keys, max(0.001, timeout - (time.monotonic() - t0)))
         return matches_from_proto(resp, self.stores)
 
     def _merge_late(self, keys: list[int], call: asyncio.Future) -> None:

@@ -125,6 +125,8 @@ def _chat_request(chat: router_pb2.ChatMessages, messages: list[dict[str, Any]],
     body: dict[str, Any] = {"messages": messages}
     if add_generation_prompt is not None:
         body["add_generation_prompt"] = add_generation_prompt
+    if chat.HasField("parallel_tool_calls"):
+        body["parallel_tool_calls"] = chat.parallel_tool_calls
     for name, raw in (("tools", chat.tools_json), ("tool_choice", chat.tool_choice_json),
                       ("chat_template_kwargs", chat.chat_template_kwargs_json)):
         if raw:

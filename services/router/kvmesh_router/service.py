@@ -147,6 +147,16 @@ class Parsed:
     tool_calls: list[common_pb2.ToolCallDelta]
 
 
+
+def _first_call_only(inp: GenInput, calls: Any) -> list[Any]:
+    """A worker's tool calls (or streamed pieces of them) for the client. With
+    ``parallel_tool_calls`` false (OpenAI's field, Anthropic's ``disable_parallel_tool_use``)
+    only the first call, as vLLM's server filters its answer, whatever the worker sent."""
+    creq = inp.chat_request
+    if creq is None or creq.parallel_tool_calls:
+        return list(calls)
+    return [c for i, c in enumerate(calls) if getattr(c, "index", i) == 0]
+
 # One try of a request: its prepared copy, its decision, its worker stream.
 _Try = tuple[Prepared, Decision, AsyncIterator[tuple[str, Any]]]
 
@@ -755,6 +765,8 @@ class RouterService:
             # The worker parses the answer's tool calls (vLLM's parser, or the sim's tool mode).
             wreq.tools_json = json.dumps(creq.tools)
             wreq.tool_choice_json = json.dumps(creq.effective_tool_choice)
+            if not creq.parallel_tool_calls:
+                wreq.parallel_tool_calls = False
         try:
             with trace.use_span(span, end_on_exit=False):   # trace context goes out with the call
                 call = self.cluster.stub(d.endpoint_id).Generate(wreq, timeout=self._remaining(inp))
@@ -780,7 +792,7 @@ class RouterService:
                     generated.extend(ids)
                     yield "chunk", ids
                 if msg.parsed:
-                    yield "parsed", Parsed(msg.content_delta, list(msg.tool_call_deltas))
+                    yield "parsed", Parsed(msg.content_delta, _first_call_only(inp, msg.tool_call_deltas))
                 if msg.finished:
                     final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead,
                                         span)
@@ -964,4 +976,5 @@ class RouterService:
         span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
-                         ttft, generated, list(msg.tool_calls), msg.content if msg.HasField("content") else None)
+                         ttft, generated, _first_call_only(inp, msg.tool_calls),
+                         msg.content if msg.HasField("content") else None)

@@ -85,9 +85,11 @@ async def test_a_bound_server_never_started_releases_its_port() -> None:
     srv = ServiceServer("bound-only", [], ServerOptions(host="127.0.0.1", port=0, grace_s=1))
     port = await srv.bind()
     await srv.stop(0)
-    with socket.socket() as s:   # the port is free again (grpc binds without SO_REUSEPORT here)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", port))
+    # Nothing listens there any more (a connect is refused; binding the port ourselves could
+    # race an unrelated socket the kernel hands the same ephemeral port).
+    with socket.socket() as s, pytest.raises(ConnectionRefusedError):
+        s.settimeout(10)
+        s.connect(("127.0.0.1", port))
 
 
 def test_sigterm_drains_in_flight_calls() -> None:

@@ -603,3 +603,38 @@ async def test_publisher_binds_indexer_connects(start_indexer, tmp_path) -> None
         await wait_until(lambda: _eq(combined(ix.stub, keys, "b0"), 3), what="ingest over a connecting SUB")
     finally:
         pub.close(linger_ms=0)
+
+
+@pytest.mark.parametrize("server", [None, "redis_server", "redis_cluster"])
+async def test_packed_chain_answers_as_repeated_keys(start_indexer, request, server: str | None) -> None:
+    """``BlockChain.keys_be64`` (what a router sends) gives the answer ``keys`` gives, on every backend
+    (Redis ones take the bytes as they are); a malformed one is INVALID_ARGUMENT."""
+    from kvmesh.index.packed import pack_keys
+
+    kw = {} if server is None else {"backend": "redis", "redis_url": request.getfixturevalue(server).url,
+                                    "redis_namespace": f"pk{random.randrange(1 << 30)}"}
+    ix = await start_indexer(models=MODELS, **kw)
+    toks = tokens(41, 6)
+    ev, keys = stored(toks)
+    await ix.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+        endpoint_id="g0", model=MODEL, seq=0, vllm_payload=encode_batch(KVEventBatch(time.time(), [ev])))]),
+        timeout=10)
+    await ix.stub.PutSpeculative(indexer_pb2.PutSpeculativeRequest(model=MODEL, endpoint_id="s", keys=keys[:4],
+                                                                   ttl_s=60), timeout=5)
+    for q in (keys, keys[:2], [*keys, (1 << 64) - 1], [(1 << 64) - 1]):
+        want = await ix.stub.Lookup(chain_req(q, include_speculative=True), timeout=5)
+        got = await ix.stub.Lookup(indexer_pb2.LookupRequest(
+            model=MODEL, chain=indexer_pb2.BlockChain(keys_be64=pack_keys(q)), include_speculative=True), timeout=5)
+        for m in list(want.matches) + list(got.matches):
+            m.speculative_ttl_s = 0   # the remaining TTL differs by the ms between the two calls
+        assert got == want
+    assert match_of(got, "g0") is None and match_of(want, "g0") is None
+    full = await ix.stub.Lookup(indexer_pb2.LookupRequest(model=MODEL, chain=indexer_pb2.BlockChain(
+        keys_be64=pack_keys(keys)), include_speculative=True), timeout=5)
+    assert match_of(full, "g0").combined_blocks == len(keys) and match_of(full, "s").speculative_blocks == 4
+    for chain, words in ((indexer_pb2.BlockChain(keys_be64=b"\0" * 7), "multiple of 8"),
+                         (indexer_pb2.BlockChain(keys=[1], keys_be64=b"\0" * 8), "not both"),
+                         (indexer_pb2.BlockChain(keys_be64=b"\0" * 8 * 65_537), "exceeds")):
+        with pytest.raises(grpc.aio.AioRpcError) as e:
+            await ix.stub.Lookup(indexer_pb2.LookupRequest(model=MODEL, chain=chain), timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and words in e.value.details()

@@ -262,7 +262,7 @@ def _bad(**over):
     (_bad(tools=[{"name": "t"}]), 400, "invalid_request_error", "tools.0.input_schema"),
     (_bad(tools=[{"type": "web_search_20250305", "name": "web_search"}]), 400, "invalid_request_error",
      "tools.0.type"),
-    (_bad(tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": True}), 400,
+    (_bad(tools=TOOLS, tool_choice={"type": "any", "disable_parallel_tool_use": "yes"}), 400,
      "invalid_request_error", "tool_choice.disable_parallel_tool_use"),
     (_bad(tools=TOOLS, tool_choice={"type": "tool", "name": "nope"}), 400, "invalid_request_error",
      "tool_choice.name"),

@@ -35,8 +35,9 @@ def _pause(w: ServiceProcess, on: bool) -> None:
     os.killpg(w.proc.pid, signal.SIGSTOP if on else signal.SIGCONT)
 
 
-@pytest.fixture
-def hung(tmp_path, tiny_model_dir) -> Iterator[tuple[str, ServiceProcess]]:
+@pytest.fixture(scope="module")
+def hung_stack(tmp_path_factory, tiny_model_dir) -> Iterator[tuple[str, ServiceProcess]]:
+    tmp_path = tmp_path_factory.mktemp("http-deadline")
     workers = start_workers(tmp_path, ["h1"])
     (w,) = workers.values()
     router = None
@@ -53,6 +54,14 @@ def hung(tmp_path, tiny_model_dir) -> Iterator[tuple[str, ServiceProcess]]:
         if router is not None:
             router.stop(grace_s=3)
         w.stop(grace_s=3)
+
+
+@pytest.fixture
+def hung(hung_stack) -> Iterator[tuple[str, ServiceProcess]]:
+    """The router and its one worker, shared by the module (their start-up is most of each test's
+    time): each test may pause the worker, and it runs again for the next test."""
+    yield hung_stack
+    _pause(hung_stack[1], False)
 
 
 def test_the_deadline_is_a_checked_setting_with_a_generous_default() -> None:

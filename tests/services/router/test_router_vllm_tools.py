@@ -136,3 +136,27 @@ def test_anthropic_forced_tool_choice_gets_a_tool_use_block(routers, choice) -> 
     with client.messages.stream(**kw) as s:
         streamed = s.get_final_message()
     assert [(b.name, b.input) for b in streamed.content if b.type == "tool_use"] == [(b.name, b.input) for b in uses]
+
+
+def test_parallel_tool_calls_false_gets_one_vllm_tool_call(routers) -> None:
+    """OpenAI ``parallel_tool_calls=False`` and Anthropic ``disable_parallel_tool_use``: the worker builds
+    vLLM's grammar for one call (the unified parser's ``adjust_request``) and returns one call, as
+    vLLM's server does."""
+    client = openai.OpenAI(base_url=routers["vllm-tools"], api_key="k", max_retries=0, timeout=120)
+    kw = dict(model=TINY_MODEL_NAME, messages=ASK, tools=FORCED_TOOLS, tool_choice="required", max_tokens=64,
+              temperature=0, parallel_tool_calls=False)
+    [call] = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert _args_ok(call.function.name, call.function.arguments)
+    with client.chat.completions.stream(**kw) as s:
+        [streamed] = s.get_final_completion().choices[0].message.tool_calls
+    assert (streamed.function.name, json.loads(streamed.function.arguments)) == \
+        (call.function.name, json.loads(call.function.arguments))
+    claude = anthropic.Anthropic(base_url=routers["vllm-tools"].removesuffix("/v1"), api_key="k", max_retries=0,
+                                 timeout=120)
+    tools = [{"name": t["function"]["name"], "description": t["function"]["description"],
+              "input_schema": t["function"]["parameters"], "strict": True} for t in FORCED_TOOLS]
+    m = claude.messages.create(model=TINY_MODEL_NAME, system=ASK[0]["content"], messages=[ASK[1]], tools=tools,
+                               tool_choice={"type": "any", "disable_parallel_tool_use": True}, max_tokens=64,
+                               extra_body={"temperature": 0})
+    [use] = [b for b in m.content if b.type == "tool_use"]
+    assert _args_ok(use.name, json.dumps(use.input)) and m.stop_reason == "tool_use"

@@ -167,6 +167,8 @@ class EngineRequest:
     # them: the engine then parses tool calls out of its output (the final ``EngineOutput``).
     tools: list[dict] | None = None
     tool_choice: object = None
+    # OpenAI's parallel_tool_calls: False limits the answer to one call, as vLLM's server does.
+    parallel_tool_calls: bool = True
 
     @property
     def prompt_len(self) -> int:

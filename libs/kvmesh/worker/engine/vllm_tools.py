@@ -17,6 +17,11 @@ parsers without one a JSON schema of the calls), made by its unified parser's ``
 (``vllm.parser.ParserManager``). ``structured_outputs`` gives the engine the same constraint, and
 ``parse`` reads a forced answer with that parser's ``parse``, as vLLM's server does, so even a model
 that would never call a tool (dummy weights) answers with a real call.
+
+``parallel_tool_calls`` false (``EngineRequest.parallel_tool_calls``) is handled as vLLM's server
+handles it: the unified parser's ``adjust_request`` builds the call grammar with its list stopped
+after the first call (for ``"auto"`` too, where the parser has a structural tag), and only the first
+call is returned, streamed deltas of other calls dropped (``maybe_filter_parallel_tool_calls``).
 """
 
 from __future__ import annotations
@@ -69,26 +74,21 @@ class VllmToolCalls:
 
     def _unified(self, req: EngineRequest) -> tuple[Any, Any]:
         """vLLM's unified parser for ``req`` and its chat request as that parser adjusted it."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        request = ChatCompletionRequest(model="kvmesh", messages=[{"role": "user", "content": ""}],
-                                        tools=req.tools, tool_choice=req.tool_choice)
+        request = _chat_request(req)
         parser = self.unified_cls(self.tokenizer, request.tools)  # type: ignore[misc]
         return parser, parser.adjust_request(request)
 
     def structured_outputs(self, req: EngineRequest) -> Any:
-        """The constraint vLLM's server puts on a forced tool call's output (``StructuredOutputsParams``),
-        None when the choice forces nothing."""
-        if not self.forced(req):
+        """The constraint vLLM's server puts on a forced tool call's output, or on any answer that
+        may call at most one tool (``StructuredOutputsParams``); None when it constrains nothing."""
+        if not (self.forced(req) or (self.active(req) and self.unified_cls is not None
+                                     and not req.parallel_tool_calls)):
             return None
         return self._unified(req)[1].extract_structured_outputs()
 
     def parser(self, req: EngineRequest) -> tuple[Any, Any]:
         """A fresh parser for ``req`` and vLLM's chat request as the parser adjusted it."""
-        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
-
-        request = ChatCompletionRequest(model="kvmesh", messages=[{"role": "user", "content": ""}],
-                                        tools=req.tools, tool_choice=req.tool_choice)
+        request = _chat_request(req)
         parser = self.parser_cls(self.tokenizer, request.tools)
         try:
             request = parser.adjust_request(request)
@@ -101,7 +101,14 @@ class VllmToolCalls:
         return VllmToolStream(self, req) if self.active(req) else None
 
     def parse(self, req: EngineRequest, output_ids: list[int]) -> tuple[list[ToolCall], str] | None:
-        """The calls and the remaining text of a finished answer; None when it called no tool."""
+        """The calls and the remaining text of a finished answer; None when it called no tool.
+        With ``parallel_tool_calls`` false, the first call only."""
+        got = self._parse(req, output_ids)
+        if got is not None and not req.parallel_tool_calls:
+            return got[0][:1], got[1]
+        return got
+
+    def _parse(self, req: EngineRequest, output_ids: list[int]) -> tuple[list[ToolCall], str] | None:
         if not self.active(req):
             return None
         if self.forced(req):
@@ -171,7 +178,10 @@ class VllmToolStream:
             self.broken = True
             return ParsedDelta()
         self.text, self.parsed_ids = text, list(self.ids)
-        return self.ledger.record(_delta(dm))
+        delta = _delta(dm)
+        if not self.req.parallel_tool_calls:   # vLLM's server streams call 0's deltas only
+            delta.tool_calls = [d for d in delta.tool_calls if d.index == 0]
+        return self.ledger.record(delta)
 
     def finish(self, new_ids: list[int]) -> tuple[ParsedDelta, tuple[list[ToolCall], str] | None]:
         """The last output's delta (its tokens, then what the deltas have not sent of the final parse)
@@ -185,6 +195,14 @@ class VllmToolStream:
             rest = self.ledger.completion([], text, self.req.request_id)
         return merge(last, rest), parsed
 
+
+def _chat_request(req: EngineRequest) -> Any:
+    """vLLM's chat request for ``req``'s tools, as its server builds one (what its parsers read)."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    return ChatCompletionRequest(model="kvmesh", messages=[{"role": "user", "content": ""}],
+                                 tools=req.tools, tool_choice=req.tool_choice,
+                                 parallel_tool_calls=req.parallel_tool_calls)
 
 def _delta(dm: Any) -> ParsedDelta:
     """vLLM's ``DeltaMessage`` as a ``ParsedDelta`` (None: nothing new)."""

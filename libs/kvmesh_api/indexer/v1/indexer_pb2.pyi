@@ -98,10 +98,12 @@ class LookupRequest(_message.Message):
     def __init__(self, model: _Optional[str] = ..., tokens: _Optional[_Union[_common_pb2.TokenIds, _Mapping]] = ..., chain: _Optional[_Union[BlockChain, _Mapping]] = ..., extra_keys: _Optional[_Union[_common_pb2.ExtraKeys, _Mapping]] = ..., endpoint_filter: _Optional[_Iterable[str]] = ..., include_speculative: _Optional[bool] = ..., include_applied: _Optional[bool] = ...) -> None: ...
 
 class BlockChain(_message.Message):
-    __slots__ = ("keys",)
+    __slots__ = ("keys", "keys_be64")
     KEYS_FIELD_NUMBER: _ClassVar[int]
+    KEYS_BE64_FIELD_NUMBER: _ClassVar[int]
     keys: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, keys: _Optional[_Iterable[int]] = ...) -> None: ...
+    keys_be64: bytes
+    def __init__(self, keys: _Optional[_Iterable[int]] = ..., keys_be64: _Optional[bytes] = ...) -> None: ...
 
 class TierMatch(_message.Message):
     __slots__ = ("tier", "blocks")

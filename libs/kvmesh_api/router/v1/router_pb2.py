@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh_api.common.v1 import common_pb2 as kvmesh__api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh_api/router/v1/router.proto\x12\x10kvmesh.router.v1\x1a!kvmesh_api/common/v1/common.proto\"\x80\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12.\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1a.kvmesh.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"\xce\x01\n\x0c\x43hatMessages\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.kvmesh.router.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x04 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\tB\x18\n\x16_add_generation_prompt\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x06tokens\x18\x03 \x01(\x0b\x32\x1a.kvmesh.common.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12.\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1e.kvmesh.router.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x13\n\x0breturn_text\x18\x0b \x01(\x08\x12\x0e\n\x06policy\x18\x0c \x01(\tB\x07\n\x05input\"n\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvmesh.router.v1.ChunkH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.kvmesh.router.v1.FinalH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06parsed\x18\x03 \x01(\x08\x12\x15\n\rcontent_delta\x18\x04 \x01(\t\x12\x39\n\x10tool_call_deltas\x18\x05 \x03(\x0b\x32\x1f.kvmesh.common.v1.ToolCallDelta\"\xc5\x03\n\x0fRoutingDecision\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x18\n\x10\x65ndpoint_address\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x04 \x01(\r\x12#\n\x1bpredicted_cached_tokens_gpu\x18\x05 \x01(\r\x12\'\n\x1fpredicted_cached_tokens_offload\x18\x06 \x01(\r\x12\r\n\x05split\x18\x07 \x01(\x08\x12\x18\n\x10prefill_endpoint\x18\x08 \x01(\t\x12\x17\n\x0funcached_tokens\x18\t \x01(\r\x12\r\n\x05score\x18\n \x01(\x01\x12\x10\n\x08\x61ttempts\x18\x0b \x01(\r\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x17\n\x0fkv_from_prefill\x18\r \x01(\x08\x12\x1b\n\x13routing_overhead_ms\x18\x0e \x01(\x01\x12\x10\n\x08mismatch\x18\x0f \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_ms\x18\x10 \x01(\x01\x12\x13\n\x0btokenize_ms\x18\x11 \x01(\x01\x12\x0f\n\x07hash_ms\x18\x12 \x01(\x01\x12\x11\n\tlookup_ms\x18\x13 \x01(\x01\"\x90\x02\n\x05\x46inal\x12&\n\x05usage\x18\x01 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12\x35\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12\x32\n\x07routing\x18\x03 \x01(\x0b\x32!.kvmesh.router.v1.RoutingDecision\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12.\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1a.kvmesh.common.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tendpoints\x18\x04 \x03(\t\"A\n\x12ListModelsResponse\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.kvmesh.router.v1.ModelInfo2\xb6\x01\n\x06Router\x12S\n\x08Generate\x12!.kvmesh.router.v1.GenerateRequest\x1a\".kvmesh.router.v1.GenerateResponse0\x01\x12W\n\nListModels\x12#.kvmesh.router.v1.ListModelsRequest\x1a$.kvmesh.router.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh_api/router/v1/router.proto\x12\x10kvmesh.router.v1\x1a!kvmesh_api/common/v1/common.proto\"\x80\x01\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12.\n\ntool_calls\x18\x04 \x03(\x0b\x32\x1a.kvmesh.common.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x05 \x01(\t\"\x88\x02\n\x0c\x43hatMessages\x12/\n\x08messages\x18\x01 \x03(\x0b\x32\x1d.kvmesh.router.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\ntools_json\x18\x03 \x01(\t\x12\x18\n\x10tool_choice_json\x18\x04 \x01(\t\x12!\n\x19\x63hat_template_kwargs_json\x18\x05 \x01(\t\x12 \n\x13parallel_tool_calls\x18\x06 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"\xcf\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12,\n\x06tokens\x18\x03 \x01(\x0b\x32\x1a.kvmesh.common.v1.TokenIdsH\x00\x12\x0e\n\x04text\x18\x04 \x01(\tH\x00\x12.\n\x04\x63hat\x18\x05 \x01(\x0b\x32\x1e.kvmesh.router.v1.ChatMessagesH\x00\x12\x32\n\x08sampling\x18\x06 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x07 \x01(\t\x12\x12\n\nsession_id\x18\x08 \x01(\t\x12\x11\n\tlora_name\x18\t \x01(\t\x12\x0e\n\x06tenant\x18\n \x01(\t\x12\x13\n\x0breturn_text\x18\x0b \x01(\x08\x12\x0e\n\x06policy\x18\x0c \x01(\tB\x07\n\x05input\"n\n\x10GenerateResponse\x12(\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x17.kvmesh.router.v1.ChunkH\x00\x12(\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x17.kvmesh.router.v1.FinalH\x00\x42\x06\n\x04kind\"\x8a\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0e\n\x06parsed\x18\x03 \x01(\x08\x12\x15\n\rcontent_delta\x18\x04 \x01(\t\x12\x39\n\x10tool_call_deltas\x18\x05 \x03(\x0b\x32\x1f.kvmesh.common.v1.ToolCallDelta\"\xc5\x03\n\x0fRoutingDecision\x12\x10\n\x08\x65ndpoint\x18\x01 \x01(\t\x12\x18\n\x10\x65ndpoint_address\x18\x02 \x01(\t\x12\x0e\n\x06policy\x18\x03 \x01(\t\x12\x1f\n\x17predicted_cached_tokens\x18\x04 \x01(\r\x12#\n\x1bpredicted_cached_tokens_gpu\x18\x05 \x01(\r\x12\'\n\x1fpredicted_cached_tokens_offload\x18\x06 \x01(\r\x12\r\n\x05split\x18\x07 \x01(\x08\x12\x18\n\x10prefill_endpoint\x18\x08 \x01(\t\x12\x17\n\x0funcached_tokens\x18\t \x01(\r\x12\r\n\x05score\x18\n \x01(\x01\x12\x10\n\x08\x61ttempts\x18\x0b \x01(\r\x12\x0e\n\x06reason\x18\x0c \x01(\t\x12\x17\n\x0fkv_from_prefill\x18\r \x01(\x08\x12\x1b\n\x13routing_overhead_ms\x18\x0e \x01(\x01\x12\x10\n\x08mismatch\x18\x0f \x01(\t\x12\x13\n\x0b\x64\x65\x63ision_ms\x18\x10 \x01(\x01\x12\x13\n\x0btokenize_ms\x18\x11 \x01(\x01\x12\x0f\n\x07hash_ms\x18\x12 \x01(\x01\x12\x11\n\tlookup_ms\x18\x13 \x01(\x01\"\x90\x02\n\x05\x46inal\x12&\n\x05usage\x18\x01 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12\x35\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12\x32\n\x07routing\x18\x03 \x01(\x0b\x32!.kvmesh.router.v1.RoutingDecision\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x0e\n\x06ttft_s\x18\x05 \x01(\x01\x12.\n\ntool_calls\x18\x06 \x03(\x0b\x32\x1a.kvmesh.common.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x07 \x01(\tH\x00\x88\x01\x01\x42\n\n\x08_content\"\x13\n\x11ListModelsRequest\"U\n\tModelInfo\x12\n\n\x02id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x11\n\tendpoints\x18\x04 \x03(\t\"A\n\x12ListModelsResponse\x12+\n\x06models\x18\x01 \x03(\x0b\x32\x1b.kvmesh.router.v1.ModelInfo2\xb6\x01\n\x06Router\x12S\n\x08Generate\x12!.kvmesh.router.v1.GenerateRequest\x1a\".kvmesh.router.v1.GenerateResponse0\x01\x12W\n\nListModels\x12#.kvmesh.router.v1.ListModelsRequest\x1a$.kvmesh.router.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHATMESSAGE']._serialized_start=91
   _globals['_CHATMESSAGE']._serialized_end=219
   _globals['_CHATMESSAGES']._serialized_start=222
-  _globals['_CHATMESSAGES']._serialized_end=428
-  _globals['_GENERATEREQUEST']._serialized_start=431
-  _globals['_GENERATEREQUEST']._serialized_end=766
-  _globals['_GENERATERESPONSE']._serialized_start=768
-  _globals['_GENERATERESPONSE']._serialized_end=878
-  _globals['_CHUNK']._serialized_start=881
-  _globals['_CHUNK']._serialized_end=1019
-  _globals['_ROUTINGDECISION']._serialized_start=1022
-  _globals['_ROUTINGDECISION']._serialized_end=1475
-  _globals['_FINAL']._serialized_start=1478
-  _globals['_FINAL']._serialized_end=1750
-  _globals['_LISTMODELSREQUEST']._serialized_start=1752
-  _globals['_LISTMODELSREQUEST']._serialized_end=1771
-  _globals['_MODELINFO']._serialized_start=1773
-  _globals['_MODELINFO']._serialized_end=1858
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1860
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1925
-  _globals['_ROUTER']._serialized_start=1928
-  _globals['_ROUTER']._serialized_end=2110
+  _globals['_CHATMESSAGES']._serialized_end=486
+  _globals['_GENERATEREQUEST']._serialized_start=489
+  _globals['_GENERATEREQUEST']._serialized_end=824
+  _globals['_GENERATERESPONSE']._serialized_start=826
+  _globals['_GENERATERESPONSE']._serialized_end=936
+  _globals['_CHUNK']._serialized_start=939
+  _globals['_CHUNK']._serialized_end=1077
+  _globals['_ROUTINGDECISION']._serialized_start=1080
+  _globals['_ROUTINGDECISION']._serialized_end=1533
+  _globals['_FINAL']._serialized_start=1536
+  _globals['_FINAL']._serialized_end=1808
+  _globals['_LISTMODELSREQUEST']._serialized_start=1810
+  _globals['_LISTMODELSREQUEST']._serialized_end=1829
+  _globals['_MODELINFO']._serialized_start=1831
+  _globals['_MODELINFO']._serialized_end=1916
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1918
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1983
+  _globals['_ROUTER']._serialized_start=1986
+  _globals['_ROUTER']._serialized_end=2168
 # @@protoc_insertion_point(module_scope)

@@ -50,7 +50,7 @@ from kvmesh.worker.engine.base import (
 from kvmesh.worker.engine.sim.block_manager import BlockManager, Cleared, Removed, Stored
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
-from kvmesh.worker.engine.sim.tool_calls import SimToolStream, sim_tool_call
+from kvmesh.worker.engine.sim.tool_calls import SimToolStream, sim_tool_calls
 from kvmesh.worker.engine.validation import validate_request
 
 if TYPE_CHECKING:
@@ -101,6 +101,7 @@ class SimEngineConfig:
     kv_head_dim: int = 32
     kv_dtype: str = "bf16"
     latency: LatencyParams = field(default_factory=LatencyParams)
+    tool_calls: int = 1   # calls per answer in the deterministic tool mode (parallel_tool_calls false: 1)
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -511,15 +512,16 @@ class SimEngine(Engine):
             self._check_up()
             self.scheduler.add(live.seq)
             self._wake.set()
-            # The deterministic tool-call mode (tests): the answer is one call, streamed as deltas.
-            call = sim_tool_call(req.request_id, req.tools, req.tool_choice) if req.tools else None
-            tools = SimToolStream(call) if call is not None else None
+            # The deterministic tool-call mode (tests): the answer is its calls, streamed as deltas.
+            calls = sim_tool_calls(req.request_id, req.tools, req.tool_choice, self.cfg.tool_calls,
+                                   req.parallel_tool_calls) if req.tools else []
+            tools = SimToolStream(calls) if calls else None
             while True:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if tools is not None and item.finished and item.finish_reason in ("stop", "length"):
-                    item.tool_calls, item.content, item.finish_reason = [tools.call], "", "tool_calls"
+                    item.tool_calls, item.content, item.finish_reason = list(tools.calls), "", "tool_calls"
                     item.delta = tools.finish(req.request_id)
                 elif tools is not None:   # an aborted answer says no more
                     item.delta = tools.next() if not item.finished else ParsedDelta()

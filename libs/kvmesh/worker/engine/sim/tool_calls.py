@@ -2,12 +2,15 @@
 
 Why it exists: the sim generates token ids, not text, so it cannot "write" a tool call for a
 parser to find. When a request offers tools and ``tool_choice`` is not "none", the sim answers
-with one call instead: to the named tool (``tool_choice`` = {"function": {"name": ...}}) or the
+with calls instead: to the named tool (``tool_choice`` = {"function": {"name": ...}}) or the
 first one, with arguments built from the tool's JSON schema so that they validate against it
-(required properties, the first ``enum`` value, numbers within their bounds). The id is a
-function of the request id, so a retried request gives the same call. Streamed, the call goes out
-as deltas, as vLLM's streaming parsers send them: the first output carries its id, name and the
-first piece of its arguments, each later output the next piece, the final output the rest.
+(required properties, the first ``enum`` value, numbers within their bounds). The ids are a
+function of the request id, so a retried request gives the same calls. One call by default;
+``calls`` > 1 (the worker's ``--sim-tool-calls``) makes that many parallel calls (the next tools
+in order, cycling; a named tool each time), so that ``parallel_tool_calls`` false can be seen
+cutting them to one, as vLLM's grammar stops after the first call. Streamed, the calls go out as
+deltas, as vLLM's streaming parsers send them: the first output of a call carries its id, name
+and the first piece of its arguments, each later output the next piece, the final output the rest.
 """
 
 from __future__ import annotations
@@ -63,35 +66,54 @@ def example_value(schema: Any, depth: int = 0) -> Any:
     return (text * (n // len(text) + 1))[:max(n, len(text))][:schema.get("maxLength", 1 << 30)]
 
 
-def sim_tool_call(request_id: str, tools: list[dict[str, Any]], tool_choice: Any) -> ToolCall | None:
-    """The call the sim makes for this request, or None when tools may not be called."""
+def sim_tool_calls(request_id: str, tools: list[dict[str, Any]], tool_choice: Any, calls: int = 1,
+                   parallel: bool = True) -> list[ToolCall]:
+    """The calls the sim makes for this request (none when tools may not be called): ``calls`` of
+    them, or one when ``parallel`` (OpenAI's ``parallel_tool_calls``) is false."""
     if not tools or tool_choice == "none":
-        return None
-    fn = tools[0]["function"]
+        return []
+    named = None
     if isinstance(tool_choice, dict):
         name = (tool_choice.get("function") or {}).get("name")
-        fn = next((t["function"] for t in tools if t["function"]["name"] == name), fn)
-    args = example_value(fn.get("parameters") or {"type": "object"})
-    call_id = "call_" + hashlib.sha256(request_id.encode()).hexdigest()[:24]
-    return ToolCall(id=call_id, name=fn["name"], arguments=json.dumps(args if isinstance(args, dict) else {}))
+        named = next((t["function"] for t in tools if t["function"]["name"] == name), None)
+    out = []
+    for i in range(max(1, calls) if parallel else 1):
+        fn = named or tools[i % len(tools)]["function"]
+        args = example_value(fn.get("parameters") or {"type": "object"})
+        call_id = "call_" + hashlib.sha256(f"{request_id}/{i}".encode() if i else request_id.encode()).hexdigest()[:24]
+        out.append(ToolCall(id=call_id, name=fn["name"], arguments=json.dumps(args if isinstance(args, dict) else {})))
+    return out
+
+
+def sim_tool_call(request_id: str, tools: list[dict[str, Any]], tool_choice: Any) -> ToolCall | None:
+    """The sim's one call for this request, or None when tools may not be called."""
+    calls = sim_tool_calls(request_id, tools, tool_choice)
+    return calls[0] if calls else None
 
 
 class SimToolStream:
-    """The deltas of the sim's one call, an output at a time; ``finish`` sends what is left."""
+    """The deltas of the sim's calls, an output at a time (a call after the one before it);
+    ``finish`` sends what is left."""
 
-    def __init__(self, call: ToolCall) -> None:
-        self.call = call
+    def __init__(self, calls: ToolCall | list[ToolCall]) -> None:
+        self.calls = [calls] if isinstance(calls, ToolCall) else list(calls)
+        self.call = self.calls[0]
+        self.current = 0
         self.sent = 0
         self.ledger = DeltaLedger()
 
     def next(self) -> ParsedDelta:
+        if self.sent >= len(self.call.arguments) and self.current + 1 < len(self.calls) \
+                and self.current in self.ledger.calls:
+            self.current += 1
+            self.call, self.sent = self.calls[self.current], 0
         piece = self.call.arguments[self.sent:self.sent + PIECE_CHARS]
-        first = self.sent == 0 and not self.ledger.calls
+        first = self.current not in self.ledger.calls
         self.sent += len(piece)
         if not first and not piece:
             return ParsedDelta()
         head = (self.call.id, self.call.name) if first else ("", "")
-        return self.ledger.record(ParsedDelta(tool_calls=[ToolCallDelta(0, *head, arguments=piece)]))
+        return self.ledger.record(ParsedDelta(tool_calls=[ToolCallDelta(self.current, *head, arguments=piece)]))
 
     def finish(self, request_id: str) -> ParsedDelta:
-        return self.ledger.completion([self.call], "", request_id)
+        return self.ledger.completion(self.calls, "", request_id)
