@@ -86,18 +86,20 @@ install-vllm-py312: $(STAMP)
 # Tiers: unit+integration (no vLLM) and the real-vLLM interop tier. CI runs both, side by side:
 # most of either tier's time is waiting on real processes (vLLM start-up, stacks, sockets), so
 # running them together costs little CPU and saves ~8 minutes on 2 cores. The vLLM tier's
-# output is printed after the other's; the target fails if either tier fails.
+# process also runs some slow tests without vLLM (marker alongside_vllm, paths listed in
+# tests/conftest.py), so that both processes take about as long. Its output is printed after
+# the other's; the target fails if either process fails.
 # The 3.12 venv is several GB to download on a fresh machine (~9 min): it is built in the
 # background while the tiers run, and its tests (marker py312_venv) run last and wait for it.
 test: install install-vllm lint
 	@vlog=$$(mktemp); plog=$$(mktemp); \
 	( $(MAKE) --no-print-directory install-vllm-py312 > $$plog 2>&1; echo $$? > $$plog.rc ) & \
 	export KVMESH_VLLM_PY312_PENDING=$$plog.rc; \
-	$(PY) -m pytest -m vllm -q -p no:cacheprovider $(PYTEST_ARGS) > $$vlog 2>&1 & vpid=$$!; \
-	echo "$(PY) -m pytest -m \"not vllm\" -q $(PYTEST_ARGS)   (the vLLM tier runs alongside)"; \
-	$(PY) -m pytest -m "not vllm" -q $(PYTEST_ARGS); irc=$$?; \
+	$(PY) -m pytest -m "vllm or alongside_vllm" -q -p no:cacheprovider $(PYTEST_ARGS) > $$vlog 2>&1 & vpid=$$!; \
+	echo "$(PY) -m pytest -m \"not vllm and not alongside_vllm\" -q $(PYTEST_ARGS)   (the vLLM tier runs alongside)"; \
+	$(PY) -m pytest -m "not vllm and not alongside_vllm" -q $(PYTEST_ARGS); irc=$$?; \
 	wait $$vpid; vrc=$$?; \
-	echo "$(PY) -m pytest -m vllm -q $(PYTEST_ARGS)   (ran alongside; exit $$vrc)"; cat $$vlog; rm -f $$vlog; \
+	echo "$(PY) -m pytest -m \"vllm or alongside_vllm\" -q $(PYTEST_ARGS)   (ran alongside; exit $$vrc)"; cat $$vlog; rm -f $$vlog; \
 	wait; echo "make install-vllm-py312 (ran alongside; exit $$(cat $$plog.rc 2>/dev/null))"; tail -5 $$plog; rm -f $$plog $$plog.rc; \
 	test $$irc -eq 0 && test $$vrc -eq 0
 

@@ -16,7 +16,36 @@ pytest_plugins = sorted(
 )
 
 
+# Slow tests without vLLM that `make test` runs in the vLLM tier's process (marker
+# alongside_vllm) rather than in the other tier's: the two tiers run side by side and the
+# other one is the longer, so moving these balances the two and shortens `make test`.
+# `make test-integration` (-m "not vllm") still runs them. Chosen for tolerating a busy
+# machine: simulations (CPU only, virtual time), the connector wheel's fresh venv, `kvmesh up`
+# and router replicas, whose checks wait on conditions. Not test_live.py, test_soak.py or
+# test_faults.py, whose checks follow the wall clock. The sim engine's tests against vLLM's
+# own classes import vLLM in-process: there, the other process never imports it.
+ALONGSIDE_VLLM = (
+    "libs/worker/engine/test_sim_block_manager.py",
+    "libs/worker/engine/test_sim_engine.py",
+    "tools/traffic/test_analyze.py",
+    "tools/traffic/test_clustersim.py",
+    "tools/traffic/test_mismatch.py",
+    "tools/traffic/test_model_keys.py",
+    "tools/traffic/test_readers.py",
+    "tools/traffic/test_regimes.py",
+    "tools/traffic/test_sim_offload.py",
+    "tools/test_connector_dist.py",
+    "tools/test_cmd_up.py",
+    "tools/test_router_replicas.py",
+)
+
+
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 (pytest's hook signature)
+    root = Path(__file__).parent
+    for item in items:
+        rel = item.path.relative_to(root).as_posix() if item.path.is_relative_to(root) else ""
+        if rel.startswith(ALONGSIDE_VLLM):
+            item.add_marker("alongside_vllm")
     # Tests on the Python 3.12 vLLM venv go last: `make test` builds that venv in the background
     # (a download of several GB on a fresh machine) while everything else runs.
     items.sort(key=lambda item: item.get_closest_marker("py312_venv") is not None)

@@ -13,7 +13,8 @@ and every kind of load is weighed at its real price::
     decode   = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
     work     = cluster_work_weight · saturation · (own − least own of any endpoint)
     displace = displace_weight · prefill_s/token · tokens of the others' KV the prompt evicts: its
-               new GPU blocks, up to what the whole prompt exceeds (capacity − others' working set)
+               new GPU blocks, up to what the whole prompt exceeds (capacity − others' working set);
+               with ``displace_cliff``, :func:`cliff_displaced` instead (an LRU under cyclic reuse)
 
 The first three are this request's TTFT there; ``work`` and ``displace`` are what the
 placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill

@@ -322,6 +322,21 @@ async def test_full_waiting_queue_is_resource_exhausted() -> None:
         await w.stop(0)
 
 
+async def test_port_0_names_the_endpoint_and_address_after_the_bound_port() -> None:
+    """With port 0 the worker binds first and names itself after the port it got: the default
+    endpoint id, ``address`` and the servicer answer all carry that port."""
+    seen: list[int] = []
+    w = await start_worker(_cfg(endpoint_id="", port=0, kv_events_endpoint=""), on_listening=seen.append)
+    try:
+        assert seen == [w.port] and w.port > 0
+        assert w.endpoint_id.endswith(f"-{w.port}") and w.address == f"127.0.0.1:{w.port}"
+        async with grpc.aio.insecure_channel(w.address) as ch:
+            info = await worker_pb2_grpc.WorkerStub(ch).GetInfo(worker_pb2.GetInfoRequest(), timeout=10)
+        assert info.endpoint_id == w.endpoint_id
+    finally:
+        await w.stop(0)
+
+
 async def test_readiness_waits_for_the_engine(monkeypatch) -> None:
     """NOT_SERVING while the engine starts, SERVING once it is up."""
     import kvmesh.worker.run as run_mod

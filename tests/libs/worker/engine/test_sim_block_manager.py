@@ -16,13 +16,14 @@ from kvmesh.worker.engine.sim.block_manager import BlockManager, Removed, Stored
 
 pytestmark = pytest.mark.timeout(120)
 
-vllm_kcm = pytest.importorskip("vllm.v1.core.kv_cache_manager")
-
 
 class VllmSide:
     """vLLM's KVCacheManager + Request objects, used the way its scheduler uses them."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
+        # Imported here, not at collection: importing vLLM takes seconds, and the test tier
+        # without vLLM then never pays for it (`make test` runs this file in the vLLM tier's process).
+        vllm_kcm = pytest.importorskip("vllm.v1.core.kv_cache_manager")
         import torch
         from vllm.sampling_params import SamplingParams
         from vllm.utils.hashing import sha256_cbor
