@@ -69,6 +69,17 @@ def _events(i: int) -> list:
     return [BlockStored([i, i + 1], None, list(range(64)), 32, None, "GPU", None, group_idx=0), BlockRemoved([i], "GPU")]
 
 
+def _first_cleared(pub: KvEventPublisher, sub: zmq.Socket, timeout_s: float):
+    """Publish ``AllBlocksCleared`` until ``sub`` receives one (ZMQ slow joiner: the first
+    messages after a connect are dropped) or ``timeout_s`` passes; the decoded message or None."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        pub.publish([AllBlocksCleared()])
+        if sub.poll(100):
+            return decode_message(sub.recv_multipart())
+    return None
+
+
 def test_endpoint_rules_match_vllm() -> None:
     assert is_bind_endpoint("tcp://*:5557") and is_bind_endpoint("ipc:///tmp/x") and is_bind_endpoint("tcp://[::]:1")
     assert not is_bind_endpoint("tcp://indexer:5557")
@@ -118,12 +129,7 @@ def test_connect_mode_reaches_a_bound_subscriber(ctx: zmq.Context) -> None:
     port = sub.bind_to_random_port("tcp://127.0.0.1")
     with KvEventPublisher(f"tcp://127.0.0.1:{port}", topic="t") as pub:
         assert pub.endpoint == f"tcp://127.0.0.1:{port}"
-        deadline = time.monotonic() + 5
-        got = None
-        while got is None and time.monotonic() < deadline:  # slow joiner: retry until one arrives
-            pub.publish([AllBlocksCleared()])
-            if sub.poll(100):
-                got = decode_message(sub.recv_multipart())
+        got = _first_cleared(pub, sub, 5)
         assert got is not None and isinstance(got.batch.events[0], AllBlocksCleared)
     sub.close()
 
@@ -139,12 +145,7 @@ def test_a_kernel_picked_port_on_one_interface_is_bound_and_named(ctx: zmq.Conte
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.LINGER, 0)
         sub.connect(pub.endpoint)
-        deadline = time.monotonic() + 30
-        got = None
-        while got is None and time.monotonic() < deadline:  # slow joiner: retry until one arrives
-            pub.publish([AllBlocksCleared()])
-            if sub.poll(100):
-                got = decode_message(sub.recv_multipart())
+        got = _first_cleared(pub, sub, 30)
         sub.close()
         assert got is not None and got.topic == "t"
 
