@@ -45,12 +45,18 @@ def fetch_replay(endpoint: str, start_seq: int, timeout_s: float = 2.0, max_batc
     if curve is not None:
         apply_client(sock, curve)   # a CURVE replay socket answers admitted keys only
     tune_zmq_reconnect(sock)   # a restarted peer is found again within ~0.5 s
+    # A DEALER whose peer has no live pipe (a CURVE handshake the peer refused, a peer that
+    # is down) blocks in send; the request must stay bounded by the same total timeout.
+    sock.setsockopt(zmq.SNDTIMEO, max(1, int(timeout_s * 1000)))
+    deadline = time.monotonic() + timeout_s
     try:
         sock.connect(endpoint)
-        sock.send_multipart([b"", int(start_seq).to_bytes(8, "big")])
+        try:
+            sock.send_multipart([b"", int(start_seq).to_bytes(8, "big")])
+        except zmq.Again:
+            raise ReplayError(f"replay from {endpoint}: request not accepted within {timeout_s}s") from None
         out: list[tuple[int, bytes]] = []
         total = 0
-        deadline = time.monotonic() + timeout_s
         poller = zmq.Poller()
         poller.register(sock, zmq.POLLIN)
         while True:

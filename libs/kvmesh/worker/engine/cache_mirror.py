@@ -110,9 +110,14 @@ class CacheMirror:
 
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        # A DEALER with no live pipe blocks in send: bound it like the wait for the reply.
+        sock.setsockopt(zmq.SNDTIMEO, max(1, int(self.replay_timeout_s * 1000)))
         try:
             sock.connect(self.replay_endpoint)
-            sock.send_multipart([b"", self._next_seq.to_bytes(8, "big")])
+            try:
+                sock.send_multipart([b"", self._next_seq.to_bytes(8, "big")])
+            except zmq.Again:
+                return
             while sock.poll(int(self.replay_timeout_s * 1000)):
                 frames = sock.recv_multipart()
                 if len(frames) != 4:
