@@ -36,3 +36,15 @@ def test_the_command_line_offers_exactly_the_tables() -> None:
 def test_unknown_command_names_the_choices() -> None:
     with pytest.raises(ValueError, match="unknown kvmesh command 'frobnicate'; choose one of analyze, bench"):
         COMMANDS.load("frobnicate")
+
+
+def test_a_command_line_naming_a_command_builds_only_that_command() -> None:
+    from kvmesh_tools.cli.main import _command_in
+
+    assert _command_in(["--log-level", "DEBUG", "--log-format", "text", "serve", "router", "--port", "1"]) == "serve"
+    assert _command_in(["hash", "--help"]) == "hash"
+    assert _command_in(["--version"]) is None and _command_in(["frobnicate"]) is None and _command_in([]) is None
+    parser = build_parser("serve")
+    assert list(_subparsers(parser).choices) == ["serve"]
+    args = parser.parse_args(["--log-level", "DEBUG", "serve", "router", "--port", "1"])
+    assert (args.command, args.service, args.args, args.log_level) == ("serve", "router", ["--port", "1"], "DEBUG")
