@@ -143,18 +143,32 @@ class CandidateTable:
         self.work = cfg.cluster_work_weight * self.state.saturation * np.maximum(own - self.state.best_own_s, 0.0)
         home, mine = load.working_set.home(req.session_id)
         self.own_resident = np.zeros(len(ids))
+        self.own_stored = np.zeros(len(ids))
         if (h := matches.pos.get(home)) is not None:
             self.own_resident[h] = mine
+            self.own_stored[h] = load.working_set.home_stored(req.session_id)
         room = lc.capacity_blocks * bs - (lc.resident_tokens - self.own_resident)
         fresh = -(-np.maximum(0, req.num_tokens - gpu * bs) // bs) * bs
         need = -(-req.num_tokens // bs) * bs
+        cap_t, others = lc.capacity_blocks * bs, lc.resident_tokens - self.own_resident
         if cfg.displace_cliff:   # scoring.cliff_displaced, element-wise
-            cap_t, others = lc.capacity_blocks * bs, lc.resident_tokens - self.own_resident
             displaced = np.where(others + need <= cap_t, 0.0, np.where(others <= cap_t, others + need, float(need)))
         else:
             displaced = np.minimum(fresh, np.maximum(need - np.maximum(room, 0.0), 0.0))
-        self.displace = np.where(lc.capacity_blocks > 0, cfg.displace_weight * displaced * cfg.prefill_s_per_token,
-                                 0.0)
+        if cfg.displace_store_price and offload_enabled:   # scoring.stored_displaced, element-wise
+            own_st = min(max(store.cpu, store.disk), self.cap) * bs
+            others_st = lc.stored_tokens - self.own_stored
+            if cfg.displace_cliff:
+                stored = np.where(others <= cap_t, others_st + own_st, float(own_st))
+            else:
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    stored = np.where(others <= 0.0, 0.0, displaced * (others_st / others))
+            stored = np.where(displaced <= 0.0, 0.0, stored)
+            displace = cfg.displace_weight * ((displaced - stored) * cfg.prefill_s_per_token
+                                              + stored * cfg.cpu_restore_s_per_token)
+        else:
+            displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+        self.displace = np.where(lc.capacity_blocks > 0, displace, 0.0)
         if cfg.displace_free_at > 1.0 and not cfg.displace_cliff:   # scoring.kept_share, element-wise
             cap_t = lc.capacity_blocks * bs
             with np.errstate(divide="ignore", invalid="ignore"):
@@ -255,7 +269,7 @@ class CandidateTable:
             ep = self.ids[i]
             c = evaluate(ep, self.matches.at(i), self.store, self.load.effective(ep, self.now), self.req.num_tokens,
                          self.req.block_size, self.cfg, self.offload_enabled, self.shared.get(ep, 0), self.state,
-                         int(self.own_resident[i]))
+                         int(self.own_resident[i]), int(self.own_stored[i]))
             c.hot = bool(self.hot[i])
             c.excluded = self.excluded(i)
             self._built[i] = c

@@ -53,6 +53,9 @@ class EffectiveLoad:
     # reused there soon (see :class:`WorkingSet`).
     capacity_blocks: float = 0.0
     resident_tokens: float = 0.0
+    # Of ``resident_tokens``, what the offload store held of each session's prompt when it was
+    # routed: displaced there, that part comes back by a restore rather than a recompute.
+    stored_tokens: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -92,6 +95,7 @@ class LoadColumns:
     inflight_ctx_tokens: np.ndarray
     capacity_blocks: np.ndarray
     resident_tokens: np.ndarray
+    stored_tokens: np.ndarray
 
 
 class _Sums:
@@ -103,7 +107,7 @@ class _Sums:
     """
 
     FIELDS = ("has_report", "received_at", "running", "waiting", "report_prefill", "kv_usage", "report_blocks",
-              "capacity", "resident", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx")
+              "capacity", "resident", "stored", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx")
 
     def __init__(self) -> None:
         self.slot: dict[str, int] = {}
@@ -180,30 +184,39 @@ class WorkingSet:
     def __init__(self, sums: _Sums, window_s: float) -> None:
         self.sums = sums
         self.window_s = window_s
-        self._where: dict[str, tuple[int, str, int, float]] = {}   # session -> (slot, endpoint, tokens, touched)
+        # session -> (slot, endpoint, tokens, touched, stored)
+        self._where: dict[str, tuple[int, str, int, float, int]] = {}
         self._order: deque[tuple[float, str]] = deque()
 
-    def touch(self, session_id: str, endpoint_id: str, tokens: int, now: float) -> None:
+    def touch(self, session_id: str, endpoint_id: str, tokens: int, now: float, stored: int = 0) -> None:
+        """``stored``: tokens of the prompt the offload store held when it was routed (at most ``tokens``)."""
         if not session_id or self.window_s <= 0:
             return
         self._drop(session_id)
         i = self.sums.slot_of(endpoint_id)
-        self._where[session_id] = (i, endpoint_id, tokens, now)
+        stored = min(max(stored, 0), tokens)
+        self._where[session_id] = (i, endpoint_id, tokens, now, stored)
         self._order.append((now, session_id))
         self.sums.cols["resident"][i] += tokens
+        self.sums.cols["stored"][i] += stored
 
     def refresh(self, session_id: str, endpoint_id: str, now: float) -> None:
         """A turn of the session ended on ``endpoint_id``: its context is reusable from now on,
         so the window runs from here (a turn can wait in a queue longer than the window)."""
         w = self._where.get(session_id) if session_id else None
         if w is not None and w[1] == endpoint_id and now > w[3]:
-            self._where[session_id] = (w[0], w[1], w[2], now)
+            self._where[session_id] = (w[0], w[1], w[2], now, w[4])
             self._order.append((now, session_id))
 
     def home(self, session_id: str) -> tuple[str, int]:
         """(endpoint, tokens) where the session's context is counted, or ("", 0)."""
         w = self._where.get(session_id) if session_id else None
         return (w[1], w[2]) if w is not None else ("", 0)
+
+    def home_stored(self, session_id: str) -> int:
+        """Of the session's counted context (:meth:`home`), the tokens the store held."""
+        w = self._where.get(session_id) if session_id else None
+        return w[4] if w is not None else 0
 
     def expire(self, now: float) -> None:
         order, where = self._order, self._where
@@ -217,6 +230,7 @@ class WorkingSet:
         w = self._where.pop(session_id, None)
         if w is not None:
             self.sums.cols["resident"][w[0]] -= w[2]
+            self.sums.cols["stored"][w[0]] -= w[4]
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         i = self.sums.slot.get(endpoint_id)
@@ -373,14 +387,16 @@ class LoadView:
         # Capacity is the last one reported, also after the report itself is dropped or stale.
         resident = float(self._sums.cols["resident"][i]) if i is not None else 0.0
         capacity = float(self._sums.cols["capacity"][i]) if i is not None else 0.0
+        stored = float(self._sums.cols["stored"][i]) if i is not None else 0.0
         if rep is not None and (now - rep.received_at) <= self.staleness_s:
             return EffectiveLoad(running=rep.running, waiting=rep.waiting + new_req,
                                  prefill_tokens=rep.waiting_prefill_tokens + new_prefill,
                                  kv_usage=rep.kv_usage, inflight=total, stale=False,
                                  active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx,
-                                 capacity_blocks=capacity, resident_tokens=resident)
+                                 capacity_blocks=capacity, resident_tokens=resident, stored_tokens=stored)
         return EffectiveLoad(running=0, waiting=total, prefill_tokens=all_prefill, inflight=total, stale=True,
-                             inflight_ctx_tokens=all_ctx, capacity_blocks=capacity, resident_tokens=resident)
+                             inflight_ctx_tokens=all_ctx, capacity_blocks=capacity, resident_tokens=resident,
+                             stored_tokens=stored)
 
     def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
         """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
@@ -397,4 +413,4 @@ class LoadView:
                            active_blocks=np.where(fresh, c["kv_usage"] * c["report_blocks"], 0.0),
                            inflight_ctx_tokens=np.where(fresh, c["new_ctx"], c["all_ctx"]),
                            capacity_blocks=c["capacity"],
-                           resident_tokens=c["resident"])
+                           resident_tokens=c["resident"], stored_tokens=c["stored"])

@@ -219,7 +219,11 @@ class RouterCore:
                               num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo)
         self.load.on_sent(decision.endpoint_id, req.request_id, local_prefill, now, keys=req.keys,
                           num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens)
-        self.load.working_set.touch(req.session_id, decision.endpoint_id, req.num_tokens, now)
+        # What the store held of the prompt (the same on every endpoint): displaced from this
+        # endpoint later, that part comes back by a restore (ScoringConfig.displace_store_price).
+        stored = next((c.store_blocks for c in decision.candidates if c.endpoint_id == decision.endpoint_id), 0)
+        self.load.working_set.touch(req.session_id, decision.endpoint_id, req.num_tokens, now,
+                                    stored * req.block_size)
         self.policy(decision.policy).on_routed(req, decision, now, prefill_ep)
 
     def on_first_token(self, req: RouteRequest) -> None:

@@ -110,6 +110,10 @@ class ScoringConfig:
         "help": "price displacement as an LRU cache under cyclic reuse does: a placement that pushes an endpoint's "
                 "working set over its cache costs the whole working set, one onto an endpoint already over it only "
                 "the placed context, one that fits nothing (scoring.cliff_displaced; false = the overflow estimate)"})
+    displace_store_price: bool = field(default=False, metadata={
+        "help": "price the displaced KV the offload store holds at its restore (--cpu-restore-s-per-token), the "
+                "rest at its recompute: a session whose context the store keeps loses a copy, not the work "
+                "(scoring.stored_displaced; false = every displaced token at its recompute)"})
     hold_min_ratio: float = field(default=0.0, metadata={
         "help": "when every endpoint has prefill queued, a request whose prompt some endpoint holds at least this "
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
@@ -211,11 +215,12 @@ def cluster_state(cands: list[Candidate], cfg: ScoringConfig) -> ClusterState:
 def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: EffectiveLoad, num_tokens: int,
              block_size: int, cfg: ScoringConfig, offload_enabled: bool = True,
              shared_queued_tokens: int = 0, cluster: ClusterState | None = None,
-             own_resident_tokens: int = 0) -> Candidate:
+             own_resident_tokens: int = 0, own_stored_tokens: int = 0) -> Candidate:
     """Estimated seconds to first token of the request on one endpoint, plus what the placement
     costs the rest of the cluster (lower is better). ``cluster``: see :func:`cluster_state`;
     without it the cluster-work term is 0. ``own_resident_tokens``: the request's session's own
-    context counted in the endpoint's working set (``LoadView.working_set``), which it reuses."""
+    context counted in the endpoint's working set (``LoadView.working_set``), which it reuses;
+    ``own_stored_tokens``: the part of it the store held (``WorkingSet.home_stored``)."""
     cap = max_hit_blocks(num_tokens, block_size)
     split = tier_split(match, store, cap, offload_enabled)
     cached_tokens = split.cached * block_size
@@ -238,19 +243,25 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         # The whole prompt is on the GPU while it runs: what the others' recent contexts leave
         # must hold it, cached blocks included. What does not fit comes out of those contexts,
         # at most as much as the request allocates (blocks restored from the store count: they
-        # take GPU blocks as much as recomputed ones). Their sessions' next turns recompute them.
+        # take GPU blocks as much as recomputed ones). Their sessions' next turns recompute them,
+        # or restore what the store holds (``displace_store_price``).
         fresh = -(-max(0, num_tokens - split.gpu * block_size) // block_size) * block_size
         room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
+        need = -(-num_tokens // block_size) * block_size
+        others = load.resident_tokens - own_resident_tokens
         if cfg.displace_cliff:
-            displaced = cliff_displaced(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens,
-                                        -(-num_tokens // block_size) * block_size)
-            displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+            displaced = cliff_displaced(load.capacity_blocks * block_size, others, need)
         else:
-            displaced = min(fresh, max(-(-num_tokens // block_size) * block_size - max(room, 0.0), 0.0))
+            displaced = min(fresh, max(need - max(room, 0.0), 0.0))
+        if cfg.displace_store_price and offload_enabled:
+            stored = stored_displaced(load.capacity_blocks * block_size, others, load.stored_tokens - own_stored_tokens,
+                                      min(max(store.cpu, store.disk), cap) * block_size, displaced, cfg.displace_cliff)
+            displace = cfg.displace_weight * ((displaced - stored) * cfg.prefill_s_per_token
+                                              + stored * cfg.cpu_restore_s_per_token)
+        else:
             displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
-            if cfg.displace_free_at > 1.0:
-                displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens,
-                                       cfg)
+        if cfg.displace_free_at > 1.0 and not cfg.displace_cliff:
+            displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
@@ -276,6 +287,30 @@ def cliff_displaced(capacity_tokens: float, others_tokens: float, need_tokens: f
     if others_tokens <= capacity_tokens:
         return others_tokens + need_tokens
     return need_tokens
+
+
+def stored_displaced(capacity_tokens: float, others_tokens: float, others_stored_tokens: float,
+                     own_stored_tokens: float, displaced_tokens: float, cliff: bool) -> float:
+    """Of ``displaced_tokens``, those the offload store holds (``displace_store_price``).
+
+    A session whose context is evicted from the GPU but kept by the store gets it back at its
+    next turn by a host-to-device copy, not a recompute. What the store holds of each session
+    in an endpoint's working set is what it held of that session's prompt when it was last
+    routed (``others_stored_tokens`` in all); of the placed prompt, the store's leading match
+    (``own_stored_tokens``). At the cliff (:func:`cliff_displaced`) the displaced tokens are
+    whole contexts: the others' and the prompt's (pushed over), or the prompt's alone (already
+    over). The overflow estimate displaces an unknown part of the others' contexts, so its
+    stored part is the others' stored share.
+    """
+    if displaced_tokens <= 0.0:
+        return 0.0
+    if cliff:
+        if others_tokens <= capacity_tokens:
+            return others_stored_tokens + own_stored_tokens
+        return own_stored_tokens
+    if others_tokens <= 0.0:
+        return 0.0
+    return displaced_tokens * (others_stored_tokens / others_tokens)
 
 
 def kept_share(capacity_tokens: float, others_tokens: float, cfg: ScoringConfig) -> float:

@@ -55,8 +55,9 @@ def _random_load(rng: random.Random, ids: list[str], now: float) -> LoadView:
             lv.on_sent(ep, rid, rng.choice([0, rng.randrange(n * BS)]), t, keys=keys, num_tokens=n * BS,
                        cached_tokens=rng.choice([0, BS * rng.randrange(n)]))
             # Sessions' contexts in the working set, some of them old enough to expire.
-            lv.working_set.touch(rng.choice(["s1", "s2", "s3", "s4"]), ep,
-                                 rng.choice([n * BS, 1000 * BS, rng.randrange(20_000)]), t - rng.choice([0.0, 5.0]))
+            tokens = rng.choice([n * BS, 1000 * BS, rng.randrange(20_000)])
+            lv.working_set.touch(rng.choice(["s1", "s2", "s3", "s4"]), ep, tokens, t - rng.choice([0.0, 5.0]),
+                                 rng.choice([0, tokens, rng.randrange(tokens + 1), tokens + 7]))
             live.append(rid)
         elif op < 0.8 and live:
             lv.on_first_token(rng.choice(live))
@@ -99,7 +100,8 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
                         cluster_work_weight=rng.choice([0.0, 1.0, 2.7]), saturation_s=rng.choice([0.0, 0.013, 0.37, 1.0]),
                         displace_weight=rng.choice([0.0, 0.6, 1.0]), reuse_window_s=600.0,
                         hold_min_ratio=rng.choice([0.0, 0.3, 0.5, 1.0]),
-                        displace_free_at=rng.choice([0.0, 1.5, 2.0, 3.0]), displace_cliff=rng.random() < 0.5)
+                        displace_free_at=rng.choice([0.0, 1.5, 2.0, 3.0]), displace_cliff=rng.random() < 0.5,
+                        displace_store_price=rng.random() < 0.5)
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     shared = load.pending_overlap(req.keys, BS)
@@ -107,10 +109,12 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
     loads = {e: load.effective(e, now) for e in ids}
 
     home, mine = load.working_set.home(req.session_id)
+    mine_stored = load.working_set.home_stored(req.session_id)
 
     def scored(state: ClusterState | None) -> list[Candidate]:
         return [evaluate(e, per.get(e, TierMatch()), store, loads[e], req.num_tokens, BS, cfg, offload,
-                         shared.get(e, 0), state, mine if e == home else 0) for e in ids]
+                         shared.get(e, 0), state, mine if e == home else 0, mine_stored if e == home else 0)
+                for e in ids]
     # The cluster figures come from every endpoint's own evaluation (they do not depend on them).
     state = cluster_state(scored(None), cfg)
     ref: list[Candidate] = scored(state)
@@ -185,9 +189,9 @@ def test_load_columns_equal_effective(seed: int) -> None:
         eff = load.effective(e, now)
         assert _scan(load, e, now) == (eff.queue, eff.prefill_tokens, eff.inflight_ctx_tokens, eff.inflight)
         assert (cols.queue[i], cols.prefill_tokens[i], cols.kv_usage[i], cols.inflight[i], cols.active_blocks[i],
-                cols.inflight_ctx_tokens[i], cols.capacity_blocks[i], cols.resident_tokens[i]) == (
+                cols.inflight_ctx_tokens[i], cols.capacity_blocks[i], cols.resident_tokens[i], cols.stored_tokens[i]) == (
                     eff.queue, eff.prefill_tokens, eff.kv_usage, eff.inflight, eff.active_blocks,
-                    eff.inflight_ctx_tokens, eff.capacity_blocks, eff.resident_tokens)
+                    eff.inflight_ctx_tokens, eff.capacity_blocks, eff.resident_tokens, eff.stored_tokens)
 
 
 @pytest.mark.parametrize("seed", range(50))

@@ -465,3 +465,86 @@ def test_cliff_leaves_a_session_home_while_its_own_context_fits_there():
     d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
     assert d.endpoint_id == "e0"
     assert {c.endpoint_id: c.displace_s for c in d.candidates}["e0"] == 0.0
+
+
+# ---------------------------------------------------------------- displaced KV the store holds
+
+
+def _restore(cfg: ScoringConfig, d: float) -> float:
+    """The price of ``d`` displaced tokens the store gives back: their host-to-device copy."""
+    return d * cfg.cpu_restore_s_per_token
+
+
+@pytest.mark.parametrize("cliff", [False, True])
+@pytest.mark.parametrize(("others", "case"), [(14_000, "pushes over"), (20_000, "already over")])
+def test_store_price_charges_a_restore_for_the_displaced_kv_the_store_holds(cliff: bool, others: int, case: str):
+    n, nb = 3200, 1000          # capacity 16,000 tokens; the prompt needs 3,200 (200 blocks)
+    others_stored = 6000        # what the store held of the other session's context when it was routed
+    own_stored = 100 * BS       # the store's leading match of this prompt
+    core = _core(1, displace_weight=1.0, displace_cliff=cliff, displace_store_price=True)
+    cfg = core.cfg.scoring
+    _capacity(core, nb, "e0")
+    core.load.working_set.touch("other", "e0", others, 0.0, others_stored)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(store=TierMatch(cpu=100)), now=0.1)
+    if cliff:
+        # Whole contexts go: the other's and the prompt's (pushed over), or the prompt's alone.
+        displaced, stored = {"pushes over": (others + n, others_stored + own_stored),
+                             "already over": (n, own_stored)}[case]
+    else:
+        # The overflow estimate: the prompt's new blocks beyond the room left, at most its new blocks
+        # (here all 200: none is on the GPU), taken from the others' contexts in their stored share.
+        displaced = min(n, max(n - (nb * BS - others), 0))
+        stored = displaced * others_stored / others
+    want = _evict(cfg, displaced - stored) + _restore(cfg, stored)
+    assert d.candidates[0].displace_s == pytest.approx(want, rel=1e-12)
+    assert 0.0 < want < _evict(cfg, displaced)
+    # Off (the default), every displaced token is a recompute.
+    plain = _core(1, displace_weight=1.0, displace_cliff=cliff)
+    _capacity(plain, nb, "e0")
+    plain.load.working_set.touch("other", "e0", others, 0.0, others_stored)
+    p = plain.decide(_req(plain, n, "r", session="s"), Matches(store=TierMatch(cpu=100)), now=0.1)
+    assert p.candidates[0].displace_s == pytest.approx(_evict(cfg, displaced), rel=1e-12)
+
+
+def test_store_price_sends_a_session_where_the_store_keeps_what_it_displaces():
+    n, nb = 3200, 1000
+    core = _core(2, displace_weight=1.0, displace_store_price=True, cluster_work_weight=0.0)
+    _capacity(core, nb, "e0", "e1")
+    # The same working set on both endpoints; only e1's sessions' contexts are kept by the store.
+    core.load.working_set.touch("a", "e0", 14_000, 0.0, 0)
+    core.load.working_set.touch("b", "e1", 14_000, 0.0, 14_000)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(), now=0.1)
+    by = {c.endpoint_id: c.displace_s for c in d.candidates}
+    cfg = core.cfg.scoring
+    assert by["e0"] == pytest.approx(_evict(cfg, n - 2000), rel=1e-12)
+    assert by["e1"] == pytest.approx(_restore(cfg, n - 2000), rel=1e-12)
+    assert d.endpoint_id == "e1"
+
+
+def test_store_price_is_off_without_an_offload_store():
+    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, offload_enabled=False,
+                                       scoring=ScoringConfig(displace_weight=1.0, displace_store_price=True)))
+    core.set_endpoint(EndpointView("e0", "127.0.0.1:9000", "m"))
+    _capacity(core, 1000, "e0")
+    core.load.working_set.touch("other", "e0", 14_000, 0.0, 14_000)
+    d = core.decide(_req(core, 3200, "r", session="s"), Matches(store=TierMatch(cpu=100)), now=0.1)
+    assert d.candidates[0].displace_s == pytest.approx(_evict(core.cfg.scoring, 3200 - 2000), rel=1e-12)
+
+
+def test_routed_session_counts_what_the_store_held_of_its_prompt():
+    n = 3200
+    core = _core(2, displace_weight=1.0, displace_store_price=True)
+    _capacity(core, 1000, "e0", "e1")
+    req = _req(core, n, "r", session="s")
+    d = core.decide(req, Matches(store=TierMatch(cpu=120)), now=0.1)
+    core.on_routed(req, d, now=0.1)
+    ws = core.load.working_set
+    assert ws.home("s") == (d.endpoint_id, n)
+    assert ws.home_stored("s") == 120 * BS
+    assert core.load.effective(d.endpoint_id, 0.2).stored_tokens == 120 * BS
+    # The next turn replaces the session's entry: its stored part goes with it.
+    req2 = _req(core, n + 160, "r2", session="s")
+    d2 = core.decide(req2, Matches(), now=0.3)
+    core.on_routed(req2, d2, now=0.3)
+    assert ws.home_stored("s") == 0
+    assert sum(core.load.effective(e, 0.4).stored_tokens for e in ("e0", "e1")) == 0
