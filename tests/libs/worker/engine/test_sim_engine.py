@@ -71,6 +71,7 @@ def _vllm_events(prompts: list[tuple[str, list[int], str | None]], num_blocks: i
     return events
 
 
+@pytest.mark.timeout(300)   # imports vLLM: ~20 s on a quiet machine, over 90 s on a loaded one
 async def test_published_events_equal_vllm_events() -> None:
     pytest.importorskip("vllm.v1.core.kv_cache_manager")
     prompts = [
