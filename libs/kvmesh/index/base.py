@@ -104,7 +104,11 @@ class BlockIndex(ABC):
 
     @abstractmethod
     def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
-        """Drop every entry of ``endpoint`` (optionally one tier) in all models; O(its entries)."""
+        """Drop every entry of ``endpoint`` (optionally one tier) in all models; O(its entries).
+
+        Without ``tier`` (the endpoint is gone, or its engine was reset: AllBlocksCleared, a
+        restart) its speculative entries go too: the picks made for it are void. Every backend
+        does this (``tests/services/indexer/test_index_backends.py``)."""
 
     @abstractmethod
     def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,

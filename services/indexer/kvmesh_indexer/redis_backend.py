@@ -20,13 +20,21 @@ binary strings, the shortest exact form of a uint64):
 - ``NS:eps:<endpoint>`` SET naming the endpoint's reverse-index hashes.
 - ``NS:{model}:sp`` HASH ``<key8> -> "<endpoint>=<expiry ms>:<put>;..."``:
   speculative entries (a router's picks), with ``<put>`` the number of the write
-  (``NS:{model}:spseq``). A write replaces its endpoint's entry on each of its
-  blocks and drops expired entries from the values it rewrites; for each field
-  it adds it drops the fully expired fields among two random samples, so stale
-  fields stay about as many as live ones; the key expires with its longest TTL.
-  (Layout 2 first kept one hash per block, ``NS:{model}:s:<key8>``, read with
-  one HGETALL per block: ~9 ms of Redis time for a 3,400-block chain. Keys of
-  that form expire within 300 s and are no longer read.)
+  (``NS:{model}:spseq``); written and probed by ``redis_common`` (``LUA_PUT_SPEC``,
+  ``LUA_SPEC_PROBE``), as in the cluster layout. Clearing a whole endpoint (its
+  engine was reset or it is gone) drops its entries: the picks made for it are void.
+- Rolling upgrade: layout 2 first kept one hash per block, ``NS:{model}:s:<key8>``
+  (``endpoint -> expiry``), read with one HGETALL per block (~9 ms of Redis time
+  for a 3,400-block chain). An indexer not yet upgraded still writes and reads only
+  that form. This one reads it too, as a fallback: a lookup checks whether the
+  chain's first block has such a key (one EXISTS; old writes are chains from their
+  first block too) and only then walks it block by block, each endpoint keeping
+  the longer of its two runs. So during an upgrade new replicas see old replicas'
+  picks; old replicas do not see new ones (they cannot be changed), for at most
+  one TTL (``MAX_SPECULATIVE_TTL_S``, 300 s) after the last old replica stops.
+  Writing both forms was not done: it brings back the ~12 ms per write the new
+  form removed, for a loss that is a few seconds of predictions on some replicas.
+  Clearing an endpoint does not reach old-form entries (they expire on their own).
 - ``NS:layout`` the layout version, checked at start.
 
 Why the prefix-closed flag: an engine stores a block only after its parent
@@ -37,13 +45,7 @@ stride-long gap per distinct run end, about ``n / stride + stride`` reads
 instead of ``n``; dirty endpoints are walked block by block. The answer is
 the same either way (tested against the in-memory backend).
 
-Speculative entries are probed the same way. A write is a chain from its first
-block (what a router picked; ``PutSpeculative``'s contract), and a block key
-fixes its whole prefix, so every write that holds block ``i + 1`` of a chain
-holds block ``i`` too: along a chain, the latest write of an endpoint that holds
-each block is the same or an older one. So when two probes ``stride`` apart
-show the endpoint's entry of the same write, still live, every block between
-has it; only where the write changes (or the entry is gone) is the gap read.
+Speculative entries are probed the same way (``redis_common.LUA_SPEC_PROBE``).
 
 Every update and every lookup is one Lua script call (one round trip, atomic).
 The lookup stops at the first probe no candidate holds. Clearing runs as Lua
@@ -70,6 +72,10 @@ from kvmesh_indexer.redis_common import (
     LUA_FILTER,
     LUA_LIB,
     LUA_PROBE,
+    LUA_PUT_SPEC,
+    LUA_SPEC_LEGACY,
+    LUA_SPEC_PROBE,
+    SPEC_DROP,
     RedisIndexBase,
     add_matches,
     filter_args,
@@ -251,6 +257,7 @@ local blob = ARGV[idx]
 local nkeys = #blob / 8
 local run, erun = {}, {}
 local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
+""" + LUA_SPEC_PROBE + LUA_SPEC_LEGACY + """
 local function fields_of(v, want)
   local fs = {}
   if v then
@@ -330,120 +337,25 @@ local out_t, out_e, out_s = {}, {}, {}
 for f, n in pairs(run) do out_t[#out_t + 1] = f; out_t[#out_t + 1] = n end
 for ep, n in pairs(erun) do out_e[#out_e + 1] = ep; out_e[#out_e + 1] = n end
 if spec then
-  -- Speculative runs, probed every S-th block (see the module docstring); a gap is read
-  -- only for an endpoint whose entry changed write (or ended) across it.
-  local now = now_ms()
-  local skey = pre .. 'sp'
-  local parsed = {}
-  local function live(v)   -- value -> {ep -> {expiry, write}} of its live, allowed entries
-    if not v then return {} end
-    local r = parsed[v]
-    if r == nil then
-      r = {}
-      for ep, e, w in string.gmatch(v, '([^;=]+)=(%d+):(%d+)') do
-        local exp = tonumber(e)
-        if exp > now and allowed(ep) then r[ep] = {exp, w} end
-      end
-      parsed[v] = r
-    end
-    return r
-  end
-  local srun, sexp, swrite, alive = {}, {}, {}, {}
-  -- Blocks lo..hi, walked for each of eps until its first block without a live entry.
-  local function scan(lo, hi, eps)
-    if lo > hi then return end
-    local args = {}
-    for p = lo, hi do args[#args + 1] = key(p) end
-    local vals = redis.call('HMGET', skey, unpack(args))
-    for _, ep in ipairs(eps) do
-      for p = lo, hi do
-        local e = live(vals[p - lo + 1])[ep]
-        if not e then srun[ep] = p; alive[ep] = nil; break end
-        if e[1] < sexp[ep] then sexp[ep] = e[1] end
-        swrite[ep] = e[2]
-      end
-    end
-  end
-  for ep, e in pairs(live(redis.call('HGET', skey, key(0)))) do
-    alive[ep] = true; sexp[ep] = e[1]; swrite[ep] = e[2]
-  end
-  local nprobe = math.floor((nkeys - 1) / S) + 1
-  local q, win = 1, 8
-  while next(alive) ~= nil and q < nprobe do
-    local hi = math.min(nprobe - 1, q + win - 1)
-    local args = {}
-    for r = q, hi do args[#args + 1] = key(r * S) end
-    local vals = redis.call('HMGET', skey, unpack(args))
-    for r = q, hi do
-      local ents = live(vals[r - q + 1])
-      local check = {}
-      for ep, _ in pairs(alive) do
-        local e = ents[ep]
-        if not (e and e[2] == swrite[ep]) then check[#check + 1] = ep end
-      end
-      if #check > 0 then scan((r - 1) * S + 1, r * S, check) end
-      if next(alive) == nil then break end
-    end
-    q = hi + 1
-    win = math.min(win * 2, 256)
-  end
-  local rest = {}
-  for ep, _ in pairs(alive) do rest[#rest + 1] = ep end
-  if #rest > 0 then scan((nprobe - 1) * S + 1, nkeys - 1, rest) end
-  for ep, _ in pairs(alive) do srun[ep] = nkeys end
-  for ep, n in pairs(srun) do
-    if n > 0 then out_s[#out_s + 1] = ep; out_s[#out_s + 1] = n; out_s[#out_s + 1] = sexp[ep] - now end
+  out_s = spec_probe(pre .. 'sp', nkeys)
+  -- Layout 2's first form (one hash per block), written by indexers not yet upgraded.
+  if redis.call('EXISTS', pre .. 's:' .. key(0)) == 1 then
+    out_s = spec_legacy(out_s, nkeys, function(p)
+      local kv, t = redis.call('HGETALL', pre .. 's:' .. key(p)), {}
+      for j = 1, #kv, 2 do t[kv[j]] = tonumber(kv[j + 1]) end
+      return t
+    end)
   end
 end
 return {out_t, out_e, out_s}
 """
 
-# ARGV: ns, model, endpoint, ttl_ms, blob (a chain from its first block). Rewrites the blocks' values in HMGET/HSET windows
-# (a chain's blocks mostly share one old value, so each distinct value is rewritten once), then
-# drops the fully expired fields among 2 * (fields added) + 16 random ones.
-_PUT_SPEC = _LIB + """
-local ns, model, ep, ttl_ms, blob = ARGV[1], ARGV[2], ARGV[3], tonumber(ARGV[4]), ARGV[5]
-local skey = ns .. ':{' .. model .. '}:sp'
-local now = now_ms()
-local mine = ep .. '=' .. (now + ttl_ms) .. ':' .. redis.call('INCR', ns .. ':{' .. model .. '}:spseq')
-local memo = {}
-local function rewrite(v)
-  if not v then return mine end
-  local r = memo[v]
-  if r == nil then
-    local out = {}
-    for e, x, w in string.gmatch(v, '([^;=]+)=(%d+):(%d+)') do
-      if e ~= ep and tonumber(x) > now then out[#out + 1] = e .. '=' .. x .. ':' .. w end
-    end
-    out[#out + 1] = mine
-    r = table.concat(out, ';')
-    memo[v] = r
-  end
-  return r
-end
-local ks = keys_of(blob)
-local added = 0
-for lo = 1, #ks, CH do
-  local hi = math.min(#ks, lo + CH - 1)
-  local vs = redis.call('HMGET', skey, unpack(ks, lo, hi))
-  local kv = {}
-  for j = lo, hi do
-    kv[#kv + 1] = ks[j]
-    kv[#kv + 1] = rewrite(vs[j - lo + 1])
-  end
-  added = added + redis.call('HSET', skey, unpack(kv))
-end
-if added > 0 then
-  local sample = redis.call('HRANDFIELD', skey, 2 * added + 16, 'WITHVALUES')
-  for j = 1, #sample, 2 do
-    local live = false
-    for _, x in string.gmatch(sample[j + 1], '([^;=]+)=(%d+):%d+') do
-      if tonumber(x) > now then live = true; break end
-    end
-    if not live then redis.call('HDEL', skey, sample[j]) end
-  end
-end
-if redis.call('PTTL', skey) < ttl_ms then redis.call('PEXPIRE', skey, ttl_ms) end
+# ARGV: ns, model, endpoint, ttl_ms, blob (a chain from its first block); see redis_common.LUA_PUT_SPEC.
+_PUT_SPEC = LUA_LIB + LUA_PUT_SPEC + """
+local ns, model = ARGV[1], ARGV[2]
+local pre = ns .. ':{' .. model .. '}:'
+put_spec(pre .. 'sp', pre .. 'spseq', ARGV[3], tonumber(ARGV[4]), ARGV[5])
+redis.call('SADD', ns .. ':models', model)
 return 1
 """
 
@@ -487,6 +399,7 @@ class RedisIndex(RedisIndexBase):
         self._clear_chunk = self.r.register_script(_CLEAR_CHUNK)
         self._lookup = self.r.register_script(_LOOKUP)
         self._put_spec = self.r.register_script(_PUT_SPEC)
+        self._spec_drop = self.r.register_script(SPEC_DROP)
         self._ep_blocks = self.r.register_script(_ENDPOINT_BLOCKS)
 
     # ---- updates -------------------------------------------------------------------
@@ -531,7 +444,17 @@ class RedisIndex(RedisIndexBase):
                 self._call(self.r.srem, f"{pre}dirty", endpoint)
         if tier is None:
             self._call(self.r.srem, f"{self.namespace}:endpoints", endpoint)
+            for m in self._call(self.r.smembers, f"{self.namespace}:models"):
+                self._drop_speculative(f"{self.namespace}:{{{m.decode()}}}:sp", endpoint)
         return removed
+
+    def _drop_speculative(self, skey: str, endpoint: str) -> None:
+        """Drop ``endpoint``'s speculative entries from one hash, ``clear_chunk`` fields a call."""
+        cursor = b"0"
+        while True:
+            cursor = self._call(self._spec_drop, [skey], [cursor, endpoint, self.clear_chunk])
+            if cursor in (b"0", 0, "0"):
+                return
 
     def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:
         if keys:

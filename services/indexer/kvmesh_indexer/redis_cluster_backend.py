@@ -21,10 +21,17 @@ chain lookup reads at most two slots, whatever the cluster size:
   parent's tag and depth (an engine stores a block after its parent, in some
   tier). ``NS:{e:<endpoint>}:reg`` names the endpoint's reverse indexes,
   ``NS:{e:<endpoint>}:n`` counts its entries per tier.
-- ``NS:{<root>}:s:<model>`` HASH ``<key8> -> "<endpoint>=<expiry ms>;..."``:
+- ``NS:{<root>}:sp:<model>`` HASH ``<key8> -> "<endpoint>=<expiry ms>:<write>;..."``:
   speculative entries of the chains starting at ``root`` (a router writes them
-  for a chain from its first block). Expired fields are dropped by sampling
-  on each write and the key expires with its longest TTL.
+  for a chain from its first block), ``<write>`` numbered by ``NS:{<root>}:spseq:<model>``.
+  Written and probed every ``probe_stride``-th block by ``redis_common`` (``LUA_PUT_SPEC``,
+  ``LUA_SPEC_PROBE``), as in the single layout. Clearing a whole endpoint drops its
+  entries (its engine was reset: the picks made for it are void).
+  Rolling upgrade: indexers before write numbers kept ``NS:{<root>}:s:<model>``
+  (``"<endpoint>=<expiry ms>;..."``) and read only it. A lookup reads that hash too,
+  block by block, when it exists for the chain's root (one EXISTS in the same call),
+  each endpoint keeping the longer run; old indexers do not see new entries, for at
+  most one TTL (300 s) after the last of them stops (see ``redis_backend``).
 - ``NS:{<tag>}:d:<model>`` SET of endpoints that, within this tag, hold a block
   without its same-tier parent (or lost a parent under a child). The others are
   prefix-closed there, so a lookup probes them every ``probe_stride``-th block
@@ -61,6 +68,10 @@ from kvmesh_indexer.redis_common import (
     LUA_FILTER,
     LUA_LIB,
     LUA_PROBE,
+    LUA_PUT_SPEC,
+    LUA_SPEC_LEGACY,
+    LUA_SPEC_PROBE,
+    SPEC_DROP,
     RedisIndexBase,
     add_matches,
     filter_args,
@@ -265,7 +276,7 @@ return n
 
 # One shard's part of a lookup: positions [base, base + limit) of the chain.
 # KEYS: per namespace (model first, then extra models) its holder hash and dirty set, then the
-#       speculative hash (if asked).
+#       speculative hash and its pre-write-number form (if asked).
 # ARGV: blob, base, final('1'|'0'), spec('1'|'0'), limit (blocks of blob to walk; speculative entries
 #       are read along all of it), stride, nallow, allow..., ndeny, deny..., then per namespace a start
 #       state: '-' (from the chain's first block) or "<fields ;-joined>@<endpoints ;-joined>" alive
@@ -283,7 +294,7 @@ local idx = 7
 local nkeys = math.min(limit, #blob / 8)
 local nall = #blob / 8
 local nns = #KEYS
-if spec then nns = nns - 1 end
+if spec then nns = nns - 2 end
 nns = nns / 2
 local run, erun = {}, {}
 local function key(p) return string.sub(blob, p * 8 + 1, p * 8 + 8) end
@@ -293,7 +304,7 @@ local function split(s)
   return t
 end
 local function note(t, k, n) if n > 0 and n > (t[k] or 0) then t[k] = n end end
-""" + LUA_PROBE + """
+""" + LUA_PROBE + LUA_SPEC_PROBE + LUA_SPEC_LEGACY + """
 -- block by block from the range start; cur/cure: fields/endpoints alive there
 local function blockwalk(hkey, cur, cure, ncur, ncure)
   local prev, pos, stop, win = nil, 0, nil, 64
@@ -397,63 +408,26 @@ for j = 1, nns do
   out_t[j], out_e[j] = t, e
 end
 if spec then
-  local now = now_ms()
-  local srun, sexp = {}, {}
-  local pos, win, done = 0, 16, false
-  while not done and pos < nall do
-    local hi = math.min(nall, pos + win)
-    local args = {}
-    for i = pos, hi - 1 do args[#args + 1] = key(i) end
-    local vals = redis.call('HMGET', KEYS[#KEYS], unpack(args))
-    for j = 1, hi - pos do
-      local v, p, ext = vals[j], pos + j - 1, false
+  out_s = spec_probe(KEYS[#KEYS - 1], nall)
+  -- Layout c1's first form ("<endpoint>=<expiry ms>;...", no write numbers), written by indexers
+  -- not yet upgraded: walked block by block, only when such a hash exists for this root.
+  if redis.call('EXISTS', KEYS[#KEYS]) == 1 then
+    out_s = spec_legacy(out_s, nall, function(p)
+      local t = {}
+      local v = redis.call('HGET', KEYS[#KEYS], key(p))
       if v then
-        for ep, e in string.gmatch(v, '([^;=]+)=(%d+)') do
-          local exp = tonumber(e)
-          if exp > now and allowed(ep) and (srun[ep] or 0) == p then
-            srun[ep] = p + 1
-            if sexp[ep] == nil or exp < sexp[ep] then sexp[ep] = exp end
-            ext = true
-          end
-        end
+        for ep, e in string.gmatch(v, '([^;=]+)=(%d+)') do t[ep] = tonumber(e) end
       end
-      if not ext then done = true; break end
-    end
-    pos = hi
-    win = math.min(win * 2, 1024)
-  end
-  for ep, n in pairs(srun) do
-    out_s[#out_s + 1] = ep; out_s[#out_s + 1] = n; out_s[#out_s + 1] = sexp[ep] - now
+      return t
+    end)
   end
 end
 return {out_t, out_e, states, out_s}
 """
 
-# KEYS: speculative hash. ARGV: endpoint, ttl_ms, blob. Also drops a sample of fully expired fields.
-_PUT_SPEC = LUA_LIB + """
-local ep, ttl, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
-local now = now_ms()
-local exp = now + ttl
-local function keep(v, drop)
-  local out = {}
-  if v then
-    for e, x in string.gmatch(v, '([^;=]+)=(%d+)') do
-      if e ~= drop and tonumber(x) > now then out[#out + 1] = e .. '=' .. x end
-    end
-  end
-  return out
-end
-for i = 1, #blob / 8 do
-  local k = string.sub(blob, i * 8 - 7, i * 8)
-  local v = keep(redis.call('HGET', KEYS[1], k), ep)
-  v[#v + 1] = ep .. '=' .. exp
-  redis.call('HSET', KEYS[1], k, table.concat(v, ';'))
-end
-local sample = redis.call('HRANDFIELD', KEYS[1], 2 * (#blob / 8), 'WITHVALUES')
-for j = 1, #sample, 2 do
-  if #keep(sample[j + 1], nil) == 0 then redis.call('HDEL', KEYS[1], sample[j]) end
-end
-if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+# KEYS: speculative hash, its write counter. ARGV: endpoint, ttl_ms, blob (redis_common.LUA_PUT_SPEC).
+_PUT_SPEC = LUA_LIB + LUA_PUT_SPEC + """
+put_spec(KEYS[1], KEYS[2], ARGV[1], tonumber(ARGV[2]), ARGV[3])
 return 1
 """
 
@@ -523,6 +497,7 @@ class RedisClusterIndex(RedisIndexBase):
         self._ep_remove = self.r.register_script(_EP_REMOVE)
         self._walk = self.r.register_script(_WALK)
         self._put_spec = self.r.register_script(_PUT_SPEC)
+        self._spec_drop = self.r.register_script(SPEC_DROP)
 
     # ---- key names -----------------------------------------------------------------
     def _hkey(self, tag: str, model: str) -> str:
@@ -530,6 +505,9 @@ class RedisClusterIndex(RedisIndexBase):
 
     def _dkey(self, tag: str, model: str) -> str:
         return f"{self.namespace}:{{{tag}}}:d:{model}"
+
+    def _skey(self, root: str, model: str, kind: str = "sp") -> str:
+        return f"{self.namespace}:{{{root}}}:{kind}:{model}"
 
     def _ekey(self, endpoint: str, rest: str) -> str:
         return f"{self.namespace}:{{e:{endpoint}}}:{rest}"
@@ -632,13 +610,32 @@ class RedisClusterIndex(RedisIndexBase):
             self._call(self.r.srem, reg, rkey)
         if tier is None:
             self._call(self.r.srem, f"{self.namespace}:endpoints", endpoint)
+            self._drop_speculative(endpoint)
         return removed
+
+    def _drop_speculative(self, endpoint: str) -> None:
+        """Drop ``endpoint``'s speculative entries: its engine was reset (or it is gone), so the
+        picks made for it are void. They are spread over every root's slot: a SCAN of the
+        masters (O(keys); clearing a whole endpoint is rare), then ``clear_chunk`` fields a call."""
+        pattern = f"{self.namespace}:{{*}}:sp:*"
+        skeys = self._call(lambda: list(self.r.scan_iter(match=pattern, count=1000,
+                                                         target_nodes=RedisCluster.PRIMARIES)))
+        for raw in dict.fromkeys(skeys):
+            skey = raw.decode() if isinstance(raw, bytes) else raw
+            if not skey.split("}:", 1)[1].startswith("sp:"):
+                continue
+            cursor: Any = b"0"
+            while True:
+                cursor = self._call(self._spec_drop, [skey], [cursor, endpoint, self.clear_chunk])
+                if cursor in (b"0", 0, "0"):
+                    break
 
     def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:
         """``keys`` is a chain from its first block (what a router picked)."""
         if keys:
-            skey = f"{self.namespace}:{{{keys[0]:016x}}}:s:{model}"
-            self._call(self._put_spec, [skey], [endpoint, max(1, int(ttl_s * 1000)), pack_keys(keys)])
+            root = f"{keys[0]:016x}"
+            self._call(self._put_spec, [self._skey(root, model), self._skey(root, model, "spseq")],
+                       [endpoint, max(1, int(ttl_s * 1000)), pack_keys(keys)])
 
     # ---- lookup --------------------------------------------------------------------
     def _node_of(self, key: str) -> str:
@@ -660,7 +657,8 @@ class RedisClusterIndex(RedisIndexBase):
         blob = pack_keys(keys)
         root = f"{keys[0]:016x}"
         hk = [k for m in models for k in (self._hkey(root, m), self._dkey(root, m))]
-        skeys = [f"{self.namespace}:{{{root}}}:s:{model}"] if include_speculative else []
+        # the speculative hash, then its pre-write-number form (read during a rolling upgrade)
+        skeys = [self._skey(root, model), self._skey(root, model, "s")] if include_speculative else []
         runs: dict[bytes, int] = {}
         combined: dict[bytes, int] = {}
         first = min(n, D)

@@ -134,6 +134,190 @@ local function probe(hkey, cand)
 end
 """
 
+# Speculative entries (a router's picks), shared by both layouts: one hash per (model, slot) with
+# values "<endpoint>=<expiry ms>:<write>;..." where <write> numbers the write (a counter key).
+#
+# A write is a chain from its first block (``PutSpeculative``'s contract) and a block key fixes its
+# whole prefix, so every write that holds block i + 1 of a chain holds block i too: along a chain,
+# the newest write of an endpoint that holds each block is the same or an older one. So when two
+# probes ``S`` apart show the endpoint's entry of the same write, still live, every block between
+# has it; only where the write changes (or the entry is gone) is the gap read.
+# ``spec_probe(skey, n)`` expects ``key(p)``, ``S`` and ``allowed(ep)`` (LUA_FILTER) and returns
+# the flat answer ``endpoint, blocks, ttl_ms, ...`` for the chain's first ``n`` blocks.
+LUA_SPEC_PROBE = """
+local function spec_probe(skey, n)
+  local out = {}
+  if n == 0 then return out end
+  local now = now_ms()
+  local parsed = {}
+  local function live(v)   -- value -> {ep -> {expiry, write}} of its live, allowed entries
+    if not v then return {} end
+    local r = parsed[v]
+    if r == nil then
+      r = {}
+      for ep, e, w in string.gmatch(v, '([^;=]+)=(%d+):(%d+)') do
+        local exp = tonumber(e)
+        if exp > now and allowed(ep) then r[ep] = {exp, w} end
+      end
+      parsed[v] = r
+    end
+    return r
+  end
+  local srun, sexp, swrite, alive = {}, {}, {}, {}
+  -- Blocks lo..hi, walked for each of eps until its first block without a live entry.
+  local function scan(lo, hi, eps)
+    if lo > hi then return end
+    local args = {}
+    for p = lo, hi do args[#args + 1] = key(p) end
+    local vals = redis.call('HMGET', skey, unpack(args))
+    for _, ep in ipairs(eps) do
+      for p = lo, hi do
+        local e = live(vals[p - lo + 1])[ep]
+        if not e then srun[ep] = p; alive[ep] = nil; break end
+        if e[1] < sexp[ep] then sexp[ep] = e[1] end
+        swrite[ep] = e[2]
+      end
+    end
+  end
+  for ep, e in pairs(live(redis.call('HGET', skey, key(0)))) do
+    alive[ep] = true; sexp[ep] = e[1]; swrite[ep] = e[2]
+  end
+  local nprobe = math.floor((n - 1) / S) + 1
+  local q, win = 1, 8
+  while next(alive) ~= nil and q < nprobe do
+    local hi = math.min(nprobe - 1, q + win - 1)
+    local args = {}
+    for r = q, hi do args[#args + 1] = key(r * S) end
+    local vals = redis.call('HMGET', skey, unpack(args))
+    for r = q, hi do
+      local ents = live(vals[r - q + 1])
+      local check = {}
+      for ep, _ in pairs(alive) do
+        local e = ents[ep]
+        if not (e and e[2] == swrite[ep]) then check[#check + 1] = ep end
+      end
+      if #check > 0 then scan((r - 1) * S + 1, r * S, check) end
+      if next(alive) == nil then break end
+    end
+    q = hi + 1
+    win = math.min(win * 2, 256)
+  end
+  local rest = {}
+  for ep, _ in pairs(alive) do rest[#rest + 1] = ep end
+  if #rest > 0 then scan((nprobe - 1) * S + 1, n - 1, rest) end
+  for ep, _ in pairs(alive) do srun[ep] = n end
+  for ep, m in pairs(srun) do
+    if m > 0 then out[#out + 1] = ep; out[#out + 1] = m; out[#out + 1] = sexp[ep] - now end
+  end
+  return out
+end
+"""
+
+# ``put_spec(skey, seqkey, ep, ttl_ms, blob)``: one write (a chain from its first block). Rewrites
+# the blocks' values in HMGET/HSET windows (a chain's blocks mostly share one old value, so each
+# distinct value is rewritten once), then drops the fully expired fields among 2 * (fields added)
+# + 16 random ones, so stale fields stay about as many as live ones. The hash and the counter
+# expire with the longest TTL written (so a counter starting again never meets a live entry).
+LUA_PUT_SPEC = """
+local function put_spec(skey, seqkey, ep, ttl_ms, blob)
+  local now = now_ms()
+  local mine = ep .. '=' .. (now + ttl_ms) .. ':' .. redis.call('INCR', seqkey)
+  local memo = {}
+  local function rewrite(v)
+    if not v then return mine end
+    local r = memo[v]
+    if r == nil then
+      local out = {}
+      for e, x, w in string.gmatch(v, '([^;=]+)=(%d+):(%d+)') do
+        if e ~= ep and tonumber(x) > now then out[#out + 1] = e .. '=' .. x .. ':' .. w end
+      end
+      out[#out + 1] = mine
+      r = table.concat(out, ';')
+      memo[v] = r
+    end
+    return r
+  end
+  local ks = keys_of(blob)
+  local added = 0
+  for lo = 1, #ks, CH do
+    local hi = math.min(#ks, lo + CH - 1)
+    local vs = redis.call('HMGET', skey, unpack(ks, lo, hi))
+    local kv = {}
+    for j = lo, hi do
+      kv[#kv + 1] = ks[j]
+      kv[#kv + 1] = rewrite(vs[j - lo + 1])
+    end
+    added = added + redis.call('HSET', skey, unpack(kv))
+  end
+  if added > 0 then
+    local sample = redis.call('HRANDFIELD', skey, 2 * added + 16, 'WITHVALUES')
+    for j = 1, #sample, 2 do
+      local live = false
+      for _, x in string.gmatch(sample[j + 1], '([^;=]+)=(%d+):%d+') do
+        if tonumber(x) > now then live = true; break end
+      end
+      if not live then redis.call('HDEL', skey, sample[j]) end
+    end
+  end
+  if redis.call('PTTL', skey) < ttl_ms then redis.call('PEXPIRE', skey, ttl_ms) end
+  if redis.call('PTTL', seqkey) < ttl_ms then redis.call('PEXPIRE', seqkey, ttl_ms) end
+end
+"""
+
+# Entries of the layouts before write numbers, read during a rolling upgrade (see each backend's
+# docstring): ``entries(p)`` gives block p's {endpoint -> expiry ms}. Walked block by block from
+# the chain's first block (the old way), merged into ``out`` (``spec_probe``'s answer): an
+# endpoint keeps the longer of its two runs.
+LUA_SPEC_LEGACY = """
+local function spec_legacy(out, n, entries)
+  local now = now_ms()
+  local srun, sexp = {}, {}
+  local pos = 0
+  while pos < n do
+    local ext = false
+    for ep, exp in pairs(entries(pos)) do
+      if exp > now and allowed(ep) and (srun[ep] or 0) == pos then
+        srun[ep] = pos + 1
+        if sexp[ep] == nil or exp < sexp[ep] then sexp[ep] = exp end
+        ext = true
+      end
+    end
+    if not ext then break end
+    pos = pos + 1
+  end
+  local at = {}
+  for j = 1, #out, 3 do at[out[j]] = j end
+  for ep, m in pairs(srun) do
+    local j = at[ep]
+    if j == nil then
+      out[#out + 1] = ep; out[#out + 1] = m; out[#out + 1] = sexp[ep] - now
+    elseif m > out[j + 1] then
+      out[j + 1] = m; out[j + 2] = sexp[ep] - now
+    end
+  end
+  return out
+end
+"""
+
+# One chunk of dropping an endpoint's speculative entries (its engine was reset: the picks made
+# for it are void). KEYS: the speculative hash. ARGV: HSCAN cursor, endpoint, count. Returns the
+# next cursor ('0' when done).
+SPEC_DROP = LUA_LIB + """
+local r = redis.call('HSCAN', KEYS[1], ARGV[1], 'COUNT', tonumber(ARGV[3]))
+local kv, mark = r[2], ';' .. ARGV[2] .. '='
+for j = 1, #kv, 2 do
+  local v = kv[j + 1]
+  if string.find(';' .. v, mark, 1, true) then
+    local out = {}
+    for e in string.gmatch(v, '([^;]+)') do
+      if string.sub(e, 1, #ARGV[2] + 1) ~= ARGV[2] .. '=' then out[#out + 1] = e end
+    end
+    if #out == 0 then redis.call('HDEL', KEYS[1], kv[j]) else redis.call('HSET', KEYS[1], kv[j], table.concat(out, ';')) end
+  end
+end
+return r[1]
+"""
+
 
 def pack_keys(keys: Sequence[int]) -> bytes:
     """Block keys as one blob of 8-byte big-endian strings (the shortest exact form of a uint64);

@@ -8,8 +8,9 @@ nothing it would have to read again. The slabs are 0600 files of the store's use
 so only a client that could already map them (the get path does) can write there.
 
 A reservation holds its slots until committed, aborted or expired (``ttl_s``); the
-bytes reserved at once are capped so a client that reserves and vanishes cannot pin
-more than ``max_bytes`` of slab memory.
+bytes reserved at once are capped so clients that reserve and vanish cannot pin
+more than ``max_bytes`` of slab memory (the service sets the RAM budget: the most one
+put may store, so no put is too big for a reservation of its own).
 """
 
 from __future__ import annotations

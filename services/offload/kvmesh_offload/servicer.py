@@ -91,8 +91,11 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         self.arena = Arena(int(store.ram.capacity * 1.25) + 64 * 1024 * 1024, shared=shm_enabled)
         # GetShm/GetBulk leases: token -> blocks kept alive while their caller reads them.
         self.leases = LeaseTable(lease_ttl_s, bind_host=lease_bind_host)
-        # ReservePut: slab slots a same-host client writes into before CommitPut.
-        self.reservations = ReservationTable(self.arena, max(store.ram.capacity // 2, 1))
+        # ReservePut: slab slots a same-host client writes into before CommitPut. All open
+        # reservations together may pin up to the RAM budget, the most one put may store: at
+        # half of it (as before) every put over half the RAM silently took the PutShm path
+        # (two copies), the 1 GiB put of `kvmesh bench offload` included.
+        self.reservations = ReservationTable(self.arena, max(store.ram.capacity, 1))
         # Bulk TCP data plane (GetBulk); None = off, 0 = any free port.
         self.bulk = BulkServer(bulk_host, bulk_port, self._take_lease) if bulk_port is not None else None
         # Bytes buffered by all in-flight Put streams: many concurrent streams must not
@@ -303,7 +306,9 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             blocks = await asyncio.to_thread(self._copy_in, req, seg)
         finally:
             self._segments.release(seg)
-        return await self._commit(req.header, blocks)
+        out = await self._commit(req.header, blocks)
+        self.store.count("puts_shm_copied")
+        return out
 
     def _check_put_sizes(self, req: offload_pb2.ShmRequest, n: int, budget: str) -> None:
         """Per-block size bounds and the whole put against the byte budget (shm and pool puts)."""
@@ -395,7 +400,9 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be empty or one per block")
         blocks = [BlockIn(k, slot, crc, tuple(req.tokens[i].ids) if req.tokens else ())  # type: ignore[arg-type]
                   for i, (k, slot, crc) in enumerate(zip(res.keys, res.slots, req.crc32c, strict=True))]
-        return await self._commit(res.header, blocks)
+        out = await self._commit(res.header, blocks)
+        self.store.count("puts_direct")   # which same-host path puts took (Stats counters)
+        return out
 
     async def GetShm(self, request: offload_pb2.ShmRequest,
                      context: grpc.aio.ServicerContext) -> offload_pb2.ShmGetResponse:

@@ -364,6 +364,11 @@ class OffloadStore:
             self._emit(events)
             return deleted
 
+    def count(self, name: str, n: int = 1) -> None:
+        """Add to a counter kept by the service around the store (e.g. which put path ran)."""
+        with self._lock:
+            self.counters[name] += n
+
     def stats(self) -> dict[str, object]:
         with self._lock:
             disk = self.disk

@@ -114,6 +114,9 @@ class RouterConfig:
         "help": "memory for incremental tokenization of long conversations, LRU (0 = off)"})
     tokenize_verify: str = field(default="sampled", metadata={
         "help": "check incremental tokenization against a full one: sampled | full | off"})
+    tokenize_parts: int = field(default=0, metadata={
+        "help": "a long new tail of a conversation is tokenized as this many parts at once, spliced where "
+                "they agree (same ids; kvmesh.tokenization.parallel_encode); 0 = min(4, CPUs), 1 = one piece"})
     max_attempts: int = field(default=3, metadata={"help": "endpoints tried before the first token"})
     first_token_timeout_s: float = field(default=300.0, metadata={
         "help": "a try with no token after this long is cancelled and retried elsewhere (0 = no limit); "
@@ -173,6 +176,8 @@ class RouterConfig:
             raise ConfigError("setting 'block_size' must be > 0")
         if self.max_attempts < 1:
             raise ConfigError("setting 'max_attempts' must be >= 1")
+        if self.tokenize_parts < 0:
+            raise ConfigError(f"setting 'tokenize_parts' must be >= 0, got {self.tokenize_parts}")
         if self.tokenize_verify not in ("sampled", "full", "off"):
             raise ConfigError(f"setting 'tokenize_verify': {self.tokenize_verify!r} is not sampled, full or off")
         for name in ("http_max_connections", "http_max_header_bytes", "max_json_depth"):

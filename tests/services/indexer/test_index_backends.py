@@ -166,7 +166,7 @@ def test_redis_down_raises_unavailable_quickly() -> None:
     t0 = time.monotonic()
     with pytest.raises(IndexUnavailable):
         idx.lookup(M, [1, 2, 3])
-    assert time.monotonic() - t0 < 1.0
+    assert time.monotonic() - t0 < 5.0   # 0.2 s bound; slack for a loaded machine
     assert not idx.ping()
 
 
@@ -330,17 +330,28 @@ def test_speculative_runs_match_the_memory_backend(any_index, seed: int) -> None
     assert "e3" not in any_index.lookup(M, over, include_speculative=True).matches
 
 
-def test_redis_speculative_probe_strides_agree(redis_server) -> None:
-    """The Redis lookup probes speculative entries every ``probe_stride``-th block: each stride,
+def _same_namespace(kind: str, request, ns: str, stride: int):  # noqa: ANN001, ANN202
+    """A Redis (or Redis Cluster) index on the session's server in namespace ``ns``."""
+    if kind == "redis":
+        from kvmesh_indexer.redis_backend import RedisIndex
+
+        return RedisIndex(request.getfixturevalue("redis_server").url, namespace=ns, probe_stride=stride)
+    from kvmesh_indexer.redis_cluster_backend import RedisClusterIndex
+
+    return RedisClusterIndex(request.getfixturevalue("redis_cluster").url, namespace=ns, anchor_depth=4,
+                             probe_stride=stride)
+
+
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster"])
+def test_redis_speculative_probe_strides_agree(kind: str, request) -> None:  # noqa: ANN001
+    """Both Redis layouts probe speculative entries every ``probe_stride``-th block: each stride,
     down to reading every block, gives the same runs."""
     import random
-
-    from kvmesh_indexer.redis_backend import RedisIndex
 
     rng = random.Random(7)
     chains = _chain_tree(rng, roots=2, leaves=10, length=90)
     ns = f"probe{rng.getrandbits(32)}"
-    idxs = [RedisIndex(redis_server.url, namespace=ns, probe_stride=s) for s in (1, 2, 5, 32)]
+    idxs = [_same_namespace(kind, request, ns, s) for s in (1, 2, 5, 32)]
     for _ in range(50):
         c = rng.choice(chains)
         idxs[0].put_speculative(M, rng.choice(["a", "b"]), c[: rng.randint(1, len(c))], ttl_s=60.0)
@@ -351,3 +362,63 @@ def test_redis_speculative_probe_strides_agree(redis_server) -> None:
     assert any(idxs[0].lookup(M, q, include_speculative=True).matches for q in chains)
     for i in idxs:
         i.close()
+
+
+def test_clearing_an_endpoint_voids_its_speculative_entries(any_index) -> None:
+    """A whole-endpoint clear (AllBlocksCleared, a restart, a purge) drops the endpoint's
+    speculative entries in every backend: the picks made for it are void. A one-tier clear keeps
+    them, and other endpoints' entries on the same blocks (names sharing a prefix included) stay."""
+    long_c, short_c, other = chain(20, 80), chain(21, 3), chain(22, 40)
+    any_index.add(M, "a", Tier.GPU, long_c[:10])
+    for ep in ("a", "ab", "xa"):
+        any_index.put_speculative(M, ep, long_c, ttl_s=60.0)
+        any_index.put_speculative(M, ep, short_c, ttl_s=60.0)
+    any_index.put_speculative(M, "only-spec", other, ttl_s=60.0)   # no blocks of its own
+
+    def spec(keys: list[int]) -> dict[str, int]:
+        return {e: m.speculative for e, m in any_index.lookup(M, keys, include_speculative=True).matches.items()
+                if m.speculative}
+
+    assert spec(long_c) == {"a": 80, "ab": 80, "xa": 80}
+    any_index.clear_endpoint("a", Tier.CPU)
+    assert spec(long_c) == {"a": 80, "ab": 80, "xa": 80}
+    any_index.clear_endpoint("a")
+    assert spec(long_c) == {"ab": 80, "xa": 80}
+    assert spec(short_c) == {"ab": 3, "xa": 3}
+    assert "a" not in any_index.lookup(M, long_c, include_speculative=True).matches
+    any_index.clear_endpoint("only-spec")
+    assert spec(other) == {}
+    any_index.put_speculative(M, "a", short_c, ttl_s=60.0)   # a new pick after the reset counts
+    assert spec(short_c) == {"a": 3, "ab": 3, "xa": 3}
+
+
+@pytest.mark.parametrize("kind", ["redis", "redis-cluster"])
+def test_redis_reads_speculative_entries_of_the_previous_form(kind: str, request) -> None:  # noqa: ANN001
+    """Rolling upgrade: entries an indexer before write numbers wrote (written here in its form)
+    are found by the new lookup, block by block, each endpoint keeping its longer run."""
+    import random
+
+    rng = random.Random(11)
+    c = [rng.getrandbits(63) for _ in range(70)]
+    idx = _same_namespace(kind, request, f"old{rng.getrandbits(32)}", 8)
+    r = idx.r
+    sec, usec = r.time()
+    exp = sec * 1000 + usec // 1000 + 60_000
+    ns = idx.namespace
+    if kind == "redis":
+        for k in c[:50]:
+            key = f"{ns}:{{{M}}}:s:".encode() + k.to_bytes(8, "big")
+            r.hset(key, mapping={"old": exp, "both": exp})
+            r.pexpire(key, 60_000)
+    else:
+        key = f"{ns}:{{{c[0]:016x}}}:s:{M}"
+        r.hset(key, mapping={k.to_bytes(8, "big"): f"old={exp};both={exp}" for k in c[:50]})
+        r.pexpire(key, 60_000)
+    idx.put_speculative(M, "both", c[:20], ttl_s=30.0)
+    idx.put_speculative(M, "new", c, ttl_s=30.0)
+    got = idx.lookup(M, c, include_speculative=True).matches
+    assert {e: m.speculative for e, m in got.items()} == {"old": 50, "both": 50, "new": 70}
+    assert 50 < got["old"].speculative_ttl_s <= 60 and 20 < got["new"].speculative_ttl_s <= 30
+    assert {e: m.speculative for e, m in idx.lookup(M, c, ["new", "old"], True).matches.items()} == \
+        {"old": 50, "new": 70}
+    idx.close()

@@ -57,6 +57,20 @@ async def test_big_blocks_go_straight_into_the_slabs(offload_factory, monkeypatc
     assert len(st.servicer.reservations) == 0 and st.servicer.reservations.reserved_bytes == 0
 
 
+async def test_a_put_of_most_of_the_ram_still_goes_straight_into_the_slabs(offload_factory, monkeypatch) -> None:
+    # Reservations were capped at half the RAM: a bigger put silently took PutShm (two copies).
+    st = await offload_factory(ram_capacity_bytes=16 << 20)
+    seen = _calls(st, monkeypatch)
+    async with OffloadClient(st.address, use_shm=True) as c:
+        data = blocks(24, BIG)   # 12 MiB of a 16 MiB store
+        assert (await c.put(NS, data)).stored == 24
+        assert seen == {"ReservePut": 1, "CommitPut": 1, "PutShm": 0}
+        counters = (await c.stats()).counters
+        assert counters["puts_direct"] == 1 and counters.get("puts_shm_copied", 0) == 0
+        assert await c.get(NS, [k for k, _ in data]) == [d for _, d in data]
+    assert st.servicer.reservations.reserved_bytes == 0
+
+
 async def test_a_store_without_direct_puts_is_asked_once(offload_factory, monkeypatch) -> None:
     st = await offload_factory(ram_capacity_bytes=16 << 20, direct_put=False)
     seen = _calls(st, monkeypatch)
@@ -67,6 +81,7 @@ async def test_a_store_without_direct_puts_is_asked_once(offload_factory, monkey
             assert (res.stored, res.via_shm) == (2, True)
             assert await c.get(NS, [k for k, _ in data]) == [d for _, d in data]
     assert seen == {"ReservePut": 1, "CommitPut": 0, "PutShm": 3}
+    assert st.store.stats()["counters"]["puts_shm_copied"] == 3
 
 
 async def test_reservation_errors_are_clear_and_change_nothing(offload_factory) -> None:
@@ -83,9 +98,11 @@ async def test_reservation_errors_are_clear_and_change_nothing(offload_factory) 
         with pytest.raises(grpc.aio.AioRpcError) as e:   # more than the RAM: never reserved
             await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=list(range(1, 40)), sizes=[BIG] * 39))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        with pytest.raises(grpc.aio.AioRpcError) as e:   # past the reservation budget (half the RAM)
-            await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=list(range(1, 20)), sizes=[BIG] * 19))
+        held = await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=list(range(1, 20)), sizes=[BIG] * 19))
+        with pytest.raises(grpc.aio.AioRpcError) as e:   # open reservations past the budget (the RAM)
+            await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=list(range(20, 39)), sizes=[BIG] * 19))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        await stub.CommitPut(offload_pb2.PutCommit(reservation=held.reservation, abort=True))
         resv = await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=[1, 2], sizes=[BIG, BIG]))
         assert len(resv.segments) == 2 and resv.reservation
         with pytest.raises(grpc.aio.AioRpcError) as e:   # one checksum per block

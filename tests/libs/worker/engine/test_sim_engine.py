@@ -71,6 +71,7 @@ def _vllm_events(prompts: list[tuple[str, list[int], str | None]], num_blocks: i
     return events
 
 
+@pytest.mark.timeout(300)   # imports vLLM: ~20 s on a quiet machine, over 90 s on a loaded one
 async def test_published_events_equal_vllm_events() -> None:
     pytest.importorskip("vllm.v1.core.kv_cache_manager")
     prompts = [
@@ -140,7 +141,7 @@ async def test_virtual_time_runs_without_sleeping_and_follows_latency_model() ->
         expected_ttft = eng.latency.estimate_ttft(20_000, 0)
         assert out.num_output_tokens == 3 and len(toks) == 3
         assert eng.now() > expected_ttft > 1.0       # seconds of simulated time ...
-        assert wall < expected_ttft / 4               # ... in a fraction of it
+        assert wall < expected_ttft                   # ... in less (sleeping it would take all of it)
     finally:
         await eng.stop()
 
@@ -154,7 +155,7 @@ async def test_time_scale_makes_real_time_faster() -> None:
         out, _ = await _run(eng, EngineRequest("x", list(range(4000)), max_tokens=2))
         wall = loop.time() - t0
         model = eng.latency.estimate_ttft(4000, 0) + eng.latency.p.itl_s
-        assert wall < model / 5
+        assert wall < model / 2   # 1/100 of it plus overhead; unscaled it would take all of it
         assert out.finished
     finally:
         await eng.stop()
@@ -215,6 +216,42 @@ async def test_finished_blocks_are_saved_and_restored_by_another_engine(offload_
     finally:
         await a.stop()
         await b.stop()
+
+
+async def _wait_saved(engine: SimEngine, blocks: int) -> None:
+    for _ in range(600):
+        if engine.offload_saved_blocks >= blocks:
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"{engine.offload_saved_blocks} of {blocks} blocks saved after 30 s")
+
+
+async def test_prefix_evicted_while_queued_is_restored_when_scheduled(offload_store) -> None:
+    """On arrival the prefix is on the GPU (and in the store); a running request evicts it while
+    this one waits. Asked at scheduling time, the store restores it: reused, not recomputed."""
+    prompt = list(range(24_000, 24_000 + 10 * BS + 3))
+    # 31 usable blocks and one running sequence at a time; the filler grows into all 31.
+    eng = SimEngine(SimEngineConfig(block_size=BS, num_blocks=32, max_num_seqs=1, virtual_time=True,
+                                    endpoint_id="late", model="sim-model", offload_address=offload_store))
+    await eng.start()
+    try:
+        await _run(eng, EngineRequest("warm", prompt, max_tokens=2))
+        await _wait_saved(eng, 10)
+        filler = eng.generate(EngineRequest("filler", list(range(27_000, 27_000 + 4 * BS)), max_tokens=27 * BS))
+        await filler.__anext__()                   # running: the next request queues behind it
+        queued = eng.generate(EngineRequest("queued", prompt + [7, 8], max_tokens=2))
+        first = asyncio.ensure_future(queued.__anext__())
+        rest = [o async for o in filler]
+        assert rest[-1].finished
+        outs = [await first] + [o async for o in queued]
+        out = outs[-1]
+        assert out.truth.gpu_tokens == 10 * BS     # on the GPU when it arrived
+        assert out.num_cached_tokens_gpu < 10 * BS   # evicted while it queued
+        assert out.num_cached_tokens == 10 * BS    # the store gave the rest back
+        assert out.num_cached_tokens_offload == 10 * BS - out.num_cached_tokens_gpu
+        assert eng.offload_late_restores == 1 and eng.offload_fallbacks == 0
+    finally:
+        await eng.stop()
 
 
 async def test_prefill_handle_restored_by_decode_engine(offload_store) -> None:

@@ -144,3 +144,30 @@ def test_waiting_prefill_counts_a_queued_siblings_prefix_once() -> None:
     while s.has_work:
         s.complete(s.plan())
     assert s.get("sib") is None and s.waiting_prefill_tokens() == 0
+
+
+def test_a_request_held_back_by_ready_keeps_its_place_and_others_run() -> None:
+    """The ``ready`` check (KV loading from the store) holds one request; the next runs; once
+    ready, the held one is scheduled with what was loaded counted as cached."""
+    s = _sched(budget=1000)
+    loading = {"a"}
+    asked: list[tuple[str, int]] = []
+
+    def ready(seq: Seq, gpu_blocks: int) -> bool:
+        asked.append((seq.request_id, gpu_blocks))
+        return seq.request_id not in loading
+
+    s.ready = ready
+    a, b = _seq("a", 64, max_tokens=2), _seq("b", 32, max_tokens=2)
+    s.add(a)
+    s.add(b)
+    p = s.plan()
+    assert [q.request_id for q, _ in p.scheduled] == ["b"]
+    assert [q.request_id for q in s.waiting] == ["a"] and a.num_cached_tokens < 0
+    s.complete(p)
+    loading.clear()
+    a.external_cached = 48                         # what the load brought: 3 blocks
+    p = s.plan()
+    assert ("a", 0) in asked
+    assert dict((q.request_id, n) for q, n in p.scheduled)["a"] == 16
+    assert a.num_cached_tokens == 48 and a.num_cached_gpu == 0

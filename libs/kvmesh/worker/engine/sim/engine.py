@@ -11,7 +11,12 @@ fast as the CPU allows.
 
 Offload hook: with ``offload_address`` set, a new request first restores the
 longest run of blocks beyond its GPU hit that the offload store holds, and
-finished requests save their full blocks there. A ``kv_handle`` (from a
+finished requests save their full blocks there. The store is asked again when
+the scheduler takes the request, if GPU blocks it had on arrival were evicted
+while it queued: vLLM's scheduler asks its KV connector
+(``get_num_new_matched_tokens``) at that point, not on arrival, so a prefix the
+store backs is restored rather than recomputed. The request is held back while
+that restore runs (vLLM's ``WAITING_FOR_REMOTE_KVS``); others go on. A ``kv_handle`` (from a
 prefill worker) is restored the same way from the handle's store. KV bytes are
 synthetic but of realistic size (``kv_bytes_per_token``); restore time is the
 measured transfer plus a modelled host-to-device copy.
@@ -226,6 +231,10 @@ class _Live:
     ttft_s: float | None = None
     last_token_at: float | None = None   # engine clock of the last token (inter-token latency)
     restored_offload: int = 0      # tokens restored from the store beyond the GPU hit
+    # Leading blocks it could reuse on arrival (GPU hit or restored): a scheduling-time check
+    # restores from the store what of them left the GPU while it queued.
+    backed_blocks: int = 0
+    loading: asyncio.Future | None = None   # a scheduling-time restore in flight
     truth: CacheTruth | None = None   # the cache at arrival, reported with the final output
     kv_from_prefill: bool = False
     done: bool = False
@@ -283,7 +292,7 @@ class SimEngine(Engine):
             self.blocks, self.latency,
             SchedulerConfig(max_num_seqs=c.max_num_seqs, max_num_batched_tokens=c.max_num_batched_tokens,
                             max_model_len=c.max_model_len, max_waiting=c.max_waiting),
-            extend_hashes=self._extend_hashes,
+            extend_hashes=self._extend_hashes, ready=self._ready,
         )
         self.topic = kv_events_topic(c.endpoint_id, c.model)
         self._publisher: Any = None
@@ -305,6 +314,7 @@ class SimEngine(Engine):
         self.offload_saved_blocks = 0
         self.offload_restored_blocks = 0
         self.offload_fallbacks = 0        # restores that failed (store down/slow): recomputed locally
+        self.offload_late_restores = 0    # restores at scheduling time of blocks evicted while queued
         self.offload_timeouts: dict[str, int] = {}   # store calls past their deadline, by operation
         self.restore_seconds = 0.0
 
@@ -503,6 +513,8 @@ class SimEngine(Engine):
         live.truth = self._truth(live.seq)
         try:
             await self._restore(live)
+            if self.cfg.offload_address or req.kv_handle is not None:
+                live.backed_blocks = max(live.truth.gpu_tokens, live.seq.external_cached) // self.cfg.block_size
             if live.done:   # aborted while restoring
                 item = live.queue.get_nowait()
                 if isinstance(item, BaseException):
@@ -658,6 +670,63 @@ class SimEngine(Engine):
             # The measured transfer already took real time; add the modelled host-to-device copy.
             await asyncio.sleep(delay / c.time_scale)
 
+    def _ready(self, seq: Seq, gpu_blocks: int) -> bool:
+        """The scheduler's check before it takes ``seq``: False while the store restores blocks
+        it had on arrival and lost while it queued (see the module docstring)."""
+        live = self._live.get(seq.request_id)
+        if live is None or live.done or live.seq is not seq:
+            return True
+        if live.loading is not None:
+            return False
+        covered = max(gpu_blocks, seq.external_cached // self.cfg.block_size)
+        if covered >= live.backed_blocks:
+            return True
+        t = asyncio.ensure_future(self._late_restore(live, covered))
+        live.loading = t
+        self._bg.add(t)
+        t.add_done_callback(self._bg.discard)
+        return False
+
+    async def _late_restore(self, live: _Live, start: int) -> None:
+        """Restore blocks ``start..backed_blocks`` of ``live`` from the store, as far as it holds them."""
+        c = self.cfg
+        seq = live.seq
+        h = live.req.kv_handle
+        address = h.store_address if h is not None and h.store_address else c.offload_address
+        namespace = (h.namespace or c.offload_namespace) if h is not None else c.offload_namespace
+        got = start
+        blobs: list[bytes] = []
+        t0 = time.monotonic()
+        try:
+            client = self._client(address)
+            present = await self._lookup(client, namespace, seq.block_hashes[:live.backed_blocks])
+            if present > start:
+                blobs = await client.get(namespace, seq.block_hashes[start:present])
+                got = start + len(blobs)
+            if got > start and not live.done:
+                measured = time.monotonic() - t0
+                delay = self.latency.restore_time(sum(len(b) for b in blobs)) if c.model_h2d else 0.0
+                self.restore_seconds += measured + delay
+                if c.virtual_time:
+                    self._vclock += measured + delay
+                elif delay > 0:
+                    await asyncio.sleep(delay / c.time_scale)
+                if not live.done and seq.num_computed == 0:
+                    seq.external_cached = max(seq.external_cached, got * c.block_size)
+                    live.restored_offload = max(live.restored_offload, (got - start) * c.block_size)
+                    self.offload_restored_blocks += got - start
+                    self.offload_late_restores += 1
+        except Exception as exc:  # noqa: BLE001 - a store outage degrades to local prefill
+            self.offload_fallbacks += 1
+            self._count_timeout("restore", exc)
+            log.warning("offload restore at scheduling failed; computing locally",
+                        extra={"request_id": seq.request_id, "error": str(exc) or type(exc).__name__})
+        finally:
+            # What the store could not give is computed: never ask again for this scheduling.
+            live.backed_blocks = min(live.backed_blocks, got)
+            live.loading = None
+            self._wake.set()
+
     async def _lookup(self, client: Any, namespace: str, keys: list[int]) -> int:
         """The store's leading run of ``keys``, within the lookup deadline (the client's own
         deadline is the longer transfer one)."""
@@ -760,6 +829,11 @@ class SimEngine(Engine):
                 plan = self.scheduler.plan(self.now())
                 self._flush_events()
                 if plan.empty:
+                    if any(live.loading is not None for live in self._live.values()):
+                        # Only requests whose KV is loading wait: their restores wake the loop.
+                        self._wake.clear()
+                        await self._wake.wait()
+                        continue
                     self._fail_stuck()
                     await asyncio.sleep(0)
                     continue

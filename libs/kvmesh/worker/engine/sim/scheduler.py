@@ -14,7 +14,10 @@ Per step, like vLLM's V1 scheduler:
    waiting queue, recomputed later; its outputs are kept);
 2. then waiting requests, FIFO, while budget, ``max_num_seqs`` and blocks allow;
    a new request first takes its longest prefix-cache hit (capped at
-   ``num_tokens - 1``), then slots for its first chunk.
+   ``num_tokens - 1``), then slots for its first chunk. An optional ``ready``
+   check (the engine's connector, asked at scheduling time as vLLM asks its
+   KV connector) can hold a request back while its KV loads from elsewhere; the
+   scheduler goes on with the next one and the held one keeps its place.
 Blocks are cached (``BlockStored``) at allocation; a request that has computed
 all its tokens samples one token; a finished request frees its blocks.
 """
@@ -115,6 +118,8 @@ def pseudo_block_hash(parent: int, request_key: int, index: int) -> int:
 
 HashExtender = Callable[[Seq, int], None]
 Sampler = Callable[[Seq], int | None]
+# (seq, its GPU prefix hit in blocks now) -> False to hold it back this step (KV still loading).
+ReadyCheck = Callable[[Seq, int], bool]
 
 
 def default_extender(seq: Seq, n_full: int) -> None:
@@ -130,11 +135,12 @@ class Scheduler:
     """Continuous batching with chunked prefill, prefix caching and preemption."""
 
     def __init__(self, blocks: BlockManager, latency: LatencyModel, config: SchedulerConfig | None = None,
-                 extend_hashes: HashExtender = default_extender) -> None:
+                 extend_hashes: HashExtender = default_extender, ready: ReadyCheck | None = None) -> None:
         self.blocks = blocks
         self.latency = latency
         self.config = config or SchedulerConfig()
         self.extend_hashes = extend_hashes
+        self.ready = ready
         self.waiting: deque[Seq] = deque()
         self.running: list[Seq] = []
         self._seqs: dict[str, Seq] = {}
@@ -270,6 +276,7 @@ class Scheduler:
                 chunks.append(PrefillChunk(n, seq.num_computed))
             i += 1
 
+        held: list[Seq] = []
         while (self.waiting and budget > 0 and not preempted
                and len(self.running) < cfg.max_num_seqs):
             seq = self.waiting[0]
@@ -279,6 +286,9 @@ class Scheduler:
             first = seq.num_cached_tokens < 0
             if seq.num_computed == 0:
                 hit = bm.find_longest_hit(seq.block_hashes, num_tokens)
+                if self.ready is not None and not self.ready(seq, len(hit)):
+                    held.append(self.waiting.popleft())
+                    continue
                 computed = len(hit) * bs
                 if seq.external_cached > computed:
                     # Restored from the offload store / a prefill worker: those
@@ -303,6 +313,8 @@ class Scheduler:
             scheduled.append((seq, n))
             budget -= n
             chunks.append(PrefillChunk(n, computed))
+        if held:
+            self.waiting.extendleft(reversed(held))
 
         duration = self.latency.step_time(chunks, decode_ctx, new_requests) if scheduled else 0.0
         return StepPlan(scheduled, duration, sum(c.tokens for c in chunks), len(decode_ctx), preempted)
