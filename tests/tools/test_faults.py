@@ -123,4 +123,6 @@ def test_a_restart_during_a_steady_stream_loses_nothing(stack: LocalStack, fault
         time.sleep(1.0)
     print(f"{fault}: {s.ok} requests during the fault, routing recovered {took:.2f} s after the restart")
     assert s.ok > 0 and s.failures == [], s.failures[:5]
-    assert took <= 3.0
+    # About a second on a quiet machine: seconds, not the minutes a lost subscription or an
+    # uncapped reconnect backoff would cost. The slack is for a loaded CI machine.
+    assert took <= 10.0

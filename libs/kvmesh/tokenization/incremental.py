@@ -73,10 +73,14 @@ class IncrementalTokenizer:
     """A byte-bounded LRU of conversations' last tokenization. Thread-safe."""
 
     def __init__(self, encode: EncodeWithOffsets, *, max_bytes: int = 256 << 20, verify: str = "sampled",
-                 sample_every: int = 64, on_outcome: Callable[[str], None] | None = None) -> None:
+                 sample_every: int = 64, on_outcome: Callable[[str], None] | None = None,
+                 encode_tail: EncodeWithOffsets | None = None) -> None:
+        """``encode_tail`` (default ``encode``) tokenizes a turn's new tail, e.g. a
+        ``ParallelEncoder``'s; full tokenizations and ``verify`` use ``encode``."""
         if verify not in VERIFY_MODES:
             raise ValueError(f"verify must be one of {VERIFY_MODES}, got {verify!r}")
         self._encode = encode
+        self._encode_tail = encode_tail or encode
         self.max_bytes = max_bytes
         self.verify = verify
         self.sample_every = max(1, sample_every)
@@ -129,7 +133,7 @@ class IncrementalTokenizer:
             return self._full(text), self._count("miss")
         b_tok = self._boundary(old, text, k)
         b = old.starts[b_tok]
-        tail_ids, tail_starts = self._encode(text[b:])
+        tail_ids, tail_starts = self._encode_tail(text[b:])
         # The last tokens before the change may merge with what follows it (" " + "more"), so
         # they are re-tokenized, not required to match.
         n_sync = k - b_tok - CHANGE_SLACK_TOKENS

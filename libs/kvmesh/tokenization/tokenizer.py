@@ -137,6 +137,17 @@ class ChatTokenizer:
         enc = self._hf(text, add_special_tokens=False, return_offsets_mapping=True)
         return list(enc["input_ids"]), [s for s, _ in enc["offset_mapping"]]
 
+    def encode_with_offsets_batch(self, texts: list[str]) -> list[tuple[list[int], list[int]]] | None:
+        """``encode_with_offsets`` of each text, run on the ``tokenizers`` thread pool without the GIL;
+        None without the fast tokenizer."""
+        if self._fast is None:
+            return None
+        return [(e.ids, [s for s, _ in e.offsets]) for e in self._fast.encode_batch(texts, add_special_tokens=False)]
+
+    @property
+    def has_fast(self) -> bool:
+        return self._fast is not None
+
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         if self._fast is not None:
             return [e.ids for e in self._fast.encode_batch(list(texts), add_special_tokens=False)]

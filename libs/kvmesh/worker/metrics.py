@@ -74,6 +74,13 @@ class _EngineCollector(Collector):
                                     "or slow), so the prompt was recomputed locally.", labels=labels)
             c.add_metric(values, float(fallbacks))
             yield c
+        late = getattr(self.engine, "offload_late_restores", None)
+        if late is not None:
+            c = CounterMetricFamily("kvmesh_worker_offload_late_restores", "Restores from the offload store when "
+                                    "the scheduler took a request, of blocks on the GPU at its arrival and evicted "
+                                    "while it queued (sim engine).", labels=labels)
+            c.add_metric(values, float(late))
+            yield c
         timeouts = getattr(self.engine, "offload_timeouts", None)
         if timeouts is not None:
             c = CounterMetricFamily("kvmesh_worker_offload_timeouts", "Offload store calls past their deadline "

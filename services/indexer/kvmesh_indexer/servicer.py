@@ -147,13 +147,15 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
 
     # ---- static configuration ------------------------------------------------------------
     async def add_static_engine(self, eng: EngineConfig) -> None:
-        self.liveness.add_static(eng.endpoint_id, indexer_pb2.Endpoint(
+        rec = self.liveness.add_static(eng.endpoint_id, indexer_pb2.Endpoint(
             endpoint_id=eng.endpoint_id, model=eng.model, kv_events_endpoint=eng.zmq_endpoint,
             kv_events_replay_endpoint=eng.replay_endpoint or "", subscriber_binds=eng.bind,
             block_size=eng.block_size or 0))
         self.first_seen.setdefault(eng.endpoint_id, time.monotonic())
-        await self.subscriber.add(EndpointSource(eng.endpoint_id, eng.model, eng.hashing(), eng.replay_endpoint),
-                                  eng.zmq_endpoint, eng.bind)
+        sub = await self.subscriber.add(EndpointSource(eng.endpoint_id, eng.model, eng.hashing(),
+                                                       eng.replay_endpoint), eng.zmq_endpoint, eng.bind)
+        if sub.bound_endpoint and eng.zmq_endpoint.endswith((":0", ":*")):
+            rec.info.kv_events_endpoint = sub.bound_endpoint   # listed with the port its bind got
 
     # ---- central socket --------------------------------------------------------------------
     async def admit_central(self, endpoint: str, model: str, topic_endpoint: str = "", dp_rank: int = 0

@@ -39,6 +39,9 @@ class Subscription:
     messages: int = 0
     watch: asyncio.Task | None = None
     reconnects: int = 0
+    # What the socket really listens on when it binds: ``tcp://h:0`` lets the kernel pick the port
+    # at the bind (no port picked early that someone else can take first); engines connect here.
+    bound_endpoint: str = ""
 
 
 class ZmqSubscriber:
@@ -79,12 +82,13 @@ class ZmqSubscriber:
             sock.close(linger=0)
             raise ValueError(f"cannot {'bind' if bind else 'connect'} KV-event socket {zmq_endpoint!r} for "
                              f"endpoint {source.endpoint!r}: {exc}") from exc
+        bound = sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else ""
         task = asyncio.create_task(self._recv_loop(source.endpoint, sock), name=f"zmq-sub-{source.endpoint}")
-        sub = Subscription(source, zmq_endpoint, bind, sock, task)
+        sub = Subscription(source, zmq_endpoint, bind, sock, task, bound_endpoint=bound)
         if not bind:
             sub.watch = asyncio.create_task(self._watch(source.endpoint, sub), name=f"zmq-watch-{source.endpoint}")
         self.subs[source.endpoint] = sub
-        log.info("subscribed to kv events", extra={"endpoint": source.endpoint, "zmq": zmq_endpoint,
+        log.info("subscribed to kv events", extra={"endpoint": source.endpoint, "zmq": bound or zmq_endpoint,
                                                    "mode": "bind" if bind else "connect",
                                                    "replay": source.replay_endpoint or ""})
         return sub

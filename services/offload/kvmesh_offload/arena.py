@@ -71,7 +71,7 @@ class _SizeClass:
         arr = None
         if self.shared:
             try:
-                seg = Segment.create(nbytes, prefix=SLAB_PREFIX, populate=True)
+                seg = Segment.create(nbytes, prefix=SLAB_PREFIX)
                 self.segments.append(seg)
                 arr = np.frombuffer(seg.mm, dtype=np.uint8, count=nbytes)
             except ShmError as exc:  # /dev/shm full: private memory, served by copy

@@ -114,6 +114,9 @@ class RouterConfig:
         "help": "memory for incremental tokenization of long conversations, LRU (0 = off)"})
     tokenize_verify: str = field(default="sampled", metadata={
         "help": "check incremental tokenization against a full one: sampled | full | off"})
+    tokenize_parts: int = field(default=0, metadata={
+        "help": "a long new tail of a conversation is tokenized as this many parts at once, spliced where "
+                "they agree (same ids; kvmesh.tokenization.parallel_encode); 0 = min(4, CPUs), 1 = one piece"})
     max_attempts: int = field(default=3, metadata={"help": "endpoints tried before the first token"})
     first_token_timeout_s: float = field(default=300.0, metadata={
         "help": "a try with no token after this long is cancelled and retried elsewhere (0 = no limit); "
@@ -160,6 +163,9 @@ class RouterConfig:
         "help": "a request whose headers have not all arrived by then is answered 408 and closed"})
     http_body_timeout_s: float = field(default=60.0, metadata={
         "help": "a request body not all received by then is answered 408"})
+    http_keepalive_s: float = field(default=65.0, metadata={
+        "help": "an idle kept-alive HTTP connection is closed after this; longer than clients keep theirs "
+                "(httpx 5 s), else a request sent as the router closes the connection is lost (ReadError)"})
     http_max_header_bytes: int = field(default=65536, metadata={"help": "request line + headers above this: 431"})
     max_json_depth: int = field(default=64, metadata={"help": "JSON bodies nested deeper are refused (400)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time on shutdown"})
@@ -173,6 +179,8 @@ class RouterConfig:
             raise ConfigError("setting 'block_size' must be > 0")
         if self.max_attempts < 1:
             raise ConfigError("setting 'max_attempts' must be >= 1")
+        if self.tokenize_parts < 0:
+            raise ConfigError(f"setting 'tokenize_parts' must be >= 0, got {self.tokenize_parts}")
         if self.tokenize_verify not in ("sampled", "full", "off"):
             raise ConfigError(f"setting 'tokenize_verify': {self.tokenize_verify!r} is not sampled, full or off")
         for name in ("http_max_connections", "http_max_header_bytes", "max_json_depth"):
@@ -180,7 +188,7 @@ class RouterConfig:
                 raise ConfigError(f"setting {name!r} must be >= 1, got {getattr(self, name)}")
         for name in ("first_token_timeout_s", "stream_idle_timeout_s", "http_deadline_s", "http_header_timeout_s",
                      "http_body_timeout_s", "local_view_ttl_s", "lookup_late_s", "hedge_delay_s", "hedge_burst",
-                     "lookup_loop_grace_s", "loop_lag_period_s"):
+                     "lookup_loop_grace_s", "loop_lag_period_s", "http_keepalive_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name!r} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.hedge_budget <= 1.0:

@@ -146,7 +146,8 @@ async def serve(cfg: RouterConfig) -> int:
             log.warning("--trusted-gateways is set but the HTTP front door is plaintext (--http-tls on): "
                         "gateways are recognised on gRPC only")
         ucfg = uvicorn.Config(build_app(service, scopes), host=cfg.host, port=cfg.http_port, log_level="warning",
-                              lifespan="off", access_log=False, http=protocol, **https)
+                              lifespan="off", access_log=False, http=protocol,
+                              timeout_keep_alive=cfg.http_keepalive_s, **https)
         http_server = uvicorn.Server(ucfg)
         http_server.install_signal_handlers = lambda: None  # the gRPC server owns SIGTERM
         http_task = asyncio.create_task(http_server.serve())

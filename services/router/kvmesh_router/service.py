@@ -202,9 +202,15 @@ class RouterService:
         if tokenizer is not None and cfg.tokenize_cache_bytes > 0:
             from kvmesh.tokenization.incremental import IncrementalTokenizer
 
+            encode_tail = None
+            if cfg.tokenize_parts != 1 and getattr(tokenizer, "has_fast", False):
+                from kvmesh.tokenization.parallel_encode import ParallelEncoder
+
+                encode_tail = ParallelEncoder(tokenizer.encode_with_offsets, tokenizer.encode_with_offsets_batch,
+                                              cfg.tokenize_parts or None).encode
             self.incremental = IncrementalTokenizer(
                 tokenizer.encode_with_offsets, max_bytes=cfg.tokenize_cache_bytes, verify=cfg.tokenize_verify,
-                on_outcome=lambda o: metrics.TOKENIZE_CACHE.labels(outcome=o).inc())
+                on_outcome=lambda o: metrics.TOKENIZE_CACHE.labels(outcome=o).inc(), encode_tail=encode_tail)
 
     # -- validation and tokenization ------------------------------------------------
     def validate(self, inp: GenInput) -> None:

@@ -37,6 +37,6 @@ def test_fetch_replay_times_out_on_a_silent_router() -> None:
         t0 = time.monotonic()
         with pytest.raises(ReplayError, match="timed out"):
             fetch_replay(f"tcp://127.0.0.1:{port}", 0, timeout_s=0.3)
-        assert time.monotonic() - t0 < 2
+        assert time.monotonic() - t0 < 10   # 0.3 s bound; without one it never returns
     finally:
         router.close(linger=0)

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 import anthropic
 import pytest
 
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
 
@@ -26,14 +25,13 @@ def client(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFactor
     tmp = tmp_path_factory.mktemp("router-anthropic-vllm")
     (w,) = vllm_workers([{"name": "vllm-a1", "kv_cache_bytes": 8 << 20, "max_model_len": 2048,
                           "extra": ["--tool-call-parser", "hermes", "--enable-auto-tool-choice"]}])
-    port, http = free_port(), free_port()
-    router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--auth", "off",
-                                       "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor",
-                                       "--endpoints", f"vllm-a1={w.address}", "--max-model-len", "2048",
-                                       "--tokenizer-path", str(tiny_model_dir)],
-                            f"127.0.0.1:{port}", log_path=tmp / "router.log").start(60)
+    router = ServiceProcess.with_ports("router", lambda port, http: [
+        "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--auth", "off",
+        "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor",
+        "--endpoints", f"vllm-a1={w.address}", "--max-model-len", "2048", "--tokenizer-path", str(tiny_model_dir)],
+        count=2, log_path=tmp / "router.log").start(60)
     try:
-        yield anthropic.Anthropic(base_url=f"http://127.0.0.1:{http}", api_key="k", max_retries=0, timeout=120)
+        yield anthropic.Anthropic(base_url=f"http://127.0.0.1:{router.flag_port('--http-port')}", api_key="k", max_retries=0, timeout=120)
     finally:
         router.stop(grace_s=5)
 

@@ -70,6 +70,14 @@ def test_the_deadline_is_a_checked_setting_with_a_generous_default() -> None:
         RouterConfig(http_deadline_s=-1).validate()
 
 
+def test_idle_connections_outlive_the_clients_own_keepalive() -> None:
+    """A server that closes an idle connection before its client stops reusing it loses the
+    request the client sends in that moment (a ReadError at the client)."""
+    assert RouterConfig().http_keepalive_s > httpx.Limits().keepalive_expiry
+    with pytest.raises(Exception, match="http_keepalive_s"):
+        RouterConfig(http_keepalive_s=-1).validate()
+
+
 def test_requests_to_a_hung_worker_end_at_the_deadline_with_504(hung) -> None:
     base, worker = hung
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)

@@ -31,7 +31,7 @@ def _wait(cond, timeout: float, what: str) -> float:
     raise AssertionError(what)
 
 
-def test_a_restarted_worker_is_routed_again_within_a_second(tmp_path, procs) -> None:
+def test_a_restarted_worker_is_routed_again_within_seconds(tmp_path, procs) -> None:
     ws = start_workers(tmp_path, ["w1", "w2"])
     for w in ws.values():
         procs(w)
@@ -48,7 +48,9 @@ def test_a_restarted_worker_is_routed_again_within_a_second(tmp_path, procs) -> 
         ws["w1"].start(timeout_s=60)   # same address, as a restarted pod behind a stable name
         took = _wait(lambda: "w1" in _listed(stub), 15, "the restarted worker was never routed again")
         print(f"restarted worker routable again {took:.3f} s after it was serving")
-        assert took < 1.5
+        # ~0.6 s on a quiet machine (0.5 s backoff cap + 0.1 s poll); gRPC's default backoff,
+        # ~6.5 s (+-20%) by now, would mostly miss this bound. The slack is for a loaded CI machine.
+        assert took < 4.0
         # And it takes traffic: a request pinned by its prefix lands there once it holds it.
         msgs = list(stub.Generate(router_pb2.GenerateRequest(
             model="sim-model", tokens={"ids": rand_tokens(200, 5)}, sampling={"max_tokens": 2}), timeout=30))

@@ -88,7 +88,10 @@ def test_burst_of_sibling_requests_colocates(stack):
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         finals = list(ex.map(one, range(8)))
     eps = {f.routing.endpoint for f in finals}
-    assert len(eps) == 1, [f.routing.endpoint for f in finals]
+    # Each sibling's sibling-credited cost there is ~0.03-0.1 s against ~0.39 s to recompute the
+    # prefix elsewhere (far from the break-even). Should it ever split again, say why.
+    assert len(eps) == 1, [(f.routing.endpoint, f.routing.attempts, f.routing.split, f.routing.reason)
+                           for f in finals]
 
 
 def test_two_tenants_never_share_a_prefix_hit(stack):

@@ -17,7 +17,6 @@ import pytest
 
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
 
@@ -27,21 +26,18 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def vllm_router(vllm_workers, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("router-vllm")
-    iport = free_port()
-    idx = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(iport), "--models",
-                                     f"{TINY_MODEL_NAME}@32@sha256_cbor", "--default-model", TINY_MODEL_NAME],
-                         f"127.0.0.1:{iport}", log_path=tmp / "indexer.log").start(60)
+    idx = ServiceProcess.with_ports("indexer", lambda iport: [
+        "--host", "127.0.0.1", "--port", str(iport), "--models", f"{TINY_MODEL_NAME}@32@sha256_cbor",
+        "--default-model", TINY_MODEL_NAME], log_path=tmp / "indexer.log").start(60)
     router = None
     try:
         vllm_workers([{"name": f"vllm-r{i}", "kv_cache_bytes": 8 << 20, "max_model_len": 4096,
                        "extra": ["--indexer-address", idx.grpc_address, "--heartbeat-s", "0.5"]} for i in (1, 2)])
-        port, http = free_port(), free_port()
-        router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--auth", "off",
-                                           "--model", TINY_MODEL_NAME, "--block-size", "32",
-                                           "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address,
-                                           "--registry-poll-s", "0.2", "--speculative-ttl-s", "0.3",
-                                           "--max-model-len", "4096"],
-                                f"127.0.0.1:{port}", log_path=tmp / "router.log").start(60)
+        router = ServiceProcess.with_ports("router", lambda port, http: [
+            "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--auth", "off",
+            "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer",
+            idx.grpc_address, "--registry-poll-s", "0.2", "--speculative-ttl-s", "0.3", "--max-model-len", "4096"],
+            count=2, log_path=tmp / "router.log").start(60)
         with grpc.insecure_channel(router.grpc_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             deadline = time.monotonic() + 60

@@ -59,28 +59,27 @@ def fleet(vllm_servers, envoy_factory, tiny_model_dir, tmp_path_factory: pytest.
     router = store = None
     try:
         # The shared store, registered with the indexer for every model; its events index what it holds.
-        sp = free_port()
-        store = ServiceProcess("offload", [
+        store = ServiceProcess.with_ports("offload", lambda sp, ev: [
             "--host", "127.0.0.1", "--port", str(sp), "--endpoint-id", "store-0", "--ram-capacity-bytes",
-            str(256 << 20), "--events-endpoint", f"tcp://*:{free_port()}", "--indexer-address", idx.grpc_address,
-            "--advertise-host", "127.0.0.1"], f"127.0.0.1:{sp}", log_path=tmp / "offload.log").start(60)
+            str(256 << 20), "--events-endpoint", f"tcp://*:{ev}", "--indexer-address", idx.grpc_address,
+            "--advertise-host", "127.0.0.1"], count=2, log_path=tmp / "offload.log").start(60)
         connector = {"kv_connector": "KvmeshConnector", "kv_connector_module_path": CONNECTOR_MODULE,
                      "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                      "kv_connector_extra_config": {"store_address": store.grpc_address}}
         servers = vllm_servers(["v1", "v2"], f"tcp://127.0.0.1:{central['port']}", tmp,
                                kv_transfer=lambda _eid: connector)
-        port, http, metrics_port, extproc_port = free_port(), free_port(), free_port(), free_port()
         # A lookup past --lookup-timeout-s is answered by the router's local view (what earlier
         # lookups learned), which misses what the last turn added: on this shared, loaded machine
         # the indexer gets a deadline long enough that every prediction is the index's.
-        router = ServiceProcess("router", [
+        router = ServiceProcess.with_ports("router", lambda port, http, metrics_port, extproc_port: [
             "--metrics-port", str(metrics_port), "--lookup-timeout-s", "2", "--lookup-late-s", "4",
             "--extproc-port", str(extproc_port),
             "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
             "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address, "--auth", "off",
             "--tokenizer-path", str(tiny_model_dir), "--speculative-ttl-s", "0.3", "--max-model-len", "4096",
-            "--endpoints", ",".join(s.url for s in servers)],
-            f"127.0.0.1:{port}", log_path=tmp / "router.log").start(60)
+            "--endpoints", ",".join(s.url for s in servers)], count=4, log_path=tmp / "router.log").start(60)
+        port, http = router.port, router.flag_port("--http-port")
+        metrics_port, extproc_port = router.flag_port("--metrics-port"), router.flag_port("--extproc-port")
         base = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 30
         while httpx.get(base + "/health", timeout=5).json().get("live_endpoints") != 2:
@@ -306,14 +305,14 @@ def test_grpc_generate_on_external_engines(fleet) -> None:
 def pd_router(fleet) -> Iterator[dict]:
     """A second router over the same two vLLM servers: the first decodes, the second prefills."""
     decode, prefill = fleet["servers"].values()
-    port, http = free_port(), free_port()
-    router = ServiceProcess("router", [
+    router = ServiceProcess.with_ports("router", lambda port, http: [
         "--lookup-timeout-s", "2", "--lookup-late-s", "4", "--host", "127.0.0.1", "--port", str(port),
         "--http-port", str(http), "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor",
         "--indexer", fleet["indexer"], "--auth", "off", "--tokenizer-path", str(fleet["model_dir"]),
         "--max-model-len", "4096", "--endpoints", decode.url, "--prefill-endpoints", prefill.url,
         "--split-enabled", "--split-threshold-tokens", "64", "--split-store-wait-s", "20"],
-        f"127.0.0.1:{port}", log_path=fleet["tmp"] / "router-pd.log").start(60)
+        count=2, log_path=fleet["tmp"] / "router-pd.log").start(60)
+    port, http = router.port, router.flag_port("--http-port")
     try:
         base = f"http://127.0.0.1:{http}"
         deadline = time.monotonic() + 30

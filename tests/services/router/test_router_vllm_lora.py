@@ -16,7 +16,6 @@ import pytest
 
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
 
@@ -26,22 +25,19 @@ pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 @pytest.fixture(scope="module")
 def lora_router(vllm_workers, tiny_lora_dir, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("router-vllm-lora")
-    iport = free_port()
-    idx = ServiceProcess("indexer", ["--host", "127.0.0.1", "--port", str(iport), "--models",
-                                     f"{TINY_MODEL_NAME}@32@sha256_cbor", "--default-model", TINY_MODEL_NAME],
-                         f"127.0.0.1:{iport}", log_path=tmp / "indexer.log").start(60)
+    idx = ServiceProcess.with_ports("indexer", lambda iport: [
+        "--host", "127.0.0.1", "--port", str(iport), "--models", f"{TINY_MODEL_NAME}@32@sha256_cbor",
+        "--default-model", TINY_MODEL_NAME], log_path=tmp / "indexer.log").start(60)
     router = None
     try:
         vllm_workers([{"name": "vllm-lora", "kv_cache_bytes": 8 << 20, "max_model_len": 2048,
                        "vllm_options": {"lora_modules": {"ad1": str(tiny_lora_dir)}, "max_lora_rank": 8},
                        "extra": ["--indexer-address", idx.grpc_address, "--heartbeat-s", "0.5"]}])
-        port = free_port()
-        router = ServiceProcess("router", ["--host", "127.0.0.1", "--port", str(port), "--http-port", "0", "--auth", "off",
-                                           "--model", TINY_MODEL_NAME, "--block-size", "32",
-                                           "--hash-algo", "sha256_cbor", "--indexer", idx.grpc_address,
-                                           "--registry-poll-s", "0.2", "--speculative-ttl-s", "0.2",
-                                           "--indexer-speculative", "false", "--max-model-len", "2048"],
-                                f"127.0.0.1:{port}", log_path=tmp / "router.log").start(60)
+        router = ServiceProcess.with_ports("router", lambda port: [
+            "--host", "127.0.0.1", "--port", str(port), "--http-port", "0", "--auth", "off",
+            "--model", TINY_MODEL_NAME, "--block-size", "32", "--hash-algo", "sha256_cbor", "--indexer",
+            idx.grpc_address, "--registry-poll-s", "0.2", "--speculative-ttl-s", "0.2",
+            "--indexer-speculative", "false", "--max-model-len", "2048"], log_path=tmp / "router.log").start(60)
         with grpc.insecure_channel(router.grpc_address) as ch:
             stub = router_pb2_grpc.RouterStub(ch)
             deadline = time.monotonic() + 60

@@ -20,7 +20,6 @@ import anthropic
 import openai
 import pytest
 
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
 from tests.helpers.chat_cases import TOOLS
@@ -44,14 +43,12 @@ def routers(vllm_workers, tiny_model_dir, tmp_path_factory: pytest.TempPathFacto
     bases = {}
     try:
         for w in ws:
-            port, http = free_port(), free_port()
-            started.append(ServiceProcess("router", [
+            started.append(ServiceProcess.with_ports("router", lambda port, http, w=w: [
                 "--host", "127.0.0.1", "--port", str(port), "--http-port", str(http), "--model", TINY_MODEL_NAME,
-                "--auth", "off",
-                "--block-size", "32", "--endpoints", f"{w.endpoint_id}={w.address}",
-                "--tokenizer-path", str(tiny_model_dir)], f"127.0.0.1:{port}",
+                "--auth", "off", "--block-size", "32", "--endpoints", f"{w.endpoint_id}={w.address}",
+                "--tokenizer-path", str(tiny_model_dir)], count=2,
                 log_path=tmp / f"router-{w.endpoint_id}.log").start(120))
-            bases[w.endpoint_id] = f"http://127.0.0.1:{http}/v1"
+            bases[w.endpoint_id] = f"http://127.0.0.1:{started[-1].flag_port('--http-port')}/v1"
         yield bases
     finally:
         for p in started:

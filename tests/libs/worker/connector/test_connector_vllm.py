@@ -18,7 +18,6 @@ from kvmesh.hashing import BlockHasher
 from kvmesh.kvstore.client import SyncOffloadClient
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
-from kvmesh_tools.testing.ports import free_port
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import VLLM_ENV, VllmWorker
 
@@ -30,10 +29,10 @@ KV_CACHE_BYTES = 2 << 20      # 128 blocks of 32 tokens (16 KiB each): 4096 toke
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory: pytest.TempPathFactory):
-    port = free_port()
     log = tmp_path_factory.mktemp("offload") / "offload.log"
-    proc = ServiceProcess("offload", ["--host", "127.0.0.1", "--port", str(port), "--ram-capacity-bytes",
-                                      str(256 << 20)], f"127.0.0.1:{port}", env=VLLM_ENV, log_path=log)
+    proc = ServiceProcess.with_ports("offload", lambda port: ["--host", "127.0.0.1", "--port", str(port),
+                                                              "--ram-capacity-bytes", str(256 << 20)],
+                                     env=VLLM_ENV, log_path=log)
     proc.start(timeout_s=60)
     yield proc
     proc.stop()
