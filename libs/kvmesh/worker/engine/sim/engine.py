@@ -609,7 +609,7 @@ class SimEngine(Engine):
         c = self.cfg
         seq = live.seq
         h = live.req.kv_handle
-        address = (h.store_address if h and h.store_address else c.offload_address)
+        address, namespace = self._store_of(live)
         if not address:
             return
         bs = c.block_size
@@ -623,14 +623,12 @@ class SimEngine(Engine):
                     break
                 n += 1
             want = min(n, max_blocks)
-            namespace = h.namespace or c.offload_namespace
             if n < len(h.block_keys):
                 log.warning("kv handle does not match the prompt's block chain",
                             extra={"request_id": seq.request_id, "matching_blocks": n,
                                    "handle_blocks": len(h.block_keys)})
         else:
             want = max_blocks
-            namespace = c.offload_namespace
         if want <= gpu:
             return
         client = self._client(address)
@@ -659,16 +657,32 @@ class SimEngine(Engine):
         live.restored_offload = (got - gpu) * bs
         live.kv_from_prefill = h is not None
         self.offload_restored_blocks += got - gpu
-        delay = self.latency.restore_time(restored_bytes) if c.model_h2d else 0.0
-        self.restore_seconds += measured + delay
+        delay = await self._charge_restore(measured, restored_bytes)
         log.debug("restored kv", extra={"request_id": seq.request_id, "blocks": got - gpu,
                                         "bytes": restored_bytes, "measured_s": measured, "h2d_s": delay})
+
+    def _store_of(self, live: _Live) -> tuple[str, str]:
+        """The store address and namespace ``live`` restores from: its prefill worker's handle's,
+        else the shared offload store's."""
+        c = self.cfg
+        h = live.req.kv_handle
+        address = h.store_address if h is not None and h.store_address else c.offload_address
+        namespace = (h.namespace or c.offload_namespace) if h is not None else c.offload_namespace
+        return address, namespace
+
+    async def _charge_restore(self, measured: float, nbytes: int) -> float:
+        """Account a restore's time (the measured transfer plus the modelled host-to-device copy
+        of ``nbytes``) on the engine's clock; returns the modelled copy's seconds."""
+        c = self.cfg
+        delay = self.latency.restore_time(nbytes) if c.model_h2d else 0.0
+        self.restore_seconds += measured + delay
         if c.virtual_time:
             # No real time passes in virtual mode: charge the measured transfer too.
             self._vclock += measured + delay
         elif delay > 0:
             # The measured transfer already took real time; add the modelled host-to-device copy.
             await asyncio.sleep(delay / c.time_scale)
+        return delay
 
     def _ready(self, seq: Seq, gpu_blocks: int) -> bool:
         """The scheduler's check before it takes ``seq``: False while the store restores blocks
@@ -691,9 +705,7 @@ class SimEngine(Engine):
         """Restore blocks ``start..backed_blocks`` of ``live`` from the store, as far as it holds them."""
         c = self.cfg
         seq = live.seq
-        h = live.req.kv_handle
-        address = h.store_address if h is not None and h.store_address else c.offload_address
-        namespace = (h.namespace or c.offload_namespace) if h is not None else c.offload_namespace
+        address, namespace = self._store_of(live)
         got = start
         blobs: list[bytes] = []
         t0 = time.monotonic()
@@ -704,13 +716,7 @@ class SimEngine(Engine):
                 blobs = await client.get(namespace, seq.block_hashes[start:present])
                 got = start + len(blobs)
             if got > start and not live.done:
-                measured = time.monotonic() - t0
-                delay = self.latency.restore_time(sum(len(b) for b in blobs)) if c.model_h2d else 0.0
-                self.restore_seconds += measured + delay
-                if c.virtual_time:
-                    self._vclock += measured + delay
-                elif delay > 0:
-                    await asyncio.sleep(delay / c.time_scale)
+                await self._charge_restore(time.monotonic() - t0, sum(len(b) for b in blobs))
                 if not live.done and seq.num_computed == 0:
                     seq.external_cached = max(seq.external_cached, got * c.block_size)
                     live.restored_offload = max(live.restored_offload, (got - start) * c.block_size)
