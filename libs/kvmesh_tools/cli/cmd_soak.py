@@ -32,6 +32,8 @@ def _run(args: argparse.Namespace) -> int:
     print(f"soak: {t['requests']} requests, {t['errors']} errors, TTFT p50 {t['ttft_p50_s']} p99 {t['ttft_p99_s']} s, "
           f"hit {t['hit_rate']}, predicted==actual {t['prediction_accuracy']} "
           f"({t['prediction_accuracy_unsplit']} of unsplit requests), mispredicted {t['mismatches']}")
+    if t["errors"]:
+        print(f"errors by kind: {t['error_kinds']} (each in soak.json 'failures')")
     print(f"RSS last/ref minute: {report['rss_last_over_ref']}")
     print(f"wrote {jpath} and {ppath}")
     return 1 if t["errors"] else 0

@@ -16,6 +16,7 @@ from kvmesh.rpc.channel import aio_channel
 from kvmesh.rpc.tls import TlsConfig
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2, router_pb2_grpc
+from kvmesh_tools.replay.errors import describe_error, phase_of, summary
 
 
 @dataclass
@@ -34,6 +35,9 @@ class Outcome:
     split: bool = False
     mismatch: str = ""   # why predicted != cached (kvmesh.routing.fidelity), "" when equal
     error: str = ""
+    # When ``error``: the exception chain, errno, the phase it failed in and whether the request
+    # rode a reused keep-alive connection (``kvmesh_tools.replay.errors``); None otherwise.
+    error_detail: dict | None = None
 
 
 @dataclass
@@ -118,8 +122,22 @@ class HttpTransport:
                 "session_id": c.session_id}
         if c.policy:
             body["kvmesh_policy"] = c.policy
+        # Where the request is, from httpcore's trace events: a failure then says whether it
+        # died connecting, sending, waiting for the response's headers or reading its body, and
+        # whether the connection was a reused keep-alive one (no connect event).
+        where = {"phase": "pool", "new_connection": False, "status": None, "events": 0}
+
+        async def trace(event: str, info: dict) -> None:
+            phase = phase_of(event)
+            if phase is not None:
+                where["phase"] = phase
+                if phase == "connect":
+                    where["new_connection"] = True
+
         try:
-            async with self.client.stream("POST", f"{self.base}/v1/completions", json=body) as r:
+            async with self.client.stream("POST", f"{self.base}/v1/completions", json=body,
+                                          extensions={"trace": trace}) as r:
+                where["status"] = r.status_code
                 if r.status_code != 200:
                     text = (await r.aread()).decode(errors="replace")[:300]
                     out.error = f"HTTP {r.status_code}: {text}"
@@ -127,9 +145,13 @@ class HttpTransport:
                 async for line in r.aiter_lines():
                     if not line.startswith("data: "):
                         continue
+                    where["events"] += 1
                     data = line[6:]
                     if data == "[DONE]":
-                        break
+                        # Read on to the end of the body, as OpenAI's SDK does: a response left
+                        # unread (the chunked body's last chunk) makes httpx close the connection
+                        # instead of reusing it, so every request would open a new one.
+                        continue
                     doc = json.loads(data)
                     now = time.monotonic()
                     if "error" in doc:
@@ -158,7 +180,11 @@ class HttpTransport:
                         out.cached_offload = d.get("cached_tokens_offload", 0)
                         out.finish = now
         except (httpx.HTTPError, json.JSONDecodeError) as exc:
-            out.error = f"{type(exc).__name__}: {exc}"
+            out.error = summary(exc)
+            out.error_detail = {**describe_error(exc), "phase": where["phase"],
+                                "new_connection": where["new_connection"], "status": where["status"],
+                                "sse_events": where["events"], "tokens": out.output_tokens,
+                                "elapsed_s": round(time.monotonic() - out.sent, 3)}
         if out.finish is None and not out.error:
             out.error = "stream ended without usage"
         return out

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from kvmesh_tools.replay.errors import describe_error, summary
 from kvmesh_tools.replay.transport import Call, HttpTransport, Outcome
 from kvmesh_tools.traffic.tokens import TokenSynthesizer
 
@@ -95,6 +96,7 @@ async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
     synth = TokenSynthesizer(32000, salt=f"soak{cfg.seed}:{time.time_ns()}")
     loop = asyncio.get_running_loop()
     t0 = loop.time()
+    wall0 = time.time()
     end = t0 + cfg.minutes * 60.0
     records: list[dict[str, Any]] = []
     samples: list[dict[str, Any]] = []
@@ -116,14 +118,23 @@ async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                         max_tokens=max(1, min(req.output_tokens, cfg.max_output_tokens)),
                         session_id=f"soak-{sid}/{req.agent}"))
                 except Exception as exc:  # noqa: BLE001 - one bad request must not stop the soak
-                    out = Outcome(sent=time.monotonic(), prompt_tokens=len(tokens), error=f"{type(exc).__name__}: {exc}")
-                records.append({
+                    out = Outcome(sent=time.monotonic(), prompt_tokens=len(tokens), error=summary(exc),
+                                  error_detail={**describe_error(exc), "phase": "client"})
+                rec = {
                     "sent_s": round(sent, 3), "ttft_s": (out.first_token - out.sent) if out.first_token else None,
                     "prompt_tokens": out.prompt_tokens, "cached": out.cached, "predicted": out.predicted,
                     "mismatch": out.mismatch, "split": out.split, "endpoint": out.endpoint,
-                    "error": out.error})
+                    "error": out.error}
                 if out.error:
-                    log.warning("soak request failed", extra={"uid": req.uid, "error": out.error})
+                    # Every failure explained: when and what it was (wall clock, to match the
+                    # services' logs), and the exception chain, errno and phase for a transport error.
+                    done = loop.time() - t0
+                    rec |= {"request_id": f"soak-{sid}-{req.uid}", "failed_s": round(done, 3),
+                            "failed_at": time.strftime("%H:%M:%S", time.gmtime(wall0 + done)),
+                            "error_detail": out.error_detail}
+                    log.warning("soak request failed", extra={"request_id": rec["request_id"], "error": out.error,
+                                                              "detail": out.error_detail})
+                records.append(rec)
                 think = min(cfg.max_think_s, max(0.0, req.think_time) * cfg.think_scale)
                 if think:
                     await asyncio.sleep(think)

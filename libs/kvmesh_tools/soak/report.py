@@ -31,6 +31,7 @@ def _stats(recs: list[dict[str, Any]]) -> dict[str, Any]:
         "prediction_accuracy": round(sum(1 for r in pred if r["predicted"] == r["cached"]) / len(pred), 4)
         if pred else None,
         "mismatches": count([r["mismatch"] for r in pred]),
+        "error_kinds": error_kinds(recs),
     }
     # A split request's prediction is its decode endpoint's cache once the prefill endpoint's KV
     # has arrived; the requests that were not split measure the index (and the local view) alone.
@@ -38,6 +39,26 @@ def _stats(recs: list[dict[str, Any]]) -> dict[str, Any]:
     unsplit = [r for r in pred if not r.get("split", r["mismatch"] == "split")]
     out["prediction_accuracy_unsplit"] = (round(sum(1 for r in unsplit if r["predicted"] == r["cached"])
                                                 / len(unsplit), 4) if unsplit else None)
+    return out
+
+
+def error_kind(rec: dict[str, Any]) -> str:
+    """A failure's class: ``Type@phase`` (plus ``errno N``) for a transport error, else its message's head."""
+    d = rec.get("error_detail")
+    if not d:
+        return str(rec["error"]).split(":")[0][:60]
+    kind = f"{d.get('type')}@{d.get('phase')}"
+    if d.get("errno") is not None:
+        kind += f" errno {d['errno']}"
+    return kind
+
+
+def error_kinds(recs: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in recs:
+        if r["error"]:
+            k = error_kind(r)
+            out[k] = out.get(k, 0) + 1
     return out
 
 
@@ -73,8 +94,10 @@ def summarize(run: dict[str, Any]) -> dict[str, Any]:
     for name in rows[-1]["rss_mib"]:
         a, b = rows[ref]["rss_mib"].get(name), rows[-1]["rss_mib"].get(name)
         growth[name] = round(b / a, 3) if a and b else None
+    # Every failed request with its exception chain, phase and time: an error must be explained.
+    failures = [r for r in records if r["error"]]
     return {"config": run["config"], "stack": run["stack"], "total": total, "minutes": rows,
-            "rss_last_over_ref": growth, "rss_ref_minute": ref + 1}
+            "rss_last_over_ref": growth, "rss_ref_minute": ref + 1, "failures": failures}
 
 
 def write(report: dict[str, Any], out_dir: str | Path) -> tuple[Path, Path]:
