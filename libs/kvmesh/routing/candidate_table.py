@@ -12,6 +12,7 @@ clusters). ``Candidate`` objects are built only for the endpoints a decision rep
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -116,8 +117,9 @@ class CandidateTable:
             cpu_end = np.maximum(real_cpu_end, np.minimum(matches.array("pending"), cap))
             disk_end = np.maximum(cpu_end, real_disk_end)
             n_cpu, n_disk = cpu_end - gpu, disk_end - cpu_end
+            pend = np.maximum(0, cpu_end - np.maximum(real_cpu_end, real_disk_end))
         else:
-            n_cpu = n_disk = np.zeros(len(ids), dtype=np.int64)
+            n_cpu = n_disk = pend = np.zeros(len(ids), dtype=np.int64)
         self.gpu, self.speculative = gpu, gpu - real_gpu
         self.offload = n_cpu + n_disk
         # scoring.evaluate, element-wise.
@@ -127,7 +129,6 @@ class CandidateTable:
                            + (n_disk * bs) * cfg.disk_restore_s_per_token, 0.0)
         compute = np.where(uncached > 0, uncached * cfg.prefill_s_per_token
                            + uncached * (cached_tokens + uncached / 2.0) * cfg.attn_s_per_token_pair, 0.0)
-        own = compute + restore
         self.shared_arr = np.zeros(len(ids))
         for ep, n in shared.items():
             i = matches.pos.get(ep)
@@ -135,6 +136,22 @@ class CandidateTable:
                 self.shared_arr[i] = n
         queued = np.maximum(lc.prefill_tokens - self.shared_arr, 0.0)
         self.wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
+        self.store_life = math.inf
+        if cfg.store_keep and offload_enabled:
+            self.store_life = load.store_life_s(req.session_id, now)
+        if self.store_life != math.inf:   # scoring.store_kept, element-wise
+            life, w = self.store_life, self.wait
+            if life <= 0.0:
+                kept = np.where(w <= 0.0, 1.0, 0.0)
+            else:
+                kept = np.where(w <= 0.0, 1.0, np.maximum(0.0, 1.0 - w / life))
+            at_risk = (self.offload - pend) * bs
+            lost = np.where((at_risk > 0) & (kept < 1.0), (1.0 - kept) * at_risk, 0.0)
+            u, c = uncached + lost, cached_tokens - lost
+            compute = np.where(lost > 0.0, u * cfg.prefill_s_per_token
+                               + u * (c + u / 2.0) * cfg.attn_s_per_token_pair, compute)
+            restore = np.where(lost > 0.0, restore - lost * cfg.cpu_restore_s_per_token, restore)
+        own = compute + restore
         ctx = lc.active_blocks * bs + lc.inflight_ctx_tokens
         self.decode = cfg.decode_horizon_steps * (lc.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
         # scoring.cluster_state, then the cluster terms of scoring.evaluate.
@@ -269,7 +286,7 @@ class CandidateTable:
             ep = self.ids[i]
             c = evaluate(ep, self.matches.at(i), self.store, self.load.effective(ep, self.now), self.req.num_tokens,
                          self.req.block_size, self.cfg, self.offload_enabled, self.shared.get(ep, 0), self.state,
-                         int(self.own_resident[i]), int(self.own_stored[i]))
+                         int(self.own_resident[i]), int(self.own_stored[i]), self.store_life)
             c.hot = bool(self.hot[i])
             c.excluded = self.excluded(i)
             self._built[i] = c

@@ -11,6 +11,7 @@ ignored and only the router's own in-flight requests count.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,6 +214,12 @@ class WorkingSet:
         w = self._where.get(session_id) if session_id else None
         return (w[1], w[2]) if w is not None else ("", 0)
 
+    def last(self, session_id: str) -> tuple[int, float] | None:
+        """(prompt tokens, time) of the session's last counted turn: when it was routed, or
+        when it ended (:meth:`refresh`); None if the session is not counted."""
+        w = self._where.get(session_id) if session_id else None
+        return (w[2], w[3]) if w is not None else None
+
     def home_stored(self, session_id: str) -> int:
         """Of the session's counted context (:meth:`home`), the tokens the store held."""
         w = self._where.get(session_id) if session_id else None
@@ -237,6 +244,46 @@ class WorkingSet:
         if i is not None:
             for sid in [s for s, w in self._where.items() if w[0] == i]:
                 self._drop(sid)
+
+
+class StoreHorizon:
+    """How long the offload store keeps a context nobody touches, as the router sees it.
+
+    An LRU store smaller than the sessions' contexts evicts about one block per block it stores,
+    so a context survives there for roughly the time the store takes to fill with newer blocks:
+    its horizon. The router sees it without asking the store: a session's turn shows what the
+    store kept of the session's previous prompt after the time since that turn ended (its age).
+    A loss at an age below the estimate pulls the estimate down toward that age, a context
+    kept past the estimate pushes it up, each by ``rate`` of the difference; until the first
+    loss the horizon is infinite (a store that has lost nothing). Used by
+    ``ScoringConfig.store_keep`` (kvmesh.routing.scoring.store_kept).
+    """
+
+    def __init__(self, rate: float = 0.1, min_blocks: int = 16) -> None:
+        self.rate = rate
+        self.min_blocks = min_blocks   # smaller contexts say little (a sub-agent's first prompt)
+        self.horizon_s = math.inf
+        self.samples = 0
+        self.losses = 0
+
+    def observe(self, age_s: float, expected_blocks: int, kept_blocks: int) -> None:
+        """The store held ``kept_blocks`` of ``expected_blocks`` it had been given ``age_s`` ago."""
+        if expected_blocks < self.min_blocks or age_s < 0.0:
+            return
+        self.samples += 1
+        h = self.horizon_s
+        if kept_blocks < expected_blocks:
+            self.losses += 1
+            if h == math.inf:
+                self.horizon_s = age_s
+            elif age_s < h:
+                self.horizon_s = h + self.rate * (age_s - h)
+        elif h != math.inf and age_s > h:
+            self.horizon_s = h + self.rate * (age_s - h)
+
+    def life_s(self, age_s: float) -> float:
+        """Time a context last touched ``age_s`` ago has left in the store (inf: no loss seen yet)."""
+        return self.horizon_s - age_s if self.horizon_s != math.inf else math.inf
 
 
 def _drop(index: dict[Any, dict[str, _InFlight]], key: Any, request_id: str) -> None:
@@ -264,9 +311,18 @@ class LoadView:
     _version: int = 0   # bumped by every change to the in-flight requests
     _overlap_memo: tuple[list[int], int, int, dict[str, int]] | None = None
     working_set: WorkingSet = field(init=False)
+    store_horizon: StoreHorizon = field(default_factory=StoreHorizon)
 
     def __post_init__(self) -> None:
         self.working_set = WorkingSet(self._sums, self.reuse_window_s)
+
+    def store_life_s(self, session_id: str, now: float) -> float:
+        """Time the offload store likely keeps the session's context untouched from ``now``
+        (:class:`StoreHorizon`; the age is 0 for a session not in the working set)."""
+        if self.store_horizon.horizon_s == math.inf:
+            return math.inf
+        last = self.working_set.last(session_id)
+        return self.store_horizon.life_s(now - last[1] if last is not None else 0.0)
 
     def update(self, endpoint_id: str, report: LoadReport) -> None:
         self.reports[endpoint_id] = report

@@ -21,7 +21,7 @@ from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
 from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext
 from kvmesh.routing.registry import make_policy
 from kvmesh.routing.scoring import ScoringConfig, max_hit_blocks, split_extra_s
-from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest
+from kvmesh.routing.types import Candidate, Decision, EndpointView, Matches, RouteRequest
 
 log = logging.getLogger(__name__)
 
@@ -221,10 +221,25 @@ class RouterCore:
                           num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens)
         # What the store held of the prompt (the same on every endpoint): displaced from this
         # endpoint later, that part comes back by a restore (ScoringConfig.displace_store_price).
-        stored = next((c.store_blocks for c in decision.candidates if c.endpoint_id == decision.endpoint_id), 0)
+        win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
+        stored = win.store_blocks if win is not None else 0
+        if self.cfg.scoring.store_keep and self.cfg.offload_enabled and win is not None:
+            self._observe_store(req, win, now)
         self.load.working_set.touch(req.session_id, decision.endpoint_id, req.num_tokens, now,
                                     stored * req.block_size)
         self.policy(decision.policy).on_routed(req, decision, now, prefill_ep)
+
+    def _observe_store(self, req: RouteRequest, win: Candidate, now: float) -> None:
+        """What the store kept of the session's previous prompt since that turn ended
+        (``LoadView.store_horizon``, for ``ScoringConfig.store_keep``). The previous prompt is
+        only expected as far as some tier still shows this prompt extends it (the GPU hit here,
+        or the store's own match): a prompt that was rewritten says nothing about evictions."""
+        last = self.load.working_set.last(req.session_id)
+        if last is None:
+            return
+        tokens, at = last
+        expected = min(tokens // req.block_size, max(win.gpu_blocks - win.speculative_blocks, win.store_blocks))
+        self.load.store_horizon.observe(now - at, expected, min(win.store_blocks, expected))
 
     def on_first_token(self, req: RouteRequest) -> None:
         self.load.on_first_token(req.request_id)

@@ -10,6 +10,8 @@ and every kind of load is weighed at its real price::
     wait     = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
     own      = prefill_cost(uncached, context=cached)            (linear + attention)
              + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
+               (with ``store_keep``, the share of the restore the store likely loses while the
+               request waits there is recomputed instead: :func:`store_kept`)
     decode   = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
     work     = cluster_work_weight · saturation · (own − least own of any endpoint)
     displace = displace_weight · prefill_s/token · tokens of the others' KV the prompt evicts: its
@@ -49,6 +51,7 @@ session to the same first endpoint.
 
 from __future__ import annotations
 
+import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -114,6 +117,11 @@ class ScoringConfig:
         "help": "price the displaced KV the offload store holds at its restore (--cpu-restore-s-per-token), the "
                 "rest at its recompute: a session whose context the store keeps loses a copy, not the work "
                 "(scoring.stored_displaced; false = every displaced token at its recompute)"})
+    store_keep: bool = field(default=False, metadata={
+        "help": "price a restore from the offload store only for the share the store likely keeps until the turn "
+                "runs there (its queue wait against the store's horizon as the router sees it, "
+                "kvmesh.routing.load.StoreHorizon); the rest at its recompute (scoring.store_kept; false = every "
+                "restorable block at the restore)"})
     hold_min_ratio: float = field(default=0.0, metadata={
         "help": "when every endpoint has prefill queued, a request whose prompt some endpoint holds at least this "
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
@@ -215,12 +223,15 @@ def cluster_state(cands: list[Candidate], cfg: ScoringConfig) -> ClusterState:
 def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: EffectiveLoad, num_tokens: int,
              block_size: int, cfg: ScoringConfig, offload_enabled: bool = True,
              shared_queued_tokens: int = 0, cluster: ClusterState | None = None,
-             own_resident_tokens: int = 0, own_stored_tokens: int = 0) -> Candidate:
+             own_resident_tokens: int = 0, own_stored_tokens: int = 0,
+             store_life_s: float = math.inf) -> Candidate:
     """Estimated seconds to first token of the request on one endpoint, plus what the placement
     costs the rest of the cluster (lower is better). ``cluster``: see :func:`cluster_state`;
     without it the cluster-work term is 0. ``own_resident_tokens``: the request's session's own
     context counted in the endpoint's working set (``LoadView.working_set``), which it reuses;
-    ``own_stored_tokens``: the part of it the store held (``WorkingSet.home_stored``)."""
+    ``own_stored_tokens``: the part of it the store held (``WorkingSet.home_stored``);
+    ``store_life_s``: how long the store likely keeps the session's context (``LoadView.store_life_s``,
+    used with ``store_keep``)."""
     cap = max_hit_blocks(num_tokens, block_size)
     split = tier_split(match, store, cap, offload_enabled)
     cached_tokens = split.cached * block_size
@@ -229,9 +240,20 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
     if split.offload:
         restore = (cfg.restore_overhead_s + split.cpu * block_size * cfg.cpu_restore_s_per_token
                    + split.disk * block_size * cfg.disk_restore_s_per_token)
-    own = cfg.prefill_cost(uncached, cached_tokens) + restore
     queued = max(load.prefill_tokens - shared_queued_tokens, 0.0)
     wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
+    lost = 0.0
+    if cfg.store_keep and offload_enabled and store_life_s != math.inf:
+        # Restores the store must still hold when the turn is scheduled, after its wait here
+        # (a sibling's pending prefill is stored later, so it is not at risk).
+        at_risk = (split.offload - split.pending) * block_size
+        kept = store_kept(wait, store_life_s)
+        if at_risk > 0 and kept < 1.0:
+            lost = (1.0 - kept) * at_risk
+    if lost > 0.0:
+        own = cfg.prefill_cost(uncached + lost, cached_tokens - lost) + (restore - lost * cfg.cpu_restore_s_per_token)
+    else:
+        own = cfg.prefill_cost(uncached, cached_tokens) + restore
     ctx = load.active_blocks * block_size + load.inflight_ctx_tokens
     decode = cfg.decode_horizon_steps * (load.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
     work = displace = 0.0
@@ -269,6 +291,22 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
                      wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
+
+
+def store_kept(wait_s: float, life_s: float) -> float:
+    """Share of a context the offload store still holds after ``wait_s``, with ``life_s`` left (``store_keep``).
+
+    An LRU store evicts a context's blocks once newer blocks fill it (:class:`~kvmesh.routing.load.
+    StoreHorizon`), and evicts a context from its tail. A turn that restores from the store on an
+    endpoint where it waits in a queue gets what the store still holds when it is scheduled (vLLM's
+    offloading connector is asked then): all of it without a wait, nothing once the wait exceeds
+    the context's remaining life, and linearly in between.
+    """
+    if wait_s <= 0.0 or life_s == math.inf:
+        return 1.0
+    if life_s <= 0.0:
+        return 0.0
+    return max(0.0, 1.0 - wait_s / life_s)
 
 
 def cliff_displaced(capacity_tokens: float, others_tokens: float, need_tokens: float) -> float:

@@ -9,6 +9,7 @@ load view's columns must equal its per-endpoint ``effective``.
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -104,16 +105,22 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
                         displace_store_price=rng.random() < 0.5)
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
+    if rng.random() < 0.5:   # store_keep, with a store that has lost nothing yet, or has a horizon
+        cfg.store_keep = True
+        load.store_horizon.horizon_s = rng.choice([math.inf, 0.0, 0.3, 5.0, 1e4])
+        if rng.random() < 0.5 and req.session_id:
+            load.working_set.touch(req.session_id, rng.choice(ids), req.num_tokens, now - rng.choice([0.0, 2.0, 9.0]))
     shared = load.pending_overlap(req.keys, BS)
 
     loads = {e: load.effective(e, now) for e in ids}
 
     home, mine = load.working_set.home(req.session_id)
     mine_stored = load.working_set.home_stored(req.session_id)
+    life = load.store_life_s(req.session_id, now) if cfg.store_keep and offload else math.inf
 
     def scored(state: ClusterState | None) -> list[Candidate]:
         return [evaluate(e, per.get(e, TierMatch()), store, loads[e], req.num_tokens, BS, cfg, offload,
-                         shared.get(e, 0), state, mine if e == home else 0, mine_stored if e == home else 0)
+                         shared.get(e, 0), state, mine if e == home else 0, mine_stored if e == home else 0, life)
                 for e in ids]
     # The cluster figures come from every endpoint's own evaluation (they do not depend on them).
     state = cluster_state(scored(None), cfg)

@@ -548,3 +548,105 @@ def test_routed_session_counts_what_the_store_held_of_its_prompt():
     core.on_routed(req2, d2, now=0.3)
     assert ws.home_stored("s") == 0
     assert sum(core.load.effective(e, 0.4).stored_tokens for e in ("e0", "e1")) == 0
+
+
+# ------------------------------------------------- store_keep: what a churning store keeps
+
+
+def _restore_cost(cfg: ScoringConfig, tokens: float) -> float:
+    return cfg.restore_overhead_s + tokens * cfg.cpu_restore_s_per_token
+
+
+@pytest.mark.parametrize("wait_of_life", [0.0, 0.25, 0.5, 1.0, 2.0])
+def test_store_keep_prices_a_restore_the_store_loses_while_the_turn_waits(wait_of_life: float):
+    """The store keeps the session's context ``life`` more seconds; the turn waits ``wait`` on the
+    only endpoint. A share wait/life of the restorable tokens is gone when it is scheduled, and is
+    priced as a recompute after the kept part."""
+    n, store_blocks = 3200, 150          # the store holds 2,400 of 3,200 tokens
+    core = _core(1, store_keep=True, displace_weight=0.0, cluster_work_weight=0.0)
+    cfg = core.cfg.scoring
+    life, age = 400.0, 100.0             # horizon 500 s; the session's last turn ended 100 s ago
+    wait = wait_of_life * life
+    core.load.store_horizon.horizon_s = life + age
+    core.load.working_set.touch("s", "e0", 3000, 0.0)
+    core.load.working_set.refresh("s", "e0", 1.0)
+    _queues(core, e0=int(round(wait / cfg.prefill_s_per_token)))
+    d = core.decide(_req(core, n, "r", session="s"), Matches(store=TierMatch(cpu=store_blocks)), now=1.0 + age)
+    c = d.candidates[0]
+    restorable = store_blocks * BS
+    lost = min(1.0, c.wait_s / life) * restorable
+    want = (cfg.prefill_cost(n - restorable + lost, restorable - lost)
+            + _restore_cost(cfg, restorable) - lost * cfg.cpu_restore_s_per_token)
+    assert c.own_s == pytest.approx(want, rel=1e-12)
+    # The prediction is what the store holds now: the term prices the risk, it changes no view.
+    assert c.offload_blocks == store_blocks and d.predicted_cached_tokens_offload == restorable
+    if wait_of_life == 0.0:
+        assert c.own_s == pytest.approx(_own(cfg, n, restorable) + _restore_cost(cfg, restorable), rel=1e-12)
+
+
+def test_store_keep_leaves_a_turn_home_when_the_move_counts_on_a_store_that_churns():
+    """e0 holds the context on its GPU behind a long queue; e1 has a shorter queue and could
+    restore the context from the store. With a store that keeps contexts (no loss seen) the
+    restore is cheap and the turn moves; with a store whose horizon is shorter than e1's queue
+    the restore would be gone by the time the turn runs there, and it stays home."""
+    n = 4000
+    cap = max_hit_blocks(n, BS)
+
+    def decide(horizon: float) -> str:
+        core = _core(2, store_keep=True, displace_weight=0.0, cluster_work_weight=0.0)
+        cfg = core.cfg.scoring
+        core.load.store_horizon.horizon_s = horizon
+        # e1's queue: 5 s; e0's: e1's plus half a recompute of the prompt.
+        q1 = 5.0
+        q0 = q1 + 0.5 * _own(cfg, n, 0)
+        _queues(core, e0=int(q0 / cfg.prefill_s_per_token), e1=int(q1 / cfg.prefill_s_per_token))
+        m = Matches(per_endpoint={"e0": TierMatch(gpu=cap)}, store=TierMatch(cpu=cap))
+        return core.decide(_req(core, n, "r", session="s"), m, now=1.0).endpoint_id
+
+    assert decide(math.inf) == "e1"     # nothing lost yet: the restore is a copy
+    assert decide(4.0) == "e0"          # the store keeps contexts 4 s; e1's queue is 5 s
+
+
+def test_store_keep_is_off_without_an_offload_store():
+    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, offload_enabled=False,
+                                       scoring=ScoringConfig(store_keep=True)))
+    core.set_endpoint(EndpointView("e0", "127.0.0.1:9000", "m"))
+    core.load.store_horizon.horizon_s = 1.0
+    _queues(core, e0=100_000)
+    d = core.decide(_req(core, 3200, "r", session="s"), Matches(store=TierMatch(cpu=150)), now=0.5)
+    assert d.candidates[0].own_s == pytest.approx(_own(core.cfg.scoring, 3200, 0), rel=1e-12)
+
+
+def test_store_horizon_follows_what_the_store_kept_of_returning_sessions():
+    """A routed turn compares what the store holds of the session's previous prompt with what it
+    was given when that turn ended: a loss pulls the horizon down to its age, a context kept past
+    the horizon pushes it up; nothing is learnt while the option is off."""
+    n = 3200                              # 200 blocks
+    core = _core(1, store_keep=True)
+    hz = core.load.store_horizon
+
+    def turn(rid: str, t: float, stored: int, end: float) -> None:
+        req = _req(core, n, rid, session="s")
+        d = core.decide(req, Matches(per_endpoint={"e0": TierMatch(gpu=199)}, store=TierMatch(cpu=stored)), now=t)
+        core.on_routed(req, d, now=t)
+        core.on_finished(req, d, now=end)
+
+    turn("r1", 0.0, 0, 1.0)               # first turn: nothing to compare
+    assert (hz.samples, hz.horizon_s) == (0, math.inf)
+    turn("r2", 101.0, 199, 102.0)         # 100 s later the store kept all of it: no loss yet
+    assert (hz.samples, hz.losses, hz.horizon_s) == (1, 0, math.inf)
+    turn("r3", 302.0, 120, 303.0)         # 200 s later it lost the tail: horizon 200 s
+    assert (hz.losses, hz.horizon_s) == (1, pytest.approx(200.0))
+    turn("r4", 703.0, 199, 704.0)         # 400 s later all kept: up by a tenth of the difference
+    assert hz.horizon_s == pytest.approx(220.0)
+    turn("r5", 754.0, 10, 755.0)          # a loss at 50 s: down by a tenth
+    assert hz.horizon_s == pytest.approx(220.0 + 0.1 * (50.0 - 220.0))
+    # The session's life in the store counts from its last turn's end.
+    assert core.load.store_life_s("s", 800.0) == pytest.approx(hz.horizon_s - 45.0)
+    assert core.load.store_life_s("new", 800.0) == pytest.approx(hz.horizon_s)
+    off = _core(1)
+    req = _req(off, n, "q", session="s")
+    off.load.working_set.touch("s", "e0", n, 0.0)
+    d = off.decide(req, Matches(store=TierMatch(cpu=10)), now=500.0)
+    off.on_routed(req, d, now=500.0)
+    assert off.load.store_horizon.samples == 0
