@@ -50,6 +50,7 @@ from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
 from kvmesh_router import metrics
 from kvmesh_router.config import RouterConfig, parse_endpoint
 from kvmesh_router.engine_metrics import MetricsError
+from kvmesh_router.index_lookup import IndexLookups, LookupCall
 from kvmesh_router.loop_lag import LoopLag, wait_answer
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS, OpenAIEndpoints, is_http_address
 
@@ -76,6 +77,9 @@ class Cluster:
         self._load_strikes: dict[str, int] = {}   # endpoint -> GetLoad deadlines in a row
         self._indexer_ch = aio_channel(cfg.indexer, retry_attempts=1) if cfg.indexer else None
         self.indexer = indexer_pb2_grpc.IndexerStub(self._indexer_ch) if self._indexer_ch else None
+        # Lookups are sent and answered off the event loop (see index_lookup); the aio channel
+        # above carries the registry polls and speculative puts.
+        self.lookups = IndexLookups(cfg.indexer) if cfg.indexer else None
         self.indexer_up = True
         # Lookups send the chain packed (BlockChain.keys_be64) until an indexer that predates it
         # answers with an empty chain; then repeated keys, as before.
@@ -83,7 +87,6 @@ class Cluster:
         self.local_view = LocalView(ttl_s=cfg.local_view_ttl_s)
         # The lookup deadline does not charge the indexer for the router's own loop lag.
         self.loop_lag = LoopLag(cfg.loop_lag_period_s) if cfg.loop_lag_period_s > 0 else None
-        self._late: set[asyncio.Future] = set()   # lookups past their deadline, still open
         self._tasks: list[asyncio.Task] = []
         self._static: set[str] = set()
         self.pool_watcher: Any = None   # InferencePoolWatcher when --inference-pool is set
@@ -208,8 +211,8 @@ class Cluster:
             await self.loop_lag.stop()
         if self.pool_watcher is not None:
             await self.pool_watcher.stop()
-        for c in list(self._late):
-            c.cancel()
+        if self.lookups is not None:
+            self.lookups.close()   # cancels the lookups still open past their deadline
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
@@ -380,31 +383,28 @@ class Cluster:
         """Per-endpoint, per-tier matches of ``keys``; None when neither the indexer nor the local
         view can answer.
 
-        The indexer gets ``lookup_timeout_s``, plus the time the router's own event loop ran
-        behind schedule meanwhile (``kvmesh_router.loop_lag``, at most ``lookup_loop_grace_s``):
-        an answer that has arrived but that a busy loop has not read yet is not late. Past
-        that, the router's local view answers
+        The call is sent at once, off the event loop (``kvmesh_router.index_lookup``), and the
+        indexer gets ``lookup_timeout_s`` from the send, plus the time the router's own event loop
+        ran behind schedule meanwhile (``kvmesh_router.loop_lag``, at most
+        ``lookup_loop_grace_s``). An answer that has arrived at the deadline counts, whether or
+        not the loop has read it yet. Past that, the router's local view answers
         (``kvmesh.routing.local_view``) and the call stays open until ``lookup_late_s``, its
         answer merged into the view when it comes: a loaded indexer slows the view's updates
         down instead of sending every request to ``approx``.
         """
-        if self.indexer is None:
+        if self.indexer is None or self.lookups is None:
             return None
         if not keys:
             return Matches()
         cfg = self.cfg
         late = cfg.local_view_ttl_s > 0 and cfg.lookup_late_s > cfg.lookup_timeout_s
-        call = asyncio.ensure_future(self._ask(keys, max(cfg.lookup_late_s if late else cfg.lookup_timeout_s,
-                                                         cfg.lookup_timeout_s + cfg.lookup_loop_grace_s)))
-        answered, grace = await wait_answer(call, cfg.lookup_timeout_s, self.loop_lag, cfg.lookup_loop_grace_s)
-        if answered:
-            got = call.result()
-        else:
-            got = None
+        limit = max(cfg.lookup_late_s if late else cfg.lookup_timeout_s, cfg.lookup_timeout_s + cfg.lookup_loop_grace_s)
+        call = self._send(keys, limit)
+        answered, grace = await wait_answer(call.waiter, cfg.lookup_timeout_s, self.loop_lag, cfg.lookup_loop_grace_s,
+                                            arrived=call.arrived)
+        if not answered:
             if late:
-                call.add_done_callback(lambda c: self._merge_late(keys, c))
-                self._late.add(call)
-                call.add_done_callback(self._late.discard)
+                call.waiter.add_done_callback(lambda w: self._merge_late(keys, w))
             else:
                 call.cancel()
             local = self.local_view.matches(keys, time.monotonic()) if cfg.local_view_ttl_s > 0 else None
@@ -413,43 +413,44 @@ class Cluster:
                 return local
             self._indexer_failed("DEADLINE_EXCEEDED", "lookup past its deadline")
             return None
-        if isinstance(got, grpc.aio.AioRpcError):
-            self._indexer_failed(got.code().name, got.details())
+        got = call.outcome()
+        if self._older_indexer(got):
+            # An indexer older than BlockChain.keys_be64 read no keys: send them as repeated keys from now on.
+            log.warning("the indexer does not read packed chains (an older version); sending repeated keys")
+            self.packed_lookups = False
+            return await self.lookup(keys)
+        if isinstance(got, BaseException):
+            code = got.code().name if isinstance(got, grpc.Call) else type(got).__name__
+            details = got.details() if isinstance(got, grpc.Call) else str(got)
+            self._indexer_failed(code, details or "")
             return None
+        matches = matches_from_proto(got, self.stores)
         metrics.LOOKUPS.labels(outcome="ok_loop_lag" if grace > 0 else "ok").inc()
         if not self.indexer_up:
             log.info("indexer back; precise routing resumed")
         self.indexer_up = True
         if cfg.local_view_ttl_s > 0:
-            self.local_view.learn(keys, got, time.monotonic())
-        return got
+            self.local_view.learn(keys, matches, time.monotonic())
+        return matches
 
-    async def _ask(self, keys: list[int], timeout: float) -> Matches | grpc.aio.AioRpcError:
-        packed = self.packed_lookups
-        chain = indexer_pb2.BlockChain(keys_be64=pack_keys(keys)) if packed else indexer_pb2.BlockChain(keys=keys)
-        t0 = time.monotonic()
-        try:
-            resp = await self.indexer.Lookup(   # type: ignore[union-attr]
-                indexer_pb2.LookupRequest(model=self.cfg.model, chain=chain, include_speculative=True,
-                                          include_applied=True),
-                timeout=timeout)
-        except grpc.aio.AioRpcError as exc:
-            if not (packed and exc.code() == grpc.StatusCode.INVALID_ARGUMENT
-                    and "empty chain" in (exc.details() or "")):
-                return exc
-            # An indexer older than BlockChain.keys_be64 read no keys: send them as repeated keys from now on.
-            log.warning("the indexer does not read packed chains (an older version); sending repeated keys")
-            self.packed_lookups = False
-            return await self._ask(keys, max(0.001, timeout - (time.monotonic() - t0)))
-        return matches_from_proto(resp, self.stores)
+    def _send(self, keys: list[int], timeout: float) -> LookupCall:
+        assert self.lookups is not None
+        chain = (indexer_pb2.BlockChain(keys_be64=pack_keys(keys)) if self.packed_lookups
+                 else indexer_pb2.BlockChain(keys=keys))
+        return self.lookups.send(indexer_pb2.LookupRequest(model=self.cfg.model, chain=chain, include_speculative=True,
+                                                           include_applied=True), timeout)
 
-    def _merge_late(self, keys: list[int], call: asyncio.Future) -> None:
-        if call.cancelled() or call.exception() is not None:
+    def _older_indexer(self, got: object) -> bool:
+        return (self.packed_lookups and isinstance(got, grpc.Call) and isinstance(got, grpc.RpcError)
+                and got.code() == grpc.StatusCode.INVALID_ARGUMENT and "empty chain" in (got.details() or ""))
+
+    def _merge_late(self, keys: list[int], waiter: asyncio.Future) -> None:
+        if waiter.cancelled():
             return
-        got = call.result()
-        if isinstance(got, Matches):
+        got = waiter.result()
+        if isinstance(got, indexer_pb2.LookupResponse):
             metrics.LOOKUPS.labels(outcome="late_merged").inc()
-            self.local_view.learn(keys, got, time.monotonic())
+            self.local_view.learn(keys, matches_from_proto(got, self.stores), time.monotonic())
 
     def _indexer_failed(self, code: str, details: str) -> None:
         metrics.FALLBACKS.labels(reason=code).inc()

@@ -65,10 +65,13 @@ class LoopLag:
             LOOP_LAG.observe(self.woke(due, self._clock()))
 
 
-async def wait_answer(call: asyncio.Future, timeout_s: float, lag: LoopLag | None, max_grace_s: float
-                  ) -> tuple[bool, float]:
+async def wait_answer(call: asyncio.Future, timeout_s: float, lag: LoopLag | None, max_grace_s: float,
+                      arrived: Callable[[], bool] | None = None) -> tuple[bool, float]:
     """Wait for ``call`` up to ``timeout_s`` plus the time the loop was behind meanwhile
-    (at most ``max_grace_s`` more). Returns (answered, grace used); ``call`` is never cancelled here."""
+    (at most ``max_grace_s`` more). Returns (answered, grace used); ``call`` is never cancelled here.
+
+    ``arrived`` tells, at the deadline, whether the answer is in although ``call`` is not done
+    yet (it arrived on another thread and the loop has not run its callback): it counts."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     b0 = lag.behind() if lag is not None else 0.0
@@ -80,7 +83,7 @@ async def wait_answer(call: asyncio.Future, timeout_s: float, lag: LoopLag | Non
                 await asyncio.shield(call)
             return True, grace
         except TimeoutError:
-            if call.done():
+            if call.done() or (arrived is not None and arrived()):
                 return True, grace
             if lag is None or max_grace_s <= 0:
                 return False, grace
