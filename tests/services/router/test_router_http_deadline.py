@@ -78,6 +78,34 @@ def test_idle_connections_outlive_the_clients_own_keepalive() -> None:
         RouterConfig(http_keepalive_s=-1).validate()
 
 
+def _http_get(sock, path: str) -> bytes:  # noqa: ANN001
+    sock.sendall(f"GET {path} HTTP/1.1\r\nhost: router\r\n\r\n".encode())
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"connection closed by the router after {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    n = next(int(line.split(b":")[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
+    while len(body) < n:
+        body += sock.recv(65536)
+    return head
+
+
+def test_an_idle_connection_is_kept_past_the_clients_reuse_window(hung) -> None:
+    """The running router applies --http-keepalive-s: a connection idle for 6 s, past httpx's
+    5 s reuse window (and uvicorn's 5 s default), still serves the next request."""
+    import socket
+    from urllib.parse import urlsplit
+
+    base, _worker = hung
+    u = urlsplit(base)
+    with socket.create_connection((u.hostname, u.port), timeout=10) as sock:
+        assert _http_get(sock, "/health").startswith(b"HTTP/1.1 ")
+        time.sleep(httpx.Limits().keepalive_expiry + 1.0)
+        assert _http_get(sock, "/health").startswith(b"HTTP/1.1 ")
+
+
 def test_requests_to_a_hung_worker_end_at_the_deadline_with_504(hung) -> None:
     base, worker = hung
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
