@@ -44,9 +44,10 @@ chain do not see it. vLLM stores and evicts in prefix order, so this only
 loses blocks that could not extend a leading match anyway (counted:
 ``orphans``).
 
-Updates are two or three single-slot calls, ordered so a failure in between
-never leaves a holder the reverse index does not know (add: reverse index,
-then holders; remove: holders, then reverse index). A lookup is one Lua call
+Updates are single-slot calls, ordered so a failure in between never leaves a
+holder the reverse index does not know (add: reverse index, then holders;
+remove: holders, then reverse index); the holder calls of one batch, one per
+tag, go out in one pipeline. A lookup is one Lua call
 per shard, both in one pipeline for chains longer than ``D``. Any replica of the indexer reads the same keys, so it answers the
 same. Connection errors, a master down, or a slot moving raise
 ``IndexUnavailable`` once the client's retries are spent.
@@ -537,11 +538,13 @@ class RedisClusterIndex(RedisIndexBase):
             self._call(self.r.sadd, f"{self.namespace}:models", model)
         dirty = set(out[4:4 + ndirty])
         field = f"{endpoint}\x1f{t};"
+        calls = []
         for i in range(4 + ndirty, len(out), 2):
             tag8 = out[i]
             tag = _hex(tag8)
-            self._call(self._hold_add, [self._hkey(tag, model), self._dkey(tag, model)],
-                       [field, out[i + 1], endpoint, "1" if tag8 in dirty else "0"])
+            calls.append(([self._hkey(tag, model), self._dkey(tag, model)],
+                          [field, out[i + 1], endpoint, "1" if tag8 in dirty else "0"]))
+        self._per_tag(self._hold_add, calls)
         return new
 
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
@@ -566,10 +569,9 @@ class RedisClusterIndex(RedisIndexBase):
             if children > removed_children[k] and depth != self.anchor_depth - 1:
                 dirty.add(v[:8])     # (children of depth D-1 are anchors: a range start of their own tag)
         field = f"{endpoint}\x1f{t};"
-        for tag8, ks in by_tag.items():
-            tag = _hex(tag8)
-            self._call(self._hold_del, [self._hkey(tag, model), self._dkey(tag, model)],
-                       [field, b"".join(ks), endpoint, "+" if tag8 in dirty else ""])
+        self._per_tag(self._hold_del, [([self._hkey(_hex(tag8), model), self._dkey(_hex(tag8), model)],
+                                        [field, b"".join(ks), endpoint, "+" if tag8 in dirty else ""])
+                                       for tag8, ks in by_tag.items()])
         gone = list(held)
         n = 0
         for lo in range(0, len(gone), 4000):
@@ -579,15 +581,34 @@ class RedisClusterIndex(RedisIndexBase):
     def _unlink(self, model: str, endpoint: str, t: int, rkey: str, by_tag: dict[bytes, list[bytes]],
                 undirty: bool) -> int:
         field = f"{endpoint}\x1f{t};"
-        for tag8, ks in by_tag.items():
-            tag = _hex(tag8)
-            self._call(self._hold_del, [self._hkey(tag, model), self._dkey(tag, model)],
-                       [field, b"".join(ks), endpoint, "-" if undirty else ""])
+        self._per_tag(self._hold_del, [([self._hkey(_hex(tag8), model), self._dkey(_hex(tag8), model)],
+                                        [field, b"".join(ks), endpoint, "-" if undirty else ""])
+                                       for tag8, ks in by_tag.items()])
         gone = [k for ks in by_tag.values() for k in ks]
         n = 0
         for lo in range(0, len(gone), 4000):
             n += int(self._call(self._ep_del, [rkey, self._ekey(endpoint, "n")], [t, *gone[lo:lo + 4000]]))
         return n
+
+    def _per_tag(self, script: Any, calls: list[tuple[list[str], list[Any]]]) -> None:
+        """``script`` once per tag, all in one pipeline: the tags' shards work at once and the
+        client waits one round trip, not one per tag (a vLLM step's batch stores a block or a few
+        for each running request: a tag per chain). Runs after the reverse-index call, as before,
+        so a failure still never leaves a holder the reverse index does not know; the holder
+        scripts are idempotent, so a retry after a master lost its scripts may re-run some."""
+        if len(calls) <= 1:
+            for keys, args in calls:
+                self._call(script, keys, args)
+            return
+        pipe = self.r.pipeline()
+        for keys, args in calls:
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args)
+        try:
+            self._call(pipe.execute)
+        except redis.exceptions.NoScriptError:
+            # a restarted or new master: one call per tag loads the script where the keys live
+            for keys, args in calls:
+                self._call(script, keys, args)
 
     def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
         reg = self._ekey(endpoint, "reg")

@@ -260,3 +260,33 @@ def test_odd_endpoint_names_survive_the_two_shard_merge(redis_cluster) -> None:
     got = {e: m.combined for e, m in idx.lookup(M, c).matches.items()}
     assert got == {"a|b": 11, "x\ny": 7, "{t}": 5}
     idx.close()
+
+
+def test_a_batch_of_many_chains_is_exact_and_survives_lost_scripts(redis_cluster) -> None:
+    """A vLLM step stores a few blocks of every running request in one batch: a tag per chain, whose
+    holder calls go out in one pipeline. Masters that lost their scripts (SCRIPT FLUSH, as after a
+    restart) get them loaded again and the batch still lands whole, for stores and removals."""
+    idx = make_cluster_index(redis_cluster, anchor_depth=4)
+    ref = MemoryIndex()
+    chains = _chains(random.Random(11), 24, 10)
+    for lo, hi in ((0, 3), (3, 6), (6, 10)):
+        if lo == 3:
+            for n in redis_cluster.nodes:
+                n.client().script_flush()
+        keys: list[int] = []
+        starts: list[tuple[int, int | None]] = []
+        for c in chains:
+            starts.append((len(keys), c[lo - 1] if lo else None))
+            keys += c[lo:hi]
+        assert idx.add(M, "e0", Tier.GPU, keys, starts) == ref.add(M, "e0", Tier.GPU, keys, starts)
+    assert len({idx.r.get_node_from_key(idx._hkey(f"{c[0]:016x}", M)).name for c in chains}) == 3
+    for c in chains:
+        assert _answer(idx.lookup(M, c)) == _answer(ref.lookup(M, c))
+    for n in redis_cluster.nodes:
+        n.client().script_flush()
+    tails = [k for c in chains for k in c[7:]]
+    assert idx.remove(M, "e0", Tier.GPU, tails) == ref.remove(M, "e0", Tier.GPU, tails)
+    for c in chains:
+        assert _answer(idx.lookup(M, c)) == _answer(ref.lookup(M, c))
+    assert idx.endpoint_blocks("e0") == ref.endpoint_blocks("e0") == 24 * 7
+    idx.close()
