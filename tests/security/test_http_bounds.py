@@ -165,6 +165,18 @@ def test_half_sent_headers_and_bodies_get_408_and_are_closed(secure_stack):
         assert status == 408 and doc["error"]["param"] == "body"
 
 
+def test_the_header_deadline_starts_at_the_requests_first_byte(secure_stack):
+    """A client slow to send its first byte after connecting (a loaded client) is served: the
+    2 s header deadline counts from the first byte, not from the accept. Counted from the
+    accept, such requests got 408 and a reset in 200-session soaks (ReadError, errno 32)."""
+    body = json.dumps({"model": MODEL, "prompt": [1, 2, 3, 4], "max_tokens": 2}).encode()
+    with socket.create_connection(("127.0.0.1", secure_stack.http_port), timeout=10) as s:
+        time.sleep(3.0)
+        s.sendall(_head("/v1/completions", secure_stack.key_a, f"content-length: {len(body)}\r\n\r\n") + body)
+        status, doc, _ = _response(s, 30)
+    assert status == 200, doc
+
+
 def test_300_half_sent_requests_are_all_dropped_and_rss_stays_bounded(secure_stack):
     _healthy(secure_stack)
     idle = rss_bytes(secure_stack.pid)

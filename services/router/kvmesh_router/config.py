@@ -160,7 +160,8 @@ class RouterConfig:
     http_max_connections: int = field(default=1024, metadata={
         "help": "open HTTP connections above this are answered 503 and closed"})
     http_header_timeout_s: float = field(default=10.0, metadata={
-        "help": "a request whose headers have not all arrived by then is answered 408 and closed"})
+        "help": "a request whose headers have not all arrived this long after its first byte is answered 408 "
+                "and closed (a new connection that sends nothing is closed after --http-keepalive-s)"})
     http_body_timeout_s: float = field(default=60.0, metadata={
         "help": "a request body not all received by then is answered 408"})
     http_keepalive_s: float = field(default=65.0, metadata={

@@ -9,8 +9,9 @@ Why it exists: the router faces clients it does not trust. Two layers:
   ``connection: close``, so the unread body is not waited for. Any exception a
   handler lets escape becomes a JSON 500, never uvicorn's plain text.
 * ``guarded_protocol`` (uvicorn's httptools protocol): a cap on open connections
-  (503 JSON, closed), a deadline for the request line and headers of each request
-  (408 JSON, closed: no half-sent request holds a connection forever) and a cap on
+  (503 JSON, closed), a deadline for the request line and headers of each request from
+  its first byte (408 JSON, closed: no half-sent request holds a connection forever; a
+  connection that sends nothing is closed after the idle kept-alive bound) and a cap on
   their size (431); bytes that are not HTTP get a JSON 400 too. The body's size and read time are bounded where it is read
   (``kvmesh.openai.requests.read_body``: 413 at the limit, chunked or not; 408).
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -101,8 +103,26 @@ def _raw_response(status: int, reason: str, body: bytes) -> bytes:
             f"connection: close\r\n\r\n").encode() + body
 
 
-def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int) -> type:
-    """uvicorn's httptools protocol with a connection cap, a header deadline and a header size cap."""
+_refusals: dict[str, Any] = {"next": 0.0, "count": 0}
+
+
+def _log_refusal(outcome: str, client: Any) -> None:
+    """Log refused requests (at most one line per 5 s, with the count since the last): a
+    client that lost requests to the router must find them in its log, and a flood must not
+    flood it."""
+    _refusals["count"] += 1
+    now = time.monotonic()
+    if now >= _refusals["next"]:
+        log.warning("HTTP request refused", extra={"outcome": outcome, "client": client,
+                                                   "refused_since_last_line": _refusals["count"]})
+        _refusals["next"], _refusals["count"] = now + 5.0, 0
+
+
+def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_bytes: int,
+                     idle_timeout_s: float = 65.0) -> type:
+    """uvicorn's httptools protocol with a connection cap, a header deadline (from the request's
+    first byte), a bound on a new connection that sends nothing (``idle_timeout_s``, the
+    kept-alive bound) and a header size cap."""
 
     class GuardedHttpTools(HttpToolsProtocol):
         def connection_made(self, transport: Any) -> None:  # type: ignore[override]
@@ -115,12 +135,17 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
                 self._refuse(503, "Service Unavailable",
                              f"too many open connections (over {max_connections}); retry later")
                 return
-            self._arm()
+            # Nothing sent yet: an idle connection, bounded like an idle kept-alive one. The
+            # header deadline starts at the request's first byte (on_message_begin). Counted
+            # from the accept, it charged the client's own delay before sending: a soak client
+            # starved of CPU connected, sent 10 s later, and lost its request (408, then a reset
+            # as it wrote: ReadError, errno 32, at the client).
+            self._arm(idle_timeout_s, self._idle_timeout)
 
-        def _arm(self) -> None:
+        def _arm(self, delay_s: float, fn: Any) -> None:
             self._disarm()
-            if header_timeout_s > 0:
-                self._hdr_timer = self.loop.call_later(header_timeout_s, self._header_timeout)
+            if delay_s > 0:
+                self._hdr_timer = self.loop.call_later(delay_s, fn)
 
         def _disarm(self) -> None:
             if self._hdr_timer is not None:
@@ -138,7 +163,13 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             self._hdr_timer = None
             if self._in_headers and not self.transport.is_closing():
                 metrics.REQUESTS.labels(api="http", outcome="header_timeout").inc()
+                _log_refusal("header_timeout", self.client)
                 self._refuse(408, "Request Timeout", f"request headers not received within {header_timeout_s:g} s")
+
+        def _idle_timeout(self) -> None:
+            self._hdr_timer = None
+            if self._in_headers and self._hdr_bytes == 0 and not self.transport.is_closing():
+                self.transport.close()   # as uvicorn closes an idle kept-alive connection
 
         def data_received(self, data: bytes) -> None:
             if self._in_headers:
@@ -157,7 +188,8 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             if not self._in_headers:   # the next request on a kept-alive connection
                 self._in_headers = True
                 self._hdr_bytes = 0
-                self._arm()
+            # The request's first byte is in: its headers have header_timeout_s from now.
+            self._arm(header_timeout_s, self._header_timeout)
 
         def on_header(self, name: bytes, value: bytes) -> None:
             self._hdr_size = getattr(self, "_hdr_size", 0) + len(name) + len(value)

@@ -134,7 +134,8 @@ async def serve(cfg: RouterConfig) -> int:
     http_server = None
     http_task = None
     if cfg.http_port:
-        protocol = guarded_protocol(cfg.http_max_connections, cfg.http_header_timeout_s, cfg.http_max_header_bytes)
+        protocol = guarded_protocol(cfg.http_max_connections, cfg.http_header_timeout_s, cfg.http_max_header_bytes,
+                                    cfg.http_keepalive_s)
         https: dict[str, Any] = {}
         if http_tls_enabled(cfg.http_tls, cfg.tls):
             if not cfg.tls.enabled():
