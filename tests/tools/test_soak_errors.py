@@ -126,6 +126,8 @@ async def test_a_reset_mid_stream_says_how_far_the_body_got() -> None:
     d = out.error_detail
     assert d is not None and d["type"] == "ReadError" and d["errno"] == errno.ECONNRESET, out
     assert d["phase"] == "read_body" and d["new_connection"] is True and d["sse_events"] == 1 and d["tokens"] == 1, d
+    # ... and when each phase began, the body's first among the last.
+    assert list(d["timeline"])[0] == "connect" and d["timeline"]["read_body"] >= d["timeline"]["connect"], d
 
 
 async def test_requests_in_flight_when_the_time_is_up_are_waited_for(tmp_path: Path) -> None:

@@ -42,6 +42,8 @@ def exception_chain(exc: BaseException, limit: int = 8) -> list[BaseException]:
     while cur is not None and id(cur) not in seen and len(out) < limit:
         seen.add(id(cur))
         out.append(cur)
+        # The context too, even where a library raised ``from None``: httpcore and anyio keep the
+        # OS error only there (an IndexError there means anyio found the stream closed).
         cur = cur.__cause__ if cur.__cause__ is not None else cur.__context__
     return out
 

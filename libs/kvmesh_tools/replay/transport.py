@@ -107,7 +107,12 @@ class HttpTransport:
     def __init__(self, base_url: str, model: str, timeout_s: float, api_key: str = "") -> None:
         self.base = base_url.rstrip("/")
         self.model = model
-        self.client = httpx.AsyncClient(timeout=timeout_s, limits=httpx.Limits(max_connections=1024),
+        # Idle connections are reused for 30 s (httpx: 5 s), well inside the router's 65 s. A client
+        # short of CPU can take seconds between taking a pooled connection and sending on it;
+        # with 5 s the pool's expiry closed connections under such requests (ReadError <-
+        # ClosedResourceError: the client's own close, in a 200-session soak at load ~10).
+        self.client = httpx.AsyncClient(timeout=timeout_s,
+                                        limits=httpx.Limits(max_connections=1024, keepalive_expiry=30.0),
                                         headers={"authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def models(self) -> list[str]:
@@ -125,12 +130,15 @@ class HttpTransport:
         # Where the request is, from httpcore's trace events: a failure then says whether it
         # died connecting, sending, waiting for the response's headers or reading its body, and
         # whether the connection was a reused keep-alive one (no connect event).
-        where = {"phase": "pool", "new_connection": False, "status": None, "events": 0}
+        where: dict = {"phase": "pool", "new_connection": False, "status": None, "events": 0, "timeline": {}}
 
         async def trace(event: str, info: dict) -> None:
             phase = phase_of(event)
             if phase is not None:
                 where["phase"] = phase
+                # When each phase began (s after the call): a slow client, a slow connect and
+                # a slow server answer look alike in the phase alone.
+                where["timeline"].setdefault(phase, round(time.monotonic() - out.sent, 3))
                 if phase == "connect":
                     where["new_connection"] = True
 
@@ -183,6 +191,7 @@ class HttpTransport:
             out.error = summary(exc)
             out.error_detail = {**describe_error(exc), "phase": where["phase"],
                                 "new_connection": where["new_connection"], "status": where["status"],
+                                "timeline": where["timeline"],
                                 "sse_events": where["events"], "tokens": out.output_tokens,
                                 "elapsed_s": round(time.monotonic() - out.sent, 3)}
         if out.finish is None and not out.error:
