@@ -70,7 +70,9 @@ def check_dests(sizes: list[int], dests: Sequence[object]) -> list[memoryview]:
 # Blocks are copied in pieces this big. Verifying while copying checksums each piece right after
 # it is copied, while it is still in the core's cache, so verification adds no second trip to
 # memory; and on the hosts measured (docs/bench-history.md) glibc copies 512 KiB pieces faster
-# than whole 2 MiB blocks or smaller pieces, so unverified copies use the same pieces.
+# than whole 2 MiB blocks or smaller pieces, so unverified copies use the same pieces -- provided
+# glibc does not copy them with `rep movsb` (on AMD it does for 8 KiB .. L2 size, about half as
+# fast here): run with glibc.cpu.x86_rep_movsb_threshold=0x200000 (docs/offload.md).
 VERIFY_CHUNK_BYTES = 512 * 1024
 
 # Threads that copy (and checksum) one get's or one put's blocks, each its own share of them. One
