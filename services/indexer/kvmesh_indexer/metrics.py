@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -152,16 +153,43 @@ class InstrumentedIndex(BlockIndex):
                include_speculative: bool = False, exclude: Iterable[str] | None = None,
                extra_models: Sequence[str] = ()) -> LookupResult:
         t0 = time.perf_counter()
-        with _tracer.start_as_current_span("index.lookup", attributes={
-                "kvmesh.backend": self.name, "kvmesh.model": model, "kvmesh.chain_length": len(keys)}) as span:
+        with self._lookup_span(model, keys) as span:
             try:
                 res = self.inner.lookup(model, keys, endpoint_filter, include_speculative, exclude, extra_models)
             except Exception:
-                if self.metrics:
-                    self.metrics.lookup_errors.labels(self.name).inc()
+                self._lookup_failed()
                 raise
-            span.set_attribute("kvmesh.best_combined", res.best_combined())
-            span.set_attribute("kvmesh.endpoints_matched", len(res.matches))
+            return self._looked_up(span, res, t0)
+
+    @property
+    def native_async(self) -> bool:
+        """The backend answers ``lookup_async`` on the event loop (no thread)."""
+        return bool(getattr(self.inner, "native_async", False))
+
+    async def lookup_async(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
+                           include_speculative: bool = False, exclude: Iterable[str] | None = None,
+                           extra_models: Sequence[str] = ()) -> LookupResult:
+        t0 = time.perf_counter()
+        with self._lookup_span(model, keys) as span:
+            try:
+                res = await self.inner.lookup_async(  # type: ignore[attr-defined]
+                    model, keys, endpoint_filter, include_speculative, exclude, extra_models)
+            except Exception:
+                self._lookup_failed()
+                raise
+            return self._looked_up(span, res, t0)
+
+    def _lookup_span(self, model: str, keys: Sequence[int]) -> Any:
+        return _tracer.start_as_current_span("index.lookup", attributes={
+            "kvmesh.backend": self.name, "kvmesh.model": model, "kvmesh.chain_length": len(keys)})
+
+    def _lookup_failed(self) -> None:
+        if self.metrics:
+            self.metrics.lookup_errors.labels(self.name).inc()
+
+    def _looked_up(self, span: Any, res: LookupResult, t0: float) -> LookupResult:
+        span.set_attribute("kvmesh.best_combined", res.best_combined())
+        span.set_attribute("kvmesh.endpoints_matched", len(res.matches))
         if self.metrics:
             self.metrics.lookup_seconds.labels(self.name).observe(time.perf_counter() - t0)
             shards = getattr(self.inner, "last_lookup_shards", 0)

@@ -111,6 +111,21 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
             raise _Abort(grpc.StatusCode.UNAVAILABLE,
                          f"index backend did not answer within {limit:.3f}s") from None
 
+    async def _backend_async(self, context: grpc.aio.ServicerContext | None, work: Awaitable[T]) -> T:
+        """``_backend`` for a backend call that runs on the event loop (``lookup_async``)."""
+        limit = self.cfg.lookup_timeout_s
+        if context is not None:
+            remaining = context.time_remaining()
+            if remaining is not None:
+                limit = max(0.001, min(limit, remaining - 0.01))
+        try:
+            return await asyncio.wait_for(work, timeout=limit)
+        except IndexUnavailable as exc:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"index backend unavailable: {exc}") from exc
+        except TimeoutError:
+            raise _Abort(grpc.StatusCode.UNAVAILABLE,
+                         f"index backend did not answer within {limit:.3f}s") from None
+
     async def _guard(self, context: grpc.aio.ServicerContext, coro: Awaitable[T]) -> T:
         try:
             return await coro
@@ -244,7 +259,11 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                     if st.model == model:
                         applied[eid] = 0 if st.last_seq is None else min(st.last_seq + 1, _MAX_U64)
             res = LookupResult(chain_length=len(keys))
-            if keys:
+            if keys and getattr(self.index, "native_async", False):
+                # On this loop (an asyncio Redis client): no hop to a lookup thread and back.
+                res = await self._backend_async(context, self.index.lookup_async(  # type: ignore[attr-defined]
+                    model, keys, filt, request.include_speculative, exclude, self._extra_models(model)))
+            elif keys:
                 res = await self._backend(context, self._lookup_all, model, keys, filt,
                                           request.include_speculative, exclude, pool=self._lookup_pool)
             resp = indexer_pb2.LookupResponse(chain_length=len(keys), block_size=spec.block_size if spec else 0)
@@ -281,7 +300,10 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
                     exclude: set[str]) -> LookupResult:
         # Offload stores that serve every model announce blocks under a shared
         # model name; their entries answer every model's lookup, in the same call.
-        return self.index.lookup(model, keys, filt, spec, exclude, sorted(self.store_models - {model}))
+        return self.index.lookup(model, keys, filt, spec, exclude, self._extra_models(model))
+
+    def _extra_models(self, model: str) -> list[str]:
+        return sorted(self.store_models - {model})
 
     # ---- PutSpeculative -------------------------------------------------------------------
     async def PutSpeculative(self, request: indexer_pb2.PutSpeculativeRequest, context: grpc.aio.ServicerContext

@@ -423,3 +423,47 @@ def test_redis_reads_speculative_entries_of_the_previous_form(kind: str, request
     assert {e: m.speculative for e, m in idx.lookup(M, c, ["new", "old"], True).matches.items()} == \
         {"old": 50, "new": 70}
     idx.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_redis_lookup_async_answers_as_lookup(any_index, seed: int) -> None:
+    """The servicer's loop-side lookup (an asyncio client, no thread) gives the thread path's answer:
+    holders per tier, speculative entries, filters and the store's extra model, over random chains."""
+    import asyncio
+    import random
+
+    if not getattr(any_index, "native_async", False):
+        pytest.skip("the backend has no loop-side lookup")
+    rng = random.Random(seed)
+    trees = _chain_tree(rng, 3, 6, 300)
+    eps = ["a", "b", "c"]
+    for ch in trees:
+        for ep in rng.sample(eps, 2):
+            any_index.add(M, ep, rng.choice([Tier.GPU, Tier.CPU]), ch[:rng.randrange(1, len(ch))], [(0, None)])
+        any_index.put_speculative(M, rng.choice(eps), ch[:rng.randrange(1, len(ch))], 60)
+        any_index.add("store", "s", Tier.CPU, ch[:rng.randrange(1, len(ch))], [(0, None)])
+
+    def view(res):  # noqa: ANN001, ANN202
+        return {e: (m.tiers, m.combined, m.speculative) for e, m in res.matches.items()}
+
+    async def both() -> None:
+        for ch in trees:
+            for filt, excl in ((None, ()), (["a", "b"], ()), (None, ["c"])):
+                want = any_index.lookup(M, ch, filt, True, excl, ["store"])
+                got = await any_index.lookup_async(M, ch, filt, True, excl, ["store"])
+                assert view(got) == view(want) and want.matches
+
+    asyncio.run(both())
+    asyncio.run(both())   # a new loop gets a client of its own
+
+
+def test_redis_lookup_async_down_raises_unavailable() -> None:
+    import asyncio
+
+    from kvmesh.index.base import IndexUnavailable
+    from kvmesh_indexer.redis_backend import RedisIndex
+    from kvmesh_tools.testing.ports import free_port
+
+    idx = RedisIndex(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.2)
+    with pytest.raises(IndexUnavailable):
+        asyncio.run(idx.lookup_async(M, [1, 2, 3]))

@@ -509,7 +509,20 @@ async def test_applied_batches_never_count_a_batch_the_answer_missed(start_index
         assert release.wait(20), "the test never released the lookup"
         return got
 
+    real_async = getattr(index, "lookup_async", None)
+
+    async def held_lookup_async(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - the loop-side path
+        got = await real_async(*args, **kwargs)
+        read.set()
+        for _ in range(2000):
+            if release.is_set():
+                return got
+            await asyncio.sleep(0.01)
+        raise AssertionError("the test never released the lookup")
+
     index.lookup = held_lookup
+    if real_async is not None:
+        index.lookup_async = held_lookup_async
     try:
         call = asyncio.ensure_future(ix.stub.Lookup(chain_req(keys, include_applied=True), timeout=25))
         await wait_until(read.is_set, timeout_s=20, what="the lookup read the index")
@@ -520,6 +533,8 @@ async def test_applied_batches_never_count_a_batch_the_answer_missed(start_index
     finally:
         release.set()
         index.lookup = real_lookup
+        if real_async is not None:
+            index.lookup_async = real_async
     assert match_of(resp, "e0").combined_blocks == 4       # the state it read: batch 0 only
     assert resp.applied_batches["e0"] == 1                  # so it rests on one batch, not two
     after = await ix.stub.Lookup(chain_req(keys, include_applied=True), timeout=5)
