@@ -410,6 +410,7 @@ class RedisIndex(RedisIndexBase):
         # when this index made its own client; a client passed in is used as it is, from a thread.
         self.native_async = client is None
         self._aclient: tuple[asyncio.AbstractEventLoop, Any, Any] | None = None   # (loop, client, script)
+        self._closing: asyncio.Task | None = None
 
     # ---- updates -------------------------------------------------------------------
     def layout_value(self) -> str:
@@ -512,6 +513,17 @@ class RedisIndex(RedisIndexBase):
                      extra_models: Sequence[str]) -> list[Any]:
         return [self.namespace, model, "1" if include_speculative else "0", self.probe_stride,
                 *filter_args(endpoint_filter, exclude), pack_keys(keys), *[m for m in extra_models if m != model]]
+
+    def close(self) -> None:
+        super().close()
+        ac, self._aclient = self._aclient, None
+        if ac is not None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:
+                return   # no loop now: the process is ending and its sockets with it
+            if loop is ac[0]:
+                self._closing = loop.create_task(ac[1].aclose())   # kept so it is not collected
 
     # ---- introspection ---------------------------------------------------------------
     def endpoint_blocks(self, endpoint: str) -> int:

@@ -452,6 +452,8 @@ def test_redis_lookup_async_answers_as_lookup(any_index, seed: int) -> None:
                 want = any_index.lookup(M, ch, filt, True, excl, ["store"])
                 got = await any_index.lookup_async(M, ch, filt, True, excl, ["store"])
                 assert view(got) == view(want) and want.matches
+        any_index.close()   # closes this loop's asyncio client as a task of the loop
+        await any_index._closing
 
     asyncio.run(both())
     asyncio.run(both())   # a new loop gets a client of its own
