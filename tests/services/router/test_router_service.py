@@ -6,6 +6,7 @@ speculative entries); the indexer-backed variants are in test_router_indexer.py.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from collections.abc import Iterator
 
@@ -81,17 +82,24 @@ def test_session_turns_follow_their_prefix_and_predictions_are_exact(stack, poli
 
 def test_burst_of_sibling_requests_colocates(stack):
     shared = rand_tokens(1500, seed=77)
+    prefix = len(shared) // BLOCK * BLOCK
 
     def one(i: int) -> router_pb2.Final:
         return stack.generate(shared + rand_tokens(40, seed=1000 + i), max_tokens=2)[1]
 
     with concurrent.futures.ThreadPoolExecutor(8) as ex:
         finals = list(ex.map(one, range(8)))
-    eps = {f.routing.endpoint for f in finals}
-    # Each sibling's sibling-credited cost there is ~0.03-0.1 s against ~0.39 s to recompute the
-    # prefix elsewhere (far from the break-even). Should it ever split again, say why.
-    assert len(eps) == 1, [(f.routing.endpoint, f.routing.attempts, f.routing.split, f.routing.reason)
-                           for f in finals]
+    home = collections.Counter(f.routing.endpoint for f in finals).most_common(1)[0][0]
+    # Each sibling's sibling-credited cost at home is ~0.03-0.1 s against ~0.39 s to recompute the
+    # prefix elsewhere (far from the break-even), so none recomputes it elsewhere. Once the first
+    # sibling's prefill has saved the prefix to the store, a restore elsewhere costs about as
+    # much as waiting behind the siblings at home (under load, a late sibling was sent to an
+    # idle worker to restore it: 0.101 s): that is allowed, and must have restored all of it.
+    away = [f for f in finals if f.routing.endpoint != home]
+    assert all(f.routing.predicted_cached_tokens >= prefix and f.usage.cached_tokens >= prefix
+               for f in away), [(f.routing.endpoint, f.routing.predicted_cached_tokens, f.usage.cached_tokens,
+                                 f.routing.split, f.routing.reason) for f in finals]
+    assert len(away) <= len(finals) // 2
 
 
 def test_two_tenants_never_share_a_prefix_hit(stack):
