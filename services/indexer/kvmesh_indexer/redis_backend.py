@@ -71,7 +71,7 @@ from redis.asyncio.retry import Retry as AsyncRetry
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvmesh.index.base import TIERS, IndexStats, IndexUnavailable, LookupResult, Tier
+from kvmesh.index.base import TIERS, IndexStats, LookupResult, Tier
 from kvmesh_indexer.redis_common import (
     LUA_FILTER,
     LUA_LIB,
@@ -497,14 +497,8 @@ class RedisIndex(RedisIndexBase):
                 retry=AsyncRetry(NoBackoff(), 0), retry_on_timeout=False, health_check_interval=0)
             self._aclient = (loop, ac, ac.register_script(_LOOKUP))
         args = self._lookup_args(model, keys, endpoint_filter, include_speculative, exclude, extra_models)
-        try:
+        with self._redis_errors():
             tiers, combined, spec = await self._aclient[2](keys=[], args=args)
-        except self.UNAVAILABLE as exc:
-            raise IndexUnavailable(f"{self.label} {self._safe_url()} unavailable: {exc}") from exc
-        except redis.ResponseError as exc:
-            if any(s in str(exc) for s in self.NOT_READY):
-                raise IndexUnavailable(f"{self.label} {self._safe_url()} not ready: {exc}") from exc
-            raise
         return add_matches(result, zip(tiers[::2], tiers[1::2], strict=True),
                            zip(combined[::2], combined[1::2], strict=True), spec)
 

@@ -20,7 +20,8 @@ expect the including script to define what they name (``idx``; ``key(p)``, ``S``
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+import contextlib
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, ClassVar
 
 import redis
@@ -376,8 +377,14 @@ class RedisIndexBase(BlockIndex):
     _layout_checked: bool
 
     def _call(self, fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-        try:
+        with self._redis_errors():
             return fn(*args, **kw)
+
+    @contextlib.contextmanager
+    def _redis_errors(self) -> Iterator[None]:
+        """Redis errors meaning "cannot answer now" become IndexUnavailable (sync and asyncio calls)."""
+        try:
+            yield
         except self.UNAVAILABLE as exc:
             raise IndexUnavailable(f"{self.label} {self._safe_url()} unavailable: {exc}") from exc
         except redis.ResponseError as exc:

@@ -10,9 +10,10 @@ subscriptions.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -94,32 +95,35 @@ class IndexerServicer(indexer_pb2_grpc.IndexerServicer):
     async def _backend(self, context: grpc.aio.ServicerContext | None, fn: Callable[..., T], *args: Any,
                        timeout: float | None = None, pool: ThreadPoolExecutor | None = None) -> T:
         """Run a backend call within the deadline; UNAVAILABLE when it fails or is too slow."""
-        limit = timeout if timeout is not None else self.cfg.lookup_timeout_s
-        if context is not None:
-            remaining = context.time_remaining()
-            if remaining is not None:
-                limit = max(0.001, min(limit, remaining - 0.01))
-        try:
+        limit = self._limit(context, timeout)
+        with self._unavailable(limit):
             if self.index.blocking:
                 work = (asyncio.get_running_loop().run_in_executor(pool, fn, *args) if pool is not None
                         else asyncio.to_thread(fn, *args))
                 return await asyncio.wait_for(work, timeout=limit)
             return fn(*args)
-        except IndexUnavailable as exc:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE, f"index backend unavailable: {exc}") from exc
-        except TimeoutError:
-            raise _Abort(grpc.StatusCode.UNAVAILABLE,
-                         f"index backend did not answer within {limit:.3f}s") from None
 
     async def _backend_async(self, context: grpc.aio.ServicerContext | None, work: Awaitable[T]) -> T:
         """``_backend`` for a backend call that runs on the event loop (``lookup_async``)."""
-        limit = self.cfg.lookup_timeout_s
+        limit = self._limit(context, None)
+        with self._unavailable(limit):
+            return await asyncio.wait_for(work, timeout=limit)
+
+    def _limit(self, context: grpc.aio.ServicerContext | None, timeout: float | None) -> float:
+        """The backend's time: its own timeout (lookup's by default), within the caller's deadline."""
+        limit = timeout if timeout is not None else self.cfg.lookup_timeout_s
         if context is not None:
             remaining = context.time_remaining()
             if remaining is not None:
                 limit = max(0.001, min(limit, remaining - 0.01))
+        return limit
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _unavailable(limit: float) -> Iterator[None]:
+        """A backend that fails or misses ``limit`` is UNAVAILABLE to the caller."""
         try:
-            return await asyncio.wait_for(work, timeout=limit)
+            yield
         except IndexUnavailable as exc:
             raise _Abort(grpc.StatusCode.UNAVAILABLE, f"index backend unavailable: {exc}") from exc
         except TimeoutError:
