@@ -15,6 +15,7 @@ so a mismatch is rejected at start-up (``check_block_size``) and per event.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -76,6 +77,20 @@ def normalize_hash(h: int | bytes) -> int:
             raise KeyError_("empty block hash")
         return event_key(bytes(h))
     raise KeyError_(f"block hash of type {type(h).__name__}")
+
+
+def normalize_hashes(hashes: Sequence[int | bytes]) -> list[int]:
+    """``normalize_hash`` of every hash. A batch of plain uint64 ints (vLLM's default event form)
+    is checked in C (the types in one pass, the range by ``array('Q')``): hash by hash in Python it
+    was ingest's largest client-side share (~0.15 ms a 256-block batch). Anything else goes hash
+    by hash, with the same errors."""
+    if set(map(type, hashes)) == {int}:   # type, not isinstance: a bool is not a hash
+        try:
+            array("Q", hashes)
+            return list(hashes)
+        except OverflowError:
+            pass   # negative or wider than 64 bits: the slow path names it
+    return [normalize_hash(h) for h in hashes]
 
 
 def tag_extra_keys(untagged: Sequence[Any] | None, lora_name: str | None, first_block: bool,
@@ -140,7 +155,7 @@ class KeyMapper:
         if self.model.block_size and ev.block_size and ev.block_size != self.model.block_size:
             raise KeyError_(f"event block_size {ev.block_size} != model {self.model.name!r} block_size "
                             f"{self.model.block_size}")
-        engine_keys = [normalize_hash(h) for h in ev.block_hashes]
+        engine_keys = normalize_hashes(ev.block_hashes)
         if self.fast:
             return engine_keys
         assert self._hasher is not None
@@ -194,7 +209,7 @@ class KeyMapper:
 
     def removed_keys(self, hashes: Sequence[int | bytes]) -> tuple[list[int], int]:
         """(kvmesh keys, count of unknown hashes) for a ``BlockRemoved``."""
-        keys = [normalize_hash(h) for h in hashes]
+        keys = normalize_hashes(hashes)
         if self.fast:
             return keys, 0
         out: list[int] = []

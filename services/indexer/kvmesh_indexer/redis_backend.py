@@ -100,8 +100,8 @@ local function rparse(v)
   return string.sub(v, 2, 9), tonumber(string.sub(v, 10))
 end
 local function rval(par, n)
-  if par == nil then return 'r' .. n end
-  return 'p' .. par .. n
+  if not par then return 'r' .. numstr(n) end
+  return 'p' .. par .. numstr(n)
 end
 """
 
@@ -119,27 +119,29 @@ local hkey = pre .. 'h'
 local ks = keys_of(blob)
 local have = hmget_all(rkey, ks)
 local dirty = nst == 0
-local newk, node, ext = {}, {}, {}
+-- nch[k]: children of new key k in this batch (nil: k is not new); npar[k]: its parent or false
+-- (parallel tables: a table per key cost more than the work)
+local newk, npar, nch, ext = {}, {}, {}, {}
 local prev = nil
 for i = 1, #ks do
   local k = ks[i]
   local par = starts[i - 1]
   if par == nil then par = prev elseif par == '' then par = false end
   prev = k
-  if not have[i] and node[k] == nil then
+  if not have[i] and nch[k] == nil then
     newk[#newk + 1] = k
-    node[k] = {par, 0}
+    npar[k] = par or false
+    nch[k] = 0
     if par == nil then dirty = true
     elseif par then
-      if node[par] then node[par][2] = node[par][2] + 1 else ext[par] = (ext[par] or 0) + 1 end
+      if nch[par] then nch[par] = nch[par] + 1 else ext[par] = (ext[par] or 0) + 1 end
     end
   end
 end
 local out = {}
 for _, k in ipairs(newk) do
-  local nd = node[k]
   out[#out + 1] = k
-  out[#out + 1] = rval(nd[1] or nil, nd[2])
+  out[#out + 1] = rval(npar[k], nch[k])
 end
 local pk = {}
 for p, _ in pairs(ext) do pk[#pk + 1] = p end
@@ -156,15 +158,7 @@ if #pk > 0 then
   end
 end
 hset_all(rkey, out)
-if #newk > 0 then
-  local hv = hmget_all(hkey, newk)
-  local hout = {}
-  for j, k in ipairs(newk) do
-    hout[#hout + 1] = k
-    hout[#hout + 1] = (hv[j] or ';') .. field
-  end
-  hset_all(hkey, hout)
-end
+if #newk > 0 then hold_all(hkey, newk, field) end
 if dirty then redis.call('SADD', pre .. 'dirty', ep) end
 redis.call('SADD', ns .. ':eps:' .. ep, rkey)
 redis.call('SADD', ns .. ':endpoints', ep)

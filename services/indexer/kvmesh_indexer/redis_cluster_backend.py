@@ -97,8 +97,8 @@ local function rparse(v)
   return tag, par, tonumber(string.sub(rest, 1, c - 1)), tonumber(string.sub(rest, c + 1))
 end
 local function rval(tag, par, d, n)
-  if par then return tag .. 'p' .. par .. d .. ',' .. n end
-  return tag .. 'r' .. d .. ',' .. n
+  if par then return tag .. 'p' .. par .. numstr(d) .. ',' .. numstr(n) end
+  return tag .. 'r' .. numstr(d) .. ',' .. numstr(n)
 end
 """
 
@@ -130,9 +130,11 @@ for j = 4, #KEYS do
   end
 end
 for i = 1, n do if other[ks[i]] == nil then other[ks[i]] = false end end
-local info = {}
+-- tag and depth of keys met so far (parallel tables: a table per key cost more than the work)
+local itag, idep = {}, {}
 local function meta(k)
-  if info[k] then return info[k] end
+  local t = itag[k]
+  if t then return t, idep[k] end
   local v = held_here(k) or other[k]
   if v == nil then   -- not in the batch: a parent, looked up on its own
     for j = 4, #KEYS do
@@ -140,13 +142,14 @@ local function meta(k)
     end
   end
   if v then
-    local t, _, d = rparse(v)
-    info[k] = {t, d}
-    return info[k]
+    local tg, _, d = rparse(v)
+    itag[k] = tg; idep[k] = d
+    return tg, d
   end
   return nil
 end
-local orphans, new, order, ext, dirty = 0, {}, {}, {}, {}
+-- nch[k]: children of new key k in this batch (nil: k is not new); nsp[k]: its same-tier parent or false
+local orphans, order, nsp, nch, ext, dirty = 0, {}, {}, {}, {}, {}
 local prev = nil
 for i = 1, n do
   local k = ks[i]
@@ -155,38 +158,34 @@ for i = 1, n do
   prev = k
   if have[i] then
     meta(k)
-  elseif new[k] == nil then
-    local m = meta(k)
-    local tag, d
-    if m then
-      tag, d = m[1], m[2]
-    else
-      local pm = nil
-      if par then pm = meta(par) end
-      if not pm then
+  elseif nch[k] == nil then
+    local tag, d = meta(k)
+    if not tag then
+      local pt, pd = nil, nil
+      if par then pt, pd = meta(par) end
+      if not pt then
         if par ~= false then orphans = orphans + 1 end
         tag, d = k, 0
-      elseif pm[2] < D - 1 then tag, d = pm[1], pm[2] + 1
-      elseif pm[2] == D - 1 then tag, d = k, D
-      else tag, d = pm[1], D + 1 end   -- past the anchor; depth capped at D + 1
-      info[k] = {tag, d}
+      elseif pd < D - 1 then tag, d = pt, pd + 1
+      elseif pd == D - 1 then tag, d = k, D
+      else tag, d = pt, D + 1 end   -- past the anchor; depth capped at D + 1
+      itag[k] = tag; idep[k] = d
     end
-    local sp = nil
+    local sp = false
     if par and d > 0 then
-      if new[par] then sp = par; new[par][4] = new[par][4] + 1
+      if nch[par] then sp = par; nch[par] = nch[par] + 1
       elseif held_here(par) then sp = par; ext[par] = (ext[par] or 0) + 1 end
     end
     -- a run inside this tag that may have a hole: lookups walk this endpoint block by block there
     if not sp and d > 0 and d ~= D then dirty[tag] = true end
-    new[k] = {tag, sp, d, 0}
+    nsp[k] = sp; nch[k] = 0
     order[#order + 1] = k
   end
 end
 local kv = {}
 for _, k in ipairs(order) do
-  local nd = new[k]
   kv[#kv + 1] = k
-  kv[#kv + 1] = rval(nd[1], nd[2], nd[3], nd[4])
+  kv[#kv + 1] = rval(itag[k], nsp[k], idep[k], nch[k])
 end
 for p, c in pairs(ext) do
   local t, pp, d, nc = rparse(here[p])
@@ -200,34 +199,24 @@ for t, _ in pairs(dirty) do out[#out + 1] = t; out[4] = out[4] + 1 end
 -- grouped by tag (a reply of two strings per key costs the client more than the work here)
 local groups, tags = {}, {}
 for _, k in ipairs(order) do
-  local t = new[k][1]
-  if not groups[t] then groups[t] = {}; tags[#tags + 1] = t end
-  groups[t][#groups[t] + 1] = k
+  local t = itag[k]
+  local g = groups[t]
+  if not g then g = {}; groups[t] = g; tags[#tags + 1] = t end
+  g[#g + 1] = k
 end
 for _, t in ipairs(tags) do
   out[#out + 1] = t
-  out[#out + 1] = table.concat(groups[t])
+  if #tags == 1 and #order == n then out[#out + 1] = blob   -- the whole batch, new, under one tag
+  else out[#out + 1] = table.concat(groups[t]) end
 end
 return out
 """
 
 # KEYS: holder hash, dirty set of that tag. ARGV: field, blob of keys, endpoint, mark dirty ('1'|'0').
 _HOLD_ADD = _LIB + """
-local field, blob = ARGV[1], ARGV[2]
-local ks = keys_of(blob)
-local n = #ks
-local vs = hmget_all(KEYS[1], ks)
-local kv = {}
-for i = 1, n do
-  local v = vs[i] or ';'
-  if not string.find(v, ';' .. field, 1, true) then
-    kv[#kv + 1] = ks[i]
-    kv[#kv + 1] = v .. field
-  end
-end
-hset_all(KEYS[1], kv)
+local added = hold_all(KEYS[1], keys_of(ARGV[2]), ARGV[1])
 if ARGV[4] == '1' then redis.call('SADD', KEYS[2], ARGV[3]) end
-return #kv / 2
+return #added
 """
 
 # KEYS: holder hash, dirty set of that tag. ARGV: field, blob, endpoint, dirty op ('+' mark, '-' unmark, '').

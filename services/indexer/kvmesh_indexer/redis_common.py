@@ -6,7 +6,8 @@ layout live here once, so a fix to the lookup's probing or to error mapping reac
 
 - ``LUA_LIB``: chunked HMGET/HSET (Lua's ``unpack`` has a stack limit), ``keys_of`` (a
   blob of 8-byte keys as a table), ``unlink`` (drop one holder from a block's holder list,
-  the key with it when none is left) and ``now_ms`` (the server's clock).
+  the key with it when none is left), ``numstr`` (memoized number to string), ``now_ms``
+  (the server's clock) and ``hold_all`` (append one holder field to many blocks).
 - ``LUA_FILTER``: the lookup's endpoint filter (allow list, deny list) read from ``ARGV``
   from position ``idx`` on, and ``allowed(ep)``.
 - ``LUA_PROBE``: ``probe(hkey, cand)``, the prefix-closed walk: holder fields in ``cand``
@@ -56,6 +57,38 @@ local function unlink(hkey, k, field)
   local rest = string.sub(v, 1, s) .. string.sub(v, e + 1)
   if rest == ';' then redis.call('HDEL', hkey, k) else redis.call('HSET', hkey, k, rest) end
   return 1
+end
+-- Numbers as strings, memoized: depths and child counts repeat, and Lua's number to string
+-- conversion (a sprintf) was a visible share of an add's per-block work.
+local NUMS = {}
+local function numstr(x)
+  local s = NUMS[x]
+  if s == nil then s = tostring(x); NUMS[x] = s end
+  return s
+end
+-- Appends ``field`` to the holders of every key in ``ks`` that lacks it (HMGET, then one HSET of
+-- the changed fields). Blocks of a chain mostly share one holder value (Lua interns strings, so
+-- equal values are one table key), so each distinct value is searched and extended once.
+-- Returns the keys that were changed, in order.
+local function hold_all(hkey, ks, field)
+  local needle = ';' .. field
+  local vs = hmget_all(hkey, ks)
+  local kv, memo, added = {}, {}, {}
+  for i = 1, #ks do
+    local v = vs[i] or ';'
+    local nv = memo[v]
+    if nv == nil then
+      if string.find(v, needle, 1, true) then nv = false else nv = v .. field end
+      memo[v] = nv
+    end
+    if nv then
+      kv[#kv + 1] = ks[i]
+      kv[#kv + 1] = nv
+      added[#added + 1] = ks[i]
+    end
+  end
+  hset_all(hkey, kv)
+  return added
 end
 local function now_ms()
   local t = redis.call('TIME')
