@@ -84,6 +84,7 @@ from kvmesh_indexer.redis_common import (
     add_matches,
     filter_args,
     pack_keys,
+    pairs_of,
     starts_args,
 )
 
@@ -345,7 +346,8 @@ if spec then
     end)
   end
 end
-return {out_t, out_e, out_s}
+-- runs joined into one string each (``redis_common.pairs_of``)
+return {table.concat(out_t, ';'), table.concat(out_e, ';'), out_s}
 """
 
 # ARGV: ns, model, endpoint, ttl_ms, blob (a chain from its first block); see redis_common.LUA_PUT_SPEC.
@@ -473,8 +475,7 @@ class RedisIndex(RedisIndexBase):
             return result
         tiers, combined, spec = self._call(self._lookup, [], self._lookup_args(
             model, keys, endpoint_filter, include_speculative, exclude, extra_models))
-        return add_matches(result, zip(tiers[::2], tiers[1::2], strict=True),
-                           zip(combined[::2], combined[1::2], strict=True), spec)
+        return add_matches(result, pairs_of(tiers), pairs_of(combined), spec)
 
     async def lookup_async(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
                            include_speculative: bool = False, exclude: Iterable[str] | None = None,
@@ -493,8 +494,7 @@ class RedisIndex(RedisIndexBase):
         args = self._lookup_args(model, keys, endpoint_filter, include_speculative, exclude, extra_models)
         with self._redis_errors():
             tiers, combined, spec = await self._aclient[2](keys=[], args=args)
-        return add_matches(result, zip(tiers[::2], tiers[1::2], strict=True),
-                           zip(combined[::2], combined[1::2], strict=True), spec)
+        return add_matches(result, pairs_of(tiers), pairs_of(combined), spec)
 
     def _lookup_args(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None,
                      include_speculative: bool, exclude: Iterable[str] | None,

@@ -77,6 +77,7 @@ from kvmesh_indexer.redis_common import (
     add_matches,
     filter_args,
     pack_keys,
+    pairs_of,
     starts_args,
 )
 
@@ -274,8 +275,9 @@ return n
 # Endpoints not in the tag's dirty set hold, within this tag, no block without its same-tier parent,
 # so "holds block i" flips from true to false once along the range: read every stride-th block, then
 # the one gap where each run ends. Dirty endpoints are walked block by block, parsing a value only
-# when it changes. Returns, per namespace, {runs (field, n ...)}, {combined (ep, n ...)} and the
-# state alive at the range end, then the speculative runs (ep, n, ttl_ms ...).
+# when it changes. Returns, per namespace, its runs "field;n;..." and combined runs "ep;n;..." (one
+# string each, ``redis_common.pairs_of``) and the state alive at the range end, then the
+# speculative runs (ep, n, ttl_ms ...).
 _WALK = LUA_LIB + """
 local blob, base, final, spec = ARGV[1], tonumber(ARGV[2]), ARGV[3] == '1', ARGV[4] == '1'
 local limit, S = tonumber(ARGV[5]), tonumber(ARGV[6])
@@ -395,7 +397,7 @@ for j = 1, nns do
   local t, e = {}, {}
   for f, n in pairs(run) do t[#t + 1] = f; t[#t + 1] = n end
   for ep, n in pairs(erun) do e[#e + 1] = ep; e[#e + 1] = n end
-  out_t[j], out_e[j] = t, e
+  out_t[j], out_e[j] = table.concat(t, ';'), table.concat(e, ';')   -- redis_common.pairs_of
 end
 if spec then
   out_s = spec_probe(KEYS[#KEYS - 1], nall)
@@ -704,8 +706,8 @@ class RedisClusterIndex(RedisIndexBase):
                 if not state:
                     continue
                 fields, _, eps = state.partition(b"@")
-                brun = dict(zip(out2[0][j][::2], out2[0][j][1::2], strict=True))
-                berun = dict(zip(out2[1][j][::2], out2[1][j][1::2], strict=True))
+                brun = dict(pairs_of(out2[0][j]))
+                berun = dict(pairs_of(out2[1][j]))
                 for f in fields.split(b";"):
                     if f:
                         runs[f] = max(runs.get(f, 0), int(brun.get(f, D)))
@@ -733,11 +735,11 @@ class RedisClusterIndex(RedisIndexBase):
     @staticmethod
     def _merge(out: list, runs: dict[bytes, int], combined: dict[bytes, int]) -> None:
         for t in out[0]:
-            for i in range(0, len(t), 2):
-                runs[t[i]] = max(runs.get(t[i], 0), int(t[i + 1]))
+            for f, n in pairs_of(t):
+                runs[f] = max(runs.get(f, 0), int(n))
         for e in out[1]:
-            for i in range(0, len(e), 2):
-                combined[e[i]] = max(combined.get(e[i], 0), int(e[i + 1]))
+            for ep, n in pairs_of(e):
+                combined[ep] = max(combined.get(ep, 0), int(n))
 
     # ---- introspection ---------------------------------------------------------------
     def endpoint_blocks(self, endpoint: str) -> int:

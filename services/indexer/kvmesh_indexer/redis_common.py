@@ -400,6 +400,17 @@ def filter_args(endpoint_filter: Iterable[str] | None, exclude: Iterable[str] | 
     return [len(allow), *allow, len(deny), *deny]
 
 
+def pairs_of(blob: bytes) -> list[tuple[bytes, bytes]]:
+    """A lookup script's ``name;n;name;n...`` answer as pairs. The scripts join their runs into one
+    string: a reply of two RESP elements per holder cost the client (pure-Python RESP parsing)
+    more than the lookup's Redis time. Holder fields and endpoint ids never contain ';' (holder
+    values are ';'-separated)."""
+    if not blob:
+        return []
+    parts = blob.split(b";")
+    return list(zip(parts[::2], parts[1::2], strict=True))
+
+
 def add_matches(result: LookupResult, runs: Iterable[tuple[bytes, Any]], combined: Iterable[tuple[bytes, Any]],
                 spec: Sequence[Any]) -> LookupResult:
     """Fill ``result`` from a lookup's answer: per-tier runs by holder field (``<endpoint>\\x1f<tier>``),
