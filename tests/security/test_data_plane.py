@@ -169,11 +169,11 @@ async def test_key_over_64_bits_and_huge_namespace_are_refused(offload_factory) 
 
 def test_copy_into_verifies_what_it_copied_piece_by_piece() -> None:
     """The fused copy+verify checks every piece of a multi-piece block, and the destination bytes."""
+    from kvmesh.kvstore.checksum import block_checksum
     from kvmesh.kvstore.client_messages import VERIFY_CHUNK_BYTES, copy_into
-    from kvmesh.kvstore.client_types import crc32c
 
     block = os.urandom(3 * VERIFY_CHUNK_BYTES + 123)
-    good = crc32c(block)
+    good = block_checksum(block)
     dest = bytearray(len(block))
     assert copy_into([memoryview(block)], [dest], [good], [7]) == 1 and bytes(dest) == block
     for where in (0, VERIFY_CHUNK_BYTES + 5, len(block) - 1):   # first, a middle and the last piece
@@ -189,22 +189,22 @@ def test_copy_into_verifies_what_it_copied_piece_by_piece() -> None:
 def test_copy_into_threads_verify_every_share(threads: int) -> None:
     """Blocks split over copy threads: every share is copied and verified, a bad block in any
     share is named, and the call returns only after every thread finished."""
+    from kvmesh.kvstore.checksum import block_checksum
     from kvmesh.kvstore.client_messages import PARALLEL_MIN_BYTES, VERIFY_CHUNK_BYTES, copy_into
-    from kvmesh.kvstore.client_types import crc32c
 
     size = VERIFY_CHUNK_BYTES + 4097
     n = PARALLEL_MIN_BYTES // size + 3
     blocks = [os.urandom(size) for _ in range(n)]
-    crcs = [crc32c(b) for b in blocks]
+    sums = [block_checksum(b) for b in blocks]
     keys = list(range(100, 100 + n))
     dests = [bytearray(size) for _ in range(n)]
-    assert copy_into([memoryview(b) for b in blocks], dests, crcs, keys, threads=threads) == n
+    assert copy_into([memoryview(b) for b in blocks], dests, sums, keys, threads=threads) == n
     assert [bytes(d) for d in dests] == blocks
     for bad_i in (0, n // 2, n - 1):   # in the caller's share, a middle one, the last thread's
         src = [bytearray(b) for b in blocks]
         src[bad_i][size // 2] ^= 0xFF
         with pytest.raises(OffloadError, match=f"block {keys[bad_i]}: checksum mismatch"):
-            copy_into([memoryview(b) for b in src], [bytearray(size) for _ in range(n)], crcs, keys,
+            copy_into([memoryview(b) for b in src], [bytearray(size) for _ in range(n)], sums, keys,
                       threads=threads)
     # Read-only sources (the store's slabs are mapped read-only) copy the same way.
     ro = [memoryview(bytes(b)) for b in blocks]
@@ -227,15 +227,15 @@ def test_copy_threads_work_in_a_forked_child() -> None:
     """A child forked after a threaded copy copies with threads of its own (no hang)."""
     import multiprocessing as mp
 
+    from kvmesh.kvstore.checksum import block_checksum
     from kvmesh.kvstore.client_messages import PARALLEL_MIN_BYTES, copy_into
-    from kvmesh.kvstore.client_types import crc32c
 
     blocks = [os.urandom(PARALLEL_MIN_BYTES // 2) for _ in range(4)]
-    crcs = [crc32c(b) for b in blocks]
-    assert copy_into([memoryview(b) for b in blocks], [bytearray(len(b)) for b in blocks], crcs, threads=2) == 4
+    sums = [block_checksum(b) for b in blocks]
+    assert copy_into([memoryview(b) for b in blocks], [bytearray(len(b)) for b in blocks], sums, threads=2) == 4
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    child = ctx.Process(target=_copy_in_child, args=(blocks, crcs, q))
+    child = ctx.Process(target=_copy_in_child, args=(blocks, sums, q))
     child.start()
     try:
         assert q.get(timeout=60) == 4
@@ -246,9 +246,39 @@ def test_copy_threads_work_in_a_forked_child() -> None:
     assert child.exitcode == 0
 
 
-def _copy_in_child(blocks: list[bytes], crcs: list[int], q: object) -> None:
+def _copy_in_child(blocks: list[bytes], sums: list[int], q: object) -> None:
     from kvmesh.kvstore.client_messages import copy_into
 
     dests = [bytearray(len(b)) for b in blocks]
-    n = copy_into([memoryview(b) for b in blocks], dests, crcs, threads=2)
+    n = copy_into([memoryview(b) for b in blocks], dests, sums, threads=2)
     q.put(n if [bytes(d) for d in dests] == blocks else -1)  # type: ignore[attr-defined]
+
+
+def test_piecewise_checksum_matches_whole_and_catches_any_flip() -> None:
+    """The copy loop's piecewise XXH3-64 (through ctypes, GIL released) equals the one-shot
+    checksum the store and the gRPC/bulk paths use, at any piece boundaries; its fallback
+    (the xxhash package's streaming object) gives the same digest."""
+    import numpy as np
+
+    from kvmesh.kvstore import checksum
+    from kvmesh.kvstore.checksum import PieceHasher, block_checksum
+
+    data = np.frombuffer(bytearray(os.urandom(1 << 20 | 77)), dtype=np.uint8)
+    view, addr = memoryview(data).cast("B"), int(data.ctypes.data)
+    whole = block_checksum(view)
+    assert whole == block_checksum(bytes(view))
+    assert checksum._XXH3 is not None   # the fast path is the one in use on the supported wheels
+    fallback = PieceHasher.__new__(PieceHasher)
+    fallback._state, fallback._py = None, None
+    fallback.reset()
+    for h in (PieceHasher(), fallback):
+        for piece in (512 * 1024, 4096, 1000):
+            h.reset()
+            for off in range(0, len(view), piece):
+                h.update(view[off:off + piece], addr + off)
+            assert h.digest() == whole
+    flipped = bytearray(view)
+    for where in (0, len(flipped) // 2, len(flipped) - 1):
+        flipped[where] ^= 1
+        assert block_checksum(flipped) != whole
+        flipped[where] ^= 1

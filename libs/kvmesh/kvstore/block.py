@@ -16,7 +16,7 @@ class StoredBlock:
 
     size: int
     data: object = None             # bytes, memoryview or an arena Slot (see buffer_of)
-    crc32c: int = 0
+    checksum: int = 0             # XXH3-64 of the bytes (kvstore.checksum)
     parent: int | None = None
     token_ids: tuple[int, ...] = ()
     block_size: int = 0

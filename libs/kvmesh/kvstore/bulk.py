@@ -14,7 +14,7 @@ import struct
 import threading
 from collections.abc import Sequence
 
-import crc32c
+from kvmesh.kvstore.checksum import block_checksum
 
 MAGIC = b"KVB2"
 REQUEST = struct.Struct("<4s16s")   # magic, 128-bit lease token
@@ -32,7 +32,7 @@ class BulkUnreachable(Exception):
 
 
 class BulkChecksumMismatch(Exception):
-    """A received block's CRC32C is not the one the store announced."""
+    """A received block's checksum (XXH3-64) is not the one the store announced."""
 
     def __init__(self, index: int) -> None:
         super().__init__(f"block {index}: checksum mismatch")
@@ -97,18 +97,18 @@ class BulkConnections:
                 sock.close()
 
     def receive(self, host: str, port: int, lease: bytes, dests: list[memoryview], timeout_s: float,
-                crcs: Sequence[int] | None = None) -> None:
+                checksums: Sequence[int] | None = None) -> None:
         """Blocking: read the leased blocks into ``dests`` over a (reused) connection, and check
-        them against ``crcs`` (0 = unknown) when given. Raises ``BulkUnreachable``,
+        them against ``checksums`` (0 = unknown) when given. Raises ``BulkUnreachable``,
         ``BulkLeaseExpired``, ``BulkChecksumMismatch``, or OSError when the transfer breaks."""
         try:
             sock = self.connect(host, port, timeout_s)
         except OSError as exc:
             raise BulkUnreachable(str(exc)) from exc
         self.transfer(sock, host, port, lease, dests, timeout_s)
-        if crcs is not None:
+        if checksums is not None:
             for i, d in enumerate(dests):
-                if crcs[i] and crc32c.crc32c(d) != crcs[i]:
+                if checksums[i] and block_checksum(d) != checksums[i]:
                     raise BulkChecksumMismatch(i)
 
     def close(self) -> None:

@@ -14,6 +14,7 @@ no I/O), ``client_core`` (every decision, as plans without I/O, and the spans),
 
 from __future__ import annotations
 
+from kvmesh.kvstore.checksum import block_checksum
 from kvmesh.kvstore.client_async import OffloadClient
 from kvmesh.kvstore.client_sync import SyncOffloadClient
 from kvmesh.kvstore.client_types import (
@@ -30,11 +31,10 @@ from kvmesh.kvstore.client_types import (
     StoreFull,
     StoreStats,
     StoreUnavailable,
-    crc32c,
 )
 
 __all__ = [
     "CHUNK_BYTES", "DEFAULT_TIMEOUT_S", "MAX_KEYS", "MAX_U64", "TIER_NAMES", "BlockLease", "BytesLike",
     "InvalidOffloadRequest", "OffloadClient", "OffloadError", "PutResult", "StoreFull", "StoreStats",
-    "StoreUnavailable", "SyncOffloadClient", "crc32c",
+    "StoreUnavailable", "SyncOffloadClient", "block_checksum",
 ]

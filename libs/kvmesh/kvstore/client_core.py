@@ -196,7 +196,7 @@ class ClientCore:
 
     ``use_shm``: True forces the shm path, False disables it, None = auto (loopback).
     ``use_bulk``: False disables the bulk path, None = use it when the store offers it.
-    ``verify_checksums``: check each block's CRC32C on the client. None (default) checks
+    ``verify_checksums``: check each block's checksum (XXH3-64) on the client. None (default) checks
     every block, same-host shm reads included (another process on the host could have
     written the shared memory), unless ``trust_local_store`` is set: then shm reads are
     trusted (the store verified them on Put and on every disk read). False checks none.
@@ -328,7 +328,7 @@ class ClientCore:
                     return len(got[0])
             lease = yield from self._fetch_keys(namespace, keys, span, verify_on_copy=True)
             return (yield from self._consume(
-                lease, lambda views: copy_into(views, dests, lease.unverified_crcs, keys, self.copy_threads), "copying"))
+                lease, lambda views: copy_into(views, dests, lease.unverified_checksums, keys, self.copy_threads), "copying"))
 
     def plan_release(self, lease_id: bytes) -> Plan[bool | None]:
         """End the store's lease: False if it had expired, None if the store did not answer."""
@@ -433,7 +433,7 @@ class ClientCore:
         """Path choice for a Get: shm, else bulk, else a gRPC stream.
 
         ``verify_on_copy``: the caller copies the blocks with ``copy_into``, which checks shm
-        blocks while copying (``lease.unverified_crcs``) instead of in a pass of its own here."""
+        blocks while copying (``lease.unverified_checksums``) instead of in a pass of its own here."""
         if self._shm:
             lease = yield from self._fetch_shm(namespace, keys, verify_on_copy)
             if lease is not None:
@@ -498,7 +498,8 @@ class ClientCore:
             return BlockLease([], [], True)
         lease = BlockLease(views, list(resp.tiers), True, lambda: self._pool.release(seg), resp.lease, self)
         if self.verify_shm and verify_on_copy:
-            lease.unverified_crcs = [resp.crc32c[i] if i < len(resp.crc32c) else 0 for i in range(len(views))]
+            lease.unverified_checksums = [resp.checksums[i] if i < len(resp.checksums) else 0
+                                          for i in range(len(views))]
         return lease
 
     def _bulk_get(self, namespace: str, keys: list[int], dests: Sequence[object] | None,
@@ -517,10 +518,10 @@ class ClientCore:
             yield from self.plan_release(resp.lease)
             raise
         assert self._bulk_host is not None
-        crcs = resp.crc32c if self.verify else None
+        sums = resp.checksums if self.verify else None
         try:
             yield Blocking(self._conns.receive, (self._bulk_host, resp.bulk_port, resp.lease, views,
-                                                 self.timeout_s, crcs))
+                                                 self.timeout_s, sums))
         except BulkUnreachable as exc:
             # Bulk off for good: end the unused lease and use gRPC streams.
             log.warning("offload bulk port unreachable, using gRPC streams",

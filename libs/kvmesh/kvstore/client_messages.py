@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvmesh.kvstore.checksum import PieceHasher, block_checksum
 from kvmesh.kvstore.client_types import (
     CHUNK_BYTES,
     MAX_KEYS,
@@ -25,8 +26,6 @@ from kvmesh.kvstore.client_types import (
     OffloadError,
     PutResult,
     StoreStats,
-    crc32c,
-    crc32c_update,
 )
 from kvmesh.kvstore.limits import MAX_U32, key_problem, namespace_problem, session_problem
 from kvmesh.kvstore.shm import SHM_DIR, Segment
@@ -78,7 +77,7 @@ VERIFY_CHUNK_BYTES = 512 * 1024
 # Threads that copy (and checksum) one get's or one put's blocks, each its own share of them. One
 # core's copy plus checksum is bound by that core's memory-level parallelism, not by the memory
 # bus, so a second core nearly doubles a big transfer; both the copy (ctypes.memmove) and the
-# checksum (crc32c above 32 KiB) release the GIL. 1 = the calling thread alone.
+# checksum (XXH3 through ctypes, kvstore.checksum) release the GIL. 1 = the calling thread alone.
 COPY_THREADS_ENV = "KVMESH_OFFLOAD_COPY_THREADS"
 DEFAULT_COPY_THREADS = 2
 # Transfers smaller than this are copied by the calling thread: a hand-off costs ~50 us.
@@ -117,18 +116,20 @@ def _address(buf: memoryview) -> int:
 
 def _copy_share(dsts: list[memoryview], srcs: list[memoryview], summed: Sequence[bool], sums: list[int],
                 lo: int, hi: int) -> None:
-    """Copy blocks ``lo:hi`` piece by piece; ``sums[i]`` = CRC32C of ``dsts[i]`` where ``summed[i]``."""
+    """Copy blocks ``lo:hi`` piece by piece; ``sums[i]`` = XXH3-64 of ``dsts[i]`` where ``summed[i]``."""
+    hasher = PieceHasher() if any(summed[lo:hi]) else None
     for i in range(lo, hi):
         d, v, want = dsts[i], srcs[i], summed[i]
         n = len(v)
         da, sa = _address(d), _address(v)
-        crc = 0
+        if want and hasher is not None:
+            hasher.reset()
         for off in range(0, n, VERIFY_CHUNK_BYTES):
             size = min(VERIFY_CHUNK_BYTES, n - off)
             ctypes.memmove(da + off, sa + off, size)
-            if want:
-                crc = crc32c_update(d[off:off + size], crc)
-        sums[i] = crc
+            if want and hasher is not None:
+                hasher.update(d[off:off + size], da + off)
+        sums[i] = hasher.digest() if want and hasher is not None else 0
 
 
 def share_threads(nbytes: int, nblocks: int, threads: int | None = None) -> int:
@@ -142,7 +143,7 @@ def copy_blocks(dsts: list[memoryview], srcs: list[memoryview], summed: Sequence
                 threads: int | None = None) -> list[int]:
     """Copy ``srcs[i]`` into ``dsts[i]`` (same lengths, checked by the caller) in 512 KiB pieces;
     where ``summed[i]``, checksum each piece of the *destination* right after copying it, while
-    it is in cache. Returns each destination's CRC32C (0 where not summed).
+    it is in cache. Returns each destination's XXH3-64 (0 where not summed).
 
     The one copy loop of the same-host paths: the get's copy into the caller's buffers and the
     put's copy into the store's slots (or the client's segment). The blocks are split over
@@ -168,18 +169,18 @@ def copy_blocks(dsts: list[memoryview], srcs: list[memoryview], summed: Sequence
     return sums
 
 
-def copy_into(views: list[memoryview], dests: Sequence[object], crcs: Sequence[int] | None = None,
+def copy_into(views: list[memoryview], dests: Sequence[object], checksums: Sequence[int] | None = None,
               keys: Sequence[int] | None = None, threads: int | None = None) -> int:
     """Copy each view into the matching caller buffer.
 
-    ``crcs`` (a CRC32C per block, 0 = unknown): verify each block as it is copied. The checksum
+    ``checksums`` (an XXH3-64 per block, 0 = unknown): verify each block as it is copied. The checksum
     is taken over the *destination* bytes, piece by piece right after copying them, so what the
     caller ends up with is what was verified even if the source (shared memory another process
     may write) changes meanwhile; a mismatch raises ``OffloadError``.
     ``threads``: copy threads (default ``copy_threads()``), see ``copy_blocks``.
     """
     dsts = check_dests([len(v) for v in views], dests)
-    wants = [(crcs[i] if crcs is not None and i < len(crcs) else 0) for i in range(len(views))]
+    wants = [(checksums[i] if checksums is not None and i < len(checksums) else 0) for i in range(len(views))]
     sums = copy_blocks(dsts, views, [w != 0 for w in wants], threads)
     for i, (want, got) in enumerate(zip(wants, sums, strict=True)):
         if want and got != want:
@@ -200,10 +201,10 @@ class PutPlan:
     total: int
 
     @functools.cached_property
-    def crcs(self) -> list[int]:
+    def checksums(self) -> list[int]:
         """Checksums of the source blocks (the gRPC stream and the Mooncake pool; the shm puts
         checksum what they wrote instead)."""
-        return [crc32c(d) for d in self.datas]
+        return [block_checksum(d) for d in self.datas]
 
 
 def plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids: Sequence[Sequence[int]] | None,
@@ -245,7 +246,7 @@ def put_stream(plan: PutPlan) -> Iterator[bytes]:
         for off in range(0, n, CHUNK_BYTES):
             end = min(off + CHUNK_BYTES, n)
             last = end == n
-            yield encode_put_chunk(key, mv[off:end], last, plan.crcs[i] if last else 0,
+            yield encode_put_chunk(key, mv[off:end], last, plan.checksums[i] if last else 0,
                                    plan.tokens[i] if last and plan.tokens is not None else ())
 
 
@@ -260,9 +261,9 @@ def shm_put_request(plan: PutPlan, seg: Segment, threads: int | None = None) -> 
         offsets.append(off)
         off += n
     dsts = [seg.buf[o:o + n] for o, n in zip(offsets, sizes, strict=True)]
-    crcs = copy_blocks(dsts, srcs, [True] * len(srcs), threads)
+    sums = copy_blocks(dsts, srcs, [True] * len(srcs), threads)
     req = offload_pb2.ShmRequest(header=plan.header, segment=seg.name, keys=plan.keys, offsets=offsets,
-                                 sizes=sizes, crc32c=crcs)
+                                 sizes=sizes, checksums=sums)
     if plan.tokens is not None:
         req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
     return req
@@ -291,7 +292,7 @@ def write_reserved(plan: PutPlan, resv: offload_pb2.PutReservation, maps: StoreM
             raise OffloadError(f"reserved slot at {off}+{size} is past slab {name}")
         srcs.append(mv)
         dsts.append(seg.buf[off:off + size])
-    req = offload_pb2.PutCommit(reservation=resv.reservation, crc32c=copy_blocks(dsts, srcs, [True] * n, threads))
+    req = offload_pb2.PutCommit(reservation=resv.reservation, checksums=copy_blocks(dsts, srcs, [True] * n, threads))
     if plan.tokens is not None:
         req.tokens.extend(offload_pb2.TokenBlock(ids=t) for t in plan.tokens)
     return req
@@ -332,7 +333,7 @@ class GetAssembler:
             return
         data = self._parts[0] if len(self._parts) == 1 else memoryview(b"".join(self._parts))
         self._parts = []
-        if self.verify and ch.crc32c and crc32c(data) != ch.crc32c:
+        if self.verify and ch.checksum and block_checksum(data) != ch.checksum:
             raise OffloadError(f"block {ch.key}: checksum mismatch on the wire")
         self.blocks.append(data)
         self.tiers.append(ch.tier)
@@ -409,7 +410,7 @@ def views_from_shm(resp: offload_pb2.ShmGetResponse, seg: Segment, verify: bool,
         if off + size > src.size:
             raise OffloadError(f"block {keys[i]}: shm answer points past segment {src.name}")
         v = src.buf[off:off + size]
-        if verify and i < len(resp.crc32c) and resp.crc32c[i] and crc32c(v) != resp.crc32c[i]:
+        if verify and i < len(resp.checksums) and resp.checksums[i] and block_checksum(v) != resp.checksums[i]:
             raise OffloadError(f"block {keys[i]}: checksum mismatch in shared memory")
         views.append(v)
     return views

@@ -12,7 +12,6 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import crc32c as _crc32c
 import grpc
 
 from kvmesh_api.common.v1 import common_pb2
@@ -24,15 +23,6 @@ DEFAULT_TIMEOUT_S = 60.0
 TIER_NAMES = {common_pb2.TIER_CPU: "cpu", common_pb2.TIER_DISK: "disk"}
 
 BytesLike = bytes | bytearray | memoryview
-
-
-def crc32c(data: BytesLike) -> int:
-    return _crc32c.crc32c(data)
-
-
-def crc32c_update(data: BytesLike, crc: int) -> int:
-    """``crc32c`` continued over ``data`` (checksums a block piece by piece)."""
-    return _crc32c.crc32c(data, crc)
 
 
 class OffloadError(Exception):
@@ -119,7 +109,7 @@ class BlockLease:
     _ender: LeaseEnder | None = None            # the client that ends it
     valid: bool = True
     # Checksums still to verify (shm blocks fetched to be copied: verified while copying); None = done.
-    unverified_crcs: list[int] | None = None
+    unverified_checksums: list[int] | None = None
 
     def take(self) -> bytes:
         """Drop the views and the client's memory; the store's lease token still to end (b"": none)."""

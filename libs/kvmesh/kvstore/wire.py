@@ -77,36 +77,36 @@ class Chunk:
     key: int = 0
     data: memoryview = field(default_factory=lambda: memoryview(b""))
     last: bool = False
-    crc32c: int = 0
+    checksum: int = 0
     token_ids: list[int] = field(default_factory=list)
     tier: int = 0
 
 
-def encode_chunk_parts(key: int, data_len: int, last: bool, crc: int,
+def encode_chunk_parts(key: int, data_len: int, last: bool, checksum: int,
                        token_ids: list[int] | tuple[int, ...] = ()) -> tuple[bytes, bytes]:
     """(prefix, suffix) of a ``BlockChunk`` around ``data_len`` bytes of payload."""
     prefix = b"\x08" + encode_varint(key) + b"\x12" + encode_varint(data_len)
     suffix = bytearray()
     if last:
         suffix += b"\x18\x01"
-    if crc:
-        suffix += b"\x20" + encode_varint(crc)
+    if checksum:
+        suffix += b"\x20" + encode_varint(checksum)
     if token_ids:
         packed = b"".join(encode_varint(t) for t in token_ids)
         suffix += b"\x2a" + encode_varint(len(packed)) + packed
     return prefix, bytes(suffix)
 
 
-def encode_get_response(key: int, data: bytes | memoryview, last: bool, crc: int, tier: int) -> bytes:
-    prefix, suffix = encode_chunk_parts(key, len(data), last, crc)
+def encode_get_response(key: int, data: bytes | memoryview, last: bool, checksum: int, tier: int) -> bytes:
+    prefix, suffix = encode_chunk_parts(key, len(data), last, checksum)
     clen = len(prefix) + len(data) + len(suffix)
     tail = suffix + (b"\x10" + encode_varint(tier) if tier else b"")
     return b"".join((b"\x0a", encode_varint(clen), prefix, data, tail))
 
 
-def encode_put_chunk(key: int, data: bytes | memoryview, last: bool, crc: int,
+def encode_put_chunk(key: int, data: bytes | memoryview, last: bool, checksum: int,
                      token_ids: list[int] | tuple[int, ...] = ()) -> bytes:
-    prefix, suffix = encode_chunk_parts(key, len(data), last, crc, token_ids)
+    prefix, suffix = encode_chunk_parts(key, len(data), last, checksum, token_ids)
     clen = len(prefix) + len(data) + len(suffix)
     return b"".join((b"\x12", encode_varint(clen), prefix, data, suffix))
 
@@ -127,8 +127,7 @@ def _decode_chunk(buf: memoryview, pos: int, end: int, out: Chunk) -> None:
             v, pos = _read_varint(buf, pos, end)
             out.last = bool(v)
         elif fnum == 4 and wtype == 0:
-            crc, pos = _read_varint(buf, pos, end)
-            out.crc32c = _u32(crc, "crc32c")
+            out.checksum, pos = _read_varint(buf, pos, end)   # uint64: _read_varint bounds it
         elif fnum == 5 and wtype == 2:
             n, pos = _read_varint(buf, pos, end)
             stop = pos + n

@@ -23,7 +23,7 @@ How each figure is measured (GB = 1e9 bytes; every figure is the median of
   connector does: it writes into its already-allocated cache). The store names
   where each block sits in its shared slabs; the client copies it from there
   into the buffer: one copy per block, plus one GetShm and one ReleaseShm call.
-  Each block's CRC32C is verified while it is copied (512 KiB pieces checksummed
+  Each block's XXH3-64 is verified while it is copied (512 KiB pieces checksummed
   right after copying, while in cache), the blocks split over ``copy_threads``
   threads (``$KVMESH_OFFLOAD_COPY_THREADS``, default 2); ``get_gbps_shm_trusted`` is
   the same get by a client with ``trust_local_store`` (no verification),

@@ -6,7 +6,7 @@ loopback: one keeping its bytes (the bulk TCP data plane other hosts use) and on
 both, with the same blocks and the same caller buffer (warm, and registered with the
 pool): every repeat puts the blocks into each store and reads them back into the
 buffer, alternating, so both see the same machine state. Both reads verify every
-block's CRC32C. Target: ``get_pool_vs_bulk`` (median GB/s of the pool's ``get_into``
+block's checksum (XXH3-64). Target: ``get_pool_vs_bulk`` (median GB/s of the pool's ``get_into``
 over the bulk ``get_into``) >= 0.8.
 
 - ``get_gbps_bulk``: ``OffloadClient.get_into`` over ``GetBulk`` + the bulk TCP port.

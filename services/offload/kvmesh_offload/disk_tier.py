@@ -2,10 +2,12 @@
 
 Each block is one file ``<root>/<namespace digest>/<key>.kvb``, written to a temp
 file and renamed into place, so a crash never leaves a half-written block
-visible. A header carries the namespace, key, chain metadata and the CRC32C of
-the data; the header has its own CRC so a torn or bit-rotten header is found
-when the directory is scanned at start-up. The data CRC is verified on *every*
-read: a corrupt block is deleted and reported as a miss, never returned.
+visible. A header carries the namespace, key, chain metadata and the checksum
+(XXH3-64, ``kvmesh.kvstore.checksum``) of the data; the header has its own XXH3-64 so
+a torn or bit-rotten header is found when the directory is scanned at start-up. The
+data checksum is verified on *every* read: a corrupt block is deleted and reported
+as a miss, never returned. Files of another format version (version 1 held CRC32Cs)
+are dropped at start-up like unreadable ones: their checksums cannot be checked.
 """
 
 from __future__ import annotations
@@ -18,25 +20,24 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-import crc32c as _crc32c
-
 from kvmesh.kvstore.block import BlockId, CapacityError, StoredBlock, buffer_of
+from kvmesh.kvstore.checksum import block_checksum
 from kvmesh.kvstore.eviction import EvictionPolicy, LRUPolicy
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVMB"
-VERSION = 1
-# magic, version, has_parent, data crc, data len, key, parent, block size, depth, ns len, n tokens
-_HDR = struct.Struct("<4sBBxxIQQQIIHxxI")
-_HDR_CRC = struct.Struct("<I")
+VERSION = 2   # 1: CRC32C checksums (uint32); 2: XXH3-64 (uint64)
+# magic, version, has_parent, data checksum, data len, key, parent, block size, depth, ns len, n tokens
+_HDR = struct.Struct("<4sBBxxQQQQIIHxxI")
+_HDR_SUM = struct.Struct("<Q")   # XXH3-64 of the header before it
 SUFFIX = ".kvb"
 
 
 @dataclass(slots=True)
 class DiskEntry:
     size: int
-    crc32c: int
+    checksum: int
     path: Path
     depth: int = 0
     session: str = ""
@@ -49,9 +50,9 @@ def _ns_dir(namespace: str) -> str:
 def encode_header(namespace: str, key: int, blk: StoredBlock) -> bytes:
     ns = namespace.encode()
     toks = struct.pack(f"<{len(blk.token_ids)}I", *blk.token_ids)
-    head = _HDR.pack(MAGIC, VERSION, blk.parent is not None, blk.crc32c, len(buffer_of(blk.data)), key,
+    head = _HDR.pack(MAGIC, VERSION, blk.parent is not None, blk.checksum, len(buffer_of(blk.data)), key,
                      blk.parent or 0, blk.block_size, blk.depth, len(ns), len(blk.token_ids)) + ns + toks
-    return head + _HDR_CRC.pack(_crc32c.crc32c(head))
+    return head + _HDR_SUM.pack(block_checksum(head))
 
 
 class CorruptBlock(Exception):
@@ -62,21 +63,23 @@ def decode_header(buf: bytes) -> tuple[str, int, StoredBlock, int]:
     """Parse a header from the start of ``buf``; return (namespace, key, block-without-data, header len)."""
     if len(buf) < _HDR.size:
         raise CorruptBlock("short header")
-    (magic, version, has_parent, crc, dlen, key, parent, block_size, depth, ns_len,
+    if buf[:4] != MAGIC:
+        raise CorruptBlock("bad magic")
+    if buf[4] != VERSION:   # checked before the layout, which differs between versions
+        raise CorruptBlock(f"format version {buf[4]}, this store reads {VERSION}")
+    (_, _, has_parent, csum, dlen, key, parent, block_size, depth, ns_len,
      ntok) = _HDR.unpack_from(buf, 0)
-    if magic != MAGIC or version != VERSION:
-        raise CorruptBlock("bad magic or version")
     end = _HDR.size + ns_len + 4 * ntok
-    if len(buf) < end + _HDR_CRC.size:
+    if len(buf) < end + _HDR_SUM.size:
         raise CorruptBlock("short header")
-    (hcrc,) = _HDR_CRC.unpack_from(buf, end)
-    if _crc32c.crc32c(buf[:end]) != hcrc:
+    (hsum,) = _HDR_SUM.unpack_from(buf, end)
+    if block_checksum(buf[:end]) != hsum:
         raise CorruptBlock("header checksum mismatch")
     ns = buf[_HDR.size:_HDR.size + ns_len].decode()
     toks = struct.unpack_from(f"<{ntok}I", buf, _HDR.size + ns_len)
-    blk = StoredBlock(size=dlen, data=None, crc32c=crc, parent=parent if has_parent else None,
+    blk = StoredBlock(size=dlen, data=None, checksum=csum, parent=parent if has_parent else None,
                       token_ids=tuple(toks), block_size=block_size, depth=depth)
-    return ns, key, blk, end + _HDR_CRC.size
+    return ns, key, blk, end + _HDR_SUM.size
 
 
 class DiskTier:
@@ -135,7 +138,7 @@ class DiskTier:
                 path.unlink(missing_ok=True)  # capacity shrank since the last run
                 continue
             self.policy.new_batch()
-            self._index[bid] = DiskEntry(blk.size, blk.crc32c, path, blk.depth)
+            self._index[bid] = DiskEntry(blk.size, blk.checksum, path, blk.depth)
             self.policy.insert(bid, blk.depth)
             self.used += blk.size
             recovered.append((bid, blk))
@@ -174,7 +177,7 @@ class DiskTier:
         old = self._index.get(bid)
         if old is not None:
             self.used -= old.size
-        self._index[bid] = DiskEntry(len(blk.data), blk.crc32c, path, blk.depth, blk.session)
+        self._index[bid] = DiskEntry(len(blk.data), blk.checksum, path, blk.depth, blk.session)
         self.used += len(blk.data)
         self.policy.insert(bid, blk.depth, blk.session)
 
@@ -190,7 +193,7 @@ class DiskTier:
             data = raw[hlen:]
             if (ns, key) != bid or len(data) != blk.size:
                 raise CorruptBlock("identity or length mismatch")
-            if _crc32c.crc32c(data) != blk.crc32c or blk.crc32c != ent.crc32c:
+            if block_checksum(data) != blk.checksum or blk.checksum != ent.checksum:
                 raise CorruptBlock("data checksum mismatch")
         except (OSError, CorruptBlock, UnicodeDecodeError, struct.error) as exc:
             log.warning("corrupt or unreadable disk block is a miss",

@@ -2,7 +2,7 @@
 
 Why: one store process is where kvmesh stopped (one host's RAM, reached by other hosts
 only over gRPC or the bulk port). With a pool, the store keeps what makes kvmesh's tier
-useful to routing — namespaces, chains and depths, the CRC32C of every block, its
+useful to routing — namespaces, chains and depths, the checksum of every block, its
 chain-aware eviction policy and the KV events the indexer turns into routable tiers —
 while Mooncake holds the bytes in memory lent by any number of hosts, and the workers
 move them directly (``kvmesh.kvstore.mooncake.client``).

@@ -14,10 +14,10 @@ import os
 import time
 from collections.abc import AsyncIterator
 
-import crc32c as _crc32c
 import grpc
 
 from kvmesh.kvstore.block import buffer_of
+from kvmesh.kvstore.checksum import block_checksum
 from kvmesh.kvstore.limits import namespace_problem, session_problem
 from kvmesh.kvstore.shm import SHM_DIR, AttachCache, Segment, ShmError, validate_name
 from kvmesh.kvstore.wire import Chunk, decode_put_request, encode_get_response
@@ -178,10 +178,10 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             data = self.arena.copy_in(joined)
             if not isinstance(data, Slot) and isinstance(data, memoryview):
                 data = bytes(data)  # do not pin the whole received message
-            crc = _crc32c.crc32c(buffer_of(data))
-            if ch.crc32c and crc != ch.crc32c:
+            csum = block_checksum(buffer_of(data))
+            if ch.checksum and csum != ch.checksum:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {ch.key}: checksum mismatch on Put")
-            blocks.append(BlockIn(ch.key, data, crc, tuple(ch.token_ids)))
+            blocks.append(BlockIn(ch.key, data, csum, tuple(ch.token_ids)))
             if len(blocks) > MAX_KEYS:
                 _check_keys(len(blocks))
         if header is None:
@@ -217,7 +217,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                 end = min(off + chunk, n)
                 last = end == n
                 # Pre-encoded bytes: the response serializer passes them through.
-                yield encode_get_response(f.key, mv[off:end], last, f.block.crc32c if last else 0, tier)
+                yield encode_get_response(f.key, mv[off:end], last, f.block.checksum if last else 0, tier)
         if found:
             RESTORE_LATENCY.labels("grpc").observe(time.perf_counter() - t0)
 
@@ -295,8 +295,8 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             return await self._put_pool(req)
         if len(req.offsets) != n or len(req.sizes) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, offsets and sizes must have the same length")
-        if req.crc32c and len(req.crc32c) != n:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "crc32c must be empty or one per key")
+        if req.checksums and len(req.checksums) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "checksums must be empty or one per key")
         self._check_put_sizes(req, n, "RAM capacity")
         end = max((o + s for o, s in zip(req.offsets, req.sizes, strict=True)), default=0)
         seg = await asyncio.to_thread(self._attach, req.segment)
@@ -328,15 +328,15 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         if req.segment:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "a pooled store takes no segment: write the blocks "
                                                            "to the pool, then PutShm with an empty segment")
-        if len(req.sizes) != n or len(req.crc32c) != n:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, sizes and crc32c must have the same length")
+        if len(req.sizes) != n or len(req.checksums) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "keys, sizes and checksums must have the same length")
         self._check_put_sizes(req, n, "pool budget")
         missing = await asyncio.to_thread(self.pool.missing, req.header.namespace, list(req.keys))
         if missing:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT,
                          f"{len(missing)} block(s) not in the pool (first: {missing[0]}): write them before PutShm")
-        blocks = [BlockIn(k, None, crc, tuple(req.tokens[i].ids) if req.tokens else (), size)
-                  for i, (k, size, crc) in enumerate(zip(req.keys, req.sizes, req.crc32c, strict=True))]
+        blocks = [BlockIn(k, None, csum, tuple(req.tokens[i].ids) if req.tokens else (), size)
+                  for i, (k, size, csum) in enumerate(zip(req.keys, req.sizes, req.checksums, strict=True))]
         return await self._commit(req.header, blocks)
 
     def _copy_in(self, req: offload_pb2.ShmRequest, seg: Segment) -> list[BlockIn]:
@@ -346,11 +346,11 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             data = arena.copy_in(seg.buf[off:off + size])
             if isinstance(data, memoryview):
                 data = bytes(data)
-            crc = _crc32c.crc32c(buffer_of(data))
-            if req.crc32c and req.crc32c[i] and req.crc32c[i] != crc:
+            csum = block_checksum(buffer_of(data))
+            if req.checksums and req.checksums[i] and req.checksums[i] != csum:
                 raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"block {k}: checksum mismatch on PutShm")
             toks = tuple(req.tokens[i].ids) if req.tokens else ()
-            blocks.append(BlockIn(k, data, crc, toks))
+            blocks.append(BlockIn(k, data, csum, toks))
         return blocks
 
     async def ReservePut(self, request: offload_pb2.ShmRequest,
@@ -394,12 +394,12 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         if req.abort:
             return offload_pb2.PutResponse()
         n = len(res.keys)
-        if len(req.crc32c) != n:
-            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"crc32c must have one entry per block ({n})")
+        if len(req.checksums) != n:
+            raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, f"checksums must have one entry per block ({n})")
         if req.tokens and len(req.tokens) != n:
             raise _Abort(grpc.StatusCode.INVALID_ARGUMENT, "tokens must be empty or one per block")
-        blocks = [BlockIn(k, slot, crc, tuple(req.tokens[i].ids) if req.tokens else ())  # type: ignore[arg-type]
-                  for i, (k, slot, crc) in enumerate(zip(res.keys, res.slots, req.crc32c, strict=True))]
+        blocks = [BlockIn(k, slot, csum, tuple(req.tokens[i].ids) if req.tokens else ())  # type: ignore[arg-type]
+                  for i, (k, slot, csum) in enumerate(zip(res.keys, res.slots, req.checksums, strict=True))]
         out = await self._commit(res.header, blocks)
         self.store.count("puts_direct")   # which same-host path puts took (Stats counters)
         return out
@@ -457,7 +457,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
                 resp.sizes.append(n)
                 off += n
             resp.tiers.append(_TIER[f.medium])
-            resp.crc32c.append(f.block.crc32c)
+            resp.checksums.append(f.block.checksum)
             resp.leading_present += 1
         if leased:
             resp.lease = self.leases.add(leased, caller)
@@ -482,7 +482,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         for f in found:
             resp.sizes.append(len(buffer_of(f.block.data)))
             resp.tiers.append(_TIER[f.medium])
-            resp.crc32c.append(f.block.crc32c)
+            resp.checksums.append(f.block.checksum)
         if found:
             resp.lease = self.leases.add(found, caller_of(context))
         return resp
@@ -493,7 +493,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
         found = await self._lookup(request.namespace, request.keys)
         return offload_pb2.BulkGetResponse(leading_present=len(found), sizes=[f.block.size for f in found],
                                            tiers=[_TIER[f.medium] for f in found],
-                                           crc32c=[f.block.crc32c for f in found])
+                                           checksums=[f.block.checksum for f in found])
 
     async def ReleaseShm(self, request: offload_pb2.ShmRelease,
                          context: grpc.aio.ServicerContext) -> offload_pb2.ShmReleaseResponse:
@@ -553,7 +553,7 @@ class OffloadServicer(offload_pb2_grpc.OffloadServicer):
             resp.offsets.append(off)
             resp.sizes.append(n)
             resp.tiers.append(_TIER[f.medium])
-            resp.crc32c.append(f.block.crc32c)
+            resp.checksums.append(f.block.checksum)
             resp.leading_present += 1
             if slots is None:
                 off += n

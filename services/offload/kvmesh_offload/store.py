@@ -71,7 +71,7 @@ class StoreEvent:
 class BlockIn:
     key: int
     data: bytes | None
-    crc32c: int = 0
+    checksum: int = 0   # XXH3-64 of the data (kvmesh.kvstore.checksum)
     token_ids: tuple[int, ...] = ()
     size: int = 0                   # metadata-only mode: capacity units of this block
 
@@ -195,7 +195,7 @@ class OffloadStore:
             for depth, b in enumerate(blocks, start=self._depth_after(namespace, parent)):
                 bid = (namespace, b.key)
                 size = self._size_of(b)
-                blk = StoredBlock(size=size, data=None if self.metadata_only else b.data, crc32c=b.crc32c,
+                blk = StoredBlock(size=size, data=None if self.metadata_only else b.data, checksum=b.checksum,
                                   parent=prev, token_ids=_compact(b.token_ids), block_size=block_size,
                                   depth=depth, session=session)
                 prev = b.key
@@ -329,7 +329,7 @@ class OffloadStore:
         return found
 
     def _promote(self, bid: BlockId, blk: StoredBlock, session: str) -> list[StoreEvent]:
-        promoted = StoredBlock(size=blk.size, data=blk.data, crc32c=blk.crc32c, parent=blk.parent,
+        promoted = StoredBlock(size=blk.size, data=blk.data, checksum=blk.checksum, parent=blk.parent,
                                token_ids=blk.token_ids, block_size=blk.block_size, depth=blk.depth,
                                session=session)
         try:

@@ -214,12 +214,13 @@ def test_arena_slots_are_reused_only_after_every_reader_let_go() -> None:
 
 
 def test_wire_codec_matches_protobuf() -> None:
-    raw = encode_get_response(2**64 - 1, b"\x01" * 5000, True, 0xFFFFFFFF, 3)
+    csum = 0xFEDCBA9876543210   # checksums are 64-bit (XXH3-64)
+    raw = encode_get_response(2**64 - 1, b"\x01" * 5000, True, csum, 3)
     pb = offload_pb2.GetResponse.FromString(raw)
-    assert (pb.chunk.key, pb.chunk.data, pb.chunk.last, pb.chunk.crc32c, pb.tier) == (
-        2**64 - 1, b"\x01" * 5000, True, 0xFFFFFFFF, 3)
+    assert (pb.chunk.key, pb.chunk.data, pb.chunk.last, pb.chunk.checksum, pb.tier) == (
+        2**64 - 1, b"\x01" * 5000, True, csum, 3)
     ch = decode_get_response(pb.SerializeToString())
-    assert (ch.key, bytes(ch.data), ch.last, ch.crc32c, ch.tier) == (2**64 - 1, b"\x01" * 5000, True, 0xFFFFFFFF, 3)
+    assert (ch.key, bytes(ch.data), ch.last, ch.checksum, ch.tier) == (2**64 - 1, b"\x01" * 5000, True, csum, 3)
     req = offload_pb2.PutRequest.FromString(encode_put_chunk(5, b"ab", False, 0, [1, 2, 70000]))
     assert (req.chunk.key, req.chunk.data, req.chunk.last, list(req.chunk.token_ids)) == (5, b"ab", False,
                                                                                           [1, 2, 70000])

@@ -61,7 +61,7 @@ def test_disk_survives_restart_and_corrupt_block_is_a_miss(offload_process, tmp_
         assert stats.disk_blocks == 6 and stats.ram_blocks == 0      # b was only in RAM
         assert c.contains(NS, [k for k, _ in a]) == 6
         assert c.contains(NS, [k for k, _ in b]) == 0
-        # flip one byte in the data of block 3 of a (files are tail-data; the header has its own CRC)
+        # flip one byte in the data of block 3 of a (files are tail-data; the header has its own checksum)
         victim = next(p for p in disk.rglob("*.kvb") if p.stem == f"{a[3][0]:016x}")
         raw = bytearray(victim.read_bytes())
         raw[-10] ^= 0xFF
@@ -80,15 +80,23 @@ def test_torn_header_and_leftover_temp_files_are_dropped_at_start(offload_proces
     with SyncOffloadClient(proc.grpc_address, use_shm=False) as c:
         c.put(NS, a[:2])
         c.put(NS, a[2:])
+        c.put(NS, chain(2, 6))                                          # a[2:] spills to disk too
     proc.stop()
     first = next(p for p in disk.rglob("*.kvb") if p.stem == f"{a[1][0]:016x}")
     first.write_bytes(first.read_bytes()[:20])                          # torn write of an older format
+    # A file of format version 1 (CRC32C checksums): its checksums cannot be checked, so it is dropped.
+    old = next(p for p in disk.rglob("*.kvb") if p.stem == f"{a[3][0]:016x}")
+    raw = bytearray(old.read_bytes())
+    raw[4] = 1
+    old.write_bytes(bytes(raw))
     (disk / "tmp" / "dead.part").write_bytes(b"half a block")
     proc = offload_process(*flags)
     with SyncOffloadClient(proc.grpc_address, use_shm=False) as c:
         assert c.contains(NS, [a[0][0]]) == 1
         assert c.contains(NS, [a[1][0]]) == 0
-        assert c.stats().counters["disk_corrupt_blocks"] == 1
+        assert c.contains(NS, [a[2][0]]) == 1
+        assert c.contains(NS, [a[3][0]]) == 0
+        assert c.stats().counters["disk_corrupt_blocks"] == 2
     assert not (disk / "tmp" / "dead.part").exists()
 
 

@@ -14,7 +14,7 @@ from kvmesh.kvstore.client import (
     StoreFull,
     StoreUnavailable,
     SyncOffloadClient,
-    crc32c,
+    block_checksum,
 )
 from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh_tools.testing.ports import free_port
@@ -123,7 +123,7 @@ async def test_bad_input_gets_clear_errors(offload_factory) -> None:
         chunk = offload_pb2.BlockChunk
         code, msg = await put(offload_pb2.PutRequest(chunk=chunk(key=1, data=b"x", last=True)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "header" in msg
-        code, msg = await put(hdr, offload_pb2.PutRequest(chunk=chunk(key=1, data=b"abc", last=True, crc32c=5)))
+        code, msg = await put(hdr, offload_pb2.PutRequest(chunk=chunk(key=1, data=b"abc", last=True, checksum=5)))
         assert code == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in msg
         code, msg = await put(hdr, offload_pb2.PutRequest(chunk=chunk(key=1, data=b"a")),
                               offload_pb2.PutRequest(chunk=chunk(key=2, data=b"b", last=True)))
@@ -161,7 +161,7 @@ async def test_shm_segment_bounds_are_checked(offload_factory) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as ei:
                 await stub.PutShm(offload_pb2.ShmRequest(header=offload_pb2.PutHeader(namespace=NS),
                                                          segment=seg.name, keys=[1], offsets=[0], sizes=[4],
-                                                         crc32c=[crc32c(b"abcX")]))
+                                                         checksums=[block_checksum(b"abcX")]))
             assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "checksum" in ei.value.details()
 
 

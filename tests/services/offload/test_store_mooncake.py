@@ -4,7 +4,7 @@ A real ``mooncake_master`` on loopback (no etcd), the offload service in this pr
 (real gRPC on port 0, joined to the pool, lending it the store's budget) and two
 "hosts": child processes, each its own Mooncake client moving bytes straight to and
 from the pool. The store keeps kvmesh's semantics on top: namespaces, chains and
-leading hits, CRC32C, its eviction (mirrored into the pool) and its KV events.
+leading hits, block checksums, its eviction (mirrored into the pool) and its KV events.
 """
 
 from __future__ import annotations
@@ -243,11 +243,11 @@ def _bad_requests(address: str, local_address: str) -> None:
         hdr = offload_pb2.PutHeader(namespace=NS)
         # A commit of blocks nobody wrote to the pool changes nothing.
         with pytest.raises(InvalidOffloadRequest, match="not in the pool"):
-            c._call(stub.PutShm, offload_pb2.ShmRequest(header=hdr, keys=[7], sizes=[BLOCK], crc32c=[1]), "put")
-        for bad, msg in ((offload_pb2.ShmRequest(header=hdr, segment="x", keys=[7], sizes=[BLOCK], crc32c=[1]),
+            c._call(stub.PutShm, offload_pb2.ShmRequest(header=hdr, keys=[7], sizes=[BLOCK], checksums=[1]), "put")
+        for bad, msg in ((offload_pb2.ShmRequest(header=hdr, segment="x", keys=[7], sizes=[BLOCK], checksums=[1]),
                           "takes no segment"),
-                         (offload_pb2.ShmRequest(header=hdr, keys=[7, 8], sizes=[BLOCK], crc32c=[1]), "same length"),
-                         (offload_pb2.ShmRequest(header=hdr, keys=[7], sizes=[0], crc32c=[1]), "outside")):
+                         (offload_pb2.ShmRequest(header=hdr, keys=[7, 8], sizes=[BLOCK], checksums=[1]), "same length"),
+                         (offload_pb2.ShmRequest(header=hdr, keys=[7], sizes=[0], checksums=[1]), "outside")):
             with pytest.raises(InvalidOffloadRequest, match=msg):
                 c._call(stub.PutShm, bad, "put")
         assert c.contains(NS, [7]) == 0

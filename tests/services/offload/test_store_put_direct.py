@@ -8,7 +8,7 @@ import time
 import grpc
 import pytest
 
-from kvmesh.kvstore.client import OffloadClient, crc32c
+from kvmesh.kvstore.client import OffloadClient, block_checksum
 from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
 
 pytestmark = pytest.mark.timeout(60)
@@ -90,7 +90,7 @@ async def test_reservation_errors_are_clear_and_change_nothing(offload_factory) 
         stub = offload_pb2_grpc.OffloadStub(ch)
         hdr = offload_pb2.PutHeader(namespace=NS)
         with pytest.raises(grpc.aio.AioRpcError) as e:
-            await stub.CommitPut(offload_pb2.PutCommit(reservation=b"\x01" * 16, crc32c=[1]))
+            await stub.CommitPut(offload_pb2.PutCommit(reservation=b"\x01" * 16, checksums=[1]))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=[1, 2], sizes=[BIG]))
@@ -106,10 +106,10 @@ async def test_reservation_errors_are_clear_and_change_nothing(offload_factory) 
         resv = await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=[1, 2], sizes=[BIG, BIG]))
         assert len(resv.segments) == 2 and resv.reservation
         with pytest.raises(grpc.aio.AioRpcError) as e:   # one checksum per block
-            await stub.CommitPut(offload_pb2.PutCommit(reservation=resv.reservation, crc32c=[1]))
+            await stub.CommitPut(offload_pb2.PutCommit(reservation=resv.reservation, checksums=[1]))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         with pytest.raises(grpc.aio.AioRpcError) as e:   # the failed commit ended the reservation
-            await stub.CommitPut(offload_pb2.PutCommit(reservation=resv.reservation, crc32c=[1, 2]))
+            await stub.CommitPut(offload_pb2.PutCommit(reservation=resv.reservation, checksums=[1, 2]))
         assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         resv = await stub.ReservePut(offload_pb2.ShmRequest(header=hdr, keys=[3], sizes=[BIG]))
         out = await stub.CommitPut(offload_pb2.PutCommit(reservation=resv.reservation, abort=True))
@@ -134,4 +134,4 @@ async def test_uncommitted_reservations_expire(offload_factory) -> None:
         data = blocks(2, BIG, seed=3)
         assert (await c.put(NS, data)).stored == 2
         assert await c.get(NS, [k for k, _ in data]) == [d for _, d in data]
-        assert crc32c(data[0][1]) == st.store.get(NS, [data[0][0]])[0].block.crc32c
+        assert block_checksum(data[0][1]) == st.store.get(NS, [data[0][0]])[0].block.checksum

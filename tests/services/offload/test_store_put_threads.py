@@ -14,7 +14,7 @@ import threading
 import pytest
 
 import kvmesh.kvstore.client_messages as cm
-from kvmesh.kvstore.client import OffloadClient, crc32c
+from kvmesh.kvstore.client import OffloadClient, block_checksum
 
 pytestmark = pytest.mark.timeout(120)
 NS = "tiny-llama/L2-H2-D32-bf16-bs32"
@@ -91,4 +91,4 @@ def test_copy_blocks_returns_the_checksums_of_what_it_wrote(threads: int) -> Non
     summed = [i % 3 != 0 for i in range(n)]   # unsummed blocks are copied, their sum is 0
     sums = cm.copy_blocks([memoryview(d) for d in dsts], [memoryview(s) for s in srcs], summed, threads)
     assert [bytes(d) for d in dsts] == srcs
-    assert sums == [crc32c(s) if want else 0 for s, want in zip(srcs, summed, strict=True)]
+    assert sums == [block_checksum(s) if want else 0 for s, want in zip(srcs, summed, strict=True)]

@@ -4,7 +4,7 @@ Why: with the bytes in a Mooncake pool, a worker on any host moves them straight
 between its own memory and the pool (Mooncake's transfer engine: TCP, or RDMA where
 there is some); the offload store only answers for the index. So a Put writes the
 blocks to the pool, then commits them (``PutShm`` with no segment: keys, sizes,
-CRC32C, tokens, parent) and the store records the chain, runs its eviction policy and
+checksums, tokens, parent) and the store records the chain, runs its eviction policy and
 publishes the KV events; a Get asks the store for the leading present blocks' sizes
 and checksums (``GetBulk``), reads them from the pool and verifies every checksum. A
 block the pool lost (Mooncake evicted it on its own) ends the read there, and the
@@ -30,6 +30,7 @@ from typing import Any
 import grpc
 import numpy as np
 
+from kvmesh.kvstore.checksum import block_checksum
 from kvmesh.kvstore.client_messages import (
     check_dests,
     check_keys,
@@ -47,7 +48,6 @@ from kvmesh.kvstore.client_types import (
     PutResult,
     StoreStats,
     StoreUnavailable,
-    crc32c,
     map_error,
 )
 from kvmesh.kvstore.mooncake.pool import (
@@ -172,9 +172,9 @@ class MooncakeStoreClient:
         pool = self.pool()
         objs = [_object_key(self._prefix, namespace, k) for k in plan.keys]
         sizes = [len(memoryview(d).cast("B")) for d in plan.datas]
-        crcs = plan.crcs
+        sums = plan.checksums
         written: list[str] = []
-        req = offload_pb2.ShmRequest(header=plan.header, segment="", keys=plan.keys, sizes=sizes, crc32c=crcs,
+        req = offload_pb2.ShmRequest(header=plan.header, segment="", keys=plan.keys, sizes=sizes, checksums=sums,
                                      tokens=[offload_pb2.TokenBlock(ids=t) for t in plan.tokens or []])
         try:
             self._write(pool, objs, plan.datas, sizes, written)
@@ -270,7 +270,7 @@ class MooncakeStoreClient:
                 got = self._read(pool, namespace, list(keys[:n]), objs, [stage.addr + int(o) for o in offs], sizes)
                 for i in range(got):
                     views[i][:] = stage.buf[int(offs[i]):int(offs[i]) + sizes[i]]
-        self._verify(list(keys[:got]), views[:got], list(resp.crc32c[:got]))
+        self._verify(list(keys[:got]), views[:got], list(resp.checksums[:got]))
         return got
 
     def _read(self, pool: Pool, namespace: str, keys: list[int], objs: list[str], addrs: list[int],
@@ -296,11 +296,11 @@ class MooncakeStoreClient:
         except OffloadError:
             log.debug("could not report lost blocks", exc_info=True)
 
-    def _verify(self, keys: list[int], views: list[memoryview], crcs: list[int]) -> None:
+    def _verify(self, keys: list[int], views: list[memoryview], sums: list[int]) -> None:
         if not self.verify:
             return
-        for k, v, c in zip(keys, views, crcs, strict=True):
-            if crc32c(v) != c:
+        for k, v, c in zip(keys, views, sums, strict=True):
+            if block_checksum(v) != c:
                 raise OffloadError(f"block {k}: checksum mismatch on the pool path")
 
     def fetch(self, namespace: str, keys: Sequence[int]) -> BlockLease:
@@ -321,7 +321,7 @@ class MooncakeStoreClient:
             got = self._read(pool, namespace, list(keys[:n]), objs, [stage.addr + o for o in offs], sizes)
             mv = memoryview(stage.buf)
             views = [mv[o:o + s] for o, s in zip(offs[:got], sizes[:got], strict=True)]
-            self._verify(list(keys[:got]), views, list(resp.crc32c[:got]))
+            self._verify(list(keys[:got]), views, list(resp.checksums[:got]))
         except BaseException:
             stage.lock.release()
             raise

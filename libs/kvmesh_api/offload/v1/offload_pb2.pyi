@@ -22,18 +22,18 @@ class PutHeader(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., session_id: _Optional[str] = ..., parent_key: _Optional[int] = ..., has_parent: _Optional[bool] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class BlockChunk(_message.Message):
-    __slots__ = ("key", "data", "last", "crc32c", "token_ids")
+    __slots__ = ("key", "data", "last", "checksum", "token_ids")
     KEY_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     LAST_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUM_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     key: int
     data: bytes
     last: bool
-    crc32c: int
+    checksum: int
     token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, key: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., crc32c: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, key: _Optional[int] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., checksum: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk")
@@ -141,13 +141,13 @@ class StatsResponse(_message.Message):
     def __init__(self, ram_bytes: _Optional[int] = ..., ram_capacity_bytes: _Optional[int] = ..., disk_bytes: _Optional[int] = ..., disk_capacity_bytes: _Optional[int] = ..., ram_blocks: _Optional[int] = ..., disk_blocks: _Optional[int] = ..., counters: _Optional[_Mapping[str, int]] = ..., eviction_policy: _Optional[str] = ..., pool: _Optional[str] = ..., pool_prefix: _Optional[str] = ..., pool_master: _Optional[str] = ...) -> None: ...
 
 class ShmRequest(_message.Message):
-    __slots__ = ("header", "segment", "keys", "offsets", "sizes", "crc32c", "tokens", "capacity", "map_store")
+    __slots__ = ("header", "segment", "keys", "offsets", "sizes", "checksums", "tokens", "capacity", "map_store")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     SEGMENT_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     MAP_STORE_FIELD_NUMBER: _ClassVar[int]
@@ -156,11 +156,11 @@ class ShmRequest(_message.Message):
     keys: _containers.RepeatedScalarFieldContainer[int]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     sizes: _containers.RepeatedScalarFieldContainer[int]
-    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedCompositeFieldContainer[TokenBlock]
     capacity: int
     map_store: bool
-    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segment: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., crc32c: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., capacity: _Optional[int] = ..., map_store: _Optional[bool] = ...) -> None: ...
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., segment: _Optional[str] = ..., keys: _Optional[_Iterable[int]] = ..., offsets: _Optional[_Iterable[int]] = ..., sizes: _Optional[_Iterable[int]] = ..., checksums: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., capacity: _Optional[int] = ..., map_store: _Optional[bool] = ...) -> None: ...
 
 class TokenBlock(_message.Message):
     __slots__ = ("ids",)
@@ -169,13 +169,13 @@ class TokenBlock(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ShmGetResponse(_message.Message):
-    __slots__ = ("leading_present", "sizes", "tiers", "offsets", "truncated", "crc32c", "segments", "lease")
+    __slots__ = ("leading_present", "sizes", "tiers", "offsets", "truncated", "checksums", "segments", "lease")
     LEADING_PRESENT_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
     OFFSETS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATED_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     leading_present: int
@@ -183,10 +183,10 @@ class ShmGetResponse(_message.Message):
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
     offsets: _containers.RepeatedScalarFieldContainer[int]
     truncated: bool
-    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
     segments: _containers.RepeatedScalarFieldContainer[str]
     lease: bytes
-    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., truncated: _Optional[bool] = ..., crc32c: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[str]] = ..., lease: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., offsets: _Optional[_Iterable[int]] = ..., truncated: _Optional[bool] = ..., checksums: _Optional[_Iterable[int]] = ..., segments: _Optional[_Iterable[str]] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class ShmRelease(_message.Message):
     __slots__ = ("lease",)
@@ -195,20 +195,20 @@ class ShmRelease(_message.Message):
     def __init__(self, lease: _Optional[bytes] = ...) -> None: ...
 
 class BulkGetResponse(_message.Message):
-    __slots__ = ("leading_present", "sizes", "tiers", "crc32c", "bulk_port", "lease")
+    __slots__ = ("leading_present", "sizes", "tiers", "checksums", "bulk_port", "lease")
     LEADING_PRESENT_FIELD_NUMBER: _ClassVar[int]
     SIZES_FIELD_NUMBER: _ClassVar[int]
     TIERS_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     BULK_PORT_FIELD_NUMBER: _ClassVar[int]
     LEASE_FIELD_NUMBER: _ClassVar[int]
     leading_present: int
     sizes: _containers.RepeatedScalarFieldContainer[int]
     tiers: _containers.RepeatedScalarFieldContainer[_common_pb2.Tier]
-    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
     bulk_port: int
     lease: bytes
-    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., crc32c: _Optional[_Iterable[int]] = ..., bulk_port: _Optional[int] = ..., lease: _Optional[bytes] = ...) -> None: ...
+    def __init__(self, leading_present: _Optional[int] = ..., sizes: _Optional[_Iterable[int]] = ..., tiers: _Optional[_Iterable[_Union[_common_pb2.Tier, str]]] = ..., checksums: _Optional[_Iterable[int]] = ..., bulk_port: _Optional[int] = ..., lease: _Optional[bytes] = ...) -> None: ...
 
 class ShmReleaseResponse(_message.Message):
     __slots__ = ("held",)
@@ -231,13 +231,13 @@ class PutReservation(_message.Message):
     def __init__(self, reservation: _Optional[bytes] = ..., segments: _Optional[_Iterable[str]] = ..., offsets: _Optional[_Iterable[int]] = ..., ttl_s: _Optional[float] = ..., min_block_bytes: _Optional[int] = ...) -> None: ...
 
 class PutCommit(_message.Message):
-    __slots__ = ("reservation", "crc32c", "tokens", "abort")
+    __slots__ = ("reservation", "checksums", "tokens", "abort")
     RESERVATION_FIELD_NUMBER: _ClassVar[int]
-    CRC32C_FIELD_NUMBER: _ClassVar[int]
+    CHECKSUMS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
     reservation: bytes
-    crc32c: _containers.RepeatedScalarFieldContainer[int]
+    checksums: _containers.RepeatedScalarFieldContainer[int]
     tokens: _containers.RepeatedCompositeFieldContainer[TokenBlock]
     abort: bool
-    def __init__(self, reservation: _Optional[bytes] = ..., crc32c: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., abort: _Optional[bool] = ...) -> None: ...
+    def __init__(self, reservation: _Optional[bytes] = ..., checksums: _Optional[_Iterable[int]] = ..., tokens: _Optional[_Iterable[_Union[TokenBlock, _Mapping]]] = ..., abort: _Optional[bool] = ...) -> None: ...
