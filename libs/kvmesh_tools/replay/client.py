@@ -93,6 +93,12 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "itl_s": _dist([r["itl_s"] for r in ok if r["itl_s"] is not None]),
         "e2e_s": _dist([r["e2e_s"] for r in ok]),
         "queue_wait_s": _dist([r["queue_wait_s"] for r in ok]),
+        # The parts of ``ttft_s`` the stack reports (None where it does not): the router's decision
+        # (request in -> endpoint chosen, the index lookup included) and the engine's own time to
+        # first token (its queue, restores and prefill). The rest is the hops between the three.
+        "decision_ms": _dist([r["decision_ms"] for r in ok if r.get("decision_ms") is not None]),
+        "lookup_ms": _dist([r["lookup_ms"] for r in ok if r.get("lookup_ms") is not None]),
+        "engine_ttft_s": _dist([r["engine_ttft_s"] for r in ok if r.get("engine_ttft_s") is not None]),
         "output_tok_per_s": round(out_tok / wall_s, 2) if wall_s > 0 else 0.0,
         "requests_per_s": round(len(ok) / wall_s, 3) if wall_s > 0 else 0.0,
         "prompt_tokens": prompt,
@@ -202,6 +208,7 @@ async def _drive(trace: Trace, schedule: Schedule, cfg: ReplayConfig, transport:
             "prompt_tokens": out.prompt_tokens, "output_tokens": out.output_tokens, "cached": out.cached,
             "cached_gpu": out.cached_gpu, "cached_offload": out.cached_offload, "predicted": out.predicted,
             "endpoint": out.endpoint, "split": out.split, "mismatch": out.mismatch,
+            "decision_ms": out.decision_ms, "lookup_ms": out.lookup_ms, "engine_ttft_s": out.engine_ttft_s,
             "error": out.error})
         if out.error:
             log.warning("replay request failed", extra={"uid": req.uid, "error": out.error})

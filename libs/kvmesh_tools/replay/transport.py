@@ -34,6 +34,12 @@ class Outcome:
     endpoint: str = ""
     split: bool = False
     mismatch: str = ""   # why predicted != cached (kvmesh.routing.fidelity), "" when equal
+    # Where the time to first token went, as the stack reports it: the router's decision (request
+    # in -> endpoint chosen; of it, the index lookup) and the engine's own time to first token
+    # (request in at the worker -> first token: its queue, restores and prefill). None: not reported.
+    decision_ms: float | None = None
+    lookup_ms: float | None = None
+    engine_ttft_s: float | None = None
     error: str = ""
     # When ``error``: the exception chain, errno, the phase it failed in and whether the request
     # rode a reused keep-alive connection (``kvmesh_tools.replay.errors``); None otherwise.
@@ -91,6 +97,8 @@ class GrpcTransport:
                     out.endpoint = f.routing.endpoint
                     out.split = f.routing.split
                     out.mismatch = f.routing.mismatch
+                    out.decision_ms, out.lookup_ms = f.routing.decision_ms, f.routing.lookup_ms
+                    out.engine_ttft_s = f.ttft_s or None
         except grpc.aio.AioRpcError as exc:
             out.error = f"{exc.code().name}: {exc.details()}"
         if out.finish is None and not out.error:
@@ -178,6 +186,7 @@ class HttpTransport:
                         out.endpoint = k.get("endpoint", "")
                         out.split = bool(k.get("split"))
                         out.mismatch = k.get("mismatch", "")
+                        out.decision_ms, out.lookup_ms = k.get("decision_ms"), k.get("lookup_ms")
                     if doc.get("usage"):
                         u = doc["usage"]
                         d = u.get("prompt_tokens_details") or {}

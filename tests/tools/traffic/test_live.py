@@ -55,6 +55,11 @@ def test_replay_against_live_stack_and_simulator_agrees(live_stack_rr) -> None:
     wrong = [r for r in res.records if r["predicted"] != r["cached"]]
     assert m["mismatches"]["requests"] == len(wrong) == m["mismatches"]["no_index"]
     assert all(r["mismatch"] == "no_index" for r in wrong)
+    # Where the TTFT went: the router's decision (no index lookup for round robin) and the
+    # engine's own TTFT, which is part of what the client saw.
+    assert all(r["decision_ms"] > 0 and r["lookup_ms"] == 0 for r in res.records)
+    assert all(0 < r["engine_ttft_s"] <= r["ttft_s"] for r in res.records)
+    assert m["engine_ttft_s"]["p50"] <= m["ttft_s"]["p50"] and m["decision_ms"]["p50"] > 0
 
     sim = simulate_policies(_workload(), SimConfig(
         decode_workers=2, prefill_workers=0, kv_capacity_tokens=64 * 64, offload_capacity_tokens=10_000_000,
@@ -79,6 +84,8 @@ def test_replay_http_api(live_stack_rr) -> None:
     assert res.metrics["prompt_tokens"] == sum(r.input_tokens for r in tr.requests())
     # The HTTP front door carries the class too (under "kvmesh"), so the summary counts it.
     assert res.metrics["mismatches"]["requests"] == sum(1 for r in res.records if r["mismatch"])
+    # The decision's time comes under "kvmesh" too; the engine's TTFT only over gRPC.
+    assert all(r["decision_ms"] > 0 and r["engine_ttft_s"] is None for r in res.records)
 
 
 def test_precise_decides_live_as_in_the_simulator(live_stack_precise) -> None:
@@ -104,5 +111,7 @@ def test_precise_decides_live_as_in_the_simulator(live_stack_precise) -> None:
     live = {r["uid"]: (r["endpoint"], r["cached_gpu"], r["cached_offload"]) for r in res.records}
     simulated = {r["uid"]: (r["endpoint"], r["cached_gpu"], r["cached_offload"]) for r in sim["records"]["precise"]}
     assert simulated == live
+    # precise pays for its index lookup, inside its decision.
+    assert all(0 < r["lookup_ms"] <= r["decision_ms"] for r in res.records)
     # Both sessions are placed where their contexts fit: on different workers.
     assert {live["s0/main/0"][0], live["s1/main/0"][0]} == {"decode-0", "decode-1"}
