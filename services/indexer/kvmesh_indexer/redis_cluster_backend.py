@@ -47,7 +47,16 @@ loses blocks that could not extend a leading match anyway (counted:
 Updates are single-slot calls, ordered so a failure in between never leaves a
 holder the reverse index does not know (add: reverse index, then holders;
 remove: holders, then reverse index); the holder calls of one batch, one per
-tag, go out in one pipeline. A lookup is one Lua call
+tag, go out in one pipeline. An add whose chain segments start at roots or at
+chain tails this client stored for the endpoint (a request's next blocks: the
+usual case) guesses every key's tag from the tail's tag and depth and sends the
+reverse-index call and the holder calls in one pipeline: one round trip, not
+two. The reverse-index script checks the guess; when it disagrees (another
+replica changed the endpoint) or did not run, the holder fields the guessed calls
+added are removed again (they return exactly those keys), then the two-step path
+runs or the error is raised. So a holder the reverse index does not know is left
+only if that removal fails too, or the client dies between the two answers.
+A lookup is one Lua call
 per shard, both in one pipeline for chains longer than ``D``. Any replica of the indexer reads the same keys, so it answers the
 same. Connection errors, a master down, or a slot moving raise
 ``IndexUnavailable`` once the client's retries are spent.
@@ -64,7 +73,7 @@ from urllib.parse import unquote, urlsplit
 import redis
 from redis.cluster import ClusterNode, RedisCluster
 
-from kvmesh.index.base import TIERS, IndexStats, LookupResult, Tier
+from kvmesh.index.base import TIERS, IndexStats, IndexUnavailable, LookupResult, Tier
 from kvmesh_indexer.redis_common import (
     LUA_FILTER,
     LUA_LIB,
@@ -104,9 +113,11 @@ end
 """
 
 # KEYS: reg, counts, rindex of the added tier, rindex of every tier (parents may be in another tier)
-# ARGV: tier, D, blob, nstarts, (offset, parent8 or '')...  (nstarts == 0: links unknown)
-# Returns {new, orphans, first, ndirty, dirty tag8..., tag8 keys-blob ...} for the keys new to this
-# endpoint+tier; a dirty tag is one where this endpoint now holds a block without its same-tier parent.
+# ARGV: tier, D, blob, nstarts, (offset, parent8 or '')..., hint  (nstarts == 0: links unknown; hint:
+# the client's tag8 for every key when it sent the holder call at once, else '')
+# Returns {new, orphans, first, ndirty, mismatch, tails, dirty tag8..., tag8 keys-blob ...} for the keys
+# new to this endpoint+tier; a dirty tag is one where this endpoint now holds a block without its
+# same-tier parent; tails: key8 tag8 depth(8 digits) of each chain segment's last key.
 _EP_ADD = _LIB + """
 local tier, D, blob = ARGV[1], tonumber(ARGV[2]), ARGV[3]
 local nst = tonumber(ARGV[4])
@@ -195,7 +206,27 @@ for p, c in pairs(ext) do
 end
 hset_all(rkey, kv)
 if #order > 0 then redis.call('HINCRBY', KEYS[2], tier, #order) end
-local out = {#order, orphans, redis.call('SADD', KEYS[1], rkey), 0}
+-- The client's guess of each key's tag (one-round-trip adds): any key filed elsewhere, or a tag
+-- marked dirty, and the holder call it sent with the guess must be redone from this answer.
+local hint = ARGV[5 + 2 * nst] or ''
+local mismatch = 0
+if #hint > 0 then
+  if #hint ~= 8 * n or next(dirty) ~= nil then mismatch = 1
+  else
+    for i = 1, n do
+      if itag[ks[i]] ~= string.sub(hint, 8 * i - 7, 8 * i) then mismatch = 1; break end
+    end
+  end
+end
+-- tag and depth of the key that ends each chain segment: the parent of the endpoint's next batch
+local tails = {}
+for i = 1, n do
+  local k = ks[i]
+  if (i == n or starts[i] ~= nil) and itag[k] then
+    tails[#tails + 1] = k .. itag[k] .. string.format('%08d', idep[k])
+  end
+end
+local out = {#order, orphans, redis.call('SADD', KEYS[1], rkey), 0, mismatch, table.concat(tails)}
 for t, _ in pairs(dirty) do out[#out + 1] = t; out[4] = out[4] + 1 end
 -- grouped by tag (a reply of two strings per key costs the client more than the work here)
 local groups, tags = {}, {}
@@ -214,10 +245,11 @@ return out
 """
 
 # KEYS: holder hash, dirty set of that tag. ARGV: field, blob of keys, endpoint, mark dirty ('1'|'0').
+# Returns the keys it added the field to (a blob), so a guessed call can be undone exactly.
 _HOLD_ADD = _LIB + """
 local added = hold_all(KEYS[1], keys_of(ARGV[2]), ARGV[1])
 if ARGV[4] == '1' then redis.call('SADD', KEYS[2], ARGV[3]) end
-return #added
+return table.concat(added)
 """
 
 # KEYS: holder hash, dirty set of that tag. ARGV: field, blob, endpoint, dirty op ('+' mark, '-' unmark, '').
@@ -455,6 +487,9 @@ class RedisClusterIndex(RedisIndexBase):
     """Block index on a Redis Cluster; a lookup touches at most two shards."""
 
     name = "redis-cluster"
+    # chain tails remembered per endpoint: a vLLM step has up to max_num_seqs (256 by default)
+    # running requests, each a tail; ~350 bytes an entry
+    TAILS_PER_ENDPOINT = 512
     label = "redis cluster"
     UNAVAILABLE = (*RedisIndexBase.UNAVAILABLE, redis.exceptions.RedisClusterException,
                    redis.exceptions.ClusterDownError, redis.exceptions.SlotNotCoveredError,
@@ -479,6 +514,9 @@ class RedisClusterIndex(RedisIndexBase):
         self.lookup_shards: collections.Counter[int] = collections.Counter()
         self.orphans = 0
         self.last_lookup_shards = 0
+        # endpoint -> {(model, tier, key): (tag8, depth)} of the chain tails this process stored: the
+        # parents of the endpoint's next batches, so an add can send its holder calls at once.
+        self._tails: dict[str, dict[tuple[str, int, int], tuple[bytes, int]]] = {}
         self.r = client or RedisCluster(
             startup_nodes=nodes, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
             cluster_error_retry_attempts=2, require_full_coverage=False, **opts)
@@ -520,29 +558,141 @@ class RedisClusterIndex(RedisIndexBase):
         self._check_layout()
         t = int(Tier(tier))
         rk = [self._ekey(endpoint, f"r:{model}:{x}") for x in (1, 2, 3)]
-        out = self._call(self._ep_add, [self._ekey(endpoint, "reg"), self._ekey(endpoint, "n"), rk[t - 1], *rk],
-                         [t, self.anchor_depth, pack_keys(keys), *starts_args(chain_starts)])
+        ep_keys = [self._ekey(endpoint, "reg"), self._ekey(endpoint, "n"), rk[t - 1], *rk]
+        blob = pack_keys(keys)
+        ep_args = [t, self.anchor_depth, blob, *starts_args(chain_starts)]
+        field = f"{endpoint}\x1f{t};"
+        guess = self._guess_tags(model, endpoint, t, blob, chain_starts)
+        if guess is not None:
+            done = self._add_at_once(model, endpoint, t, field, ep_keys, ep_args, guess)
+            if done is not None:
+                return done
+        out = self._call(self._ep_add, ep_keys, ep_args)
+        return self._added(out, model, endpoint, t, field, holders_done=False)
+
+    def _added(self, out: list, model: str, endpoint: str, t: int, field: str, holders_done: bool) -> int:
+        """Book an ``_EP_ADD`` answer: counters, the chain tails' tags, and (unless the holder calls
+        already ran with the right tags) one holder call per tag, in one pipeline."""
         new, orphans, first, ndirty = int(out[0]), int(out[1]), int(out[2]), int(out[3])
         self.orphans += orphans
         if first:
             self._call(self.r.sadd, f"{self.namespace}:endpoints", endpoint)
             self._call(self.r.sadd, f"{self.namespace}:models", model)
-        dirty = set(out[4:4 + ndirty])
-        field = f"{endpoint}\x1f{t};"
-        calls = []
-        for i in range(4 + ndirty, len(out), 2):
-            tag8 = out[i]
-            tag = _hex(tag8)
-            calls.append(([self._hkey(tag, model), self._dkey(tag, model)],
-                          [field, out[i + 1], endpoint, "1" if tag8 in dirty else "0"]))
-        self._per_tag(self._hold_add, calls)
+        if not holders_done:
+            dirty = set(out[6:6 + ndirty])
+            calls = []
+            for i in range(6 + ndirty, len(out), 2):
+                tag8 = out[i]
+                tag = _hex(tag8)
+                calls.append(([self._hkey(tag, model), self._dkey(tag, model)],
+                              [field, out[i + 1], endpoint, "1" if tag8 in dirty else "0"]))
+            self._per_tag(self._hold_add, calls)
+        tails = self._tails.setdefault(endpoint, {})
+        raw = out[5]
+        for i in range(0, len(raw), 24):
+            tails[(model, t, int.from_bytes(raw[i:i + 8], "big"))] = (raw[i + 8:i + 16], int(raw[i + 16:i + 24]))
+        while len(tails) > self.TAILS_PER_ENDPOINT:
+            del tails[next(iter(tails))]
         return new
+
+    def _guess_tags(self, model: str, endpoint: str, t: int, blob: bytes,
+                    chain_starts: Sequence[tuple[int, int | None]] | None) -> tuple[bytes, dict[bytes, list[bytes]]] | None:
+        """Each key's tag, when every chain segment of the batch starts at a root or at a tail this
+        process stored for the endpoint (the usual case: a request's next blocks): the tag rule of
+        ``_EP_ADD`` applied from the parent's tag and depth. None when a parent is not known here."""
+        if not chain_starts or chain_starts[0][0] != 0:
+            return None
+        tails = self._tails.get(endpoint, {})
+        n, D = len(blob) // 8, self.anchor_depth
+        ends = [off for off, _ in chain_starts[1:]] + [n]
+        tags: list[bytes] = []
+        groups: dict[bytes, list[bytes]] = {}
+        for (off, parent), end in zip(chain_starts, ends, strict=True):
+            if parent is None:
+                tag, d = b"", -1
+            else:
+                got = tails.get((model, t, parent))
+                if got is None:
+                    return None
+                tag, d = got
+            for i in range(off, end):
+                k8 = blob[8 * i:8 * i + 8]
+                if d < 0:
+                    tag, d = k8, 0
+                elif d < D - 1:
+                    d += 1
+                elif d == D - 1:
+                    tag, d = k8, D
+                else:
+                    d = D + 1
+                tags.append(tag)
+                groups.setdefault(tag, []).append(k8)
+        return b"".join(tags), groups
+
+    def _add_at_once(self, model: str, endpoint: str, t: int, field: str, ep_keys: list[str], ep_args: list[Any],
+                     guess: tuple[bytes, dict[bytes, list[bytes]]]) -> int | None:
+        """The reverse-index call and the holder calls with guessed tags, in one pipeline (one round
+        trip instead of two). The reverse-index script checks the guess; when it disagrees, or it
+        did not run, the holder fields the guessed calls added are removed again (they return
+        exactly those keys). Then None: the caller takes the two-step path (a disagreement) or the
+        error is raised (the reverse index did not apply: the batch is re-synced, as before)."""
+        hint, groups = guess
+        hold = [(tag8, [self._hkey(_hex(tag8), model), self._dkey(_hex(tag8), model)]) for tag8 in groups]
+        calls: list[tuple[Any, list[str], list[Any]]] = [(self._ep_add, ep_keys, [*ep_args, hint])]
+        calls += [(self._hold_add, hk, [field, b"".join(groups[tag8]), endpoint, "0"]) for tag8, hk in hold]
+        res = self._pipelined_calls(calls)
+        ep_out, held = res[0], res[1:]
+        ep_ok = not isinstance(ep_out, Exception)
+        if ep_ok and int(ep_out[4]) == 0:
+            failed = [(hk, [field, b"".join(groups[tag8]), endpoint, "0"])
+                      for (tag8, hk), h in zip(hold, held, strict=True) if isinstance(h, Exception)]
+            if failed:
+                # the reverse index knows these blocks; put their holders (a master that lost its
+                # scripts gets them loaded by a direct call)
+                if any(not isinstance(h, redis.exceptions.NoScriptError) for h in held if isinstance(h, Exception)):
+                    self._call(self._raise_first, [h for h in held if isinstance(h, Exception)])
+                self._per_tag(self._hold_add, failed)
+            return self._added(ep_out, model, endpoint, t, field, holders_done=True)
+        undo = [(hk, [field, h, endpoint, ""]) for (_, hk), h in zip(hold, held, strict=True)
+                if not isinstance(h, Exception) and h]
+        try:
+            self._per_tag(self._hold_del, undo)
+        except (IndexUnavailable, redis.RedisError):
+            log.warning("holder fields of a failed add could not be removed; a clear will not reach them",
+                        extra={"endpoint": endpoint, "model": model})
+            raise
+        if ep_ok:
+            return self._added(ep_out, model, endpoint, t, field, holders_done=False)
+        if isinstance(ep_out, redis.exceptions.NoScriptError):
+            return None   # a master without the script: the two-step path loads it
+        self._call(self._raise_first, [ep_out])
+        return None
+
+    @staticmethod
+    def _raise_first(errors: list[BaseException]) -> None:
+        raise errors[0]
+
+    def _pipelined_calls(self, calls: list[tuple[Any, list[str], list[Any]]]) -> list:
+        """Like ``_pipelined`` with a script per call, answers and errors in place."""
+        pipe = self.r.pipeline()
+        for script, keys, args in calls:
+            opts: dict[str, Any] = {}
+            try:
+                opts["target_nodes"] = self.r.get_node_from_key(keys[0])
+            except redis.exceptions.RedisClusterException:
+                pass
+            pipe.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **opts)
+        return self._call(pipe.execute, raise_on_error=False)
 
     def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
         if not keys:
             return 0
         self._check_layout()
         t = int(Tier(tier))
+        tails = self._tails.get(endpoint)
+        if tails:
+            for k in keys:
+                tails.pop((model, t, k), None)
         rkey = self._ekey(endpoint, f"r:{model}:{t}")
         keys8 = list(dict.fromkeys(k.to_bytes(8, "big") for k in keys))
         vals = self._call(self.r.hmget, rkey, keys8)
@@ -615,6 +765,7 @@ class RedisClusterIndex(RedisIndexBase):
         return self._call(pipe.execute)
 
     def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
+        self._tails.pop(endpoint, None)
         reg = self._ekey(endpoint, "reg")
         removed = 0
         for raw in self._call(self.r.smembers, reg):

@@ -290,3 +290,38 @@ def test_a_batch_of_many_chains_is_exact_and_survives_lost_scripts(redis_cluster
         assert _answer(idx.lookup(M, c)) == _answer(ref.lookup(M, c))
     assert idx.endpoint_blocks("e0") == ref.endpoint_blocks("e0") == 24 * 7
     idx.close()
+
+
+def test_a_continuation_is_one_round_trip_and_a_wrong_guess_is_undone(redis_cluster) -> None:
+    """An add whose parent is a chain tail this client stored sends the reverse-index call and the
+    holder calls (tags guessed from the tail) in one pipeline. When the guess is wrong (here another
+    replica removed the tail, so the next block is filed as a new root), the guessed holder fields
+    are removed again and the blocks land where the two-step path puts them: answers, counts and a
+    later clear are exact."""
+    idx = make_cluster_index(redis_cluster, anchor_depth=4)
+    ref = MemoryIndex()
+    c = [(9 << 40) + i for i in range(1, 11)]
+
+    def add(keys: list[int], parent: int | None) -> None:
+        assert idx.add(M, "e0", Tier.GPU, keys, [(0, parent)]) == ref.add(M, "e0", Tier.GPU, keys, [(0, parent)])
+
+    add(c[:3], None)
+    trips: list[str] = []
+    pipelined, call = idx._pipelined_calls, idx._call
+    idx._pipelined_calls = lambda calls: trips.append("pipeline") or pipelined(calls)  # type: ignore[method-assign]
+    idx._call = lambda fn, *a, **kw: trips.append(getattr(fn, "__name__", "script")) or call(fn, *a, **kw)  # type: ignore[method-assign]
+    add(c[3:6], c[2])   # crosses the anchor depth: two tags, still one round trip
+    assert trips == ["pipeline", "execute"]
+    idx._pipelined_calls, idx._call = pipelined, call  # type: ignore[method-assign]
+    other = RedisClusterIndex(redis_cluster.url, namespace=idx.namespace, anchor_depth=4)
+    assert other.remove(M, "e0", Tier.GPU, [c[5]]) == ref.remove(M, "e0", Tier.GPU, [c[5]]) == 1
+    add(c[6:8], c[5])   # this client still has c[5] as a tail: its guess is the anchor's tag
+    anchor = idx._hkey(f"{c[4]:016x}", M)
+    assert idx.r.hget(anchor, c[6].to_bytes(8, "big")) is None
+    for chain in (c, c[6:], c[:5]):
+        assert _answer(idx.lookup(M, chain)) == _answer(ref.lookup(M, chain))
+    assert idx.endpoint_blocks("e0") == ref.endpoint_blocks("e0") == 7
+    assert idx.clear_endpoint("e0") == ref.clear_endpoint("e0") == 7
+    assert idx.lookup(M, c[6:]).matches == {} and idx.lookup(M, c).matches == {}
+    other.close()
+    idx.close()
