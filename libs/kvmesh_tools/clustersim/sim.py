@@ -74,6 +74,10 @@ class Job:
     decided_gpu: int = -1            # the decode worker's GPU hit found at decision, for the dispatch right after
     holds: int = 0                   # times admission control held it at the router
     decode_cached: int = -1          # a split's decode phase: tokens it reused (the prefill's KV from the store)
+    restore_delay: float = 0.0       # the compute phase's restore before it reached the worker's queue (s)
+    scheduled: float | None = None   # when the compute phase first left the worker's waiting queue
+    moved: bool = False              # routed to another endpoint than the session's previous turn
+    free_at_dispatch: int = -1       # the compute worker's free (or evictable) KV tokens when it was sent there
 
 
 @dataclass
@@ -172,6 +176,7 @@ class ClusterSim:
         self._rows_version = -1
         self._worker_rows = np.zeros(0, dtype=np.intp)
         self.jobs: list[Job] = []
+        self._last_ep: dict[str, int] = {}   # session -> decode endpoint of its last routed turn
         self.errors = 0
 
     # ------------------------------------------------------------------ events
@@ -273,6 +278,9 @@ class ClusterSim:
             return
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
+        prev = self._last_ep.get(route.session_id)
+        job.moved = prev is not None and prev != job.decode_ep
+        self._last_ep[route.session_id] = job.decode_ep
         job.view = self._view_at_decision(job, decision, matches)
         split = self.core.decide_split(decision, route, self.now, matches=matches)
         self.core.on_routed(route, decision, self.now, split)
@@ -329,6 +337,8 @@ class ClusterSim:
                 delay = w.latency.restore_time(n * self.bs * self.cfg.kv_bytes_per_token)
         compute_phase = prefill_only or not job.split
         if compute_phase:
+            job.restore_delay = delay
+            job.free_at_dispatch = w.bm.num_free_blocks * self.bs
             job.gpu_hit_blocks = gpu
             job.external = ext_blocks * self.bs
             job.store_hit = store_hit
@@ -542,6 +552,7 @@ class ClusterSim:
                 continue
             job: Job = seq.meta
             if seq.prefill_only or not job.split:
+                job.scheduled = seq.first_scheduled
                 # Same accounting as the sim engine: the scheduler's own GPU hit, the rest restored.
                 cached = max(0, seq.num_cached_tokens)
                 job.cached_gpu = min(seq.num_cached_gpu, cached)
@@ -626,8 +637,25 @@ class ClusterSim:
                     "mismatch": classes.get(id(j), ""),
                     "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),
                     "held_s": round(j.holds * self.core.cfg.scoring.admit_recheck_s, 6),
-                    "error": j.error} for j in self.jobs]
+                    "error": j.error, **self._ttft_parts(j)} for j in self.jobs]
         return PolicyResult(self.policy_name, metrics, ttfts, self._series(done, t0, t1), records)
+
+    def _ttft_parts(self, j: Job) -> dict[str, Any]:
+        """The chosen endpoint's estimated TTFT terms next to the request's simulated TTFT parts
+        (restore before queueing, queue wait, then its own prefill among the others' steps), to
+        check the cost model against the engine model: docs/bench-history.md, #18 TTFT."""
+        win = j.decision.candidates[0] if j.decision is not None and j.decision.candidates else None
+        out: dict[str, Any] = {"moved": j.moved, "prompt": j.req.input_tokens, "free_tokens": j.free_at_dispatch}
+        if win is not None:
+            out.update(est_wait_s=round(win.wait_s, 6), est_own_s=round(win.own_s, 6),
+                       est_decode_s=round(win.decode_s, 6), est_work_s=round(win.work_s, 6),
+                       est_displace_s=round(win.displace_s, 6), est_queued_tokens=round(win.prefill_tokens),
+                       est_queue=win.queue)
+        if j.scheduled is not None and j.first_token is not None and not j.split:
+            queued = j.scheduled - j.release - j.restore_delay
+            out.update(restore_s=round(j.restore_delay, 6), queue_s=round(queued, 6),
+                       prefill_s=round(j.first_token - j.scheduled, 6))
+        return out
 
     def _predicted(self, j: Job) -> int | None:
         """The prediction the live router reports: a split's is what its decode endpoint holds

@@ -195,11 +195,17 @@ def test_decode_fast_forward_changes_nothing(kw: dict) -> None:
     fast = _strip(simulate_policies(tr, _cfg(macro_steps=True, **kw), policies, jobs=1, records=True))
     slow = _strip(simulate_policies(tr, _cfg(macro_steps=False, **kw), policies, jobs=1, records=True))
     assert fast["config"].pop("macro_steps") and not slow["config"].pop("macro_steps")
+    # A turn's TTFT is its restore, its wait in the worker's queue and its prefill (records'
+    # parts, for checking the router's estimate against the engine model).
+    parts = [r for r in fast["records"]["precise"] if "queue_s" in r]
+    assert parts and all(r["restore_s"] + r["queue_s"] + r["prefill_s"] == pytest.approx(r["ttft_s"], abs=3e-6)
+                         for r in parts)
+    assert all("est_wait_s" in r for r in fast["records"]["precise"])
     for p in policies:
         for a, b in zip(fast["records"][p], slow["records"][p], strict=True):
             assert a["release_s"] == pytest.approx(b["release_s"], abs=2e-6)
-            assert a["ttft_s"] == pytest.approx(b["ttft_s"], abs=2e-6)
-            a.pop("release_s"), a.pop("ttft_s"), b.pop("release_s"), b.pop("ttft_s")
+            for k in ("release_s", "ttft_s", "queue_s", "prefill_s"):
+                assert a.pop(k, None) == pytest.approx(b.pop(k, None), abs=2e-6), k
             assert a == b
         fm, sm = fast["results"][p], slow["results"][p]
         for k in _TIMES:
