@@ -135,7 +135,9 @@ class CandidateTable:
             if i is not None:
                 self.shared_arr[i] = n
         queued = np.maximum(lc.prefill_tokens - self.shared_arr, 0.0)
-        self.wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
+        per_token = (cfg.prefill_s_per_token + cfg.attn_s_per_token_pair * lc.prefill_ctx_tokens
+                     if cfg.queue_attention else cfg.prefill_s_per_token)   # scoring.queued_s_per_token
+        self.wait = cfg.queue_weight * queued * per_token
         self.store_life = math.inf
         if cfg.store_keep and offload_enabled:
             self.store_life = load.store_life_s(req.session_id, now)

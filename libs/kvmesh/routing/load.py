@@ -57,6 +57,10 @@ class EffectiveLoad:
     # Of ``resident_tokens``, what the offload store held of each session's prompt when it was
     # routed: displaced there, that part comes back by a restore rather than a recompute.
     stored_tokens: float = 0.0
+    # The mean context a queued prefill token attends to, over the router's in-flight requests
+    # still prefilling there (their cached tokens plus half their own): a token of a 5k tail on
+    # a 190k context costs its attention as well as its linear part (0: nothing queued).
+    prefill_ctx_tokens: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -76,6 +80,12 @@ class _InFlight:
     @property
     def queued_prefill(self) -> int:
         return self.prefill_tokens if self.prefilling else 0
+
+    @property
+    def queued_pairs2(self) -> int:
+        """Twice the attention pairs of its queued prefill: tokens x (cached + tokens/2), doubled
+        so that it stays an integer (sums of it are added and removed exactly)."""
+        return self.prefill_tokens * (2 * self.cached_tokens + self.prefill_tokens) if self.prefilling else 0
 
 
 @dataclass
@@ -97,6 +107,7 @@ class LoadColumns:
     capacity_blocks: np.ndarray
     resident_tokens: np.ndarray
     stored_tokens: np.ndarray
+    prefill_ctx_tokens: np.ndarray
 
 
 class _Sums:
@@ -108,7 +119,8 @@ class _Sums:
     """
 
     FIELDS = ("has_report", "received_at", "running", "waiting", "report_prefill", "kv_usage", "report_blocks",
-              "capacity", "resident", "stored", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx")
+              "capacity", "resident", "stored", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx",
+              "prefill_ctx")
 
     def __init__(self) -> None:
         self.slot: dict[str, int] = {}
@@ -116,6 +128,7 @@ class _Sums:
         # The same in-flight sums as Python ints: ``effective`` returns exactly what it did
         # when it summed the requests one by one.
         self.py: list[list[int]] = []
+        self.pairs2: list[int] = []   # per slot: sum of the in-flight requests' ``queued_pairs2``
         self._slots_cache: dict[tuple[str, ...], np.ndarray] = {}
 
     def slot_of(self, endpoint_id: str) -> int:
@@ -123,6 +136,7 @@ class _Sums:
         if i is None:
             i = self.slot[endpoint_id] = len(self.slot)
             self.py.append([0] * 6)
+            self.pairs2.append(0)
             if i >= len(self.cols["all_req"]):
                 self.cols = {f: np.concatenate([a, np.zeros(len(a))]) for f, a in self.cols.items()}
         return i
@@ -149,6 +163,12 @@ class _Sums:
             py[4] += prefill
             py[5] += ctx
             cols["new_req"][i], cols["new_prefill"][i], cols["new_ctx"][i] = py[3], py[4], py[5]
+
+    def add_pairs(self, i: int, pairs2: int) -> None:
+        """Keep the mean context of the queued prefill (``EffectiveLoad.prefill_ctx_tokens``)."""
+        self.pairs2[i] += pairs2
+        prefill = self.py[i][1]
+        self.cols["prefill_ctx"][i] = self.pairs2[i] / (2.0 * prefill) if prefill > 0 else 0.0
 
     def set_new(self, i: int, req: int, prefill: int, ctx: int) -> None:
         self.py[i][3:6] = [req, prefill, ctx]
@@ -377,7 +397,9 @@ class LoadView:
         self._by_endpoint.setdefault(endpoint_id, {})[request_id] = f
         if keys and f.prefill_tokens > 0:
             self._prefilling_by_head.setdefault(keys[0], {})[request_id] = f
-        self._sums.add(self._sums.slot_of(endpoint_id), 1, f.prefill_tokens, f.num_tokens, self._after_report(f))
+        i = self._sums.slot_of(endpoint_id)
+        self._sums.add(i, 1, f.prefill_tokens, f.num_tokens, self._after_report(f))
+        self._sums.add_pairs(i, f.queued_pairs2)
 
     def pending_overlap(self, keys: list[int], block_size: int) -> dict[str, int]:
         """Per endpoint: queued prefill tokens (of the router's in-flight requests) that compute
@@ -411,7 +433,10 @@ class LoadView:
         if f is None or not f.prefilling:
             return
         self._version += 1
-        self._sums.add(self._sums.slot_of(f.endpoint_id), 0, -f.prefill_tokens, 0, self._after_report(f))
+        i = self._sums.slot_of(f.endpoint_id)
+        pairs2 = f.queued_pairs2
+        self._sums.add(i, 0, -f.prefill_tokens, 0, self._after_report(f))
+        self._sums.add_pairs(i, -pairs2)
         f.prefilling = False
         _drop(self._prefilling_by_head, f.keys[0] if f.keys else None, request_id)
         # A report taken since the request was sent still counts its prefill as queued; left
@@ -429,8 +454,9 @@ class LoadView:
         self._version += 1
         _drop(self._by_endpoint, f.endpoint_id, request_id)
         _drop(self._prefilling_by_head, f.keys[0] if f.keys else None, request_id)
-        self._sums.add(self._sums.slot_of(f.endpoint_id), -1, -f.queued_prefill, -f.num_tokens,
-                       self._after_report(f))
+        i = self._sums.slot_of(f.endpoint_id)
+        self._sums.add(i, -1, -f.queued_prefill, -f.num_tokens, self._after_report(f))
+        self._sums.add_pairs(i, -f.queued_pairs2)
 
     def inflight_count(self, endpoint_id: str) -> int:
         return len(self._by_endpoint.get(endpoint_id, ()))
@@ -444,15 +470,17 @@ class LoadView:
         resident = float(self._sums.cols["resident"][i]) if i is not None else 0.0
         capacity = float(self._sums.cols["capacity"][i]) if i is not None else 0.0
         stored = float(self._sums.cols["stored"][i]) if i is not None else 0.0
+        pctx = float(self._sums.cols["prefill_ctx"][i]) if i is not None else 0.0
         if rep is not None and (now - rep.received_at) <= self.staleness_s:
             return EffectiveLoad(running=rep.running, waiting=rep.waiting + new_req,
                                  prefill_tokens=rep.waiting_prefill_tokens + new_prefill,
                                  kv_usage=rep.kv_usage, inflight=total, stale=False,
                                  active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx,
-                                 capacity_blocks=capacity, resident_tokens=resident, stored_tokens=stored)
+                                 capacity_blocks=capacity, resident_tokens=resident, stored_tokens=stored,
+                                 prefill_ctx_tokens=pctx)
         return EffectiveLoad(running=0, waiting=total, prefill_tokens=all_prefill, inflight=total, stale=True,
                              inflight_ctx_tokens=all_ctx, capacity_blocks=capacity, resident_tokens=resident,
-                             stored_tokens=stored)
+                             stored_tokens=stored, prefill_ctx_tokens=pctx)
 
     def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
         """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
@@ -469,4 +497,5 @@ class LoadView:
                            active_blocks=np.where(fresh, c["kv_usage"] * c["report_blocks"], 0.0),
                            inflight_ctx_tokens=np.where(fresh, c["new_ctx"], c["all_ctx"]),
                            capacity_blocks=c["capacity"],
-                           resident_tokens=c["resident"], stored_tokens=c["stored"])
+                           resident_tokens=c["resident"], stored_tokens=c["stored"],
+                           prefill_ctx_tokens=c["prefill_ctx"])

@@ -8,6 +8,8 @@ and every kind of load is weighed at its real price::
 
     cost = wait + own + decode + work + displace
     wait     = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
+               (with ``queue_attention``, each queued token also at its attention to the queued
+               prefill's mean context: :func:`queued_s_per_token`)
     own      = prefill_cost(uncached, context=cached)            (linear + attention)
              + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
                (with ``store_keep``, the share of the restore the store likely loses while the
@@ -80,6 +82,11 @@ class ScoringConfig:
         "help": "fixed cost of one restore"})
     queue_weight: float = field(default=1.0, metadata={
         "help": "weight of the prefill already queued on the endpoint (minus what this prompt shares)"})
+    queue_attention: bool = field(default=False, metadata={
+        "help": "price the queued prefill with its attention, as the engine computes it: each queued token at "
+                "prefill_s_per_token plus attn_s_per_token_pair times the mean context the router's in-flight "
+                "requests still prefilling there attend to (LoadView: their cached tokens plus half their own); "
+                "false = the linear part only"})
     decode_s_per_seq: float = field(default=_H100.decode_s_per_seq, metadata={
         "help": "decode step time per running sequence"})
     decode_s_per_ctx_token: float = field(default=_H100.decode_s_per_ctx_token, metadata={
@@ -241,7 +248,7 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         restore = (cfg.restore_overhead_s + split.cpu * block_size * cfg.cpu_restore_s_per_token
                    + split.disk * block_size * cfg.disk_restore_s_per_token)
     queued = max(load.prefill_tokens - shared_queued_tokens, 0.0)
-    wait = cfg.queue_weight * queued * cfg.prefill_s_per_token
+    wait = cfg.queue_weight * queued * queued_s_per_token(load.prefill_ctx_tokens, cfg)
     lost = 0.0
     if cfg.store_keep and offload_enabled and store_life_s != math.inf:
         # Restores the store must still hold when the turn is scheduled, after its wait here
@@ -291,6 +298,14 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
                      wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
+
+
+def queued_s_per_token(prefill_ctx_tokens: float, cfg: ScoringConfig) -> float:
+    """Engine time of one queued prefill token (``queue_attention``: its attention to the mean context
+    of the queued prefill, :attr:`EffectiveLoad.prefill_ctx_tokens`, as well as its linear part)."""
+    if cfg.queue_attention:
+        return cfg.prefill_s_per_token + cfg.attn_s_per_token_pair * prefill_ctx_tokens
+    return cfg.prefill_s_per_token
 
 
 def store_kept(wait_s: float, life_s: float) -> float:

@@ -102,7 +102,7 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
                         displace_weight=rng.choice([0.0, 0.6, 1.0]), reuse_window_s=600.0,
                         hold_min_ratio=rng.choice([0.0, 0.3, 0.5, 1.0]),
                         displace_free_at=rng.choice([0.0, 1.5, 2.0, 3.0]), displace_cliff=rng.random() < 0.5,
-                        displace_store_price=rng.random() < 0.5)
+                        displace_store_price=rng.random() < 0.5, queue_attention=rng.random() < 0.5)
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     if rng.random() < 0.5:   # store_keep, with a store that has lost nothing yet, or has a horizon
@@ -196,9 +196,11 @@ def test_load_columns_equal_effective(seed: int) -> None:
         eff = load.effective(e, now)
         assert _scan(load, e, now) == (eff.queue, eff.prefill_tokens, eff.inflight_ctx_tokens, eff.inflight)
         assert (cols.queue[i], cols.prefill_tokens[i], cols.kv_usage[i], cols.inflight[i], cols.active_blocks[i],
-                cols.inflight_ctx_tokens[i], cols.capacity_blocks[i], cols.resident_tokens[i], cols.stored_tokens[i]) == (
+                cols.inflight_ctx_tokens[i], cols.capacity_blocks[i], cols.resident_tokens[i], cols.stored_tokens[i],
+                cols.prefill_ctx_tokens[i]) == (
                     eff.queue, eff.prefill_tokens, eff.kv_usage, eff.inflight, eff.active_blocks,
-                    eff.inflight_ctx_tokens, eff.capacity_blocks, eff.resident_tokens, eff.stored_tokens)
+                    eff.inflight_ctx_tokens, eff.capacity_blocks, eff.resident_tokens, eff.stored_tokens,
+                    eff.prefill_ctx_tokens)
 
 
 @pytest.mark.parametrize("seed", range(50))

@@ -650,3 +650,45 @@ def test_store_horizon_follows_what_the_store_kept_of_returning_sessions():
     d = off.decide(req, Matches(store=TierMatch(cpu=10)), now=500.0)
     off.on_routed(req, d, now=500.0)
     assert off.load.store_horizon.samples == 0
+
+
+# ---------------------------------------------------------------- queue attention
+
+
+def test_queue_attention_prices_the_queued_prefill_with_the_context_it_attends_to():
+    """e0 has one request in flight, 4,000 new tokens after 60,000 cached: its prefill attends to
+    a mean context of 60,000 + 4,000/2 = 62,000 tokens per new token. With ``queue_attention``
+    the next request waits 4,000 x (prefill_s + attn_s x 62,000); without it the linear part."""
+    for on in (False, True):
+        core = _core(1, queue_attention=on, displace_weight=0.0, cluster_work_weight=0.0)
+        cfg = core.cfg.scoring
+        core.load.on_sent("e0", "a", 4000, 0.0, keys=[1, 2, 3], num_tokens=64000, cached_tokens=60000)
+        assert core.load.effective("e0", 0.1).prefill_ctx_tokens == 62000.0
+        c = core.decide(_req(core, 320, "r"), Matches(), now=0.1).candidates[0]
+        per_token = cfg.prefill_s_per_token + (cfg.attn_s_per_token_pair * 62000 if on else 0.0)
+        assert c.wait_s == pytest.approx(4000 * per_token, rel=1e-12)
+    # 250 us + 3.3 ns x 62,000 = 454.6 us per queued token at the default figures.
+    assert c.wait_s == pytest.approx(4000 * 454.6e-6, rel=1e-9)
+    # Once its first token is out, nothing of it is queued and the mean context is 0 again.
+    core.load.on_first_token("a")
+    assert core.load.effective("e0", 0.2).prefill_ctx_tokens == 0.0
+
+
+def test_queue_attention_moves_a_turn_off_a_queue_of_long_context_prefill():
+    """e0 holds the turn's 100,000-token context on its GPU behind a 50,000-token tail on a
+    250,000-token context; e1 is idle but would recompute the context (25 s linear + 16.5 s
+    attention = 41.5 s). Counted linearly, e0's queue is 12.5 s and the turn stays; with the
+    attention it is 50,000 x (250 us + 3.3 ns x 275,000) = 57.9 s, which the engine would take
+    to compute it, and the turn moves."""
+    n = 100_000
+    cap = max_hit_blocks(n, BS)
+
+    def decide(on: bool) -> tuple[str, float]:
+        core = _core(2, queue_attention=on, displace_weight=0.0, cluster_work_weight=0.0)
+        core.load.on_sent("e0", "a", 50_000, 0.0, keys=[7, 8], num_tokens=300_000, cached_tokens=250_000)
+        d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+        return d.endpoint_id, {c.endpoint_id: c for c in d.candidates}["e0"].wait_s
+
+    assert decide(False) == ("e0", pytest.approx(50_000 * 250e-6))
+    ep, wait = decide(True)
+    assert ep == "e1" and wait == pytest.approx(50_000 * (250e-6 + 3.3e-9 * 275_000))
