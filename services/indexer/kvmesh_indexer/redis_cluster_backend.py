@@ -605,29 +605,27 @@ class RedisClusterIndex(RedisIndexBase):
         tails = self._tails.get(endpoint, {})
         n, D = len(blob) // 8, self.anchor_depth
         ends = [off for off, _ in chain_starts[1:]] + [n]
-        tags: list[bytes] = []
+        parts: list[bytes] = []
         groups: dict[bytes, list[bytes]] = {}
         for (off, parent), end in zip(chain_starts, ends, strict=True):
             if parent is None:
-                tag, d = b"", -1
+                ptag, d0 = blob[8 * off:8 * off + 8], -1   # a root: its own tag at depth 0
             else:
                 got = tails.get((model, t, parent))
                 if got is None:
                     return None
-                tag, d = got
-            for i in range(off, end):
-                k8 = blob[8 * i:8 * i + 8]
-                if d < 0:
-                    tag, d = k8, 0
-                elif d < D - 1:
-                    d += 1
-                elif d == D - 1:
-                    tag, d = k8, D
-                else:
-                    d = D + 1
-                tags.append(tag)
-                groups.setdefault(tag, []).append(k8)
-        return b"".join(tags), groups
+                ptag, d0 = got
+            # keys [off, a) stay under the parent's tag; the key at depth D (position a) is the
+            # anchor and tags the rest (a key's depth is d0 + 1 + its offset in the segment)
+            a = min(end, off + D - d0 - 1) if d0 < D else end
+            if a > off:
+                parts.append(ptag * (a - off))
+                groups.setdefault(ptag, []).append(blob[8 * off:8 * a])
+            if a < end:
+                anchor = blob[8 * a:8 * a + 8]
+                parts.append(anchor * (end - a))
+                groups.setdefault(anchor, []).append(blob[8 * a:8 * end])
+        return b"".join(parts), groups
 
     def _add_at_once(self, model: str, endpoint: str, t: int, field: str, ep_keys: list[str], ep_args: list[Any],
                      guess: tuple[bytes, dict[bytes, list[bytes]]]) -> int | None:
