@@ -282,3 +282,15 @@ def test_piecewise_checksum_matches_whole_and_catches_any_flip() -> None:
         flipped[where] ^= 1
         assert block_checksum(flipped) != whole
         flipped[where] ^= 1
+
+
+def test_copy_piece_size_follows_glibc_non_temporal_threshold() -> None:
+    """2 MiB pieces only where glibc copies them with non-temporal stores; 512 KiB otherwise."""
+    from kvmesh.kvstore.client_messages import CACHED_PIECE_BYTES, NT_PIECE_BYTES, copy_piece_bytes
+
+    assert copy_piece_bytes("") == CACHED_PIECE_BYTES
+    nt = "glibc.cpu.x86_non_temporal_threshold"
+    assert copy_piece_bytes(f"{nt}=0x100000:glibc.cpu.x86_rep_movsb_threshold=0x200000") == NT_PIECE_BYTES
+    assert copy_piece_bytes(f"glibc.malloc.trim_threshold=1:{nt}=2097152") == NT_PIECE_BYTES
+    assert copy_piece_bytes(f"{nt}=0x4000000") == CACHED_PIECE_BYTES
+    assert copy_piece_bytes(f"{nt}=junk") == CACHED_PIECE_BYTES

@@ -6,7 +6,7 @@ much faster on the hosts measured (docs/bench-history.md) and a verified shm get
 checksums every byte it copies, so the checksum is a large share of a get's time.
 
 The streaming form gives the same digest as the one-shot form over the concatenated
-pieces, so a block checksummed piece by piece (the copy loop, in the cache-hot destination)
+pieces, so a block checksummed piece by piece (the copy loop, in the destination)
 matches one checksummed whole (the gRPC stream, the disk tier). The ``xxhash`` package holds
 the GIL while it hashes; the copy loop runs on two threads and only the copy
 (``ctypes.memmove``) would then overlap, so ``PieceHasher`` calls the same XXH3 functions

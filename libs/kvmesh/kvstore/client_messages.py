@@ -66,13 +66,36 @@ def check_dests(sizes: list[int], dests: Sequence[object]) -> list[memoryview]:
     return out
 
 
-# Blocks are copied in pieces this big. Verifying while copying checksums each piece right after
-# it is copied, while it is still in the core's cache, so verification adds no second trip to
-# memory; and on the hosts measured (docs/bench-history.md) glibc copies 512 KiB pieces faster
-# than whole 2 MiB blocks or smaller pieces, so unverified copies use the same pieces -- provided
-# glibc does not copy them with `rep movsb` (on AMD it does for 8 KiB .. L2 size, about half as
-# fast here): run with glibc.cpu.x86_rep_movsb_threshold=0x200000 (docs/offload.md).
-VERIFY_CHUNK_BYTES = 512 * 1024
+# Blocks are copied in pieces, each checksummed in the destination right after its copy. Which
+# size is fastest depends on how glibc copies it (docs/bench-history.md, #20):
+# - With glibc's non-temporal threshold at or below 2 MiB (GLIBC_TUNABLES, docs/offload.md),
+#   2 MiB pieces are copied with non-temporal stores: two memory transfers per byte where a
+#   cached copy makes three (the destination lines are read before being written). An
+#   unverified copy then runs at about the one-big-memcpy baseline, and a verified one reads the
+#   piece back from memory to checksum it, which XXH3 does fast enough to come out even or ahead.
+# - Otherwise 512 KiB pieces, copied with cached stores and checksummed while in cache: 2 MiB
+#   pieces copied that way are slower.
+# Either way glibc must not copy pieces with `rep movsb` (on AMD it does for 8 KiB .. L2 size,
+# about half as fast here): glibc.cpu.x86_rep_movsb_threshold=0x200000.
+NT_PIECE_BYTES = 2 * 1024 * 1024
+CACHED_PIECE_BYTES = 512 * 1024
+_NT_TUNABLE = "glibc.cpu.x86_non_temporal_threshold="
+
+
+def copy_piece_bytes(glibc_tunables: str) -> int:
+    """The copy loop's piece size for a process started with ``GLIBC_TUNABLES=glibc_tunables``
+    (glibc reads it once, at start)."""
+    for item in glibc_tunables.split(":"):
+        if item.startswith(_NT_TUNABLE):
+            try:
+                if int(item[len(_NT_TUNABLE):], 0) <= NT_PIECE_BYTES:
+                    return NT_PIECE_BYTES
+            except ValueError:
+                pass
+    return CACHED_PIECE_BYTES
+
+
+VERIFY_CHUNK_BYTES = copy_piece_bytes(os.environ.get("GLIBC_TUNABLES", ""))
 
 # Threads that copy (and checksum) one get's or one put's blocks, each its own share of them. One
 # core's copy plus checksum is bound by that core's memory-level parallelism, not by the memory
@@ -141,9 +164,9 @@ def share_threads(nbytes: int, nblocks: int, threads: int | None = None) -> int:
 
 def copy_blocks(dsts: list[memoryview], srcs: list[memoryview], summed: Sequence[bool],
                 threads: int | None = None) -> list[int]:
-    """Copy ``srcs[i]`` into ``dsts[i]`` (same lengths, checked by the caller) in 512 KiB pieces;
-    where ``summed[i]``, checksum each piece of the *destination* right after copying it, while
-    it is in cache. Returns each destination's XXH3-64 (0 where not summed).
+    """Copy ``srcs[i]`` into ``dsts[i]`` (same lengths, checked by the caller) in
+    ``VERIFY_CHUNK_BYTES`` pieces; where ``summed[i]``, checksum each piece of the *destination*
+    right after copying it. Returns each destination's XXH3-64 (0 where not summed).
 
     The one copy loop of the same-host paths: the get's copy into the caller's buffers and the
     put's copy into the store's slots (or the client's segment). The blocks are split over
@@ -277,7 +300,7 @@ def reserve_request(plan: PutPlan) -> offload_pb2.ShmRequest:
 def write_reserved(plan: PutPlan, resv: offload_pb2.PutReservation, maps: StoreMaps,
                    threads: int | None = None) -> offload_pb2.PutCommit:
     """Copies each block into its reserved slab slot and checksums the slot right after, piece
-    by piece while its bytes are in cache (blocking: the one copy of the put, on ``threads``
+    by piece (blocking: the one copy of the put, on ``threads``
     copy threads like a get's, see ``copy_blocks``)."""
     n = len(plan.keys)
     if len(resv.segments) != n or len(resv.offsets) != n:

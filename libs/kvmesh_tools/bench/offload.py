@@ -23,8 +23,8 @@ How each figure is measured (GB = 1e9 bytes; every figure is the median of
   connector does: it writes into its already-allocated cache). The store names
   where each block sits in its shared slabs; the client copies it from there
   into the buffer: one copy per block, plus one GetShm and one ReleaseShm call.
-  Each block's XXH3-64 is verified while it is copied (512 KiB pieces checksummed
-  right after copying, while in cache), the blocks split over ``copy_threads``
+  Each block's XXH3-64 is verified while it is copied (2 MiB pieces under the
+  bench's glibc tunables, checksummed right after copying: ``client_messages.copy_piece_bytes``), the blocks split over ``copy_threads``
   threads (``$KVMESH_OFFLOAD_COPY_THREADS``, default 2); ``get_gbps_shm_trusted`` is
   the same get by a client with ``trust_local_store`` (no verification),
   ``get_shm_verified_vs_trusted`` their same-run ratio; ``get_gbps_shm_1thread`` the
@@ -39,7 +39,7 @@ How each figure is measured (GB = 1e9 bytes; every figure is the median of
   received straight into the caller buffer), on loopback here;
   ``get_gbps_bulk_fetch`` receives into a pooled client buffer instead.
 - ``put_gbps_*``: ``put`` of the same blocks after deleting them. ``put_gbps_shm`` copies
-  each block into its reserved slab slot and checksums it there, 512 KiB pieces at a time,
+  each block into its reserved slab slot and checksums it there, piece by piece as the get does,
   the blocks split over ``copy_threads`` threads as the get's are; ``put_gbps_shm_1thread``
   is the same put copied by the calling thread alone (same run), ``put_vs_get_shm`` the
   target ratio (>= 0.8) and ``put_vs_get_shm_1thread`` both on one thread.

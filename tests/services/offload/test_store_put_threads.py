@@ -19,7 +19,7 @@ from kvmesh.kvstore.client import OffloadClient, block_checksum
 pytestmark = pytest.mark.timeout(120)
 NS = "tiny-llama/L2-H2-D32-bf16-bs32"
 # Bigger than the copy piece (not a multiple of it) and >= the store's slab minimum.
-SIZE = cm.VERIFY_CHUNK_BYTES * 2 + 4099
+SIZE = cm.VERIFY_CHUNK_BYTES + 4099
 
 
 def _blocks(total: int, seed: int) -> list[tuple[int, bytes]]:
