@@ -5,8 +5,13 @@ Event kinds (one heap, ordered by time then insertion):
 - RELEASE: a request is sent (its dependencies finished + think time);
   the router decides (precise: index lookup, and the store's tier), maybe
   splits to a prefill worker, and dispatches.
-- ARRIVE: the request reaches a worker after its KV restore from the offload
-  store (restore time from the latency model), and joins the scheduler queue.
+- RESTORED: a queued request's KV restore from the offload store is done. A
+  request joins its worker's scheduler queue when it is sent; when the scheduler
+  first reaches it (its ``ready`` check, as vLLM's scheduler asks its KV connector
+  in ``schedule()``), the blocks the store has beyond the worker's own cache start
+  to load (time from the latency model). The request keeps its place in the queue
+  and is skipped while they load, as vLLM parks it (``WAITING_FOR_REMOTE_KVS``);
+  the scheduler takes it at its first step after the load.
 - STEP: a worker's engine step finishes; outputs are applied, first tokens and
   completions recorded, the next step is planned at once if work remains.
 
@@ -37,7 +42,7 @@ from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_
 from kvmesh.routing.scoring import ScoringConfig
 from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
 from kvmesh.worker.engine.sim.latency import LatencyParams
-from kvmesh.worker.engine.sim.scheduler import SchedulerConfig, Seq
+from kvmesh.worker.engine.sim.scheduler import ReadyCheck, SchedulerConfig, Seq
 from kvmesh_tools.clustersim.config import SimConfig
 from kvmesh_tools.clustersim.parts import SimOffload, SimWorker, WorkerSpec
 from kvmesh_tools.traffic.model import Request, Trace
@@ -45,7 +50,7 @@ from kvmesh_tools.traffic.schedule import Schedule, ScheduleRunner
 
 log = logging.getLogger(__name__)
 
-RELEASE, ARRIVE, STEP, MACRO, BOUNDARY, HOLD = 0, 1, 2, 3, 4, 5
+RELEASE, RESTORED, STEP, MACRO, BOUNDARY, HOLD = 0, 1, 2, 3, 4, 5
 
 
 @dataclass(slots=True)
@@ -65,16 +70,16 @@ class Job:
     cached_gpu: int = 0
     cached_offload: int = 0
     gpu_hit_blocks: int = 0          # on the computing worker at dispatch
-    external: int = 0                # tokens restored at dispatch
+    external: int = 0                # tokens the store held for it at dispatch (its restore's end)
     store_hit: int = 0               # leading blocks present in the store at dispatch
-    planned_restore: int = 0         # tokens whose restore was charged at the latest dispatch
+    planned_restore: int = 0         # tokens whose restore the latest phase waited for in the queue
     admitted: bool = True            # the latest dispatch's sequence has been scheduled
     error: str = ""
     view: ViewAtDecision | None = None   # the router's view and the truth at decision time
     decided_gpu: int = -1            # the decode worker's GPU hit found at decision, for the dispatch right after
     holds: int = 0                   # times admission control held it at the router
     decode_cached: int = -1          # a split's decode phase: tokens it reused (the prefill's KV from the store)
-    restore_delay: float = 0.0       # the compute phase's restore before it reached the worker's queue (s)
+    restore_delay: float = 0.0       # the compute phase's restore while it waited in the worker's queue (s)
     scheduled: float | None = None   # when the compute phase first left the worker's waiting queue
     moved: bool = False              # routed to another endpoint than the session's previous turn
     free_at_dispatch: int = -1       # the compute worker's free (or evictable) KV tokens when it was sent there
@@ -178,6 +183,12 @@ class ClusterSim:
         self.jobs: list[Job] = []
         self._last_ep: dict[str, int] = {}   # session -> decode endpoint of its last routed turn
         self.errors = 0
+        # A queued sequence's restore: False while its KV loads, True once loaded (until scheduled).
+        self._restore: dict[Seq, bool] = {}
+        self._loading = [0] * len(self.workers)   # sequences loading per worker
+        if self.store is not None:
+            for i, w in enumerate(self.workers):
+                w.sched.ready = self._ready_check(i)
 
     # ------------------------------------------------------------------ events
     def _push(self, t: float, kind: int, payload: Any) -> None:
@@ -211,7 +222,7 @@ class ClusterSim:
             elif kind == HOLD:
                 self._route(payload)
             else:
-                self._on_arrive(*payload)
+                self._on_restored(*payload)
 
     # ------------------------------------------------------------------ routing
     def _refresh_load(self) -> None:
@@ -309,7 +320,8 @@ class ClusterSim:
 
     # ------------------------------------------------------------------ workers
     def _dispatch(self, job: Job, widx: int, prefill_only: bool) -> None:
-        """Send to a worker: restore what the store has beyond the worker's own cache, then queue."""
+        """Send to a worker: it joins the scheduler queue at once; a restore from the store
+        starts when the scheduler first reaches it (``_ready_check``)."""
         w = self.workers[widx]
         req = job.req
         cap = max(0, (req.input_tokens - 1) // self.bs)
@@ -319,44 +331,74 @@ class ClusterSim:
         else:
             gpu = w.gpu_hit_blocks(keys, req.input_tokens)
         job.decided_gpu = -1
-        ext_blocks = 0
-        backed = 0
-        delay = 0.0
-        store_hit = 0
-        if self.store is not None:
-            store_hit = self.store.leading(keys, cap)
-            # The store also backs the GPU hit: if the GPU evicts those blocks before the
-            # request is scheduled (running requests grow into free cached blocks), vLLM's
-            # offloading connector, asked at scheduling time, restores them then instead of
-            # the engine recomputing them; that late restore is charged in _plan.
-            backed = store_hit
-            if store_hit > gpu:
-                ext_blocks = store_hit
-                n = store_hit - gpu
-                self.store.touch(keys[gpu:store_hit], req.session)
-                delay = w.latency.restore_time(n * self.bs * self.cfg.kv_bytes_per_token)
+        store_hit = self.store.leading(keys, cap) if self.store is not None else 0
         compute_phase = prefill_only or not job.split
         if compute_phase:
-            job.restore_delay = delay
+            job.restore_delay = 0.0
             job.free_at_dispatch = w.bm.num_free_blocks * self.bs
             job.gpu_hit_blocks = gpu
-            job.external = ext_blocks * self.bs
+            job.external = store_hit * self.bs if store_hit > gpu else 0
             job.store_hit = store_hit
+        # The store also backs the GPU hit: if the GPU evicts those blocks before the request
+        # is scheduled, the restore at scheduling time loads them instead of the engine
+        # recomputing them.
         seq = Seq(request_id=req.uid + ("#p" if prefill_only else ""), prompt_len=req.input_tokens,
                   max_tokens=1 if prefill_only else max(1, req.output_tokens), block_hashes=list(keys),
-                  arrival=self.now, prefill_only=prefill_only, meta=job,
-                  external_cached=max(ext_blocks, backed) * self.bs)
-        job.planned_restore = (ext_blocks - gpu) * self.bs if ext_blocks else 0
+                  arrival=self.now, prefill_only=prefill_only, meta=job, external_cached=store_hit * self.bs)
+        job.planned_restore = 0
         job.admitted = False
-        if delay > 0:
-            self._push(self.now + delay, ARRIVE, (widx, seq))
-        else:
-            self._on_arrive(widx, seq)
+        self._on_arrive(widx, seq)
+
+    def _ready_check(self, widx: int) -> ReadyCheck:
+        """The worker's scheduler asks this before it takes a waiting request, as vLLM's scheduler
+        asks its KV connector (``get_num_new_matched_tokens``) when it reaches the request: the
+        blocks the store holds beyond the GPU hit load asynchronously (vLLM's and kvmesh's
+        offloading connectors both load async); the request is skipped, keeping its place, until
+        the load is done."""
+        w = self.workers[widx]
+        store = self.store
+        assert store is not None
+        bs = self.bs
+
+        def ready(seq: Seq, gpu_blocks: int) -> bool:
+            state = self._restore.get(seq)
+            if state is not None:
+                return state
+            if seq.num_cached_tokens >= 0:
+                return True   # preempted: recomputed (its restored KV was freed with its blocks)
+            job: Job = seq.meta
+            keys = seq.block_hashes
+            store_hit = store.leading(keys, max(0, (seq.prompt_len - 1) // bs))
+            seq.external_cached = store_hit * bs
+            if store_hit <= gpu_blocks:
+                return True
+            n = store_hit - gpu_blocks
+            store.touch(keys[gpu_blocks:store_hit], job.req.session)
+            delay = w.latency.restore_time(n * bs * self.cfg.kv_bytes_per_token)
+            job.planned_restore = n * bs
+            if seq.prefill_only or not job.split:
+                job.restore_delay = delay
+            self._restore[seq] = False
+            self._loading[widx] += 1
+            self._push(self.now + delay, RESTORED, (widx, seq))
+            return False
+
+        return ready
+
+    def _on_restored(self, widx: int, seq: Seq) -> None:
+        self._restore[seq] = True
+        self._loading[widx] -= 1
+        self._wake(widx)
 
     def _on_arrive(self, widx: int, seq: Seq) -> None:
+        self.workers[widx].sched.add(seq)
+        self._wake(widx)
+
+    def _wake(self, widx: int) -> None:
+        """The worker's queue changed: plan now if idle, or cut a decode stretch at the end of
+        the step in progress, where the step-by-step loop would plan next."""
         w = self.workers[widx]
         self._changed[widx] = True
-        w.sched.add(seq)
         if w.macro is not None:
             self._truncate_macro(w, widx)
         elif w.plan is None:
@@ -381,7 +423,9 @@ class ClusterSim:
 
     def _try_macro(self, w: SimWorker, widx: int) -> bool:
         s = w.sched
-        if s.waiting or not s.running:
+        # Waiting requests whose KV is loading are skipped by every step until it is loaded
+        # (its RESTORED event cuts the stretch).
+        if len(s.waiting) > self._loading[widx] or not s.running:
             return False
         max_len = self.cfg.max_model_len
         n = 1 << 30
@@ -506,8 +550,8 @@ class ClusterSim:
                 w.steps += 1
                 self._push(self.now + plan.duration, STEP, widx)
                 return
-            if w.sched.running:
-                break
+            if w.sched.running or self._loading[widx]:
+                break   # the running go on, or a restore in progress will wake the worker
             # Nothing running and the head of the queue cannot get blocks: it never will.
             head = w.sched.waiting[0]
             w.sched.abort(head.request_id)
@@ -516,13 +560,15 @@ class ClusterSim:
 
     def _late_restores(self, w: SimWorker, plan: Any) -> float:
         """Restore time of requests first scheduled in ``plan`` whose GPU hit was evicted while
-        they waited, so the store (which backed it) supplied more than was restored at dispatch."""
+        their restore loaded (no blocks are held meanwhile), so the store (which backed it)
+        supplied more than the restore the request waited for."""
         extra = 0
         for seq, _n in plan.scheduled:
             job: Job = seq.meta
             if job.admitted or seq.num_cached_tokens < 0:
                 continue
             job.admitted = True
+            self._restore.pop(seq, None)
             restored = seq.num_cached_tokens - seq.num_cached_gpu
             if restored > job.planned_restore:
                 self.store.touch(seq.block_hashes[seq.num_cached_gpu // self.bs:seq.num_cached_tokens // self.bs],  # type: ignore[union-attr]
@@ -642,7 +688,7 @@ class ClusterSim:
 
     def _ttft_parts(self, j: Job) -> dict[str, Any]:
         """The chosen endpoint's estimated TTFT terms next to the request's simulated TTFT parts
-        (restore before queueing, queue wait, then its own prefill among the others' steps), to
+        (its restore while queued, the rest of its queue wait, then its own prefill among the others' steps), to
         check the cost model against the engine model: docs/bench-history.md, #18 TTFT."""
         win = j.decision.candidates[0] if j.decision is not None and j.decision.candidates else None
         out: dict[str, Any] = {"moved": j.moved, "prompt": j.req.input_tokens, "free_tokens": j.free_at_dispatch}

@@ -178,7 +178,7 @@ _TIMES = ("ttft_p50_s", "ttft_p90_s", "ttft_p99_s", "output_tok_per_s", "load_im
 
 # The small cache's case runs precise without the cluster terms: with them it places contexts
 # where they fit and never preempts, and this test is about preempting mid-stretch.
-@pytest.mark.parametrize("kw", [dict(), dict(kv_capacity_tokens=16000, scoring=ScoringConfig(cluster_work_weight=0.0,
+@pytest.mark.parametrize("kw", [dict(), dict(kv_capacity_tokens=14500, scoring=ScoringConfig(cluster_work_weight=0.0,
                                                                                             displace_weight=0.0)),
                                 dict(prefill_workers=0, offload_capacity_tokens=0)])
 def test_decode_fast_forward_changes_nothing(kw: dict) -> None:
@@ -238,3 +238,53 @@ def test_admission_control_holds_recomputes_and_counts_the_wait() -> None:
     assert all(r["ttft_s"] >= r["held_s"] for r in held)
     off = simulate_policies(tr, dataclasses.replace(on, scoring=ScoringConfig()), ["precise"], jobs=1)
     assert off["results"]["precise"]["held_requests"] == 0
+
+
+class _NoDependents:
+    """A schedule runner for hand-made jobs: finishing one releases nothing."""
+
+    def complete(self, idx: int, now: float) -> list:  # noqa: ARG002
+        return []
+
+
+def test_a_restoring_request_keeps_its_place_in_the_queue() -> None:
+    """A turn that restores its prefix from the store joins the worker's queue when it is sent
+    and keeps its place while its KV loads (vLLM parks it, WAITING_FOR_REMOTE_KVS, and takes it
+    once loaded): a request sent after it, which needs no restore but waits for room, is
+    scheduled after it."""
+    from kvmesh.routing.types import RouteRequest
+    from kvmesh_tools.clustersim.run import schedule_for
+    from kvmesh_tools.clustersim.sim import HOLD, ClusterSim, Job
+    from kvmesh_tools.traffic.model import Request
+
+    tr = _trace()
+    bs = tr.block_size
+    cfg = _cfg(decode_workers=1, prefill_workers=0, kv_capacity_tokens=20000, offload_capacity_tokens=200000)
+    sim = ClusterSim(tr, schedule_for(tr, cfg), cfg, "round_robin")
+    sim.runner = _NoDependents()  # type: ignore[assignment]
+
+    def job(name: str, first_id: int, prompt_blocks: int, output: int) -> Job:
+        req = Request(uid=f"s-{name}/main/0", session=f"s-{name}", agent="main", t=0.0,
+                      input_tokens=prompt_blocks * bs + 8, output_tokens=output,
+                      hash_ids=list(range(first_id, first_id + prompt_blocks)), namespace="t", block_size=bs)
+        route = RouteRequest(request_id=req.uid, model=cfg.model, keys=req.keys, num_tokens=req.input_tokens,
+                             block_size=bs, session_id=f"{req.session}/main")
+        return Job(node=0, req=req, route=route, release=0.0)
+
+    # A long turn holds most of the worker's KV while it decodes.
+    busy = job("busy", 1_000_000, 12000 // bs, 4000)
+    # Its prefix is in the store (an earlier turn saved it): it restores before it is scheduled.
+    restoring = job("restoring", 2_000_000, 2000 // bs, 16)
+    sim.store.put(restoring.req.keys[:2000 // bs], 0, restoring.req.session)  # type: ignore[union-attr]
+    # Sent just after, nothing cached, and too large for the room the busy turn leaves.
+    later = job("later", 3_000_000, 9000 // bs, 16)
+    for t, j in ((0.0, busy), (5.0, restoring), (5.0, later)):
+        j.release = t
+        sim._push(t, HOLD, j)
+    sim._loop()
+    assert all(j.first_token is not None and not j.error for j in (busy, restoring, later))
+    assert restoring.planned_restore == 2000 // bs * bs and restoring.restore_delay > 0
+    # The restoring turn is served once its KV is in; the later one only when the busy turn ends.
+    assert restoring.first_token < later.scheduled  # type: ignore[operator]
+    assert later.scheduled >= busy.finish  # type: ignore[operator]
+    assert restoring.first_token - restoring.release < 2 * restoring.restore_delay + 1.0
