@@ -372,6 +372,12 @@ class ClusterSim:
             seq.external_cached = store_hit * bs
             if store_hit <= gpu_blocks:
                 return True
+            # vLLM allocates the request's blocks before the load (its GPU hit is then held, not
+            # evictable) and admits no load whose blocks do not fit: it is asked again next step.
+            bm = w.bm
+            if not bm.allocate(seq.request_id, store_hit * bs, bm.find_longest_hit(keys, seq.num_tokens),
+                               meta=job):
+                return False
             n = store_hit - gpu_blocks
             store.touch(keys[gpu_blocks:store_hit], job.req.session)
             delay = w.latency.restore_time(n * bs * self.cfg.kv_bytes_per_token)
@@ -559,9 +565,9 @@ class ClusterSim:
         w.plan = None
 
     def _late_restores(self, w: SimWorker, plan: Any) -> float:
-        """Restore time of requests first scheduled in ``plan`` whose GPU hit was evicted while
-        their restore loaded (no blocks are held meanwhile), so the store (which backed it)
-        supplied more than the restore the request waited for."""
+        """Restore time of requests first scheduled in ``plan`` whose GPU hit shrank after their
+        restore was planned, so the store (which backed it) supplied more than the restore they
+        waited for. A guard: a loading request holds its blocks, so none is lost while it loads."""
         extra = 0
         for seq, _n in plan.scheduled:
             job: Job = seq.meta
