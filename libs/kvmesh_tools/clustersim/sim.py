@@ -186,6 +186,10 @@ class ClusterSim:
         # A queued sequence's restore: False while its KV loads, True once loaded (until scheduled).
         self._restore: dict[Seq, bool] = {}
         self._loading = [0] * len(self.workers)   # sequences loading per worker
+        # Per worker, sequences whose load is done, holding blocks, not yet scheduled: vLLM
+        # schedules these first (``kv_holding_waiting``); behind a request that cannot get
+        # blocks they would hold them with nothing running to free any.
+        self._loaded: list[list[Seq]] = [[] for _ in self.workers]
         if self.store is not None:
             for i, w in enumerate(self.workers):
                 w.sched.ready = self._ready_check(i)
@@ -394,7 +398,17 @@ class ClusterSim:
     def _on_restored(self, widx: int, seq: Seq) -> None:
         self._restore[seq] = True
         self._loading[widx] -= 1
+        self._loaded[widx].append(seq)
         self._wake(widx)
+
+    def _loaded_first(self, widx: int) -> None:
+        """Put the loaded sequences still waiting at the head of the queue, in load order."""
+        waiting = self.workers[widx].sched.waiting
+        loaded = self._loaded[widx] = [s for s in self._loaded[widx] if s.num_cached_tokens < 0 and s in waiting]
+        for seq in reversed(loaded):
+            if waiting[0] is not seq:
+                waiting.remove(seq)
+                waiting.appendleft(seq)
 
     def _on_arrive(self, widx: int, seq: Seq) -> None:
         self.workers[widx].sched.add(seq)
@@ -546,6 +560,8 @@ class ClusterSim:
         if self.cfg.macro_steps and self._try_macro(w, widx):
             return
         while w.sched.has_work:
+            if self._loaded[widx]:
+                self._loaded_first(widx)
             plan = w.sched.plan(self.now)
             w.publish()
             if not plan.empty:
