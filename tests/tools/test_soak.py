@@ -14,6 +14,20 @@ from kvmesh_tools.stack.launcher import LocalStack, StackConfig
 pytestmark = [pytest.mark.timeout(300), pytest.mark.slow]
 
 
+def test_soak_prompts_fit_a_small_stack_many_times_over() -> None:
+    """The soak's sessions are sized for small stacks; the demo's long prompts would not fit.
+
+    The demo's prompts grew 4x once and the soak, which then borrowed the demo's shape, sent
+    prompts larger than the 512-block worker below (HTTP 400 "prompt needs 535 KV blocks")."""
+    from kvmesh_tools.traffic.shapes import long_agent_sessions, short_agent_sessions
+
+    block_tokens = StackConfig().block_size
+    for seed in range(5):
+        longest = max(r.input_tokens for r in short_agent_sessions(1, seed).requests())
+        assert longest * 2 <= 512 * block_tokens, (seed, longest)
+    assert max(r.input_tokens for r in long_agent_sessions(1, 0).requests()) > 512 * block_tokens // 2
+
+
 def test_a_short_soak_reports_each_minute_and_every_service(tmp_path: Path) -> None:
     cfg = StackConfig(decode_workers=2, prefill_workers=0, redis="off", time_scale=20.0, num_blocks=512,
                       log_dir=str(tmp_path / "stack"), offload_ram_bytes=64 << 20)

@@ -46,23 +46,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def demo_workload(sessions: int, seed: int) -> Any:
-    """Short agent sessions with frequent, large sub-agent bursts sharing their prompts.
+    """The demo's traffic: long agent prompts, so a cache hit shows in TTFT (traffic.shapes)."""
+    from kvmesh_tools.traffic.shapes import long_agent_sessions
 
-    Prompts are long enough that prefill dominates a request's time to first token, as in agent
-    traffic (~195k tokens a turn in the shared traces; here 12k at the median, up to 64k, so that
-    three fresh stacks run in a few minutes): a hit on the sub-agents' shared 8k-token prompt
-    saves ~0.2 s of (10x accelerated) prefill. With the 3k-token prompts this demo had, a hit
-    saved ~10 ms, about what precise's index lookup costs, and the report's TTFT showed the
-    stack's own noise rather than the routing (docs/bench-history.md, "make demo's TTFT").
-    """
-    from kvmesh_tools.traffic.generator import GeneratorConfig, generate
-
-    return generate(GeneratorConfig(
-        sessions=sessions, seed=seed, turns_median=6, system_tokens=16384, first_user_tokens=2000,
-        growth_median=1200, growth_p99=12000, output_median=24, output_p99=96, think_median_s=2.0,
-        think_p99_s=30.0, reset_prob=0.02, max_context_tokens=64000, subagent_group_prob=0.3,
-        group_median=5, group_p90=12, group_max=12, subagent_system_tokens=8192, subagent_task_tokens=1500,
-        subagent_turns_median=3, group_stagger_s=0.05))
+    return long_agent_sessions(sessions, seed)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -4,7 +4,8 @@ Why it exists: a replay ends when its trace does; a soak must hold a steady load
 as asked and show, minute by minute, whether anything drifts -- errors, TTFT, hit rate,
 prediction accuracy, and the memory of every service (issue 21: decode workers grew ~17 MB/min,
 the store went to 3-4x its RAM tier). Each of ``sessions`` slots runs one generated agent
-session turn after turn (the ``demo`` workload's shape), then starts a fresh one, until the
+session turn after turn (``traffic.shapes.short_agent_sessions``: prompts that fit a default
+stack's workers many times over), then starts a fresh one, until the
 time is up; RSS of every service process listed in the stack's ``stack.json`` (written by
 ``kvmesh up``) is sampled from ``/proc`` every ``sample_s``.
 """
@@ -73,10 +74,10 @@ def rss_parts(pid: int) -> dict[str, int]:
 
 
 def _session_requests(seed: int) -> list[Any]:
-    """One generated agent session's requests in recorded order (the demo workload's shape)."""
-    from kvmesh_tools.cli.cmd_demo import demo_workload
+    """One generated agent session's requests in recorded order (short prompts, traffic.shapes)."""
+    from kvmesh_tools.traffic.shapes import short_agent_sessions
 
-    trace = demo_workload(1, seed)
+    trace = short_agent_sessions(1, seed)
     return sorted(trace.requests(), key=lambda r: r.t)
 
 
