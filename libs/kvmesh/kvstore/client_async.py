@@ -55,7 +55,15 @@ class OffloadClient(core.ClientCore):
 
     async def _do(self, op: core.Op) -> Any:
         if isinstance(op, core.Blocking):
-            return await asyncio.to_thread(op.fn, *op.args)
+            work = asyncio.ensure_future(asyncio.to_thread(op.fn, *op.args))
+            try:
+                return await asyncio.shield(work)
+            except asyncio.CancelledError:
+                # A thread cannot be stopped: it is still reading the lease's views and writing
+                # the caller's buffers. The plan must not end the lease (and the caller must not
+                # reuse the buffers) until it is done.
+                await asyncio.wait({work})
+                raise
         md = core.trace_metadata()
         if isinstance(op, core.Unary):
             return await op.call(op.request, timeout=self.timeout_s, metadata=md)

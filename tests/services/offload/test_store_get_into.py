@@ -45,6 +45,62 @@ async def test_get_into_fills_caller_buffers(offload_factory, path: str) -> None
         assert st.servicer.open_leases == 0
 
 
+async def test_async_get_into_copies_off_the_event_loop(offload_factory, monkeypatch, path: str) -> None:
+    """A GiB takes ~90 ms to copy: on the loop it would stall every other call of a service."""
+    import threading
+
+    import kvmesh.kvstore.client_core as core
+
+    copied_on: list[int] = []
+    real = core.copy_into
+
+    def spy(*args, **kwargs):
+        copied_on.append(threading.get_ident())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "copy_into", spy)
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+    data = _blocks()
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
+        await c.put(NS, data)
+        views = [np.zeros(BIG, dtype=np.uint8) for _ in data]
+        assert await c.get_into(NS, [k for k, _ in data], views) == len(data)
+        assert [v[:len(d)].tobytes() for v, (_, d) in zip(views, data, strict=True)] == [d for _, d in data]
+    assert threading.get_ident() not in copied_on
+
+
+async def test_cancelled_get_into_ends_its_lease_after_the_copy(offload_factory, monkeypatch) -> None:
+    """A cancelled caller's copy thread still reads the store's slabs: the lease ends after it."""
+    import threading
+
+    import kvmesh.kvstore.client_core as core
+
+    started, leases_during_copy = threading.Event(), []
+    release = threading.Event()
+    real = core.copy_into
+    st = await offload_factory(ram_capacity_bytes=64 << 20)
+
+    def slow(*args, **kwargs):
+        started.set()
+        release.wait(5)
+        leases_during_copy.append(st.servicer.open_leases)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(core, "copy_into", slow)
+    data = [(i + 1, os.urandom(BIG)) for i in range(4)]
+    async with OffloadClient(st.address, use_shm=True) as c:
+        await c.put(NS, data)
+        task = asyncio.create_task(c.get_into(NS, [k for k, _ in data], [bytearray(BIG) for _ in data]))
+        await asyncio.to_thread(started.wait, 5)
+        task.cancel()
+        await asyncio.sleep(0.2)
+        assert not task.done() and st.servicer.open_leases == 1   # waits for the copy, lease held
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert leases_during_copy == [1] and st.servicer.open_leases == 0
+
+
 async def test_sync_client_get_into(offload_factory) -> None:
     st = await offload_factory(ram_capacity_bytes=64 << 20)
     data = _blocks()
