@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 import zmq
+import zmq.asyncio
 
 from kvmesh.events.codec import AllBlocksCleared, BlockStored, KVEventBatch, encode_batch
 from kvmesh.index.memory import MemoryIndex
@@ -203,3 +204,56 @@ async def test_plaintext_takeover_of_a_live_endpoint_is_refused(start_indexer) -
     await ix.stub.RegisterEndpoint(reg("10.9.9.9:50051"), timeout=5)       # same addresses: a refresh
     await ix.stub.DeregisterEndpoint(indexer_pb2.DeregisterEndpointRequest(endpoint_id="w0"), timeout=5)
     await ix.stub.RegisterEndpoint(reg("127.0.0.1:6666"), timeout=5)       # free again once gone
+
+
+_FLOODER = """
+import os, sys, time, zmq
+ctx = zmq.Context()
+pub = ctx.socket(zmq.PUB)
+pub.setsockopt(zmq.SNDHWM, 100_000)
+pub.bind("tcp://127.0.0.1:0")
+print(pub.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
+sys.stdin.readline()                    # the subscriber is connected
+mid = os.urandom(3 << 20)
+for i in range(150):
+    pub.send_multipart([b"kv@e0@m", i.to_bytes(8, "big"), mid], copy=False)
+print("sent", flush=True)
+sys.stdin.readline()
+"""
+
+
+async def test_a_stalled_subscriber_leaves_a_flood_with_the_publisher() -> None:
+    """ZMQ's pipe in front of the byte-bounded queue is bounded in bytes too.
+
+    The indexer's loop is blocked (as on a starved machine, where CI saw the flood test's peak
+    reach 2.4x idle) while a publisher in another process sends 150 x 3 MiB: libzmq's I/O thread
+    keeps reading only up to the receive mark derived from ``socket_buffer_bytes``, so this
+    process grows by a few messages, not by the flood (~450 MiB at the old 100,000-message mark).
+    """
+    import asyncio
+    import subprocess
+    import sys
+
+    from kvmesh_indexer.pump import EndpointSource, IngestPump
+    from kvmesh_indexer.zmq_subscriber import ZmqSubscriber
+
+    pump = IngestPump(Ingestor(MemoryIndex(), {M: SPEC}), queue_bytes=16 << 20, max_payload_bytes=8 << 20)
+    sub = ZmqSubscriber(pump, context=zmq.asyncio.Context(), max_message_bytes=8 << 20)
+    assert sub.rcvhwm == 4
+    flooder = subprocess.Popen([sys.executable, "-c", _FLOODER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               text=True)
+    try:
+        addr = flooder.stdout.readline().strip()
+        await sub.add(EndpointSource("e0", M), addr)
+        await asyncio.sleep(0.5)   # the SUB socket connects
+        before = _rss_kib(os.getpid())
+        flooder.stdin.write("go\n")
+        flooder.stdin.flush()
+        assert flooder.stdout.readline().strip() == "sent"
+        time.sleep(2.0)            # the loop is blocked: nothing reads the socket but libzmq
+        grown = (_rss_kib(os.getpid()) - before) // 1024
+        assert grown < 64, f"{grown} MiB held for a stalled reader"
+    finally:
+        flooder.kill()
+        await sub.close()
+        await pump.close()

@@ -40,6 +40,7 @@ from kvmesh.events.codec import DecodeError, decode_seq
 from kvmesh.events.publisher import offset_endpoint_port
 from kvmesh.events.topic import dp_endpoint, parse_topic
 from kvmesh_indexer.pump import EndpointSource, IngestPump
+from kvmesh_indexer.zmq_subscriber import rcvhwm_for
 
 log = logging.getLogger(__name__)
 
@@ -125,9 +126,9 @@ class CentralSocket:
     """The bound SUB socket(s) and the endpoints named by the topics seen on them."""
 
     def __init__(self, pump: IngestPump, binds: list[str], admit: Admit, purge: Purge, max_endpoints: int = 1024,
-                 idle_purge_s: float = 0.0, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000,
+                 idle_purge_s: float = 0.0, context: zmq.asyncio.Context | None = None, rcvhwm: int | None = None,
                  now: Callable[[], float] = time.monotonic, max_message_bytes: int = 8 * 1024 * 1024,
-                 dp_size: int = 1) -> None:
+                 dp_size: int = 1, buffer_bytes: int = 32 * 1024 * 1024) -> None:
         self.max_message_bytes = max_message_bytes
         self.dp_size = dp_size
         self.pump = pump
@@ -137,7 +138,8 @@ class CentralSocket:
         self.max_endpoints = max_endpoints
         self.idle_purge_s = idle_purge_s
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.rcvhwm = rcvhwm
+        # Per publisher connection: ZMQ keeps one pipe per connected peer (zmq_subscriber.rcvhwm_for).
+        self.rcvhwm = rcvhwm if rcvhwm is not None else rcvhwm_for(buffer_bytes, max_message_bytes)
         self.now = now
         self.bound: list[str] = []
         self.endpoints: dict[str, CentralEndpoint] = {}

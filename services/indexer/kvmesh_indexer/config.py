@@ -105,6 +105,10 @@ class IndexerConfig:
     queue_bytes: int = field(default=16 * 1024 * 1024, metadata={
         "help": "per-endpoint ingest queue bound in payload bytes: ZMQ messages beyond are dropped, counted "
                 "(kvmesh_indexer_dropped_messages_total) and repaired by replay; gRPC ingest waits"})
+    socket_buffer_bytes: int = field(default=32 * 1024 * 1024, metadata={
+        "help": "bytes ZMQ may hold per publisher connection before the indexer reads them (RCVHWM = this / "
+                "max_message_bytes, at least 2 messages); beyond it ZMQ stops reading that connection and the "
+                "publisher buffers, then drops at its own high-water mark (repaired by replay)"})
     max_message_bytes: int = field(default=8 * 1024 * 1024, metadata={
         "help": "largest KV-event message: ZMQ MAXMSGSIZE of every event socket (a peer sending more is "
                 "disconnected), the gRPC ingest payload and the decoder's limit"})
@@ -141,6 +145,8 @@ class IndexerConfig:
             raise ConfigError("setting 'redis_probe_stride' must be >= 1")
         if self.max_entries < 0:
             raise ConfigError("setting 'max_entries' must be >= 0")
+        if self.socket_buffer_bytes <= 0:
+            raise ConfigError("setting 'socket_buffer_bytes' must be > 0")
         if self.default_block_size <= 0:
             raise ConfigError("setting 'default_block_size' must be > 0")
         try:

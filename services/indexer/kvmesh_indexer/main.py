@@ -158,7 +158,7 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
                       max_payload_bytes=cfg.max_message_bytes, tail_probe_s=cfg.tail_probe_s)
     if cfg.kv_events_curve_secret:
         pump.curve_for = functools.partial(_curve_client, cfg.kv_events_curve_secret, cfg.kv_events_curve_servers)
-    subscriber = ZmqSubscriber(pump, max_message_bytes=cfg.max_message_bytes)
+    subscriber = ZmqSubscriber(pump, max_message_bytes=cfg.max_message_bytes, buffer_bytes=cfg.socket_buffer_bytes)
     liveness = Liveness(cfg.heartbeat_ttl_s)
     servicer = IndexerServicer(cfg, index, ingestor, pump, subscriber, liveness)
     registry.register(StateCollector(index.stats, servicer.freshness))
@@ -168,7 +168,7 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
     if cfg.central_binds():
         central = CentralSocket(pump, cfg.central_binds(), servicer.admit_central, servicer.purge_central,
                                 max_endpoints=cfg.kv_events_max_endpoints, idle_purge_s=cfg.kv_events_idle_purge_s,
-                                dp_size=cfg.kv_events_dp_size,
+                                dp_size=cfg.kv_events_dp_size, buffer_bytes=cfg.socket_buffer_bytes,
                                 max_message_bytes=cfg.max_message_bytes)
         # How close the socket is to kv_events_max_endpoints (beyond it new pods are refused).
         Gauge("kvmesh_indexer_central_endpoints", "Endpoints admitted on the central KV-event socket",

@@ -44,13 +44,25 @@ class Subscription:
     bound_endpoint: str = ""
 
 
+def rcvhwm_for(buffer_bytes: int, max_message_bytes: int) -> int:
+    """ZMQ's receive high-water mark (in messages) that keeps a connection's unread bytes under
+    ``buffer_bytes`` whatever the messages' sizes.
+
+    ZMQ bounds a pipe by message count only. At 100,000 messages a publisher flooding 3 MiB
+    messages while the indexer's loop lagged held ~450 MiB in ZMQ's pipe, before the byte-bounded
+    ingest queue saw any of it. At the mark ZMQ stops reading that TCP connection (measured: no
+    message lost), so the backlog stays on the publisher, which drops at its own mark and the gap
+    is replayed."""
+    return max(2, buffer_bytes // max(1, max_message_bytes))
+
+
 class ZmqSubscriber:
-    def __init__(self, pump: IngestPump, context: zmq.asyncio.Context | None = None, rcvhwm: int = 100_000,
-                 max_message_bytes: int = 8 * 1024 * 1024) -> None:
+    def __init__(self, pump: IngestPump, context: zmq.asyncio.Context | None = None, rcvhwm: int | None = None,
+                 max_message_bytes: int = 8 * 1024 * 1024, buffer_bytes: int = 32 * 1024 * 1024) -> None:
         self.pump = pump
         self.max_message_bytes = max_message_bytes
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.rcvhwm = rcvhwm
+        self.rcvhwm = rcvhwm if rcvhwm is not None else rcvhwm_for(buffer_bytes, max_message_bytes)
         self.subs: dict[str, Subscription] = {}
 
     async def add(self, source: EndpointSource, zmq_endpoint: str, bind: bool = False) -> Subscription:
