@@ -155,7 +155,8 @@ class CandidateTable:
             restore = np.where(lost > 0.0, restore - lost * cfg.cpu_restore_s_per_token, restore)
         own = compute + restore
         ctx = lc.active_blocks * bs + lc.inflight_ctx_tokens
-        self.decode = cfg.decode_horizon_steps * (lc.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
+        horizon = cfg.decode_horizon(max(store.cpu, store.disk) if offload_enabled else 0, cap)
+        self.decode = horizon * (lc.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
         # scoring.cluster_state, then the cluster terms of scoring.evaluate.
         self.state = ClusterState(float(own.min()), saturation(float(lc.prefill_tokens.min()), cfg)) if len(ids) \
             else ClusterState()

@@ -93,6 +93,11 @@ class ScoringConfig:
         "help": "decode step time per context token held by running sequences (KV reads)"})
     decode_horizon_steps: float = field(default=64.0, metadata={
         "help": "decode steps the request is expected to share with the endpoint's running sequences"})
+    decode_horizon_steps_stored: float = field(default=32.0, metadata={
+        "help": "the decode horizon for a prompt the shared offload store holds, interpolated by the share it "
+                "holds: any endpoint can then take the session's next turn for a restore, so a placement is not "
+                "for the session's life and a busy home is left only for a larger decode load (negative = "
+                "--decode-horizon-steps for every prompt)"})
     tie_epsilon_s: float = field(default=0.01, metadata={"help": "costs within this many seconds tie"})
     hot_abs: float = field(default=4.0, metadata={"help": "hot if queue exceeds the minimum by this many"})
     hot_rel: float = field(default=2.0, metadata={"help": "... and is this many times (min+1)"})
@@ -148,6 +153,20 @@ class ScoringConfig:
         for name in self.__dataclass_fields__:
             if getattr(self, name) < 0:
                 raise ConfigError(f"setting {name!r} must be >= 0")
+
+    def decode_horizon(self, stored_blocks: int, cap_blocks: int) -> float:
+        """Decode steps the ``decode`` term looks ahead for a prompt of ``cap_blocks`` (hit-able
+        blocks) of which the shared store holds ``stored_blocks``.
+
+        The term balances decode load. Where the store does not hold the prompt, a later move
+        costs a recompute, so a placement holds for the session's life and the term looks far
+        ahead. Where it does, a move costs a restore (~0.7 s for 100k tokens against ~25 s), so
+        the next turn can rebalance as cheaply; the full horizon then moved turns off busy homes
+        at every turn, each paying its restore in TTFT (docs/bench-history.md, "#18 p50")."""
+        if self.decode_horizon_steps_stored < 0 or cap_blocks <= 0 or stored_blocks <= 0:
+            return self.decode_horizon_steps
+        share = min(stored_blocks, cap_blocks) / cap_blocks
+        return self.decode_horizon_steps + (self.decode_horizon_steps_stored - self.decode_horizon_steps) * share
 
     def prefill_cost(self, tokens: float, context: float) -> float:
         """Compute time of ``tokens`` new prompt tokens after ``context`` present ones."""
@@ -262,7 +281,8 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
     else:
         own = cfg.prefill_cost(uncached, cached_tokens) + restore
     ctx = load.active_blocks * block_size + load.inflight_ctx_tokens
-    decode = cfg.decode_horizon_steps * (load.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
+    horizon = cfg.decode_horizon(max(store.cpu, store.disk) if offload_enabled else 0, cap)
+    decode = horizon * (load.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
     work = displace = 0.0
     if cluster is not None:
         # Prefill beyond the cheapest placement's is work queued requests wait behind once

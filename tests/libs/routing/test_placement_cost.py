@@ -692,3 +692,44 @@ def test_queue_attention_moves_a_turn_off_a_queue_of_long_context_prefill():
     assert decide(False) == ("e0", pytest.approx(50_000 * 250e-6))
     ep, wait = decide(True)
     assert ep == "e1" and wait == pytest.approx(50_000 * (250e-6 + 3.3e-9 * 275_000))
+
+
+# ------------------------------------ decode horizon: shorter where the store holds the prompt
+
+
+@pytest.mark.parametrize(("stored", "want"), [(0, 64.0), (50, 48.0), (100, 32.0), (150, 32.0)])
+def test_decode_horizon_shortens_with_the_share_the_store_holds(stored: int, want: float):
+    cfg = ScoringConfig(decode_horizon_steps=64.0, decode_horizon_steps_stored=32.0)
+    assert cfg.decode_horizon(stored, 100) == want
+    assert ScoringConfig(decode_horizon_steps_stored=-1.0).decode_horizon(stored, 100) == 64.0
+
+
+def test_a_stored_turn_stays_home_unless_the_decode_load_outweighs_its_restore():
+    """e0 holds a 64k-token context on its GPU while decoding 130k tokens of other contexts; e1
+    is idle; the store holds the whole prompt. At the full horizon, 64 decode steps over that
+    load (0.65 s) cost more than restoring the prompt on e1 (0.44 s) and the turn moves; at the
+    stored horizon (32 steps: 0.32 s) it stays. A prompt the store does not hold keeps the full
+    horizon (a move would be a recompute anyway)."""
+    n, decoding = 64_000, 130_000
+    cap = max_hit_blocks(n, BS)
+
+    def decide(stored_horizon: float, store_blocks: int) -> tuple[str, float]:
+        core = _core(2, displace_weight=0.0, cluster_work_weight=0.0, decode_horizon_steps_stored=stored_horizon)
+        blocks = 100_000
+        core.load.update("e0", LoadReport(running=1, kv_usage=decoding / BS / blocks, num_blocks=blocks,
+                                          received_at=0.0))
+        core.load.update("e1", LoadReport(num_blocks=blocks, received_at=0.0))
+        m = Matches(per_endpoint={"e0": TierMatch(gpu=cap)}, store=TierMatch(cpu=store_blocks))
+        d = core.decide(_req(core, n, "r", session="s"), m, now=0.5)
+        home = next(c for c in d.candidates if c.endpoint_id == "e0")
+        return d.endpoint_id, home.decode_s
+
+    cfg = ScoringConfig()
+    restore = _restore_cost(cfg, cap * BS)
+    full = 64 * (cfg.decode_s_per_seq + decoding * cfg.decode_s_per_ctx_token)
+    assert full > restore > full / 2
+    ep, decode = decide(-1.0, cap)
+    assert (ep, decode) == ("e1", pytest.approx(full, rel=1e-9))
+    ep, decode = decide(32.0, cap)
+    assert (ep, decode) == ("e0", pytest.approx(full / 2, rel=1e-9))
+    assert decide(32.0, 0)[1] == pytest.approx(full, rel=1e-9)
