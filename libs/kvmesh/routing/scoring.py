@@ -14,7 +14,8 @@ and every kind of load is weighed at its real price::
              + restore_s/token · offload tokens (+ overhead)     (GPU hit: free)
                (with ``store_keep``, the share of the restore the store likely loses while the
                request waits there is recomputed instead: :func:`store_kept`)
-    decode   = decode_horizon_steps · (running · decode_s/seq + KV context · decode_s/ctx token)
+    decode   = horizon · (running · decode_s/seq + KV context · decode_s/ctx token); the horizon
+               shortens with the share of the prompt the store holds (ScoringConfig.decode_horizon)
     work     = cluster_work_weight · saturation · (own − least own of any endpoint)
     displace = displace_weight · prefill_s/token · tokens of the others' KV the prompt evicts: its
                new GPU blocks, up to what the whole prompt exceeds (capacity − others' working set);
