@@ -97,8 +97,8 @@ class ScoringConfig:
     decode_horizon_steps_stored: float = field(default=32.0, metadata={
         "help": "the decode horizon for a prompt the shared offload store holds, interpolated by the share it "
                 "holds: any endpoint can then take the session's next turn for a restore, so a placement is not "
-                "for the session's life and a busy home is left only for a larger decode load (negative = "
-                "--decode-horizon-steps for every prompt)"})
+                "for the session's life and a busy home is left only for a larger decode load (equal to "
+                "--decode-horizon-steps: the same horizon for every prompt)"})
     tie_epsilon_s: float = field(default=0.01, metadata={"help": "costs within this many seconds tie"})
     hot_abs: float = field(default=4.0, metadata={"help": "hot if queue exceeds the minimum by this many"})
     hot_rel: float = field(default=2.0, metadata={"help": "... and is this many times (min+1)"})
@@ -163,8 +163,9 @@ class ScoringConfig:
         costs a recompute, so a placement holds for the session's life and the term looks far
         ahead. Where it does, a move costs a restore (~0.7 s for 100k tokens against ~25 s), so
         the next turn can rebalance as cheaply; the full horizon then moved turns off busy homes
-        at every turn, each paying its restore in TTFT (docs/bench-history.md, "#18 p50")."""
-        if self.decode_horizon_steps_stored < 0 or cap_blocks <= 0 or stored_blocks <= 0:
+        at every turn, each paying its restore in TTFT (docs/bench-history.md, "#18: where
+        precise's p50 went"). With both horizons equal it is the same for every prompt."""
+        if cap_blocks <= 0 or stored_blocks <= 0:
             return self.decode_horizon_steps
         share = min(stored_blocks, cap_blocks) / cap_blocks
         return self.decode_horizon_steps + (self.decode_horizon_steps_stored - self.decode_horizon_steps) * share

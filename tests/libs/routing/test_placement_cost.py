@@ -701,7 +701,7 @@ def test_queue_attention_moves_a_turn_off_a_queue_of_long_context_prefill():
 def test_decode_horizon_shortens_with_the_share_the_store_holds(stored: int, want: float):
     cfg = ScoringConfig(decode_horizon_steps=64.0, decode_horizon_steps_stored=32.0)
     assert cfg.decode_horizon(stored, 100) == want
-    assert ScoringConfig(decode_horizon_steps_stored=-1.0).decode_horizon(stored, 100) == 64.0
+    assert ScoringConfig(decode_horizon_steps_stored=64.0).decode_horizon(stored, 100) == 64.0
 
 
 def test_a_stored_turn_stays_home_unless_the_decode_load_outweighs_its_restore():
@@ -728,7 +728,7 @@ def test_a_stored_turn_stays_home_unless_the_decode_load_outweighs_its_restore()
     restore = _restore_cost(cfg, cap * BS)
     full = 64 * (cfg.decode_s_per_seq + decoding * cfg.decode_s_per_ctx_token)
     assert full > restore > full / 2
-    ep, decode = decide(-1.0, cap)
+    ep, decode = decide(64.0, cap)
     assert (ep, decode) == ("e1", pytest.approx(full, rel=1e-9))
     ep, decode = decide(32.0, cap)
     assert (ep, decode) == ("e0", pytest.approx(full / 2, rel=1e-9))
