@@ -150,12 +150,36 @@ def key_matches(cert_pem: bytes, key_pem: bytes) -> bool:
     return cert.public_key().public_bytes(*fmt) == key.public_key().public_bytes(*fmt)
 
 
+def issued_by_bundle(cert_pem: bytes, ca_pem: bytes) -> bool:
+    """True when some certificate of the chain is signed by (or is) a certificate of the CA bundle."""
+    from cryptography import x509
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        chain = x509.load_pem_x509_certificates(cert_pem)
+        bundle = x509.load_pem_x509_certificates(ca_pem)
+    except ValueError:
+        return False
+    for cert in chain:
+        for ca in bundle:
+            if cert == ca:
+                return True
+            try:
+                cert.verify_directly_issued_by(ca)
+                return True
+            except (ValueError, TypeError, InvalidSignature):
+                continue
+    return False
+
+
 class CertFiles:
     """The cert, key and CA files of one identity, re-read when their stat signature changes.
 
     ``poll()`` is cheap (three ``stat`` calls at most every ``reload_s``) and returns new material
     only once it is complete and consistent: a rotation caught between writing the certificate and
-    writing its key is retried at the next poll instead of being served.
+    writing its key is retried at the next poll instead of being served. When the first set's
+    certificate was issued by its own CA bundle, later sets must be too, so a rotation caught with
+    the new certificate and key but the old CA (files are replaced one at a time) also waits.
     """
 
     def __init__(self, cfg: TlsConfig) -> None:
@@ -163,9 +187,13 @@ class CertFiles:
         self.reload_s = cfg.tls_reload_s
         self._lock = threading.Lock()
         self._sig = tuple(_stat(p) for p in self.paths)
+        self._same_ca = False
         self.material = self._read()
         if self.material is None:
             raise ConfigError(f"TLS files {self.paths}: unreadable, or the key does not match the certificate")
+        # Learned from the first set rather than required: a deployment whose own certificate
+        # comes from another trust root than the peers' still loads.
+        self._same_ca = issued_by_bundle(self.material.cert, self.material.ca)
         self._next = time.monotonic() + self.reload_s
         self.reloads = 0
 
@@ -175,6 +203,8 @@ class CertFiles:
         except OSError:
             return None
         if not (cert and key and ca) or not key_matches(cert, key):
+            return None
+        if self._same_ca and not issued_by_bundle(cert, ca):
             return None
         return Material(cert, key, ca)
 

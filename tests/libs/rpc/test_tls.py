@@ -149,6 +149,32 @@ async def test_half_written_rotation_is_not_served(certs) -> None:  # noqa: ANN0
     assert files.poll() is not None and files.material.cert == other.cert.read_bytes()
 
 
+async def test_rotation_to_a_new_ca_waits_for_the_ca_file(certs, tmp_path: Path) -> None:  # noqa: ANN001
+    """Files are replaced one at a time: new certificate and key with the old CA is a matching
+    pair, but not a set to serve, since the old CA did not issue the new certificate."""
+    served = certs("indexer", "indexer")
+    files = tls.CertFiles(served.tls_config(**FAST))
+    rotated = CertAuthority(tmp_path / "ca2").issue("indexer", "indexer", out=tmp_path / "server2")
+    for a, b in ((rotated.key, served.key), (rotated.cert, served.cert)):
+        shutil.copyfile(a, b)
+    await asyncio.sleep(0.1)
+    assert files.poll() is None and files.reloads == 0
+    shutil.copyfile(rotated.ca, served.ca)
+    await asyncio.sleep(0.1)
+    assert files.poll() is not None and files.reloads == 1 and files.material.ca == rotated.ca.read_bytes()
+
+
+def test_own_certificate_from_another_root_still_loads(certs, tmp_path: Path) -> None:  # noqa: ANN001
+    """Deployments may trust peers from one root and hold a certificate from another; the
+    same-CA check applies only when the first set had that property."""
+    own = CertAuthority(tmp_path / "own-ca").issue("indexer", "indexer", out=tmp_path / "own")
+    peers = certs("router", "r")
+    files = tls.CertFiles(tls.from_files(str(own.cert), str(own.key), str(peers.ca)))
+    assert files.material.ca == peers.ca.read_bytes()
+    assert not tls.issued_by_bundle(own.cert.read_bytes(), peers.ca.read_bytes())
+    assert tls.issued_by_bundle(own.cert.read_bytes(), own.ca.read_bytes())
+
+
 async def test_plaintext_health_port_serves_only_health(certs) -> None:  # noqa: ANN001
     from kvmesh_tools.testing.ports import free_port
 
