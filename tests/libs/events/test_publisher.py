@@ -20,6 +20,7 @@ from kvmesh.events import (
     encode_batch,
 )
 from kvmesh.events.publisher import is_bind_endpoint, offset_endpoint_port
+from tests.helpers.events import connect_when_ready
 
 pytestmark = pytest.mark.timeout(60)
 END = REPLAY_END_SEQ.to_bytes(8, "big")
@@ -33,10 +34,14 @@ def ctx():
 
 
 def _sub(ctx: zmq.Context, addr: str, bind: bool = False) -> zmq.Socket:
+    """A SUB socket; when it connects, returned once the PUB can reach it (connect_when_ready)."""
     s = ctx.socket(zmq.SUB)
     s.setsockopt(zmq.SUBSCRIBE, b"")
     s.setsockopt(zmq.LINGER, 0)
-    (s.bind if bind else s.connect)(addr)
+    if bind:
+        s.bind(addr)
+    else:
+        connect_when_ready(s, addr)
     return s
 
 
@@ -95,7 +100,6 @@ def test_bind_publish_and_replay(ctx: zmq.Context, tmp_path: Path) -> None:
     ep = f"ipc://{tmp_path}/pub"
     with KvEventPublisher(ep, topic="kv@e1@m", replay_endpoint="tcp://127.0.0.1:0", buffer_steps=4) as pub:
         sub = _sub(ctx, ep)
-        time.sleep(0.3)  # PUB drops until the subscription arrives
         seqs = [pub.publish(_events(i), ts=100.0 + i) for i in range(6)]
         assert seqs == list(range(6))
         msgs = [decode_message(f) for f in _recv_all(sub, 5)]
@@ -154,7 +158,6 @@ def test_concurrent_publishers_get_unique_ordered_seqs(ctx: zmq.Context, tmp_pat
     ep = f"ipc://{tmp_path}/pub"
     with KvEventPublisher(ep, topic="t") as pub:
         sub = _sub(ctx, ep)
-        time.sleep(0.3)
         seqs: list[int] = []
         lock = threading.Lock()
 
@@ -211,7 +214,6 @@ def test_frames_and_replay_identical_to_vllm_publisher(ctx: zmq.Context, tmp_pat
             pub = KvEventPublisher(ep, topic="kv@e@m", replay_endpoint=rep, buffer_steps=100)
             send, close = (lambda b, p=pub: p.publish(b)), pub.close
         sub = _sub(ctx, ep)
-        time.sleep(0.3)
         for i in range(5):
             send(vllm_batch(i) if name == "vllm" else KVEventBatch(100.0 + i, _events(i)))
         frames[name] = _recv_all(sub, 5)

@@ -29,7 +29,7 @@ from kvmesh_indexer.central_socket import (
 from kvmesh_indexer.config import IndexerConfig
 from kvmesh_tools.testing.ports import free_port
 from tests.fixtures.indexer import wait_until
-from tests.helpers.events import publish_lost
+from tests.helpers.events import connect_when_ready, publish_lost
 from tests.services.indexer.test_indexer_service import BS, HASHER, MODEL, MODELS, combined, stored, tokens
 
 pytestmark = pytest.mark.timeout(60)
@@ -153,7 +153,7 @@ async def test_hostile_topics_are_counted_not_admitted(start_indexer, pods, tmp_
     ctx = zmq.Context.instance()
     raw = ctx.socket(zmq.PUB)
     raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(central)
+    await asyncio.to_thread(connect_when_ready, raw, central)
     try:
         ev, keys = stored(tokens(5, 2))
         payload = encode_batch(KVEventBatch(time.time(), [ev]))
@@ -161,7 +161,6 @@ async def test_hostile_topics_are_counted_not_admitted(start_indexer, pods, tmp_
         def send(topic: bytes, seq: int = 0, frames: list[bytes] | None = None) -> None:
             raw.send_multipart(frames or [topic, seq.to_bytes(8, "big"), payload])
 
-        await asyncio.sleep(0.3)  # the raw PUB's connect
         send(b"")                                       # vLLM's default empty topic: no endpoint name
         send(b"not-a-kvmesh-topic")
         send(b"kv@10.9.9.9:1@no-such-model")            # unknown model, auto_models off
