@@ -14,6 +14,7 @@ from kvmesh.hashing import BlockHasher, ExtraKeys
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
 from tests.fixtures.vllm import VllmWorker
+from tests.helpers.events import connect_when_ready
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
@@ -65,9 +66,8 @@ def test_info_and_load(stub) -> None:
 def test_events_reach_zmq_subscriber_with_kvmesh_hashes(worker: VllmWorker, stub) -> None:
     ctx = zmq.Context.instance()
     sub = ctx.socket(zmq.SUB)
-    sub.connect(worker.events_endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, worker.topic.encode())
-    time.sleep(0.5)  # let the subscription propagate (PUB drops messages for unknown subscribers)
+    connect_when_ready(sub, worker.events_endpoint)   # a PUB drops what it sends before that
     prompt = _prompt(1, 5 * BS + 7)
     try:
         _generate(stub, "ev-1", prompt, max_tokens=2)
@@ -107,9 +107,8 @@ def test_lora_passes_through_and_enters_the_block_hash(worker: VllmWorker, stub,
     p = _prompt(8, 3 * BS + 5)
     _generate(stub, "lora-base", p)
     sub = zmq.Context.instance().socket(zmq.SUB)
-    sub.connect(worker.events_endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, worker.topic.encode())
-    time.sleep(0.5)
+    connect_when_ready(sub, worker.events_endpoint)
     try:
         _, with_lora = _generate(stub, "lora-1", p, lora_name="ad1")
         events = _collect_stored(sub, 3)
