@@ -126,7 +126,7 @@ class CentralSocket:
     """The bound SUB socket(s) and the endpoints named by the topics seen on them."""
 
     def __init__(self, pump: IngestPump, binds: list[str], admit: Admit, purge: Purge, max_endpoints: int = 1024,
-                 idle_purge_s: float = 0.0, context: zmq.asyncio.Context | None = None, rcvhwm: int | None = None,
+                 idle_purge_s: float = 0.0, context: zmq.asyncio.Context | None = None,
                  now: Callable[[], float] = time.monotonic, max_message_bytes: int = 8 * 1024 * 1024,
                  dp_size: int = 1, buffer_bytes: int = 32 * 1024 * 1024) -> None:
         self.max_message_bytes = max_message_bytes
@@ -139,7 +139,7 @@ class CentralSocket:
         self.idle_purge_s = idle_purge_s
         self.ctx = context or zmq.asyncio.Context.instance()
         # Per publisher connection: ZMQ keeps one pipe per connected peer (zmq_subscriber.rcvhwm_for).
-        self.rcvhwm = rcvhwm if rcvhwm is not None else rcvhwm_for(buffer_bytes, max_message_bytes)
+        self.rcvhwm = rcvhwm_for(buffer_bytes, max_message_bytes)
         self.now = now
         self.bound: list[str] = []
         self.endpoints: dict[str, CentralEndpoint] = {}

@@ -57,12 +57,12 @@ def rcvhwm_for(buffer_bytes: int, max_message_bytes: int) -> int:
 
 
 class ZmqSubscriber:
-    def __init__(self, pump: IngestPump, context: zmq.asyncio.Context | None = None, rcvhwm: int | None = None,
+    def __init__(self, pump: IngestPump, context: zmq.asyncio.Context | None = None,
                  max_message_bytes: int = 8 * 1024 * 1024, buffer_bytes: int = 32 * 1024 * 1024) -> None:
         self.pump = pump
         self.max_message_bytes = max_message_bytes
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.rcvhwm = rcvhwm if rcvhwm is not None else rcvhwm_for(buffer_bytes, max_message_bytes)
+        self.rcvhwm = rcvhwm_for(buffer_bytes, max_message_bytes)
         self.subs: dict[str, Subscription] = {}
 
     async def add(self, source: EndpointSource, zmq_endpoint: str, bind: bool = False) -> Subscription:
