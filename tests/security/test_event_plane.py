@@ -209,11 +209,13 @@ async def test_plaintext_takeover_of_a_live_endpoint_is_refused(start_indexer) -
 _FLOODER = """
 import os, sys, time, zmq
 ctx = zmq.Context()
-pub = ctx.socket(zmq.PUB)
+pub = ctx.socket(zmq.XPUB)              # a PUB that sees the subscription arrive
 pub.setsockopt(zmq.SNDHWM, 100_000)
 pub.bind("tcp://127.0.0.1:0")
 print(pub.getsockopt_string(zmq.LAST_ENDPOINT), flush=True)
-sys.stdin.readline()                    # the subscriber is connected
+assert pub.recv()[:1] == b"\x01"         # the indexer's SUB subscribed: the flood reaches it
+print("subscribed", flush=True)
+sys.stdin.readline()
 mid = os.urandom(3 << 20)
 for i in range(150):
     pub.send_multipart([b"kv@e0@m", i.to_bytes(8, "big"), mid], copy=False)
@@ -230,7 +232,6 @@ async def test_a_stalled_subscriber_leaves_a_flood_with_the_publisher() -> None:
     keeps reading only up to the receive mark derived from ``socket_buffer_bytes``, so this
     process grows by a few messages, not by the flood (~450 MiB at the old 100,000-message mark).
     """
-    import asyncio
     import subprocess
     import sys
 
@@ -245,7 +246,8 @@ async def test_a_stalled_subscriber_leaves_a_flood_with_the_publisher() -> None:
     try:
         addr = flooder.stdout.readline().strip()
         await sub.add(EndpointSource("e0", M), addr)
-        await asyncio.sleep(0.5)   # the SUB socket connects
+        # Blocking read: libzmq's own thread connects and subscribes, not this loop.
+        assert flooder.stdout.readline().strip() == "subscribed"
         before = _rss_kib(os.getpid())
         flooder.stdin.write("go\n")
         flooder.stdin.flush()
