@@ -200,6 +200,7 @@ class CandidateTable:
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)
         self.excluded_held = np.zeros(len(ids), dtype=bool)
+        self.excluded_warm = np.zeros(len(ids), dtype=bool)
         self._built: dict[int, Candidate] = {}   # the winner is built for its reason, then reported
 
     # -- the overload guard (scoring.mark_hot) ---------------------------------
@@ -222,17 +223,28 @@ class CandidateTable:
                 self.excluded_held = ~held & ~self.excluded_inflight & ~self.excluded_hot
         self._built.clear()   # their guard flags changed
 
+    def keep_cold(self, cold: np.ndarray) -> None:
+        """``ScoringConfig.cold_first``: only the endpoints in ``cold`` with nothing queued may take the
+        request, if there are any and they are not every endpoint the guard left."""
+        ok = ~(self.excluded_inflight | self.excluded_hot | self.excluded_held)
+        idle = cold & (self.loads.queue <= 0) & ok
+        if idle.any() and not (idle == ok).all():
+            self.excluded_warm = ok & ~idle
+            self._built.clear()
+
     def excluded(self, i: int) -> str:
         if self.excluded_inflight[i]:
             return "max_inflight"
+        if self.excluded_warm[i]:
+            return "warm"
         return "hot" if self.excluded_hot[i] else "held" if self.excluded_held[i] else ""
 
     # -- the choice (scoring.pick) ---------------------------------------------
     def pick(self, affinity: str = "", spread: tuple[str, bool] = ("", False)) -> Choice:
         """Lowest cost among non-excluded endpoints; ties as in :func:`kvmesh.routing.scoring.pick`."""
         n = len(self.ids)
-        pool = ~(self.excluded_inflight | self.excluded_hot | self.excluded_held)
-        skipped = n - int(pool.sum())
+        pool = ~(self.excluded_inflight | self.excluded_hot | self.excluded_held | self.excluded_warm)
+        skipped = n - int(pool.sum()) - int(self.excluded_warm.sum())
         if not pool.any():
             pool, skipped = np.ones(n, dtype=bool), 0
         best = self.cost[pool].min()

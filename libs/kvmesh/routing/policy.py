@@ -15,6 +15,8 @@ import abc
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from kvmesh.routing.candidate_table import REPORTED_CANDIDATES, CandidateTable, MatchColumns
 from kvmesh.routing.load import LoadView
 from kvmesh.routing.scoring import ScoringConfig, spread_key
@@ -95,13 +97,19 @@ class Policy(abc.ABC):
                               ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled)
 
     def _scored_choice(self, req: RouteRequest, ctx: RouteContext, matches: MatchColumns,
-                       affinity: str) -> Decision:
+                       affinity: str, cold: np.ndarray | None = None) -> Decision:
         """The cost rule of :mod:`kvmesh.routing.scoring`: overload guard, then the least
-        estimated TTFT, ties to ``affinity`` and then as :func:`scoring.pick` says."""
+        estimated TTFT, ties to ``affinity`` and then as :func:`scoring.pick` says. ``cold``:
+        the endpoints a new session goes to first (``ScoringConfig.cold_first``)."""
         table = self._table(req, ctx, matches)
         table.mark_hot()
+        if cold is not None:
+            table.keep_cold(cold)
         choice = table.pick(affinity, spread_key(req))
-        return self._decision(req, choice.index, choice.reason, table)
+        reason = choice.reason
+        if table.excluded_warm.any():
+            reason += "; new session on a cold endpoint"
+        return self._decision(req, choice.index, reason, table)
 
     def _decision(self, req: RouteRequest, win: int, reason: str, table: CandidateTable,
                   fallback: str = "") -> Decision:

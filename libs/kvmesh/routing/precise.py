@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvmesh.routing.approx import ApproxPolicy
 from kvmesh.routing.candidate_table import MatchColumns
 from kvmesh.routing.policy import Policy, RouteContext
@@ -36,6 +38,8 @@ class PrecisePolicy(Policy):
         # Decode endpoints of split requests: they hold the prefix once its prefill is done.
         self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
+        # Endpoints a request was placed on (ScoringConfig.cold_first): the others' caches are cold.
+        self.placed: set[str] = set()
         self.fallback = ApproxPolicy(self.scoring, report_candidates=self.report_candidates,
                                      capacity_blocks=approx_capacity_blocks,
                                      session_ttl_s=session_ttl_s, speculative_ttl_s=speculative_ttl_s)
@@ -50,7 +54,12 @@ class PrecisePolicy(Policy):
         matches = (MatchColumns(ctx.pos).put_matches(ctx.matches)
                    .raise_to("speculative", self.speculative.match(req.keys, ctx.now))
                    .raise_to("pending", self.pending.match(req.keys, ctx.now)))
-        return self._scored_choice(req, ctx, matches, self.sessions.get(req.session_id, ctx.now))
+        affinity = self.sessions.get(req.session_id, ctx.now)
+        cold = None
+        if self.scoring.cold_first and not affinity:
+            # An endpoint the index shows holding this prompt is warm too (a restarted router).
+            cold = np.fromiter((ep not in self.placed for ep in ctx.ids), bool, len(ctx.ids)) & (matches.array("gpu") <= 0)
+        return self._scored_choice(req, ctx, matches, affinity, cold)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         # A split request's blocks are computed on the prefill endpoint; the decode endpoint
@@ -62,6 +71,7 @@ class PrecisePolicy(Policy):
         if prefill_endpoint:
             self.pending.put(decision.endpoint_id, req.keys, now, ttl)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
+        self.placed.add(decision.endpoint_id)
         if self.warm_fallback:
             self.fallback.on_routed(req, decision, now, prefill_endpoint)
 
@@ -78,4 +88,5 @@ class PrecisePolicy(Policy):
         self.speculative.forget_endpoint(endpoint_id)
         self.pending.forget_endpoint(endpoint_id)
         self.sessions.forget_endpoint(endpoint_id)
+        self.placed.discard(endpoint_id)
         self.fallback.forget_endpoint(endpoint_id)

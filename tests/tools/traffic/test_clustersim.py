@@ -288,3 +288,17 @@ def test_a_restoring_request_keeps_its_place_in_the_queue() -> None:
     assert restoring.first_token < later.scheduled  # type: ignore[operator]
     assert later.scheduled >= busy.finish  # type: ignore[operator]
     assert restoring.first_token - restoring.release < 2 * restoring.restore_delay + 1.0
+
+
+def test_cold_first_warms_every_spare_worker_that_precise_leaves_idle() -> None:
+    """More workers than the sessions need: precise's greedy cost packs the sessions onto the
+    workers that hold the shared system prompt; ``cold_first`` puts new sessions on the others."""
+    used = {}
+    for on in (False, True):
+        cfg = _cfg(decode_workers=12, offload_capacity_tokens=0, start_window_s=60.0)
+        cfg.scoring = dataclasses.replace(cfg.scoring, cold_first=on)
+        rep = simulate_policies(_trace(), cfg, ["precise"], jobs=1, records=True)
+        assert rep["results"]["precise"]["errors"] == 0
+        used[on] = {r["endpoint"] for r in rep["records"]["precise"]}
+    assert len(used[False]) < 12   # the control: without it some workers never take a request
+    assert len(used[True]) == 12
