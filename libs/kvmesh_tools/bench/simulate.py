@@ -51,9 +51,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offload-capacity-tokens", type=int, default=0, help="shared offload store (tokens; 0 = none)")
     p.add_argument("--jobs", type=int, default=1, help="policies simulated in parallel on the large cluster")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cold-first", action="store_true",
-                   help="precise places new sessions on endpoints nothing was placed on yet first "
-                        "(ScoringConfig.cold_first; default off)")
+    p.add_argument("--cold-first", default="true", choices=("true", "false"),
+                   help="precise places new sessions on endpoints left without a request first "
+                        "(ScoringConfig.cold_first)")
     p.set_defaults(func=run)
 
 
@@ -87,7 +87,7 @@ def _cfg(decode: int, prefill: int, args: argparse.Namespace, kv_tokens: int):
 
     cfg = SimConfig(decode_workers=decode, prefill_workers=prefill, start_window_s=args.start_window_s,
                     seed=args.seed, kv_capacity_tokens=kv_tokens, offload_capacity_tokens=args.offload_capacity_tokens)
-    cfg.scoring.cold_first = bool(getattr(args, "cold_first", False))
+    cfg.scoring.cold_first = getattr(args, "cold_first", "true") == "true"
     return cfg
 
 
@@ -160,7 +160,7 @@ def run(args: argparse.Namespace) -> int:
     large["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     out = write_json(args.json, {
         "bench": "simulate", "policy": policies[0], "policies": policies, "sessions": args.sessions, "seed": args.seed,
-        "cold_first": bool(args.cold_first),
+        "cold_first": args.cold_first == "true",
         "generate_s": round(gen_s, 2), "large": large, "baseline": base,
         "capacity": {"working_set_tokens": working_set, "kv_capacity_tokens_per_worker": kv_tokens,
                      "longest_request_tokens": longest,

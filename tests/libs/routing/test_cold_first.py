@@ -18,9 +18,9 @@ pytestmark = pytest.mark.timeout(60)
 SHARED = Matches(per_endpoint={"e0": TierMatch(gpu=60)})   # 60 of the prompt's 100 blocks on e0
 
 
-def _core(cold_first: bool, reports: dict[str, LoadReport] | None = None) -> RouterCore:
+def _core(cold_first: bool, reports: dict[str, LoadReport] | None = None, after_s: float = 0.0) -> RouterCore:
     core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS,
-                                       scoring=ScoringConfig(cold_first=cold_first)))
+                                       scoring=ScoringConfig(cold_first=cold_first, cold_after_s=after_s)))
     for ep, rep in (reports or {f"e{i}": LoadReport(num_blocks=1000) for i in range(3)}).items():
         core.set_endpoint(EndpointView(ep, "", "m"))
         core.load.update(ep, rep)
@@ -86,10 +86,21 @@ def test_when_every_endpoint_is_cold_the_cost_decides():
     assert "cold endpoint" not in on.decide(_req("r", "a"), Matches(), now=0.5).reason
 
 
+def test_an_endpoint_is_cold_only_after_cold_after_s_without_a_request():
+    core = _core(True, after_s=300.0)
+    # First seen at 0.5: for 300 s the cost decides, and takes the warm prefix.
+    d = _route(core, _req("r1", "s1"), SHARED, 0.5)
+    assert d.endpoint_id == "e0" and "cold endpoint" not in d.reason
+    core.on_finished(_req("r1", "s1"), d, now=1.0)
+    assert core.decide(_req("r2", "s2"), SHARED, now=300.0).endpoint_id == "e0"
+    late = core.decide(_req("r2", "s2"), SHARED, now=300.5)
+    assert late.endpoint_id in ("e1", "e2") and "cold endpoint" in late.reason
+
+
 def test_a_forgotten_endpoint_counts_as_cold_when_it_returns():
     core = _core(True)
     ep = _route(core, _req("r1", "s1"), SHARED, 0.5).endpoint_id
     pol = core.policy("precise")
     assert ep in pol.placed
     pol.forget_endpoint(ep)
-    assert ep not in pol.placed
+    assert ep not in pol.placed and ep not in pol.seen

@@ -296,7 +296,7 @@ def test_cold_first_warms_every_spare_worker_that_precise_leaves_idle() -> None:
     used = {}
     for on in (False, True):
         cfg = _cfg(decode_workers=12, offload_capacity_tokens=0, start_window_s=60.0)
-        cfg.scoring = dataclasses.replace(cfg.scoring, cold_first=on)
+        cfg.scoring = dataclasses.replace(cfg.scoring, cold_first=on, cold_after_s=0.0)
         rep = simulate_policies(_trace(), cfg, ["precise"], jobs=1, records=True)
         assert rep["results"]["precise"]["errors"] == 0
         used[on] = {r["endpoint"] for r in rep["records"]["precise"]}
