@@ -223,10 +223,14 @@ class CandidateTable:
                 self.excluded_held = ~held & ~self.excluded_inflight & ~self.excluded_hot
         self._built.clear()   # their guard flags changed
 
+    def _guarded(self) -> np.ndarray:
+        """The endpoints the overload guard (:meth:`mark_hot`) leaves."""
+        return ~(self.excluded_inflight | self.excluded_hot | self.excluded_held)
+
     def keep_cold(self, cold: np.ndarray) -> None:
         """``ScoringConfig.cold_first``: only the endpoints in ``cold`` with nothing queued may take the
         request, if there are any and they are not every endpoint the guard left."""
-        ok = ~(self.excluded_inflight | self.excluded_hot | self.excluded_held)
+        ok = self._guarded()
         idle = cold & (self.loads.queue <= 0) & ok
         if idle.any() and not (idle == ok).all():
             self.excluded_warm = ok & ~idle
@@ -243,7 +247,7 @@ class CandidateTable:
     def pick(self, affinity: str = "", spread: tuple[str, bool] = ("", False)) -> Choice:
         """Lowest cost among non-excluded endpoints; ties as in :func:`kvmesh.routing.scoring.pick`."""
         n = len(self.ids)
-        pool = ~(self.excluded_inflight | self.excluded_hot | self.excluded_held | self.excluded_warm)
+        pool = self._guarded() & ~self.excluded_warm
         skipped = n - int(pool.sum()) - int(self.excluded_warm.sum())
         if not pool.any():
             pool, skipped = np.ones(n, dtype=bool), 0

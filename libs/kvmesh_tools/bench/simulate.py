@@ -87,7 +87,7 @@ def _cfg(decode: int, prefill: int, args: argparse.Namespace, kv_tokens: int):
 
     cfg = SimConfig(decode_workers=decode, prefill_workers=prefill, start_window_s=args.start_window_s,
                     seed=args.seed, kv_capacity_tokens=kv_tokens, offload_capacity_tokens=args.offload_capacity_tokens)
-    cfg.scoring.cold_first = getattr(args, "cold_first", "true") == "true"
+    cfg.scoring.cold_first = args.cold_first == "true"
     return cfg
 
 
