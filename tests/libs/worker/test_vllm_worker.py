@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import threading
 import time
+from collections.abc import Iterator
 
 import grpc
 import pytest
@@ -165,19 +169,21 @@ def test_the_cache_at_arrival_is_reported(stub) -> None:
     assert salted.truth.known and salted.truth.gpu_tokens == 0
 
 
-def test_abort_ends_stream_and_frees_request(stub) -> None:
+def test_abort_ends_stream_and_frees_request(worker: VllmWorker, stub) -> None:
+    # The tiny model writes 3,000 tokens in seconds, so on a starved machine they could all be
+    # out before an Abort sent after the first token arrives. With the engine frozen from
+    # before the request, it is in flight when the Abort lands, whatever the machine's load.
     req = worker_pb2.GenerateRequest(request_id="abort-1", prompt_token_ids=_prompt(6, 64),
                                      sampling=common_pb2.SamplingParams(max_tokens=3000, temperature=0.0,
                                                                         ignore_eos=True))
-    stream = stub.Generate(req, timeout=120)
-    first = next(stream)
-    assert first.token_ids
-    found = stub.Abort(worker_pb2.AbortRequest(request_id="abort-1"), timeout=10)
-    assert found.found
-    rest = list(stream)
-    assert rest and rest[-1].finished and rest[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
-    total = len(first.token_ids) + sum(len(m.token_ids) for m in rest)
-    assert total < 3000
+    with _engine_frozen(worker):
+        stream = stub.Generate(req, timeout=120)
+        _wait_in_flight(stub, 1)
+        found = stub.Abort(worker_pb2.AbortRequest(request_id="abort-1"), timeout=10)
+        assert found.found
+    msgs = list(stream)
+    assert msgs and msgs[-1].finished and msgs[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert sum(len(m.token_ids) for m in msgs) < 3000
     # Client-side cancel also stops the engine request; the worker stays usable.
     stream2 = stub.Generate(worker_pb2.GenerateRequest(
         request_id="abort-2", prompt_token_ids=_prompt(7, 64),
@@ -233,8 +239,6 @@ def test_engine_survives_bad_input_and_serves_concurrently(stub) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    import os
-
     parents: dict[int, int] = {}
     for d in os.listdir("/proc"):
         if d.isdigit():
@@ -258,6 +262,36 @@ def _cmdline(pid: int) -> str:
             return f.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
+
+
+def _engine_cores(worker: VllmWorker) -> list[int]:
+    cores = [p for p in _descendants(worker.proc.proc.pid) if "EngineCore" in _cmdline(p)]
+    assert cores, "vLLM EngineCore process not found"
+    return cores
+
+
+@contextlib.contextmanager
+def _engine_frozen(worker: VllmWorker) -> Iterator[None]:
+    """SIGSTOP the engine core processes for the block: no step runs, and no request finishes."""
+    cores = _engine_cores(worker)
+    for p in cores:
+        os.kill(p, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        for p in cores:
+            os.kill(p, signal.SIGCONT)
+
+
+def _wait_in_flight(stub, n: int, timeout_s: float = 20.0) -> None:
+    """Until the worker counts ``n`` requests in flight (running or waiting)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+        if load.running + load.waiting >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"fewer than {n} requests in flight after {timeout_s} s")
 
 
 VLLM_NAMES = ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -314,17 +348,17 @@ def test_vllms_own_metrics_on_the_serving_port(worker: VllmWorker, stub) -> None
 
 def test_engine_crash_gives_unavailable_and_not_serving(worker: VllmWorker, stub) -> None:
     # Runs last in this module: it kills the module's engine.
-    import os
-    import signal
-
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    cores = [p for p in _descendants(worker.proc.proc.pid) if "EngineCore" in _cmdline(p)]
-    assert cores, "vLLM EngineCore process not found"
+    cores = _engine_cores(worker)
+    # Frozen before the request, so the stream is in flight when the engine dies (see the
+    # abort test).
+    for p in cores:
+        os.kill(p, signal.SIGSTOP)
     stream = stub.Generate(worker_pb2.GenerateRequest(
         request_id="crash-1", prompt_token_ids=_prompt(9, 64),
         sampling=common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)), timeout=60)
-    next(stream)
+    _wait_in_flight(stub, 1)
     for p in cores:
         os.kill(p, signal.SIGKILL)
     t0 = time.monotonic()

@@ -177,6 +177,10 @@ class _Inflight:
     prompt_len: int
     started: float
     first_token: bool = False
+    # Abort asked for. vLLM ignores an abort for a request id it has not registered yet (its
+    # generate registers it on the stream's first step), so generate() repeats the abort once
+    # vLLM answers for the request.
+    aborted: bool = False
 
 
 class VllmEngine(Engine):
@@ -574,6 +578,10 @@ class VllmEngine(Engine):
             stream = llm.generate(prompt, params, req.request_id, lora_request=self._lora_request(req.lora_name),
                                   session_id=req.session_id or None)
             async for ro in stream:
+                if state.aborted and not ro.finished:
+                    # The Abort may have come before vLLM registered the request; it knows it now.
+                    state.aborted = False
+                    await llm.abort(req.request_id)
                 comp = ro.outputs[0] if ro.outputs else None
                 new = list(comp.token_ids) if comp is not None else []
                 n_out += len(new)
@@ -650,8 +658,10 @@ class VllmEngine(Engine):
 
     async def abort(self, request_id: str) -> bool:
         llm = self._llm
-        if llm is None or request_id not in self._inflight:
+        state = self._inflight.get(request_id)
+        if llm is None or state is None:
             return False
+        state.aborted = True
         await llm.abort(request_id)
         return True
 
