@@ -38,11 +38,10 @@ class PrecisePolicy(Policy):
         # Decode endpoints of split requests: they hold the prefix once its prefill is done.
         self.pending = SpeculativeIndex(ttl_s=speculative_ttl_s)
         self.sessions = SessionAffinity(ttl_s=session_ttl_s)
-        # ScoringConfig.cold_first: the endpoints a request was placed on, and when each other one
-        # was first seen (the id list is rebuilt only when the endpoint set changes).
+        # ScoringConfig.cold_first: the endpoints a request was placed on, and when this policy
+        # first had endpoints to choose from (its warm-up runs cold_after_s from then).
         self.placed: set[str] = set()
-        self.seen: dict[str, float] = {}
-        self._seen_ids: list[str] | None = None
+        self.started: float | None = None
         self.fallback = ApproxPolicy(self.scoring, report_candidates=self.report_candidates,
                                      capacity_blocks=approx_capacity_blocks,
                                      session_ttl_s=session_ttl_s, speculative_ttl_s=speculative_ttl_s)
@@ -62,15 +61,18 @@ class PrecisePolicy(Policy):
         return self._scored_choice(req, ctx, matches, affinity, cold)
 
     def _cold(self, ctx: RouteContext, matches: MatchColumns) -> np.ndarray:
-        """Endpoints no request went to for ``cold_after_s`` since they were first seen, and that the
-        index shows holding none of the prompt (a restarted router's warm endpoints hold it)."""
-        if ctx.ids is not self._seen_ids:
-            for ep in ctx.ids:
-                self.seen.setdefault(ep, ctx.now)
-            self._seen_ids = ctx.ids
-        since = ctx.now - self.scoring.cold_after_s
-        unused = (ep not in self.placed and self.seen[ep] <= since for ep in ctx.ids)
-        return np.fromiter(unused, bool, len(ctx.ids)) & (matches.array("gpu") <= 0)
+        """Endpoints no request went to, once the router has routed for ``cold_after_s``, and that
+        the index shows holding none of the prompt (a restarted router's warm endpoints hold it).
+
+        The delay is the router's warm-up, not each endpoint's: an endpoint that joins later (a
+        fleet scaling out, an engine back after a restart) is empty, and is cold at once."""
+        if self.started is None:
+            self.started = ctx.now
+        n = len(ctx.ids)
+        if ctx.now - self.started < self.scoring.cold_after_s:
+            return np.zeros(n, dtype=bool)
+        unused = (ep not in self.placed for ep in ctx.ids)
+        return np.fromiter(unused, bool, n) & (matches.array("gpu") <= 0)
 
     def on_routed(self, req: RouteRequest, decision: Decision, now: float, prefill_endpoint: str = "") -> None:
         # A split request's blocks are computed on the prefill endpoint; the decode endpoint
@@ -100,6 +102,4 @@ class PrecisePolicy(Policy):
         self.pending.forget_endpoint(endpoint_id)
         self.sessions.forget_endpoint(endpoint_id)
         self.placed.discard(endpoint_id)
-        self.seen.pop(endpoint_id, None)
-        self._seen_ids = None
         self.fallback.forget_endpoint(endpoint_id)

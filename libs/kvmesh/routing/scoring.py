@@ -136,14 +136,15 @@ class ScoringConfig:
                 "kvmesh.routing.load.StoreHorizon); the rest at its recompute (scoring.store_kept; false = every "
                 "restorable block at the restore)"})
     cold_first: bool = field(default=True, metadata={
-        "help": "precise: a new session goes to a cold endpoint (no request placed on it for --cold-after-s since "
-                "the router first saw it, and none of the prompt there) with nothing queued, the cheapest of them, "
+        "help": "precise: a new session goes to a cold endpoint (no request placed on it, once the router has "
+                "routed for --cold-after-s, and none of the prompt there) with nothing queued, the cheapest of them, "
                 "while there is one: greedy costs never warm a spare endpoint, because its first placement "
                 "recomputes a shared prefix warm endpoints hold, so a fleet larger than its sessions need packs "
                 "them onto part of its cache (docs/router.md, \"cold endpoints\")"})
     cold_after_s: float = field(default=300.0, metadata={
-        "help": "with --cold-first: an endpoint the cost has left without a request this long counts as cold; "
-                "the cost warms a small cluster's endpoints within a few minutes by itself"})
+        "help": "with --cold-first: the router's warm-up, from its first decision; until then the cost alone "
+                "places new sessions (it warms a small cluster's endpoints within a few minutes by itself); an "
+                "endpoint that joins later is cold at once"})
     hold_min_ratio: float = field(default=0.0, metadata={
         "help": "when every endpoint has prefill queued, a request whose prompt some endpoint holds at least this "
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "

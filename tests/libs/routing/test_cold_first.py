@@ -86,9 +86,9 @@ def test_when_every_endpoint_is_cold_the_cost_decides():
     assert "cold endpoint" not in on.decide(_req("r", "a"), Matches(), now=0.5).reason
 
 
-def test_an_endpoint_is_cold_only_after_cold_after_s_without_a_request():
+def test_no_endpoint_is_cold_during_the_routers_warm_up():
     core = _core(True, after_s=300.0)
-    # First seen at 0.5: for 300 s the cost decides, and takes the warm prefix.
+    # The router's first decision is at 0.5: for 300 s the cost decides, and takes the warm prefix.
     d = _route(core, _req("r1", "s1"), SHARED, 0.5)
     assert d.endpoint_id == "e0" and "cold endpoint" not in d.reason
     core.on_finished(_req("r1", "s1"), d, now=1.0)
@@ -97,10 +97,25 @@ def test_an_endpoint_is_cold_only_after_cold_after_s_without_a_request():
     assert late.endpoint_id in ("e1", "e2") and "cold endpoint" in late.reason
 
 
+def test_an_endpoint_that_joins_after_the_warm_up_is_cold_at_once():
+    # The delay is the router's warm-up. A worker added later (scale-out) is empty, and should
+    # take new sessions now, not cold_after_s after it joined.
+    core = _core(True, {"e0": LoadReport(num_blocks=1000)}, after_s=300.0)
+    d = _route(core, _req("r1", "s1"), SHARED, 0.5)
+    core.on_finished(_req("r1", "s1"), d, now=1.0)
+    core.set_endpoint(EndpointView("e1", "", "m"))
+    core.load.update("e1", LoadReport(num_blocks=1000))
+    early = core.decide(_req("r2", "s2"), SHARED, now=200.0)   # still in the warm-up
+    assert early.endpoint_id == "e0" and "cold endpoint" not in early.reason
+    # The warm-up is over; e1 has been known to this router for 200 s only.
+    late = core.decide(_req("r3", "s3"), SHARED, now=400.0)
+    assert late.endpoint_id == "e1" and "cold endpoint" in late.reason
+
+
 def test_a_forgotten_endpoint_counts_as_cold_when_it_returns():
     core = _core(True)
     ep = _route(core, _req("r1", "s1"), SHARED, 0.5).endpoint_id
     pol = core.policy("precise")
     assert ep in pol.placed
     pol.forget_endpoint(ep)
-    assert ep not in pol.placed and ep not in pol.seen
+    assert ep not in pol.placed
