@@ -9,6 +9,7 @@ metric names, one span per request, and the real `kvmesh serve decode` process.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 
 import grpc
@@ -272,13 +273,16 @@ async def test_worker_registers_with_indexer_and_its_events_are_indexed(tmp_path
             mine = [e for e in eps if e.endpoint.endpoint_id == "w-reg"]
             assert mine and mine[0].endpoint.kv_events_endpoint.startswith("tcp://127.0.0.1:")
             assert mine[0].endpoint.grpc_address == f"127.0.0.1:{w.port}"
-            await asyncio.sleep(0.5)       # let the indexer's subscriber connect
+            # No wait for the indexer's subscriber: events published before it has joined are
+            # lost to it (ZMQ's slow joiner), and its tail probe replays them from the worker's
+            # buffer within tail_probe_s (5 s), so the poll below allows for that.
             prompt = list(range(700, 700 + 4 * BS + 1))
             async with grpc.aio.insecure_channel(w.address) as wch:
                 await _collect(worker_pb2_grpc.WorkerStub(wch), _gen("ix", prompt, 1))
             keys = BlockHasher("sha256_cbor", BS).block_keys(prompt)
             blocks = 0
-            for _ in range(50):
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
                 resp = await ix.Lookup(indexer_pb2.LookupRequest(model="sim-model",
                                                                  chain=indexer_pb2.BlockChain(keys=keys)))
                 blocks = max((m.combined_blocks for m in resp.matches if m.endpoint_id == "w-reg"), default=0)
