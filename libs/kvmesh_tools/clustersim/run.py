@@ -1,7 +1,9 @@
 """Run several policies over one trace and cluster, side by side, and collect the report.
 
-Policies are independent simulations, so they run in parallel processes (fork:
-the parsed trace and precomputed key chains are shared copy-on-write). Each
+Policies are independent simulations, so they run in parallel processes (each
+worker process receives the parsed trace and its precomputed key chains once).
+The ceilings the report divides by run in the same pool, queued after the
+simulations, so they fill the pool's tail instead of adding serial time. Each
 simulation is deterministic, so the report does not depend on the process count.
 """
 
@@ -39,9 +41,23 @@ def _init_state(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: Scori
     _STATE.update(trace=trace, schedule=schedule, cfg=cfg, scoring=scoring)
 
 
-def _run_one(task: tuple[str, int | None]) -> PolicyResult:
+# A pool task: ("sim", policy, store capacity or None for the config's), or ("ceiling", "",
+# pooled capacity in tokens, or None for the infinite cache's ceiling).
+Task = tuple[str, str, "int | None"]
+
+
+def _run_task(task: Task) -> PolicyResult | float:
+    kind, policy, cap = task
+    if kind == "ceiling":
+        order = _STATE.get("order")
+        if order is None:
+            order = _STATE["order"] = recorded_order(_STATE["schedule"])
+        return round(ceiling_infinite(order) if cap is None else ceiling_pooled(order, cap), 4)
+    return _run_one(policy, cap)
+
+
+def _run_one(policy: str, offload: int | None) -> PolicyResult:
     """One policy's simulation; ``offload`` (if not None) replaces the config's store capacity."""
-    policy, offload = task
     cfg: SimConfig = _STATE["cfg"]
     if offload is not None:
         cfg = dataclasses.replace(cfg, offload_capacity_tokens=offload)
@@ -52,26 +68,39 @@ def _run_one(task: tuple[str, int | None]) -> PolicyResult:
     return res
 
 
+def _pooled_capacity(cfg: SimConfig) -> int:
+    """The cluster's GPU and store tokens, as one cache (``ceiling_pooled``)."""
+    return cfg.decode_workers * cfg.kv_capacity_tokens + max(0, cfg.offload_capacity_tokens)
+
+
 def _run_all(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig,
-             tasks: list[tuple[str, int | None]], jobs: int | None) -> list[PolicyResult]:
+             sims: list[tuple[str, int | None]], pooled_caps: list[int],
+             jobs: int | None) -> tuple[list[PolicyResult], float, dict[int, float]]:
+    """The simulations ``sims`` ((policy, store capacity)) in order, the infinite cache's
+    ceiling, and the pooled ceiling of each capacity in ``pooled_caps``."""
     _init_state(trace, schedule, cfg, scoring)
-    jobs = jobs if jobs is not None else min(len(tasks), os.cpu_count() or 1)
-    if jobs > 1 and len(tasks) > 1:
+    caps = list(dict.fromkeys(pooled_caps))
+    tasks: list[Task] = [("sim", p, c) for p, c in sims]
+    tasks += [("ceiling", "", None)] + [("ceiling", "", c) for c in caps]
+    jobs = jobs if jobs is not None else min(len(sims), os.cpu_count() or 1)
+    if jobs > 1 and len(sims) > 1:
         # spawn, not fork: forking a process that already runs threads (gRPC, logging, a test
         # runner) can copy a held lock into the child and hang it.
         with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_state,
                                  initargs=(trace, schedule, cfg, scoring)) as ex:
-            return list(ex.map(_run_one, tasks))
-    return [_run_one(t) for t in tasks]
+            out = list(ex.map(_run_task, tasks))
+    else:
+        out = [_run_task(t) for t in tasks]
+    _STATE.pop("order", None)
+    n = len(sims)
+    results: list[PolicyResult] = out[:n]   # type: ignore[assignment]
+    return results, out[n], dict(zip(caps, out[n + 1:], strict=True))   # type: ignore[arg-type]
 
 
 def _report(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig, policies: list[str],
-            results: list[PolicyResult], records: bool) -> dict[str, Any]:
+            results: list[PolicyResult], records: bool, ceil_inf: float, ceil_pool: float) -> dict[str, Any]:
     """The JSON-able report of one cluster (one store capacity) for ``results`` in policy order."""
-    order = recorded_order(schedule)
-    pooled_cap = cfg.decode_workers * cfg.kv_capacity_tokens + max(0, cfg.offload_capacity_tokens)
-    ceil_inf = round(ceiling_infinite(order), 4)
-    ceil_pool = round(ceiling_pooled(order, pooled_cap), 4)
+    pooled_cap = _pooled_capacity(cfg)
     out: dict[str, Any] = {
         "config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name != "scoring"},
         "scoring": {k: getattr(scoring, k) for k in ScoringConfig.__dataclass_fields__},
@@ -107,8 +136,9 @@ def simulate_policies(trace: Trace, cfg: SimConfig, policies: list[str], jobs: i
     scoring = scoring or cfg.scoring
     share_chain_keys(trace.requests())   # once, before the workers start
     schedule = schedule_for(trace, cfg)
-    results = _run_all(trace, schedule, cfg, scoring, [(p, None) for p in policies], jobs)
-    out = _report(trace, schedule, cfg, scoring, policies, results, records)
+    cap = _pooled_capacity(cfg)
+    results, ceil_inf, pooled = _run_all(trace, schedule, cfg, scoring, [(p, None) for p in policies], [cap], jobs)
+    out = _report(trace, schedule, cfg, scoring, policies, results, records, ceil_inf, pooled[cap])
     out["wall_s"] = round(time.perf_counter() - t0, 2)
     return out
 
@@ -132,13 +162,14 @@ def simulate_regimes(trace: Trace, cfg: SimConfig, policies: list[str], regimes:
     scoring = scoring or cfg.scoring
     share_chain_keys(trace.requests())
     schedule = schedule_for(trace, cfg)
-    tasks = [(p, cap) for _, cap in regimes for p in policies]
-    results = _run_all(trace, schedule, cfg, scoring, tasks, jobs)
+    rcfgs = [dataclasses.replace(cfg, offload_capacity_tokens=cap) for _, cap in regimes]
+    results, ceil_inf, pooled = _run_all(trace, schedule, cfg, scoring,
+                                         [(p, cap) for _, cap in regimes for p in policies],
+                                         [_pooled_capacity(r) for r in rcfgs], jobs)
     out: dict[str, Any] = {"policies": policies, "regimes": [], "wall_s": 0.0}
-    for i, (name, cap) in enumerate(regimes):
-        rcfg = dataclasses.replace(cfg, offload_capacity_tokens=cap)
+    for i, ((name, cap), rcfg) in enumerate(zip(regimes, rcfgs, strict=True)):
         rep = _report(trace, schedule, rcfg, scoring, policies, results[i * len(policies):(i + 1) * len(policies)],
-                      records)
+                      records, ceil_inf, pooled[_pooled_capacity(rcfg)])
         rep["wall_s"] = round(sum(m["wall_s"] for m in rep["results"].values()), 2)
         summary = {p: {k: m[k] for k in SUMMARY_KEYS if k in m} for p, m in rep["results"].items()}
         out["regimes"].append({"regime": name, "offload_capacity_tokens": cap, "summary": summary, "report": rep})

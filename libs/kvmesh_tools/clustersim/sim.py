@@ -635,8 +635,7 @@ class ClusterSim:
             if self.store is not None:
                 # Like the sim engine: on finish, save the computed blocks the store lacks (leading check).
                 n = seq.num_computed // self.bs
-                keys = seq.block_hashes[:n]
-                self.store.put(keys, self.store.leading(keys, n), job.req.session)
+                self.store.put(seq.block_hashes[:n], self.store.leading(seq.block_hashes, n), job.req.session)
             if seq.prefill_only:
                 self.core.load.on_finished(prefill_request_id(job.route.request_id))
                 self._dispatch(job, job.decode_ep, prefill_only=False)
