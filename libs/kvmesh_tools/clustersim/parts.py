@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Callable
-from itertools import islice, takewhile
 from dataclasses import dataclass
+from itertools import islice, takewhile
 
 from kvmesh.index.base import Tier
 from kvmesh.index.memory import MemoryIndex

@@ -45,3 +45,22 @@ def test_puts_keep_what_the_store_service_keeps(seed: int) -> None:
             want = next((i for i, k in enumerate(keys[:cap]) if k not in held), min(cap, len(keys)))
             assert sim.leading(keys, cap) == want
     assert sim.refused == refused
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_prompt_asked_again_after_puts_and_evictions_gets_a_fresh_answer(seed: int) -> None:
+    """``leading`` goes on from what it found for the same prompt list while nothing was
+    evicted; across puts that add and evict, it answers as a first scan of the tier would."""
+    rng = random.Random(seed)
+    sim = SimOffload(rng.randrange(6, 14), "lru")
+    trunk = [rng.randrange(1 << 20) for _ in range(10)]
+    prompts = [chain_keys("t", trunk[:rng.randrange(1, 8)] + [rng.randrange(1 << 20) for _ in range(rng.randrange(6))])
+               for _ in range(6)]
+    for _ in range(80):
+        keys = rng.choice(prompts)
+        sim.put(keys, sim.leading(keys, len(keys)), "s")
+        for p in prompts:
+            cap = rng.randrange(len(p) + 2)
+            want = next((i for i, k in enumerate(p[:cap]) if k not in sim._present), min(cap, len(p)))
+            assert sim.leading(p, cap) == want
+    assert sim.tier.evictions > 0

@@ -250,3 +250,40 @@ def test_duplicate_blocks_like_vllm() -> None:
     ve, se = v.events(), s.events()
     assert se == ve
     assert sum(1 for e in ve if e[0] == "removed") == 3
+
+
+@pytest.mark.parametrize("seed", [5, 6, 7])
+def test_repeated_lookups_of_one_prompt_match_a_fresh_lookup(seed: int) -> None:
+    """find_longest_hit remembers a prompt's known prefix between calls (by list identity); after
+    any mix of caching, eviction, duplicate blocks and reset, it answers as a first lookup would."""
+    rng = random.Random(seed)
+    bs = 4
+    bm = BlockManager(num_blocks=24, block_size=bs)
+    shared = [rng.randrange(1 << 30) for _ in range(6)]
+    prompts = [shared[:rng.randint(0, 6)] + [rng.randrange(1 << 30) for _ in range(rng.randint(1, 8))]
+               for _ in range(6)]
+    prompts += [list(prompts[0]), list(prompts[1])]   # equal content, other lists: duplicate blocks
+    live: dict[str, list[int]] = {}
+    resumed = 0
+    for step in range(600):
+        keys = rng.choice(prompts)
+        op = rng.random()
+        if op < 0.45 and len(live) < 4:
+            rid = f"r{step}"
+            n = len(keys) * bs - rng.randint(0, bs - 1)
+            if bm.allocate(rid, n, bm.find_longest_hit(keys, n)):
+                bm.cache_blocks(rid, keys, n)
+                live[rid] = keys
+        elif op < 0.9 and live:
+            bm.free(rng.choice(sorted(live)))
+            live = {r: k for r, k in live.items() if bm.has_request(r)}
+        elif op < 0.92 and not live:
+            assert bm.reset()
+        for p in prompts:
+            n = len(p) * bs
+            before = bm._hits.get(id(p))
+            got = bm.find_longest_hit(p, n)
+            resumed += before is not None and before[1] == bm._dropped
+            assert got == bm.find_longest_hit(list(p), n), (step, p)
+            assert bm.find_longest_hit(p, n - bs) == got[: max(0, (n - bs - 1) // bs)]   # a shorter cap
+    assert resumed > 100   # the remembered prefix was actually used

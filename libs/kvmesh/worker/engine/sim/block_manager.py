@@ -43,6 +43,7 @@ from typing import Any
 _not_none = partial(is_not, None)
 
 NULL_BLOCK = 0
+_HITS_KEPT = 256   # prompts find_longest_hit remembers (a bound on the lists it keeps alive)
 
 
 @dataclass(slots=True)
@@ -109,6 +110,11 @@ class BlockManager:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.evictions = 0        # cached blocks dropped to make room (BlockRemoved count)
+        # find_longest_hit's memory. A waiting request's prompt is looked up at every step that
+        # reaches it; while no hash has left the cache (or moved to another block) since, its
+        # known prefix is still cached in the same blocks, and the lookup goes on from there.
+        self._dropped = 0         # hashes removed or remapped so far
+        self._hits: dict[int, tuple[Sequence[int], int, list[int]]] = {}   # id(prompt) -> (prompt, _dropped, ids)
 
     # ------------------------------------------------------------------ queries
 
@@ -153,8 +159,19 @@ class BlockManager:
         if not self.enable_caching:
             return []
         max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        known = self._hits.get(id(block_hashes))
+        if known is not None and known[0] is block_hashes and known[1] == self._dropped:
+            hit = known[2]
+            if len(hit) >= max_blocks:
+                return hit[:max_blocks]
+        else:
+            hit = []
         # C-speed scan: map lookups until the first miss.
-        return list(takewhile(_not_none, map(self._cached.get, islice(block_hashes, max_blocks))))
+        hit = hit + list(takewhile(_not_none, map(self._cached.get, islice(block_hashes, len(hit), max_blocks))))
+        if len(self._hits) >= _HITS_KEPT:
+            self._hits.clear()
+        self._hits[id(block_hashes)] = (block_hashes, self._dropped, hit)
+        return list(hit)
 
     def count_hit(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Record a lookup for the prefix-cache metrics (vLLM counts prompt tokens)."""
@@ -244,6 +261,7 @@ class BlockManager:
                     del self._dups[h]
         if removed:
             self.evictions += 1
+            self._dropped += 1
         if removed and self.enable_events:
             self._events.append(Removed(h, b))
 
@@ -316,6 +334,7 @@ class BlockManager:
             return False
         self._cached.clear()
         self._dups.clear()
+        self._dropped += 1
         self._hash = [None] * self.num_blocks
         if self.enable_events:
             self._events.append(Cleared())
