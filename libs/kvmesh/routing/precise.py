@@ -60,7 +60,7 @@ class PrecisePolicy(Policy):
         cold = self._cold(ctx, matches) if self.scoring.cold_first and not affinity else None
         return self._scored_choice(req, ctx, matches, affinity, cold)
 
-    def _cold(self, ctx: RouteContext, matches: MatchColumns) -> np.ndarray:
+    def _cold(self, ctx: RouteContext, matches: MatchColumns) -> np.ndarray | None:
         """Endpoints no request went to, once the router has routed for ``cold_after_s``, and that
         the index shows holding none of the prompt (a restarted router's warm endpoints hold it).
 
@@ -70,7 +70,7 @@ class PrecisePolicy(Policy):
             self.started = ctx.now
         n = len(ctx.ids)
         if ctx.now - self.started < self.scoring.cold_after_s:
-            return np.zeros(n, dtype=bool)
+            return None   # still warming up: no endpoint counts as cold
         unused = (ep not in self.placed for ep in ctx.ids)
         return np.fromiter(unused, bool, n) & (matches.array("gpu") <= 0)
 

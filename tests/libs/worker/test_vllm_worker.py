@@ -271,16 +271,18 @@ def _engine_cores(worker: VllmWorker) -> list[int]:
 
 
 @contextlib.contextmanager
-def _engine_frozen(worker: VllmWorker) -> Iterator[None]:
-    """SIGSTOP the engine core processes for the block: no step runs, and no request finishes."""
+def _engine_frozen(worker: VllmWorker) -> Iterator[list[int]]:
+    """SIGSTOP the engine core processes for the block (no step runs, and no request finishes);
+    yields their pids. A process the block killed is left alone."""
     cores = _engine_cores(worker)
     for p in cores:
         os.kill(p, signal.SIGSTOP)
     try:
-        yield
+        yield cores
     finally:
         for p in cores:
-            os.kill(p, signal.SIGCONT)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
 
 
 def _wait_in_flight(stub, n: int, timeout_s: float = 20.0) -> None:
@@ -350,17 +352,15 @@ def test_engine_crash_gives_unavailable_and_not_serving(worker: VllmWorker, stub
     # Runs last in this module: it kills the module's engine.
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    cores = _engine_cores(worker)
     # Frozen before the request, so the stream is in flight when the engine dies (see the
     # abort test).
-    for p in cores:
-        os.kill(p, signal.SIGSTOP)
-    stream = stub.Generate(worker_pb2.GenerateRequest(
-        request_id="crash-1", prompt_token_ids=_prompt(9, 64),
-        sampling=common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)), timeout=60)
-    _wait_in_flight(stub, 1)
-    for p in cores:
-        os.kill(p, signal.SIGKILL)
+    with _engine_frozen(worker) as cores:
+        stream = stub.Generate(worker_pb2.GenerateRequest(
+            request_id="crash-1", prompt_token_ids=_prompt(9, 64),
+            sampling=common_pb2.SamplingParams(max_tokens=3000, ignore_eos=True)), timeout=60)
+        _wait_in_flight(stub, 1)
+        for p in cores:
+            os.kill(p, signal.SIGKILL)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
         list(stream)   # the in-flight stream ends with an error, it never hangs
