@@ -23,6 +23,7 @@ from kvmesh.routing.load import LoadColumns, LoadView
 from kvmesh.routing.scoring import (
     ClusterState,
     ScoringConfig,
+    displaced_s_per_token,
     evaluate,
     max_hit_blocks,
     pick_reason,
@@ -171,31 +172,45 @@ class CandidateTable:
         fresh = -(-np.maximum(0, req.num_tokens - gpu * bs) // bs) * bs
         need = -(-req.num_tokens // bs) * bs
         cap_t, others = lc.capacity_blocks * bs, lc.resident_tokens - self.own_resident
-        if cfg.displace_cliff:   # scoring.cliff_displaced, element-wise
-            displaced = np.where(others + need <= cap_t, 0.0, np.where(others <= cap_t, others + need, float(need)))
+        others_sessions = lc.resident_sessions - (self.own_resident > 0)
+        if cfg.displace_attention:   # scoring.displaced_s_per_token, element-wise
+            per_token = cfg.prefill_s_per_token + cfg.attn_s_per_token_pair * (
+                np.maximum(others, 0.0) / np.maximum(others_sessions, 1.0)) / 2.0
         else:
-            displaced = np.minimum(fresh, np.maximum(need - np.maximum(room, 0.0), 0.0))
+            per_token = displaced_s_per_token(0.0, 0.0, cfg)
+        # ScoringConfig.cliff, element-wise: the cliff where it applies, the overflow estimate elsewhere.
+        cliff = np.zeros(len(ids), dtype=bool)
+        if cfg.cliff(offload_enabled):
+            k = cfg.displace_cliff_max_sessions
+            cliff = np.ones(len(ids), dtype=bool) if k <= 0 else others_sessions <= k
+        displaced = np.minimum(fresh, np.maximum(need - np.maximum(room, 0.0), 0.0))
+        if cliff.any():   # scoring.cliff_displaced, element-wise
+            displaced = np.where(cliff, np.where(others + need <= cap_t, 0.0,
+                                                 np.where(others <= cap_t, others + need, float(need))), displaced)
         if cfg.displace_store_price and offload_enabled:   # scoring.stored_displaced, element-wise
             own_st = min(max(store.cpu, store.disk), self.cap) * bs
             others_st = lc.stored_tokens - self.own_stored
-            if cfg.displace_cliff:
-                stored = np.where(others <= cap_t, others_st + own_st, float(own_st))
-            else:
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    stored = np.where(others <= 0.0, 0.0, displaced * (others_st / others))
+            with np.errstate(divide="ignore", invalid="ignore"):
+                stored = np.where(others <= 0.0, 0.0, displaced * (others_st / others))
+            stored = np.where(cliff, np.where(others <= cap_t, others_st + own_st, float(own_st)), stored)
             stored = np.where(displaced <= 0.0, 0.0, stored)
-            displace = cfg.displace_weight * ((displaced - stored) * cfg.prefill_s_per_token
-                                              + stored * cfg.cpu_restore_s_per_token)
+            displace = cfg.displace_weight * ((displaced - stored) * per_token + stored * cfg.cpu_restore_s_per_token)
         else:
-            displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
+            displace = cfg.displace_weight * displaced * per_token
         self.displace = np.where(lc.capacity_blocks > 0, displace, 0.0)
-        if cfg.displace_free_at > 1.0 and not cfg.displace_cliff:   # scoring.kept_share, element-wise
+        if cfg.displace_free_at > 1.0 and not cliff.all():   # scoring.kept_share, element-wise
             cap_t = lc.capacity_blocks * bs
             with np.errstate(divide="ignore", invalid="ignore"):
                 over = ((lc.resident_tokens - self.own_resident) - cap_t) / ((cfg.displace_free_at - 1.0) * cap_t)
             kept = np.minimum(1.0, np.maximum(0.0, 1.0 - over))
-            self.displace = np.where(lc.capacity_blocks > 0, self.displace * kept, self.displace)
-        self.cost = self.wait + own + self.decode + self.work + self.displace
+            self.displace = np.where((lc.capacity_blocks > 0) & ~cliff, self.displace * kept, self.displace)
+        # scoring.blocking_s, element-wise.
+        if cfg.blocking_weight > 0.0 and cfg.turn_interval_s > 0.0:
+            self.blocking = np.where((own > 0.0) & (others_sessions > 0.0), cfg.blocking_weight * others_sessions
+                                     * own * own / (2.0 * cfg.turn_interval_s), 0.0)
+        else:
+            self.blocking = np.zeros(len(ids))
+        self.cost = self.wait + own + self.decode + self.work + self.displace + self.blocking
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)

@@ -11,8 +11,8 @@ ignored and only the router's own in-flight requests count.
 
 from __future__ import annotations
 
+import heapq
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +57,10 @@ class EffectiveLoad:
     # Of ``resident_tokens``, what the offload store held of each session's prompt when it was
     # routed: displaced there, that part comes back by a restore rather than a recompute.
     stored_tokens: float = 0.0
+    # How many sessions ``resident_tokens`` counts: the sessions whose next turns wait behind a
+    # long prefill placed here (ScoringConfig.blocking_weight), and over which the working set's
+    # mean context is taken (ScoringConfig.displace_attention).
+    resident_sessions: float = 0.0
     # The mean context a queued prefill token attends to, over the router's in-flight requests
     # still prefilling there (their cached tokens plus half their own): a token of a 5k tail on
     # a 190k context costs its attention as well as its linear part (0: nothing queued).
@@ -108,6 +112,7 @@ class LoadColumns:
     resident_tokens: np.ndarray
     stored_tokens: np.ndarray
     prefill_ctx_tokens: np.ndarray
+    resident_sessions: np.ndarray
 
 
 class _Sums:
@@ -119,7 +124,7 @@ class _Sums:
     """
 
     FIELDS = ("has_report", "received_at", "running", "waiting", "report_prefill", "kv_usage", "report_blocks",
-              "capacity", "resident", "stored", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx",
+              "capacity", "resident", "stored", "sessions", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx",
               "prefill_ctx")
 
     def __init__(self) -> None:
@@ -200,14 +205,21 @@ class WorkingSet:
     sessions idle longer than the window go first and are not counted). A session counts at
     its latest endpoint only, with its latest prompt. Totals are kept per endpoint slot of the
     load view (``_Sums``), as floats holding integers, so per-endpoint and column reads agree.
+
+    The window runs from the end of the session's last turn. While a turn is in flight the
+    session stays counted, however long it waits (a recompute of an 800k-token context queues
+    for longer than the window), up to ``inflight_s``: a request whose end the router never
+    hears of must not hold its session's context in the count for ever.
     """
 
-    def __init__(self, sums: _Sums, window_s: float) -> None:
+    def __init__(self, sums: _Sums, window_s: float, inflight_s: float = 3600.0) -> None:
         self.sums = sums
         self.window_s = window_s
-        # session -> (slot, endpoint, tokens, touched, stored)
-        self._where: dict[str, tuple[int, str, int, float, int]] = {}
-        self._order: deque[tuple[float, str]] = deque()
+        self.inflight_s = inflight_s
+        # session -> (slot, endpoint, tokens, touched, stored, due): the window runs from ``due``
+        # (the turn's end; while it is in flight, its routing time plus ``inflight_s``).
+        self._where: dict[str, tuple[int, str, int, float, int, float]] = {}
+        self._due: list[tuple[float, str]] = []   # a heap of (due, session); stale entries skipped
 
     def touch(self, session_id: str, endpoint_id: str, tokens: int, now: float, stored: int = 0) -> None:
         """``stored``: tokens of the prompt the offload store held when it was routed (at most ``tokens``)."""
@@ -216,18 +228,21 @@ class WorkingSet:
         self._drop(session_id)
         i = self.sums.slot_of(endpoint_id)
         stored = min(max(stored, 0), tokens)
-        self._where[session_id] = (i, endpoint_id, tokens, now, stored)
-        self._order.append((now, session_id))
-        self.sums.cols["resident"][i] += tokens
-        self.sums.cols["stored"][i] += stored
+        due = now + self.inflight_s
+        self._where[session_id] = (i, endpoint_id, tokens, now, stored, due)
+        heapq.heappush(self._due, (due, session_id))
+        cols = self.sums.cols
+        cols["resident"][i] += tokens
+        cols["stored"][i] += stored
+        cols["sessions"][i] += 1
 
     def refresh(self, session_id: str, endpoint_id: str, now: float) -> None:
         """A turn of the session ended on ``endpoint_id``: its context is reusable from now on,
         so the window runs from here (a turn can wait in a queue longer than the window)."""
         w = self._where.get(session_id) if session_id else None
-        if w is not None and w[1] == endpoint_id and now > w[3]:
-            self._where[session_id] = (w[0], w[1], w[2], now, w[4])
-            self._order.append((now, session_id))
+        if w is not None and w[1] == endpoint_id and now >= w[3] and now != w[5]:
+            self._where[session_id] = (w[0], w[1], w[2], now, w[4], now)
+            heapq.heappush(self._due, (now, session_id))
 
     def home(self, session_id: str) -> tuple[str, int]:
         """(endpoint, tokens) where the session's context is counted, or ("", 0)."""
@@ -246,18 +261,20 @@ class WorkingSet:
         return w[4] if w is not None else 0
 
     def expire(self, now: float) -> None:
-        order, where = self._order, self._where
-        while order and order[0][0] < now - self.window_s:
-            t, sid = order.popleft()
+        due, where = self._due, self._where
+        while due and due[0][0] < now - self.window_s:
+            t, sid = heapq.heappop(due)
             w = where.get(sid)
-            if w is not None and w[3] == t:
+            if w is not None and w[5] == t:
                 self._drop(sid)
 
     def _drop(self, session_id: str) -> None:
         w = self._where.pop(session_id, None)
         if w is not None:
-            self.sums.cols["resident"][w[0]] -= w[2]
-            self.sums.cols["stored"][w[0]] -= w[4]
+            cols = self.sums.cols
+            cols["resident"][w[0]] -= w[2]
+            cols["stored"][w[0]] -= w[4]
+            cols["sessions"][w[0]] -= 1
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         i = self.sums.slot.get(endpoint_id)
@@ -470,6 +487,7 @@ class LoadView:
         resident = float(self._sums.cols["resident"][i]) if i is not None else 0.0
         capacity = float(self._sums.cols["capacity"][i]) if i is not None else 0.0
         stored = float(self._sums.cols["stored"][i]) if i is not None else 0.0
+        sessions = float(self._sums.cols["sessions"][i]) if i is not None else 0.0
         pctx = float(self._sums.cols["prefill_ctx"][i]) if i is not None else 0.0
         if rep is not None and (now - rep.received_at) <= self.staleness_s:
             return EffectiveLoad(running=rep.running, waiting=rep.waiting + new_req,
@@ -477,10 +495,10 @@ class LoadView:
                                  kv_usage=rep.kv_usage, inflight=total, stale=False,
                                  active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx,
                                  capacity_blocks=capacity, resident_tokens=resident, stored_tokens=stored,
-                                 prefill_ctx_tokens=pctx)
+                                 resident_sessions=sessions, prefill_ctx_tokens=pctx)
         return EffectiveLoad(running=0, waiting=total, prefill_tokens=all_prefill, inflight=total, stale=True,
                              inflight_ctx_tokens=all_ctx, capacity_blocks=capacity, resident_tokens=resident,
-                             stored_tokens=stored, prefill_ctx_tokens=pctx)
+                             stored_tokens=stored, resident_sessions=sessions, prefill_ctx_tokens=pctx)
 
     def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
         """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
@@ -498,4 +516,4 @@ class LoadView:
                            inflight_ctx_tokens=np.where(fresh, c["new_ctx"], c["all_ctx"]),
                            capacity_blocks=c["capacity"],
                            resident_tokens=c["resident"], stored_tokens=c["stored"],
-                           prefill_ctx_tokens=c["prefill_ctx"])
+                           resident_sessions=c["sessions"], prefill_ctx_tokens=c["prefill_ctx"])

@@ -6,7 +6,7 @@ but in *seconds*, from the same latency figures as the engine model (the
 neutral :mod:`kvmesh.perfmodel`, shared with the sim engine), so that every tier
 and every kind of load is weighed at its real price::
 
-    cost = wait + own + decode + work + displace
+    cost = wait + own + decode + work + displace + blocking
     wait     = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
                (with ``queue_attention``, each queued token also at its attention to the queued
                prefill's mean context: :func:`queued_s_per_token`)
@@ -19,10 +19,15 @@ and every kind of load is weighed at its real price::
     work     = cluster_work_weight · saturation · (own − least own of any endpoint)
     displace = displace_weight · prefill_s/token · tokens of the others' KV the prompt evicts: its
                new GPU blocks, up to what the whole prompt exceeds (capacity − others' working set);
-               with ``displace_cliff``, :func:`cliff_displaced` instead (an LRU under cyclic reuse)
+               with ``displace_cliff`` (default), :func:`cliff_displaced` instead (an LRU under cyclic
+               reuse); with ``displace_attention`` (default), a displaced token at its recompute with
+               attention over the mean context of the endpoint's sessions (:func:`displaced_s_per_token`)
+    blocking = blocking_weight · others · own² / (2 · turn_interval_s): the waits of the other
+               sessions homed there whose turns arrive while this prefill runs (vLLM's default
+               scheduler gives a running prefill the whole step budget) (:func:`blocking_s`)
 
-The first three are this request's TTFT there; ``work`` and ``displace`` are what the
-placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill
+The first three are this request's TTFT there; ``work``, ``displace`` and ``blocking`` are
+what the placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill
 beyond the cheapest placement's is work every queued request waits behind; and new blocks
 beyond what an endpoint's recently used contexts leave free evict KV that their sessions'
 next turns would reuse (``LoadView.working_set``). See docs/router.md.
@@ -122,10 +127,29 @@ class ScoringConfig:
         "help": "displaced KV is priced in full while the other sessions' working set fits the endpoint's "
                 "cache, and less as it exceeds it, down to 0 at this many times the capacity: such an "
                 "endpoint already recycles every context before its next turn (0 = always in full)"})
-    displace_cliff: bool = field(default=False, metadata={
+    displace_cliff: bool = field(default=True, metadata={
         "help": "price displacement as an LRU cache under cyclic reuse does: a placement that pushes an endpoint's "
                 "working set over its cache costs the whole working set, one onto an endpoint already over it only "
-                "the placed context, one that fits nothing (scoring.cliff_displaced; false = the overflow estimate)"})
+                "the placed context, one that fits nothing (scoring.cliff_displaced; false = the overflow estimate). "
+                "Without an offload store only: with one, a context pushed out of the GPU comes back by a restore, and "
+                "the overflow estimate prices what a placement costs (see --displace-cliff-with-store)"})
+    displace_cliff_with_store: bool = field(default=False, metadata={
+        "help": "with --displace-cliff, price displacement as the cliff also when an offload store is on"})
+    displace_cliff_max_sessions: int = field(default=4, metadata={
+        "help": "with --displace-cliff, the cliff prices an endpoint whose working set holds at most this many other "
+                "sessions: a few contexts return in turn and an LRU cache loses them whole; many return in no fixed "
+                "order and lose about what the cache overflows, the overflow estimate (0 = every endpoint)"})
+    displace_attention: bool = field(default=True, metadata={
+        "help": "price a displaced token at its recompute with attention: prefill_s_per_token plus attn_s_per_token_pair "
+                "times half the mean context of the sessions in the endpoint's working set (a token of an 800k-token "
+                "context costs ~6 times its linear part; scoring.displaced_s_per_token; false = the linear part only)"})
+    blocking_weight: float = field(default=0.07, metadata={
+        "help": "price, per second, of the waits this request's own prefill adds to the other sessions homed on the "
+                "endpoint (its working set): each turns again about every --turn-interval-s, and under vLLM's default "
+                "scheduler a running prefill holds the step's whole token budget, so a turn arriving during it waits "
+                "for the rest (scoring.blocking_s; 0 = off)"})
+    turn_interval_s: float = field(default=120.0, metadata={
+        "help": "the mean time between an active session's turns (the blocking term's arrival rate per session)"})
     displace_store_price: bool = field(default=False, metadata={
         "help": "price the displaced KV the offload store holds at its restore (--cpu-restore-s-per-token), the "
                 "rest at its recompute: a session whose context the store keeps loses a copy, not the work "
@@ -179,6 +203,18 @@ class ScoringConfig:
             return self.decode_horizon_steps
         share = min(stored_blocks, cap_blocks) / cap_blocks
         return self.decode_horizon_steps + (self.decode_horizon_steps_stored - self.decode_horizon_steps) * share
+
+    def cliff(self, offload_enabled: bool, others_sessions: float = 0.0) -> bool:
+        """Whether displacement on an endpoint whose working set holds ``others_sessions`` other
+        sessions is priced as the cliff (``displace_cliff``): a context an LRU GPU cache thrashes
+        is recomputed only where no store holds it (with a 32M-token store, the cliff cost p90
+        9.1 s against 10.5 s on the shared traces), and a cache loses whole contexts only when
+        few share it (``displace_cliff_max_sessions``; docs/bench-history.md, "#18: the blocking
+        term")."""
+        if not (self.displace_cliff and (not offload_enabled or self.displace_cliff_with_store)):
+            return False
+        k = self.displace_cliff_max_sessions
+        return k <= 0 or others_sessions <= k
 
     def prefill_cost(self, tokens: float, context: float) -> float:
         """Compute time of ``tokens`` new prompt tokens after ``context`` present ones."""
@@ -310,26 +346,59 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
         need = -(-num_tokens // block_size) * block_size
         others = load.resident_tokens - own_resident_tokens
-        if cfg.displace_cliff:
+        others_sessions = load.resident_sessions - (own_resident_tokens > 0)
+        cliff = cfg.cliff(offload_enabled, others_sessions)
+        if cliff:
             displaced = cliff_displaced(load.capacity_blocks * block_size, others, need)
         else:
             displaced = min(fresh, max(need - max(room, 0.0), 0.0))
+        per_token = displaced_s_per_token(others, others_sessions, cfg)
         if cfg.displace_store_price and offload_enabled:
             stored = stored_displaced(load.capacity_blocks * block_size, others, load.stored_tokens - own_stored_tokens,
-                                      min(max(store.cpu, store.disk), cap) * block_size, displaced, cfg.displace_cliff)
-            displace = cfg.displace_weight * ((displaced - stored) * cfg.prefill_s_per_token
-                                              + stored * cfg.cpu_restore_s_per_token)
+                                      min(max(store.cpu, store.disk), cap) * block_size, displaced, cliff)
+            displace = cfg.displace_weight * ((displaced - stored) * per_token + stored * cfg.cpu_restore_s_per_token)
         else:
-            displace = cfg.displace_weight * displaced * cfg.prefill_s_per_token
-        if cfg.displace_free_at > 1.0 and not cfg.displace_cliff:
+            displace = cfg.displace_weight * displaced * per_token
+        if cfg.displace_free_at > 1.0 and not cliff:
             displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
-    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace,
+    blocking = blocking_s(own, load.resident_sessions - (own_resident_tokens > 0), cfg)
+    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace + blocking,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
                      uncached_tokens=uncached, queue=load.queue, prefill_tokens=load.prefill_tokens,
-                     wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace,
+                     wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace, blocking_s=blocking,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
+
+
+def displaced_s_per_token(others_tokens: float, others_sessions: float, cfg: ScoringConfig) -> float:
+    """What a displaced token costs its session's next turn, which recomputes it.
+
+    With ``displace_attention``, the linear part plus the attention of a token in the middle of
+    a context of the mean size of the other sessions' (``others_tokens`` over
+    ``others_sessions``, at least one): evicting a slice of an 800k-token context costs about six
+    times its linear part, of a 20k one about 1.1 times. The linear part alone underprices the
+    largest contexts most, and those are the ones an LRU cache thrashes when two share a GPU.
+    """
+    if not cfg.displace_attention:
+        return cfg.prefill_s_per_token
+    mean_ctx = max(others_tokens, 0.0) / max(others_sessions, 1.0)
+    return cfg.prefill_s_per_token + cfg.attn_s_per_token_pair * mean_ctx / 2.0
+
+
+def blocking_s(own_s: float, others_sessions: float, cfg: ScoringConfig) -> float:
+    """The waits this request's own prefill (``own_s``) adds to the other sessions homed on the
+    endpoint, at ``blocking_weight`` per second.
+
+    vLLM's default scheduler runs a prefill it has started with the step's whole token budget,
+    so a turn that arrives while it runs waits for the rest of it. A session turns about every
+    ``turn_interval_s``: over ``own_s`` each of ``others_sessions`` arrives ``own_s /
+    turn_interval_s`` times and waits ``own_s / 2`` on average. A short hit costs the others
+    almost nothing; a long recompute placed among many sessions costs them most.
+    """
+    if cfg.blocking_weight <= 0.0 or cfg.turn_interval_s <= 0.0 or own_s <= 0.0 or others_sessions <= 0.0:
+        return 0.0
+    return cfg.blocking_weight * others_sessions * own_s * own_s / (2.0 * cfg.turn_interval_s)
 
 
 def queued_s_per_token(prefill_ctx_tokens: float, cfg: ScoringConfig) -> float:

@@ -112,6 +112,7 @@ class Candidate:
     decode_s: float = 0.0        # decode load it would run alongside
     work_s: float = 0.0          # price of the prefill it adds beyond the cheapest placement's (saturated)
     displace_s: float = 0.0      # price of the cached KV its new blocks would evict there
+    blocking_s: float = 0.0      # price of the waits its own prefill adds to the sessions homed there
     store_blocks: int = 0        # leading blocks any endpoint could restore from the offload store
     pending_blocks: int = 0      # of offload_blocks, only there after a sibling's split prefill
     hot: bool = False

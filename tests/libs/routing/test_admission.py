@@ -27,11 +27,15 @@ pytestmark = pytest.mark.timeout(60)
 
 
 def _core(policy: str = "precise", others: tuple[int, int] = (OTHERS, OTHERS), **scoring: float) -> RouterCore:
-    opts = {"admit_miss_ratio": 0.5, **scoring}
+    # The displacement priced as the linear overflow estimate, without the blocking term: the
+    # figures below are that formula's (tests/libs/routing/test_placement_cost.py, PLAIN).
+    opts = {"admit_miss_ratio": 0.5, "displace_cliff": False, "displace_attention": False, "blocking_weight": 0.0,
+            **scoring}
     core = RouterCore(RouterCoreConfig(policy=policy, block_size=BS, scoring=ScoringConfig(**opts)))
     for i, tokens in enumerate(others):
         core.set_endpoint(EndpointView(f"e{i}", f"127.0.0.1:{9000 + i}", "m"))
         core.load.working_set.touch(f"other{i}", f"e{i}", tokens, 0.0)
+        core.load.working_set.refresh(f"other{i}", f"e{i}", 0.0)   # its turn is over
     return core
 
 

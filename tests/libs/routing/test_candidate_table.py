@@ -102,7 +102,10 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
                         displace_weight=rng.choice([0.0, 0.6, 1.0]), reuse_window_s=600.0,
                         hold_min_ratio=rng.choice([0.0, 0.3, 0.5, 1.0]),
                         displace_free_at=rng.choice([0.0, 1.5, 2.0, 3.0]), displace_cliff=rng.random() < 0.5,
-                        displace_store_price=rng.random() < 0.5, queue_attention=rng.random() < 0.5)
+                        displace_store_price=rng.random() < 0.5, queue_attention=rng.random() < 0.5,
+                        displace_cliff_with_store=rng.random() < 0.5, displace_attention=rng.random() < 0.5,
+                        blocking_weight=rng.choice([0.0, 0.07, 1.0]), turn_interval_s=rng.choice([0.0, 30.0, 120.0]),
+                        displace_cliff_max_sessions=rng.choice([0, 1, 2, 4]))
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     if rng.random() < 0.5:   # store_keep, with a store that has lost nothing yet, or has a horizon

@@ -8,6 +8,9 @@
   may take it; with an idle endpoint, or no holder, the cost decides.
 
 Expected figures are derived from the config's latency figures, as the cost states them.
+Each term is checked on its own: the cores here price displacement by the overflow estimate at
+the linear recompute price, without the blocking term, unless a test turns one on (``PLAIN``);
+tests/libs/routing/test_blocking_cost.py checks those defaults.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from kvmesh.routing.scoring import ScoringConfig, max_hit_blocks
 from kvmesh.routing.types import EndpointView, Matches, RouteRequest, TierMatch
 
 BS = 16
+# The displacement and blocking defaults off: the formulas below are the plain ones. A test that
+# turns the cliff on gets it with a store as well (RouterCore's default has one).
+PLAIN = {"displace_cliff": False, "displace_cliff_with_store": True, "displace_attention": False,
+         "blocking_weight": 0.0}
 pytestmark = pytest.mark.timeout(60)
 
 
 def _core(n: int, **scoring: float) -> RouterCore:
-    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, scoring=ScoringConfig(**scoring)))
+    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, scoring=ScoringConfig(**(PLAIN | scoring))))
     for i in range(n):
         core.set_endpoint(EndpointView(f"e{i}", f"127.0.0.1:{9000 + i}", "m"))
     return core
@@ -222,6 +229,9 @@ def test_contexts_leave_the_working_set_after_the_reuse_window():
     _capacity(core, 100, "e0", "e1")
     core.load.working_set.touch("a", "e0", 100 * BS, 0.0)
     core.load.working_set.touch("b", "e1", 100 * BS, 5.0)
+    # Both turns ended when they were routed (the window runs from a turn's end).
+    core.load.working_set.refresh("a", "e0", 0.0)
+    core.load.working_set.refresh("b", "e1", 5.0)
     d = core.decide(_req(core, 500, "r", session="s"), Matches(), now=12.0)
     by = {c.endpoint_id: c for c in d.candidates}
     # a's context is 12 s old, past the window: evicting it is free. b's is 7 s old.
@@ -523,7 +533,7 @@ def test_store_price_sends_a_session_where_the_store_keeps_what_it_displaces():
 
 def test_store_price_is_off_without_an_offload_store():
     core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, offload_enabled=False,
-                                       scoring=ScoringConfig(displace_weight=1.0, displace_store_price=True)))
+                                       scoring=ScoringConfig(**PLAIN, displace_weight=1.0, displace_store_price=True)))
     core.set_endpoint(EndpointView("e0", "127.0.0.1:9000", "m"))
     _capacity(core, 1000, "e0")
     core.load.working_set.touch("other", "e0", 14_000, 0.0, 14_000)
@@ -609,7 +619,7 @@ def test_store_keep_leaves_a_turn_home_when_the_move_counts_on_a_store_that_chur
 
 def test_store_keep_is_off_without_an_offload_store():
     core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, offload_enabled=False,
-                                       scoring=ScoringConfig(store_keep=True)))
+                                       scoring=ScoringConfig(**PLAIN, store_keep=True)))
     core.set_endpoint(EndpointView("e0", "127.0.0.1:9000", "m"))
     core.load.store_horizon.horizon_s = 1.0
     _queues(core, e0=100_000)
