@@ -23,7 +23,6 @@ from kvmesh.routing.load import LoadColumns, LoadView
 from kvmesh.routing.scoring import (
     ClusterState,
     ScoringConfig,
-    displaced_s_per_token,
     evaluate,
     max_hit_blocks,
     pick_reason,
@@ -177,7 +176,7 @@ class CandidateTable:
             per_token = cfg.prefill_s_per_token + cfg.attn_s_per_token_pair * (
                 np.maximum(others, 0.0) / np.maximum(others_sessions, 1.0)) / 2.0
         else:
-            per_token = displaced_s_per_token(0.0, 0.0, cfg)
+            per_token = cfg.prefill_s_per_token
         # ScoringConfig.cliff, element-wise: the cliff where it applies, the overflow estimate elsewhere.
         cliff = np.zeros(len(ids), dtype=bool)
         if cfg.cliff(offload_enabled):

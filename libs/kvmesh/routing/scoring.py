@@ -332,6 +332,9 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
     horizon = cfg.decode_horizon(max(store.cpu, store.disk) if offload_enabled else 0, cap)
     decode = horizon * (load.queue * cfg.decode_s_per_seq + ctx * cfg.decode_s_per_ctx_token)
     work = displace = 0.0
+    # The other sessions counted on the endpoint: what the cliff and the attention price of a
+    # displaced token are judged by, and whose turns this request's prefill blocks.
+    others_sessions = load.resident_sessions - (own_resident_tokens > 0)
     if cluster is not None:
         # Prefill beyond the cheapest placement's is work queued requests wait behind once
         # every endpoint is busy.
@@ -346,7 +349,6 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         room = load.capacity_blocks * block_size - (load.resident_tokens - own_resident_tokens)
         need = -(-num_tokens // block_size) * block_size
         others = load.resident_tokens - own_resident_tokens
-        others_sessions = load.resident_sessions - (own_resident_tokens > 0)
         cliff = cfg.cliff(offload_enabled, others_sessions)
         if cliff:
             displaced = cliff_displaced(load.capacity_blocks * block_size, others, need)
@@ -361,7 +363,7 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
             displace = cfg.displace_weight * displaced * per_token
         if cfg.displace_free_at > 1.0 and not cliff:
             displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
-    blocking = blocking_s(own, load.resident_sessions - (own_resident_tokens > 0), cfg)
+    blocking = blocking_s(own, others_sessions, cfg)
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace + blocking,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
