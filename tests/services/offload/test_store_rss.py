@@ -1,8 +1,11 @@
-"""The store's RSS follows its RAM tier: freed block memory goes back to the OS (--malloc-trim-s).
+"""The store's RSS stays bounded while it evicts: six times its RAM tier churned through it.
 
-``tune_malloc`` keeps freed big buffers in the process for speed, so without trimming the RSS of
-a store that evicted a lot stays at the peak of all it ever held: 745-1,014 MiB for a 256 MiB
-tier in issue 21's replay. A real store process takes 6x its RAM tier through eviction here.
+The store keeps freed big buffers for speed (``tune_malloc``) and gives freed heap memory back
+every ``--malloc-trim-s``. In issue 21's replay a store without trimming held 745-1,014 MiB for
+a 256 MiB tier. This test guards the outcome (RSS flat between 3x and 6x the tier, at the tier
+plus a bounded overhead), not trimming alone: with equal 1 MiB blocks glibc reuses the freed
+chunks, and the same churn without trimming measured 140-148 MiB here against 131-136 MiB with
+it. The bound leaves room for a loaded CI machine, where one run measured 174 MiB.
 """
 
 from __future__ import annotations
@@ -65,7 +68,7 @@ def test_rss_stays_at_the_ram_tier_plus_a_bounded_overhead(offload_process) -> N
     pid = store.proc.pid
     base = _rss(pid)
     _churn(store.grpc_address, 3 * RAM)
-    bound = RAM + 96 * MiB
+    bound = RAM + 128 * MiB
     first = _settled_rss(pid, base + bound) - base
     _churn(store.grpc_address, 3 * RAM, key_base=10_000_000)
     second = _settled_rss(pid, base + min(bound, first + 24 * MiB)) - base
