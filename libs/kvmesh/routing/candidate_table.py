@@ -204,8 +204,9 @@ class CandidateTable:
             kept = np.minimum(1.0, np.maximum(0.0, 1.0 - over))
             self.displace = np.where((lc.capacity_blocks > 0) & ~cliff, self.displace * kept, self.displace)
         # scoring.blocking_s, element-wise.
-        if cfg.blocking_weight > 0.0 and cfg.turn_interval_s > 0.0:
-            self.blocking = np.where((own > 0.0) & (others_sessions > 0.0), cfg.blocking_weight * others_sessions
+        w = cfg.blocking_w(offload_enabled)
+        if w > 0.0 and cfg.turn_interval_s > 0.0:
+            self.blocking = np.where((own > 0.0) & (others_sessions > 0.0), w * others_sessions
                                      * own * own / (2.0 * cfg.turn_interval_s), 0.0)
         else:
             self.blocking = np.zeros(len(ids))

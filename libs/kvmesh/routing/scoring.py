@@ -143,11 +143,15 @@ class ScoringConfig:
         "help": "price a displaced token at its recompute with attention: prefill_s_per_token plus attn_s_per_token_pair "
                 "times half the mean context of the sessions in the endpoint's working set (a token of an 800k-token "
                 "context costs ~6 times its linear part; scoring.displaced_s_per_token; false = the linear part only)"})
-    blocking_weight: float = field(default=0.07, metadata={
+    blocking_weight: float = field(default=0.14, metadata={
         "help": "price, per second, of the waits this request's own prefill adds to the other sessions homed on the "
                 "endpoint (its working set): each turns again about every --turn-interval-s, and under vLLM's default "
                 "scheduler a running prefill holds the step's whole token budget, so a turn arriving during it waits "
                 "for the rest (scoring.blocking_s; 0 = off)"})
+    blocking_weight_with_store: float = field(default=0.07, metadata={
+        "help": "--blocking-weight when an offload store is on (ScoringConfig.blocking_w; on the shared traces "
+                "0.14 raised precise's p99 from 354 s to 493 s with a 4M-token store, and from 87 s to 153 s with a "
+                "32M one)"})
     turn_interval_s: float = field(default=120.0, metadata={
         "help": "the mean time between an active session's turns (the blocking term's arrival rate per session)"})
     displace_store_price: bool = field(default=False, metadata={
@@ -215,6 +219,13 @@ class ScoringConfig:
             return False
         k = self.displace_cliff_max_sessions
         return k <= 0 or others_sessions <= k
+
+    def blocking_w(self, offload_enabled: bool) -> float:
+        """The blocking term's weight: ``blocking_weight`` without an offload store,
+        ``blocking_weight_with_store`` with one. Both were measured on the shared traces
+        (docs/bench-history.md, "#18: the blocking weight on three seeds"): without a store 0.14
+        had the best hit rate over three seeds; with one it raised precise's p99."""
+        return self.blocking_weight_with_store if offload_enabled else self.blocking_weight
 
     def prefill_cost(self, tokens: float, context: float) -> float:
         """Compute time of ``tokens`` new prompt tokens after ``context`` present ones."""
@@ -363,7 +374,7 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
             displace = cfg.displace_weight * displaced * per_token
         if cfg.displace_free_at > 1.0 and not cliff:
             displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
-    blocking = blocking_s(own, others_sessions, cfg)
+    blocking = blocking_s(own, others_sessions, cfg, offload_enabled)
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace + blocking,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
@@ -388,9 +399,9 @@ def displaced_s_per_token(others_tokens: float, others_sessions: float, cfg: Sco
     return cfg.prefill_s_per_token + cfg.attn_s_per_token_pair * mean_ctx / 2.0
 
 
-def blocking_s(own_s: float, others_sessions: float, cfg: ScoringConfig) -> float:
+def blocking_s(own_s: float, others_sessions: float, cfg: ScoringConfig, offload_enabled: bool = False) -> float:
     """The waits this request's own prefill (``own_s``) adds to the other sessions homed on the
-    endpoint, at ``blocking_weight`` per second.
+    endpoint, at ``ScoringConfig.blocking_w`` per second.
 
     vLLM's default scheduler runs a prefill it has started with the step's whole token budget,
     so a turn that arrives while it runs waits for the rest of it. A session turns about every
@@ -398,9 +409,10 @@ def blocking_s(own_s: float, others_sessions: float, cfg: ScoringConfig) -> floa
     turn_interval_s`` times and waits ``own_s / 2`` on average. A short hit costs the others
     almost nothing; a long recompute placed among many sessions costs them most.
     """
-    if cfg.blocking_weight <= 0.0 or cfg.turn_interval_s <= 0.0 or own_s <= 0.0 or others_sessions <= 0.0:
+    w = cfg.blocking_w(offload_enabled)
+    if w <= 0.0 or cfg.turn_interval_s <= 0.0 or own_s <= 0.0 or others_sessions <= 0.0:
         return 0.0
-    return cfg.blocking_weight * others_sessions * own_s * own_s / (2.0 * cfg.turn_interval_s)
+    return w * others_sessions * own_s * own_s / (2.0 * cfg.turn_interval_s)
 
 
 def queued_s_per_token(prefill_ctx_tokens: float, cfg: ScoringConfig) -> float:

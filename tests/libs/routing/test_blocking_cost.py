@@ -16,7 +16,7 @@ import pytest
 
 from kvmesh.routing.load import LoadReport, LoadView
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
-from kvmesh.routing.scoring import ScoringConfig, cliff_displaced, max_hit_blocks
+from kvmesh.routing.scoring import ScoringConfig, blocking_s, cliff_displaced, max_hit_blocks
 from kvmesh.routing.types import EndpointView, Matches, RouteRequest, TierMatch
 
 BS = 16
@@ -50,6 +50,7 @@ def _req(core: RouterCore, n: int, session: str) -> RouteRequest:
 
 
 def _blocking(cfg: ScoringConfig, others: int, own: float) -> float:
+    """Without a store (the cores below), where ``blocking_weight`` applies."""
     return cfg.blocking_weight * others * own * own / (2.0 * cfg.turn_interval_s)
 
 
@@ -58,7 +59,7 @@ def _blocking(cfg: ScoringConfig, others: int, own: float) -> float:
 
 def test_a_recompute_goes_where_fewer_sessions_wait_behind_it():
     n = 40_000
-    core = _core(2)
+    core = _core(2, offload=False)
     cfg = core.cfg.scoring
     _capacity(core, 100_000, "e0", "e1")   # room for everyone: nothing is displaced
     for s in ("a", "b", "c"):
@@ -73,7 +74,7 @@ def test_a_recompute_goes_where_fewer_sessions_wait_behind_it():
     assert by["e0"].displace_s == by["e1"].displace_s == 0.0
     assert d.endpoint_id == "e1"
     # Without the term both cost the same, and the tie goes elsewhere than by the sessions.
-    plain = _core(2, blocking_weight=0.0)
+    plain = _core(2, offload=False, blocking_weight=0.0)
     _capacity(plain, 100_000, "e0", "e1")
     for s in ("a", "b", "c"):
         _home(plain, s, "e0", 1000)
@@ -84,7 +85,7 @@ def test_a_recompute_goes_where_fewer_sessions_wait_behind_it():
 
 def test_the_requests_own_session_does_not_count_as_blocked():
     n = 40_000
-    core = _core(2)
+    core = _core(2, offload=False)
     cfg = core.cfg.scoring
     _capacity(core, 100_000, "e0", "e1")
     _home(core, "s", "e0", 1000)     # the request's own session, homed on e0
@@ -101,7 +102,7 @@ def test_the_requests_own_session_does_not_count_as_blocked():
 
 def test_a_hit_at_home_costs_the_others_almost_nothing():
     n = 40_000
-    core = _core(2)
+    core = _core(2, offload=False)
     cfg = core.cfg.scoring
     _capacity(core, 100_000, "e0", "e1")
     _home(core, "s", "e0", n)
@@ -116,9 +117,17 @@ def test_a_hit_at_home_costs_the_others_almost_nothing():
     assert d.endpoint_id == "e0"
 
 
+def test_the_blocking_weight_with_a_store_is_its_own():
+    cfg = ScoringConfig(blocking_weight=0.14, blocking_weight_with_store=0.07, turn_interval_s=120.0)
+    # 10 other sessions, a 36 s recompute: 0.14 * 10 * 36^2 / 240 = 7.56 s without a store.
+    assert blocking_s(36.0, 10.0, cfg) == pytest.approx(7.56, rel=1e-12)
+    assert blocking_s(36.0, 10.0, cfg, offload_enabled=False) == pytest.approx(7.56, rel=1e-12)
+    assert blocking_s(36.0, 10.0, cfg, offload_enabled=True) == pytest.approx(3.78, rel=1e-12)
+    assert blocking_s(36.0, 10.0, ScoringConfig(blocking_weight_with_store=0.0), offload_enabled=True) == 0.0
+
+
 def test_blocking_is_off_at_weight_zero_or_without_other_sessions():
     cfg = ScoringConfig()
-    from kvmesh.routing.scoring import blocking_s
     assert blocking_s(10.0, 0.0, cfg) == 0.0
     assert blocking_s(0.0, 5.0, cfg) == 0.0
     assert blocking_s(10.0, 2.0, ScoringConfig(blocking_weight=0.0)) == 0.0

@@ -104,7 +104,8 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
                         displace_free_at=rng.choice([0.0, 1.5, 2.0, 3.0]), displace_cliff=rng.random() < 0.5,
                         displace_store_price=rng.random() < 0.5, queue_attention=rng.random() < 0.5,
                         displace_cliff_with_store=rng.random() < 0.5, displace_attention=rng.random() < 0.5,
-                        blocking_weight=rng.choice([0.0, 0.07, 1.0]), turn_interval_s=rng.choice([0.0, 30.0, 120.0]),
+                        blocking_weight=rng.choice([0.0, 0.07, 1.0]), blocking_weight_with_store=rng.choice([0.0, 0.07, 0.3]),
+                        turn_interval_s=rng.choice([0.0, 30.0, 120.0]),
                         displace_cliff_max_sessions=rng.choice([0, 1, 2, 4]))
     offload = rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
