@@ -147,7 +147,8 @@ class ScoringConfig:
         "help": "price, per second, of the waits this request's own prefill adds to the other sessions homed on the "
                 "endpoint (its working set): each turns again about every --turn-interval-s, and under vLLM's default "
                 "scheduler a running prefill holds the step's whole token budget, so a turn arriving during it waits "
-                "for the rest (scoring.blocking_s; 0 = off)"})
+                "for the rest (scoring.blocking_s; 0 = off). Without an offload store; with one, "
+                "--blocking-weight-with-store"})
     blocking_weight_with_store: float = field(default=0.07, metadata={
         "help": "--blocking-weight when an offload store is on (ScoringConfig.blocking_w; on the shared traces "
                 "0.14 raised precise's p99 from 354 s to 493 s with a 4M-token store, and from 87 s to 153 s with a "
