@@ -62,3 +62,19 @@ def test_help_shows_scoring_default_and_env() -> None:
     assert "(default: 1.0; env KVMESH_SIM_SCORING_QUEUE_WEIGHT)" in text
     text = " ".join(_parser(RouterConfig, "KVMESH_ROUTER_").format_help().split())
     assert "(default: 64.0; env KVMESH_ROUTER_SCORING_DECODE_HORIZON_STEPS)" in text
+
+
+def test_a_router_told_there_is_no_store_scores_as_the_simulator_without_one() -> None:
+    """``--offload-enabled false`` reaches the routing core, which then takes the no-store weight
+    and the LRU cliff, as ``kvmesh simulate --offload-capacity-tokens 0`` does."""
+    from kvmesh_router.main import core_config
+
+    assert core_config(load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env=OFF)).offload_enabled
+    args = _parser(RouterConfig, "KVMESH_ROUTER_").parse_args(["--offload-enabled", "false"])
+    for cfg in (load_config(RouterConfig, args, env_prefix="KVMESH_ROUTER_", env=OFF),
+                load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_",
+                            env={"KVMESH_ROUTER_OFFLOAD_ENABLED": "false", **OFF})):
+        core = core_config(cfg)
+        assert core.offload_enabled is False
+        assert core.scoring.blocking_w(core.offload_enabled) == cfg.scoring.blocking_weight
+        assert core.scoring.cliff(core.offload_enabled)

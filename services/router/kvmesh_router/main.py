@@ -38,7 +38,7 @@ def core_config(cfg: RouterConfig) -> RouterCoreConfig:
     return RouterCoreConfig(
         policy=cfg.policy, block_size=cfg.block_size, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed or None,
         load_staleness_s=cfg.load_staleness_s, speculative_ttl_s=cfg.speculative_ttl_s,
-        approx_capacity_blocks=cfg.approx_capacity_blocks,
+        approx_capacity_blocks=cfg.approx_capacity_blocks, offload_enabled=cfg.offload_enabled,
         scoring=cfg.scoring,
         split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens),
         hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks,
