@@ -177,11 +177,9 @@ class CandidateTable:
                 np.maximum(others, 0.0) / np.maximum(others_sessions, 1.0)) / 2.0
         else:
             per_token = cfg.prefill_s_per_token
-        # ScoringConfig.cliff, element-wise: the cliff where it applies, the overflow estimate elsewhere.
-        cliff = np.zeros(len(ids), dtype=bool)
-        if cfg.cliff(offload_enabled):
-            k = cfg.displace_cliff_max_sessions
-            cliff = np.ones(len(ids), dtype=bool) if k <= 0 else others_sessions <= k
+        # ScoringConfig.cliff on the whole column (a bool where it does not depend on the sessions):
+        # the cliff where it applies, the overflow estimate elsewhere.
+        cliff = np.zeros(len(ids), dtype=bool) | cfg.cliff(offload_enabled, others_sessions)
         displaced = np.minimum(fresh, np.maximum(need - np.maximum(room, 0.0), 0.0))
         if cliff.any():   # scoring.cliff_displaced, element-wise
             displaced = np.where(cliff, np.where(others + need <= cap_t, 0.0,

@@ -63,6 +63,7 @@ import math
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.config import ConfigError
 from kvmesh.perfmodel import DISK_BYTES_PER_S, H100, KV_BYTES_PER_TOKEN
@@ -209,13 +210,14 @@ class ScoringConfig:
         share = min(stored_blocks, cap_blocks) / cap_blocks
         return self.decode_horizon_steps + (self.decode_horizon_steps_stored - self.decode_horizon_steps) * share
 
-    def cliff(self, offload_enabled: bool, others_sessions: float = 0.0) -> bool:
+    def cliff(self, offload_enabled: bool, others_sessions: Any = 0.0) -> Any:
         """Whether displacement on an endpoint whose working set holds ``others_sessions`` other
         sessions is priced as the cliff (``displace_cliff``): a context an LRU GPU cache thrashes
         is recomputed only where no store holds it (with a 32M-token store, the cliff cost p90
         9.1 s against 10.5 s on the shared traces), and a cache loses whole contexts only when
         few share it (``displace_cliff_max_sessions``; docs/bench-history.md, "#18: the blocking
-        term")."""
+        term"). ``others_sessions`` may be a numpy column (``CandidateTable``): the answer is then
+        a column too, or a bool where it does not depend on the sessions."""
         if not (self.displace_cliff and (not offload_enabled or self.displace_cliff_with_store)):
             return False
         k = self.displace_cliff_max_sessions
