@@ -69,7 +69,9 @@ def test_a_router_told_there_is_no_store_scores_as_the_simulator_without_one() -
     and the LRU cliff, as ``kvmesh simulate --offload-capacity-tokens 0`` does."""
     from kvmesh_router.main import core_config
 
-    assert core_config(load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env=OFF)).offload_enabled
+    default = load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env=OFF)
+    # auto: no store until the registry lists one (tests/services/router/test_router_store_detection.py)
+    assert default.offload_enabled == "auto" and core_config(default).offload_enabled is False
     args = _parser(RouterConfig, "KVMESH_ROUTER_").parse_args(["--offload-enabled", "false"])
     for cfg in (load_config(RouterConfig, args, env_prefix="KVMESH_ROUTER_", env=OFF),
                 load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_",

@@ -68,6 +68,7 @@ class Cluster:
         self._stubs: dict[str, worker_pb2_grpc.WorkerStub] = {}
         self.http_addresses: dict[str, str] = {}
         self.stores: set[str] = set()
+        metrics.OFFLOAD_ENABLED.set(int(core.cfg.offload_enabled))
         # endpoint -> {LoRA name: path} from its GetInfo (absent: unknown, static config applies).
         self.lora_paths: dict[str, dict[str, str]] = {}
         # endpoint -> its engine's max_model_len from GetInfo (what /v1/models and defaults use).
@@ -231,6 +232,7 @@ class Cluster:
         resp = await self.indexer.ListEndpoints(indexer_pb2.ListEndpointsRequest(model=self.cfg.model),
                                                 timeout=self.cfg.lookup_timeout_s * 4)
         seen = set()
+        live_stores = False
         for st in resp.endpoints:
             e = st.endpoint
             role = _ROLES.get(e.role, ROLE_DECODE)
@@ -239,6 +241,7 @@ class Cluster:
                 continue   # the indexer knows it by its events only; the router's entry is the HTTP one
             if role == ROLE_STORE:
                 self.stores.add(e.endpoint_id)
+                live_stores = live_stores or st.alive
                 continue
             if e.http_address:
                 self.http_addresses[e.endpoint_id] = e.http_address
@@ -252,12 +255,23 @@ class Cluster:
                                 extra={"endpoint": e.endpoint_id, "block_size": e.block_size})
             if not st.alive and cur is not None:
                 self.mark_dead(e.endpoint_id, "registry says not alive")
+        if self.cfg.offload_enabled == "auto":
+            self.set_offload(live_stores)
         for eid in [eid for eid, ep in self.core.endpoints.items()
                     if ep.source == "registry" and eid not in seen]:
             log.info("endpoint left the registry", extra={"endpoint": eid})
             self.core.remove_endpoint(eid)
             self.local_view.forget_endpoint(eid)
             self._drop_channel(eid)
+
+    def set_offload(self, on: bool) -> None:
+        """``--offload-enabled auto``: the cost prices a store only while one is live (its restores
+        are then what a displaced context costs; without one, a recompute)."""
+        if self.core.cfg.offload_enabled != on:
+            self.core.cfg.offload_enabled = on
+            metrics.OFFLOAD_ENABLED.set(int(on))
+            log.info("offload store live: the cost prices restores" if on else
+                     "no live offload store: the cost prices recomputes", extra={"offload_enabled": on})
 
     async def _registry_loop(self) -> None:
         while True:

@@ -84,10 +84,13 @@ class RouterConfig:
     # Policy
     policy: str = field(default="precise", metadata={"help": "routing policy"})
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "speculative entry TTL"})
-    offload_enabled: bool = field(default=True, metadata={
-        "help": "the engines restore from a shared offload store (kvmesh's, through its connector). false: a "
-                "fleet without one; the cost then prices displaced contexts as recomputed (the LRU cliff) and "
-                "uses --blocking-weight, not --blocking-weight-with-store (docs/router.md)"})
+    offload_enabled: str = field(default="auto", metadata={
+        "choices": ["auto", "true", "false"],
+        "help": "whether the engines restore from a shared offload store (kvmesh's, through its connector). auto: "
+                "while the indexer lists a live store (ROLE_STORE) for the model, polled every --registry-poll-s "
+                "(no indexer: no store); true / false: fixed. Without one the cost prices a displaced context as "
+                "recomputed (the LRU cliff) and uses --blocking-weight, not --blocking-weight-with-store "
+                "(docs/router.md)"})
     approx_capacity_blocks: int = field(default=100_000, metadata={
         "help": "blocks the approx policy assumes each endpoint keeps (set to the engines' KV blocks)"})
     # Scoring: an estimated time to first token per endpoint (kvmesh.routing.scoring); set the

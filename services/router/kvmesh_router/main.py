@@ -35,10 +35,12 @@ log = logging.getLogger(__name__)
 
 
 def core_config(cfg: RouterConfig) -> RouterCoreConfig:
+    # offload_enabled "auto" starts without a store; Cluster.refresh_registry turns it on once the
+    # indexer lists a live one (its first poll runs at start-up).
     return RouterCoreConfig(
         policy=cfg.policy, block_size=cfg.block_size, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed or None,
         load_staleness_s=cfg.load_staleness_s, speculative_ttl_s=cfg.speculative_ttl_s,
-        approx_capacity_blocks=cfg.approx_capacity_blocks, offload_enabled=cfg.offload_enabled,
+        approx_capacity_blocks=cfg.approx_capacity_blocks, offload_enabled=cfg.offload_enabled == "true",
         scoring=cfg.scoring,
         split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens),
         hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 DECISIONS = Counter("kvmesh_router_decisions_total", "routing decisions", ["policy", "endpoint", "split"])
 LOOKUPS = Counter("kvmesh_router_lookups_total",
@@ -13,6 +13,9 @@ LOOKUPS = Counter("kvmesh_router_lookups_total",
 LOOP_LAG = Histogram("kvmesh_router_loop_lag_seconds",
                      "how late the router's event loop ran a periodic wake-up (a busy or blocked loop)",
                      buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5))
+OFFLOAD_ENABLED = Gauge("kvmesh_router_offload_enabled",
+                        "1 while the cost prices a shared offload store (--offload-enabled; auto: a live store is "
+                        "registered with the indexer)")
 FALLBACKS = Counter("kvmesh_router_policy_fallbacks_total", "precise fell back to approx", ["reason"])
 CACHED_DIFF = Histogram("kvmesh_router_cached_tokens_diff", "engine-reported minus predicted cached tokens",
                         buckets=(-65536, -4096, -512, -64, -1, 0, 1, 64, 512, 4096, 65536))
