@@ -9,6 +9,7 @@ decides in production.
 
 from kvmesh_tools.clustersim.config import SimConfig
 from kvmesh_tools.clustersim.run import simulate_policies, simulate_regimes
+from kvmesh_tools.clustersim.seeds import simulate_seeds
 from kvmesh_tools.clustersim.sim import ClusterSim, PolicyResult
 
-__all__ = ["ClusterSim", "PolicyResult", "SimConfig", "simulate_policies", "simulate_regimes"]
+__all__ = ["ClusterSim", "PolicyResult", "SimConfig", "simulate_policies", "simulate_regimes", "simulate_seeds"]

@@ -48,6 +48,24 @@ def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None
     _console().print(t)
 
 
+def render_seeds_table(agg: dict[str, Any], title: str = "kvmesh simulate") -> None:
+    """One regime of :func:`kvmesh_tools.clustersim.seeds.aggregate`: a row per policy."""
+    from rich.table import Table
+
+    n = agg["seeds"]
+    t = Table(title=f"{title}  ({n} seeds: mean hit rate, median TTFT, seeds with the best figure)")
+    for name in ("policy", "hit mean", "hit min-max", "of pooled", "p50 s", "p90 s", "p99 s", "imbalance max",
+                 "best hit", "best p50", "best p90", "best p99"):
+        t.add_column(name, justify="left" if name == "policy" else "right")
+    for pol, m in agg["policies"].items():
+        b = m["best"]
+        t.add_row(pol, f"{m['prefix_hit_rate_mean']:.4f}", f"{m['prefix_hit_rate_min']:.4f}-{m['prefix_hit_rate_max']:.4f}",
+                  f"{m['share_of_ceiling_pooled_mean']:.4f}", f"{m['ttft_p50_s_median']}", f"{m['ttft_p90_s_median']}",
+                  f"{m['ttft_p99_s_median']}", f"{m['load_imbalance_max']}",
+                  *[f"{b[k]}/{n}" for k in ("hit", "ttft_p50", "ttft_p90", "ttft_p99")])
+    _console().print(t)
+
+
 def write_plots(report: dict[str, Any], out_dir: str | Path, prefix: str = "simulate") -> list[Path]:
     """hit rate over time per policy, and the TTFT CDF; returns the PNG paths."""
     out = Path(out_dir)
