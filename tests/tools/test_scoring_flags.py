@@ -70,8 +70,12 @@ def test_a_router_told_there_is_no_store_scores_as_the_simulator_without_one() -
     from kvmesh_router.main import core_config
 
     default = load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_", env=OFF)
-    # auto: no store until the registry lists one (tests/services/router/test_router_store_detection.py)
-    assert default.offload_enabled == "auto" and core_config(default).offload_enabled is False
+    # auto: with an indexer, no store until its registry lists one (test_router_store_detection.py);
+    # without one, a store is assumed, since nothing could list it.
+    assert default.offload_enabled == "auto" and not default.indexer and core_config(default).offload_enabled
+    with_indexer = load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_",
+                               env={"KVMESH_ROUTER_INDEXER": "127.0.0.1:1", **OFF})
+    assert core_config(with_indexer).offload_enabled is False
     args = _parser(RouterConfig, "KVMESH_ROUTER_").parse_args(["--offload-enabled", "false"])
     for cfg in (load_config(RouterConfig, args, env_prefix="KVMESH_ROUTER_", env=OFF),
                 load_config(RouterConfig, None, env_prefix="KVMESH_ROUTER_",

@@ -88,7 +88,7 @@ class RouterConfig:
         "choices": ["auto", "true", "false"],
         "help": "whether the engines restore from a shared offload store (kvmesh's, through its connector). auto: "
                 "while the indexer lists a live store (ROLE_STORE) for the model, polled every --registry-poll-s "
-                "(no indexer: no store); true / false: fixed. Without one the cost prices a displaced context as "
+                "(without --indexer: assumed, since nothing can list one); true / false: fixed. Without one the cost prices a displaced context as "
                 "recomputed (the LRU cliff) and uses --blocking-weight, not --blocking-weight-with-store "
                 "(docs/router.md)"})
     approx_capacity_blocks: int = field(default=100_000, metadata={

@@ -35,12 +35,14 @@ log = logging.getLogger(__name__)
 
 
 def core_config(cfg: RouterConfig) -> RouterCoreConfig:
-    # offload_enabled "auto" starts without a store; Cluster.refresh_registry turns it on once the
-    # indexer lists a live one (its first poll runs at start-up).
+    # offload_enabled "auto" with an indexer starts without a store; Cluster.refresh_registry turns it
+    # on once the indexer lists a live one (its first poll runs at start-up). Without an indexer no
+    # store can be seen, and one is assumed: the workers' --offload-address still carries a P/D
+    # split's KV and sibling restores (the pending entries the cost credits).
     return RouterCoreConfig(
         policy=cfg.policy, block_size=cfg.block_size, hash_algo=cfg.hash_algo, hash_seed=cfg.hash_seed or None,
         load_staleness_s=cfg.load_staleness_s, speculative_ttl_s=cfg.speculative_ttl_s,
-        approx_capacity_blocks=cfg.approx_capacity_blocks, offload_enabled=cfg.offload_enabled == "true",
+        approx_capacity_blocks=cfg.approx_capacity_blocks, offload_enabled=cfg.offload_enabled == "true" or (cfg.offload_enabled == "auto" and not cfg.indexer),
         scoring=cfg.scoring,
         split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens),
         hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks,
