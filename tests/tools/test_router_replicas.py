@@ -28,7 +28,7 @@ from kvmesh.rpc.tls import sync_channel
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_tools.stack.envoy import ROUTERS
-from kvmesh_tools.stack.launcher import LocalStack, StackConfig
+from kvmesh_tools.stack.launcher import OFFLOAD_ID, LocalStack, StackConfig
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(300)]
 MODEL = "sim-model"
@@ -103,6 +103,13 @@ def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> Non
         # Replica one's pick reaches the indexer as a speculative entry; the engine's events follow.
         _wait(lambda: _indexed_blocks(stack, shared, leader) >= len(shared) // 64,
               "replica one's pick never reached the indexer")
+        # The leader's worker writes the prefix through to the store after its prefill; until the
+        # store's events are indexed, a follower placed elsewhere restores more than either replica
+        # can know of (a true "lag" mismatch, not what this test is about). Both replicas must also
+        # price the store (--offload-enabled auto: once the registry lists it live).
+        _wait(lambda: _indexed_blocks(stack, shared, OFFLOAD_ID) >= len(shared) // 64,
+              "the leader's prefix never reached the store's index")
+        _wait(lambda: _offload_priced(stack) == [1, 1], "a replica never priced the live store")
 
         def follower(i: int) -> dict:
             r = _complete(c, two, shared + _tokens(40, 2001 + i))
@@ -115,7 +122,7 @@ def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> Non
     # leader's worker, or a sibling's on replica two) or restores it from the store, which the
     # router knows holds it; and each prediction holds. Replica two may see the leader's worker
     # still busy in a load report taken while the leader ran, and restore elsewhere instead.
-    why = (leader, [(k["endpoint"], k["reason"], k["predicted_cached_tokens_gpu"],
+    why = (leader, _offload_priced(stack), [(k["endpoint"], k["reason"], k["predicted_cached_tokens_gpu"],
                      k["predicted_cached_tokens_offload"], k["mismatch"]) for k in got])
     assert all(k["predicted_cached_tokens"] >= len(shared) // 64 * 64 for k in got), why
     assert all(k["mismatch"] == "" for k in got), why
@@ -135,6 +142,17 @@ def _indexed_blocks(stack: LocalStack, tokens: list[int], endpoint: str) -> int:
             extra_keys=common_pb2.ExtraKeys(cache_salt=salt)), timeout=5)
     return max((max(m.speculative_blocks, m.combined_blocks) for m in r.matches if m.endpoint_id == endpoint),
                default=0)
+
+
+def _offload_priced(stack: LocalStack) -> list[int]:
+    """Each router's ``kvmesh_router_offload_enabled`` gauge (1: its cost prices restores)."""
+    out = []
+    for sp in (sp for sp in stack.procs if sp.name == "router"):
+        text = httpx.get(f"http://127.0.0.1:{sp.flag_port('--metrics-port')}/metrics",
+                         headers=stack.metrics_headers(), timeout=5).text
+        out += [int(float(line.split()[-1])) for line in text.splitlines()
+                if line.startswith("kvmesh_router_offload_enabled ")]
+    return out
 
 
 def _host_stat(stack: LocalStack, address: str, stat: str) -> int:
