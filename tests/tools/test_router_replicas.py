@@ -29,6 +29,7 @@ from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_tools.stack.envoy import ROUTERS
 from kvmesh_tools.stack.launcher import OFFLOAD_ID, LocalStack, StackConfig
+from tests.fixtures.router import metric
 
 pytestmark = [pytest.mark.envoy, pytest.mark.timeout(300)]
 MODEL = "sim-model"
@@ -146,13 +147,8 @@ def _indexed_blocks(stack: LocalStack, tokens: list[int], endpoint: str) -> int:
 
 def _offload_priced(stack: LocalStack) -> list[int]:
     """Each router's ``kvmesh_router_offload_enabled`` gauge (1: its cost prices restores)."""
-    out = []
-    for sp in (sp for sp in stack.procs if sp.name == "router"):
-        text = httpx.get(f"http://127.0.0.1:{sp.flag_port('--metrics-port')}/metrics",
-                         headers=stack.metrics_headers(), timeout=5).text
-        out += [int(float(line.split()[-1])) for line in text.splitlines()
-                if line.startswith("kvmesh_router_offload_enabled ")]
-    return out
+    return [int(metric(sp.flag_port("--metrics-port"), "kvmesh_router_offload_enabled", stack.metrics_headers()))
+            for sp in stack.procs if sp.name == "router"]
 
 
 def _host_stat(stack: LocalStack, address: str, stat: str) -> int:

@@ -129,15 +129,12 @@ def _run(args: argparse.Namespace) -> int:
     if plots_dir:
         for prefix, rep in parts:
             rep["plots"] = [str(p) for p in write_plots(rep, plots_dir, prefix=f"{prefix}simulate")]
-    if run.json:
-        Path(run.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(run.json).write_text(json.dumps(report, indent=1, sort_keys=False))
+    _write_json(run, report)
     if not run.no_table:
         for prefix, rep in parts:
             title = "kvmesh simulate"
             if prefix:
-                cap = rep["config"]["offload_capacity_tokens"]
-                title += f"  regime {prefix[:-1]} ({'no offload' if not cap else f'{cap:,}-token store'})"
+                title = _regime_title(prefix[:-1], rep["config"]["offload_capacity_tokens"])
             render_table(rep, title=title)
         if run.json:
             print(f"report: {run.json}")
@@ -153,15 +150,21 @@ def _write_seeds(run: SimulateRun, report: dict) -> int:
     """``--seeds``: the JSON with every run, and a table per regime of what held across the seeds."""
     from kvmesh_tools.clustersim.report import render_seeds_table
 
-    if run.json:
-        Path(run.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(run.json).write_text(json.dumps(report, indent=1, sort_keys=False))
+    _write_json(run, report)
     if not run.no_table:
         for agg in report["aggregate"]:
-            cap = agg["offload_capacity_tokens"]
-            render_seeds_table(agg, title=f"kvmesh simulate  regime {agg['regime']} "
-                                          f"({'no offload' if not cap else f'{cap:,}-token store'})")
+            render_seeds_table(agg, title=_regime_title(agg["regime"], agg["offload_capacity_tokens"]))
         if run.json:
             print(f"report: {run.json}")
         print(f"wall: {report['wall_s']} s")
     return 0
+
+
+def _write_json(run: SimulateRun, report: dict) -> None:
+    if run.json:
+        Path(run.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(run.json).write_text(json.dumps(report, indent=1, sort_keys=False))
+
+
+def _regime_title(name: str, cap: int) -> str:
+    return f"kvmesh simulate  regime {name} ({'no offload' if not cap else f'{cap:,}-token store'})"
