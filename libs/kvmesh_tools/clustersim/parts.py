@@ -67,13 +67,22 @@ class SimWorker:
         if self.index is None:
             return
         idx, model, ep = self.index, self.model, self.id
+        # A run of evictions is one index update (an allocation evicts thousands of blocks at
+        # once); the order of adds, removes and clears is kept.
+        gone: list[int] = []
         for ev in self.bm.take_events():
+            if type(ev) is Removed:
+                gone.append(ev.block_hash)
+                continue
+            if gone:
+                idx.remove(model, ep, Tier.GPU, gone)
+                gone = []
             if type(ev) is Stored:
                 idx.add(model, ep, Tier.GPU, ev.block_hashes, [(0, ev.parent_block_hash)])
-            elif type(ev) is Removed:
-                idx.remove(model, ep, Tier.GPU, (ev.block_hash,))
             else:
                 idx.clear_endpoint(ep)
+        if gone:
+            idx.remove(model, ep, Tier.GPU, gone)
 
     def gpu_hit_blocks(self, keys: list[int], num_tokens: int) -> int:
         return len(self.bm.find_longest_hit(keys, num_tokens))

@@ -12,6 +12,7 @@ import random
 
 import pytest
 
+from kvmesh.worker.engine.sim import block_manager
 from kvmesh.worker.engine.sim.block_manager import BlockManager, Removed, Stored
 
 pytestmark = pytest.mark.timeout(120)
@@ -252,10 +253,14 @@ def test_duplicate_blocks_like_vllm() -> None:
     assert sum(1 for e in ve if e[0] == "removed") == 3
 
 
-@pytest.mark.parametrize("seed", [5, 6, 7])
-def test_repeated_lookups_of_one_prompt_match_a_fresh_lookup(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "drop_log_max"), [(5, None), (6, None), (7, None), (8, 3)])
+def test_repeated_lookups_of_one_prompt_match_a_fresh_lookup(seed: int, drop_log_max: int | None,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     """find_longest_hit remembers a prompt's known prefix between calls (by list identity); after
-    any mix of caching, eviction, duplicate blocks and reset, it answers as a first lookup would."""
+    any mix of caching, eviction, duplicate blocks and reset, it answers as a first lookup would
+    (also when the eviction log it checks is cut short)."""
+    if drop_log_max is not None:
+        monkeypatch.setattr(block_manager, "_DROP_LOG_MAX", drop_log_max)
     rng = random.Random(seed)
     bs = 4
     bm = BlockManager(num_blocks=24, block_size=bs)
@@ -264,7 +269,7 @@ def test_repeated_lookups_of_one_prompt_match_a_fresh_lookup(seed: int) -> None:
                for _ in range(6)]
     prompts += [list(prompts[0]), list(prompts[1])]   # equal content, other lists: duplicate blocks
     live: dict[str, list[int]] = {}
-    resumed = 0
+    resumed = checked = 0
     for step in range(600):
         keys = rng.choice(prompts)
         op = rng.random()
@@ -284,6 +289,12 @@ def test_repeated_lookups_of_one_prompt_match_a_fresh_lookup(seed: int) -> None:
             before = bm._hits.get(id(p))
             got = bm.find_longest_hit(p, n)
             resumed += before is not None and before[1] == bm._dropped
+            # Evictions since the last lookup, checked against the remembered prefix.
+            checked += before is not None and bm._log_base <= before[1] < bm._dropped
             assert got == bm.find_longest_hit(list(p), n), (step, p)
             assert bm.find_longest_hit(p, n - bs) == got[: max(0, (n - bs - 1) // bs)]   # a shorter cap
+            # The free-block count it remembers per hit list answers as a fresh count does.
+            need = bm.blocks_to_allocate("new", n, got)
+            assert need == bm.blocks_to_allocate("new", n, list(got)) == bm.blocks_to_allocate("new", n, got)
     assert resumed > 100   # the remembered prefix was actually used
+    assert checked > 10    # ... and carried across evictions

@@ -37,13 +37,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from itertools import islice, takewhile
-from operator import is_not
+from operator import countOf, is_not
 from typing import Any
 
 _not_none = partial(is_not, None)
 
 NULL_BLOCK = 0
 _HITS_KEPT = 256   # prompts find_longest_hit remembers (a bound on the lists it keeps alive)
+_DROP_LOG_MAX = 1 << 16   # evictions remembered for find_longest_hit; past that, lookups start over
 
 
 @dataclass(slots=True)
@@ -111,10 +112,21 @@ class BlockManager:
         self.hits_tokens = 0
         self.evictions = 0        # cached blocks dropped to make room (BlockRemoved count)
         # find_longest_hit's memory. A waiting request's prompt is looked up at every step that
-        # reaches it; while no hash has left the cache (or moved to another block) since, its
-        # known prefix is still cached in the same blocks, and the lookup goes on from there.
-        self._dropped = 0         # hashes removed or remapped so far
+        # reaches it. Its known prefix stays cached in the same blocks until one of those blocks
+        # loses its hash, so a lookup checks only the evictions since the last one (each logged
+        # with the block's depth in its prompt: one comparison tells whether it was this
+        # prefix's), cuts the prefix there, and goes on from its end.
+        self._dropped = 0         # hashes removed or remapped so far (the drop log's end)
+        self._log_base = 0        # _dropped at the drop log's first entry
+        self._drop_blocks: list[int] = []
+        self._drop_depths: list[int] = []
+        self._depth = [0] * num_blocks   # a cached block's index in the prompt that cached it
         self._hits: dict[int, tuple[Sequence[int], int, list[int]]] = {}   # id(prompt) -> (prompt, _dropped, ids)
+        # blocks_to_allocate's memory: the last hit list it counted and how many of its blocks
+        # were free (ref 0), valid until some block's ref count leaves or reaches 0 elsewhere
+        # than a fresh block's allocation (which never holds a listed hit: that would evict it).
+        self._ref_epoch = 0
+        self._zeros: tuple[Sequence[int] | None, int, int] = (None, -1, 0)
 
     # ------------------------------------------------------------------ queries
 
@@ -154,24 +166,44 @@ class BlockManager:
     def find_longest_hit(self, block_hashes: Sequence[int], num_tokens: int) -> list[int]:
         """Block ids of the longest cached prefix, capped so one token is left to compute.
 
-        ``num_tokens`` is the request's current total length (prompt + output so far).
+        ``num_tokens`` is the request's current total length (prompt + output so far). The list
+        may be the one remembered for the next lookup: callers must not change it. Hashes are
+        chained, as vLLM's (each covers its parent), so a hash sits at the same index in every
+        prompt that holds it; the remembered prefix relies on that (see ``_drop_depths``).
         """
         if not self.enable_caching:
             return []
         max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
         known = self._hits.get(id(block_hashes))
-        if known is not None and known[0] is block_hashes and known[1] == self._dropped:
+        dropped = self._dropped
+        if known is not None and known[0] is block_hashes and known[1] >= self._log_base:
             hit = known[2]
+            since = dropped - known[1]
+            if since and 2 * since >= len(hit):
+                hit = []   # many evictions since: scanning the prompt again costs less
+            elif since:
+                cut = len(hit)
+                base = self._log_base
+                blocks = self._drop_blocks
+                for j, d in enumerate(islice(self._drop_depths, known[1] - base, dropped - base), known[1] - base):
+                    if d < cut and hit[d] == blocks[j]:
+                        cut = d
+                if cut < len(hit):
+                    hit = hit[:cut]
             if len(hit) >= max_blocks:
-                return hit[:max_blocks]
+                if since:
+                    self._hits[id(block_hashes)] = (block_hashes, dropped, hit)
+                return hit if len(hit) == max_blocks else hit[:max_blocks]
         else:
             hit = []
         # C-speed scan: map lookups until the first miss.
-        hit = hit + list(takewhile(_not_none, map(self._cached.get, islice(block_hashes, len(hit), max_blocks))))
+        more = list(takewhile(_not_none, map(self._cached.get, islice(block_hashes, len(hit), max_blocks))))
+        if more:
+            hit = hit + more   # a new list: a returned one never changes
         if len(self._hits) >= _HITS_KEPT:
             self._hits.clear()
-        self._hits[id(block_hashes)] = (block_hashes, self._dropped, hit)
-        return list(hit)
+        self._hits[id(block_hashes)] = (block_hashes, dropped, hit)
+        return hit
 
     def count_hit(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         """Record a lookup for the prefix-cache metrics (vLLM counts prompt tokens)."""
@@ -187,8 +219,13 @@ class BlockManager:
         need = -(-num_tokens // self.block_size) - have
         need = max(need, 0)
         if r is None and hit_blocks:
-            # Hit blocks sitting in the free queue (ref 0) leave it when touched.
-            need += list(map(self._ref.__getitem__, hit_blocks)).count(0)
+            # Hit blocks sitting in the free queue (ref 0) leave it when touched. A request that
+            # cannot get its blocks asks again at every step with the same hit list.
+            zl, epoch, zeros = self._zeros
+            if zl is not hit_blocks or epoch != self._ref_epoch:
+                zeros = countOf(map(self._ref.__getitem__, hit_blocks), 0)
+                self._zeros = (hit_blocks, self._ref_epoch, zeros)
+            need += zeros
         return need
 
     def allocate(self, request_id: str, num_tokens: int, hit_blocks: Sequence[int] = (),
@@ -219,10 +256,13 @@ class BlockManager:
     def _touch(self, blocks: Sequence[int]) -> None:
         ref = self._ref
         free = self._free
+        n = len(free)
         for b in blocks:
             if ref[b] == 0:
                 del free[b]
             ref[b] += 1
+        if len(free) != n:
+            self._ref_epoch += 1
 
     def _get_new_blocks(self, n: int) -> list[int]:
         free = self._free
@@ -262,6 +302,12 @@ class BlockManager:
         if removed:
             self.evictions += 1
             self._dropped += 1
+            if len(self._drop_blocks) >= _DROP_LOG_MAX:
+                self._drop_blocks.clear()
+                self._drop_depths.clear()
+                self._log_base = self._dropped - 1
+            self._drop_blocks.append(b)
+            self._drop_depths.append(self._depth[b])
         if removed and self.enable_events:
             self._events.append(Removed(h, b))
 
@@ -284,8 +330,10 @@ class BlockManager:
         cached = self._cached
         new_ids = blocks[start:end]
         new_hashes = list(block_hashes[start:end])
-        for b, h in zip(new_ids, new_hashes, strict=True):
+        depth = self._depth
+        for i, (b, h) in enumerate(zip(new_ids, new_hashes, strict=True), start):
             hashes[b] = h
+            depth[b] = i
             first = cached.get(h)
             if first is None:
                 cached[h] = b
@@ -319,6 +367,8 @@ class BlockManager:
                 else:
                     last.append(b)
         free = self._free
+        if first or last:
+            self._ref_epoch += 1
         if first:
             # vLLM's prepend_n keeps list order: first[0] ends up at the very front.
             for b in reversed(first):
@@ -335,6 +385,9 @@ class BlockManager:
         self._cached.clear()
         self._dups.clear()
         self._dropped += 1
+        self._log_base = self._dropped   # every remembered prefix is gone
+        self._drop_blocks.clear()
+        self._drop_depths.clear()
         self._hash = [None] * self.num_blocks
         if self.enable_events:
             self._events.append(Cleared())
