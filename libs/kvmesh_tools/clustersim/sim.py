@@ -83,6 +83,14 @@ class Job:
     scheduled: float | None = None   # when the compute phase first left the worker's waiting queue
     moved: bool = False              # routed to another endpoint than the session's previous turn
     free_at_dispatch: int = -1       # the compute worker's free (or evictable) KV tokens when it was sent there
+    # The key list the next dispatch's sequence owns (its outputs' keys are appended to it).
+    # The decision's lookups use it too: the GPU's and the store's remembered scans are per
+    # list, so the worker's scheduler then goes on from what the decision found.
+    keys: list[int] = None  # type: ignore[assignment]   # a copy of req.keys unless given
+
+    def __post_init__(self) -> None:
+        if self.keys is None:
+            self.keys = list(self.req.keys)
 
 
 @dataclass
@@ -283,9 +291,9 @@ class ClusterSim:
     def _route(self, job: Job) -> None:
         """Decide and dispatch; a held decision (admission control) is decided again later,
         as the live router does (``RouterService.decide``)."""
-        req, route = job.req, job.route
+        route = job.route
         self._refresh_load()
-        matches = self._matches(req.keys) if self.uses_index else None
+        matches = self._matches(job.keys) if self.uses_index else None
         decision = self.core.decide(route, matches, self.now, held_s=self.now - job.release)
         if decision.hold:
             job.holds += 1
@@ -313,8 +321,8 @@ class ClusterSim:
         cap = max(0, (req.input_tokens - 1) // self.bs)
         # The engine's own lookup (it leaves one token to compute); the dispatch that follows
         # at once, to the same worker, reuses it.
-        gpu = job.decided_gpu = w.gpu_hit_blocks(req.keys, req.input_tokens)
-        store = self.store.leading(req.keys, cap) if self.store is not None else 0
+        gpu = job.decided_gpu = w.gpu_hit_blocks(job.keys, req.input_tokens)
+        store = self.store.leading(job.keys, cap) if self.store is not None else 0
         win = decision.candidates[0] if decision.candidates else None
         return ViewAtDecision(
             predicted=decision.predicted_cached_tokens // self.bs, truth=max(gpu, store), engine_gpu=gpu,
@@ -329,7 +337,7 @@ class ClusterSim:
         w = self.workers[widx]
         req = job.req
         cap = max(0, (req.input_tokens - 1) // self.bs)
-        keys = req.keys
+        keys = job.keys
         if job.decided_gpu >= 0 and widx == job.decode_ep:
             gpu = job.decided_gpu   # looked up at the decision, nothing has run since
         else:
@@ -347,8 +355,10 @@ class ClusterSim:
         # is scheduled, the restore at scheduling time loads them instead of the engine
         # recomputing them.
         seq = Seq(request_id=req.uid + ("#p" if prefill_only else ""), prompt_len=req.input_tokens,
-                  max_tokens=1 if prefill_only else max(1, req.output_tokens), block_hashes=list(keys),
+                  max_tokens=1 if prefill_only else max(1, req.output_tokens), block_hashes=keys,
                   arrival=self.now, prefill_only=prefill_only, meta=job, external_cached=store_hit * self.bs)
+        # A split's decode phase gets a list of its own; a finished request keeps none.
+        job.keys = list(req.keys) if prefill_only else []
         job.planned_restore = 0
         job.admitted = False
         self._on_arrive(widx, seq)
