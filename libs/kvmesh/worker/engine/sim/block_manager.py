@@ -32,6 +32,7 @@ engine turns them into vLLM wire events only when it publishes them.
 
 from __future__ import annotations
 
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ _not_none = partial(is_not, None)
 
 NULL_BLOCK = 0
 _HITS_KEPT = 256   # prompts find_longest_hit remembers (a bound on the lists it keeps alive)
-_DROP_LOG_MAX = 1 << 16   # evictions remembered for find_longest_hit; past that, lookups start over
+_DROP_LOG_MAX = 1 << 14   # evictions find_longest_hit can check (a fleet runs hundreds of managers)
 
 
 @dataclass(slots=True)
@@ -118,8 +119,8 @@ class BlockManager:
         # prefix's), cuts the prefix there, and goes on from its end.
         self._dropped = 0         # hashes removed or remapped so far (the drop log's end)
         self._log_base = 0        # _dropped at the drop log's first entry
-        self._drop_blocks: list[int] = []
-        self._drop_depths: list[int] = []
+        self._drop_blocks = array("i")
+        self._drop_depths = array("i")
         self._depth = [0] * num_blocks   # a cached block's index in the prompt that cached it
         self._hits: dict[int, tuple[Sequence[int], int, list[int]]] = {}   # id(prompt) -> (prompt, _dropped, ids)
         # blocks_to_allocate's memory: the last hit list it counted and how many of its blocks
@@ -303,9 +304,11 @@ class BlockManager:
             self.evictions += 1
             self._dropped += 1
             if len(self._drop_blocks) >= _DROP_LOG_MAX:
-                self._drop_blocks.clear()
-                self._drop_depths.clear()
-                self._log_base = self._dropped - 1
+                # Forget the older half: a prefix remembered before it is looked up from the start.
+                half = len(self._drop_blocks) // 2
+                del self._drop_blocks[:half]
+                del self._drop_depths[:half]
+                self._log_base += half
             self._drop_blocks.append(b)
             self._drop_depths.append(self._depth[b])
         if removed and self.enable_events:
@@ -386,8 +389,8 @@ class BlockManager:
         self._dups.clear()
         self._dropped += 1
         self._log_base = self._dropped   # every remembered prefix is gone
-        self._drop_blocks.clear()
-        self._drop_depths.clear()
+        del self._drop_blocks[:]
+        del self._drop_depths[:]
         self._hash = [None] * self.num_blocks
         if self.enable_events:
             self._events.append(Cleared())
