@@ -16,6 +16,7 @@ from kvmesh.events.codec import AllBlocksCleared, BlockRemoved, BlockStored, KVE
 from kvmesh.events.publisher import KvEventPublisher
 from kvmesh.events.topic import make_topic
 from kvmesh.hashing import BlockHasher
+from kvmesh.registration import IndexerRegistration
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2
 from kvmesh_tools.testing.redis_server import RedisProcess
@@ -367,13 +368,6 @@ async def test_lookup_and_speculative_validation(start_indexer) -> None:
     assert m.speculative_blocks == 2 and 0 < m.speculative_ttl_s <= 2.0 and m.combined_blocks == 0
 
 
-async def _heartbeat_every(stub, endpoint_id: str, period_s: float) -> None:  # noqa: ANN001
-    """What a live engine does: the test stops this task to let the registration lapse."""
-    while True:
-        await stub.Heartbeat(indexer_pb2.HeartbeatRequest(endpoint_id=endpoint_id), timeout=5)
-        await asyncio.sleep(period_s)
-
-
 async def test_registration_subscribes_and_dead_endpoint_disappears(start_indexer, engines) -> None:
     ix = await start_indexer(models=MODELS)
     eng = engines("w1", replay=True)
@@ -381,11 +375,13 @@ async def test_registration_subscribes_and_dead_endpoint_disappears(start_indexe
                               kv_events_endpoint=eng.zmq, kv_events_replay_endpoint=eng.replay,
                               subscriber_binds=True, block_size=BS, hash_algo=common_pb2.HASH_ALGO_SHA256_CBOR,
                               hash_seed_matches=True)
-    # A TTL of 2 s with a heartbeat every 0.2 s: a loaded CI machine (the vLLM tier runs
-    # alongside) once let a bare 0.6 s TTL lapse before ZMQ had even connected.
-    await ix.stub.RegisterEndpoint(indexer_pb2.RegisterEndpointRequest(endpoint=ep, ttl_s=2.0), timeout=5)
-    beats = asyncio.create_task(_heartbeat_every(ix.stub, "w1", 0.2))
+    # Registered and kept alive as a worker is (a TTL of 2 s, a heartbeat every 0.2 s): a loaded
+    # CI machine (the vLLM tier runs alongside) once let a bare 0.6 s TTL lapse before ZMQ had
+    # even connected.
+    reg = IndexerRegistration(ix.address, ep, heartbeat_s=0.2, ttl_s=2.0)
+    await reg.start()
     try:
+        assert reg.registered
         eng.bound_to(ix)
         eng.start()
         await _connected(eng, ix)
@@ -397,7 +393,7 @@ async def test_registration_subscribes_and_dead_endpoint_disappears(start_indexe
         st = {s.endpoint.endpoint_id: s for s in listed.endpoints}["w1"]
         assert st.alive and st.blocks == 4 and st.seconds_since_event >= 0
     finally:
-        beats.cancel()
+        await reg.stop(leave=False)
     # Heartbeats stop: excluded from answers as soon as the TTL passes, then purged.
     await asyncio.sleep(2.1)
     assert await combined(ix.stub, keys, "w1") == 0
