@@ -86,11 +86,10 @@ class Job:
     # The key list the next dispatch's sequence owns (its outputs' keys are appended to it).
     # The decision's lookups use it too: the GPU's and the store's remembered scans are per
     # list, so the worker's scheduler then goes on from what the decision found.
-    keys: list[int] = None  # type: ignore[assignment]   # a copy of req.keys unless given
+    keys: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.keys is None:
-            self.keys = list(self.req.keys)
+        self.keys = list(self.req.keys)
 
 
 @dataclass
