@@ -71,6 +71,10 @@ class EvictionPolicy(Protocol):
         """``victim`` and ``remove`` of it in one call (a tier making room)."""
         ...
 
+    def pop_victims(self, count: int) -> list[Hashable]:
+        """What ``count`` calls of ``pop_victim`` return, in order (fewer if it runs dry)."""
+        ...
+
     def __len__(self) -> int: ...
 
 
@@ -234,6 +238,64 @@ class _LazyHeap:
         self.remove(key)
         return key
 
+    def pop_victims(self, count: int) -> list[Hashable]:
+        """What ``count`` calls of ``pop_victim`` return, in order (fewer if it runs dry).
+
+        A tier making room for a put of thousands of blocks asks once. Victims mostly come in
+        stretches of one run (a put's blocks, deepest first): every entry of the first run
+        below the smallest head of the rest (the heap's two children and the small heap's
+        top, each no larger than anything behind it) is the next victim if live, or a stale
+        entry a single pop would skip, so the stretch comes off in one loop.
+        """
+        out: list[Hashable] = []
+        live = self._live
+        while len(out) < count:
+            top = self._top_entry()
+            if top is None:
+                break
+            small = self._small
+            if small and small[0] is top:
+                heapq.heappop(small)
+                self._held -= 1
+                out.append(top[3])
+                continue
+            runs = self._runs
+            run = runs[0][2]
+            run.pop()   # top, the smallest live entry
+            out.append(top[3])
+            bound = runs[1][0] if len(runs) > 1 else None
+            if len(runs) > 2 and runs[2][0] < bound:
+                bound = runs[2][0]
+            if small and (bound is None or small[0] < bound):
+                bound = small[0]
+            popped = 1
+            while run and len(out) < count:
+                ent = run[-1]
+                if bound is not None and not ent < bound:
+                    break
+                run.pop()
+                popped += 1
+                if live.get(ent[3]) is ent:
+                    out.append(ent[3])
+            self._held -= popped
+        self._forget(out)
+        return out
+
+    def _forget(self, keys: list[Hashable]) -> None:
+        """``remove`` of keys whose entries are already off the runs (``pop_victims``)."""
+        live = self._live
+        for key in keys:
+            del live[key]
+        for side in self._side_tables():
+            for key in keys:
+                side.pop(key, None)
+        if self._held > 2 * len(live) + self._SLACK:
+            self._compact()
+
+    def _side_tables(self) -> tuple[dict[Hashable, object], ...]:
+        """Per-key tables a policy keeps beside the heap (dropped with the key)."""
+        return ()
+
     def __len__(self) -> int:
         return len(self._live)
 
@@ -359,6 +421,9 @@ class DepthDiscountedPolicy(_LazyHeap):
         self._sharers.pop(key, None)
         self._last_session.pop(key, None)
 
+    def _side_tables(self) -> tuple[dict[Hashable, object], ...]:
+        return (self._sharers, self._last_session)  # type: ignore[return-value]
+
     def admits(self, depth: int) -> bool:
         """Whether a new block at ``depth`` outranks the next victim. When it does not,
         storing it would evict a block worth more (often its own parent, leaving it an
@@ -428,6 +493,13 @@ class GreedyDualPolicy(_LazyHeap):
             return None
         self._inflation = max(self._inflation, top[0])
         return top[3]
+
+    def pop_victims(self, count: int) -> list[Hashable]:
+        # One by one: each victim raises the inflation (``victim``).
+        out: list[Hashable] = []
+        while len(out) < count and (key := self.pop_victim()) is not None:
+            out.append(key)
+        return out
 
 
 class SessionRatePolicy(_LazyHeap):

@@ -22,6 +22,7 @@ class RamTier:
         self.used = 0
         self._blocks: dict[BlockId, StoredBlock] = {}
         self.evictions = 0
+        self._max_size = 1   # the largest block ever held: make_room's batch bound
 
     def __len__(self) -> int:
         return len(self._blocks)
@@ -96,17 +97,20 @@ class RamTier:
                                     "of this same put")
         victims: list[tuple[BlockId, StoredBlock]] = []
         skipped: list[BlockId] = []
-        pop_victim = self.policy.pop_victim
+        pop_victims = self.policy.pop_victims
         while self.used + size > self.capacity:
-            bid = pop_victim()
-            if bid is None:  # the policy lost track of blocks the tier holds: a bug, not a full tier
+            # No block is larger than _max_size, so each of these victims is still needed
+            # when its turn comes: the batch evicts exactly what one-by-one eviction would.
+            bids = pop_victims(-(-(self.used + size - self.capacity) // self._max_size))
+            if not bids:  # the policy lost track of blocks the tier holds: a bug, not a full tier
                 self._restore(skipped)
                 raise RuntimeError(f"eviction policy ran dry with {self.used}/{self.capacity} used")
-            if bid in protect:
-                # Blocks of the put being committed must not push each other out.
-                skipped.append(bid)
-                continue
-            victims.append((bid, self._take(bid)))   # out of the policy already
+            for bid in bids:
+                if bid in protect:
+                    # Blocks of the put being committed must not push each other out.
+                    skipped.append(bid)
+                    continue
+                victims.append((bid, self._take(bid)))   # out of the policy already
         self._restore(skipped)
         self.evictions += len(victims)
         return victims
@@ -124,6 +128,7 @@ class RamTier:
             self.policy.remove(bid)
         self._blocks[bid] = blk
         self.used += blk.size
+        self._max_size = max(self._max_size, blk.size)
         self.policy.insert(bid, blk.depth, blk.session)
 
     def add_many(self, bids: Sequence[BlockId], depths: Sequence[int], session: str, size: int = 1) -> None:
@@ -136,6 +141,7 @@ class RamTier:
         for bid, depth in zip(bids, depths, strict=True):
             blocks[bid] = StoredBlock(size=size, depth=depth, session=session)
         self.used += size * len(bids)
+        self._max_size = max(self._max_size, size)
         self.policy.insert_many(bids, depths, session)
 
     def _take(self, bid: BlockId) -> StoredBlock:

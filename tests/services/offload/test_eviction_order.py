@@ -138,6 +138,64 @@ def test_batch_forms_push_what_one_call_per_key_pushes(name: str, seed: int) -> 
     assert many.victim() is None
 
 
+@pytest.mark.parametrize("name", EVICTION_POLICIES.names())
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("slack", [1024, 4])
+@pytest.mark.parametrize("small_batch", [4, 0])
+def test_pop_victims_takes_what_pop_victim_takes_one_by_one(name: str, seed: int, slack: int,
+                                                             small_batch: int) -> None:
+    """A tier making room asks for many victims at once (``pop_victims``): the same keys in the
+    same order as that many ``pop_victim`` calls, and the same state after."""
+    rng = random.Random(seed)
+    one, many = EVICTION_POLICIES.create(name), EVICTION_POLICIES.create(name)
+    for pol in (one, many):
+        pol._SLACK = slack
+        pol._SMALL_BATCH = small_batch
+    depth: dict[int, int] = {}
+    t = 0.0
+    taken = 0
+    for _ in range(800):
+        op = rng.random()
+        session = f"s{rng.randrange(5)}"
+        if op < 0.1:
+            t += rng.choice([0.0, 0.5, 3.0])
+            for pol in (one, many):
+                pol.new_batch(t) if name in ("agent", "session-rate") else pol.new_batch()
+        elif op < 0.45:
+            keys = [k for k in rng.sample(range(400), rng.randrange(1, 40)) if k not in depth]
+            for k in keys:
+                depth[k] = rng.randrange(60)
+            for pol in (one, many):
+                pol.insert_many(keys, [depth[k] for k in keys], session)
+        elif op < 0.75:
+            keys = rng.sample(range(400), rng.randrange(1, 30))
+            for pol in (one, many):
+                pol.touch_many(keys, session)
+        elif op < 0.8:
+            k = rng.randrange(400)
+            for pol in (one, many):
+                pol.remove(k)
+            depth.pop(k, None)
+        else:
+            count = rng.choice([0, 1, 2, 7, 25, 60, 500])
+            expected = []
+            while len(expected) < count and (v := one.pop_victim()) is not None:
+                expected.append(v)
+            assert many.pop_victims(count) == expected
+            taken += len(expected)
+            for k in expected:
+                depth.pop(k)
+        assert one._live == many._live and len(one) == len(many) == len(depth)
+        for pol in (one, many):
+            held = [e for _, _, run in pol._runs for e in run] + pol._open + pol._small
+            assert pol._held == len(held) <= 2 * len(pol) + slack
+            assert set(pol._live.values()) <= set(held)
+        if name == "agent":
+            assert one._sharers == many._sharers and one._last_session == many._last_session
+    assert taken > 500
+    assert many.pop_victims(len(depth) + 5) == [v for v in iter(one.pop_victim, None)]
+
+
 def test_every_eviction_name_is_its_class_name() -> None:
     from kvmesh.kvstore.eviction import DepthDiscountedPolicy, GreedyDualPolicy
     from kvmesh.kvstore.eviction_registry import make_eviction_policy
