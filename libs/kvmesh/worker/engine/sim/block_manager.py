@@ -266,53 +266,57 @@ class BlockManager:
             self._ref_epoch += 1
 
     def _get_new_blocks(self, n: int) -> list[int]:
-        free = self._free
+        popitem = self._free.popitem
+        out = [popitem(False)[0] for _ in range(n)]
         ref = self._ref
-        hashes = self._hash
-        out: list[int] = []
-        for _ in range(n):
-            b, _none = free.popitem(last=False)
-            if hashes[b] is not None:
-                self._evict(b)
+        for b in out:
             ref[b] = 1
-            out.append(b)
+        self._evict(out)
         return out
 
-    def _evict(self, b: int) -> None:
-        h = self._hash[b]
-        self._hash[b] = None
-        if h is None:
-            return
-        removed = False
-        if self._cached.get(h) == b:
-            removed = True
-            dups = self._dups.get(h)
-            if dups:
-                self._cached[h] = dups.pop(0)
-                if not dups:
-                    del self._dups[h]
+    def _evict(self, blocks: list[int]) -> None:
+        """Drop the cached hashes of ``blocks`` (just taken off the free queue), in order."""
+        hashes = self._hash
+        cached = self._cached
+        dups_of = self._dups
+        log_blocks = self._drop_blocks
+        log_depths = self._drop_depths
+        depth = self._depth
+        events = self._events if self.enable_events else None
+        removed = 0
+        for b in blocks:
+            h = hashes[b]
+            if h is None:
+                continue
+            hashes[b] = None
+            if cached.get(h) == b:
+                dups = dups_of.get(h)
+                if dups:
+                    cached[h] = dups.pop(0)
+                    if not dups:
+                        del dups_of[h]
+                else:
+                    del cached[h]
             else:
-                del self._cached[h]
-        else:
-            dups = self._dups.get(h)
-            if dups and b in dups:
+                dups = dups_of.get(h)
+                if not dups or b not in dups:
+                    continue
                 dups.remove(b)
-                removed = True
                 if not dups:
-                    del self._dups[h]
-        if removed:
-            self.evictions += 1
-            self._dropped += 1
-            if len(self._drop_blocks) >= _DROP_LOG_MAX:
+                    del dups_of[h]
+            removed += 1
+            if len(log_blocks) >= _DROP_LOG_MAX:
                 # Forget the older half: a prefix remembered before it is looked up from the start.
-                half = len(self._drop_blocks) // 2
-                del self._drop_blocks[:half]
-                del self._drop_depths[:half]
+                half = len(log_blocks) // 2
+                del log_blocks[:half]
+                del log_depths[:half]
                 self._log_base += half
-            self._drop_blocks.append(b)
-            self._drop_depths.append(self._depth[b])
-        if removed and self.enable_events:
-            self._events.append(Removed(h, b))
+            log_blocks.append(b)
+            log_depths.append(depth[b])
+            if events is not None:
+                events.append(Removed(h, b))
+        self.evictions += removed
+        self._dropped += removed
 
     def cache_blocks(self, request_id: str, block_hashes: Sequence[int], num_tokens: int) -> None:
         """Cache the request's full blocks up to ``num_tokens`` tokens; emit one ``Stored``.
