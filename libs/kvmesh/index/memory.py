@@ -244,14 +244,9 @@ class MemoryIndex(BlockIndex):
         shift = slot * _BITS_PER_SLOT
         mine = 0xF << shift
         for model, log in list(self._slot_log[slot].items()):
-            d = self._models.get(model, {})
-            seen: set[int] = set()
-            fresh = array("Q")
-            for k in log:
-                if k not in seen and d.get(k, 0) & mine:
-                    seen.add(k)
-                    fresh.append(k)
-            self._slot_log[slot][model] = fresh
+            held = self._models.get(model, {}).get
+            # Each key once, at its first place in the log, if the slot still holds it.
+            self._slot_log[slot][model] = array("Q", [k for k in dict.fromkeys(log) if held(k, 0) & mine])
 
     def _evict(self) -> None:
         target = self.max_entries - max(1, int(self.max_entries * self.evict_batch_fraction))
