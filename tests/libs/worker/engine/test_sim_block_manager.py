@@ -140,10 +140,25 @@ def _workload(seed: int, n: int, block_size: int) -> list[tuple[str, list[int], 
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3, 4])
-def test_eviction_and_events_match_vllm(seed: int) -> None:
+@pytest.mark.parametrize("queue_slack", [None, 0])
+def test_eviction_and_events_match_vllm(seed: int, queue_slack: int | None,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
     bs, nb = 16, 24
     v = VllmSide(nb, bs)
     s = SimSide(nb, bs)
+    compactions = 0
+    if queue_slack is not None:
+        # The free queue drops its stale entries (blocks hit while free) as soon as they
+        # outnumber the free blocks: the order it keeps must not change.
+        monkeypatch.setattr(block_manager, "_QUEUE_SLACK", queue_slack)
+        make_deque = block_manager.deque
+
+        def counted(*args: object) -> object:
+            nonlocal compactions
+            compactions += 1
+            return make_deque(*args)
+
+        monkeypatch.setattr(block_manager, "deque", counted)
     rng = random.Random(seed + 100)
     live: list[str] = []
     saw_removed = False
@@ -174,6 +189,7 @@ def test_eviction_and_events_match_vllm(seed: int) -> None:
         assert s.bm.free_queue() == v.free_queue(), rid
         assert s.bm.usage == pytest.approx(v.m.block_pool.get_usage())
     assert saw_removed, "workload too small to exercise eviction"
+    assert queue_slack is None or compactions > 0
 
 
 def test_event_stream_consistency() -> None:

@@ -33,7 +33,7 @@ engine turns them into vLLM wire events only when it publishes them.
 from __future__ import annotations
 
 from array import array
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -46,6 +46,7 @@ _not_none = partial(is_not, None)
 NULL_BLOCK = 0
 _HITS_KEPT = 256   # prompts find_longest_hit remembers (a bound on the lists it keeps alive)
 _DROP_LOG_MAX = 1 << 14   # evictions find_longest_hit can check (a fleet runs hundreds of managers)
+_QUEUE_SLACK = 4096       # stale free-queue entries tolerated on top of one per free block
 
 
 @dataclass(slots=True)
@@ -103,8 +104,16 @@ class BlockManager:
         # (vLLM does not de-duplicate) wait in _dups, in insertion order.
         self._cached: dict[int, int] = {}
         self._dups: dict[int, list[int]] = {}
-        # Front = next to be handed out (evicted). Null block 0 is never in it.
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        # The free queue, front = next to be handed out (evicted); null block 0 is never in it.
+        # vLLM keeps a doubly linked list. Here it is a deque of segments [id, blocks, next
+        # position], one per free() call: a request's freed blocks join it as one list, and a
+        # touched block leaves it by its ref count alone. A block's entry is live while its
+        # ref count is 0 and it is the block's latest (_seg_of); other entries are skipped.
+        self._segs: deque[list[Any]] = deque([[0, list(range(1, num_blocks)), 0]])
+        self._seg_of = [0] * num_blocks
+        self._next_seg = 1
+        self._num_free = num_blocks - 1
+        self._queued = num_blocks - 1    # entries in the segments not yet passed, stale ones included
         self._ref[NULL_BLOCK] = 1
         self._reqs: dict[str, _Req] = {}
         self._events: list[Event] = []
@@ -134,13 +143,13 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (free + evictable cached)."""
-        return len(self._free)
+        return self._num_free
 
     @property
     def usage(self) -> float:
         """KV usage in [0, 1], excluding the null block, as vLLM reports it."""
         total = self.num_blocks - 1
-        return 1.0 - len(self._free) / total if total else 0.0
+        return 1.0 - self._num_free / total if total else 0.0
 
     @property
     def num_cached_hashes(self) -> int:
@@ -158,7 +167,9 @@ class BlockManager:
 
     def free_queue(self) -> list[int]:
         """Block ids in eviction order (front first). For tests and debugging."""
-        return list(self._free)
+        ref, seg_of = self._ref, self._seg_of
+        return [b for sid, blocks, pos in self._segs for b in islice(blocks, pos, None)
+                if ref[b] == 0 and seg_of[b] == sid]
 
     def has_pending_events(self) -> bool:
         """KV events emitted and not yet taken (what an index fed by them has not seen)."""
@@ -240,7 +251,7 @@ class BlockManager:
         r = self._reqs.get(request_id)
         if r is not None and len(r.blocks) * self.block_size >= num_tokens:
             return True    # decode fast path: the slot already exists
-        if self.blocks_to_allocate(request_id, num_tokens, hit_blocks) + reserve > len(self._free):
+        if self.blocks_to_allocate(request_id, num_tokens, hit_blocks) + reserve > self._num_free:
             return False
         if r is None:
             r = _Req(meta=meta)
@@ -256,21 +267,40 @@ class BlockManager:
 
     def _touch(self, blocks: Sequence[int]) -> None:
         ref = self._ref
-        free = self._free
-        n = len(free)
+        left = 0   # blocks leaving the free queue (their entries turn stale)
         for b in blocks:
             if ref[b] == 0:
-                del free[b]
+                left += 1
             ref[b] += 1
-        if len(free) != n:
+        if left:
+            self._num_free -= left
             self._ref_epoch += 1
 
     def _get_new_blocks(self, n: int) -> list[int]:
-        popitem = self._free.popitem
-        out = [popitem(False)[0] for _ in range(n)]
+        if n > self._num_free:
+            raise IndexError(f"{n} blocks asked of {self._num_free} free")
         ref = self._ref
-        for b in out:
-            ref[b] = 1
+        seg_of = self._seg_of
+        segs = self._segs
+        seg = segs[0]
+        sid, blocks, pos = seg
+        out: list[int] = []
+        passed = 0
+        while len(out) < n:
+            if pos >= len(blocks):
+                passed += pos - seg[2]
+                segs.popleft()
+                seg = segs[0]
+                sid, blocks, pos = seg
+                continue
+            b = blocks[pos]
+            pos += 1
+            if ref[b] == 0 and seg_of[b] == sid:
+                ref[b] = 1
+                out.append(b)
+        self._queued -= passed + pos - seg[2]
+        seg[2] = pos
+        self._num_free -= n
         self._evict(out)
         return out
 
@@ -373,21 +403,39 @@ class BlockManager:
                     first.append(b)
                 else:
                     last.append(b)
-        free = self._free
         if first or last:
             self._ref_epoch += 1
-        if first:
-            # vLLM's prepend_n keeps list order: first[0] ends up at the very front.
-            for b in reversed(first):
-                free[b] = None
-                free.move_to_end(b, last=False)
-        for b in last:
-            free[b] = None
+            self._enqueue(first, front=True)   # vLLM's prepend_n: first[0] at the very front
+            self._enqueue(last, front=False)
         return True
+
+    def _enqueue(self, blocks: list[int], front: bool) -> None:
+        if not blocks:
+            return
+        sid = self._next_seg
+        self._next_seg += 1
+        seg_of = self._seg_of
+        for b in blocks:
+            seg_of[b] = sid
+        if front:
+            self._segs.appendleft([sid, blocks, 0])
+        else:
+            self._segs.append([sid, blocks, 0])
+        self._num_free += len(blocks)
+        self._queued += len(blocks)
+        if self._queued > 2 * self._num_free + _QUEUE_SLACK:
+            # Mostly stale entries (blocks hit while free): keep only the live ones, in order.
+            live = self.free_queue()
+            sid = self._next_seg
+            self._next_seg += 1
+            for b in live:
+                seg_of[b] = sid
+            self._segs = deque([[sid, live, 0]])
+            self._queued = len(live)
 
     def reset(self) -> bool:
         """Drop every cached hash (vLLM ``reset_prefix_cache``); only when nothing is in use."""
-        if len(self._free) != self.num_blocks - 1:
+        if self._num_free != self.num_blocks - 1:
             return False
         self._cached.clear()
         self._dups.clear()
