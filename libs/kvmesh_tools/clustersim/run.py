@@ -1,20 +1,23 @@
 """Run several policies over one trace and cluster, side by side, and collect the report.
 
-Policies are independent simulations, so they run in parallel processes (each
-worker process receives the parsed trace and its precomputed key chains once).
-The ceilings the report divides by run in the same pool, queued after the
-simulations, so they fill the pool's tail instead of adding serial time. Each
-simulation is deterministic, so the report does not depend on the process count.
+Policies are independent simulations, so they run in parallel processes: this
+one and a pool of the rest (each pool process receives the parsed trace and its
+precomputed key chains once). The ceilings the report divides by run as tasks
+too, queued after the simulations, so they fill the tail instead of adding
+serial time. Each simulation is deterministic, so the report does not depend on
+the process count.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import multiprocessing as mp
 import os
+import threading
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from typing import Any
 
 from kvmesh.routing.scoring import ScoringConfig
@@ -39,6 +42,13 @@ def schedule_for(trace: Trace, cfg: SimConfig) -> Schedule:
 
 def _init_state(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig | None) -> None:
     _STATE.update(trace=trace, schedule=schedule, cfg=cfg, scoring=scoring)
+
+
+def _init_worker(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig | None) -> None:
+    """A pool process's start: its state lives as long as it does, so the collector that each
+    simulation runs first (to free the previous one) need not walk the trace again."""
+    _init_state(trace, schedule, cfg, scoring)
+    gc.freeze()
 
 
 # A pool task: ("sim", policy, store capacity or None for the config's), or ("ceiling", "",
@@ -84,17 +94,80 @@ def _run_all(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringC
     tasks += [("ceiling", "", None)] + [("ceiling", "", c) for c in caps]
     jobs = jobs if jobs is not None else min(len(sims), os.cpu_count() or 1)
     if jobs > 1 and len(sims) > 1:
-        # spawn, not fork: forking a process that already runs threads (gRPC, logging, a test
-        # runner) can copy a held lock into the child and hang it.
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=mp.get_context("spawn"), initializer=_init_state,
-                                 initargs=(trace, schedule, cfg, scoring)) as ex:
-            out = list(ex.map(_run_task, tasks))
+        out = _run_shared(tasks, jobs, (trace, schedule, cfg, scoring))
     else:
         out = [_run_task(t) for t in tasks]
     _STATE.pop("order", None)
     n = len(sims)
     results: list[PolicyResult] = out[:n]   # type: ignore[assignment]
     return results, out[n], dict(zip(caps, out[n + 1:], strict=True))   # type: ignore[arg-type]
+
+
+def _run_shared(tasks: list[Task], jobs: int, initargs: tuple[Any, ...]) -> list[PolicyResult | float]:
+    """``_run_task`` of every task on ``jobs`` processes, this one among them; results in task order.
+
+    This process holds the state already, while a pool process first receives it (the pickled
+    trace is about 150 MB: seconds to send and load), so this one starts at once and the pool's
+    ``jobs - 1`` processes join when ready. Whichever process is free takes the next task.
+    """
+    out: list[PolicyResult | float | None] = [None] * len(tasks)
+    errors: list[BaseException] = []
+    cond = threading.Condition(threading.RLock())   # re-entrant: a done callback may run inside submit
+    nxt = 0
+    in_pool = 0
+
+    def claim() -> int | None:
+        nonlocal nxt
+        with cond:
+            if nxt >= len(tasks) or errors:
+                return None
+            nxt += 1
+            return nxt - 1
+
+    # spawn, not fork: forking a process that already runs threads (gRPC, logging, a test
+    # runner) can copy a held lock into the child and hang it.
+    with ProcessPoolExecutor(max_workers=jobs - 1, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                             initargs=initargs) as ex:
+
+        def feed() -> None:
+            nonlocal in_pool
+            with cond:
+                i = claim()
+                if i is None:
+                    return
+                try:
+                    fut = ex.submit(_run_task, tasks[i])
+                except BaseException as exc:   # a broken pool: nothing would ever land
+                    errors.append(exc)
+                    cond.notify_all()
+                    return
+                in_pool += 1
+                fut.add_done_callback(lambda done, i=i: landed(i, done))
+
+        def landed(i: int, fut: Future[PolicyResult | float]) -> None:
+            nonlocal in_pool
+            with cond:
+                in_pool -= 1
+                try:
+                    out[i] = fut.result()
+                except BaseException as exc:   # re-raised below, in this thread
+                    errors.append(exc)
+                feed()
+                cond.notify_all()
+
+        for _ in range(jobs - 1):
+            feed()
+        while (i := claim()) is not None:
+            try:
+                out[i] = _run_task(tasks[i])
+            except BaseException as exc:
+                with cond:
+                    errors.append(exc)
+        with cond:
+            cond.wait_for(lambda: in_pool == 0)
+    if errors:
+        raise errors[0]
+    return out   # type: ignore[return-value]
 
 
 def _report(trace: Trace, schedule: Schedule, cfg: SimConfig, scoring: ScoringConfig, policies: list[str],

@@ -51,6 +51,18 @@ def test_same_seed_same_json() -> None:
     assert _strip(c)["results"]["random"] != _strip(a)["results"]["random"]
 
 
+@pytest.mark.parametrize("bad_at", [0, 1, 3])
+def test_a_failing_simulation_fails_the_parallel_run(bad_at: int) -> None:
+    """With jobs > 1 this process and a pool share the tasks; a simulation that raises, in
+    either, ends the run with its error instead of a hang or a missing result."""
+    policies = ["round_robin", "precise", "random", "least_load"]
+    policies[bad_at] = "no-such-policy"
+    with pytest.raises(ValueError, match="no-such-policy"):
+        simulate_policies(_trace(), _cfg(), policies, jobs=2)
+    with pytest.raises(ValueError, match="no-such-policy"):
+        simulate_policies(_trace(), _cfg(), policies, jobs=3)
+
+
 def test_accounting_and_contract_keys() -> None:
     rep = simulate_policies(_trace(), _cfg(), ["precise", "round_robin"], jobs=1)
     n = len(_trace().requests())
