@@ -38,7 +38,7 @@ import heapq
 import itertools
 import math
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EvictionPolicy(Protocol):
@@ -113,6 +113,8 @@ class _LazyHeap:
 
     def __init__(self) -> None:
         self._live: dict[Hashable, tuple[float, int, int, Hashable]] = {}
+        # Per-key tables a policy keeps beside the heap: a key's entries go with the key.
+        self._sides: tuple[dict[Hashable, Any], ...] = ()
         self._open: list[tuple[float, int, int, Hashable]] = []
         self._small: list[tuple[float, int, int, Hashable]] = []   # a plain heap of entries from tiny batches
         # (head entry, run number, run sorted descending: its head is run[-1])
@@ -211,6 +213,8 @@ class _LazyHeap:
 
     def remove(self, key: Hashable) -> None:
         self._live.pop(key, None)
+        for side in self._sides:
+            side.pop(key, None)
         if self._held > 2 * len(self._live) + self._SLACK:
             self._compact()
 
@@ -286,15 +290,11 @@ class _LazyHeap:
         live = self._live
         for key in keys:
             del live[key]
-        for side in self._side_tables():
+        for side in self._sides:
             for key in keys:
                 side.pop(key, None)
         if self._held > 2 * len(live) + self._SLACK:
             self._compact()
-
-    def _side_tables(self) -> tuple[dict[Hashable, object], ...]:
-        """Per-key tables a policy keeps beside the heap (dropped with the key)."""
-        return ()
 
     def __len__(self) -> int:
         return len(self._live)
@@ -355,6 +355,7 @@ class DepthDiscountedPolicy(_LazyHeap):
         self._share = share_s
         self._sharers: dict[Hashable, int] = {}
         self._last_session: dict[Hashable, str] = {}
+        self._sides = (self._sharers, self._last_session)
 
     def new_batch(self, now: float | None = None) -> None:
         if now is None and self._clock is None:
@@ -416,14 +417,6 @@ class DepthDiscountedPolicy(_LazyHeap):
             pushed += 1
         self._pushed(pushed)
 
-    def remove(self, key: Hashable) -> None:
-        super().remove(key)
-        self._sharers.pop(key, None)
-        self._last_session.pop(key, None)
-
-    def _side_tables(self) -> tuple[dict[Hashable, object], ...]:
-        return (self._sharers, self._last_session)  # type: ignore[return-value]
-
     def admits(self, depth: int) -> bool:
         """Whether a new block at ``depth`` outranks the next victim. When it does not,
         storing it would evict a block worth more (often its own parent, leaving it an
@@ -445,6 +438,7 @@ class GreedyDualPolicy(_LazyHeap):
         super().__init__()
         self._sharers: dict[Hashable, int] = {}
         self._last_session: dict[Hashable, str] = {}
+        self._sides = (self._sharers, self._last_session)
         self._activity: dict[str, int] = {}       # session -> operations seen (requests)
         self._session_batch: dict[str, int] = {}
         self._batch = 0
@@ -481,11 +475,6 @@ class GreedyDualPolicy(_LazyHeap):
             return
         _count_sharer(self._sharers, self._last_session, key, session)
         self._push_valued(key, depth, self._note_session(session))
-
-    def remove(self, key: Hashable) -> None:
-        super().remove(key)
-        self._sharers.pop(key, None)
-        self._last_session.pop(key, None)
 
     def victim(self) -> Hashable | None:
         top = self._top_entry()
