@@ -16,6 +16,20 @@ def _scan_victim(pol: _LazyHeap):  # noqa: ANN202
     return min(live.values())[3] if live else None
 
 
+def _twins(name: str, **attrs: int) -> tuple[_LazyHeap, _LazyHeap]:
+    """Two fresh policies ``name`` with the same class attributes overridden, driven alike."""
+    pair = EVICTION_POLICIES.create(name), EVICTION_POLICIES.create(name)
+    for pol in pair:
+        for attr, value in attrs.items():
+            setattr(pol, attr, value)
+    return pair
+
+
+def _new_batch(name: str, t: float, *pols: _LazyHeap) -> None:
+    for pol in pols:
+        pol.new_batch(t) if name in ("agent", "session-rate") else pol.new_batch()
+
+
 @pytest.mark.parametrize("name", EVICTION_POLICIES.names())
 @pytest.mark.parametrize("seed", range(8))
 @pytest.mark.parametrize("slack", [1024, 4])
@@ -32,7 +46,7 @@ def test_victims_equal_a_full_scan(name: str, seed: int, slack: int, small_batch
         op = rng.random()
         if op < 0.05:
             t += rng.choice([0.0, 0.5, 3.0, 40.0])
-            pol.new_batch(t) if name in ("agent", "session-rate") else pol.new_batch()
+            _new_batch(name, t, pol)
         elif op < 0.35:
             key = rng.randrange(200)
             depth.setdefault(key, rng.randrange(50))
@@ -93,9 +107,7 @@ def test_batch_forms_push_what_one_call_per_key_pushes(name: str, seed: int) -> 
     """``insert_many``/``touch_many`` (a put's and a restore's blocks in one call) leave every
     key with the same entry, and so the same victims, as ``insert``/``touch`` key by key."""
     rng = random.Random(seed)
-    one, many = EVICTION_POLICIES.create(name), EVICTION_POLICIES.create(name)
-    for pol in (one, many):
-        pol._SLACK = 8
+    one, many = _twins(name, _SLACK=8)
     depth: dict[int, int] = {}
     t = 0.0
     for _ in range(600):
@@ -103,8 +115,7 @@ def test_batch_forms_push_what_one_call_per_key_pushes(name: str, seed: int) -> 
         session = f"s{rng.randrange(5)}"
         if op < 0.1:
             t += rng.choice([0.0, 0.5, 3.0])
-            for pol in (one, many):
-                pol.new_batch(t) if name in ("agent", "session-rate") else pol.new_batch()
+            _new_batch(name, t, one, many)
         elif op < 0.4:
             keys = rng.sample(range(300), rng.randrange(1, 12))
             for k in keys:
@@ -147,10 +158,7 @@ def test_pop_victims_takes_what_pop_victim_takes_one_by_one(name: str, seed: int
     """A tier making room asks for many victims at once (``pop_victims``): the same keys in the
     same order as that many ``pop_victim`` calls, and the same state after."""
     rng = random.Random(seed)
-    one, many = EVICTION_POLICIES.create(name), EVICTION_POLICIES.create(name)
-    for pol in (one, many):
-        pol._SLACK = slack
-        pol._SMALL_BATCH = small_batch
+    one, many = _twins(name, _SLACK=slack, _SMALL_BATCH=small_batch)
     depth: dict[int, int] = {}
     t = 0.0
     taken = 0
@@ -159,8 +167,7 @@ def test_pop_victims_takes_what_pop_victim_takes_one_by_one(name: str, seed: int
         session = f"s{rng.randrange(5)}"
         if op < 0.1:
             t += rng.choice([0.0, 0.5, 3.0])
-            for pol in (one, many):
-                pol.new_batch(t) if name in ("agent", "session-rate") else pol.new_batch()
+            _new_batch(name, t, one, many)
         elif op < 0.45:
             keys = [k for k in rng.sample(range(400), rng.randrange(1, 40)) if k not in depth]
             for k in keys:
