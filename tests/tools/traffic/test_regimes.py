@@ -11,6 +11,7 @@ import pytest
 
 from kvmesh_tools.cli.cmd_simulate import DEFAULT_REGIMES, parse_regimes
 from kvmesh_tools.clustersim import SimConfig, simulate_policies, simulate_regimes
+from kvmesh_tools.clustersim.run import _longest_first
 from kvmesh_tools.traffic.generator import GeneratorConfig, generate
 from kvmesh_tools.traffic.native import write_native
 
@@ -60,6 +61,16 @@ def test_each_regime_is_the_plain_run_with_that_store():
     assert all(m["offload_hit_rate"] == 0 for m in none["results"].values())
     # A larger store can only add to what the pooled capacity can hold.
     assert none["ceiling_pooled"] <= small["ceiling_pooled"] <= large["ceiling_pooled"]
+
+
+def test_store_simulations_start_first_and_ceilings_last():
+    """The parallel run starts the long simulations (with a store) first; results keep task order
+    (the test above runs the regimes in parallel with the store-less one listed first)."""
+    tasks = [("sim", "a", 0), ("sim", "b", 0), ("sim", "a", 4_000_000), ("sim", "b", None),
+             ("ceiling", "", None), ("ceiling", "", 8000), ("sim", "c", 32_000_000)]
+    assert _longest_first(tasks, _cfg(offload_capacity_tokens=0)) == [2, 6, 0, 1, 3, 4, 5]
+    # A task without its own capacity takes the config's.
+    assert _longest_first(tasks, _cfg(offload_capacity_tokens=1000)) == [2, 3, 6, 0, 1, 4, 5]
 
 
 def test_cli_prints_a_table_per_regime_and_writes_one_json(tmp_path: Path):
