@@ -109,6 +109,8 @@ def test_native_roundtrip_and_scope(tmp_path: Path) -> None:
     ('not json', "invalid JSON"),
     ('{"session": "a", "block_size": 4, "requests": [{"t": 0, "in": 4, "out": 1, "hash_ids": [1, 2, 3]}]}',
      "exceed in=4"),
+    *((f'{{"session": "a", "block_size": 4, "requests": [{{"t": 0, "in": 8, "out": 1, "hash_ids": [1, {x}]}}]}}',
+       "'hash_ids' must be a list of integers") for x in ("true", '"2"', "2.0", "null", "[2]")),
 ])
 def test_bad_native_input_names_the_problem(tmp_path: Path, content: str, needle: str) -> None:
     p = tmp_path / "bad.jsonl"
