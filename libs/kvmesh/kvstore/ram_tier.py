@@ -91,7 +91,11 @@ class RamTier:
             if not allow_evict:
                 raise CapacityError(f"tier full ({self.used}/{self.capacity}) and eviction is disabled")
             blocks = self._blocks
-            pinned = sum(blocks[b].size for b in protect if b in blocks)
+            # The put's held blocks weigh at most this; summing them walks the whole put, so
+            # only a put large next to the tier pays for it.
+            pinned = len(protect) * self._max_size
+            if pinned + size > self.capacity:
+                pinned = sum(blocks[b].size for b in protect if b in blocks)
             if pinned + size > self.capacity:
                 raise CapacityError(f"tier cannot free {size}: {pinned} of its {self.capacity} hold blocks "
                                     "of this same put")
