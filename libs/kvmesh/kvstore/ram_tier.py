@@ -142,8 +142,9 @@ class RamTier:
         held = next((bid for bid in bids if bid in blocks), None)
         if held is not None:
             raise ValueError(f"block {held!r} is already held; add_many takes new blocks only")
+        meta = StoredBlock.metadata
         for bid, depth in zip(bids, depths, strict=True):
-            blocks[bid] = StoredBlock(size=size, depth=depth, session=session)
+            blocks[bid] = meta(size, depth, session)
         self.used += size * len(bids)
         self._max_size = max(self._max_size, size)
         self.policy.insert_many(bids, depths, session)

@@ -322,6 +322,8 @@ def test_tier_add_many_takes_new_blocks_only() -> None:
         ref.add(("n", k), StoredBlock(size=1, depth=d, session="s"))
     assert tier.used == ref.used == 3 and set(tier) == set(ref)
     assert tier.peek(("n", 6)).depth == 1   # type: ignore[union-attr]
+    for d, k in enumerate((5, 6, 7)):   # the positional metadata block is the keyword one, field by field
+        assert tier.peek(("n", k)) == ref.peek(("n", k)) == StoredBlock(size=1, depth=d, session="s")
     with pytest.raises(ValueError, match="already held"):
         tier.add_many([("n", 9), ("n", 6)], [0, 1], "s")
     assert ("n", 9) not in tier and tier.used == 3   # refused whole
