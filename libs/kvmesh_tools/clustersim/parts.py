@@ -112,6 +112,7 @@ class SimOffload:
         self.refused = 0          # puts that cannot fit, whole (the service answers RESOURCE_EXHAUSTED)
         self.restored_blocks = 0
         self._present = self.tier.keys()   # a live view: membership without a method call
+        self._holds = self.tier.holds()     # the same, as a function for the C-speed prefix scan
         # Per prompt (by list identity), the leading keys found present and the store's eviction
         # count then: until the next eviction they are still there, so a prompt asked about
         # again (a waiting request, at every step that reaches it) is scanned on from there.
@@ -125,7 +126,7 @@ class SimOffload:
         if start >= cap:
             return cap
         # takewhile/islice scan in C: a prompt is up to ~16k blocks.
-        n = start + len(list(takewhile(self._present.__contains__, islice(keys, start, cap))))
+        n = start + len(list(takewhile(self._holds, islice(keys, start, cap))))
         if len(self._known) >= self.KNOWN_MAX:
             self._known.clear()   # a bound on the prompts it keeps alive: a forgotten one is scanned from 0
         self._known[id(keys)] = (keys, evictions, n)

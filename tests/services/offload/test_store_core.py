@@ -311,6 +311,18 @@ def test_put_depth_is_the_depth_in_the_chain() -> None:
     assert (store.ram.depth_of(("n", 10)), store.ram.depth_of(("n", 20))) == (41, 0)
 
 
+def test_tier_membership_test_is_live() -> None:
+    """``holds()`` is taken once and asked for millions of ids (the simulator's prefix scans):
+    it sees every later add and eviction."""
+    tier = RamTier(2)
+    holds = tier.holds()
+    tier.add(("n", 1), StoredBlock(size=1))
+    assert holds(("n", 1)) and not holds(("n", 2))
+    tier.add(("n", 2), StoredBlock(size=1))
+    tier.make_room(1)
+    assert [holds(("n", k)) for k in (1, 2)] == [("n", k) in tier for k in (1, 2)] == [False, True]
+
+
 def test_tier_add_many_takes_new_blocks_only() -> None:
     """The simulator's one-call put: new metadata-only blocks, counted and ranked as ``add``
     ranks them; a block the tier already holds is an error, not a silent double count."""
