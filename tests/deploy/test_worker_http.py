@@ -46,6 +46,25 @@ async def test_completion_with_token_ids_reports_cached_tokens(api) -> None:
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 80
 
 
+async def test_a_reused_request_id_is_two_requests(api) -> None:
+    """As on vLLM: two requests in flight under one x-request-id (a client reusing it, a gateway
+    retrying a dropped try) both succeed, and both answers carry the client's id."""
+    client, _, engine = api
+    body = {"model": MODEL, "prompt": list(range(300, 380)), "max_tokens": 64}
+    headers = {"x-request-id": "same-id"}
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}, headers=headers) as first:
+        assert first.status_code == 200
+        lines = first.aiter_lines()
+        assert (await anext(lines)).startswith("data: ")   # the first request is decoding
+        assert engine.load().running >= 1
+        second = await client.post("/v1/completions", json=body, headers=headers)
+        rest = [line async for line in lines if line]
+    assert second.status_code == 200, second.text
+    assert second.json()["id"] == "same-id" and second.json()["usage"]["completion_tokens"] == 64
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(next(x for x in reversed(rest) if x.startswith("data: {"))[6:])["id"] == "same-id"
+
+
 async def test_chat_and_streaming(api) -> None:
     client, _, _ = api
     msgs = [{"role": "user", "content": "hello there, worker"}]

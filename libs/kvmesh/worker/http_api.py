@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -209,7 +210,10 @@ class WorkerHttpApi:
         if req.stop and self.tokenizer is None:
             raise BadRequest("'stop' strings need a tokenizer on this worker; use 'stop_token_ids'", "stop")
         answer = Answer(chat=chat, model=self.model, id=request.headers.get("x-request-id", ""))
-        ereq = self._engine_request(req, ids, answer.id)
+        # As vLLM: the engine knows the request as the client's id made unique. A client may reuse
+        # an x-request-id, and a gateway retries a dropped try under the same one while the first
+        # may still hold it on this engine, which refuses a duplicate id.
+        ereq = self._engine_request(req, ids, f"{answer.id}-{secrets.token_hex(4)}")
         if req.stream:
             agen = self._run(ereq, req.stop)
             # Pull the first item before answering, so validation errors become

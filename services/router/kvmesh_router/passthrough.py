@@ -314,7 +314,7 @@ class Passthrough:
     async def _prefill(self, p: Prepared, eid: str, path: str, content: bytes, headers: dict[str, str],
                        deadline: float | None) -> int | None:
         """The prefill half of the split (``external_split``): the blocks the store then holds, or None."""
-        return await external_split.prefill(self.cluster, self.service.core.load, self.cfg, p.request_id,
+        return await external_split.prefill(self.cluster, self.service.core.load, self.cfg, p.engine_id,
                                             p.req.keys, p.req.num_tokens, p.req.block_size, len(p.tokens), eid,
                                             path, content, headers, deadline)
 

@@ -32,7 +32,7 @@ from kvmesh.routing.hedge import HedgeBudget
 from kvmesh.routing.pd_split import SplitDecision
 from kvmesh.routing.policy import NoEndpointError
 from kvmesh.routing.prefix_memory import speculative_ttl
-from kvmesh.routing.router import RouterCore
+from kvmesh.routing.router import RouterCore, prefill_request_id
 from kvmesh.routing.scoring import max_hit_blocks
 from kvmesh.routing.types import Decision, Matches, RouteRequest
 from kvmesh.telemetry import tracer
@@ -122,6 +122,12 @@ class Prepared:
     lora_lacking: set[str] = field(default_factory=set)
     lora_name: str = ""
     routed_at: float = 0.0   # time.monotonic() of the latest pick (retries re-pick)
+
+    @property
+    def engine_id(self) -> str:
+        """The id engines and the load view know the request by: ``request_id`` (the client's,
+        which responses and logs carry) made unique per request (``prepare``)."""
+        return self.req.request_id
 
 
 @dataclass
@@ -326,6 +332,11 @@ class RouterService:
         tokens = await self.tokenize(inp)
         salt = self.salt_for(inp)
         rid = inp.request_id or uuid.uuid4().hex
+        # A client's id is not unique: a client may reuse one, and Envoy retries a request on
+        # another router replica under the same x-request-id while the first try may still run
+        # on its engine (which refuses a duplicate id). The engines and the load view know the
+        # request by the id made unique, as vLLM does with the ids it is given.
+        engine_rid = f"{rid}-{secrets.token_hex(4)}" if inp.request_id else rid
         groups: dict[str, set[str]] = {}
         lacking: set[str] = set()
         paths: list[str | None] = [None]
@@ -341,7 +352,7 @@ class RouterService:
             res = self.core.chain(tokens, extra, inp.session_id)
             metrics.HASH_BLOCKS.labels(kind="reused").inc(res.reused_blocks)
             metrics.HASH_BLOCKS.labels(kind="hashed").inc(res.hashed_blocks)
-            req = RouteRequest(rid, inp.model, res.keys, len(tokens), self.core.block_size, inp.session_id,
+            req = RouteRequest(engine_rid, inp.model, res.keys, len(tokens), self.core.block_size, inp.session_id,
                                inp.tenant)
             return extra, req, res.reused_blocks, res.hashed_blocks
 
@@ -597,11 +608,11 @@ class RouterService:
         """Run the prompt on the prefill endpoint; None means "prefill locally instead"."""
         with _tracer.start_as_current_span("router.prefill", context=trace.set_span_in_context(parent)) as span:
             span.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
-            self.core.load.on_sent(split.prefill_endpoint, p.request_id + "-prefill", len(p.tokens),
+            self.core.load.on_sent(split.prefill_endpoint, prefill_request_id(p.engine_id), len(p.tokens),
                                    time.monotonic())
             try:
                 resp = await self.cluster.stub(split.prefill_endpoint).Prefill(
-                    worker_pb2.PrefillRequest(request_id=p.request_id + "-prefill", model=inp.model,
+                    worker_pb2.PrefillRequest(request_id=prefill_request_id(p.engine_id), model=inp.model,
                                               prompt_token_ids=p.tokens, sampling=inp.sampling,
                                               cache_salt=p.salt, lora_name=inp.lora_name,
                                               session_id=inp.session_id),
@@ -617,7 +628,7 @@ class RouterService:
                 span.set_attribute("kvmesh.prefill_failed", exc.code().name)
                 return None
             finally:
-                self.core.load.on_finished(p.request_id + "-prefill")
+                self.core.load.on_finished(prefill_request_id(p.engine_id))
             return resp.handle
 
     # -- hedging the first token ---------------------------------------------------------
@@ -728,7 +739,7 @@ class RouterService:
             self.hedge_budget.tokens += 1.0   # not spent
             metrics.HEDGES.labels(event="no_endpoint").inc()
             return None
-        hp.req = dataclasses.replace(hp.req, request_id=f"{p.request_id}-h{attempt}")
+        hp.req = dataclasses.replace(hp.req, request_id=f"{p.engine_id}-h{attempt}")
         no_split = SplitDecision(split=False)
         self.record_routed(hp, hd, no_split)
         metrics.HEDGES.labels(event="sent").inc()
@@ -757,7 +768,7 @@ class RouterService:
             return
         handle = await self._prefill(p, inp, split, span) if split.split else None
         wreq = worker_pb2.GenerateRequest(
-            request_id=worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}"),
+            request_id=worker_rid or (p.engine_id if attempt == 1 else f"{p.engine_id}-r{attempt}"),
             model=inp.model,
             prompt_token_ids=p.tokens, sampling=inp.sampling, cache_salt=p.salt, lora_name=inp.lora_name,
             session_id=inp.session_id)
@@ -834,7 +845,7 @@ class RouterService:
         max_tokens = inp.sampling.max_tokens or self.cfg.max_tokens_default or max(
             1, self.max_model_len() - len(p.tokens))
         body = external_generate.request_body(inp.model, p.tokens, inp.sampling, max_tokens, p.salt)
-        headers = {"x-request-id": worker_rid or (p.request_id if attempt == 1 else f"{p.request_id}-r{attempt}")}
+        headers = {"x-request-id": worker_rid or (p.engine_id if attempt == 1 else f"{p.engine_id}-r{attempt}")}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
         ext = self.cluster.external
@@ -888,7 +899,7 @@ class RouterService:
         with _tracer.start_as_current_span("router.prefill", context=trace.set_span_in_context(span)) as pspan:
             pspan.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
             held = await external_split.prefill(
-                self.cluster, self.core.load, self.cfg, p.request_id, p.req.keys, p.req.num_tokens,
+                self.cluster, self.core.load, self.cfg, p.engine_id, p.req.keys, p.req.num_tokens,
                 p.req.block_size, len(p.tokens), split.prefill_endpoint, "/v1/completions",
                 external_split.prefill_body(body), {"content-type": "application/json", **headers}, inp.deadline)
             if held is None:

@@ -78,6 +78,24 @@ def test_indexer_down_falls_back_to_approx_not_an_error(pair):
     assert "indexer unavailable" in (router.tmp / "router.log").read_text()
 
 
+def test_a_reused_request_id_is_two_requests_on_one_engine(pair):
+    """Envoy retries a request on another router replica under the same x-request-id while the
+    first try may still run on its engine, and a client may reuse an id: two requests in flight
+    under one id on one engine both succeed, and both answers carry the client's id."""
+    router, _ = pair
+    with grpc.insecure_channel(router.grpc_address) as ch:
+        stub = router_pb2_grpc.RouterStub(ch)
+        tokens = rand_tokens(400, 11)
+        first = stub.Generate(_req(tokens, max_tokens=64, session_id="dup", request_id="same-id"), timeout=30)
+        assert next(first).WhichOneof("kind") == "chunk"   # the first request is decoding
+        second = list(stub.Generate(_req(tokens, max_tokens=64, session_id="dup", request_id="same-id"),
+                                    timeout=30))[-1].final
+        rest = list(first)
+        assert rest and rest[-1].final.request_id == second.request_id == "same-id"
+        assert rest[-1].final.routing.endpoint == second.routing.endpoint
+        assert rest[-1].final.usage.completion_tokens == second.usage.completion_tokens == 64
+
+
 def test_killed_worker_is_retried_around(pair):
     router, workers = pair
     with grpc.insecure_channel(router.grpc_address) as ch:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 
 import anthropic
@@ -395,8 +396,10 @@ async def test_pd_split_on_the_token_path_prefills_then_decodes(pd_stack) -> Non
     assert pre["stream"] is False and pre["max_tokens"] == 1 and "stream_options" not in pre
     assert pre["kv_transfer_params"] == {"kvmesh": {"prefill_only": True}} and pre["cache_salt"] == salt
     assert pre["temperature"] == 0.0
-    assert engines["p"].headers[0]["x-request-id"] == "rq-1-prefill"
-    assert engines["d"].headers[0]["x-request-id"] == "rq-1"
+    # The client's id made unique per request (a retry on another replica may reuse it).
+    rid = engines["d"].headers[0]["x-request-id"]
+    assert re.fullmatch(r"rq-1-[0-9a-f]{8}", rid) and engines["p"].headers[0]["x-request-id"] == rid + "-prefill"
+    assert fin.request_id == "rq-1"
     await engines["p"].stop()
     items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=list(range(2, 72)),
                                                     sampling=common_pb2.SamplingParams(max_tokens=2)))]

@@ -94,17 +94,28 @@ def test_tool_call_streamed_as_deltas(client, choice) -> None:
     want = choice["function"]["name"] if isinstance(choice, dict) else TOOLS[0]["function"]["name"]
     assert calls[0]["name"] == want and calls[0]["id"]
     _check_call(want, calls[0]["arguments"])
-    # The same request unstreamed gives the same call (the sim's call is a function of the request id),
-    # and the SDK's own accumulation of the deltas agrees.
+    # The same request unstreamed gives the same call (the sim builds it from the schema; its id
+    # is per request, as vLLM's), and the SDK's own accumulation of the deltas agrees with ours.
     plain = client.chat.completions.create(model=MODEL, messages=_history(), tools=TOOLS, tool_choice=choice,
                                            max_tokens=8, extra_headers={"x-request-id": rid})
     [call] = plain.choices[0].message.tool_calls
-    assert [call.id, call.function.name, call.function.arguments] == list(calls[0].values())
+    assert [call.function.name, call.function.arguments] == [calls[0]["name"], calls[0]["arguments"]]
+    assert call.id.startswith("call_") and call.id != calls[0]["id"]
+    ours: dict[int, dict] = {}
     with client.chat.completions.stream(model=MODEL, messages=_history(), tools=TOOLS, tool_choice=choice,
                                         max_tokens=8, extra_headers={"x-request-id": rid}) as s:
+        for event in s:
+            if event.type == "chunk":
+                for c in event.chunk.choices:
+                    for d in c.delta.tool_calls or []:
+                        acc = ours.setdefault(d.index, {"id": "", "name": "", "arguments": ""})
+                        acc["id"] += d.id or ""
+                        acc["name"] += d.function.name or ""
+                        acc["arguments"] += d.function.arguments or ""
         final = s.get_final_completion()
     [acc] = final.choices[0].message.tool_calls
-    assert [acc.id, acc.function.name, acc.function.arguments] == list(calls[0].values())
+    assert [acc.id, acc.function.name, acc.function.arguments] == list(ours[0].values())
+    assert [acc.function.name, acc.function.arguments] == [calls[0]["name"], calls[0]["arguments"]]
 
 
 def test_router_and_worker_render_the_same_ids(client, stack) -> None:
@@ -229,7 +240,8 @@ def test_grpc_tool_call_round_trip(client, stack, choice) -> None:
                                           extra_headers={"x-request-id": rid},
                                           **({} if choice is None else {"tool_choice": choice}))
     [hcall] = http.choices[0].message.tool_calls
-    assert (hcall.id, hcall.function.name, hcall.function.arguments) == (call.id, call.name, call.arguments)
+    assert (hcall.function.name, hcall.function.arguments) == (call.name, call.arguments)
+    assert hcall.id.startswith("call_") and call.id.startswith("call_")
     assert http.usage.prompt_tokens == final.usage.prompt_tokens
     # The agent's next turn: its call and the tool's result, rendered as over HTTP (same prompt length).
     turn2 = history + [{"role": "assistant", "content": None, "tool_calls": [
