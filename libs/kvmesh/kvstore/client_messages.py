@@ -27,7 +27,7 @@ from kvmesh.kvstore.client_types import (
     PutResult,
     StoreStats,
 )
-from kvmesh.kvstore.limits import MAX_U32, key_problem, namespace_problem, session_problem
+from kvmesh.kvstore.limits import MAX_U32, key_problem, namespace_problem, session_hint
 from kvmesh.kvstore.shm import SHM_DIR, Segment
 from kvmesh.kvstore.wire import Chunk, encode_put_chunk
 from kvmesh_api.offload.v1 import offload_pb2
@@ -249,9 +249,9 @@ def plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids:
         check_keys([parent])
     if block_size < 0:
         raise InvalidOffloadRequest("block_size must be >= 0")
-    problem = session_problem(session_id or "")
-    if problem is not None:
-        raise InvalidOffloadRequest(problem)
+    if not isinstance(session_id, str | None):
+        raise InvalidOffloadRequest("session_id must be a string")
+    session_id = session_hint(session_id or "")
     if tokens is not None and any(not 0 <= t <= MAX_U32 for ts in tokens for t in ts):
         raise InvalidOffloadRequest("token ids must be uint32")
     header = offload_pb2.PutHeader(namespace=namespace, session_id=session_id or "",

@@ -9,14 +9,15 @@ longer packs into 64 bits). Namespaces are printable ASCII without spaces
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 MAX_U64 = (1 << 64) - 1
 MAX_U32 = (1 << 32) - 1
 MAX_NAMESPACE_BYTES = 256
 MAX_SESSION_BYTES = 256
-NAMESPACE_RE = re.compile(r"^[\x21-\x7e]{1," + str(MAX_NAMESPACE_BYTES) + "}$")
-SESSION_RE = re.compile(r"^[\x20-\x7e]{0," + str(MAX_SESSION_BYTES) + "}$")
+NAMESPACE_RE = re.compile(r"^[\x21-\x7e]{1," + str(MAX_NAMESPACE_BYTES) + r"}\Z")
+SESSION_RE = re.compile(r"^[\x20-\x7e]{0," + str(MAX_SESSION_BYTES) + r"}\Z")
 
 
 def namespace_problem(namespace: object) -> str | None:
@@ -39,6 +40,16 @@ def session_problem(session_id: object) -> str | None:
     if not SESSION_RE.match(session_id):
         return "session_id must be printable ASCII"
     return None
+
+
+def session_hint(session_id: str) -> str:
+    """``session_id`` as a Put may carry it. The id is the client's choice (a chat ``user``, a
+    header), and only groups blocks for eviction, so one the store would refuse (over-long, not
+    printable ASCII) is sent as its digest, which groups the same blocks, instead of failing
+    the save."""
+    if SESSION_RE.match(session_id):
+        return session_id
+    return "sha256:" + hashlib.sha256(session_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def key_problem(key: object) -> str | None:

@@ -16,6 +16,7 @@ from kvmesh.kvstore.client import (
     SyncOffloadClient,
     block_checksum,
 )
+from kvmesh.kvstore.limits import session_hint
 from kvmesh_api.offload.v1 import offload_pb2, offload_pb2_grpc
 from kvmesh_tools.testing.ports import free_port
 
@@ -143,6 +144,28 @@ async def test_bad_input_gets_clear_errors(offload_factory) -> None:
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     # nothing of the refused puts is visible
     assert (await OffloadClient(st.address, use_shm=False).stats()).ram_blocks == 0
+
+
+async def test_any_session_id_is_a_hint_the_store_takes(offload_factory, path: str) -> None:
+    """A session id is the client's choice: one the store's rule refuses (not printable ASCII,
+    over 256 characters, a trailing newline) goes as its digest, so the save is not lost; the
+    store itself still refuses such an id sent raw."""
+    st = await offload_factory(ram_capacity_bytes=8 << 20)
+    async with OffloadClient(st.address, use_shm=path == "shm", use_bulk=path == "bulk") as c:
+        for i, sid in enumerate(["会话-1", "x" * 300, "s1\n", "plain id"]):
+            data = blocks(2, 4096, seed=i + 1)
+            res = await c.put(NS, data, session_id=sid)
+            assert res.stored == 2, sid
+            assert await c.contains(NS, [k for k, _ in data]) == 2
+        with pytest.raises(InvalidOffloadRequest, match="namespace"):
+            await c.contains(NS + "\n", [1])
+    assert session_hint("plain id") == "plain id"
+    assert session_hint("会话-1") == session_hint("会话-1") != session_hint("会话-2")
+    async with grpc.aio.insecure_channel(st.address) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as ei:
+            await offload_pb2_grpc.OffloadStub(ch).Put(iter([offload_pb2.PutRequest(
+                header=offload_pb2.PutHeader(namespace=NS, session_id="s1\n"))]))
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "session_id" in ei.value.details()
 
 
 async def test_shm_segment_bounds_are_checked(offload_factory) -> None:
