@@ -106,6 +106,13 @@ class GenInput:
     lookup_s: float = 0.0    # of the decision: the first attempt's index lookup
 
 
+def tenant_session(tenant: str, session_id: str) -> str:
+    """The session id the router and the engines know a request by: the client's, within its
+    tenant. Session ids are the client's choice; unscoped, one tenant reusing another's would
+    take over that session's home (the working set keeps one per id) and its store grouping."""
+    return f"{len(tenant)}:{tenant}|{session_id}" if tenant and session_id else session_id
+
+
 @dataclass
 class Prepared:
     request_id: str
@@ -337,6 +344,7 @@ class RouterService:
         # on its engine (which refuses a duplicate id). The engines and the load view know the
         # request by the id made unique, as vLLM does with the ids it is given.
         engine_rid = f"{rid}-{secrets.token_hex(4)}" if inp.request_id else rid
+        session = tenant_session(inp.tenant, inp.session_id)
         groups: dict[str, set[str]] = {}
         lacking: set[str] = set()
         paths: list[str | None] = [None]
@@ -349,10 +357,10 @@ class RouterService:
             extra = None
             if salt or inp.lora_name:
                 extra = ExtraKeys(cache_salt=salt or None, lora_name=inp.lora_name or None, lora_path=path)
-            res = self.core.chain(tokens, extra, inp.session_id)
+            res = self.core.chain(tokens, extra, session)
             metrics.HASH_BLOCKS.labels(kind="reused").inc(res.reused_blocks)
             metrics.HASH_BLOCKS.labels(kind="hashed").inc(res.hashed_blocks)
-            req = RouteRequest(engine_rid, inp.model, res.keys, len(tokens), self.core.block_size, inp.session_id,
+            req = RouteRequest(engine_rid, inp.model, res.keys, len(tokens), self.core.block_size, session,
                                inp.tenant)
             return extra, req, res.reused_blocks, res.hashed_blocks
 
@@ -615,7 +623,7 @@ class RouterService:
                     worker_pb2.PrefillRequest(request_id=prefill_request_id(p.engine_id), model=inp.model,
                                               prompt_token_ids=p.tokens, sampling=inp.sampling,
                                               cache_salt=p.salt, lora_name=inp.lora_name,
-                                              session_id=inp.session_id),
+                                              session_id=p.req.session_id),
                     timeout=self._remaining(inp))
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -771,7 +779,7 @@ class RouterService:
             request_id=worker_rid or (p.engine_id if attempt == 1 else f"{p.engine_id}-r{attempt}"),
             model=inp.model,
             prompt_token_ids=p.tokens, sampling=inp.sampling, cache_salt=p.salt, lora_name=inp.lora_name,
-            session_id=inp.session_id)
+            session_id=p.req.session_id)
         if inp.sampling.max_tokens == 0:
             # As vLLM: what is left of max_model_len (unless the router is configured with a default).
             wreq.sampling.max_tokens = self.cfg.max_tokens_default or max(1, self.max_model_len() - len(p.tokens))

@@ -25,7 +25,7 @@ from kvmesh_router.config import RouterConfig, parse_endpoint
 from kvmesh_router.errors import UpstreamError
 from kvmesh_router.http_api import build_app
 from kvmesh_router.main import build_service
-from kvmesh_router.service import GenInput
+from kvmesh_router.service import GenInput, tenant_session
 from tests.helpers.chat_cases import TOOLS
 from tests.helpers.openai_engine import OpenAIEngine
 
@@ -375,6 +375,28 @@ async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(pd_stack) ->
     r = await client.post("/v1/chat/completions", json=_chat(session_id="x"))
     assert r.status_code == 200 and r.headers["x-kvmesh-split"] == "failed" and len(engines["d"].bodies) == 2
     assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+
+
+async def test_a_session_id_is_its_tenants_own(stack) -> None:
+    """Session ids are the client's choice: another tenant using the same one neither takes over
+    the session's home (where its context is counted) nor shares its affinity, and the engine
+    gets the id scoped to the tenant."""
+    svc, engines, _ = stack
+    ws = svc.core.load.working_set
+
+    async def turn(tenant: str, n: int) -> str:
+        items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=list(range(1, n + 1)), tenant=tenant,
+                                                        session_id="s-shared",
+                                                        sampling=common_pb2.SamplingParams(max_tokens=2)))]
+        return items[-1][1].routing.endpoint
+
+    home = await turn("acme", 90)
+    assert ws.home(tenant_session("acme", "s-shared")) == (home, 90)
+    other = await turn("evil", 40)
+    assert ws.home(tenant_session("evil", "s-shared")) == (other, 40)
+    assert ws.home(tenant_session("acme", "s-shared")) == (home, 90)   # untouched
+    assert ws.home("s-shared") == ("", 0)
+    assert tenant_session("acme", "s") != tenant_session("acm", "es") and tenant_session("", "s") == "s"
 
 
 async def test_pd_split_on_the_token_path_prefills_then_decodes(pd_stack) -> None:
