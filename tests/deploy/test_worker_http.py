@@ -63,6 +63,8 @@ async def test_a_reused_request_id_is_two_requests(api) -> None:
     assert second.json()["id"] == "same-id" and second.json()["usage"]["completion_tokens"] == 64
     assert rest[-1] == "data: [DONE]"
     assert json.loads(next(x for x in reversed(rest) if x.startswith("data: {"))[6:])["id"] == "same-id"
+    longest = await client.post("/v1/completions", json=body, headers={"x-request-id": "x" * 128})
+    assert longest.status_code == 200 and longest.json()["id"] == "x" * 128, longest.text
 
 
 async def test_chat_and_streaming(api) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,6 +37,7 @@ from kvmesh.openai.errors import BadRequest, OpenAIError, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json
 from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
+from kvmesh.request_ids import engine_request_id
 from kvmesh.rpc.tls import TlsConfig
 from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
@@ -210,10 +210,9 @@ class WorkerHttpApi:
         if req.stop and self.tokenizer is None:
             raise BadRequest("'stop' strings need a tokenizer on this worker; use 'stop_token_ids'", "stop")
         answer = Answer(chat=chat, model=self.model, id=request.headers.get("x-request-id", ""))
-        # As vLLM: the engine knows the request as the client's id made unique. A client may reuse
-        # an x-request-id, and a gateway retries a dropped try under the same one while the first
-        # may still hold it on this engine, which refuses a duplicate id.
-        ereq = self._engine_request(req, ids, f"{answer.id}-{secrets.token_hex(4)}")
+        # The engine knows the request by an id of its own (kvmesh.request_ids): a client may
+        # reuse an x-request-id, and a gateway retries a dropped try under the same one.
+        ereq = self._engine_request(req, ids, engine_request_id(answer.id))
         if req.stream:
             agen = self._run(ereq, req.stop)
             # Pull the first item before answering, so validation errors become

@@ -27,6 +27,7 @@ from opentelemetry import propagate, trace
 from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
+from kvmesh.request_ids import engine_request_id
 from kvmesh.routing.fidelity import RouterSide, classify, live_view, split_predicted_blocks
 from kvmesh.routing.hedge import HedgeBudget
 from kvmesh.routing.pd_split import SplitDecision
@@ -339,11 +340,9 @@ class RouterService:
         tokens = await self.tokenize(inp)
         salt = self.salt_for(inp)
         rid = inp.request_id or uuid.uuid4().hex
-        # A client's id is not unique: a client may reuse one, and Envoy retries a request on
-        # another router replica under the same x-request-id while the first try may still run
-        # on its engine (which refuses a duplicate id). The engines and the load view know the
-        # request by the id made unique, as vLLM does with the ids it is given.
-        engine_rid = f"{rid}-{secrets.token_hex(4)}" if inp.request_id else rid
+        # Engines and the load view know the request by an id of its own (kvmesh.request_ids):
+        # the client's may be reused, or retried by Envoy on another replica.
+        engine_rid = engine_request_id(rid) if inp.request_id else rid
         session = tenant_session(inp.tenant, inp.session_id)
         groups: dict[str, set[str]] = {}
         lacking: set[str] = set()

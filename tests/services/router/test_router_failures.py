@@ -94,6 +94,9 @@ def test_a_reused_request_id_is_two_requests_on_one_engine(pair):
         assert rest and rest[-1].final.request_id == second.request_id == "same-id"
         assert rest[-1].final.routing.endpoint == second.routing.endpoint
         assert rest[-1].final.usage.completion_tokens == second.usage.completion_tokens == 64
+        # The longest id a client may send still leaves the engine id room for retries and splits.
+        longest = _final(stub, _req(tokens, session_id="dup", request_id="x" * 128))
+        assert longest.request_id == "x" * 128 and longest.usage.completion_tokens == 4
 
 
 def test_killed_worker_is_retried_around(pair):
