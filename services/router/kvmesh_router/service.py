@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import secrets
@@ -58,6 +59,7 @@ _tracer = tracer("kvmesh.router")
 
 MAX_REQUEST_ID = 128
 MAX_SALT = 256
+MAX_SESSION_ID = 256   # bytes; a longer one is kept as its digest (bounded_session)
 MAX_MESSAGES = 4096
 MAX_STOP = 16
 # Worker failures that mean "this endpoint is gone", so another may serve the request.
@@ -107,10 +109,20 @@ class GenInput:
     lookup_s: float = 0.0    # of the decision: the first attempt's index lookup
 
 
+def bounded_session(session_id: str) -> str:
+    """A session id as the router keeps it. The body's ``session_id``, ``user`` or
+    ``metadata.user_id`` is bounded only by the body's size, and the router keeps state per
+    session (working set, affinity, tokenization), so an id over ``MAX_SESSION_ID`` bytes is
+    kept as its digest."""
+    raw = session_id.encode("utf-8", "surrogatepass")
+    return session_id if len(raw) <= MAX_SESSION_ID else "sha256:" + hashlib.sha256(raw).hexdigest()
+
+
 def tenant_session(tenant: str, session_id: str) -> str:
     """The session id the router and the engines know a request by: the client's, within its
     tenant. Session ids are the client's choice; unscoped, one tenant reusing another's would
     take over that session's home (the working set keeps one per id) and its store grouping."""
+    session_id = bounded_session(session_id)
     return f"{len(tenant)}:{tenant}|{session_id}" if tenant and session_id else session_id
 
 
@@ -326,7 +338,7 @@ class RouterService:
             text = inp.text or ""
         if self.incremental is None or size < INCREMENTAL_MIN_CHARS:
             return self.tokenizer.encode(text, add_special_tokens=False)
-        key = (self.salt_for(inp), inp.session_id or hash(text[:INCREMENTAL_KEY_CHARS]))
+        key = (self.salt_for(inp), bounded_session(inp.session_id) or hash(text[:INCREMENTAL_KEY_CHARS]))
         return self.incremental.encode_ids(key, text)
 
     def salt_for(self, inp: GenInput) -> str:

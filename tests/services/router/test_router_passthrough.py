@@ -384,9 +384,9 @@ async def test_a_session_id_is_its_tenants_own(stack) -> None:
     svc, engines, _ = stack
     ws = svc.core.load.working_set
 
-    async def turn(tenant: str, n: int) -> str:
+    async def turn(tenant: str, n: int, session: str = "s-shared") -> str:
         items = [x async for x in svc.generate(GenInput(model=MODEL, tokens=list(range(1, n + 1)), tenant=tenant,
-                                                        session_id="s-shared",
+                                                        session_id=session,
                                                         sampling=common_pb2.SamplingParams(max_tokens=2)))]
         return items[-1][1].routing.endpoint
 
@@ -397,6 +397,11 @@ async def test_a_session_id_is_its_tenants_own(stack) -> None:
     assert ws.home(tenant_session("acme", "s-shared")) == (home, 90)   # untouched
     assert ws.home("s-shared") == ("", 0)
     assert tenant_session("acme", "s") != tenant_session("acm", "es") and tenant_session("", "s") == "s"
+    # A session id is bounded only by the body: the router keeps a long one as its digest.
+    huge = "u" * 100_000
+    where = await turn("acme", 50, huge)
+    assert ws.home(tenant_session("acme", huge)) == (where, 50) and len(tenant_session("acme", huge)) < 100
+    assert not any(len(k) > 300 for k in ws._where)
 
 
 async def test_pd_split_on_the_token_path_prefills_then_decodes(pd_stack) -> None:
