@@ -254,7 +254,7 @@ def plan_put(namespace: str, blocks: Sequence[tuple[int, BytesLike]], token_ids:
     session_id = session_hint(session_id or "")
     if tokens is not None and any(not 0 <= t <= MAX_U32 for ts in tokens for t in ts):
         raise InvalidOffloadRequest("token ids must be uint32")
-    header = offload_pb2.PutHeader(namespace=namespace, session_id=session_id or "",
+    header = offload_pb2.PutHeader(namespace=namespace, session_id=session_id,
                                    parent_key=parent or 0, has_parent=parent is not None, block_size=block_size)
     return PutPlan(header, keys, datas, tokens,
                    sum(len(d) for d in datas))

@@ -23,6 +23,7 @@ from typing import Any
 
 import httpx
 
+from kvmesh.routing.router import prefill_request_id
 from kvmesh.routing.scoring import max_hit_blocks
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS
 
@@ -61,7 +62,7 @@ async def prefill(cluster: Any, load: Any, cfg: Any, request_id: str, keys: Any,
     url = ext.urls.get(eid)
     if url is None:
         return None
-    rid = request_id + "-prefill"
+    rid = prefill_request_id(request_id)
     load.on_sent(eid, rid, prompt_len, time.monotonic())
     left = None if deadline is None else max(0.001, deadline - time.monotonic())
     try:

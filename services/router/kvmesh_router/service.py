@@ -149,6 +149,10 @@ class Prepared:
         which responses and logs carry) made unique per request (``prepare``)."""
         return self.req.request_id
 
+    def try_id(self, attempt: int) -> str:
+        """The engine id of try ``attempt``: a retry's own, as the failed try may still be held."""
+        return self.engine_id if attempt == 1 else f"{self.engine_id}-r{attempt}"
+
 
 @dataclass
 class FinalInfo:
@@ -787,7 +791,7 @@ class RouterService:
             return
         handle = await self._prefill(p, inp, split, span) if split.split else None
         wreq = worker_pb2.GenerateRequest(
-            request_id=worker_rid or (p.engine_id if attempt == 1 else f"{p.engine_id}-r{attempt}"),
+            request_id=worker_rid or p.try_id(attempt),
             model=inp.model,
             prompt_token_ids=p.tokens, sampling=inp.sampling, cache_salt=p.salt, lora_name=inp.lora_name,
             session_id=p.req.session_id)
@@ -864,7 +868,7 @@ class RouterService:
         max_tokens = inp.sampling.max_tokens or self.cfg.max_tokens_default or max(
             1, self.max_model_len() - len(p.tokens))
         body = external_generate.request_body(inp.model, p.tokens, inp.sampling, max_tokens, p.salt)
-        headers = {"x-request-id": worker_rid or (p.engine_id if attempt == 1 else f"{p.engine_id}-r{attempt}")}
+        headers = {"x-request-id": worker_rid or p.try_id(attempt)}
         with trace.use_span(span, end_on_exit=False):
             propagate.inject(headers)
         ext = self.cluster.external
