@@ -94,6 +94,10 @@ async def test_text_prompt_and_models(api) -> None:
     assert r.json()["usage"]["prompt_tokens"] > 0
     r = await client.get("/v1/models")
     assert r.json()["data"][0]["id"] == MODEL
+    r = await client.get(f"/v1/models/{MODEL}")
+    assert r.status_code == 200 and r.json() == (await client.get("/v1/models")).json()["data"][0]
+    r = await client.get("/v1/models/org/other")
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
     assert (await client.get("/health")).status_code == 200
 
 
@@ -164,3 +168,25 @@ async def test_errors_share_the_openai_shape(api) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 999999999]})
     assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+async def test_sampling_knobs_reach_the_engine_request(api, monkeypatch) -> None:
+    """vLLM's penalties, top_k and min_p go into the engine's request (top_k -1 as 0); unsent ones
+    keep the values that change nothing."""
+    client, _, engine = api
+    seen = []
+    real = engine.generate
+
+    def spy(req, *a, **kw):
+        seen.append(req)
+        return real(req, *a, **kw)
+
+    monkeypatch.setattr(engine, "generate", spy)
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": -1,
+                                                   "repetition_penalty": 1.05, "min_p": 0.1})
+    assert r.status_code == 200, r.text
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+    sent, plain = seen
+    assert (sent.top_k, sent.repetition_penalty, sent.min_p, sent.presence_penalty) == (0, 1.05, 0.1, 0.0)
+    assert (plain.top_k, plain.repetition_penalty, plain.min_p, plain.frequency_penalty) == (0, 1.0, 0.0, 0.0)

@@ -25,6 +25,7 @@ import msgspec
 from fastapi import Request
 
 from kvmesh.openai.errors import BadRequest
+from kvmesh.sampling import KNOBS, knob_error, normalized
 from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
 
 SESSION_HEADER = "x-session-id"
@@ -161,6 +162,7 @@ class OpenAIRequest:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool | None = None
+    knobs: dict[str, float] = field(default_factory=dict)   # kvmesh.sampling's, as sent
     stream: bool = False
     include_usage: bool = False
     cache_salt: str = ""
@@ -190,9 +192,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "logprobs": (_off, "log probabilities are not returned"),
     "top_logprobs": (_zero, "log probabilities are not returned"),
     "prompt_logprobs": (_zero, "log probabilities are not returned"),
-    "presence_penalty": (_zero, "presence_penalty is not supported (0 only)"),
-    "frequency_penalty": (_zero, "frequency_penalty is not supported (0 only)"),
-    "repetition_penalty": (_one, "repetition_penalty is not supported (1 only)"),
     "logit_bias": (_empty, "logit_bias is not supported"),
     "best_of": (_one, "best_of is not supported (1 only)"),
     "use_beam_search": (_off, "beam search is not supported"),
@@ -211,8 +210,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "modalities": (lambda v: v is None or v == ["text"], "only text output is supported"),
     "prediction": (_empty, "predicted outputs are not supported"),
     "web_search_options": (_empty, "web search is not supported"),
-    "top_k": (lambda v: v is None or v in (0, -1), "top_k is not supported"),
-    "min_p": (_zero, "min_p is not supported"),
     "min_tokens": (_zero, "min_tokens is not supported"),
     "truncate_prompt_tokens": (_empty, "truncate_prompt_tokens is not supported"),
 }
@@ -264,6 +261,13 @@ def _common(req: OpenAIRequest, body: dict[str, Any], headers: Any) -> OpenAIReq
         raise BadRequest("'stop_token_ids' must be a list of token ids (integers >= 0)", "stop_token_ids")
     req.stop_token_ids = list(stop_ids)
     req.ignore_eos = boolean(body, "ignore_eos")
+    for name in KNOBS:
+        v = body.get(name)
+        if v is not None:
+            why = knob_error(name, v)
+            if why is not None:
+                raise BadRequest(why, name)
+            req.knobs[name] = normalized(name, v)
     req.stream = bool(boolean(body, "stream"))
     opts = body.get("stream_options")
     opts = {} if opts is None else opts

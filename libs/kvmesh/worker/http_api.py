@@ -148,6 +148,7 @@ class WorkerHttpApi:
         app = FastAPI(title="kvmesh worker", docs_url=None, redoc_url=None, openapi_url=None)
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model_card, methods=["GET"])   # ids may hold "/"
         if self.metrics is not None:
             # Where vLLM serves it: scrapers pointed at a vLLM pod's serving port find the same page.
             app.add_api_route("/metrics", self.metrics_page, methods=["GET"])
@@ -166,11 +167,17 @@ class WorkerHttpApi:
         return JSONResponse({"status": "ok" if ok else "unavailable"}, status_code=200 if ok else 503,
                             headers=self._headers())
 
+    def _card(self) -> dict[str, Any]:
+        return {"id": self.model, "object": "model", "created": 0, "owned_by": "kvmesh",
+                "max_model_len": self.engine.info().max_model_len}
+
     async def models(self) -> JSONResponse:
-        info = self.engine.info()
-        return JSONResponse({"object": "list", "data": [{
-            "id": self.model, "object": "model", "created": 0, "owned_by": "kvmesh",
-            "max_model_len": info.max_model_len}]}, headers=self._headers())
+        return JSONResponse({"object": "list", "data": [self._card()]}, headers=self._headers())
+
+    async def model_card(self, model_id: str) -> JSONResponse:
+        """``GET /v1/models/{id}``: the served model's card, or 404."""
+        self._check_model(model_id)
+        return JSONResponse(self._card(), headers=self._headers())
 
     async def completions(self, request: Request) -> Response:
         return await self._handle(request, chat=False)
@@ -199,7 +206,7 @@ class WorkerHttpApi:
             ignore_eos=bool(req.ignore_eos), cache_salt=req.cache_salt, session_id=req.session_id,
             tools=req.chat_request.tools if _tools_active(req) else None,
             tool_choice=req.chat_request.effective_tool_choice if _tools_active(req) else None,
-            parallel_tool_calls=_parallel(req),
+            parallel_tool_calls=_parallel(req), **req.knobs,
         )
 
     async def _handle(self, request: Request, chat: bool) -> Response:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from kvmesh.sampling import knobs_of
 from kvmesh.worker.engine.base import (
     Engine,
     EngineDeadError,
@@ -153,7 +154,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         return EngineRequest(
             tools=tools, tool_choice=tool_choice, parallel_tool_calls=not single,
             request_id=rid, prompt_token_ids=list(msg.prompt_token_ids), max_tokens=max_tokens,
-            temperature=temperature, top_p=top_p, seed=sp.seed if sp.HasField("seed") else None,
+            temperature=temperature, top_p=top_p, seed=sp.seed if sp.HasField("seed") else None, **knobs_of(sp),
             stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, cache_salt=msg.cache_salt,
             lora_name=msg.lora_name, session_id=msg.session_id,
             kv_handle=handle_from_proto(kv_handle) if kv_handle is not None else None,
@@ -189,6 +190,10 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
             span.set_attribute("gen_ai.request.max_tokens", req.max_tokens)
             span.set_attribute("gen_ai.request.temperature", req.temperature)
             span.set_attribute("gen_ai.request.top_p", req.top_p)
+            # OpenTelemetry's GenAI names for those it has (top_k and the two OpenAI penalties).
+            for name in ("top_k", "presence_penalty", "frequency_penalty"):
+                if msg.sampling.HasField(name):
+                    span.set_attribute(f"gen_ai.request.{name}", getattr(req, name))
         if msg.session_id:
             span.set_attribute("session.id", msg.session_id)
         return span

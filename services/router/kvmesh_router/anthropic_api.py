@@ -13,7 +13,7 @@ stream; every error has Anthropic's shape (``kvmesh.anthropic.errors``).
 With external OpenAI engines (``vllm serve``, ``Cluster.external_mode``) the request
 goes to the engine's own ``/v1/messages`` instead (``passthrough``): vLLM parses tool
 calls, applies stop sequences and writes the answer, so what it honours beyond the
-workers (``top_k``, forced tool choice, ``output_config.format``) is accepted there.
+workers (``output_config.format``) is accepted there.
 
 Stop sequences are found in the decoded text here (the workers' token streams
 carry no stop strings); on a match the worker call is cancelled, so the engine
@@ -51,7 +51,7 @@ from kvmesh.openai.errors import OpenAIError
 from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
-from kvmesh_router.errors import BadRequest, RouterError
+from kvmesh_router.errors import RouterError
 from kvmesh_router.passthrough import Shape
 from kvmesh_router.service import FinalInfo, GenInput
 
@@ -66,8 +66,6 @@ PREFIX = "/v1/messages"
 
 def from_router_error(exc: RouterError) -> AnthropicError:
     """The Anthropic error for a routing/validation error of the router service."""
-    if isinstance(exc, BadRequest) and exc.param == "model" and exc.message.startswith("unknown model"):
-        return AnthropicError(f"model: {exc.message}", 404)
     status = OVERLOADED if exc.http_status == 503 else exc.http_status
     field = {"prompt": "messages"}.get(exc.param or "", exc.param or "")
     return AnthropicError(f"{field}: {exc.message}" if field and status < 500 else exc.message, status)
@@ -182,6 +180,8 @@ class AnthropicApi:
             s.temperature = req.temperature
         if req.top_p is not None:
             s.top_p = req.top_p
+        if req.top_k is not None:
+            s.top_k = req.top_k
         s.stop.extend(req.stop_sequences)
         inp.session_id = req.session_id
         inp.cache_salt = _ext(req, "cache_salt")
@@ -191,12 +191,6 @@ class AnthropicApi:
         inp.trace_context = propagate.extract(dict(h))
         self.api.apply_scope(inp, request)   # tenant from the credential, and the request deadline
         return inp
-
-    @staticmethod
-    def _refuse_unhonoured(req: MessagesRequest) -> None:
-        """Parameters the engines behind the router cannot honour: a 400 naming them, never silence."""
-        if req.top_k is not None:
-            raise bad_request("top_k", "not supported: the workers' sampling takes temperature and top_p only")
 
     # -- handlers ---------------------------------------------------------------------------
     async def count_tokens(self, request: Request) -> Response:
@@ -225,7 +219,6 @@ class AnthropicApi:
         received = time.perf_counter()
         try:
             req = parse_messages(await self._body(request), request.headers)
-            self._refuse_unhonoured(req)
             inp = self._gen_input(req, request)
             inp.received = received
         except AnthropicError as exc:

@@ -24,6 +24,18 @@ class BadRequest(RouterError):
     error_type = "invalid_request_error"
 
 
+class UnknownModel(BadRequest):
+    """The request names a model this router does not serve: 404, as OpenAI, Anthropic and vLLM
+    answer it (clients map it to their "not found" error, and some fall back to another model
+    on it); gRPC keeps INVALID_ARGUMENT, the contract of ``Generate``."""
+
+    http_status = 404
+    error_type = "not_found_error"
+
+    def __init__(self, model: str, served: str) -> None:
+        super().__init__(f"unknown model {model!r}; this router serves {served!r}", "model")
+
+
 class Unavailable(RouterError):
     grpc_code = grpc.StatusCode.UNAVAILABLE
     http_status = 503

@@ -25,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from kvmesh.sampling import knobs_of
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS
 
@@ -92,6 +93,7 @@ def request_body(model: str, tokens: Any, sampling: common_pb2.SamplingParams, m
         body["stop_token_ids"] = list(sampling.stop_token_ids)
     if sampling.ignore_eos:
         body["ignore_eos"] = True
+    body.update(knobs_of(sampling))
     if cache_salt:
         body["cache_salt"] = cache_salt
     return body

@@ -1,7 +1,7 @@
 """The router's OpenAI-compatible HTTP front door (FastAPI), served by uvicorn in the router's event loop.
 
 ``/v1/completions`` and ``/v1/chat/completions`` (streaming SSE ending in
-``[DONE]``, and non-streaming), ``/v1/models``, ``/health``; the Anthropic
+``[DONE]``, and non-streaming), ``/v1/models`` (and one by id), ``/health``; the Anthropic
 Messages API (``anthropic_api.py``) is mounted on the same app. Every generation request
 has a total deadline (``http_deadline_s``): past it the client gets a 504 error. Request rules,
 error shape, SSE framing, usage and response objects come from the shared
@@ -25,14 +25,14 @@ from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate
 
 from kvmesh.openai import sse
-from kvmesh.openai.errors import OpenAIError, error_body, install_error_handlers
+from kvmesh.openai.errors import OpenAIError, error_body, error_response, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
 from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.anthropic_api import AnthropicApi
-from kvmesh_router.errors import RouterError
+from kvmesh_router.errors import RouterError, UnknownModel
 from kvmesh_router.http_guard import SCOPE_KEY, ScopeMiddleware
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.passthrough import Passthrough
@@ -134,6 +134,8 @@ class RouterHttpApi:
         s.stop_token_ids.extend(req.stop_token_ids)
         if req.ignore_eos is not None:
             s.ignore_eos = req.ignore_eos
+        for name, value in req.knobs.items():
+            setattr(s, name, value)
         inp.text = req.prompt_text
         inp.tokens = req.prompt_ids
         inp.chat = req.messages
@@ -171,11 +173,24 @@ class RouterHttpApi:
     async def chat_completions(self, request: Request) -> Response:
         return await self._handle(request, chat=True)
 
-    async def models(self) -> dict[str, Any]:
+    def _card(self) -> dict[str, Any]:
+        """The served model, in the fields of OpenAI's model object and of Anthropic's (one path
+        serves both APIs' clients)."""
         cfg = self.cfg
         eps = [e.endpoint_id for e in self.service.core.decode_endpoints(cfg.model)]
-        return {"object": "list", "data": [{"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh",
-                                            "max_model_len": self.service.max_model_len(), "endpoints": eps}]}
+        return {"id": cfg.model, "object": "model", "created": 0, "owned_by": "kvmesh",
+                "type": "model", "display_name": cfg.model, "created_at": "1970-01-01T00:00:00Z",
+                "max_model_len": self.service.max_model_len(), "endpoints": eps}
+
+    async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model_card(self, model_id: str) -> Response:
+        """``GET /v1/models/{id}``: the served model's card, or 404 for any other id."""
+        if model_id != self.cfg.model:
+            exc = UnknownModel(model_id, self.cfg.model)
+            return error_response(exc.http_status, exc.message, exc.error_type, exc.param)
+        return JSONResponse(self._card())
 
     async def health(self) -> JSONResponse:
         n = self.service.cluster.live_decode_count()
@@ -313,6 +328,7 @@ def build_app(service: RouterService, scopes: RequestScopes | None = None) -> Fa
     app.add_api_route("/v1/completions", api.completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", api.chat_completions, methods=["POST"])
     app.add_api_route("/v1/models", api.models, methods=["GET"])
+    app.add_api_route("/v1/models/{model_id:path}", api.model_card, methods=["GET"])   # ids may hold "/"
     app.add_api_route("/health", api.health, methods=["GET"])
     install_error_handlers(app)
     AnthropicApi(api).mount(app)   # /v1/messages, /v1/messages/count_tokens

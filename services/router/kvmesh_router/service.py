@@ -37,6 +37,7 @@ from kvmesh.routing.prefix_memory import speculative_ttl
 from kvmesh.routing.router import RouterCore, prefill_request_id
 from kvmesh.routing.scoring import max_hit_blocks
 from kvmesh.routing.types import Decision, Matches, RouteRequest
+from kvmesh.sampling import KNOBS, first_error
 from kvmesh.telemetry import tracer
 from kvmesh.tokenization.chat_render import ChatRequest
 from kvmesh_api.common.v1 import common_pb2
@@ -51,6 +52,7 @@ from kvmesh_router.errors import (
     RouterError,
     StreamBroken,
     Unavailable,
+    UnknownModel,
     UpstreamError,
 )
 
@@ -247,7 +249,7 @@ class RouterService:
         if not inp.model:
             raise BadRequest("'model' is required", "model")
         if inp.model != self.cfg.model:
-            raise BadRequest(f"unknown model {inp.model!r}; this router serves {self.cfg.model!r}", "model")
+            raise UnknownModel(inp.model, self.cfg.model)
         if len(inp.request_id.encode()) > MAX_REQUEST_ID:
             raise BadRequest(f"request_id longer than {MAX_REQUEST_ID} bytes", "request_id")
         if len(inp.cache_salt.encode()) > MAX_SALT:
@@ -261,6 +263,9 @@ class RouterService:
             raise BadRequest(f"temperature must be in [0, 2], got {s.temperature:g}", "temperature")
         if s.HasField("top_p") and not (0.0 < s.top_p <= 1.0):
             raise BadRequest(f"top_p must be in (0, 1], got {s.top_p:g}", "top_p")
+        bad_knob = first_error({name: getattr(s, name) for name in KNOBS if s.HasField(name)})
+        if bad_knob is not None:
+            raise BadRequest(bad_knob[1], bad_knob[0])
         if len(s.stop) > MAX_STOP or any(len(x.encode()) > 256 for x in s.stop):
             raise BadRequest(f"stop: at most {MAX_STOP} strings of at most 256 bytes", "stop")
         if s.max_tokens > self.max_model_len():

@@ -207,6 +207,9 @@ def test_abort_ends_stream_and_frees_request(worker: VllmWorker, stub) -> None:
     (list(range(100, 4200)), {}, {}, "max_model_len"),
     ([5, 6, 7], {}, {"lora_name": "no-such-adapter"}, "LoRA"),
     ([5, 6, 7], {"temperature": -1.0}, {}, "temperature"),
+    ([5, 6, 7], {"top_k": -2}, {}, "top_k"),
+    ([5, 6, 7], {"repetition_penalty": 0.0}, {}, "repetition_penalty"),
+    ([5, 6, 7], {"presence_penalty": 2.5}, {}, "presence_penalty"),
 ])
 def test_bad_input_is_invalid_argument(stub, prompt, sampling, extra, needle) -> None:
     req = worker_pb2.GenerateRequest(request_id=f"bad-{needle}", prompt_token_ids=prompt,
@@ -215,6 +218,22 @@ def test_bad_input_is_invalid_argument(stub, prompt, sampling, extra, needle) ->
         list(stub.Generate(req, timeout=30))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert needle.lower() in err.value.details().lower()
+
+
+def test_top_k_and_penalties_reach_vllms_sampler(stub) -> None:
+    """top_k 1 keeps only the most likely token, so sampling at temperature 1 under any seed answers
+    what greedy decoding answers, whatever the weights. The other knobs, at values a coding model's
+    card recommends, are served. (That each reaches SamplingParams: test_vllm_engine_config.)"""
+    prompt = _prompt(41, 40)
+    greedy, _ = _generate(stub, "knob-greedy", prompt, max_tokens=6)
+    for seed in (1, 2, 3):
+        req = worker_pb2.GenerateRequest(request_id=f"knob-k1-{seed}", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
+            max_tokens=6, temperature=1.0, top_k=1, seed=seed, ignore_eos=True))
+        assert [t for m in stub.Generate(req, timeout=120) for t in m.token_ids] == greedy
+    req = worker_pb2.GenerateRequest(request_id="knob-qwen", prompt_token_ids=prompt, sampling=common_pb2.SamplingParams(
+        max_tokens=4, temperature=0.7, top_p=0.8, top_k=20, repetition_penalty=1.05, presence_penalty=0.5,
+        frequency_penalty=0.1, min_p=0.0, ignore_eos=True))
+    assert len([t for m in stub.Generate(req, timeout=120) for t in m.token_ids]) == 4
 
 
 def test_engine_survives_bad_input_and_serves_concurrently(stub) -> None:

@@ -65,7 +65,8 @@ def _total_input(u) -> int:
 def test_text_answer_with_usage(client, tiny_model_dir):
     msgs = [{"role": "user", "content": "Say hi in three words."}]
     m = client.messages.create(model=MODEL, max_tokens=5, system="You are terse.", messages=msgs,
-                               extra_body={"temperature": 0.0, "top_p": 1.0}, extra_headers={"anthropic-beta": "x"})
+                               extra_body={"temperature": 0.0, "top_p": 1.0, "top_k": 20},
+                               extra_headers={"anthropic-beta": "x"})
     assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_") and m.model == MODEL
     assert [b.type for b in m.content] == ["text"] and isinstance(m.content[0].text, str)
     assert m.stop_reason == "max_tokens" and m.stop_sequence is None
@@ -256,7 +257,7 @@ def _bad(**over):
         "type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]),
      400, "invalid_request_error", "messages.0.content.0"),
     (_bad(temperature=3), 400, "invalid_request_error", "temperature"),
-    (_bad(top_k=5), 400, "invalid_request_error", "top_k"),
+    (_bad(top_k=0), 400, "invalid_request_error", "top_k"),
     (_bad(stop_sequences="END"), 400, "invalid_request_error", "stop_sequences"),
     (_bad(system=[{"type": "image"}]), 400, "invalid_request_error", "system.0.type"),
     (_bad(tools=[{"name": "t"}]), 400, "invalid_request_error", "tools.0.input_schema"),
@@ -300,6 +301,12 @@ def test_garbage_bodies_and_unknown_routes(stack, client):
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="claude-nope", max_tokens=4, messages=[{"role": "user", "content": "x"}])
+    # The model list and one model, in the fields of Anthropic's model object too.
+    assert [m.id for m in client.models.list()] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.type == "model" and card.display_name == MODEL
+    with pytest.raises(anthropic.NotFoundError):
+        client.models.retrieve("claude-nope")
     # The router still answers after all of that.
     assert client.messages.create(model=MODEL, max_tokens=2, messages=[{"role": "user", "content": "ok?"}]).usage
 

@@ -42,6 +42,14 @@ def client(http_stack) -> openai.OpenAI:
 
 def test_models_and_health(client, http_stack):
     assert [m.id for m in client.models.list().data] == [MODEL]
+    card = client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.object == "model" and card.model_extra["max_model_len"] > 0
+    for missing in ("other-model", "org/other-model"):   # an id with "/" is one path parameter
+        with pytest.raises(openai.NotFoundError) as ei:
+            client.models.retrieve(missing)
+        assert missing in ei.value.message
+    r = httpx.get(http_stack.http_base + f"/v1/models/{MODEL}", timeout=5)
+    assert r.status_code == 401   # behind the keys, as the list is
     r = httpx.get(http_stack.http_base + "/health", timeout=5)
     assert r.status_code == 200 and r.json()["live_endpoints"] == 2
 
@@ -94,7 +102,6 @@ def test_tenants_by_api_key_are_isolated(http_stack):
 
 @pytest.mark.parametrize("body,param", [
     ({"prompt": "x"}, "model"),
-    ({"model": "other", "prompt": "x"}, "model"),
     ({"model": MODEL}, "prompt"),
     ({"model": MODEL, "prompt": "x", "max_tokens": 0}, "max_tokens"),
     ({"model": MODEL, "prompt": "x", "max_tokens": "ten"}, "max_tokens"),
@@ -103,12 +110,22 @@ def test_tenants_by_api_key_are_isolated(http_stack):
     ({"model": MODEL, "prompt": "x", "n": 3}, "n"),
     ({"model": MODEL, "prompt": [1, 2, 99999999]}, "prompt"),
     ({"model": MODEL, "prompt": "word " * 5000}, "prompt"),
+    ({"model": MODEL, "prompt": "x", "top_k": -3}, "top_k"),
+    ({"model": MODEL, "prompt": "x", "repetition_penalty": -1}, "repetition_penalty"),
 ])
 def test_bad_completion_requests_get_openai_400s(http_stack, body, param):
     r = httpx.post(http_stack.http_base + "/v1/completions", json=body, timeout=10, headers=AUTH)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_an_unknown_model_is_a_404(http_stack):
+    r = httpx.post(http_stack.http_base + "/v1/completions", json={"model": "other", "prompt": "x"}, timeout=10,
+                   headers=AUTH)
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert err["param"] == "model" and err["type"] == "not_found_error" and "unknown model 'other'" in err["message"]
 
 
 def test_malformed_json_and_bad_messages(http_stack):
@@ -126,8 +143,11 @@ def test_malformed_json_and_bad_messages(http_stack):
 
 
 def test_openai_client_sees_errors(client):
-    with pytest.raises(openai.BadRequestError) as ei:
+    # An unknown model is "not found", as OpenAI, vLLM and the Anthropic door answer it.
+    with pytest.raises(openai.NotFoundError) as ei:
         client.completions.create(model="missing-model", prompt="x", max_tokens=2)
-    assert "unknown model" in str(ei.value)
+    assert "unknown model" in str(ei.value) and ei.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="org/missing", messages=[{"role": "user", "content": "x"}])
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=9)

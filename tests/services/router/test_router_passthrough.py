@@ -182,16 +182,16 @@ async def test_a_refused_connect_is_retried_on_the_next_endpoint(stack) -> None:
     assert r.headers["x-kvmesh-attempts"] == "2" and not svc.core.endpoints["a"].alive
 
 
-@pytest.mark.parametrize(("body", "param"), [
-    (b"{not json", "body"), (b"[1]", "body"), (json.dumps({"messages": []}).encode(), "model"),
-    (json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}).encode(), "model"),
-    (json.dumps({"model": MODEL, "messages": [{"content": "x"}]}).encode(), "messages[0]"),
-    (json.dumps({"model": MODEL, "messages": "x"}).encode(), "messages"),
+@pytest.mark.parametrize(("body", "param", "status"), [
+    (b"{not json", "body", 400), (b"[1]", "body", 400), (json.dumps({"messages": []}).encode(), "model", 400),
+    (json.dumps({"model": "other", "messages": [{"role": "user", "content": "x"}]}).encode(), "model", 404),
+    (json.dumps({"model": MODEL, "messages": [{"content": "x"}]}).encode(), "messages[0]", 400),
+    (json.dumps({"model": MODEL, "messages": "x"}).encode(), "messages", 400),
 ])
-async def test_bad_requests_get_a_400_and_reach_no_engine(stack, body, param) -> None:
+async def test_bad_requests_get_a_4xx_and_reach_no_engine(stack, body, param, status) -> None:
     svc, engines, client = stack
     r = await client.post("/v1/chat/completions", content=body, headers={"content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    assert r.status_code == status and r.json()["error"]["param"] == param, r.text
     assert not _received(engines)
 
 
@@ -210,7 +210,8 @@ async def test_token_id_requests_go_to_vllm_completions(stack) -> None:
     for e in engines.values():
         e.cached_tokens = 3
     inp = GenInput(model=MODEL, tokens=[1, 2, 3], tenant="acme",
-                   sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.5, stop=["\n"]))
+                   sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.5, stop=["\n"], top_k=-1,
+                                                      repetition_penalty=1.5))
     items = [x async for x in svc.generate(inp)]
     assert [ids for kind, ids in items if kind == "chunk"] == [[100], [101]]
     kind, fin = items[-1]
@@ -221,6 +222,7 @@ async def test_token_id_requests_go_to_vllm_completions(stack) -> None:
     assert got["prompt"] == [1, 2, 3] and got["return_token_ids"] is True and got["stream"] is True
     assert got["cache_salt"] == svc.salts.salt("acme") and got["stop"] == ["\n"] and got["max_tokens"] == 2
     assert got["stream_options"] == {"include_usage": True} and got["temperature"] == 0.5
+    assert got["top_k"] == 0 and got["repetition_penalty"] == 1.5 and "min_p" not in got   # the knobs set, only
     assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
 
 

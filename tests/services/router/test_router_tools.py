@@ -132,14 +132,35 @@ def test_router_and_worker_render_the_same_ids(client, stack) -> None:
 
 
 BAD_VALUES = {"response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
-              "prompt_logprobs": 1, "presence_penalty": 0.5, "frequency_penalty": 0.5, "repetition_penalty": 1.2,
-              "logit_bias": {"5": 10}, "best_of": 2, "use_beam_search": True, "suffix": "x", "echo": True,
+              "prompt_logprobs": 1, "logit_bias": {"5": 10}, "best_of": 2, "use_beam_search": True, "suffix": "x", "echo": True,
               "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
               "guided_choice": ["a"], "guided_grammar": "root ::= a", "reasoning_effort": "high",
               "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
               "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
-              "web_search_options": {"search_context_size": "low"}, "top_k": 5, "min_p": 0.1, "min_tokens": 3,
+              "web_search_options": {"search_context_size": "low"}, "min_tokens": 3,
               "truncate_prompt_tokens": 10}
+
+
+# Qwen3-Coder's recommended settings, and min_p and presence_penalty besides.
+KNOB_VALUES = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "min_p": 0.05,
+               "presence_penalty": 0.5, "frequency_penalty": 0.0}
+
+
+def test_vllm_sampling_knobs_are_served_and_checked_alike(client, stack) -> None:
+    """The router and the worker's own HTTP API serve vLLM's penalties, top_k and min_p, and refuse a
+    value vLLM would refuse with the same 400 naming it (kvmesh.sampling)."""
+    r = client.chat.completions.create(model=MODEL, messages=_history(), max_tokens=3, extra_body=KNOB_VALUES)
+    assert r.usage.completion_tokens == 3
+    w = httpx.post(stack[1] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                       **KNOB_VALUES, "top_k": -1}, timeout=30)
+    assert w.status_code == 200, w.text
+    for param, bad in (("top_k", -2), ("repetition_penalty", 0), ("presence_penalty", 3), ("min_p", "0.1")):
+        with pytest.raises(openai.BadRequestError) as ei:
+            client.chat.completions.create(model=MODEL, messages=_history(), max_tokens=2, extra_body={param: bad})
+        assert ei.value.body["param"] == param and param in ei.value.body["message"]
+        w = httpx.post(stack[1] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
+                                                           param: bad}, timeout=30)
+        assert w.status_code == 400 and w.json()["error"]["message"] == ei.value.body["message"]
 
 
 def test_every_unsupported_parameter_has_a_value_here() -> None:

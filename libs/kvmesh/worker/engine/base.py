@@ -147,6 +147,13 @@ class EngineRequest:
     temperature: float = 1.0
     top_p: float = 1.0
     seed: int | None = None
+    # vLLM's penalties and truncations (kvmesh.sampling), at the values that change nothing. The sim
+    # engine's tokens are synthetic: it takes them and, as it does temperature, does not use them.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""

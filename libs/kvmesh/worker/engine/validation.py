@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Container, Sequence
 
+from kvmesh.sampling import KNOBS, first_error
 from kvmesh.worker.engine.base import (
     BadSamplingError,
     DuplicateRequestError,
@@ -70,6 +71,9 @@ def validate_request(req: EngineRequest, *, vocab_size: int, max_model_len: int,
         raise BadSamplingError(f"temperature must be >= 0, got {req.temperature}")
     if not 0.0 < req.top_p <= 1.0:
         raise BadSamplingError(f"top_p must be in (0, 1], got {req.top_p}")
+    bad_knob = first_error({name: getattr(req, name) for name in KNOBS})
+    if bad_knob is not None:
+        raise BadSamplingError(bad_knob[1])
     bad_stop = first_out_of_vocab(req.stop_token_ids, vocab_size) if req.stop_token_ids else None
     if bad_stop is not None:
         raise TokenOutOfVocabError(f"stop token id {bad_stop[1]} is outside the vocabulary [0, {vocab_size})")

@@ -533,6 +533,8 @@ class VllmEngine(Engine):
         structured = self._tool_calls().structured_outputs(req) if req.tools and not req.prefill_only else None
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
+            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            repetition_penalty=req.repetition_penalty, top_k=req.top_k, min_p=req.min_p,
             stop_token_ids=list(req.stop_token_ids) or None, ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA, extra_args=extra or None, detokenize=False,
             structured_outputs=structured)

@@ -71,6 +71,20 @@ def test_engine_args_wire_events_connector_and_lora(tiny_model_dir: Path) -> Non
     assert args.enable_lora and args.load_format == "dummy" and args.enforce_eager
 
 
+@pytest.mark.vllm  # imports vLLM (slow), starts nothing
+def test_sampling_knobs_reach_vllms_sampling_params(tiny_model_dir: Path) -> None:
+    pytest.importorskip("vllm")
+    e = _engine(tiny_model_dir, max_model_len=1024)
+    sp = e._sampling_params(EngineRequest("r", [1, 2, 3], max_tokens=8, temperature=0.7, top_p=0.8, top_k=20,
+                                          repetition_penalty=1.05, presence_penalty=0.5, frequency_penalty=-0.25,
+                                          min_p=0.05))
+    assert (sp.top_k, sp.repetition_penalty, sp.presence_penalty, sp.frequency_penalty, sp.min_p) == (
+        20, 1.05, 0.5, -0.25, 0.05)
+    off = e._sampling_params(EngineRequest("r", [1, 2, 3], max_tokens=8))
+    assert (off.top_k, off.repetition_penalty, off.presence_penalty, off.frequency_penalty, off.min_p) in (
+        (0, 1.0, 0.0, 0.0, 0.0), (-1, 1.0, 0.0, 0.0, 0.0))   # vLLM's own "off"
+
+
 @pytest.mark.parametrize(("req", "exc", "needle"), [
     (EngineRequest("r", []), EmptyPromptError, "empty"),
     (EngineRequest("r", [1, 32000]), TokenOutOfVocabError, "32000"),
@@ -78,6 +92,9 @@ def test_engine_args_wire_events_connector_and_lora(tiny_model_dir: Path) -> Non
     (EngineRequest("r", [1] * 2000), PromptTooLongError, "max_model_len"),
     (EngineRequest("r", [1], max_tokens=0), BadSamplingError, "max_tokens"),
     (EngineRequest("r", [1], top_p=0.0), BadSamplingError, "top_p"),
+    (EngineRequest("r", [1], top_k=-2), BadSamplingError, "top_k"),
+    (EngineRequest("r", [1], min_p=1.5), BadSamplingError, "min_p"),
+    (EngineRequest("r", [1], frequency_penalty=-3.0), BadSamplingError, "frequency_penalty"),
     (EngineRequest("r", [1], stop_token_ids=[40000]), TokenOutOfVocabError, "stop token"),
     (EngineRequest("r", [1], lora_name="x"), UnknownLoraError, "'x'"),
     (EngineRequest("r", [1], cache_salt="s" * 300), Exception, "cache_salt"),

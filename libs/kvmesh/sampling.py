@@ -1,0 +1,52 @@
+"""vLLM's sampling knobs beyond temperature and top_p: their names, defaults and ranges, in one place.
+
+Why it exists: the same five values enter at four doors (the router's OpenAI and Anthropic HTTP
+APIs, its gRPC ``Generate``, a worker's own OpenAI API) and reach vLLM's ``SamplingParams``. Coding
+models ship recommended settings that use them (Qwen3-Coder's card: ``top_k`` 20 and
+``repetition_penalty`` 1.05), so a request carrying them must be served, and each door must refuse
+the same bad values with the same words. Ranges are vLLM's (``SamplingParams._verify_args``);
+``top_k`` -1 is vLLM's older spelling of "off" and is taken as 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+# name -> (the value that changes nothing, a test of a valid value, the rule in words, int-valued)
+KNOBS: dict[str, tuple[float, Callable[[float], bool], str, bool]] = {
+    "presence_penalty": (0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
+    "frequency_penalty": (0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
+    "repetition_penalty": (1.0, lambda v: v > 0.0, "> 0", False),
+    "top_k": (0, lambda v: v == -1 or v >= 0, "0 or -1 (off) or at least 1", True),
+    "min_p": (0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", False),
+}
+
+
+def knob_error(name: str, value: Any) -> str | None:
+    """Why ``value`` is not a valid ``name``, or None when it is."""
+    _, ok, rule, integral = KNOBS[name]
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and not isinstance(value, int)):
+        return f"'{name}' must be {'an integer' if integral else 'a number'}, got {value!r}"
+    if value != value or not ok(value):   # NaN fails every range
+        return f"'{name}' must be {rule}, got {value:g}"
+    return None
+
+
+def normalized(name: str, value: float) -> float:
+    """The value vLLM is given (``top_k`` -1 is 0)."""
+    return 0 if name == "top_k" and value == -1 else value
+
+
+def knobs_of(sampling: Any) -> dict[str, float]:
+    """The knobs set on a ``common.v1.SamplingParams`` message (unset ones are left out)."""
+    return {name: normalized(name, getattr(sampling, name)) for name in KNOBS if sampling.HasField(name)}
+
+
+def first_error(values: dict[str, Any]) -> tuple[str, str] | None:
+    """``(name, message)`` of the first invalid knob in ``values``, or None."""
+    for name, value in values.items():
+        why = knob_error(name, value)
+        if why is not None:
+            return name, why
+    return None
