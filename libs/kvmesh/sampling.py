@@ -4,8 +4,10 @@ Why it exists: the same five values enter at four doors (the router's OpenAI and
 APIs, its gRPC ``Generate``, a worker's own OpenAI API) and reach vLLM's ``SamplingParams``. Coding
 models ship recommended settings that use them (Qwen3-Coder's card: ``top_k`` 20 and
 ``repetition_penalty`` 1.05), so a request carrying them must be served, and each door must refuse
-the same bad values with the same words. Ranges are vLLM's (``SamplingParams._verify_args``);
-``top_k`` -1 is vLLM's older spelling of "off" and is taken as 0.
+the same bad values with the same words. Ranges are vLLM's (``SamplingParams._verify_args``),
+with upper bounds where vLLM has none, so that a value always fits the protocol's 32-bit field
+(a float32 above 3.4e38 is infinite): ``repetition_penalty`` at most 2, as SGLang checks it,
+``top_k`` at most 2^31 - 1. ``top_k`` -1 is vLLM's older spelling of "off" and is taken as 0.
 """
 
 from __future__ import annotations
@@ -13,12 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+INT32_MAX = 2**31 - 1
+
 # name -> (the value that changes nothing, a test of a valid value, the rule in words, int-valued)
 KNOBS: dict[str, tuple[float, Callable[[float], bool], str, bool]] = {
     "presence_penalty": (0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
     "frequency_penalty": (0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
-    "repetition_penalty": (1.0, lambda v: v > 0.0, "> 0", False),
-    "top_k": (0, lambda v: v == -1 or v >= 0, "0 or -1 (off) or at least 1", True),
+    "repetition_penalty": (1.0, lambda v: 0.0 < v <= 2.0, "in (0, 2]", False),
+    "top_k": (0, lambda v: -1 <= v <= INT32_MAX, "0 or -1 (off), or from 1 to 2147483647", True),
     "min_p": (0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", False),
 }
 
@@ -29,7 +33,7 @@ def knob_error(name: str, value: Any) -> str | None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and not isinstance(value, int)):
         return f"'{name}' must be {'an integer' if integral else 'a number'}, got {value!r}"
     if value != value or not ok(value):   # NaN fails every range
-        return f"'{name}' must be {rule}, got {value:g}"
+        return f"'{name}' must be {rule}, got {value if isinstance(value, int) else format(value, 'g')}"
     return None
 
 

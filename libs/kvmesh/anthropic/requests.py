@@ -41,6 +41,7 @@ from typing import Any
 
 from kvmesh.anthropic.errors import bad_request
 from kvmesh.openai.requests import MAX_TOKENS_LIMIT
+from kvmesh.sampling import INT32_MAX
 
 SESSION_HEADER = "x-session-id"
 BILLING_HEADER = "x-anthropic-billing-header"
@@ -390,6 +391,8 @@ def parse_messages(body: Any, headers: Any) -> MessagesRequest:
     req.temperature = _number(body, "temperature", 0.0, 1.0)
     req.top_p = _number(body, "top_p", 0.0, 1.0, lo_open=True)
     req.top_k = _int(body, "top_k", 1)
+    if req.top_k is not None and req.top_k > INT32_MAX:
+        raise bad_request("top_k", f"must be at most {INT32_MAX}, got {req.top_k}")
     req.stream = bool(_bool(body, "stream"))
     tier = body.get("service_tier")
     if tier is not None and tier not in ("auto", "standard_only"):

@@ -258,6 +258,7 @@ def _bad(**over):
      400, "invalid_request_error", "messages.0.content.0"),
     (_bad(temperature=3), 400, "invalid_request_error", "temperature"),
     (_bad(top_k=0), 400, "invalid_request_error", "top_k"),
+    (_bad(top_k=2**40), 400, "invalid_request_error", "top_k"),   # past the protocol's int32: a 400, not a 500
     (_bad(stop_sequences="END"), 400, "invalid_request_error", "stop_sequences"),
     (_bad(system=[{"type": "image"}]), 400, "invalid_request_error", "system.0.type"),
     (_bad(tools=[{"name": "t"}]), 400, "invalid_request_error", "tools.0.input_schema"),

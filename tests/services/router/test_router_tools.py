@@ -154,7 +154,9 @@ def test_vllm_sampling_knobs_are_served_and_checked_alike(client, stack) -> None
     w = httpx.post(stack[1] + "/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2,
                                                        **KNOB_VALUES, "top_k": -1}, timeout=30)
     assert w.status_code == 200, w.text
-    for param, bad in (("top_k", -2), ("repetition_penalty", 0), ("presence_penalty", 3), ("min_p", "0.1")):
+    # Hostile values too: past the protocol's 32-bit fields, a 400, never a 500.
+    for param, bad in (("top_k", -2), ("repetition_penalty", 0), ("presence_penalty", 3), ("min_p", "0.1"),
+                       ("top_k", 2**40), ("repetition_penalty", 1e39)):
         with pytest.raises(openai.BadRequestError) as ei:
             client.chat.completions.create(model=MODEL, messages=_history(), max_tokens=2, extra_body={param: bad})
         assert ei.value.body["param"] == param and param in ei.value.body["message"]

@@ -70,7 +70,7 @@ async def test_limits_and_unavailable_in_process():
         (dict(tokens=[1], lora_name="nope"), "lora_name", "LoRA"),
         (dict(tokens=[1], model="x"), "model", "unknown model"),
         (dict(tokens=[1], sampling=common_pb2.SamplingParams(max_tokens=500)), "max_tokens", "max_model_len"),
-        (dict(tokens=[1], sampling=common_pb2.SamplingParams(max_tokens=2, top_k=-5)), "top_k", "at least 1"),
+        (dict(tokens=[1], sampling=common_pb2.SamplingParams(max_tokens=2, top_k=-5)), "top_k", "from 1 to"),
         (dict(tokens=[1], sampling=common_pb2.SamplingParams(max_tokens=2, min_p=2.0)), "min_p", "[0, 1]"),
     ]
     for kw, param, words in cases:
