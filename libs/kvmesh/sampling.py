@@ -17,19 +17,20 @@ from typing import Any
 
 INT32_MAX = 2**31 - 1
 
-# name -> (the value that changes nothing, a test of a valid value, the rule in words, int-valued)
-KNOBS: dict[str, tuple[float, Callable[[float], bool], str, bool]] = {
-    "presence_penalty": (0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
-    "frequency_penalty": (0.0, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
-    "repetition_penalty": (1.0, lambda v: 0.0 < v <= 2.0, "in (0, 2]", False),
-    "top_k": (0, lambda v: -1 <= v <= INT32_MAX, "0 or -1 (off), or from 1 to 2147483647", True),
-    "min_p": (0.0, lambda v: 0.0 <= v <= 1.0, "in [0, 1]", False),
+# name -> (a test of a valid value, the rule in words, int-valued). The values that change nothing
+# are EngineRequest's defaults.
+KNOBS: dict[str, tuple[Callable[[float], bool], str, bool]] = {
+    "presence_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
+    "frequency_penalty": (lambda v: -2.0 <= v <= 2.0, "in [-2, 2]", False),
+    "repetition_penalty": (lambda v: 0.0 < v <= 2.0, "in (0, 2]", False),
+    "top_k": (lambda v: -1 <= v <= INT32_MAX, "0 or -1 (off), or from 1 to 2147483647", True),
+    "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]", False),
 }
 
 
 def knob_error(name: str, value: Any) -> str | None:
     """Why ``value`` is not a valid ``name``, or None when it is."""
-    _, ok, rule, integral = KNOBS[name]
+    ok, rule, integral = KNOBS[name]
     if isinstance(value, bool) or not isinstance(value, (int, float)) or (integral and not isinstance(value, int)):
         return f"'{name}' must be {'an integer' if integral else 'a number'}, got {value!r}"
     if value != value or not ok(value):   # NaN fails every range

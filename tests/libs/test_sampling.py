@@ -7,6 +7,7 @@ import math
 import pytest
 
 from kvmesh.sampling import KNOBS, first_error, knob_error, knobs_of, normalized
+from kvmesh.worker.engine.base import EngineRequest
 from kvmesh_api.common.v1 import common_pb2
 
 
@@ -30,8 +31,9 @@ def test_bad_values_are_named_with_the_rule(name: str, value: object, words: str
     assert why is not None and why.startswith(f"'{name}' must be") and words in why
 
 
-def test_defaults_change_nothing_and_pass() -> None:
-    assert all(knob_error(name, default) is None for name, (default, *_rest) in KNOBS.items())
+def test_the_engine_requests_defaults_pass() -> None:
+    plain = EngineRequest("r", [1])
+    assert all(knob_error(name, getattr(plain, name)) is None for name in KNOBS)
 
 
 def test_proto_knobs_only_the_set_ones_and_top_k_minus_one_is_off() -> None:
