@@ -1,8 +1,8 @@
 """A recording OpenAI server with vLLM's /metrics, for router tests that need no real engine.
 
 It answers ``/v1/chat/completions`` and ``/v1/completions`` (JSON or SSE; with
-``return_token_ids`` each chunk carries its token ids, as vLLM's) and vLLM's Anthropic
-``/v1/messages`` with a fixed text and a usage block, keeps every body it received, and
+``return_token_ids`` each chunk carries its token ids, as vLLM's), vLLM's Anthropic
+``/v1/messages`` and its ``/v1/responses`` with a fixed text and a usage block, keeps every body it received, and
 serves the three vLLM gauges the router reads. Served by uvicorn in the test's own event loop on a port it binds (0).
 The vLLM tier (tests/services/router/test_router_vllm_external.py) covers real vLLM.
 """
@@ -40,6 +40,7 @@ class OpenAIEngine:
         app.add_api_route("/v1/chat/completions", self._chat, methods=["POST"])
         app.add_api_route("/v1/completions", self._chat, methods=["POST"])
         app.add_api_route("/v1/messages", self._messages, methods=["POST"])
+        app.add_api_route("/v1/responses", self._responses, methods=["POST"])
         self.app = app
 
     @property
@@ -117,6 +118,42 @@ class OpenAIEngine:
             yield ev("content_block_stop", {"index": 0})
             yield ev("message_delta", {"delta": {"stop_reason": "end_turn", "stop_sequence": None}, "usage": usage})
             yield ev("message_stop", {})
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def _responses(self, request: Request) -> Response:
+        """vLLM's Responses endpoint: ``input_tokens`` is the whole prompt, ``cached_tokens`` inside it."""
+        body = await self._record(request)
+        if body.get("model") != self.model:
+            return JSONResponse({"error": {"message": "no such model", "type": "NotFoundError", "param": None,
+                                           "code": 404}}, status_code=404)
+        usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": self.cached_tokens},
+                 "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12}
+        item = {"type": "message", "id": "msg_x", "role": "assistant", "status": "completed",
+                "content": [{"type": "output_text", "text": "hi", "annotations": []}]}
+
+        def response(status: str, output: list[Any], use: Any) -> dict[str, Any]:
+            return {"id": "resp_x", "object": "response", "created_at": 0, "status": status, "model": self.model,
+                    "output": output, "usage": use, "parallel_tool_calls": True, "tool_choice": "auto",
+                    "tools": []}
+
+        if not body.get("stream"):
+            return JSONResponse(response("completed", [item], usage))
+
+        def ev(n: int, kind: str, data: dict[str, Any]) -> str:
+            return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': n, **data})}\n\n"
+
+        async def events():
+            yield ev(0, "response.created", {"response": response("in_progress", [], None)})
+            yield ev(1, "response.output_item.added", {"output_index": 0, "item": {**item, "content": [],
+                                                                                   "status": "in_progress"}})
+            for n, piece in enumerate(("h", "i")):
+                yield ev(2 + n, "response.output_text.delta", {"item_id": "msg_x", "output_index": 0,
+                                                               "content_index": 0, "delta": piece})
+                if self.break_stream:
+                    raise RuntimeError("engine died mid-stream")
+            yield ev(4, "response.output_item.done", {"output_index": 0, "item": item})
+            yield ev(5, "response.completed", {"response": response("completed", [item], usage)})
 
         return StreamingResponse(events(), media_type="text/event-stream")
 

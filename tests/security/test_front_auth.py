@@ -1,6 +1,6 @@
 """Attack 4 (no authentication anywhere), router front door: a real router with ``--auth keys``.
 
-Every OpenAI and Anthropic endpoint and both gRPC methods refuse a caller without a valid
+Every OpenAI (completions, chat, Responses) and Anthropic endpoint and both gRPC methods refuse a caller without a valid
 key - 401 in the endpoint's own error shape, ``UNAUTHENTICATED`` - before the body is read,
 and serve the official clients that present one. A key added to or removed from the keys
 file takes effect without a restart.
@@ -29,7 +29,8 @@ from tests.fixtures.security import bearer
 pytestmark = pytest.mark.timeout(180)
 
 OPENAI_POSTS = {"/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
-                "/v1/chat/completions": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}}
+                "/v1/chat/completions": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+                "/v1/responses": {"model": MODEL, "max_output_tokens": 2, "input": "hi"}}
 ANTHROPIC_POSTS = {"/v1/messages": {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
                    "/v1/messages/count_tokens": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}}
 NO_KEY = [{}, {"authorization": "Bearer kvm-not-a-key"}, {"x-api-key": "kvm-not-a-key"},
@@ -129,6 +130,7 @@ def test_official_openai_client_with_a_key(secure_stack):
     assert chat.usage.completion_tokens == 3
     chunks = list(client.completions.create(model=MODEL, prompt="def main():", max_tokens=3, stream=True))
     assert chunks
+    assert client.responses.create(model=MODEL, input="Say hello.", max_output_tokens=3).usage.output_tokens == 3
     bad = openai.OpenAI(base_url=secure_stack.http_base + "/v1", api_key="kvm-wrong", max_retries=0, timeout=30)
     with pytest.raises(openai.AuthenticationError):
         bad.chat.completions.create(model=MODEL, max_tokens=3, messages=[{"role": "user", "content": "x"}])

@@ -70,6 +70,10 @@ class ChatRequest:
     documents: list[dict[str, Any]] | None = None
     add_special_tokens: bool = False
     parallel_tool_calls: bool = True      # False: an answer keeps only its first tool call
+    # Keywords an engine's own front end adds (vLLM's /v1/responses: ``reasoning_effort`` and
+    # ``enable_thinking`` from ``reasoning.effort``): they override the client's, and a template that
+    # does not read one drops it silently, as vLLM does, where the client's own are refused.
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
 
     @property
     def effective_tool_choice(self) -> Any:
@@ -452,7 +456,8 @@ class ChatRenderer:
             raise ChatRenderError(f"chat_template_kwargs: the chat template does not use {', '.join(unknown)}",
                                   f"chat_template_kwargs.{unknown[0]}")
         kw = _merge(user, {"add_generation_prompt": req.add_generation_prompt,
-                           "continue_final_message": req.continue_final_message, "documents": req.documents})
+                           "continue_final_message": req.continue_final_message, "documents": req.documents,
+                           **req.engine_kwargs})
         return {k: v for k, v in kw.items() if k in accepted}
 
     def render_text(self, req: ChatRequest) -> str:

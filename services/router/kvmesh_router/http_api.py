@@ -37,6 +37,7 @@ from kvmesh_router.http_guard import SCOPE_KEY, ScopeMiddleware
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.passthrough import Passthrough
 from kvmesh_router.request_scope import RequestScopes, Scope, scopes_from_config
+from kvmesh_router.responses_api import ResponsesApi
 from kvmesh_router.service import FinalInfo, GenInput, RouterService
 
 log = logging.getLogger(__name__)
@@ -332,4 +333,5 @@ def build_app(service: RouterService, scopes: RequestScopes | None = None) -> Fa
     app.add_api_route("/health", api.health, methods=["GET"])
     install_error_handlers(app)
     AnthropicApi(api).mount(app)   # /v1/messages, /v1/messages/count_tokens
+    ResponsesApi(api).mount(app)   # /v1/responses
     return app

@@ -127,7 +127,8 @@ class _Usage:
 
     OpenAI's ``usage`` has ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``;
     Anthropic's has ``input_tokens`` (the uncached part), ``cache_read_input_tokens`` and
-    ``cache_creation_input_tokens``."""
+    ``cache_creation_input_tokens``; a Responses answer's has ``input_tokens`` (all of the
+    prompt) and ``input_tokens_details.cached_tokens``, inside its ``response``."""
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -138,6 +139,8 @@ class _Usage:
             doc = json.loads(raw)
         except ValueError:
             return
+        if isinstance(doc, dict) and isinstance(doc.get("response"), dict):
+            doc = doc["response"]   # a Responses event (response.completed) carries the response
         if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
             self.doc = doc["usage"]
 
@@ -155,7 +158,7 @@ class _Usage:
         doc = self.doc or {}
         n = doc.get("cache_read_input_tokens")
         if n is None:
-            n = (doc.get("prompt_tokens_details") or {}).get("cached_tokens")
+            n = (doc.get("prompt_tokens_details") or doc.get("input_tokens_details") or {}).get("cached_tokens")
         return n if isinstance(n, int) else None
 
     @property

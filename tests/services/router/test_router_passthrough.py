@@ -478,3 +478,36 @@ def test_endpoint_specs() -> None:
     RouterConfig(endpoints=["d=http://h:2"], prefill_endpoints=["p=http://h:1"], auth="off").validate()
     with pytest.raises(ConfigError, match="NAMESPACE/NAME"):
         RouterConfig(inference_pool="just-a-name").validate()
+
+
+async def test_responses_go_to_the_engines_own_responses_api(stack) -> None:
+    """/v1/responses: vLLM's own Responses API gets the client's body with the tenant's salt, what only
+    vLLM honours (structured output, reasoning effort, log probabilities) included; its answer and events
+    come back; its cached tokens are counted as the engine's."""
+    from kvmesh_router import metrics
+
+    svc, engines, client = stack
+    for e in engines.values():
+        e.cached_tokens = 4
+    sent = {"model": MODEL, "instructions": "You are a coding agent.", "max_output_tokens": 8,
+            "input": [{"role": "user", "content": "What is in a.py?"}],
+            "tools": [{"type": "function", **TOOLS[1]["function"]}], "prompt_cache_key": "conv-1", "store": False,
+            "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "object"}}},
+            "reasoning": {"effort": "low"}, "top_logprobs": 2}
+    cached = metrics.CACHED_TOKENS.labels(tier="gpu")._value.get()
+    r = await client.post("/v1/responses", json={**sent, "kvmesh_policy": "precise"}, headers={"x-tenant": "acme"})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"][0]["content"][0]["text"] == "hi" and r.headers["x-kvmesh-endpoint"] in engines
+    assert _received(engines)[-1] == {**sent, "cache_salt": svc.salts.salt("acme")}   # kvmesh_policy stays here
+    assert metrics.CACHED_TOKENS.labels(tier="gpu")._value.get() == cached + 4
+    # Streamed: the engine's events come through as it wrote them, and its usage is read from the last one.
+    async with client.stream("POST", "/v1/responses", json={**sent, "stream": True}) as s:
+        raw = (await s.aread()).decode()
+    assert raw.count("event: ") == 6 and "event: response.completed" in raw
+    assert metrics.CACHED_TOKENS.labels(tier="gpu")._value.get() == cached + 8
+    # What needs server state is refused here, before any engine sees it.
+    n = len(_received(engines))
+    r = await client.post("/v1/responses", json={**sent, "previous_response_id": "resp_1"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
+    assert len(_received(engines)) == n
+    assert all(svc.core.load.inflight_count(e) == 0 for e in engines)

@@ -1,0 +1,81 @@
+"""Builders of OpenAI Responses answers: the ``response`` object, its output items and usage.
+
+Why it exists: a non-streamed answer and the first and last events of a stream carry the
+same ``response`` object, and the items a stream announces one by one must equal the ones in
+its final ``response.completed``; both paths build them here. The shapes are OpenAI's
+(``openai.types.responses.Response``): ``message`` items with ``output_text`` parts,
+``function_call`` items whose ``call_id`` the client answers with a ``function_call_output``,
+``status`` ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the
+token limit ended the answer, and ``usage`` with ``input_tokens_details.cached_tokens`` (the
+prefix-cache hit kvmesh exists for).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.responses_api.requests import ResponsesRequest
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int, **details: int) -> dict[str, Any]:
+    """The Responses ``usage``; ``details`` (kvmesh's GPU/offload split) go beside ``cached_tokens``."""
+    return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens, **details},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": input_tokens + output_tokens}
+
+
+def text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status,
+            "content": [text_part(text)] if text or status == "completed" else []}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
+                       status: str = "completed") -> dict[str, Any]:
+    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def output_items(text: str, calls: list[Any]) -> list[dict[str, Any]]:
+    """The output of a whole answer: its text as one message (when there is text), then its tool calls
+    (objects with ``id``, ``name`` and ``arguments``)."""
+    out = [message_item(new_id("msg"), text)] if text else []
+    out += [function_call_item(new_id("fc"), c.id, c.name, c.arguments) for c in calls]
+    return out
+
+
+@dataclass
+class ResponseHead:
+    """One answer's identity and the request fields every ``response`` object of it echoes."""
+
+    req: ResponsesRequest
+    model: str
+    id: str = field(default_factory=lambda: new_id("resp"))
+    created_at: int = field(default_factory=lambda: int(time.time()))
+
+    def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
+                 **extra: Any) -> dict[str, Any]:
+        """The ``response`` object; ``status`` ``incomplete`` means the token limit ended it."""
+        req, chat = self.req, self.req.chat
+        return {
+            "id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": req.instructions, "model": self.model, "output": output,
+            "parallel_tool_calls": chat.chat_request.parallel_tool_calls if chat.chat_request else True,
+            "temperature": chat.temperature, "top_p": chat.top_p, "max_output_tokens": chat.max_tokens,
+            "tool_choice": req.tool_choice, "tools": req.tools, "previous_response_id": None,
+            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata,
+            "user": req.user, "usage": usage, **extra,
+        }

@@ -1,0 +1,320 @@
+"""An OpenAI Responses request (``POST /v1/responses``) as the chat request it renders to.
+
+Why it exists: OpenAI's Codex CLI and the Agents SDK speak the Responses API, not chat
+completions. The model sees the same prompt either way, so a Responses body is turned into
+a chat-completions body and then checked by the same rules as ``/v1/chat/completions``
+(``kvmesh.openai.requests.parse_chat``): one renderer, one tokenizer, one set of sampling
+checks. The item conversion follows vLLM's ``/v1/responses`` (``construct_input_messages``
+in ``vllm/entrypoints/openai/responses/utils.py``), so that a router in front of
+``vllm serve`` predicts the prompt vLLM renders:
+
+- ``instructions`` is a first ``system`` message; a string ``input`` is one ``user`` message;
+- message items keep their role and content parts (``input_text``/``output_text`` are text);
+  an assistant message item contributes its first part's text;
+- a ``function_call`` item joins the preceding assistant message's ``tool_calls`` (or starts
+  one), and a ``function_call_output`` item is a ``tool`` message;
+- a ``reasoning`` item's text is the assistant's ``reasoning``; encrypted reasoning is refused;
+- flat function tools (``{"type": "function", "name", ...}``) become chat tools, and
+  ``{"type": "function", "name"}`` as ``tool_choice`` names one.
+
+What cannot be honoured gets a 400 naming the field rather than silence: state kept by the
+server (``previous_response_id``, ``conversation``, ``item_reference``, ``background``),
+hosted tools (web search, file search, computer use, MCP, custom grammars), images and files,
+structured output, log probabilities, and ``reasoning.effort``; the last four are an external
+engine's to honour when the router forwards to ``vllm serve`` (``engine_renders``). Nothing is
+stored, so every answer says ``store: false``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.openai.errors import BadRequest
+from kvmesh.openai.requests import OpenAIRequest, parse_chat, string
+
+# Chat fields a Responses body may carry under the same name and meaning (vLLM's extensions
+# included); copied into the chat body as they are.
+_SAME_NAME = ("model", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+              "repetition_penalty", "seed", "parallel_tool_calls", "stream", "cache_salt", "session_id",
+              "chat_template_kwargs", "kvmesh_policy", "lora_name")
+_ROLES = ("user", "system", "developer", "assistant")
+# Item types that need state this server does not keep, or tools it does not run.
+_STATEFUL = {"item_reference": "items are not stored by this server; send the item itself"}
+MAX_METADATA_KEYS = 16
+
+
+def _null(v: Any) -> bool:
+    return v is None or v is False or v == {} or v == []
+
+
+# Fields refused unless absent (or their no-op value), each with the reason given in the 400.
+_REFUSED: dict[str, tuple[Any, str]] = {
+    "previous_response_id": (_null, "responses are not stored by this server; send the whole conversation "
+                                    "as 'input' (as clients do with store: false)"),
+    "conversation": (_null, "conversations are not stored by this server; send the whole conversation as "
+                            "'input'"),
+    "background": (_null, "background responses are not supported"),
+    "prompt": (_null, "stored prompt templates are not supported"),
+    "logit_bias": (_null, "logit_bias is not supported"),
+}
+
+
+@dataclass
+class ResponsesRequest:
+    """A validated Responses request: the chat request it renders to, and what the answer echoes."""
+
+    chat: OpenAIRequest
+    body: dict[str, Any]
+    instructions: str | None = None
+    tools: list[dict[str, Any]] = field(default_factory=list)   # as sent (flat), echoed
+    tool_choice: Any = "auto"
+    metadata: dict[str, str] = field(default_factory=dict)
+    user: str | None = None
+
+    @property
+    def stream(self) -> bool:
+        return self.chat.stream
+
+    @property
+    def max_output_tokens(self) -> int | None:
+        return self.chat.max_tokens
+
+
+def _refuse(body: dict[str, Any]) -> None:
+    for name, (unset, why) in _REFUSED.items():
+        if name in body and not unset(body[name]):
+            raise BadRequest(f"'{name}' is not supported by this server: {why}", name)
+
+
+def _refuse_engine_only(body: dict[str, Any]) -> None:
+    """What only an engine with its own ``/v1/responses`` honours (``vllm serve``: reasoning
+    parsers, structured output, log probabilities, truncation)."""
+    if body.get("top_logprobs") not in (None, 0):
+        raise BadRequest("'top_logprobs' is not supported by this server: log probabilities are not returned",
+                         "top_logprobs")
+    reasoning = body.get("reasoning")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise BadRequest("'reasoning' must be an object", "reasoning")
+        if reasoning.get("effort") is not None:
+            raise BadRequest("'reasoning.effort' is not supported by this server: reasoning output is not "
+                             "parsed; use chat_template_kwargs if the template reads it", "reasoning")
+    include = body.get("include")
+    if include is not None:
+        if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
+            raise BadRequest("'include' must be a list of strings", "include")
+        if "message.output_text.logprobs" in include:
+            raise BadRequest("'include' asks for log probabilities, which are not returned", "include")
+    text = body.get("text")
+    if text is not None:
+        fmt = text.get("format") if isinstance(text, dict) else None
+        if not isinstance(text, dict) or (fmt is not None and fmt != {"type": "text"}):
+            raise BadRequest("'text.format' other than {\"type\": \"text\"} is not supported by this server: "
+                             "structured output is not supported", "text")
+    if body.get("truncation") not in (None, "disabled"):
+        raise BadRequest("'truncation' must be 'disabled': this server never drops input", "truncation")
+
+
+def _text_parts(where: str, content: Any) -> Any:
+    """A message item's content, checked: a string or a list of text parts (images and files are refused)."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise BadRequest(f"{where}.content must be a string or a list of content parts", where)
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in ("input_image", "input_file", "input_audio"):
+            raise BadRequest(f"{where}.content[{j}]: '{kind}' is not supported by this server (text only)", where)
+        if kind not in ("input_text", "output_text", "text", "refusal"):
+            raise BadRequest(f"{where}.content[{j}]: part type {kind!r} is not supported (input_text, output_text, "
+                             "refusal)", where)
+    return content
+
+
+def _assistant(prev: list[dict[str, Any]]) -> dict[str, Any] | None:
+    return prev[-1] if prev and prev[-1].get("role") == "assistant" else None
+
+
+def _call_output(where: str, output: Any) -> Any:
+    if isinstance(output, str):
+        return output
+    if isinstance(output, list):
+        return _text_parts(where, output)
+    raise BadRequest(f"{where}.output must be a string or a list of text parts", where)
+
+
+def _item(where: str, item: Any, msgs: list[dict[str, Any]]) -> None:
+    """Append ``item`` to ``msgs`` as vLLM does (merging into the previous assistant message)."""
+    if not isinstance(item, dict):
+        raise BadRequest(f"{where} must be an object", where)
+    kind = item.get("type", "message")
+    prev = _assistant(msgs)
+    if kind == "message":
+        role = item.get("role")
+        if role not in _ROLES:
+            raise BadRequest(f"{where}.role must be one of {', '.join(_ROLES)}", where)
+        content = _text_parts(where, item.get("content"))
+        if role != "assistant":
+            msgs.append({"role": role, "content": content})
+            return
+        text = content if isinstance(content, str) else (content[0].get("text") if content else None)
+        if text is None:   # a refusal part has no text: the parts go to the renderer as they are
+            msgs.append({"role": "assistant", "content": content})
+        elif prev is not None and prev.get("content") is None:
+            prev["content"] = text
+        else:
+            msgs.append({"role": "assistant", "content": text})
+    elif kind == "function_call":
+        call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "")
+        if not isinstance(call_id, str) or not isinstance(name, str) or not name or not isinstance(args, str):
+            raise BadRequest(f"{where}: a function_call needs string 'call_id', 'name' and 'arguments'", where)
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+        if prev is not None:
+            prev.setdefault("tool_calls", []).append(call)
+        else:
+            msgs.append({"role": "assistant", "tool_calls": [call]})
+    elif kind == "function_call_output":
+        call_id = item.get("call_id")
+        if not isinstance(call_id, str):
+            raise BadRequest(f"{where}: a function_call_output needs a string 'call_id'", where)
+        msgs.append({"role": "tool", "tool_call_id": call_id, "content": _call_output(where, item.get("output"))})
+    elif kind == "reasoning":
+        if item.get("encrypted_content"):
+            raise BadRequest(f"{where}: encrypted reasoning is not supported by this server", where)
+        parts = item.get("content") or item.get("summary") or []
+        first = parts[0] if isinstance(parts, list) and parts else {}
+        text = first.get("text", "") if isinstance(first, dict) else ""
+        if not isinstance(text, str):
+            raise BadRequest(f"{where}: reasoning text must be a string", where)
+        if prev is not None and prev.get("reasoning") is None:
+            prev["reasoning"] = text
+        else:
+            msgs.append({"role": "assistant", "reasoning": text})
+    elif kind in _STATEFUL:
+        raise BadRequest(f"{where}: {_STATEFUL[kind]}", where)
+    else:
+        raise BadRequest(f"{where}: item type {kind!r} is not supported by this server (message, function_call, "
+                         "function_call_output, reasoning)", where)
+
+
+def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The chat messages of ``instructions`` and ``input``."""
+    msgs: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None and not isinstance(instructions, str):
+        raise BadRequest("'instructions' must be a string", "instructions")
+    if instructions:
+        msgs.append({"role": "system", "content": instructions})
+    inp = body.get("input")
+    if inp is None:
+        raise BadRequest("'input' is required", "input")
+    if isinstance(inp, str):
+        if not inp:
+            raise BadRequest("'input' is empty", "input")
+        msgs.append({"role": "user", "content": inp})
+    elif isinstance(inp, list) and inp:
+        for i, item in enumerate(inp):
+            _item(f"input[{i}]", item, msgs)
+    else:
+        raise BadRequest("'input' must be a non-empty string or a non-empty list of items", "input")
+    return msgs
+
+
+def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """Flat Responses function tools as chat tools; any other tool type is refused."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise BadRequest("'tools' must be a list", "tools")
+    out = []
+    for i, t in enumerate(tools):
+        kind = t.get("type") if isinstance(t, dict) else None
+        if kind != "function":
+            raise BadRequest(f"tools[{i}]: tool type {kind!r} is not supported by this server (function tools "
+                             "only)", f"tools[{i}]")
+        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+    return out
+
+
+def chat_tool_choice(choice: Any) -> Any:
+    """A Responses ``tool_choice`` as the chat one."""
+    if choice is None or isinstance(choice, str):
+        return choice
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        if not isinstance(choice.get("name"), str):
+            raise BadRequest("'tool_choice' {\"type\": \"function\"} needs a string 'name'", "tool_choice")
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise BadRequest("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
+                     "tool_choice")
+
+
+def _metadata(body: dict[str, Any]) -> dict[str, str]:
+    md = body.get("metadata")
+    if md is None:
+        return {}
+    if (not isinstance(md, dict) or len(md) > MAX_METADATA_KEYS
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items())):
+        raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values", "metadata")
+    return md
+
+
+def _as_responses_error(exc: BadRequest) -> BadRequest:
+    """A chat check's error in the Responses request's own words."""
+    renames = {"max_tokens": "max_output_tokens"}
+    param = exc.param or ""
+    if param.startswith("messages"):
+        return BadRequest(exc.message.replace("messages", "input (as chat messages)", 1), "input")
+    if param in renames:
+        return BadRequest(exc.message.replace(param, renames[param]), renames[param])
+    return exc
+
+
+def _reasoning_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM renders ``reasoning.effort`` as the template keywords ``reasoning_effort`` and, unless the
+    client set it, ``enable_thinking``; the prediction must render the same."""
+    reasoning = body.get("reasoning")
+    effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
+    if effort is None:
+        return {}
+    ctk = body.get("chat_template_kwargs")
+    if isinstance(ctk, dict) and "enable_thinking" in ctk:
+        return {"reasoning_effort": effort}
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+
+
+def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = False) -> ResponsesRequest:
+    """Check a ``/v1/responses`` body and build its chat request (``BadRequest`` names a bad field).
+
+    ``engine_renders``: the body goes on to an engine with its own ``/v1/responses``, which honours
+    what kvmesh workers cannot (``_refuse_engine_only``); the chat request is then only the prediction
+    of the prompt that engine renders."""
+    _refuse(body)
+    if not engine_renders:
+        _refuse_engine_only(body)
+    chat_body: dict[str, Any] = {k: body[k] for k in _SAME_NAME if k in body}
+    chat_body["messages"] = input_messages(body)
+    tools = chat_tools(body.get("tools"))
+    if tools is not None:
+        chat_body["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat_body["tool_choice"] = chat_tool_choice(body["tool_choice"])
+    if body.get("max_output_tokens") is not None:
+        chat_body["max_tokens"] = body["max_output_tokens"]
+    # OpenAI's cache key is the session the prefix belongs to: kvmesh's session hint.
+    session = string(body, "prompt_cache_key") or string(body, "session_id")
+    if session:
+        chat_body["session_id"] = session
+    user = body.get("user")
+    if user is not None:
+        chat_body["user"] = string(body, "user")
+    try:
+        chat = parse_chat(chat_body, headers)
+    except BadRequest as exc:
+        raise _as_responses_error(exc) from None
+    if engine_renders and chat.chat_request is not None:
+        chat.chat_request.engine_kwargs = _reasoning_kwargs(body)
+    return ResponsesRequest(chat=chat, body=body, instructions=body.get("instructions"),
+                            tools=list(body.get("tools") or []),
+                            tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
+                            metadata=_metadata(body), user=user)

@@ -1,0 +1,127 @@
+"""The event stream of a streamed Responses answer.
+
+Why it exists: a Responses stream is not a list of deltas but a sequence of typed events
+that open and close output items, each numbered (``sequence_number``) and framed as
+``event: <type>`` / ``data: <json>``. Clients rely on the order: Codex CLI acts on each
+``response.output_item.done`` and ends the turn on ``response.completed``. ``ResponseEvents``
+keeps that state so the HTTP handler only feeds it text and tool-call pieces:
+
+``response.created``, ``response.in_progress``; per message item ``output_item.added``,
+``content_part.added``, ``output_text.delta``..., ``output_text.done``, ``content_part.done``,
+``output_item.done``; per function call ``output_item.added``,
+``function_call_arguments.delta``..., ``function_call_arguments.done``, ``output_item.done``;
+then ``response.completed`` (or ``response.incomplete`` when the token limit ended it, or
+``response.failed`` on an error) with the whole ``response``, whose items are the streamed ones.
+The event sequence is vLLM's and OpenAI's; there is no ``[DONE]`` line.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvmesh.responses_api.output import ResponseHead, function_call_item, message_item, new_id, text_part
+
+STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class ResponseEvents:
+    """Builds the SSE bytes of one streamed answer; every method returns the events it adds."""
+
+    def __init__(self, head: ResponseHead) -> None:
+        self.head = head
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []   # finished items, in order
+        self._text: str | None = None             # the open message item's text so far
+        self._msg_id = ""
+        self._call: dict[str, Any] | None = None  # the open function_call item
+        self._call_index: int | None = None       # its index in the engine's tool-call deltas
+        self._whole = 0                           # whole calls seen (each its own item)
+
+    def _event(self, kind: str, **fields: Any) -> bytes:
+        doc = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(doc, ensure_ascii=False).encode() + b"\n\n"
+
+    @property
+    def _index(self) -> int:
+        return len(self.output)
+
+    def start(self) -> bytes:
+        r = self.head.response("in_progress", [])
+        return self._event("response.created", response=r) + self._event("response.in_progress", response=r)
+
+    # -- text
+    def text(self, delta: str) -> bytes:
+        if not delta:
+            return b""
+        out = self._close_call()
+        if self._text is None:
+            self._msg_id, self._text = new_id("msg"), ""
+            out += self._event("response.output_item.added", output_index=self._index,
+                               item=message_item(self._msg_id, "", "in_progress"))
+            out += self._event("response.content_part.added", item_id=self._msg_id, output_index=self._index,
+                               content_index=0, part=text_part(""))
+        self._text += delta
+        return out + self._event("response.output_text.delta", item_id=self._msg_id, output_index=self._index,
+                                 content_index=0, delta=delta, logprobs=[])
+
+    def _close_text(self) -> bytes:
+        if self._text is None:
+            return b""
+        text, i = self._text, self._index
+        out = self._event("response.output_text.done", item_id=self._msg_id, output_index=i, content_index=0,
+                          text=text, logprobs=[])
+        out += self._event("response.content_part.done", item_id=self._msg_id, output_index=i, content_index=0,
+                           part=text_part(text))
+        item = message_item(self._msg_id, text)
+        out += self._event("response.output_item.done", output_index=i, item=item)
+        self.output.append(item)
+        self._text = None
+        return out
+
+    # -- function calls
+    def call_delta(self, index: int, call_id: str, name: str, arguments: str) -> bytes:
+        """A piece of the engine's tool call ``index``: its first piece has the id and name."""
+        out = b""
+        if self._call is None or index != self._call_index:
+            out += self._close_text() + self._close_call()
+            self._call_index = index
+            self._call = function_call_item(new_id("fc"), call_id, name, "", "in_progress")
+            out += self._event("response.output_item.added", output_index=self._index, item=dict(self._call))
+        if arguments:
+            self._call["arguments"] += arguments
+            out += self._event("response.function_call_arguments.delta", item_id=self._call["id"],
+                               output_index=self._index, delta=arguments)
+        return out
+
+    def call(self, call_id: str, name: str, arguments: str) -> bytes:
+        """A whole tool call (an engine that reports its calls only at the end)."""
+        self._whole += 1
+        return self.call_delta(-self._whole, call_id, name, arguments)
+
+    def _close_call(self) -> bytes:
+        if self._call is None:
+            return b""
+        c, i = self._call, self._index
+        out = self._event("response.function_call_arguments.done", item_id=c["id"], output_index=i,
+                          name=c["name"], arguments=c["arguments"])
+        item = {**c, "status": "completed"}
+        out += self._event("response.output_item.done", output_index=i, item=item)
+        self.output.append(item)
+        self._call = self._call_index = None
+        return out
+
+    # -- the end
+    def finish(self, incomplete: bool, usage: dict[str, Any], **extra: Any) -> bytes:
+        out = self._close_text() + self._close_call()
+        status = "incomplete" if incomplete else "completed"
+        return out + self._event(f"response.{status}", response=self.head.response(status, self.output, usage,
+                                                                                    **extra))
+
+    def failed(self, code: str, message: str) -> bytes:
+        """The answer broke off: what was streamed, and the error (``response.failed``)."""
+        out = self._close_text() + self._close_call()
+        r = self.head.response("failed", self.output)
+        r["error"] = {"code": code, "message": message}
+        return out + self._event("response.failed", response=r)

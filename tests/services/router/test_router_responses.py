@@ -1,0 +1,183 @@
+"""The OpenAI Responses API through the router with the official ``openai`` client, as Codex CLI uses
+it: the whole conversation as ``input`` every turn (``store: false``), flat function tools, calls
+answered with ``function_call_output`` items, streamed events, ``prompt_cache_key`` as the session.
+A real router process over a real sim worker (tool mode), on loopback."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from kvmesh_tools.testing.procs import ServiceProcess
+from tests.fixtures.router import MODEL, RouterStack, start_router, start_worker
+from tests.helpers.chat_cases import TOOLS as CHAT_TOOLS
+
+pytestmark = pytest.mark.timeout(240)
+
+# Responses tools are flat: {"type": "function", "name", "description", "parameters", "strict"}.
+TOOLS = [{"type": "function", **t["function"]} for t in CHAT_TOOLS]
+SCHEMAS = {t["name"]: t.get("parameters") or {"type": "object"} for t in TOOLS}
+INSTRUCTIONS = "You are a coding agent."
+ASK = [{"role": "user", "content": [{"type": "input_text", "text": "What's the weather in Paris?"},
+                                    {"type": "input_text", "text": "Then read the README."}]}]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[RouterStack]:
+    tmp = tmp_path_factory.mktemp("router-responses")
+    started: list[ServiceProcess] = []
+    try:
+        w = start_worker(tmp, "w1", extra=["--tokenizer", str(tiny_model_dir), "--max-model-len", "2048"])
+        started.append(w)
+        router, http = start_router(tmp, [("w1", w.grpc_address)], extra=["--tokenizer-path", str(tiny_model_dir)])
+        started.append(router)
+        yield RouterStack(router, http, {"w1": w})
+    finally:
+        for p in reversed(started):
+            p.stop(grace_s=3)
+
+
+@pytest.fixture(scope="module")
+def client(stack) -> openai.OpenAI:
+    return openai.OpenAI(base_url=stack.http_base + "/v1", api_key="k", max_retries=0, timeout=60)
+
+
+def _check_call(name: str, arguments: str) -> None:
+    jsonschema.validate(json.loads(arguments), SCHEMAS[name])
+
+
+def test_text_answer_is_the_chat_answer(client) -> None:
+    """Instructions + input render as system + user messages: the same prompt, and (greedy) the same
+    text as the chat completion of that conversation."""
+    r = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input="Say hi.", max_output_tokens=6,
+                                temperature=0)
+    chat = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, messages=[
+        {"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": "Say hi."}])
+    assert r.object == "response" and r.id.startswith("resp_")
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    [item] = r.output
+    assert item.type == "message" and item.role == "assistant" and item.status == "completed"
+    assert r.output_text == chat.choices[0].message.content and r.output_text
+    assert r.usage.input_tokens == chat.usage.prompt_tokens
+    assert r.usage.output_tokens == chat.usage.completion_tokens == 6
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+    assert r.instructions == INSTRUCTIONS and r.max_output_tokens == 6 and r.store is False
+    # The second time the prompt's blocks are cached: the hit is in the field clients read.
+    again = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input="Say hi.", max_output_tokens=6,
+                                    temperature=0)
+    assert again.usage.input_tokens_details.cached_tokens > 0
+
+
+def test_codex_style_tool_loop(client) -> None:
+    """Turn 1 answers with a function call; turn 2 sends the whole history back with the call's output
+    (no server state) and reuses turn 1's cached prefix."""
+    key = "codex-conversation-1"
+    r1 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS,
+                                 max_output_tokens=8, prompt_cache_key=key, store=False)
+    calls = [o for o in r1.output if o.type == "function_call"]
+    assert len(calls) == 1 and r1.status == "completed"
+    call = calls[0]
+    assert call.name == TOOLS[0]["name"] and call.call_id and call.id.startswith("fc_")
+    _check_call(call.name, call.arguments)
+    history: list[Any] = ASK + [o.model_dump(exclude_none=True) for o in r1.output]
+    history.append({"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 C"})
+    r2 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=history, tools=TOOLS,
+                                 tool_choice="none", max_output_tokens=8, prompt_cache_key=key, store=False)
+    assert [o.type for o in r2.output] == ["message"] and r2.status == "incomplete"
+    assert r2.usage.input_tokens > r1.usage.input_tokens
+    assert r2.usage.input_tokens_details.cached_tokens > 0   # turn 1's prefix was reused
+
+
+@pytest.mark.parametrize("choice", ["auto", "required", {"type": "function", "name": "edit"}])
+def test_streamed_events_build_the_final_response(client, choice) -> None:
+    events = list(client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS,
+                                          tool_choice=choice, max_output_tokens=8, stream=True))
+    kinds = [e.type for e in events]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    deltas = [e for e in events if e.type == "response.function_call_arguments.delta"]
+    assert len(deltas) >= 2   # the call streamed in pieces, not whole at the end
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    final = events[-1].response
+    assert [o.model_dump() for o in final.output] == [d.model_dump() for d in done]
+    [call] = [o for o in final.output if o.type == "function_call"]
+    want = choice["name"] if isinstance(choice, dict) else TOOLS[0]["name"]
+    assert call.name == want and "".join(d.delta for d in deltas) == call.arguments
+    _check_call(call.name, call.arguments)
+    added = [e for e in events if e.type == "response.output_item.added"]
+    assert [a.item.id for a in added] == [d.id for d in done]
+    assert final.usage.output_tokens > 0
+    # The SDK's own stream helper reads the same events into the same answer.
+    with client.responses.stream(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS, tool_choice=choice,
+                                 max_output_tokens=8) as s:
+        got = s.get_final_response()
+    [c2] = [o for o in got.output if o.type == "function_call"]
+    assert (c2.name, c2.arguments) == (call.name, call.arguments)
+
+
+def test_streamed_text(client) -> None:
+    events = list(client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0,
+                                          stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.incomplete_details.reason == "max_output_tokens"
+    assert final.response.output_text == text
+    plain = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0)
+    assert plain.output_text == text
+    kinds = [e.type for e in events]
+    assert kinds.index("response.output_text.done") < kinds.index("response.content_part.done") \
+        < kinds.index("response.output_item.done")
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]", "function tools only"),
+    ({"input": None}, "input", "required"),
+    ({"input": []}, "input", "non-empty"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
+     "input[0]", "text only"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "not stored"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]", "not supported"),
+    ({"input": [{"type": "reasoning", "encrypted_content": "gAAAA"}]}, "input[0]", "encrypted"),
+    ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
+    ({"temperature": 3}, "temperature", "[0, 2]"),
+    ({"top_k": -7}, "top_k", "top_k"),
+    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "structured output"),
+    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+    ({"top_logprobs": 2}, "top_logprobs", "log probabilities"),
+    ({"background": True}, "background", "background"),
+    ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice", "nope"),
+    ({"metadata": {"k": 1}}, "metadata", "metadata"),
+    ({"truncation": "auto"}, "truncation", "disabled"),
+])
+def test_what_cannot_be_honoured_is_a_400_naming_it(client, body, param, words) -> None:
+    req = {"model": MODEL, "input": "hi", "max_output_tokens": 4, **body}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.post("/responses", body=req, cast_to=dict)
+    err = e.value.body
+    assert err["param"] == param and words in err["message"], err
+
+
+def test_unknown_model_and_retrieval_are_404s(client, stack) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.create(model="gpt-4o", input="hi", max_output_tokens=4)
+    assert e.value.body["param"] == "model"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.responses.retrieve("resp_123")
+    assert "does not store" in e.value.body["message"]
+    r = httpx.post(stack.http_base + "/v1/responses", content=b"{not json", timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "body"
+
+
+def test_the_session_is_the_prompt_cache_key(client) -> None:
+    """Two conversations with the same text but different keys are two sessions; the decision says so."""
+    for key in ("conv-a", "conv-b"):
+        r = client.responses.create(model=MODEL, input="Same text.", max_output_tokens=2, prompt_cache_key=key)
+        assert r.model_extra["kvmesh"]["endpoint"] == "w1"
