@@ -312,8 +312,11 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
         chat = parse_chat(chat_body, headers)
     except BadRequest as exc:
         raise _as_responses_error(exc) from None
-    if engine_renders and chat.chat_request is not None:
-        chat.chat_request.engine_kwargs = _reasoning_kwargs(body)
+    if chat.chat_request is not None:
+        # vLLM's /v1/responses hands the template the messages it built, not re-parsed ones.
+        chat.chat_request.call_key_order = ("name", "arguments")
+        if engine_renders:
+            chat.chat_request.engine_kwargs = _reasoning_kwargs(body)
     return ResponsesRequest(chat=chat, body=body, instructions=body.get("instructions"),
                             tools=list(body.get("tools") or []),
                             tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",

@@ -74,6 +74,10 @@ class ChatRequest:
     # ``enable_thinking`` from ``reasoning.effort``): they override the client's, and a template that
     # does not read one drops it silently, as vLLM does, where the client's own are refused.
     engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    # The key order of a tool call's ``function`` as the engine hands it to the template (whose
+    # ``tojson`` prints it): vLLM's chat endpoint re-parses the messages into OpenAI's typed dicts
+    # (arguments, name); its /v1/responses builds them itself, name first.
+    call_key_order: tuple[str, str] = ("arguments", "name")
 
     @property
     def effective_tool_choice(self) -> Any:
@@ -239,7 +243,8 @@ def _arguments(i: int, call: Any) -> dict[str, Any]:
     return parsed if isinstance(parsed, dict) else {}
 
 
-def conversation(messages: Sequence[dict[str, Any]], fmt: ContentFormat, template: str = "") -> list[dict[str, Any]]:
+def conversation(messages: Sequence[dict[str, Any]], fmt: ContentFormat, template: str = "",
+                 call_key_order: tuple[str, str] = ("arguments", "name")) -> list[dict[str, Any]]:
     """The messages as vLLM hands them to the template (a new list; the input is not modified)."""
     conv: list[dict[str, Any]] = []
     for i, m in enumerate(messages):
@@ -265,8 +270,9 @@ def conversation(messages: Sequence[dict[str, Any]], fmt: ContentFormat, templat
                                                   f"messages[{i}].tool_calls[{j}]")
                         # The keys and their order of OpenAI's typed dict, as vLLM's pydantic parse
                         # leaves them: a template's ``call | tojson`` then prints the same text.
-                        msg["tool_calls"].append({"id": cid, "function": {"arguments": args,
-                                                                          "name": name}, "type": "function"})
+                        fn = {"arguments": args, "name": name}
+                        msg["tool_calls"].append({"id": cid, "function": {k: fn[k] for k in call_key_order},
+                                                  "type": "function"})
             if m.get("reasoning") is not None:
                 msg["reasoning"] = msg["reasoning_content"] = m["reasoning"]
         elif role == "tool" and "tool_call_id" in m:
@@ -463,7 +469,7 @@ class ChatRenderer:
     def render_text(self, req: ChatRequest) -> str:
         """The prompt text vLLM makes of ``req``."""
         tpl = self.template(req.tools)
-        conv = conversation(req.messages, detect_content_format(tpl), tpl)
+        conv = conversation(req.messages, detect_content_format(tpl), tpl, req.call_key_order)
         kw = self.template_kwargs(req, tpl)
         try:
             text = self.templates.apply_chat_template(conversation=conv, tools=req.tools, chat_template=tpl,

@@ -64,6 +64,8 @@ def build_service(cfg: RouterConfig) -> RouterService:
 
 def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
     """Adapter from the ext_proc module's ``PickRequest`` to :func:`kvmesh_router.picker.pick`."""
+    from kvmesh.openai.errors import OpenAIError
+    from kvmesh.responses_api.requests import parse_responses
     from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
     from kvmesh_router import extproc
     from kvmesh_router.errors import BadRequest, Overloaded, RouterError, Unavailable
@@ -88,16 +90,24 @@ def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
         prompt = body.get("prompt")
         tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
         text = prompt if isinstance(prompt, str) else None
+        session_id = str(body.get("session_id", ""))
         try:
-            # The chat request is rendered as the worker behind Envoy will render it (tools included).
-            chat = chat_request_from_body(body) if body.get("messages") is not None else None
+            # The chat request is rendered as the engine behind Envoy will render it (tools included);
+            # a Responses body as vLLM's /v1/responses converts it.
+            if preq.path.split("?", 1)[0] == "/v1/responses":
+                rreq = parse_responses(body, preq.headers, engine_renders=True)
+                chat, session_id = rreq.chat.chat_request, rreq.chat.session_id
+            else:
+                chat = chat_request_from_body(body) if body.get("messages") is not None else None
         except ChatRenderError as exc:
             raise extproc.BadRequestError(f"{exc.param}: {exc.message}") from None
+        except OpenAIError as exc:
+            raise extproc.BadRequestError(f"{exc.param}: {exc.message}" if exc.param else exc.message) from None
         try:
             picked = await pick(service, str(body.get("model", service.cfg.model)), tokens=tokens, text=text,
                                 chat_request=chat, headers=preq.headers,
                                 subset=set(preq.subset) if preq.subset is not None else None,
-                                session_id=str(body.get("session_id", "")),
+                                session_id=session_id,
                                 cache_salt=salt)
         except BadRequest as exc:
             raise extproc.BadRequestError(exc.message) from None

@@ -111,3 +111,23 @@ async def test_a_data_parallel_pods_rank_rides_in_vllms_header(tiny_model_dir) -
     finally:
         await svc.cluster.stop()
         await engine.stop()
+
+
+async def test_a_responses_body_is_picked_as_the_chat_it_renders_to(gateway) -> None:
+    """Behind Envoy, /v1/responses goes to the engine's own Responses API: the picker renders the body as
+    vLLM converts it, so the same conversation sent as chat is a prefix hit; state it cannot route is a 400."""
+    svc, _ = gateway
+    await _poll(svc)
+    pick_fn = _extproc_pick_fn(svc, scopes_from_config(svc.cfg))
+    system = "You are a coding agent. " * 40
+    chat = {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
+    first = await pick_fn(extproc.PickRequest("r1", "POST", "/v1/chat/completions",
+                                              {":path": "/v1/chat/completions"}, chat))
+    first.on_done(200)
+    body = {"model": MODEL, "instructions": system, "input": "hi", "prompt_cache_key": "conv-1"}
+    second = await pick_fn(extproc.PickRequest("r2", "POST", "/v1/responses", {":path": "/v1/responses"}, body))
+    second.on_done(200)
+    assert second.endpoint_id == first.endpoint_id and second.predicted_cached_tokens > 0, second.reason
+    with pytest.raises(extproc.BadRequestError, match="previous_response_id"):
+        await pick_fn(extproc.PickRequest("r3", "POST", "/v1/responses", {":path": "/v1/responses"},
+                                          {**body, "previous_response_id": "resp_1"}))

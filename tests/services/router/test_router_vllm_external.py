@@ -12,7 +12,8 @@ parsed tool call back; another tenant's identical prompt gets no cached token; k
 vLLM that holds the conversation moves it to the other one, which restores it from the store.
 The same fleet behind a real Envoy with the router as ext_proc picker: the picker writes the
 tenant's salt into the forwarded body, and predictions equal vLLM's there too. The Messages
-API (official ``anthropic`` client) goes to vLLM's own ``/v1/messages`` and gRPC ``Generate``
+API (official ``anthropic`` client) goes to vLLM's own ``/v1/messages``, the Responses API to its
+``/v1/responses``, and gRPC ``Generate``
 to vLLM's completions with token ids; both predict exactly too. A second router splits P/D
 over the two servers (HTTP and gRPC), handing the prompt over through the store.
 """
@@ -209,6 +210,35 @@ def test_through_envoy_the_picker_salts_and_predicts(fleet) -> None:
         raw.headers["x-kvmesh-predicted-cached-tokens"]) == 0
 
 
+def test_responses_through_envoy_predict_exactly(fleet) -> None:
+    """/v1/responses through Envoy: the picker converts the body as vLLM's /v1/responses does, so its
+    prediction equals vLLM's cached tokens on a tool-call history too."""
+    client = openai.OpenAI(base_url=fleet["gateway"] + "/v1", api_key="k", max_retries=0, timeout=120,
+                           default_headers={"x-tenant": "umbrella"})
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    history: list[dict] = [{"role": "user", "content": "Check the weather, then plan the gateway work."}]
+    for turn in range(4):
+        wants_tool = turn == 1
+        raw = client.responses.with_raw_response.create(
+            model=TINY_MODEL_NAME, instructions="You are a coding agent. " * 12, input=history, tools=tools,
+            temperature=0.0, store=False, max_output_tokens=64 if wants_tool else 8,
+            tool_choice={"type": "function", "name": "get_weather"} if wants_tool else "none")
+        r = raw.parse()
+        predicted = int(raw.headers["x-kvmesh-predicted-cached-tokens"])
+        assert predicted == r.usage.input_tokens_details.cached_tokens, (turn, predicted, r.usage)
+        if turn:
+            assert predicted > 0
+        if wants_tool:
+            [call] = [o for o in r.output if o.type == "function_call"]
+            history += [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                         "arguments": call.arguments},
+                        {"type": "function_call_output", "call_id": call.call_id, "output": "Rain"}]
+        else:
+            history += [{"role": "assistant", "content": r.output_text or "ok"},
+                        {"role": "user", "content": f"Gateway step {turn}."}]
+        time.sleep(0.4)
+
+
 def test_tenants_do_not_share_kv(fleet) -> None:
     messages = _opening("the tenant billing job")
     first, _, eid = _turn(_client(fleet, "tenant-a"), messages, max_tokens=2, tool_choice="none")
@@ -265,6 +295,49 @@ def test_messages_api_through_vllms_own_messages(fleet) -> None:
             text = "".join(b.text for b in m.content if b.type == "text")
             messages += [{"role": "assistant", "content": text or "ok"},
                          {"role": "user", "content": f"Step {turn}: now look at lex_{turn}.py."}]
+        time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
+    assert calls == 2
+    assert len(set(endpoints[1:])) == 1, endpoints
+
+
+def test_responses_api_through_vllms_own_responses(fleet) -> None:
+    """The official openai client's Responses API through the router, as Codex sends it (the whole
+    history as input, store false, prompt_cache_key): vLLM's /v1/responses answers (its tool parser,
+    its events), and every turn's prediction equals vLLM's input_tokens_details.cached_tokens."""
+    client = _client(fleet, "acme")
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    instructions = "You are a coding agent. Use the tools when they help. " * 6
+    history: list[dict] = [{"role": "user", "content": "Plan the refactor of the parser, then check the weather."}]
+    endpoints, calls = [], 0
+    for turn in range(8):
+        wants_tool = turn % 4 == 1
+        kw = dict(model=TINY_MODEL_NAME, instructions=instructions, input=history, tools=tools, temperature=0.0,
+                  store=False, prompt_cache_key="codex-conv-1", max_output_tokens=64 if wants_tool else 8,
+                  tool_choice={"type": "function", "name": "get_weather"} if wants_tool else "none")
+        if turn % 4 == 3:   # streamed: vLLM's events pass through
+            raw = client.responses.with_raw_response.create(**kw, stream=True)
+            events = list(raw.parse())
+            assert events[-1].type == "response.completed", [e.type for e in events]
+            r = events[-1].response
+        else:
+            raw = client.responses.with_raw_response.create(**kw)
+            r = raw.parse()
+        predicted, eid = int(raw.headers["x-kvmesh-predicted-cached-tokens"]), raw.headers["x-kvmesh-endpoint"]
+        cached = r.usage.input_tokens_details.cached_tokens
+        assert predicted == cached, (turn, eid, predicted, r.usage, _lookups(fleet))
+        if turn:
+            assert cached > 0, turn
+        endpoints.append(eid)
+        if wants_tool:
+            [call] = [o for o in r.output if o.type == "function_call"]
+            assert call.name == "get_weather" and json.loads(call.arguments)["location"] in ("Paris", "Rome")
+            calls += 1
+            history += [{"type": "function_call", "call_id": call.call_id, "name": call.name,
+                         "arguments": call.arguments},
+                        {"type": "function_call_output", "call_id": call.call_id, "output": f"Sunny, {turn + 12} C"}]
+        else:
+            history += [{"role": "assistant", "content": r.output_text or "ok"},
+                        {"role": "user", "content": f"Step {turn}: now look at parse_{turn}.py."}]
         time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
     assert calls == 2
     assert len(set(endpoints[1:])) == 1, endpoints
