@@ -10,9 +10,9 @@ keeps that state so the HTTP handler only feeds it text and tool-call pieces:
 ``content_part.added``, ``output_text.delta``..., ``output_text.done``, ``content_part.done``,
 ``output_item.done``; per function call ``output_item.added``,
 ``function_call_arguments.delta``..., ``function_call_arguments.done``, ``output_item.done``;
-then ``response.completed`` (or ``response.incomplete`` when the token limit ended it, or
-``response.failed`` on an error) with the whole ``response``, whose items are the streamed ones.
-The event sequence is vLLM's and OpenAI's; there is no ``[DONE]`` line.
+then ``response.completed`` (its ``status`` ``incomplete`` when the token limit ended the answer,
+as vLLM reports it), or ``response.failed`` on an error, with the whole ``response``, whose items
+are the streamed ones. The event sequence is vLLM's; there is no ``[DONE]`` line.
 """
 
 from __future__ import annotations
@@ -114,10 +114,14 @@ class ResponseEvents:
 
     # -- the end
     def finish(self, incomplete: bool, usage: dict[str, Any], **extra: Any) -> bytes:
+        """The last event: ``response.completed`` whatever the status, as vLLM ends its streams. The
+        ``openai`` SDK's stream helper needs that event for its final response, and some Responses
+        clients take a ``response.incomplete`` event as a stream error; ``status`` and
+        ``incomplete_details`` say whether the token limit ended the answer."""
         out = self._close_text() + self._close_call()
         status = "incomplete" if incomplete else "completed"
-        return out + self._event(f"response.{status}", response=self.head.response(status, self.output, usage,
-                                                                                    **extra))
+        return out + self._event("response.completed", response=self.head.response(status, self.output, usage,
+                                                                                   **extra))
 
     def failed(self, code: str, message: str) -> bytes:
         """The answer broke off: what was streamed, and the error (``response.failed``)."""

@@ -126,9 +126,12 @@ def test_streamed_text(client) -> None:
     events = list(client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0,
                                           stream=True))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    final = events[-1]
-    assert final.type == "response.incomplete" and final.response.incomplete_details.reason == "max_output_tokens"
+    final = events[-1]   # response.completed, as vLLM ends a stream the token limit cut
+    assert final.type == "response.completed" and final.response.status == "incomplete"
+    assert final.response.incomplete_details.reason == "max_output_tokens"
     assert final.response.output_text == text
+    with client.responses.stream(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0) as s:
+        assert s.get_final_response().output_text == text   # the SDK's helper needs response.completed
     plain = client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0)
     assert plain.output_text == text
     kinds = [e.type for e in events]
