@@ -190,3 +190,38 @@ async def test_sampling_knobs_reach_the_engine_request(api, monkeypatch) -> None
     sent, plain = seen
     assert (sent.top_k, sent.repetition_penalty, sent.min_p, sent.presence_penalty) == (0, 1.05, 0.1, 0.0)
     assert (plain.top_k, plain.repetition_penalty, plain.min_p, plain.frequency_penalty) == (0, 1.0, 0.0, 0.0)
+
+
+RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file.",
+                    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}]
+
+
+async def test_responses_api_on_the_worker(api) -> None:
+    """/v1/responses on the worker itself (Envoy forwards a Responses body to the pod the picker chose):
+    the prompt of the chat it converts to, function calls as items, streamed events ending in
+    response.completed, and Responses errors in OpenAI's shape."""
+    client, _, _ = api
+    chat = await client.post("/v1/chat/completions", json={"model": MODEL, "max_tokens": 3, "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]})
+    r = await client.post("/v1/responses", json={"model": MODEL, "instructions": "Be brief.", "input": "hi",
+                                                 "max_output_tokens": 3})
+    assert r.status_code == 200, r.text
+    doc = r.json()
+    assert r.headers[ENDPOINT_HEADER] == "w-http" and doc["object"] == "response"
+    assert doc["usage"]["input_tokens"] == chat.json()["usage"]["prompt_tokens"]
+    assert doc["status"] == "incomplete" and doc["output"][0]["type"] == "message"
+    body = {"model": MODEL, "input": [{"role": "user", "content": "Read a.py"}], "tools": RESPONSES_TOOLS,
+            "max_output_tokens": 16}
+    calls = (await client.post("/v1/responses", json=body)).json()["output"]
+    assert [o["type"] for o in calls] == ["function_call"] and calls[0]["name"] == "read_file"
+    assert isinstance(json.loads(calls[0]["arguments"]), dict)
+    async with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as s:
+        raw = (await s.aread()).decode()
+    events = [json.loads(block.split("\ndata: ", 1)[1]) for block in raw.strip().split("\n\n")]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert events[-1]["type"] == "response.completed"
+    assert [o["type"] for o in events[-1]["response"]["output"]] == ["function_call"]
+    bad = await client.post("/v1/responses", json={**body, "previous_response_id": "resp_1"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "previous_response_id"
+    other = await client.post("/v1/responses", json={**body, "model": "nope"})
+    assert other.status_code == 404

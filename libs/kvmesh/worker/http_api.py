@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP API of a worker (``/v1/completions``, ``/v1/chat/completions``).
+"""OpenAI-compatible HTTP API of a worker (``/v1/completions``, ``/v1/chat/completions``, and
+``/v1/responses`` from ``responses_http``).
 
 Why it exists: behind an Envoy gateway (Gateway API Inference Extension) the
 workers are the InferencePool's endpoints, and the gateway forwards the
@@ -41,6 +42,7 @@ from kvmesh.request_ids import engine_request_id
 from kvmesh.rpc.tls import TlsConfig
 from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
+from kvmesh.worker.responses_http import WorkerResponses
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer(__name__)
@@ -139,7 +141,15 @@ class WorkerHttpApi:
         self.renderer = ChatRenderer(hf_tokenizer=tokenizer) if tokenizer is not None else None
         self.endpoint_id = endpoint_id or "worker"
         self.default_max_tokens = default_max_tokens
+        self.max_body_bytes = MAX_BODY_BYTES
         self.app = self._build()
+
+    def prompt_ids(self, req: OpenAIRequest) -> list[int]:
+        return prompt_ids(req, self.tokenizer, self.renderer)
+
+    @staticmethod
+    def engine_error(exc: EngineError) -> OpenAIError:
+        return _engine_error(exc)
 
     def _headers(self) -> dict[str, str]:
         return {ENDPOINT_HEADER: self.endpoint_id}
@@ -154,6 +164,7 @@ class WorkerHttpApi:
             app.add_api_route("/metrics", self.metrics_page, methods=["GET"])
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        WorkerResponses(self).mount(app)   # /v1/responses
         install_error_handlers(app, headers=self._headers())
         return app
 
