@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -225,3 +226,21 @@ async def test_responses_api_on_the_worker(api) -> None:
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "previous_response_id"
     other = await client.post("/v1/responses", json={**body, "model": "nope"})
     assert other.status_code == 404
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 4000}),
+    ("/v1/responses", {"input": "Write a long story.", "max_output_tokens": 4000}),
+])
+async def test_a_client_gone_mid_stream_frees_the_engine(api, path, body) -> None:
+    """The engine stops decoding for a client that closed its stream; it does not run to max tokens."""
+    client, _, engine = api
+    async with client.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as s:
+        lines = s.aiter_lines()
+        assert (await anext(lines)).startswith(("data: ", "event: "))
+        assert engine.load().running >= 1
+    for _ in range(100):
+        if engine.load().running == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert engine.load().running == 0

@@ -242,7 +242,8 @@ class WorkerHttpApi:
             except EngineError as exc:
                 raise _engine_error(exc) from None
             return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage,
-                                                 hold=_tools_active(req), parallel=_parallel(req)),
+                                                 hold=_tools_active(req), parallel=_parallel(req),
+                                                 engine_id=ereq.request_id),
                                     headers=self._headers())
         parent = propagate.extract(dict(request.headers))
         return JSONResponse(await self._collect(ereq, req.stop, answer, parent, _parallel(req)),
@@ -321,7 +322,8 @@ class WorkerHttpApi:
 
     async def _events(self, agen: AsyncIterator[tuple[list[int], str, EngineOutput]],
                       first: tuple[list[int], str, EngineOutput] | None, answer: Answer, n_prompt: int,
-                      include_usage: bool, hold: bool = False, parallel: bool = True) -> AsyncIterator[bytes]:
+                      include_usage: bool, hold: bool = False, parallel: bool = True,
+                      engine_id: str = "") -> AsyncIterator[bytes]:
         """``hold``: the answer may be a tool call, so its text is sent once the engine has parsed it."""
         n_out = 0
         held: list[str] = []
@@ -361,7 +363,7 @@ class WorkerHttpApi:
         except EngineError as exc:
             yield sse.event(_engine_error(exc).body())
         except asyncio.CancelledError:
-            await self.engine.abort(answer.id)
+            await self.engine.abort(engine_id or answer.id)   # the engine knows it by its own id
             raise
         yield sse.DONE
 
