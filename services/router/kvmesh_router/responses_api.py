@@ -1,4 +1,4 @@
-"""The router's OpenAI Responses API: ``POST /v1/responses``.
+"""The router's OpenAI Responses API: ``POST /v1/responses`` and ``/v1/responses/input_tokens``.
 
 Why it exists: OpenAI's Codex CLI (its default wire API) and the OpenAI Agents SDK send
 ``/v1/responses``, not chat completions; a 404 there is a client that cannot use kvmesh. A
@@ -81,12 +81,34 @@ class ResponsesApi:
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PATH, self.create, methods=["POST"])
+        app.add_api_route(PATH + "/input_tokens", self.input_tokens, methods=["POST"])
         app.add_api_route(PATH + "/{response_id}", self.retrieve, methods=["GET", "DELETE"])
 
     async def retrieve(self, response_id: str) -> Response:
         metrics.REQUESTS.labels(api=API, outcome="NotFound").inc()
         return error_response(404, f"response {response_id[:64]!r} not found: this server does not store "
                                    "responses (send the conversation as 'input')", "not_found_error", "response_id")
+
+    async def input_tokens(self, request: Request) -> Response:
+        """``POST /v1/responses/input_tokens``: how many tokens the request's prompt is, rendered and
+        tokenized as ``create`` would (no generation, no routing, so it works with no live endpoint)."""
+        api = "responses_input_tokens"
+        try:
+            req = parse_responses(await self.api.body(request), request.headers,
+                                  engine_renders=self.api.passthrough.applies())
+            inp = self.api.gen_input(req.chat, request)
+            # No session: a count (often of a fragment) must not take the place of the session's
+            # conversation in the router's per-session caches.
+            inp.session_id = ""
+            self.service.validate(inp)
+            tokens = await self.service.tokenize(inp)
+        except OpenAIError as exc:
+            metrics.REQUESTS.labels(api=api, outcome=type(exc).__name__).inc()
+            return exc.response()
+        except RouterError as exc:
+            return router_error_response(exc, api)
+        metrics.REQUESTS.labels(api=api, outcome="ok").inc()
+        return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens)})
 
     async def create(self, request: Request) -> Response:
         received = time.perf_counter()

@@ -74,6 +74,15 @@ def test_text_answer_is_the_chat_answer(client) -> None:
     assert again.usage.input_tokens_details.cached_tokens > 0
 
 
+def test_input_tokens_counts_the_prompt_create_sends(client) -> None:
+    kw = dict(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=TOOLS)
+    count = client.responses.input_tokens.count(**kw)
+    assert count.object == "response.input_tokens"
+    assert count.input_tokens == client.responses.create(**kw, max_output_tokens=2).usage.input_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_tokens.count(model=MODEL, input=[{"type": "item_reference", "id": "x"}])
+
+
 def test_codex_style_tool_loop(client) -> None:
     """Turn 1 answers with a function call; turn 2 sends the whole history back with the call's output
     (no server state) and reuses turn 1's cached prefix."""
