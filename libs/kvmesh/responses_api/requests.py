@@ -233,6 +233,8 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
         if kind != "function":
             raise BadRequest(f"tools[{i}]: tool type {kind!r} is not supported by this server (function tools "
                              "only)", f"tools[{i}]")
+        if not isinstance(t.get("name"), str) or not t["name"]:
+            raise BadRequest(f"tools[{i}].name must be a non-empty string", f"tools[{i}]")
         out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
     return out
 

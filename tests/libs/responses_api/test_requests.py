@@ -72,6 +72,8 @@ def test_session_hint(body, headers, session) -> None:
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
     ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0]"),
     ({"input": "hi", "tools": "x"}, "tools"),
+    ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools[0]"),
     ({"input": "hi", "tool_choice": {"type": "web_search"}}, "tool_choice"),
     ({"input": "hi", "tool_choice": "required"}, "tool_choice"),   # needs tools, as in chat
     ({"input": [{"type": "function_call", "call_id": 1, "name": "f", "arguments": "{}"}]}, "input[0]"),
