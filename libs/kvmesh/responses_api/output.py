@@ -4,7 +4,8 @@ Why it exists: a non-streamed answer and the first and last events of a stream c
 same ``response`` object, and the items a stream announces one by one must equal the ones in
 its final ``response.completed``; both paths build them here. The shapes are OpenAI's
 (``openai.types.responses.Response``): ``message`` items with ``output_text`` parts,
-``function_call`` items whose ``call_id`` the client answers with a ``function_call_output``,
+``function_call`` items whose ``call_id`` the client answers with a ``function_call_output``
+(``custom_tool_call`` items, with the freeform ``input``, for custom tools),
 ``status`` ``incomplete`` with ``incomplete_details.reason`` ``max_output_tokens`` when the
 token limit ended the answer, and ``usage`` with ``input_tokens_details.cached_tokens`` (the
 prefix-cache hit kvmesh exists for).
@@ -17,7 +18,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvmesh.responses_api.requests import ResponsesRequest
+from kvmesh.responses_api.requests import ResponsesRequest, shim_payload
 
 
 def new_id(prefix: str) -> str:
@@ -46,11 +47,23 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
             "status": status}
 
 
-def output_items(text: str, calls: list[Any]) -> list[dict[str, Any]]:
+def custom_call_item(item_id: str, call_id: str, name: str, payload: str) -> dict[str, Any]:
+    return {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": name, "input": payload}
+
+
+def call_item(call_id: str, name: str, arguments: str, custom: frozenset[str]) -> dict[str, Any]:
+    """A finished tool call's item: ``custom_tool_call`` (its input unwrapped from vLLM's shim) for a
+    custom tool, else ``function_call``."""
+    if name in custom:
+        return custom_call_item(new_id("ctc"), call_id, name, shim_payload(arguments))
+    return function_call_item(new_id("fc"), call_id, name, arguments)
+
+
+def output_items(text: str, calls: list[Any], custom: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
     """The output of a whole answer: its text as one message (when there is text), then its tool calls
-    (objects with ``id``, ``name`` and ``arguments``)."""
+    (objects with ``id``, ``name`` and ``arguments``); ``custom`` names the request's custom tools."""
     out = [message_item(new_id("msg"), text)] if text else []
-    out += [function_call_item(new_id("fc"), c.id, c.name, c.arguments) for c in calls]
+    out += [call_item(c.id, c.name, c.arguments, custom) for c in calls]
     return out
 
 

@@ -13,13 +13,16 @@ in ``vllm/entrypoints/openai/responses/utils.py``), so that a router in front of
   an assistant message item contributes its first part's text;
 - a ``function_call`` item joins the preceding assistant message's ``tool_calls`` (or starts
   one), and a ``function_call_output`` item is a ``tool`` message;
+- a ``custom`` (free-form text) tool is shown as vLLM's shim, a function of one string ``input``;
+  its ``custom_tool_call`` items are calls of that function and its outputs ``tool`` messages;
 - a ``reasoning`` item's text is the assistant's ``reasoning``; encrypted reasoning is refused;
 - flat function tools (``{"type": "function", "name", ...}``) become chat tools, and
   ``{"type": "function", "name"}`` as ``tool_choice`` names one.
 
 What cannot be honoured gets a 400 naming the field rather than silence: state kept by the
 server (``previous_response_id``, ``conversation``, ``item_reference``, ``background``),
-hosted tools (web search, file search, computer use, MCP, custom grammars), images and files,
+hosted tools (web search, file search, computer use, MCP) and grammar-constrained custom
+tools, images and files,
 structured output, log probabilities, and ``reasoning.effort``; the last four are an external
 engine's to honour when the router forwards to ``vllm serve`` (``engine_renders``). Nothing is
 stored, so every answer says ``store: false``.
@@ -27,6 +30,7 @@ stored, so every answer says ``store: false``.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -71,6 +75,7 @@ class ResponsesRequest:
     tool_choice: Any = "auto"
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
+    custom_tools: frozenset[str] = frozenset()   # names of the freeform (``custom``) tools
 
     @property
     def stream(self) -> bool:
@@ -174,10 +179,19 @@ def _item(where: str, item: Any, msgs: list[dict[str, Any]]) -> None:
             prev.setdefault("tool_calls", []).append(call)
         else:
             msgs.append({"role": "assistant", "tool_calls": [call]})
-    elif kind == "function_call_output":
+    elif kind == "custom_tool_call":
+        call_id, name, payload = item.get("call_id"), item.get("name"), item.get("input") or ""
+        if not isinstance(call_id, str) or not isinstance(name, str) or not name or not isinstance(payload, str):
+            raise BadRequest(f"{where}: a custom_tool_call needs string 'call_id', 'name' and 'input'", where)
+        call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": shim_arguments(payload)}}
+        if prev is not None:
+            prev.setdefault("tool_calls", []).append(call)
+        else:
+            msgs.append({"role": "assistant", "tool_calls": [call]})
+    elif kind in ("function_call_output", "custom_tool_call_output"):
         call_id = item.get("call_id")
         if not isinstance(call_id, str):
-            raise BadRequest(f"{where}: a function_call_output needs a string 'call_id'", where)
+            raise BadRequest(f"{where}: a {kind} needs a string 'call_id'", where)
         msgs.append({"role": "tool", "tool_call_id": call_id, "content": _call_output(where, item.get("output"))})
     elif kind == "reasoning":
         if item.get("encrypted_content"):
@@ -195,7 +209,7 @@ def _item(where: str, item: Any, msgs: list[dict[str, Any]]) -> None:
         raise BadRequest(f"{where}: {_STATEFUL[kind]}", where)
     else:
         raise BadRequest(f"{where}: item type {kind!r} is not supported by this server (message, function_call, "
-                         "function_call_output, reasoning)", where)
+                         "function_call_output, custom_tool_call, custom_tool_call_output, reasoning)", where)
 
 
 def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
@@ -221,8 +235,33 @@ def input_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return msgs
 
 
+# vLLM's shim for a freeform (``custom``) tool: the model sees a function of one string argument.
+CUSTOM_INPUT_KEY = "input"
+CUSTOM_PARAMETERS = {"type": "object",
+                     "properties": {CUSTOM_INPUT_KEY: {"type": "string",
+                                                       "description": "The freeform text payload for this tool."}},
+                     "required": [CUSTOM_INPUT_KEY], "additionalProperties": False}
+
+
+def shim_arguments(payload: str) -> str:
+    """A custom tool call's input as the shim function's arguments."""
+    return json.dumps({CUSTOM_INPUT_KEY: payload}, ensure_ascii=False)
+
+
+def shim_payload(arguments: str) -> str:
+    """The shim function's arguments back as the custom tool's input (bare text passes through)."""
+    try:
+        doc = json.loads(arguments)
+    except ValueError:
+        return arguments
+    v = doc.get(CUSTOM_INPUT_KEY) if isinstance(doc, dict) else None
+    return v if isinstance(v, str) else arguments
+
+
 def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Flat Responses function tools as chat tools; any other tool type is refused."""
+    """Flat Responses function tools, and custom tools as vLLM's one-string shim, as chat tools; any other
+    tool type is refused, and so is a custom tool constrained by a grammar (vLLM refuses it too: the
+    shim cannot hold the model to it)."""
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
@@ -230,25 +269,37 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
     out = []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
-        if kind != "function":
-            raise BadRequest(f"tools[{i}]: tool type {kind!r} is not supported by this server (function tools "
-                             "only)", f"tools[{i}]")
+        if kind not in ("function", "custom"):
+            raise BadRequest(f"tools[{i}]: tool type {kind!r} is not supported by this server (function and "
+                             "custom tools only)", f"tools[{i}]")
         if not isinstance(t.get("name"), str) or not t["name"]:
             raise BadRequest(f"tools[{i}].name must be a non-empty string", f"tools[{i}]")
-        out.append({"type": "function", "function": {k: v for k, v in t.items() if k != "type"}})
+        if kind == "custom":
+            fmt = t.get("format")
+            if isinstance(fmt, dict) and fmt.get("type") == "grammar":
+                raise BadRequest(f"tools[{i}].format: custom tools with a grammar are not supported by this "
+                                 "server (free-form text only)", f"tools[{i}]")
+            fn = {"name": t["name"], "description": t.get("description"), "parameters": CUSTOM_PARAMETERS}
+        else:
+            fn = {k: v for k, v in t.items() if k != "type"}
+        out.append({"type": "function", "function": fn})
     return out
+
+
+def _custom_names(tools: Any) -> frozenset[str]:
+    return frozenset(t["name"] for t in tools or [] if t.get("type") == "custom")
 
 
 def chat_tool_choice(choice: Any) -> Any:
     """A Responses ``tool_choice`` as the chat one."""
     if choice is None or isinstance(choice, str):
         return choice
-    if isinstance(choice, dict) and choice.get("type") == "function":
+    if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         if not isinstance(choice.get("name"), str):
-            raise BadRequest("'tool_choice' {\"type\": \"function\"} needs a string 'name'", "tool_choice")
+            raise BadRequest(f"'tool_choice' {{\"type\": \"{choice['type']}\"}} needs a string 'name'", "tool_choice")
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise BadRequest("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\", \"name\": ...}",
-                     "tool_choice")
+    raise BadRequest("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\" (or \"custom\"), "
+                     "\"name\": ...}", "tool_choice")
 
 
 def _metadata(body: dict[str, Any]) -> dict[str, str]:
@@ -322,4 +373,4 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
     return ResponsesRequest(chat=chat, body=body, instructions=body.get("instructions"),
                             tools=list(body.get("tools") or []),
                             tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
-                            metadata=_metadata(body), user=user)
+                            metadata=_metadata(body), user=user, custom_tools=_custom_names(body["tools"] if tools else None))

@@ -9,7 +9,8 @@ keeps that state so the HTTP handler only feeds it text and tool-call pieces:
 ``response.created``, ``response.in_progress``; per message item ``output_item.added``,
 ``content_part.added``, ``output_text.delta``..., ``output_text.done``, ``content_part.done``,
 ``output_item.done``; per function call ``output_item.added``,
-``function_call_arguments.delta``..., ``function_call_arguments.done``, ``output_item.done``;
+``function_call_arguments.delta``..., ``function_call_arguments.done``, ``output_item.done`` (for a
+custom tool ``custom_tool_call_input.delta`` and ``.done``, the input whole once the call is);
 then ``response.completed`` (its ``status`` ``incomplete`` when the token limit ended the answer,
 as vLLM reports it), or ``response.failed`` on an error, with the whole ``response``, whose items
 are the streamed ones. The event sequence is vLLM's; there is no ``[DONE]`` line.
@@ -20,7 +21,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from kvmesh.responses_api.output import ResponseHead, function_call_item, message_item, new_id, text_part
+from kvmesh.responses_api.output import (
+    ResponseHead,
+    custom_call_item,
+    function_call_item,
+    message_item,
+    new_id,
+    text_part,
+)
+from kvmesh.responses_api.requests import shim_payload
 
 STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -87,12 +96,17 @@ class ResponseEvents:
         if self._call is None or index != self._call_index:
             out += self._close_text() + self._close_call()
             self._call_index = index
-            self._call = function_call_item(new_id("fc"), call_id, name, "", "in_progress")
-            out += self._event("response.output_item.added", output_index=self._index, item=dict(self._call))
+            if name in self.head.req.custom_tools:
+                added = custom_call_item(new_id("ctc"), call_id, name, "")
+                self._call = {**added, "arguments": ""}
+            else:
+                added = self._call = function_call_item(new_id("fc"), call_id, name, "", "in_progress")
+            out += self._event("response.output_item.added", output_index=self._index, item=dict(added))
         if arguments:
             self._call["arguments"] += arguments
-            out += self._event("response.function_call_arguments.delta", item_id=self._call["id"],
-                               output_index=self._index, delta=arguments)
+            if self._call["type"] == "function_call":
+                out += self._event("response.function_call_arguments.delta", item_id=self._call["id"],
+                                   output_index=self._index, delta=arguments)
         return out
 
     def call(self, call_id: str, name: str, arguments: str) -> bytes:
@@ -104,9 +118,17 @@ class ResponseEvents:
         if self._call is None:
             return b""
         c, i = self._call, self._index
-        out = self._event("response.function_call_arguments.done", item_id=c["id"], output_index=i,
-                          name=c["name"], arguments=c["arguments"])
-        item = {**c, "status": "completed"}
+        if c["type"] == "custom_tool_call":
+            # The shim's arguments are JSON around the input: the input goes out whole once complete.
+            item = custom_call_item(c["id"], c["call_id"], c["name"], shim_payload(c.pop("arguments")))
+            out = self._event("response.custom_tool_call_input.delta", item_id=c["id"], output_index=i,
+                              delta=item["input"])
+            out += self._event("response.custom_tool_call_input.done", item_id=c["id"], output_index=i,
+                               input=item["input"])
+        else:
+            out = self._event("response.function_call_arguments.done", item_id=c["id"], output_index=i,
+                              name=c["name"], arguments=c["arguments"])
+            item = {**c, "status": "completed"}
         out += self._event("response.output_item.done", output_index=i, item=item)
         self.output.append(item)
         self._call = self._call_index = None

@@ -71,7 +71,8 @@ class WorkerResponses:
         calls = _calls(last, parallel)
         if last.tool_calls:
             text = last.content or ""
-        return JSONResponse(head.response(_status(last), output_items(text, calls), self._usage(last, len(ids), n_out),
+        items = output_items(text, calls, rreq.custom_tools)
+        return JSONResponse(head.response(_status(last), items, self._usage(last, len(ids), n_out),
                                           kvmesh={"endpoint": api.endpoint_id}), headers=api._headers())
 
     @staticmethod

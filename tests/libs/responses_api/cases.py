@@ -39,6 +39,10 @@ BODIES: list[dict[str, Any]] = [
     {"input": CODEX_TURNS[:8], "tools": TOOLS, "tool_choice": "required"},
     {"input": CODEX_TURNS[2:6], "tools": TOOLS, "tool_choice": {"type": "function", "name": "shell"}},
     {"input": CODEX_TURNS, "tools": TOOLS, "tool_choice": "none"},
+    {"input": CODEX_TURNS[:3] + [
+        {"type": "custom_tool_call", "call_id": "call_p", "name": "apply_patch", "input": "*** Begin Patch\nü \"q\""},
+        {"type": "custom_tool_call_output", "call_id": "call_p", "output": "Done!"}],
+     "tools": [{"type": "custom", "name": "apply_patch", "description": "Apply a patch."}] + TOOLS},
     {"input": [{"role": "system", "content": "inline"}, {"role": "user", "content": "a"},
                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"},
                                                                     {"type": "output_text", "text": "c"}]},

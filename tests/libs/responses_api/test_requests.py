@@ -70,7 +70,12 @@ def test_session_hint(body, headers, session) -> None:
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "custom"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch",   # vLLM refuses a grammar too
+                               "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]},
+     "tools[0]"),
+    ({"input": [{"type": "custom_tool_call", "call_id": "c", "name": "apply_patch", "input": 5}]}, "input[0]"),
     ({"input": "hi", "tools": "x"}, "tools"),
     ({"input": "hi", "tools": [{"type": "function"}]}, "tools[0]"),
     ({"input": "hi", "tools": [{"type": "function", "name": ""}]}, "tools[0]"),
@@ -142,3 +147,53 @@ def test_events_open_and_close_items_in_order() -> None:
 def test_a_whole_answer_without_text_has_only_its_calls() -> None:
     items = output_items("", [_C(0)])
     assert [i["type"] for i in items] == ["function_call"] and items[0]["status"] == "completed"
+
+
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Apply a patch.", "format": {"type": "text"}}
+
+
+def test_custom_tools_are_vllms_one_string_shim() -> None:
+    """A freeform tool is shown as a function of one string ``input``; its calls and outputs in the
+    history are that function's calls and tool messages; a named choice of it names the function."""
+    hist = [{"role": "user", "content": "Fix it."},
+            {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch\n\"ü\""},
+            {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done!"}]
+    req = _parse({"input": hist, "tools": [PATCH_TOOL, TOOLS[0]], "tool_choice": {"type": "custom", "name": "apply_patch"}})
+    tool = req.chat.chat_request.tools[0]["function"]
+    assert tool["name"] == "apply_patch" and tool["parameters"]["required"] == ["input"]
+    call = req.chat.messages[1]["tool_calls"][0]["function"]
+    assert json.loads(call["arguments"]) == {"input": "*** Begin Patch\n\"ü\""} and "ü" in call["arguments"]
+    assert req.chat.messages[2] == {"role": "tool", "tool_call_id": "c1", "content": "Done!"}
+    assert req.chat.chat_request.tool_choice == {"type": "function", "function": {"name": "apply_patch"}}
+    assert req.custom_tools == {"apply_patch"}
+
+
+class _Named:
+    def __init__(self, name: str, arguments: str) -> None:
+        self.id, self.name, self.arguments = "call_9", name, arguments
+
+
+def test_a_custom_tools_call_comes_back_as_its_input() -> None:
+    items = output_items("", [_Named("apply_patch", json.dumps({"input": "*** Begin Patch"})), _Named("shell", "{}")],
+                         frozenset({"apply_patch"}))
+    assert items[0] == {**items[0], "type": "custom_tool_call", "call_id": "call_9", "input": "*** Begin Patch"}
+    assert items[0]["id"].startswith("ctc_") and items[1]["type"] == "function_call"
+    # Arguments that are not the shim's JSON pass through as the input, as vLLM's do.
+    assert output_items("", [_Named("apply_patch", "raw text")], frozenset({"apply_patch"}))[0]["input"] == "raw text"
+
+
+def test_a_streamed_custom_call_sends_its_input_whole() -> None:
+    req = _parse({"input": "hi", "tools": [PATCH_TOOL]})
+    ev = ResponseEvents(ResponseHead(req, "m"))
+    raw = ev.start() + ev.call_delta(0, "call_1", "apply_patch", '{"inp') + ev.call_delta(0, "", "", 'ut": "x\\ny"}')
+    raw += ev.finish(False, {})
+    events = [json.loads(block.split(b"\ndata: ", 1)[1]) for block in raw.strip().split(b"\n\n")]
+    kinds = [e["type"] for e in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    [delta] = [e for e in events if e["type"] == "response.custom_tool_call_input.delta"]
+    assert delta["delta"] == "x\ny"
+    added = next(e for e in events if e["type"] == "response.output_item.added")["item"]
+    assert added["type"] == "custom_tool_call" and added["input"] == "" and "arguments" not in added
+    final = events[-1]["response"]["output"]
+    assert final == [{"type": "custom_tool_call", "id": added["id"], "call_id": "call_1", "name": "apply_patch",
+                      "input": "x\ny"}]

@@ -131,6 +131,32 @@ def test_streamed_events_build_the_final_response(client, choice) -> None:
     assert (c2.name, c2.arguments) == (call.name, call.arguments)
 
 
+PATCH_TOOL = {"type": "custom", "name": "apply_patch", "description": "Apply a patch to the workspace."}
+
+
+def test_custom_tool_round_trip(client) -> None:
+    """A free-form tool: the call comes back as a custom_tool_call with its text input (unwrapped from vLLM's
+    one-string shim), streamed as its input whole, and its output goes back as a custom_tool_call_output."""
+    kw: dict[str, Any] = dict(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=[PATCH_TOOL, TOOLS[1]],
+                              tool_choice={"type": "custom", "name": "apply_patch"}, max_output_tokens=16)
+    r = client.responses.create(**kw)
+    [call] = r.output
+    assert call.type == "custom_tool_call" and call.name == "apply_patch" and isinstance(call.input, str)
+    assert call.id.startswith("ctc_") and call.call_id
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.function_call_arguments.delta" not in kinds
+    [done] = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done.type == "custom_tool_call" and done.input == call.input   # the sim's call is a function of the prompt
+    assert "".join(e.delta for e in events if e.type == "response.custom_tool_call_input.delta") == call.input
+    history: list[Any] = ASK + [call.model_dump(exclude_none=True),
+                                {"type": "custom_tool_call_output", "call_id": call.call_id, "output": "Done!"}]
+    r2 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=history, tools=[PATCH_TOOL, TOOLS[1]],
+                                 tool_choice="none", max_output_tokens=4)
+    assert [o.type for o in r2.output] == ["message"]
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+
+
 def test_streamed_text(client) -> None:
     events = list(client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0,
                                           stream=True))
@@ -150,7 +176,7 @@ def test_streamed_text(client) -> None:
 
 @pytest.mark.parametrize("body,param,words", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]", "function tools only"),
+    ({"tools": [{"type": "web_search"}]}, "tools[0]", "function and custom tools only"),
     ({"input": None}, "input", "required"),
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},

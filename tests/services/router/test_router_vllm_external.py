@@ -305,15 +305,18 @@ def test_responses_api_through_vllms_own_responses(fleet) -> None:
     history as input, store false, prompt_cache_key): vLLM's /v1/responses answers (its tool parser,
     its events), and every turn's prediction equals vLLM's input_tokens_details.cached_tokens."""
     client = _client(fleet, "acme")
-    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+    # A function tool and a free-form one (vLLM shows it as a one-string function).
+    tools = [{"type": "function", **t["function"]} for t in TOOLS] + [
+        {"type": "custom", "name": "apply_patch", "description": "Apply a patch to the workspace."}]
     instructions = "You are a coding agent. Use the tools when they help. " * 6
     history: list[dict] = [{"role": "user", "content": "Plan the refactor of the parser, then check the weather."}]
     endpoints, calls = [], 0
     for turn in range(8):
         wants_tool = turn % 4 == 1
+        forced = {"type": "function", "name": "get_weather"} if turn == 1 else {"type": "custom", "name": "apply_patch"}
         kw = dict(model=TINY_MODEL_NAME, instructions=instructions, input=history, tools=tools, temperature=0.0,
                   store=False, prompt_cache_key="codex-conv-1", max_output_tokens=64 if wants_tool else 8,
-                  tool_choice={"type": "function", "name": "get_weather"} if wants_tool else "none")
+                  tool_choice=forced if wants_tool else "none")
         if turn % 4 == 3:   # streamed: vLLM's events pass through
             raw = client.responses.with_raw_response.create(**kw, stream=True)
             events = list(raw.parse())
@@ -328,13 +331,20 @@ def test_responses_api_through_vllms_own_responses(fleet) -> None:
         if turn:
             assert cached > 0, turn
         endpoints.append(eid)
-        if wants_tool:
+        if wants_tool and turn == 1:
             [call] = [o for o in r.output if o.type == "function_call"]
             assert call.name == "get_weather" and json.loads(call.arguments)["location"] in ("Paris", "Rome")
             calls += 1
             history += [{"type": "function_call", "call_id": call.call_id, "name": call.name,
                          "arguments": call.arguments},
                         {"type": "function_call_output", "call_id": call.call_id, "output": f"Sunny, {turn + 12} C"}]
+        elif wants_tool:   # vLLM unwraps the shim: the call is a custom_tool_call with a text input
+            [patch] = [o for o in r.output if o.type == "custom_tool_call"]
+            assert patch.name == "apply_patch" and isinstance(patch.input, str)
+            calls += 1
+            history += [{"type": "custom_tool_call", "call_id": patch.call_id, "name": patch.name,
+                         "input": patch.input + " ü"},
+                        {"type": "custom_tool_call_output", "call_id": patch.call_id, "output": "Done!"}]
         else:
             history += [{"role": "assistant", "content": r.output_text or "ok"},
                         {"role": "user", "content": f"Step {turn}: now look at parse_{turn}.py."}]
