@@ -33,7 +33,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate
 
 from kvmesh.anthropic import responses as R
@@ -94,10 +93,6 @@ _ROUTER_ONLY = ("kvmesh_policy",)
 
 def _finish(fin: FinalInfo) -> str:
     return "length" if fin.finish_reason == common_pb2.FINISH_REASON_LENGTH else "stop"
-
-
-def _routing(fin: FinalInfo) -> dict[str, Any]:
-    return MessageToDict(fin.routing, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
 
 
 def _tool_calls(fin: FinalInfo | None) -> list[R.ToolCall]:
@@ -328,7 +323,7 @@ class AnthropicApi:
         tool_use = any(b["type"] == "tool_use" for b in content)
         stop = R.stop_reason(_finish(fin) if fin is not None else "stop", out.matched, tool_use)
         metrics.REQUESTS.labels(api=API, outcome="ok").inc()
-        extra = {"kvmesh": _routing(fin)} if fin is not None else {}
+        extra = {"kvmesh": fin.routing_doc()} if fin is not None else {}
         return JSONResponse(R.message(msg_id, req.model, content, stop, self._usage(inp, out, fin), **extra))
 
     async def _events(self, request: Request, req: MessagesRequest, inp: GenInput, gen: Any,

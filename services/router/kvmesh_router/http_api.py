@@ -21,7 +21,6 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate
 
 from kvmesh.openai import sse
@@ -53,16 +52,13 @@ def _usage(fin: FinalInfo) -> dict[str, Any]:
                  cached_tokens_gpu=u.cached_tokens_gpu, cached_tokens_offload=u.cached_tokens_offload)
 
 
-def _routing(fin: FinalInfo) -> dict[str, Any]:
-    return MessageToDict(fin.routing, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-
-
 def _finish(fin: FinalInfo) -> str:
     return _FINISH.get(fin.finish_reason, "stop")
 
 
-def _tool_calls(fin: FinalInfo, inp: GenInput) -> list[dict[str, Any]]:
-    return tool_calls(fin.tool_calls, inp.chat_request is None or inp.chat_request.parallel_tool_calls)
+def _tool_calls(fin: FinalInfo) -> list[dict[str, Any]]:
+    # RouterService.generate already kept the first call only when parallel_tool_calls is false.
+    return tool_calls(fin.tool_calls)
 
 
 class _Detok:
@@ -248,8 +244,8 @@ class RouterHttpApi:
         text = tok.decode(ids) if tok is not None else ""
         if fin.tool_calls:
             text = fin.content or ""
-        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), tool_calls=_tool_calls(fin, inp),
-                                            kvmesh=_routing(fin)))
+        return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), tool_calls=_tool_calls(fin),
+                                            kvmesh=fin.routing_doc()))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
                       answer: Answer, api: str, include_usage: bool) -> AsyncIterator[bytes]:
@@ -261,7 +257,6 @@ class RouterHttpApi:
         # does not stream its parse gets the text held back until its final report.
         creq = inp.chat_request
         hold = creq is not None and creq.tools_active
-        parallel = creq is None or creq.parallel_tool_calls
         held: list[str] = []
         parsed = False
         try:
@@ -282,10 +277,8 @@ class RouterHttpApi:
                     if item.content:
                         yield sse.event(answer.chunk(item.content, None, None, first_chunk))
                         first_chunk = False
-                    # parallel_tool_calls false: an answer keeps its first call only.
-                    calls = [d for d in item.tool_calls if parallel or d.index == 0]
-                    if calls:
-                        yield sse.event(answer.tool_call_deltas_chunk(calls, first_chunk))
+                    if item.tool_calls:   # parallel_tool_calls applied by RouterService.generate
+                        yield sse.event(answer.tool_call_deltas_chunk(item.tool_calls, first_chunk))
                         first_chunk = False
                 else:
                     text = (item.content or "") if item.tool_calls else "".join(held)
@@ -293,9 +286,9 @@ class RouterHttpApi:
                         yield sse.event(answer.chunk(text, item.output_ids, None, first_chunk))
                         first_chunk = False
                     if item.tool_calls and not parsed:
-                        yield sse.event(answer.tool_calls_chunk(_tool_calls(item, inp), first_chunk))
+                        yield sse.event(answer.tool_calls_chunk(_tool_calls(item), first_chunk))
                         first_chunk = False
-                    yield sse.event(answer.chunk("", None, _finish(item), first_chunk, kvmesh=_routing(item)))
+                    yield sse.event(answer.chunk("", None, _finish(item), first_chunk, kvmesh=item.routing_doc()))
                     if include_usage:
                         yield sse.event(answer.usage_chunk(_usage(item)))
             metrics.REQUESTS.labels(api=api, outcome="ok").inc()

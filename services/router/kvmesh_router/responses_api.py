@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from google.protobuf.json_format import MessageToDict
 
 from kvmesh.openai.errors import OpenAIError, error_response
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
@@ -59,17 +58,8 @@ def _usage(fin: FinalInfo) -> dict[str, Any]:
                  cached_tokens_gpu=u.cached_tokens_gpu, cached_tokens_offload=u.cached_tokens_offload)
 
 
-def _routing(fin: FinalInfo) -> dict[str, Any]:
-    return MessageToDict(fin.routing, preserving_proto_field_name=True, always_print_fields_with_no_presence=True)
-
-
 def _incomplete(fin: FinalInfo) -> bool:
     return fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
-
-
-def _calls(inp: GenInput, calls: list[Any]) -> list[Any]:
-    parallel = inp.chat_request is None or inp.chat_request.parallel_tool_calls
-    return list(calls) if parallel else list(calls)[:1]
 
 
 class ResponsesApi:
@@ -150,12 +140,12 @@ class ResponsesApi:
             elif kind == "final":
                 fin = item
         assert fin is not None
-        calls = _calls(inp, fin.tool_calls)
+        calls = fin.tool_calls   # RouterService.generate applied parallel_tool_calls
         tok = self.service.tokenizer
         text = (fin.content or "") if fin.tool_calls else (tok.decode(ids) if tok is not None else "")
         metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         status = "incomplete" if _incomplete(fin) else "completed"
-        return JSONResponse(head.response(status, output_items(text, calls, head.req.custom_tools), _usage(fin), kvmesh=_routing(fin)))
+        return JSONResponse(head.response(status, output_items(text, calls, head.req.custom_tools), _usage(fin), kvmesh=fin.routing_doc()))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
                       head: ResponseHead) -> AsyncIterator[bytes]:
@@ -167,7 +157,6 @@ class ResponsesApi:
         # its parse gets the text held back until its final report.
         creq = inp.chat_request
         hold = creq is not None and creq.tools_active
-        parallel = creq is None or creq.parallel_tool_calls
         held: list[str] = []
         parsed = False
         try:
@@ -187,16 +176,14 @@ class ResponsesApi:
                 elif kind == "parsed":
                     parsed = True
                     yield ev.text(item.content)
-                    for d in item.tool_calls:
-                        if parallel or d.index == 0:
-                            yield ev.call_delta(d.index, d.id, d.name, d.arguments)
+                    for d in item.tool_calls:   # RouterService.generate applied parallel_tool_calls
+                        yield ev.call_delta(d.index, d.id, d.name, d.arguments)
                 elif kind == "final":
                     if not parsed:
-                        calls = _calls(inp, item.tool_calls)
                         yield ev.text((item.content or "") if item.tool_calls else "".join(held))
-                        for c in calls:
+                        for c in item.tool_calls:
                             yield ev.call(c.id, c.name, c.arguments)
-                    yield ev.finish(_incomplete(item), _usage(item), kvmesh=_routing(item))
+                    yield ev.finish(_incomplete(item), _usage(item), kvmesh=item.routing_doc())
             metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         except RouterError as exc:
             metrics.REQUESTS.labels(api=API, outcome=type(exc).__name__).inc()

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate, trace
 
 from kvmesh.api_keys import TenantSalts
@@ -167,6 +168,11 @@ class FinalInfo:
     # The worker parsed tool calls out of the answer: the calls and the text that is not one.
     tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
     content: str | None = None
+
+    def routing_doc(self) -> dict[str, Any]:
+        """The routing decision as JSON answers carry it (under ``kvmesh``), every field present."""
+        return MessageToDict(self.routing, preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
 
 
 @dataclass

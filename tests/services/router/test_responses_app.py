@@ -52,7 +52,9 @@ class _RoutedService:
         fin = FinalInfo(common_pb2.Usage(prompt_tokens=50, completion_tokens=len(ids), cached_tokens=32,
                                          cached_tokens_gpu=32), common_pb2.FINISH_REASON_TOOL_CALLS,
                         router_pb2.RoutingDecision(endpoint="w1"), inp.request_id, 0.01, ids)
-        fin.tool_calls = [_Call(c) for c in CALLS]   # type: ignore[misc]
+        calls = [_Call(c) for c in CALLS]
+        # As RouterService.generate reports them: parallel_tool_calls false keeps the first call only.
+        fin.tool_calls = calls if inp.chat_request.parallel_tool_calls else calls[:1]   # type: ignore[assignment]
         fin.content = "Let me read them."
         yield "final", fin
 

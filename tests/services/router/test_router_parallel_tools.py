@@ -1,7 +1,8 @@
 """``parallel_tool_calls`` false (OpenAI) and ``tool_choice.disable_parallel_tool_use`` (Anthropic):
 at most one tool call, as vLLM's server answers. A sim worker in its tool mode makes two parallel
 calls (``--sim-tool-calls 2``); the flag cuts the answer to the first, through the router with the
-official ``openai`` and ``anthropic`` clients (streamed and not) and over gRPC, and at the worker."""
+official ``openai`` (chat and Responses) and ``anthropic`` clients (streamed and not) and over gRPC,
+and at the worker."""
 
 from __future__ import annotations
 
@@ -73,6 +74,24 @@ def test_openai_streamed_calls_follow_parallel_tool_calls(oai, parallel) -> None
         final = s.get_final_completion()
     want = 2 if parallel else 1
     assert indexes == set(range(want)) and len(final.choices[0].message.tool_calls) == want
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_responses_parallel_tool_calls_false_keeps_one_call(oai, stream) -> None:
+    tools = [{"type": "function", **t["function"]} for t in TOOLS]
+
+    def ask(**flag):  # noqa: ANN003, ANN202
+        kw = {"model": MODEL, "instructions": HISTORY[0]["content"], "input": HISTORY[1]["content"], "tools": tools,
+              "max_output_tokens": 8, **flag}
+        if not stream:
+            return oai.responses.create(**kw)
+        with oai.responses.stream(**kw) as s:
+            return s.get_final_response()
+
+    both, one = ask(), ask(parallel_tool_calls=False)
+    names = [t["function"]["name"] for t in TOOLS[:2]]
+    assert [o.name for o in both.output if o.type == "function_call"] == names
+    assert [o.name for o in one.output if o.type == "function_call"] == names[:1]
 
 
 @pytest.mark.parametrize("stream", [False, True])
