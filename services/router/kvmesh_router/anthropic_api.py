@@ -51,7 +51,7 @@ from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_r
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
-from kvmesh_router.passthrough import Shape
+from kvmesh_router.passthrough import Shape, engine_body
 from kvmesh_router.service import FinalInfo, GenInput
 
 if TYPE_CHECKING:
@@ -87,8 +87,6 @@ ANTHROPIC = _AnthropicShape()
 # What vLLM's /v1/messages honours that does not change the prompt: left out of the copy of the
 # body the router validates and renders, forwarded to the engine as sent.
 _ENGINE_ONLY = ("top_k", "output_config")
-# kvmesh's own fields: read here, never forwarded.
-_ROUTER_ONLY = ("kvmesh_policy",)
 
 
 def _finish(fin: FinalInfo) -> str:
@@ -279,8 +277,7 @@ class AnthropicApi:
             self.api.apply_scope(inp, request)
         except AnthropicError as exc:
             return self._failed(exc, api)
-        forwarded = {k: v for k, v in body.items() if k not in _ROUTER_ONLY}
-        return await self.api.passthrough.forward(request, api, PREFIX, inp, forwarded, None, ANTHROPIC)
+        return await self.api.passthrough.forward(request, api, PREFIX, inp, engine_body(body), None, ANTHROPIC)
 
     def _usage(self, inp: GenInput, out: _Output, fin: FinalInfo | None) -> dict[str, int]:
         if fin is not None:

@@ -122,6 +122,15 @@ def gen_input(body: dict[str, Any], headers: Any, chat: bool, tenant: str) -> Ge
     return inp
 
 
+# kvmesh's own body fields: read by the router, never forwarded to an external engine.
+ROUTER_ONLY = ("kvmesh_policy",)
+
+
+def engine_body(body: dict[str, Any]) -> dict[str, Any]:
+    """``body`` without the router's own fields, for an engine's own API."""
+    return {k: v for k, v in body.items() if k not in ROUTER_ONLY}
+
+
 class _Usage:
     """The engine's usage, from a JSON answer or the last SSE event that carries one.
 

@@ -38,7 +38,7 @@ from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
-from kvmesh_router.passthrough import OPENAI
+from kvmesh_router.passthrough import OPENAI, engine_body
 from kvmesh_router.service import FinalInfo, GenInput
 
 if TYPE_CHECKING:
@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 
 API = "responses"
 PATH = "/v1/responses"
-# kvmesh's own fields: read here, never forwarded to an external engine.
-_ROUTER_ONLY = ("kvmesh_policy",)
 
 
 def _usage(fin: FinalInfo) -> dict[str, Any]:
@@ -128,8 +126,8 @@ class ResponsesApi:
 
     async def _external(self, request: Request, req: ResponsesRequest, inp: GenInput) -> Response:
         """Forward to an external engine's own /v1/responses: the body as sent, plus the tenant's salt."""
-        body = {k: v for k, v in req.body.items() if k not in _ROUTER_ONLY}
-        return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, body, None, OPENAI)
+        return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, engine_body(req.body),
+                                                  None, OPENAI)
 
     async def _answer(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], head: ResponseHead) -> Response:
         ids: list[int] = []
