@@ -14,8 +14,7 @@ import grpc
 import openai
 import pytest
 
-from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, start_router, start_worker
+from tests.fixtures.router import MODEL, RouterStack, one_worker_stack
 from tests.helpers.chat_cases import TOOLS
 
 pytestmark = pytest.mark.timeout(180)
@@ -28,17 +27,8 @@ ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "description": t["function"].
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[RouterStack]:
-    tmp = tmp_path_factory.mktemp("router-parallel-tools")
-    started: list[ServiceProcess] = []
-    try:
-        w = start_worker(tmp, "w1", extra=["--sim-tool-calls", "2"])
-        started.append(w)
-        router, http = start_router(tmp, [("w1", w.grpc_address)], extra=["--tokenizer-path", str(tiny_model_dir)])
-        started.append(router)
-        yield RouterStack(router, http, {"w1": w})
-    finally:
-        for p in reversed(started):
-            p.stop(grace_s=3)
+    with one_worker_stack(tmp_path_factory.mktemp("router-parallel-tools"), tiny_model_dir, ["--sim-tool-calls", "2"]) as st:
+        yield st
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,7 @@ import jsonschema
 import openai
 import pytest
 
-from kvmesh_tools.testing.procs import ServiceProcess
-from tests.fixtures.router import MODEL, RouterStack, start_router, start_worker
+from tests.fixtures.router import MODEL, RouterStack, one_worker_stack
 from tests.helpers.chat_cases import TOOLS as CHAT_TOOLS
 
 pytestmark = pytest.mark.timeout(240)
@@ -30,17 +29,8 @@ ASK = [{"role": "user", "content": [{"type": "input_text", "text": "What's the w
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir) -> Iterator[RouterStack]:
-    tmp = tmp_path_factory.mktemp("router-responses")
-    started: list[ServiceProcess] = []
-    try:
-        w = start_worker(tmp, "w1", extra=["--tokenizer", str(tiny_model_dir), "--max-model-len", "2048"])
-        started.append(w)
-        router, http = start_router(tmp, [("w1", w.grpc_address)], extra=["--tokenizer-path", str(tiny_model_dir)])
-        started.append(router)
-        yield RouterStack(router, http, {"w1": w})
-    finally:
-        for p in reversed(started):
-            p.stop(grace_s=3)
+    with one_worker_stack(tmp_path_factory.mktemp("router-responses"), tiny_model_dir, ["--tokenizer", str(tiny_model_dir), "--max-model-len", "2048"]) as st:
+        yield st
 
 
 @pytest.fixture(scope="module")
