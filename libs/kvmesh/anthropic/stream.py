@@ -24,8 +24,6 @@ from typing import Any
 from kvmesh.anthropic.errors import error_body
 from kvmesh.anthropic.responses import ToolCall, tool_input, tool_use_id
 
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 def event(kind: str, doc: dict[str, Any]) -> bytes:
     """One SSE event: ``event: <kind>`` and the JSON document (whose ``type`` is ``kind``)."""

@@ -81,10 +81,6 @@ class ResponsesRequest:
     def stream(self) -> bool:
         return self.chat.stream
 
-    @property
-    def max_output_tokens(self) -> int | None:
-        return self.chat.max_tokens
-
 
 def _refuse(body: dict[str, Any]) -> None:
     for name, (unset, why) in _REFUSED.items():

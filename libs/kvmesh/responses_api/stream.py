@@ -31,8 +31,6 @@ from kvmesh.responses_api.output import (
 )
 from kvmesh.responses_api.requests import shim_payload
 
-STREAM_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
 
 class ResponseEvents:
     """Builds the SSE bytes of one streamed answer; every method returns the events it adds."""

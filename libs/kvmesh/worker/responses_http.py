@@ -15,13 +15,14 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from kvmesh.openai import sse
 from kvmesh.openai.requests import read_json
 from kvmesh.request_ids import engine_request_id
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import parse_responses
-from kvmesh.responses_api.stream import STREAM_HEADERS, ResponseEvents
+from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh.worker.engine.base import EngineError, EngineOutput
 
 if TYPE_CHECKING:
@@ -59,8 +60,7 @@ class WorkerResponses:
             raise api.engine_error(exc) from None
         if req.stream:
             events = self._events(agen, first, ResponseEvents(head), len(ids), ereq.request_id, hold, parallel)
-            return StreamingResponse(events, media_type="text/event-stream",
-                                     headers={**STREAM_HEADERS, **api._headers()})
+            return sse.sse_response(events, headers=api._headers())
         text, n_out, last = "", 0, None
         try:
             async for new_ids, delta, out in _chain(first, agen):

@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate
 
 from kvmesh.anthropic import responses as R
@@ -45,7 +45,8 @@ from kvmesh.anthropic.requests import (
     parse_messages,
 )
 from kvmesh.anthropic.stops import StopMatcher
-from kvmesh.anthropic.stream import STREAM_HEADERS, MessageStream, error_event
+from kvmesh.anthropic.stream import MessageStream, error_event
+from kvmesh.openai import sse
 from kvmesh.openai.errors import OpenAIError
 from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
 from kvmesh_api.common.v1 import common_pb2
@@ -235,8 +236,7 @@ class AnthropicApi:
             log.exception("messages request failed")
             await gen.aclose()
             return self._failed(AnthropicError(f"internal error: {type(exc).__name__}: {exc}", 500), API)
-        return StreamingResponse(self._events(request, req, inp, gen, first, out, msg_id),
-                                 media_type="text/event-stream", headers=STREAM_HEADERS)
+        return sse.sse_response(self._events(request, req, inp, gen, first, out, msg_id))
 
     async def _external(self, request: Request) -> Response:
         """Forward to an external engine's own /v1/messages: body as sent, plus the tenant's salt."""

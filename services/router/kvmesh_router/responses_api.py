@@ -28,12 +28,13 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
+from kvmesh.openai import sse
 from kvmesh.openai.errors import OpenAIError, error_response
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
-from kvmesh.responses_api.stream import STREAM_HEADERS, ResponseEvents
+from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
@@ -121,8 +122,7 @@ class ResponsesApi:
             first = None
         except RouterError as exc:
             return router_error_response(exc, API)
-        return StreamingResponse(self._events(request, inp, gen, first, head), media_type="text/event-stream",
-                                 headers=STREAM_HEADERS)
+        return sse.sse_response(self._events(request, inp, gen, first, head))
 
     async def _external(self, request: Request, req: ResponsesRequest, inp: GenInput) -> Response:
         """Forward to an external engine's own /v1/responses: the body as sent, plus the tenant's salt."""
