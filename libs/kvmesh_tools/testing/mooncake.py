@@ -77,7 +77,12 @@ class MooncakeMaster:
         if exe is None:
             raise RuntimeError("mooncake_master not found; run `make install-mooncake`")
         for _ in range(ATTEMPTS):
-            self.port, self.metrics_port = free_port(), free_port()
+            self.port = self.metrics_port = free_port()
+            # Two picks can return the same port (each binds 0 and closes). The master then binds
+            # its admin server on its RPC port and exits, after the readiness check, which looks at
+            # both ports, has already passed.
+            while self.metrics_port == self.port:
+                self.metrics_port = free_port()
             if self._try(exe, timeout_s):
                 return self
         raise RuntimeError(f"mooncake_master did not start; see {self.log_path}: "
