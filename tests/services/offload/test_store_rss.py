@@ -6,6 +6,11 @@ a 256 MiB tier. This test guards the outcome (RSS flat between 3x and 6x the tie
 plus a bounded overhead), not trimming alone: with equal 1 MiB blocks glibc reuses the freed
 chunks, and the same churn without trimming measured 140-148 MiB here against 131-136 MiB with
 it. The bound leaves room for a loaded CI machine, where one run measured 174 MiB.
+
+"Flat" is judged against what the second round moves (3x the tier, 192 MiB): a store that kept
+evicted blocks would grow by about that much, so growth above a quarter of it fails. A fixed
+24 MiB margin was too tight for a loaded CI machine, where one run settled at 111 MiB after the
+first round (a trim had caught it low) and 136 MiB after the second, both far under the bound.
 """
 
 from __future__ import annotations
@@ -67,13 +72,15 @@ def test_rss_stays_at_the_ram_tier_plus_a_bounded_overhead(offload_process) -> N
     store = offload_process("--ram-capacity-bytes", str(RAM), "--malloc-trim-s", "0.5", "--shm-enabled", "false")
     pid = store.proc.pid
     base = _rss(pid)
-    _churn(store.grpc_address, 3 * RAM)
+    churn = 3 * RAM
+    _churn(store.grpc_address, churn)
     bound = RAM + 128 * MiB
     first = _settled_rss(pid, base + bound) - base
-    _churn(store.grpc_address, 3 * RAM, key_base=10_000_000)
-    second = _settled_rss(pid, base + min(bound, first + 24 * MiB)) - base
+    _churn(store.grpc_address, churn, key_base=10_000_000)
+    flat = first + churn // 4
+    second = _settled_rss(pid, base + min(bound, flat)) - base
     print(f"RSS growth over the idle store: {first / MiB:.1f} MiB after 3x the tier, {second / MiB:.1f} MiB after 6x")
-    # Flat: twice the churn does not grow it further (evicted blocks' memory is reused or returned) ...
-    assert second <= first + 24 * MiB, (first, second)
+    # Flat: the second round's evicted blocks are reused or returned, not kept ...
+    assert second <= flat, (first, second)
     # ... at the tier plus a bounded overhead (gRPC message buffers of the puts in flight, per-thread arenas).
     assert second <= bound, (first, second)
