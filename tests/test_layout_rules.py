@@ -5,7 +5,8 @@
 * services never import each other or ``kvmesh_tools``;
 * the routing core (``libs/kvmesh/routing``) never imports an engine
   (``kvmesh.worker``);
-* ``libs/kvmesh_api`` holds only generated stubs, and they are fresh;
+* ``libs/kvmesh_api`` holds only generated stubs, and they are fresh, and every
+  dependency list asks for the grpcio and protobuf they were generated for;
 * every test folder mirrors an existing code room;
 * every ``.github/CODEOWNERS`` path exists and every service and shared room
   has an owner.
@@ -18,6 +19,8 @@ from __future__ import annotations
 
 import ast
 import filecmp
+import re
+import tomllib
 from pathlib import Path
 
 from kvmesh_tools.genprotos import generate
@@ -347,3 +350,43 @@ def test_committed_stubs_are_fresh(tmp_path: Path) -> None:
         if not committed.exists() or not filecmp.cmp(fresh, committed, shallow=False):
             stale.append(str(rel))
     assert not stale, f"stubs are stale, run `make protos`: {stale}"
+
+
+def _stub_minimums() -> dict[str, str]:
+    """The runtime versions the committed stubs refuse to load below: a ``*_pb2_grpc`` module
+    raises on an older grpcio, a ``*_pb2`` module on an older protobuf."""
+    api = REPO / "libs" / "kvmesh_api" / "offload" / "v1"
+    grpc_ver = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", (api / "offload_pb2_grpc.py").read_text())
+    pb_ver = re.search(r"Domain.PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", (api / "offload_pb2.py").read_text())
+    assert grpc_ver and pb_ver
+    grpc_min = grpc_ver.group(1)
+    return {"grpcio": grpc_min, "grpcio-health-checking": grpc_min, "grpcio-reflection": grpc_min,
+            "protobuf": ".".join(pb_ver.groups())}
+
+
+def find_stale_minimums(root: Path, minimums: dict[str, str]) -> list[str]:
+    """Declarations of a stub runtime whose ``>=`` differs from the stubs' own minimum: an
+    install that honours a lower one imports stubs that refuse to load."""
+    lists = {"pyproject.toml": tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]}
+    for req in sorted((root / "services").glob("*/requirements.txt")):
+        lists[str(req.relative_to(root))] = [ln.strip() for ln in req.read_text().splitlines()
+                                             if ln.strip() and not ln.startswith("#")]
+    problems = []
+    for where, deps in lists.items():
+        for dep in deps:
+            name, _, low = dep.partition(">=")
+            if name.strip() in minimums and low.strip() != minimums[name.strip()]:
+                problems.append(f"{where}: {dep} (the stubs need >={minimums[name.strip()]})")
+    return problems
+
+
+def test_dependency_lists_ask_for_the_stubs_runtime() -> None:
+    assert not find_stale_minimums(REPO, _stub_minimums())
+
+
+def test_a_lower_runtime_minimum_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "services" / "router").mkdir(parents=True)
+    (tmp_path / "pyproject.toml").write_text('[project]\ndependencies = ["grpcio>=1.60", "redis>=5"]\n')
+    (tmp_path / "services" / "router" / "requirements.txt").write_text("# router\nprotobuf>=7.35.1\n")
+    found = find_stale_minimums(tmp_path, {"grpcio": "1.85.1", "protobuf": "7.35.1"})
+    assert found == ["pyproject.toml: grpcio>=1.60 (the stubs need >=1.85.1)"]
