@@ -171,18 +171,25 @@ async def test_errors_share_the_openai_shape(api) -> None:
     assert r.json()["error"]["type"] == "invalid_request_error"
 
 
-async def test_sampling_knobs_reach_the_engine_request(api, monkeypatch) -> None:
-    """vLLM's penalties, top_k and min_p go into the engine's request (top_k -1 as 0); unsent ones
-    keep the values that change nothing."""
-    client, _, engine = api
-    seen = []
+@pytest.fixture
+def seen(api, monkeypatch) -> list:
+    """The engine requests the API makes during a test, in order."""
+    engine = api[2]
+    out: list = []
     real = engine.generate
 
     def spy(req, *a, **kw):
-        seen.append(req)
+        out.append(req)
         return real(req, *a, **kw)
 
     monkeypatch.setattr(engine, "generate", spy)
+    return out
+
+
+async def test_sampling_knobs_reach_the_engine_request(api, seen) -> None:
+    """vLLM's penalties, top_k and min_p go into the engine's request (top_k -1 as 0); unsent ones
+    keep the values that change nothing."""
+    client, _, _ = api
     r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2, 3], "max_tokens": 2, "top_k": -1,
                                                    "repetition_penalty": 1.05, "min_p": 0.1})
     assert r.status_code == 200, r.text
@@ -191,6 +198,20 @@ async def test_sampling_knobs_reach_the_engine_request(api, monkeypatch) -> None
     sent, plain = seen
     assert (sent.top_k, sent.repetition_penalty, sent.min_p, sent.presence_penalty) == (0, 1.05, 0.1, 0.0)
     assert (plain.top_k, plain.repetition_penalty, plain.min_p, plain.frequency_penalty) == (0, 1.0, 0.0, 0.0)
+
+
+async def test_structured_outputs_reach_the_engine_request(api, seen) -> None:
+    """``response_format`` becomes the engine request's spec, as at the router; this sim engine has no
+    tokenizer to write a matching answer with, so it refuses (a 400 that says how to fix it)."""
+    client, _, _ = api
+    r = await client.post("/v1/chat/completions", json={
+        "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+        "response_format": {"type": "json_object"}, "structured_outputs": {"disable_any_whitespace": True}})
+    assert r.status_code == 400 and "--tokenizer" in r.json()["error"]["message"], r.text
+    assert seen[0].structured_outputs == {"json_object": True, "disable_any_whitespace": True}
+    r = await client.post("/v1/completions", json={"model": MODEL, "prompt": [1, 2], "max_tokens": 2,
+                                                   "structured_outputs": {"choice": []}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "structured_outputs", r.text
 
 
 RESPONSES_TOOLS = [{"type": "function", "name": "read_file", "description": "Read a file.",

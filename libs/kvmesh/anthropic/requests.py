@@ -28,8 +28,9 @@ writes a dict with ``tojson`` writes its keys in order.
 
 What kvmesh cannot honour is refused with a 400 whose message names the field,
 never ignored: image and document blocks (text-only models), server tools,
-extended thinking, structured output, a region, ``max_tokens`` 0 (cache
-pre-warming), unknown fields.
+extended thinking, ``output_config.effort``, a region, ``max_tokens`` 0 (cache
+pre-warming), unknown fields. ``output_config.format`` (a JSON schema) is structured output, the
+chat API's ``response_format`` ``json_schema`` as vLLM maps it (``kvmesh.structured_outputs``).
 """
 
 from __future__ import annotations
@@ -55,13 +56,12 @@ _EXTENSIONS = {"cache_salt", "kvmesh_policy", "lora_name"}
 # ``cache_control`` asks for prompt caching, which the engines' prefix cache does on its own;
 # ``user_profile_id``/``workspace_id`` identify the caller and change nothing here.
 _PROMPT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "speed",
-                  "user_profile_id", "workspace_id", *_EXTENSIONS}
+                  "user_profile_id", "workspace_id", "output_config", *_EXTENSIONS}
 MESSAGES_FIELDS = _PROMPT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
                                     "metadata", "service_tier", "inference_geo", "diagnostics"}
 COUNT_FIELDS = _PROMPT_FIELDS
 _NOT_SUPPORTED = {
-    "output_config": "structured output is not supported by this server",
-    "output_format": "structured output is not supported by this server",
+    "output_format": "the beta 'output_format' is now 'output_config.format'",
     "container": "code-execution containers are not supported by this server",
     "mcp_servers": "MCP servers are not supported by this server",
     "context_management": "context management is not supported by this server",
@@ -86,6 +86,7 @@ class MessagesRequest:
     top_k: int | None = None
     stream: bool = False
     session_id: str = ""
+    structured_outputs: dict[str, Any] | None = None   # output_config.format (kvmesh.structured_outputs)
 
 
 # -- typed field readers ----------------------------------------------------------------------
@@ -359,7 +360,33 @@ def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
     req.tool_choice = _tool_choice(body, tools)
     req.parallel_tool_calls = not (isinstance(body.get("tool_choice"), dict)
                                    and body["tool_choice"].get("disable_parallel_tool_use") is True)
+    req.structured_outputs = _output_config(body.get("output_config"))
     return req
+
+
+def _output_config(config: Any) -> dict[str, Any] | None:
+    """``output_config``: its ``format`` (``{"type": "json_schema", "schema": {...}}``) as a
+    structured-outputs spec, as vLLM's ``_handle_output_config`` makes it a ``response_format``."""
+    if config is None:
+        return None
+    config = _object(config, "output_config")
+    for k in config:
+        if k == "effort" and config[k] is not None:
+            raise bad_request("output_config.effort", "reasoning effort is not supported by this server")
+        if k not in ("format", "effort"):
+            raise bad_request(f"output_config.{k}", "Extra inputs are not permitted")
+    fmt = config.get("format")
+    if fmt is None:
+        return None
+    fmt = _object(fmt, "output_config.format")
+    if fmt.get("type") != "json_schema":
+        raise bad_request("output_config.format.type", f"must be 'json_schema', got {fmt.get('type')!r}")
+    if not isinstance(fmt.get("schema"), dict):
+        raise bad_request("output_config.format.schema", "must be a JSON schema object")
+    extra = set(fmt) - {"type", "schema"}
+    if extra:
+        raise bad_request(f"output_config.format.{sorted(extra)[0]}", "Extra inputs are not permitted")
+    return {"json": fmt["schema"]}
 
 
 def parse_count_tokens(body: Any, headers: Any) -> MessagesRequest:

@@ -8,8 +8,10 @@ messages, tools, tool_choice, template keywords), sampling fields of the
 right type and range (``max_tokens``/``max_completion_tokens`` >= 1,
 ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` = 1, at most 4
 ``stop`` strings), boolean ``stream``/``ignore_eos``, object
-``stream_options``. A parameter kvmesh cannot honour (``UNSUPPORTED``:
-``response_format``, ``logprobs``, penalties, ``echo``, ...) is refused with a
+``stream_options``, structured outputs (``response_format`` and vLLM's
+``structured_outputs``, folded into one spec by ``kvmesh.structured_outputs``).
+A parameter kvmesh cannot honour (``UNSUPPORTED``: ``logprobs``, ``echo``,
+``logit_bias``, the removed ``guided_*`` fields, ...) is refused with a
 400 naming it rather than ignored. Each error is a ``BadRequest`` whose
 ``param`` names the field. What the service does with a valid request
 (tokenize, check the model, route) is not here.
@@ -24,6 +26,7 @@ from typing import Any
 import msgspec
 from fastapi import Request
 
+from kvmesh import structured_outputs
 from kvmesh.openai.errors import BadRequest
 from kvmesh.sampling import KNOBS, knob_error, normalized
 from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
@@ -163,6 +166,7 @@ class OpenAIRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool | None = None
     knobs: dict[str, float] = field(default_factory=dict)   # kvmesh.sampling's, as sent
+    structured_outputs: dict[str, Any] | None = None         # kvmesh.structured_outputs' spec
     stream: bool = False
     include_usage: bool = False
     cache_salt: str = ""
@@ -185,10 +189,11 @@ def _empty(v: Any) -> bool:
     return v is None or v == {} or v == [] or v == ""
 
 
+_GUIDED = "the guided_* fields were removed (as in vLLM); use 'structured_outputs' or 'response_format'"
+
 # Parameters the engines cannot honour, each with the test for "not asked for" (a default value
 # that changes nothing is accepted): anything else gets a 400 naming it, never silence.
 UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "structured output is not supported"),
     "logprobs": (_off, "log probabilities are not returned"),
     "top_logprobs": (_zero, "log probabilities are not returned"),
     "prompt_logprobs": (_zero, "log probabilities are not returned"),
@@ -197,11 +202,11 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "use_beam_search": (_off, "beam search is not supported"),
     "suffix": (_empty, "suffix is not supported"),
     "echo": (_off, "echo is not supported"),
-    "structured_outputs": (_empty, "structured output is not supported"),
-    "guided_json": (_empty, "structured output is not supported"),
-    "guided_regex": (_empty, "structured output is not supported"),
-    "guided_choice": (_empty, "structured output is not supported"),
-    "guided_grammar": (_empty, "structured output is not supported"),
+    # vLLM removed the guided_* fields and now ignores them silently; kvmesh names their successor.
+    "guided_json": (_empty, _GUIDED),
+    "guided_regex": (_empty, _GUIDED),
+    "guided_choice": (_empty, _GUIDED),
+    "guided_grammar": (_empty, _GUIDED),
     "reasoning_effort": (_empty, "reasoning_effort is not supported; use chat_template_kwargs if the "
                                  "template reads it"),
     "functions": (_empty, "the legacy 'functions' API is not supported; use 'tools'"),
@@ -268,6 +273,12 @@ def _common(req: OpenAIRequest, body: dict[str, Any], headers: Any) -> OpenAIReq
             if why is not None:
                 raise BadRequest(why, name)
             req.knobs[name] = normalized(name, v)
+    tool_choice = req.chat_request.tool_choice if req.chat_request is not None else None
+    try:
+        req.structured_outputs = structured_outputs.from_openai(body.get("response_format"),
+                                                                body.get("structured_outputs"), tool_choice)
+    except structured_outputs.StructuredOutputsError as exc:
+        raise BadRequest(exc.message, exc.param) from None
     req.stream = bool(boolean(body, "stream"))
     opts = body.get("stream_options")
     opts = {} if opts is None else opts

@@ -89,6 +89,7 @@ class ResponseHead:
             "temperature": chat.temperature, "top_p": chat.top_p, "max_output_tokens": chat.max_tokens,
             "tool_choice": req.tool_choice, "tools": req.tools, "previous_response_id": None,
             "reasoning": {"effort": None, "summary": None}, "store": False,
-            "text": {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata,
+            "text": {"format": req.body["text"].get("format") or {"type": "text"}} if isinstance(
+                req.body.get("text"), dict) else {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata,
             "user": req.user, "usage": usage, **extra,
         }

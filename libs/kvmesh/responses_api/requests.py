@@ -17,13 +17,15 @@ in ``vllm/entrypoints/openai/responses/utils.py``), so that a router in front of
   its ``custom_tool_call`` items are calls of that function and its outputs ``tool`` messages;
 - a ``reasoning`` item's text is the assistant's ``reasoning``; encrypted reasoning is refused;
 - flat function tools (``{"type": "function", "name", ...}``) become chat tools, and
-  ``{"type": "function", "name"}`` as ``tool_choice`` names one.
+  ``{"type": "function", "name"}`` as ``tool_choice`` names one;
+- ``text.format`` (``json_schema``, ``json_object``) is the chat API's ``response_format``
+  (structured outputs, ``kvmesh.structured_outputs``), as vLLM's ``extract_structured_outputs``.
 
 What cannot be honoured gets a 400 naming the field rather than silence: state kept by the
 server (``previous_response_id``, ``conversation``, ``item_reference``, ``background``),
 hosted tools (web search, file search, computer use, MCP) and grammar-constrained custom
 tools, images and files,
-structured output, log probabilities, and ``reasoning.effort``; the last four are an external
+log probabilities, and ``reasoning.effort``; the last two are an external
 engine's to honour when the router forwards to ``vllm serve`` (``engine_renders``). Nothing is
 stored, so every answer says ``store: false``.
 """
@@ -90,7 +92,7 @@ def _refuse(body: dict[str, Any]) -> None:
 
 def _refuse_engine_only(body: dict[str, Any]) -> None:
     """What only an engine with its own ``/v1/responses`` honours (``vllm serve``: reasoning
-    parsers, structured output, log probabilities, truncation)."""
+    parsers, log probabilities, truncation)."""
     if body.get("top_logprobs") not in (None, 0):
         raise BadRequest("'top_logprobs' is not supported by this server: log probabilities are not returned",
                          "top_logprobs")
@@ -107,12 +109,6 @@ def _refuse_engine_only(body: dict[str, Any]) -> None:
             raise BadRequest("'include' must be a list of strings", "include")
         if "message.output_text.logprobs" in include:
             raise BadRequest("'include' asks for log probabilities, which are not returned", "include")
-    text = body.get("text")
-    if text is not None:
-        fmt = text.get("format") if isinstance(text, dict) else None
-        if not isinstance(text, dict) or (fmt is not None and fmt != {"type": "text"}):
-            raise BadRequest("'text.format' other than {\"type\": \"text\"} is not supported by this server: "
-                             "structured output is not supported", "text")
     if body.get("truncation") not in (None, "disabled"):
         raise BadRequest("'truncation' must be 'disabled': this server never drops input", "truncation")
 
@@ -308,9 +304,36 @@ def _metadata(body: dict[str, Any]) -> dict[str, str]:
     return md
 
 
+def text_format(body: dict[str, Any]) -> dict[str, Any] | None:
+    """``text.format`` as the chat API's ``response_format`` (vLLM's ``extract_structured_outputs``:
+    ``json_schema`` constrains to its ``schema``, ``json_object`` to any object, ``text`` not at all);
+    None when absent."""
+    text = body.get("text")
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict) or (fmt is not None and not isinstance(fmt, dict)):
+        raise BadRequest("'text' must be an object whose 'format' is an object", "text")
+    if fmt is None:
+        return None
+    kind = fmt.get("type")
+    if kind in ("text", "json_object"):
+        out: dict[str, Any] = {"type": kind}
+    elif kind == "json_schema":
+        if not isinstance(fmt.get("name"), str) or not isinstance(fmt.get("schema"), dict):
+            raise BadRequest("'text.format' json_schema needs a string 'name' and a 'schema' object", "text")
+        out = {"type": "json_schema", "json_schema": {"name": fmt["name"], "schema": fmt["schema"],
+                                                      "strict": fmt.get("strict")}}
+    else:
+        raise BadRequest(f"'text.format.type' must be text, json_object or json_schema, got {kind!r}", "text")
+    if body.get("structured_outputs") is not None:
+        raise BadRequest("Cannot specify both structured_outputs and text.format", "structured_outputs")
+    return out
+
+
 def _as_responses_error(exc: BadRequest) -> BadRequest:
     """A chat check's error in the Responses request's own words."""
-    renames = {"max_tokens": "max_output_tokens"}
+    renames = {"max_tokens": "max_output_tokens", "response_format": "text"}
     param = exc.param or ""
     if param.startswith("messages"):
         return BadRequest(exc.message.replace("messages", "input (as chat messages)", 1), "input")
@@ -350,6 +373,11 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
         chat_body["tool_choice"] = chat_tool_choice(body["tool_choice"])
     if body.get("max_output_tokens") is not None:
         chat_body["max_tokens"] = body["max_output_tokens"]
+    fmt = text_format(body)
+    if fmt is not None:
+        chat_body["response_format"] = fmt
+    elif body.get("structured_outputs") is not None:   # vLLM's extension, on this API too
+        chat_body["structured_outputs"] = body["structured_outputs"]
     # OpenAI's cache key is the session the prefix belongs to: kvmesh's session hint.
     session = string(body, "prompt_cache_key") or string(body, "session_id")
     if session:

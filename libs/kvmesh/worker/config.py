@@ -47,7 +47,8 @@ class WorkerConfig:
         "choices": ["auto", "on", "off"]})
     http_client_roles: str = field(default="gateway,router,admin", metadata=_h(
         "with HTTPS, the client-certificate roles that may call the OpenAI HTTP API (monitor may also read /metrics)"))
-    tokenizer: str = field(default="", metadata=_h("HF tokenizer dir for the HTTP API's text prompts"))
+    tokenizer: str = field(default="", metadata=_h(
+        "HF tokenizer dir for the HTTP API's text prompts (and the sim's answers to structured outputs)"))
     block_size: int = field(default=64, metadata=_h("KV block size in tokens"))
     num_blocks: int = field(default=8192, metadata=_h("KV cache capacity in blocks (sim; vllm: derived)"))
     kv_cache_memory_bytes: int = field(default=0, metadata=_h("vllm: KV cache bytes (0 = engine default)"))
@@ -189,5 +190,5 @@ class WorkerConfig:
             offload_lookup_timeout_s=self.offload_lookup_timeout_s,
             model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,
             kv_num_kv_heads=self.kv_num_kv_heads, kv_head_dim=self.kv_head_dim, kv_dtype=self.kv_dtype,
-            latency=self.latency(), tool_calls=self.sim_tool_calls,
+            latency=self.latency(), tool_calls=self.sim_tool_calls, tokenizer=self.tokenizer,
         )

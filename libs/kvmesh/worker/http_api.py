@@ -217,7 +217,7 @@ class WorkerHttpApi:
             ignore_eos=bool(req.ignore_eos), cache_salt=req.cache_salt, session_id=req.session_id,
             tools=req.chat_request.tools if _tools_active(req) else None,
             tool_choice=req.chat_request.effective_tool_choice if _tools_active(req) else None,
-            parallel_tool_calls=_parallel(req), **req.knobs,
+            parallel_tool_calls=_parallel(req), structured_outputs=req.structured_outputs, **req.knobs,
         )
 
     async def _handle(self, request: Request, chat: bool) -> Response:

@@ -21,6 +21,7 @@ from typing import Any
 import grpc
 from opentelemetry import trace
 
+from kvmesh import structured_outputs
 from kvmesh.sampling import knobs_of
 from kvmesh.worker.engine.base import (
     Engine,
@@ -148,11 +149,17 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         temperature = sp.temperature if sp.HasField("temperature") else 1.0
         top_p = sp.top_p if sp.HasField("top_p") else 1.0
         tools, tool_choice = _tools(msg)
+        structured = None
+        if not (prefill_only or self.role == "prefill"):   # a prefill's one token is never returned
+            try:
+                structured = structured_outputs.from_json(sp.structured_outputs_json)
+            except structured_outputs.StructuredOutputsError as exc:
+                raise BadRequest(exc.message) from None
         # Unset (or a PrefillRequest, which has no tools) is OpenAI's default: parallel calls allowed.
         single = "parallel_tool_calls" in msg.DESCRIPTOR.fields_by_name and msg.HasField("parallel_tool_calls") \
             and not msg.parallel_tool_calls
         return EngineRequest(
-            tools=tools, tool_choice=tool_choice, parallel_tool_calls=not single,
+            tools=tools, tool_choice=tool_choice, parallel_tool_calls=not single, structured_outputs=structured,
             request_id=rid, prompt_token_ids=list(msg.prompt_token_ids), max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=sp.seed if sp.HasField("seed") else None, **knobs_of(sp),
             stop_token_ids=list(sp.stop_token_ids), ignore_eos=sp.ignore_eos, cache_salt=msg.cache_salt,

@@ -197,6 +197,7 @@ class LocalStack:
             identity=("store", OFFLOAD_ID),
         ).start(c.start_timeout_s).grpc_address
 
+        self.model_dir = self._model_dir()
         workers: list[tuple[dict[str, str], str, ServiceProcess]] = []
         for role, n, book in (("decode", c.decode_workers, self.decode_addresses),
                               ("prefill", c.prefill_workers, self.prefill_addresses)):
@@ -205,6 +206,8 @@ class LocalStack:
                 args = ["--host", h, "--advertise-host", h, "--endpoint-id", ep,
                         "--model", c.model, "--block-size", str(c.block_size), "--num-blocks", str(c.num_blocks),
                         "--vocab-size", str(c.vocab_size), "--time-scale", str(c.time_scale),
+                        # The sim writes its answers to structured outputs in this tokenizer's tokens.
+                        "--tokenizer", self.model_dir,
                         *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
                         "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
                 # The sim engine binds both event sockets where the kernel picks (port '*'
@@ -217,7 +220,6 @@ class LocalStack:
             sp.wait_ready(c.start_timeout_s)
             book[ep] = sp.grpc_address
 
-        self.model_dir = self._model_dir()
         auth_args = self._auth_args()
         args = [*auth_args, "--host", h, "--model", c.model, "--tokenizer-path", self.model_dir,
                 "--block-size", str(c.block_size), "--vocab-size", str(c.vocab_size), "--policy", c.policy,

@@ -12,8 +12,9 @@ stream; every error has Anthropic's shape (``kvmesh.anthropic.errors``).
 
 With external OpenAI engines (``vllm serve``, ``Cluster.external_mode``) the request
 goes to the engine's own ``/v1/messages`` instead (``passthrough``): vLLM parses tool
-calls, applies stop sequences and writes the answer, so what it honours beyond the
-workers (``output_config.format``) is accepted there.
+calls, applies stop sequences and writes the answer. ``output_config`` is checked as for the
+workers (``format`` is structured output; ``effort`` would change the rendered prompt, so it is
+refused on both paths).
 
 Stop sequences are found in the decoded text here (the workers' token streams
 carry no stop strings); on a match the worker call is cancelled, so the engine
@@ -35,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate
 
+from kvmesh import structured_outputs
 from kvmesh.anthropic import responses as R
 from kvmesh.anthropic.errors import OVERLOADED, AnthropicError, bad_request
 from kvmesh.anthropic.requests import (
@@ -87,7 +89,7 @@ class _AnthropicShape(Shape):
 ANTHROPIC = _AnthropicShape()
 # What vLLM's /v1/messages honours that does not change the prompt: left out of the copy of the
 # body the router validates and renders, forwarded to the engine as sent.
-_ENGINE_ONLY = ("top_k", "output_config")
+_ENGINE_ONLY = ("top_k",)
 
 
 def _finish(fin: FinalInfo) -> str:
@@ -177,6 +179,7 @@ class AnthropicApi:
         if req.top_k is not None:
             s.top_k = req.top_k
         s.stop.extend(req.stop_sequences)
+        s.structured_outputs_json = structured_outputs.to_json(req.structured_outputs)
         inp.session_id = req.session_id
         inp.cache_salt = _ext(req, "cache_salt")
         inp.lora_name = _ext(req, "lora_name")
@@ -245,10 +248,6 @@ class AnthropicApi:
             body = await self._body(request)
             if not isinstance(body, dict):
                 raise bad_request("", "the body must be a JSON object")
-            out_cfg = body.get("output_config")
-            if out_cfg is not None and (not isinstance(out_cfg, dict) or set(out_cfg) - {"format"}):
-                # ``effort`` becomes a reasoning effort the chat template renders; not predicted.
-                raise bad_request("output_config", "only 'format' is supported through this router")
             top_k = body.get("top_k")
             if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1):
                 raise bad_request("top_k", f"must be an integer >= 1, got {top_k!r}")

@@ -94,6 +94,8 @@ def request_body(model: str, tokens: Any, sampling: common_pb2.SamplingParams, m
     if sampling.ignore_eos:
         body["ignore_eos"] = True
     body.update(knobs_of(sampling))
+    if sampling.structured_outputs_json:
+        body["structured_outputs"] = json.loads(sampling.structured_outputs_json)
     if cache_salt:
         body["cache_salt"] = cache_salt
     return body

@@ -23,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from opentelemetry import propagate
 
+from kvmesh import structured_outputs
 from kvmesh.openai import sse
 from kvmesh.openai.errors import OpenAIError, error_body, error_response, install_error_handlers
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
@@ -133,6 +134,7 @@ class RouterHttpApi:
             s.ignore_eos = req.ignore_eos
         for name, value in req.knobs.items():
             setattr(s, name, value)
+        s.structured_outputs_json = structured_outputs.to_json(req.structured_outputs)
         inp.text = req.prompt_text
         inp.tokens = req.prompt_ids
         inp.chat = req.messages

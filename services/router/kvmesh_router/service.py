@@ -26,6 +26,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 from opentelemetry import propagate, trace
 
+from kvmesh import structured_outputs
 from kvmesh.api_keys import TenantSalts
 from kvmesh.hashing import ExtraKeys
 from kvmesh.index.base import MAX_SPECULATIVE_TTL_S
@@ -272,6 +273,11 @@ class RouterService:
         bad_knob = first_error({name: getattr(s, name) for name in KNOBS if s.HasField(name)})
         if bad_knob is not None:
             raise BadRequest(bad_knob[1], bad_knob[0])
+        if s.structured_outputs_json:
+            try:
+                structured_outputs.from_json(s.structured_outputs_json)
+            except structured_outputs.StructuredOutputsError as exc:
+                raise BadRequest(exc.message, exc.param) from None
         if len(s.stop) > MAX_STOP or any(len(x.encode()) > 256 for x in s.stop):
             raise BadRequest(f"stop: at most {MAX_STOP} strings of at most 256 bytes", "stop")
         if s.max_tokens > self.max_model_len():

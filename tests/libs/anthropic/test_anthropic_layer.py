@@ -89,7 +89,8 @@ def test_session_from_header_else_metadata_user_id():
      "tool_choice.name"),
     ({"top_p": 0}, "top_p"), ({"stop_sequences": [""]}, "stop_sequences"),
     ({"stop_sequences": ["s"] * 17}, "stop_sequences"), ({"speed": "fast"}, "speed"),
-    ({"output_config": {"format": {}}}, "output_config"), ({"metadata": {"x": 1}}, "metadata.x"),
+    ({"output_config": {"format": {}}}, "output_config.format.type"),
+    ({"output_config": {"effort": "high"}}, "output_config.effort"), ({"metadata": {"x": 1}}, "metadata.x"),
 ])
 def test_bad_fields_are_named(over, field):
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **over}

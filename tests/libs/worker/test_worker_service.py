@@ -94,6 +94,13 @@ async def test_deterministic_tokens_with_seed(stub) -> None:
     (_gen("x", [1, 2], model="other"), "unknown model"),
     (worker_pb2.GenerateRequest(request_id="x", prompt_token_ids=[1],
                                 sampling=common_pb2.SamplingParams(max_tokens=2, temperature=-1)), "temperature"),
+    (worker_pb2.GenerateRequest(request_id="x", prompt_token_ids=[1], sampling=common_pb2.SamplingParams(
+        max_tokens=2, structured_outputs_json='{"regex": "a", "json_object": true}')), "exactly one constraint"),
+    (worker_pb2.GenerateRequest(request_id="x", prompt_token_ids=[1], sampling=common_pb2.SamplingParams(
+        max_tokens=2, structured_outputs_json="[")), "not JSON"),
+    # The sim writes a structured answer in its tokenizer's tokens; this worker has none.
+    (worker_pb2.GenerateRequest(request_id="x", prompt_token_ids=[1], sampling=common_pb2.SamplingParams(
+        max_tokens=2, structured_outputs_json='{"json_object": true}')), "--tokenizer"),
 ])
 async def test_bad_input_is_invalid_argument(stub, req, needle) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as ei:

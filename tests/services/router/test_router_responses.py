@@ -177,7 +177,7 @@ def test_streamed_text(client) -> None:
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
     ({"temperature": 3}, "temperature", "[0, 2]"),
     ({"top_k": -7}, "top_k", "top_k"),
-    ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {}}}}, "text", "structured output"),
+    ({"text": {"format": {"type": "yaml"}}}, "text", "json_schema"),
     ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
     ({"top_logprobs": 2}, "top_logprobs", "log probabilities"),
     ({"background": True}, "background", "background"),

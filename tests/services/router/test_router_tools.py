@@ -131,9 +131,9 @@ def test_router_and_worker_render_the_same_ids(client, stack) -> None:
     assert via_router["choices"][0]["token_ids"] == via_worker["choices"][0]["token_ids"]
 
 
-BAD_VALUES = {"response_format": {"type": "json_object"}, "logprobs": True, "top_logprobs": 2,
+BAD_VALUES = {"logprobs": True, "top_logprobs": 2,
               "prompt_logprobs": 1, "logit_bias": {"5": 10}, "best_of": 2, "use_beam_search": True, "suffix": "x", "echo": True,
-              "structured_outputs": {"json": {}}, "guided_json": {"type": "object"}, "guided_regex": "a+",
+              "guided_json": {"type": "object"}, "guided_regex": "a+",
               "guided_choice": ["a"], "guided_grammar": "root ::= a", "reasoning_effort": "high",
               "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
               "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},

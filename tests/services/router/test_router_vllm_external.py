@@ -375,6 +375,13 @@ def test_grpc_generate_on_external_engines(fleet) -> None:
             time.sleep(0.4)
         assert finals[1].usage.cached_tokens > 0 and finals[2].usage.cached_tokens >= finals[1].usage.cached_tokens
         assert len({f.routing.endpoint for f in finals}) == 1
+        # Structured outputs reach vLLM as its own structured_outputs field: the answer is a choice.
+        req = router_pb2.GenerateRequest(model=TINY_MODEL_NAME, text=text, return_text=True)
+        req.sampling.max_tokens = 8
+        req.sampling.structured_outputs_json = json.dumps({"choice": ["yes", "no"]})
+        out = list(stub.Generate(req, timeout=120, metadata=[("x-tenant", "acme")]))
+        assert "".join(m.chunk.text for m in out if m.HasField("chunk")) in ("yes", "no")
+        assert out[-1].final.finish_reason == 1   # FINISH_REASON_STOP
     # Another tenant's identical prompt: salted differently, nothing cached.
     with grpc.insecure_channel(fleet["grpc"]) as ch:
         req = router_pb2.GenerateRequest(model=TINY_MODEL_NAME, text=text)

@@ -14,11 +14,14 @@ not, and the ``anthropic`` client gets a ``tool_use`` block for ``tool_choice`` 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator
+from typing import Literal
 
 import anthropic
 import openai
 import pytest
+from pydantic import BaseModel
 
 from kvmesh_tools.testing.procs import ServiceProcess
 from tests.fixtures.vllm import TINY_MODEL_NAME
@@ -157,3 +160,48 @@ def test_parallel_tool_calls_false_gets_one_vllm_tool_call(routers) -> None:
                                extra_body={"temperature": 0})
     [use] = [b for b in m.content if b.type == "tool_use"]
     assert _args_ok(use.name, json.dumps(use.input)) and m.stop_reason == "tool_use"
+
+
+class Verdict(BaseModel):
+    verdict: Literal["yes", "no"]
+
+
+def test_structured_outputs_constrain_a_vllm_answer(routers) -> None:
+    """vLLM's structured outputs through the router: a choice, a regex and a JSON schema (the ``openai``
+    client's ``parse`` helper) each make even the dummy weights answer with text that matches and then
+    stop; a regex xgrammar cannot compile is the worker's 400, passed through. A worker that runs vLLM
+    without its tokenizer (the default: token ids in and out) says what to change."""
+    plain = openai.OpenAI(base_url=routers["vllm-plain"], api_key="k", max_retries=0, timeout=120)
+    kw = dict(model=TINY_MODEL_NAME, messages=ASK, max_tokens=32)
+    with pytest.raises(openai.BadRequestError) as ei:
+        plain.chat.completions.create(**kw, response_format={"type": "json_object"})
+    assert "skip_tokenizer_init" in ei.value.message
+    client = openai.OpenAI(base_url=routers["vllm-tools"], api_key="k", max_retries=0, timeout=120)
+    r = client.chat.completions.create(**kw, extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert r.choices[0].message.content in ("yes", "no") and r.choices[0].finish_reason == "stop"
+    streamed = client.chat.completions.create(**kw, stream=True,
+                                              extra_body={"structured_outputs": {"regex": "[a-c]{3}"}})
+    chunks = list(streamed)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert re.fullmatch("[a-c]{3}", text) and chunks[-1].choices[0].finish_reason == "stop"
+    # Whitespace is free in JSON, and dummy weights would write it until max_tokens: the request turns it
+    # off (as this worker does for every request too).
+    p = client.chat.completions.parse(**kw, response_format=Verdict,
+                                      extra_body={"structured_outputs": {"disable_any_whitespace": True}})
+    assert isinstance(p.choices[0].message.parsed, Verdict) and p.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as ei:
+        client.chat.completions.create(**kw, extra_body={"structured_outputs": {"regex": "(unclosed"}})
+    assert "structured" in ei.value.message.lower() or "regex" in ei.value.message.lower()
+
+
+def test_responses_and_anthropic_structured_outputs_on_vllm(routers) -> None:
+    """Codex's ``text.format`` and Anthropic's ``output_config.format`` reach vLLM as the same JSON-schema
+    constraint (this worker turns free whitespace off for every request, as an operator may)."""
+    client = openai.OpenAI(base_url=routers["vllm-tools"], api_key="k", max_retries=0, timeout=120)
+    r = client.responses.parse(model=TINY_MODEL_NAME, input="Is it sunny?", text_format=Verdict,
+                               max_output_tokens=32)
+    assert isinstance(r.output_parsed, Verdict) and r.status == "completed"
+    claude = anthropic.Anthropic(base_url=routers["vllm-tools"].removesuffix("/v1"), api_key="k", max_retries=0,
+                                 timeout=120)
+    m = claude.messages.parse(model=TINY_MODEL_NAME, max_tokens=32, messages=[ASK[1]], output_format=Verdict)
+    assert isinstance(m.parsed_output, Verdict) and m.stop_reason == "end_turn"

@@ -176,6 +176,9 @@ class EngineRequest:
     tool_choice: object = None
     # OpenAI's parallel_tool_calls: False limits the answer to one call, as vLLM's server does.
     parallel_tool_calls: bool = True
+    # Structured outputs (kvmesh.structured_outputs' spec: vLLM's StructuredOutputsParams fields):
+    # the answer must match it. None: unconstrained.
+    structured_outputs: dict | None = None
 
     @property
     def prompt_len(self) -> int:

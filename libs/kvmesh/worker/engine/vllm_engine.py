@@ -529,8 +529,7 @@ class VllmEngine(Engine):
             extra["kv_transfer_params"] = {CONNECTOR_PARAMS_KEY: {
                 "prefill_only": req.prefill_only,
                 "has_handle": req.kv_handle is not None}}
-        # tool_choice "required" or a named tool: the structured output vLLM's server would impose.
-        structured = self._tool_calls().structured_outputs(req) if req.tools and not req.prefill_only else None
+        structured = None if req.prefill_only else self._structured_outputs(req)
         return SamplingParams(
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
@@ -538,6 +537,26 @@ class VllmEngine(Engine):
             stop_token_ids=list(req.stop_token_ids) or None, ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA, extra_args=extra or None, detokenize=False,
             structured_outputs=structured)
+
+    def _structured_outputs(self, req: EngineRequest) -> Any:
+        """The output constraint vLLM's server would impose: the request's structured outputs, and
+        with tools what the tool parser makes of them (a forced call's format; kvmesh.worker.engine
+        .vllm_tools)."""
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import StructuredOutputsParams
+
+        try:
+            combined = self._tool_calls().structured_outputs(req) if req.tools else None
+            if combined is None and req.structured_outputs:
+                combined = StructuredOutputsParams(**req.structured_outputs)
+        except (ValueError, VLLMClientError) as exc:   # vLLM's own checks of the spec
+            raise InvalidRequestError(f"structured_outputs: {exc}") from exc
+        if combined is not None and self.cfg.skip_tokenizer_init:
+            # vLLM compiles the grammar over the tokenizer's vocabulary.
+            raise InvalidRequestError("structured outputs need the engine's tokenizer, and this vLLM worker runs "
+                                      "without it: start it with --vllm-options '{\"skip_tokenizer_init\": false}' "
+                                      "(a --tool-call-parser loads it too)")
+        return combined
 
     def _lora_request(self, name: str) -> Any:
         if not name:
@@ -560,6 +579,7 @@ class VllmEngine(Engine):
         tools = self._tool_calls()
         if req.tools:
             tools.check(req)
+        from vllm.exceptions import VLLMClientError
         from vllm.inputs import TokensPrompt
         from vllm.v1.engine.exceptions import EngineDeadError as VllmDeadError
         from vllm.v1.engine.exceptions import EngineGenerateError
@@ -615,8 +635,8 @@ class VllmEngine(Engine):
                     yield out
         except (VllmDeadError, EngineGenerateError) as exc:
             raise EngineDeadError(f"vLLM engine failed: {exc}") from exc
-        except ValueError as exc:  # vLLM's own request validation
-            raise InvalidRequestError(str(exc)) from exc
+        except (ValueError, VLLMClientError) as exc:  # vLLM's own request validation (a grammar that
+            raise InvalidRequestError(str(exc)) from exc   # does not compile is a VLLMValidationError)
         finally:
             self._inflight.pop(req.request_id, None)
             if arrival is not None and arrival[1] is not None:

@@ -79,10 +79,12 @@ class VllmToolCalls:
         return parser, parser.adjust_request(request)
 
     def structured_outputs(self, req: EngineRequest) -> Any:
-        """The constraint vLLM's server puts on a forced tool call's output, or on any answer that
-        may call at most one tool (``StructuredOutputsParams``); None when it constrains nothing."""
+        """The constraint vLLM's server puts on a forced tool call's output, on any answer that may
+        call at most one tool, or on an answer with the request's own structured outputs, which the
+        unified parser combines with the call format as vLLM's server does
+        (``StructuredOutputsParams``); None when it constrains nothing."""
         if not (self.forced(req) or (self.active(req) and self.unified_cls is not None
-                                     and not req.parallel_tool_calls)):
+                                     and (not req.parallel_tool_calls or req.structured_outputs))):
             return None
         return self._unified(req)[1].extract_structured_outputs()
 
@@ -202,7 +204,11 @@ def _chat_request(req: EngineRequest) -> Any:
 
     return ChatCompletionRequest(model="kvmesh", messages=[{"role": "user", "content": ""}],
                                  tools=req.tools, tool_choice=req.tool_choice,
-                                 parallel_tool_calls=req.parallel_tool_calls)
+                                 parallel_tool_calls=req.parallel_tool_calls,
+                                 # A forced call's format replaces the request's own constraint in vLLM's
+                                 # server (and a named tool with one is refused there); with "auto" the
+                                 # parser combines the two.
+                                 structured_outputs=req.structured_outputs if req.tool_choice == "auto" else None)
 
 def _delta(dm: Any) -> ParsedDelta:
     """vLLM's ``DeltaMessage`` as a ``ParsedDelta`` (None: nothing new)."""

@@ -117,3 +117,25 @@ def test_forced_tool_choice_gets_vllms_constraint_and_parse(hf) -> None:
     assert parsed is not None
     [call] = parsed[0]
     assert call.name == "get_weather" and json.loads(call.arguments) == {"location": "Paris"} and call.id
+
+
+def test_structured_outputs_with_tools_follow_vllms_server(hf) -> None:
+    """A request's own structured outputs with tools: under ``auto`` vLLM's unified parser combines
+    them with the call format (one structural tag holding both), a forced call's format replaces them
+    (``required`` and a named tool get exactly what they get without one), and without tools they
+    are the engine's constraint as they are."""
+    from kvmesh.worker.engine.vllm_tools import VllmToolCalls
+
+    tools = VllmToolCalls("hermes", hf, enable_auto_tool_choice=True)
+    schema = {"type": "object", "properties": {"verdict": {"enum": ["yes", "no"]}}, "required": ["verdict"]}
+
+    def req(choice: object) -> EngineRequest:
+        return EngineRequest(request_id="r", prompt_token_ids=[1, 2], tools=TOOLS, tool_choice=choice,
+                             structured_outputs={"json": schema})
+
+    auto = tools.structured_outputs(req("auto"))
+    assert auto is not None and auto.structural_tag and "verdict" in auto.structural_tag
+    assert "get_weather" in auto.structural_tag
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        forced = tools.structured_outputs(req(choice))
+        assert forced == tools.structured_outputs(_req(choice)) and "verdict" not in str(forced), choice

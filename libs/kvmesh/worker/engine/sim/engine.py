@@ -55,6 +55,7 @@ from kvmesh.worker.engine.base import (
 from kvmesh.worker.engine.sim.block_manager import BlockManager, Cleared, Removed, Stored
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
+from kvmesh.worker.engine.sim.structured import scripted_answer
 from kvmesh.worker.engine.sim.tool_calls import SimToolStream, sim_tool_calls
 from kvmesh.worker.engine.validation import validate_request
 
@@ -107,6 +108,7 @@ class SimEngineConfig:
     kv_dtype: str = "bf16"
     latency: LatencyParams = field(default_factory=LatencyParams)
     tool_calls: int = 1   # calls per answer in the deterministic tool mode (parallel_tool_calls false: 1)
+    tokenizer: str = ""   # HF tokenizer dir: structured outputs are answered with its token ids
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -228,6 +230,7 @@ class _Live:
     extra: Any = None              # kvmesh.hashing.ExtraKeys or None
     last_digest: bytes | None = None
     sample_base: int = 0
+    script: list[int] | None = None   # a structured answer's token ids, then its EOS (sim.structured)
     ttft_s: float | None = None
     last_token_at: float | None = None   # engine clock of the last token (inter-token latency)
     restored_offload: int = 0      # tokens restored from the store beyond the GPU hit
@@ -478,6 +481,11 @@ class SimEngine(Engine):
         stop = set(req.stop_token_ids)
         if c.eos_token_id is not None and not req.ignore_eos:
             stop.add(c.eos_token_id)
+        script = None
+        if req.structured_outputs and not req.prefill_only and not (req.tools and req.tool_choice != "none"):
+            # Structured outputs: the answer is a fixed text that matches the constraint, then EOS.
+            script, eos = scripted_answer(req.structured_outputs, c.tokenizer)
+            stop.add(eos)
         lora_id = c.lora_names.index(req.lora_name) + 1 if req.lora_name else None
         meta = _Meta(tokens, req.lora_name or None, lora_id, extra, req.session_id or None)
         seq = Seq(request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=req.max_tokens,
@@ -490,7 +498,7 @@ class SimEngine(Engine):
         else:
             base = _mix(zlib.crc32(req.request_id.encode()))
         live = _Live(req=req, seq=seq, queue=_Outbox(), arrival_wall=time.monotonic(), arrival=seq.arrival,
-                     extra=extra, last_digest=last_digest, sample_base=base)
+                     extra=extra, last_digest=last_digest, sample_base=base, script=script)
         return live
 
     def _truth(self, seq: Seq) -> CacheTruth:
@@ -502,6 +510,8 @@ class SimEngine(Engine):
     def _sample(self, seq: Seq) -> int | None:
         """Deterministic pseudo-random token: a function of (seed or request, position)."""
         live = self._live.get(seq.request_id)
+        if live is not None and live.script is not None:
+            return live.script[min(seq.num_output, len(live.script) - 1)]
         base = live.sample_base if live else 0
         return _mix(base + seq.num_output) % self.cfg.vocab_size
 
@@ -537,6 +547,7 @@ class SimEngine(Engine):
                     item.delta = tools.finish(req.request_id)
                 elif tools is not None:   # an aborted answer says no more
                     item.delta = tools.next() if not item.finished else ParsedDelta()
+
                 yield item
                 if item.finished:
                     return

@@ -26,10 +26,18 @@ MAX_DEPTH = 8
 PIECE_CHARS = 16   # of the arguments per streamed output
 
 
-def example_value(schema: Any, depth: int = 0) -> Any:
-    """A value valid for the JSON schema ``schema`` (the common keywords; unknown ones are ignored)."""
+def example_value(schema: Any, depth: int = 0, root: Any = None) -> Any:
+    """A value valid for the JSON schema ``schema`` (the common keywords, and local ``$ref``s such as
+    pydantic's ``#/$defs/Model``; unknown ones are ignored)."""
+    root = schema if root is None else root
     if not isinstance(schema, dict) or depth > MAX_DEPTH:
         return None
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and ref.startswith("#"):
+        target: Any = root
+        for part in filter(None, ref[1:].split("/")):
+            target = target.get(part) if isinstance(target, dict) else None
+        return example_value(target, depth + 1, root)
     if "const" in schema:
         return schema["const"]
     if schema.get("enum"):
@@ -38,15 +46,15 @@ def example_value(schema: Any, depth: int = 0) -> Any:
         return schema["default"]
     for key in ("anyOf", "oneOf"):
         if schema.get(key):
-            return example_value(schema[key][0], depth + 1)
+            return example_value(schema[key][0], depth + 1, root)
     kind = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object":
         props = schema.get("properties") or {}
-        return {k: example_value(props.get(k, {}), depth + 1) for k in schema.get("required", [])}
+        return {k: example_value(props.get(k, {}), depth + 1, root) for k in schema.get("required", [])}
     if kind == "array":
-        item = example_value(schema.get("items", {}), depth + 1)
+        item = example_value(schema.get("items", {}), depth + 1, root)
         return [item] * int(schema.get("minItems", 0))
     if kind in ("integer", "number"):
         cast = int if kind == "integer" else float
