@@ -16,9 +16,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Literal
 
 import openai
 import pytest
+from pydantic import BaseModel
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -83,6 +85,24 @@ def test_official_openai_client_chats_in_text(up) -> None:
     assert resp.usage is not None and resp.usage.prompt_tokens > 5 and 0 < resp.usage.completion_tokens <= 8
     done = client.completions.create(model=model, prompt="def main():", max_tokens=4)
     assert done.usage is not None and done.usage.completion_tokens <= 4
+
+
+class Finding(BaseModel):
+    file: str
+    line: int
+    severity: Literal["low", "high"]
+
+
+def test_parse_helpers_get_their_schema_out_of_the_box(up) -> None:
+    """Structured outputs through ``kvmesh up``: the sim workers write a matching answer in the stack
+    tokenizer's tokens, so the ``openai`` client's ``parse`` helpers work against the stack."""
+    client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key=up["API key"], max_retries=0)
+    model = client.models.list().data[0].id
+    r = client.chat.completions.parse(model=model, max_tokens=64, response_format=Finding,
+                                      messages=[{"role": "user", "content": "Review utils.py."}])
+    assert isinstance(r.choices[0].message.parsed, Finding)
+    assert isinstance(client.responses.parse(model=model, input="Review it.", text_format=Finding,
+                                             max_output_tokens=64).output_parsed, Finding)
 
 
 def test_the_store_registers_a_replay_socket(up) -> None:
