@@ -100,7 +100,12 @@ class VllmEngineConfig:
     connector_extra: dict = field(default_factory=dict, metadata={"help": "extra kv_connector_extra_config (JSON)"})
     lora_modules: dict = field(default_factory=dict, metadata={"help": "LoRA adapters as JSON {name: path}"})
     max_lora_rank: int = field(default=16, metadata={"help": "max LoRA rank"})
-    skip_tokenizer_init: bool = field(default=True, metadata={"help": "token ids only; no detokenization"})
+    # vLLM loads the model's tokenizer unless told not to, as `vllm serve` does: structured outputs
+    # compile their grammar over its vocabulary. Answers are never detokenized either way
+    # (SamplingParams.detokenize is off; the router decodes).
+    skip_tokenizer_init: bool = field(default=False, metadata={
+        "help": "run vLLM without the model's tokenizer (token ids only; structured outputs and tool "
+                "parsing then refused)"})
     prefill_save_timeout_s: float = field(default=30.0, metadata={"help": "prefill role: wait this long for the "
                                                                             "store to hold the KV"})
     extra_engine_args: dict = field(default_factory=dict, metadata={"help": "more vLLM EngineArgs (JSON)"})
@@ -554,8 +559,7 @@ class VllmEngine(Engine):
         if combined is not None and self.cfg.skip_tokenizer_init:
             # vLLM compiles the grammar over the tokenizer's vocabulary.
             raise InvalidRequestError("structured outputs need the engine's tokenizer, and this vLLM worker runs "
-                                      "without it: start it with --vllm-options '{\"skip_tokenizer_init\": false}' "
-                                      "(a --tool-call-parser loads it too)")
+                                      "without it (skip_tokenizer_init): start it without that setting")
         return combined
 
     def _lora_request(self, name: str) -> Any:

@@ -114,3 +114,26 @@ def test_queue_limit_and_not_started(tiny_model_dir: Path) -> None:
     with pytest.raises(EngineUnavailableError):
         e._require_up()
     assert not e.healthy
+
+
+@pytest.mark.vllm  # imports vLLM (slow), starts nothing
+def test_structured_outputs_become_vllms_params(tiny_model_dir: Path) -> None:
+    """The spec becomes vLLM's ``StructuredOutputsParams`` (options kept); vLLM's own refusal of a spec
+    is a 400, and a worker told to run without the tokenizer says how to turn it back on."""
+    pytest.importorskip("vllm")
+    from kvmesh.worker.engine.base import InvalidRequestError
+
+    e = _engine(tiny_model_dir)
+    req = EngineRequest(request_id="r", prompt_token_ids=[1, 2], structured_outputs={
+        "json": {"type": "object"}, "disable_any_whitespace": True})
+    params = e._sampling_params(req).structured_outputs
+    assert params.json == {"type": "object"} and params.disable_any_whitespace
+    assert e._sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1, 2])).structured_outputs is None
+    req.prefill_only = True   # a prefill's one token is never returned: unconstrained
+    assert e._sampling_params(req).structured_outputs is None
+    with pytest.raises(InvalidRequestError, match="structured_outputs"):
+        e._sampling_params(EngineRequest(request_id="r", prompt_token_ids=[1, 2],
+                                         structured_outputs={"regex": "a", "choice": ["a"]}))
+    with pytest.raises(InvalidRequestError, match="skip_tokenizer_init"):
+        _engine(tiny_model_dir, skip_tokenizer_init=True)._sampling_params(
+            EngineRequest(request_id="r", prompt_token_ids=[1, 2], structured_outputs={"choice": ["a"]}))
