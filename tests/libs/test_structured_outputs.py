@@ -115,3 +115,21 @@ def test_the_sims_answer_matches_the_constraint(tiny_model_dir) -> None:
     assert json.loads(tok.decode(ids, skip_special_tokens=True)) == json.loads(structured_text({"json": SCHEMA}))
     with pytest.raises(InvalidRequestError, match="--tokenizer"):
         scripted_answer({"json_object": True}, "")
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "array", "minItems": 10**12},
+    {"type": "array", "minItems": 10**3, "items": {"type": "array", "minItems": 10**3, "items": {
+        "type": "array", "minItems": 10**3, "items": {"type": "string", "minLength": 10**9}}}},
+    {"type": "object", "required": 5, "properties": []},
+    {"type": "object", "required": ["a"], "properties": {"a": {"type": "integer", "minimum": "3", "maximum": None}}},
+    {"type": "string", "minLength": "long", "maxLength": -1},
+    {"$ref": "#"},
+    {"anyOf": "x", "enum": 3},
+])
+def test_hostile_schemas_give_a_bounded_answer(schema) -> None:
+    """A client's schema cannot make the sim's answer (or its tool-call arguments) grow without end
+    or crash it: malformed keywords are skipped and sizes are capped."""
+    text = structured_text({"json": schema})
+    assert len(text) < 1 << 20
+    json.loads(text)

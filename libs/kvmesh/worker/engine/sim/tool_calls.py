@@ -17,52 +17,73 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from typing import Any
 
 from kvmesh.worker.engine.base import ParsedDelta, ToolCall, ToolCallDelta
 from kvmesh.worker.engine.tool_stream import DeltaLedger
 
 MAX_DEPTH = 8
+MAX_ITEMS = 64       # per array
+MAX_CHARS = 4096     # per string
+MAX_NODES = 4096     # values in all (a string counts one per 64 characters)
 PIECE_CHARS = 16   # of the arguments per streamed output
 
 
-def example_value(schema: Any, depth: int = 0, root: Any = None) -> Any:
+def _num(v: Any) -> float | None:
+    """A schema keyword's number, or None when it is not one (a client's schema is not trusted)."""
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) else None
+
+
+def example_value(schema: Any, depth: int = 0, root: Any = None, budget: list[int] | None = None) -> Any:
     """A value valid for the JSON schema ``schema`` (the common keywords, and local ``$ref``s such as
-    pydantic's ``#/$defs/Model``; unknown ones are ignored)."""
+    pydantic's ``#/$defs/Model``; unknown ones are ignored). The schema is the client's: malformed
+    keywords are skipped, and the value is bounded (``MAX_ITEMS`` per array, ``MAX_CHARS`` per string,
+    ``MAX_NODES`` in all), so that nested ``minItems`` cannot make it grow without end."""
     root = schema if root is None else root
-    if not isinstance(schema, dict) or depth > MAX_DEPTH:
+    budget = [MAX_NODES] if budget is None else budget
+    budget[0] -= 1
+    if not isinstance(schema, dict) or depth > MAX_DEPTH or budget[0] < 0:
         return None
     ref = schema.get("$ref")
     if isinstance(ref, str) and ref.startswith("#"):
         target: Any = root
         for part in filter(None, ref[1:].split("/")):
             target = target.get(part) if isinstance(target, dict) else None
-        return example_value(target, depth + 1, root)
+        return example_value(target, depth + 1, root, budget)
     if "const" in schema:
         return schema["const"]
-    if schema.get("enum"):
+    if isinstance(schema.get("enum"), list) and schema["enum"]:
         return schema["enum"][0]
     if "default" in schema:
         return schema["default"]
     for key in ("anyOf", "oneOf"):
-        if schema.get(key):
-            return example_value(schema[key][0], depth + 1, root)
+        if isinstance(schema.get(key), list) and schema[key]:
+            return example_value(schema[key][0], depth + 1, root, budget)
     kind = schema.get("type", "object" if "properties" in schema else "string")
     if isinstance(kind, list):
         kind = next((k for k in kind if k != "null"), "null")
     if kind == "object":
-        props = schema.get("properties") or {}
-        return {k: example_value(props.get(k, {}), depth + 1, root) for k in schema.get("required", [])}
+        props = schema.get("properties")
+        props = props if isinstance(props, dict) else {}
+        required = schema.get("required")
+        required = [k for k in required if isinstance(k, str)] if isinstance(required, list) else []
+        return {k: example_value(props.get(k, {}), depth + 1, root, budget) for k in required}
     if kind == "array":
-        item = example_value(schema.get("items", {}), depth + 1, root)
-        return [item] * int(schema.get("minItems", 0))
+        before = budget[0]
+        item = example_value(schema.get("items", {}), depth + 1, root, budget)
+        cost = max(before - budget[0], 1)   # what one item took; each copy costs as much again
+        n = int(min(max(_num(schema.get("minItems")) or 0, 0), MAX_ITEMS, max(budget[0], 0) // cost + 1))
+        budget[0] -= cost * max(n - 1, 0)
+        return [item] * n
     if kind in ("integer", "number"):
         cast = int if kind == "integer" else float
-        lo = schema.get("minimum")
-        if lo is None and "exclusiveMinimum" in schema:
+        lo = _num(schema.get("minimum"))
+        if lo is None and _num(schema.get("exclusiveMinimum")) is not None:
             lo = schema["exclusiveMinimum"] + 1
         v = cast(lo) if lo is not None else cast(1)
-        return min(v, cast(schema["maximum"])) if "maximum" in schema else v
+        hi = _num(schema.get("maximum"))
+        return min(v, cast(hi)) if hi is not None else v
     if kind == "boolean":
         return True
     if kind == "null":
@@ -70,8 +91,11 @@ def example_value(schema: Any, depth: int = 0, root: Any = None) -> Any:
     text = "kvmesh"
     if schema.get("format") == "date":
         text = "2026-01-01"
-    n = int(schema.get("minLength", 0))
-    return (text * (n // len(text) + 1))[:max(n, len(text))][:schema.get("maxLength", 1 << 30)]
+    n = int(min(max(_num(schema.get("minLength")) or 0, 0), MAX_CHARS))
+    hi_len = _num(schema.get("maxLength"))
+    cap = MAX_CHARS if hi_len is None else int(max(hi_len, 0))
+    budget[0] -= n // 64   # long strings count against the budget too
+    return (text * (n // len(text) + 1))[:max(n, len(text))][:cap]
 
 
 def sim_tool_calls(request_id: str, tools: list[dict[str, Any]], tool_choice: Any, calls: int = 1,
