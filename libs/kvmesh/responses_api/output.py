@@ -41,29 +41,34 @@ def message_item(item_id: str, text: str, status: str = "completed") -> dict[str
             "content": [text_part(text)] if text or status == "completed" else []}
 
 
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str,
-                       status: str = "completed") -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed",
+                       namespaced: dict[str, tuple[str, str]] | None = None) -> dict[str, Any]:
+    """A ``function_call`` item; a call of a namespace's function (by its flat name, a key of
+    ``namespaced``) carries its own name and its ``namespace``, as vLLM reports it."""
+    item = {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
             "status": status}
+    if namespaced and name in namespaced:
+        item["namespace"], item["name"] = namespaced[name]
+    return item
 
 
 def custom_call_item(item_id: str, call_id: str, name: str, payload: str) -> dict[str, Any]:
     return {"type": "custom_tool_call", "id": item_id, "call_id": call_id, "name": name, "input": payload}
 
 
-def call_item(call_id: str, name: str, arguments: str, custom: frozenset[str]) -> dict[str, Any]:
-    """A finished tool call's item: ``custom_tool_call`` (its input unwrapped from vLLM's shim) for a
-    custom tool, else ``function_call``."""
-    if name in custom:
+def call_item(call_id: str, name: str, arguments: str, req: ResponsesRequest) -> dict[str, Any]:
+    """A finished tool call's item: ``custom_tool_call`` (its input unwrapped from vLLM's shim) for one
+    of ``req``'s custom tools, else ``function_call``."""
+    if name in req.custom_tools:
         return custom_call_item(new_id("ctc"), call_id, name, shim_payload(arguments))
-    return function_call_item(new_id("fc"), call_id, name, arguments)
+    return function_call_item(new_id("fc"), call_id, name, arguments, namespaced=req.namespaced)
 
 
-def output_items(text: str, calls: list[Any], custom: frozenset[str] = frozenset()) -> list[dict[str, Any]]:
-    """The output of a whole answer: its text as one message (when there is text), then its tool calls
-    (objects with ``id``, ``name`` and ``arguments``); ``custom`` names the request's custom tools."""
+def output_items(text: str, calls: list[Any], req: ResponsesRequest) -> list[dict[str, Any]]:
+    """The output of a whole answer to ``req``: its text as one message (when there is text), then its
+    tool calls (objects with ``id``, ``name`` and ``arguments``)."""
     out = [message_item(new_id("msg"), text)] if text else []
-    out += [call_item(c.id, c.name, c.arguments, custom) for c in calls]
+    out += [call_item(c.id, c.name, c.arguments, req) for c in calls]
     return out
 
 

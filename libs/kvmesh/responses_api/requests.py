@@ -17,14 +17,15 @@ in ``vllm/entrypoints/openai/responses/utils.py``), so that a router in front of
   its ``custom_tool_call`` items are calls of that function and its outputs ``tool`` messages;
 - a ``reasoning`` item's text is the assistant's ``reasoning``; encrypted reasoning is refused;
 - flat function tools (``{"type": "function", "name", ...}``) become chat tools, and
-  ``{"type": "function", "name"}`` as ``tool_choice`` names one;
+  ``{"type": "function", "name"}`` as ``tool_choice`` names one; a ``namespace`` tool's functions
+  are chat tools named ``<namespace>__<name>`` (``get_function_tools``), and hosted tools are left
+  out of the prompt, as vLLM leaves them out;
 - ``text.format`` (``json_schema``, ``json_object``) is the chat API's ``response_format``
   (structured outputs, ``kvmesh.structured_outputs``), as vLLM's ``extract_structured_outputs``.
 
 What cannot be honoured gets a 400 naming the field rather than silence: state kept by the
 server (``previous_response_id``, ``conversation``, ``item_reference``, ``background``),
-hosted tools (web search, file search, computer use, MCP) and grammar-constrained custom
-tools, images and files,
+a ``tool_choice`` naming a hosted tool, grammar-constrained custom tools, images and files,
 log probabilities, and ``reasoning.effort``; the last two are an external
 engine's to honour when the router forwards to ``vllm serve`` (``engine_renders``). Nothing is
 stored, so every answer says ``store: false``.
@@ -78,6 +79,7 @@ class ResponsesRequest:
     metadata: dict[str, str] = field(default_factory=dict)
     user: str | None = None
     custom_tools: frozenset[str] = frozenset()   # names of the freeform (``custom``) tools
+    namespaced: dict[str, tuple[str, str]] = field(default_factory=dict)   # flat name -> (namespace, name)
 
     @property
     def stream(self) -> bool:
@@ -166,6 +168,11 @@ def _item(where: str, item: Any, msgs: list[dict[str, Any]]) -> None:
         call_id, name, args = item.get("call_id"), item.get("name"), item.get("arguments", "")
         if not isinstance(call_id, str) or not isinstance(name, str) or not name or not isinstance(args, str):
             raise BadRequest(f"{where}: a function_call needs string 'call_id', 'name' and 'arguments'", where)
+        ns = item.get("namespace")
+        if ns is not None and (not isinstance(ns, str) or not ns):
+            raise BadRequest(f"{where}: a function_call's 'namespace' must be a non-empty string", where)
+        if ns:   # vLLM renders a namespace's call under its flat name
+            name = f"{ns}{NAMESPACE_SEPARATOR}{name}"
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
         if prev is not None:
             prev.setdefault("tool_calls", []).append(call)
@@ -250,10 +257,32 @@ def shim_payload(arguments: str) -> str:
     return v if isinstance(v, str) else arguments
 
 
+# OpenAI's hosted tools: run by OpenAI's servers, never shown to a model served here. vLLM's
+# ``get_function_tools`` leaves them out of the prompt, so the model cannot call them; so does kvmesh
+# (Codex sends ``web_search`` on every turn). Naming one in ``tool_choice`` is still a 400.
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
+    "file_search", "computer_use_preview", "computer_use", "computer", "mcp", "code_interpreter",
+    "image_generation", "local_shell", "shell", "apply_patch", "tool_search"})
+# vLLM's flat name of a function inside a ``namespace`` tool (``vllm.tool_parsers.utils``).
+NAMESPACE_SEPARATOR = "__"
+
+
+def _function(where: str, t: dict[str, Any], name: str | None = None) -> dict[str, Any]:
+    if not isinstance(t.get("name"), str) or not t["name"]:
+        raise BadRequest(f"{where}.name must be a non-empty string", where)
+    fn = {k: v for k, v in t.items() if k != "type"}
+    if name is not None:
+        fn["name"] = name
+    return {"type": "function", "function": fn}
+
+
 def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
-    """Flat Responses function tools, and custom tools as vLLM's one-string shim, as chat tools; any other
-    tool type is refused, and so is a custom tool constrained by a grammar (vLLM refuses it too: the
-    shim cannot hold the model to it)."""
+    """The tools the model is shown, in request order, as vLLM's ``get_function_tools`` makes them:
+    flat function tools; the functions of a ``namespace`` tool, named ``<namespace>__<name>``; custom
+    tools as vLLM's one-string shim. Hosted tools (``HOSTED_TOOLS``) are left out, as vLLM leaves them
+    out; an unknown tool type, and a custom tool constrained by a grammar (vLLM refuses it too: the shim
+    cannot hold the model to it), are refused."""
     if tools is None or tools == []:
         return None
     if not isinstance(tools, list):
@@ -261,20 +290,40 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
     out = []
     for i, t in enumerate(tools):
         kind = t.get("type") if isinstance(t, dict) else None
-        if kind not in ("function", "custom"):
-            raise BadRequest(f"tools[{i}]: tool type {kind!r} is not supported by this server (function and "
-                             "custom tools only)", f"tools[{i}]")
-        if not isinstance(t.get("name"), str) or not t["name"]:
-            raise BadRequest(f"tools[{i}].name must be a non-empty string", f"tools[{i}]")
-        if kind == "custom":
+        where = f"tools[{i}]"
+        if kind == "function":
+            out.append(_function(where, t))
+        elif kind == "namespace":
+            ns, inner = t.get("name"), t.get("tools")
+            if not isinstance(ns, str) or not ns or not isinstance(inner, list):
+                raise BadRequest(f"{where}: a namespace needs a string 'name' and a list of 'tools'", where)
+            for j, f in enumerate(inner):
+                if isinstance(f, dict) and f.get("type") == "function":
+                    out.append(_function(f"{where}.tools[{j}]", f, f"{ns}{NAMESPACE_SEPARATOR}{f.get('name')}"))
+        elif kind == "custom":
+            if not isinstance(t.get("name"), str) or not t["name"]:
+                raise BadRequest(f"{where}.name must be a non-empty string", where)
             fmt = t.get("format")
             if isinstance(fmt, dict) and fmt.get("type") == "grammar":
-                raise BadRequest(f"tools[{i}].format: custom tools with a grammar are not supported by this "
-                                 "server (free-form text only)", f"tools[{i}]")
-            fn = {"name": t["name"], "description": t.get("description"), "parameters": CUSTOM_PARAMETERS}
-        else:
-            fn = {k: v for k, v in t.items() if k != "type"}
-        out.append({"type": "function", "function": fn})
+                raise BadRequest(f"{where}.format: custom tools with a grammar are not supported by this "
+                                 "server (free-form text only)", where)
+            out.append({"type": "function", "function": {"name": t["name"], "description": t.get("description"),
+                                                         "parameters": CUSTOM_PARAMETERS}})
+        elif kind not in HOSTED_TOOLS:
+            raise BadRequest(f"{where}: tool type {kind!r} is not supported by this server (function, namespace "
+                             "and custom tools; hosted tools are not shown to the model)", where)
+    return out or None
+
+
+def namespaced_names(tools: Any) -> dict[str, tuple[str, str]]:
+    """The flat name of each function in a ``namespace`` tool -> (namespace, its own name): an answer's
+    call of a flat name is reported as that function with its ``namespace``, as vLLM reports it."""
+    out: dict[str, tuple[str, str]] = {}
+    for t in tools or []:
+        if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
+            for f in t["tools"]:
+                if isinstance(f, dict) and f.get("type") == "function" and isinstance(f.get("name"), str):
+                    out[f"{t['name']}{NAMESPACE_SEPARATOR}{f['name']}"] = (t["name"], f["name"])
     return out
 
 
@@ -282,14 +331,25 @@ def _custom_names(tools: Any) -> frozenset[str]:
     return frozenset(t["name"] for t in tools or [] if t.get("type") == "custom")
 
 
-def chat_tool_choice(choice: Any) -> Any:
-    """A Responses ``tool_choice`` as the chat one."""
+def chat_tool_choice(choice: Any, tools: Any = None) -> Any:
+    """A Responses ``tool_choice`` as the chat one. A named function may be a namespace's, by its flat
+    name or, when only one namespace has it, by its own (vLLM's ``_resolve_named_tool_choice``)."""
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
-        if not isinstance(choice.get("name"), str):
+        name = choice.get("name")
+        if not isinstance(name, str):
             raise BadRequest(f"'tool_choice' {{\"type\": \"{choice['type']}\"}} needs a string 'name'", "tool_choice")
-        return {"type": "function", "function": {"name": choice["name"]}}
+        flat = namespaced_names(tools)
+        plain = {t.get("name") for t in tools or [] if isinstance(t, dict) and t.get("type") != "namespace"}
+        if name not in flat and name not in plain:
+            candidates = [f for f, (_, own) in flat.items() if own == name]
+            if len(candidates) > 1:
+                raise BadRequest(f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
+                                 f"({', '.join(candidates)}). Select it by its full '<namespace>__<name>' name.",
+                                 "tool_choice")
+            name = candidates[0] if candidates else name
+        return {"type": "function", "function": {"name": name}}
     raise BadRequest("'tool_choice' must be 'auto', 'none', 'required' or {\"type\": \"function\" (or \"custom\"), "
                      "\"name\": ...}", "tool_choice")
 
@@ -370,7 +430,7 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
     if tools is not None:
         chat_body["tools"] = tools
     if body.get("tool_choice") is not None:
-        chat_body["tool_choice"] = chat_tool_choice(body["tool_choice"])
+        chat_body["tool_choice"] = chat_tool_choice(body["tool_choice"], body.get("tools"))
     if body.get("max_output_tokens") is not None:
         chat_body["max_tokens"] = body["max_output_tokens"]
     fmt = text_format(body)
@@ -397,4 +457,5 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
     return ResponsesRequest(chat=chat, body=body, instructions=body.get("instructions"),
                             tools=list(body.get("tools") or []),
                             tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
-                            metadata=_metadata(body), user=user, custom_tools=_custom_names(body["tools"] if tools else None))
+                            metadata=_metadata(body), user=user, custom_tools=_custom_names(body["tools"] if tools else None),
+                            namespaced=namespaced_names(body.get("tools")))

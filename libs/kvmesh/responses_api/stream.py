@@ -98,7 +98,8 @@ class ResponseEvents:
                 added = custom_call_item(new_id("ctc"), call_id, name, "")
                 self._call = {**added, "arguments": ""}
             else:
-                added = self._call = function_call_item(new_id("fc"), call_id, name, "", "in_progress")
+                added = self._call = function_call_item(new_id("fc"), call_id, name, "", "in_progress",
+                                                        self.head.req.namespaced)
             out += self._event("response.output_item.added", output_index=self._index, item=dict(added))
         if arguments:
             self._call["arguments"] += arguments

@@ -71,7 +71,7 @@ class WorkerResponses:
         calls = _calls(last, parallel)
         if last.tool_calls:
             text = last.content or ""
-        items = output_items(text, calls, rreq.custom_tools)
+        items = output_items(text, calls, rreq)
         return JSONResponse(head.response(_status(last), items, self._usage(last, len(ids), n_out),
                                           kvmesh={"endpoint": api.endpoint_id}), headers=api._headers())
 

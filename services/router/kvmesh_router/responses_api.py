@@ -143,7 +143,7 @@ class ResponsesApi:
         text = (fin.content or "") if fin.tool_calls else (tok.decode(ids) if tok is not None else "")
         metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         status = "incomplete" if _incomplete(fin) else "completed"
-        return JSONResponse(head.response(status, output_items(text, calls, head.req.custom_tools), _usage(fin), kvmesh=fin.routing_doc()))
+        return JSONResponse(head.response(status, output_items(text, calls, head.req), _usage(fin), kvmesh=fin.routing_doc()))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
                       head: ResponseHead) -> AsyncIterator[bytes]:

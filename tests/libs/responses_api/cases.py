@@ -43,6 +43,15 @@ BODIES: list[dict[str, Any]] = [
         {"type": "custom_tool_call", "call_id": "call_p", "name": "apply_patch", "input": "*** Begin Patch\nü \"q\""},
         {"type": "custom_tool_call_output", "call_id": "call_p", "output": "Done!"}],
      "tools": [{"type": "custom", "name": "apply_patch", "description": "Apply a patch."}] + TOOLS},
+    # Codex 0.171: sub-agent tools in a namespace, a call of one in the history, hosted web search.
+    {"input": CODEX_TURNS[:3] + [
+        {"type": "function_call", "call_id": "call_s", "name": "spawn_agent", "namespace": "multi_agent_v1",
+         "arguments": "{\"task\": \"tests\"}"},
+        {"type": "function_call_output", "call_id": "call_s", "output": "agent 7"}],
+     "tools": TOOLS + [{"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+         {"type": "function", "name": "spawn_agent", "description": "Spawn one.", "strict": False,
+          "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}}]},
+         {"type": "web_search", "external_web_access": False}]},
     {"input": [{"role": "system", "content": "inline"}, {"role": "user", "content": "a"},
                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "b"},
                                                                     {"type": "output_text", "text": "c"}]},

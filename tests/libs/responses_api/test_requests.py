@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from kvmesh.openai.errors import BadRequest
-from kvmesh.responses_api.output import ResponseHead, output_items
+from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import parse_responses
 from kvmesh.responses_api.stream import ResponseEvents
 from tests.libs.responses_api.cases import BODIES, CODEX_TURNS, TOOLS
@@ -70,7 +70,12 @@ def test_session_hint(body, headers, session) -> None:
     ({"input": "hi", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "hi", "conversation": "conv_1"}, "conversation"),
     ({"input": "hi", "prompt": {"id": "pmpt_1"}}, "prompt"),
-    ({"input": "hi", "tools": [{"type": "mcp", "server_label": "x"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "telepathy"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "namespace", "name": "ns"}]}, "tools[0]"),
+    ({"input": "hi", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]},
+     "tools[0].tools[0]"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}", "namespace": 3}]},
+     "input[0]"),
     ({"input": "hi", "tools": [{"type": "custom"}]}, "tools[0]"),
     ({"input": "hi", "tools": [{"type": "custom", "name": "apply_patch",   # vLLM refuses a grammar too
                                "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}}]},
@@ -145,7 +150,7 @@ def test_events_open_and_close_items_in_order() -> None:
 
 
 def test_a_whole_answer_without_text_has_only_its_calls() -> None:
-    items = output_items("", [_C(0)])
+    items = output_items("", [_C(0)], _parse({"input": "hi"}))
     assert [i["type"] for i in items] == ["function_call"] and items[0]["status"] == "completed"
 
 
@@ -174,12 +179,13 @@ class _Named:
 
 
 def test_a_custom_tools_call_comes_back_as_its_input() -> None:
+    req = _parse({"input": "hi", "tools": [PATCH_TOOL]})
     items = output_items("", [_Named("apply_patch", json.dumps({"input": "*** Begin Patch"})), _Named("shell", "{}")],
-                         frozenset({"apply_patch"}))
+                         req)
     assert items[0] == {**items[0], "type": "custom_tool_call", "call_id": "call_9", "input": "*** Begin Patch"}
     assert items[0]["id"].startswith("ctc_") and items[1]["type"] == "function_call"
     # Arguments that are not the shim's JSON pass through as the input, as vLLM's do.
-    assert output_items("", [_Named("apply_patch", "raw text")], frozenset({"apply_patch"}))[0]["input"] == "raw text"
+    assert output_items("", [_Named("apply_patch", "raw text")], req)[0]["input"] == "raw text"
 
 
 def test_a_streamed_custom_call_sends_its_input_whole() -> None:
@@ -197,3 +203,49 @@ def test_a_streamed_custom_call_sends_its_input_whole() -> None:
     final = events[-1]["response"]["output"]
     assert final == [{"type": "custom_tool_call", "id": added["id"], "call_id": "call_1", "name": "apply_patch",
                       "input": "x\ny"}]
+
+
+# Codex 0.171 sends its sub-agent tools as a namespace, and OpenAI's hosted web search, on every turn.
+AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "description": "Spawn one.", "strict": False,
+     "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"]}},
+    {"type": "function", "name": "close_agent", "parameters": {"type": "object", "properties": {}}}]}
+WEB = {"type": "web_search", "external_web_access": False}
+
+
+def test_namespace_tools_are_flattened_and_hosted_tools_left_out_as_vllm_does() -> None:
+    """vLLM's ``get_function_tools``: a namespace's functions in request order, named
+    ``<namespace>__<name>``; hosted tools are never shown to the model. A call of a namespace's
+    function in the history is rendered under its flat name, and an answer's call comes back with
+    its own name and its ``namespace``; a named ``tool_choice`` finds a namespace's function by its
+    own name when only one namespace has it."""
+    hist = [{"role": "user", "content": "Split the work."},
+            {"type": "function_call", "call_id": "c1", "name": "spawn_agent", "namespace": "multi_agent_v1",
+             "arguments": '{"task": "tests"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "agent 7"}]
+    req = _parse({"input": hist, "tools": [TOOLS[0], AGENTS, WEB], "tool_choice": {"type": "function",
+                                                                                  "name": "close_agent"}})
+    names = [t["function"]["name"] for t in req.chat.chat_request.tools]
+    assert names == [TOOLS[0]["name"], "multi_agent_v1__spawn_agent", "multi_agent_v1__close_agent"]
+    assert req.chat.messages[1]["tool_calls"][0]["function"]["name"] == "multi_agent_v1__spawn_agent"
+    assert req.chat.chat_request.tool_choice == {"type": "function", "function": {"name": "multi_agent_v1__close_agent"}}
+    [item] = output_items("", [_Named("multi_agent_v1__close_agent", "{}")], req)
+    assert (item["name"], item["namespace"]) == ("close_agent", "multi_agent_v1")
+    assert "namespace" not in output_items("", [_Named(TOOLS[0]["name"], "{}")], req)[0]
+    only_hosted = _parse({"input": "hi", "tools": [WEB, {"type": "file_search", "vector_store_ids": ["v"]}]})
+    assert not only_hosted.chat.chat_request.tools
+    twice = {**AGENTS, "name": "other"}
+    with pytest.raises(BadRequest, match="ambiguous"):
+        _parse({"input": "hi", "tools": [AGENTS, twice], "tool_choice": {"type": "function", "name": "close_agent"}})
+
+
+def test_a_streamed_namespace_call_carries_its_namespace() -> None:
+    req = _parse({"input": "hi", "tools": [AGENTS]})
+    ev = ResponseEvents(ResponseHead(req, "tiny"))
+    raw = ev.start() + ev.call_delta(0, "call_1", "multi_agent_v1__spawn_agent", '{"task": "x"}')
+    raw += ev.finish(False, usage(3, 2, 0))
+    events = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ")]
+    added = next(e["item"] for e in events if e["type"] == "response.output_item.added")
+    done = next(e["item"] for e in events if e["type"] == "response.output_item.done")
+    assert (added["name"], added["namespace"]) == (done["name"], done["namespace"]) == ("spawn_agent", "multi_agent_v1")
+    assert next(e for e in events if e["type"] == "response.completed")["response"]["output"] == [done]

@@ -166,7 +166,7 @@ def test_streamed_text(client) -> None:
 
 @pytest.mark.parametrize("body,param,words", [
     ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
-    ({"tools": [{"type": "web_search"}]}, "tools[0]", "function and custom tools only"),
+    ({"tools": [{"type": "image_to_hologram"}]}, "tools[0]", "function, namespace and custom tools"),
     ({"input": None}, "input", "required"),
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
