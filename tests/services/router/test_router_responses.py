@@ -147,6 +147,39 @@ def test_custom_tool_round_trip(client) -> None:
     assert r2.usage.input_tokens_details.cached_tokens > 0
 
 
+# What Codex 0.171 sends every turn besides function tools: its sub-agent tools in a namespace,
+# OpenAI's hosted web search, reasoning summaries and client metadata.
+AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools for sub-agents.", "tools": [
+    {"type": "function", "name": "spawn_agent", "description": "Spawn a sub-agent.", "strict": False,
+     "parameters": {"type": "object", "properties": {"task": {"type": "string"}}, "required": ["task"],
+                    "additionalProperties": False}}]}
+CODEX_EXTRAS: dict[str, Any] = {"reasoning": {"summary": "auto"}, "include": ["reasoning.encrypted_content"],
+                                "extra_body": {"client_metadata": {"turn_id": "t1"}}}
+
+
+def test_a_codex_0171_turn_with_a_namespace_and_web_search(client) -> None:
+    """The namespace's function is offered under vLLM's flat name, web search is left out of the prompt
+    (the model cannot call it), and a call of the namespace's function comes back with its own name
+    and its ``namespace``, whole and streamed; sent back in the history, it is reused from the cache."""
+    tools = [TOOLS[0], AGENTS, {"type": "web_search", "external_web_access": False}]
+    kw: dict[str, Any] = dict(model=MODEL, instructions=INSTRUCTIONS, input=ASK, tools=tools, max_output_tokens=16,
+                              tool_choice={"type": "function", "name": "spawn_agent"}, **CODEX_EXTRAS)
+    r = client.responses.create(**kw)
+    [call] = r.output
+    assert (call.type, call.name, call.namespace) == ("function_call", "spawn_agent", "multi_agent_v1")
+    assert json.loads(call.arguments) == {"task": "kvmesh"}
+    with client.responses.stream(**kw) as s:
+        [streamed] = s.get_final_response().output
+    assert (streamed.name, streamed.namespace, streamed.arguments) == (call.name, call.namespace, call.arguments)
+    history: list[Any] = ASK + [call.model_dump(exclude_none=True),
+                                {"type": "function_call_output", "call_id": call.call_id, "output": "agent 7"}]
+    r2 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=history, tools=tools,
+                                 tool_choice="none", max_output_tokens=4, **CODEX_EXTRAS)
+    assert r2.usage.input_tokens_details.cached_tokens > 0
+    with pytest.raises(openai.BadRequestError):   # a hosted tool cannot be forced
+        client.responses.create(**{**kw, "tool_choice": {"type": "web_search"}})
+
+
 def test_streamed_text(client) -> None:
     events = list(client.responses.create(model=MODEL, input="Say hi.", max_output_tokens=6, temperature=0,
                                           stream=True))
