@@ -28,8 +28,9 @@ writes a dict with ``tojson`` writes its keys in order.
 
 What kvmesh cannot honour is refused with a 400 whose message names the field,
 never ignored: image and document blocks (text-only models), server tools,
-extended thinking, ``output_config.effort``, a region, ``max_tokens`` 0 (cache
-pre-warming), unknown fields. ``output_config.format`` (a JSON schema) is structured output, the
+extended thinking with a budget, context edits that would drop history, a region,
+``max_tokens`` 0 (cache pre-warming), unknown fields. ``thinking`` ``adaptive`` changes nothing (as
+in vLLM); ``output_config.effort`` is the template keyword ``reasoning_effort``, as vLLM renders it. ``output_config.format`` (a JSON schema) is structured output, the
 chat API's ``response_format`` ``json_schema`` as vLLM maps it (``kvmesh.structured_outputs``).
 """
 
@@ -56,7 +57,7 @@ _EXTENSIONS = {"cache_salt", "kvmesh_policy", "lora_name"}
 # ``cache_control`` asks for prompt caching, which the engines' prefix cache does on its own;
 # ``user_profile_id``/``workspace_id`` identify the caller and change nothing here.
 _PROMPT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "cache_control", "speed",
-                  "user_profile_id", "workspace_id", "output_config", *_EXTENSIONS}
+                  "user_profile_id", "workspace_id", "output_config", "context_management", *_EXTENSIONS}
 MESSAGES_FIELDS = _PROMPT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
                                     "metadata", "service_tier", "inference_geo", "diagnostics"}
 COUNT_FIELDS = _PROMPT_FIELDS
@@ -64,7 +65,6 @@ _NOT_SUPPORTED = {
     "output_format": "the beta 'output_format' is now 'output_config.format'",
     "container": "code-execution containers are not supported by this server",
     "mcp_servers": "MCP servers are not supported by this server",
-    "context_management": "context management is not supported by this server",
 }
 
 
@@ -87,6 +87,9 @@ class MessagesRequest:
     stream: bool = False
     session_id: str = ""
     structured_outputs: dict[str, Any] | None = None   # output_config.format (kvmesh.structured_outputs)
+    # Chat template keywords vLLM's /v1/messages adds (output_config.effort -> reasoning_effort); a
+    # template that does not read one never sees it (kvmesh.tokenization.chat_render).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 # -- typed field readers ----------------------------------------------------------------------
@@ -337,8 +340,10 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         if name not in allowed:
             raise bad_request(name, "Extra inputs are not permitted")
     thinking = body.get("thinking")
-    if thinking is not None and _object(thinking, "thinking").get("type") != "disabled":
-        raise bad_request("thinking", "extended thinking is not supported by this server")
+    # "adaptive" lets the model choose (Claude Code sends it every turn); vLLM pins nothing for it.
+    if thinking is not None and _object(thinking, "thinking").get("type") not in ("disabled", "adaptive"):
+        raise bad_request("thinking", "extended thinking with a budget is not supported by this server")
+    _context_management(body.get("context_management"))
     if body.get("speed") not in (None, "standard"):
         raise bad_request("speed", "only 'standard' is supported by this server")
     for name, why in (("inference_geo", "this server runs where it is deployed; it cannot pick a region"),
@@ -360,21 +365,45 @@ def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
     req.tool_choice = _tool_choice(body, tools)
     req.parallel_tool_calls = not (isinstance(body.get("tool_choice"), dict)
                                    and body["tool_choice"].get("disable_parallel_tool_use") is True)
-    req.structured_outputs = _output_config(body.get("output_config"))
+    req.structured_outputs = _output_config(body.get("output_config"), req.template_kwargs)
     return req
 
 
-def _output_config(config: Any) -> dict[str, Any] | None:
+EFFORTS = ("low", "medium", "high", "xhigh", "max")
+# Context edits that leave the prompt as it is: keeping every thinking block (Claude Code asks for
+# that every turn). vLLM ignores context_management; an edit that would drop history is refused
+# here instead, since the prompt would then not be what the client asked for.
+_KEEP_ALL = {"clear_thinking_20251015"}
+
+
+def _context_management(cm: Any) -> None:
+    if cm is None:
+        return
+    edits = _object(cm, "context_management").get("edits") or []
+    if not isinstance(edits, list):
+        raise bad_request("context_management.edits", "must be a list")
+    for i, e in enumerate(edits):
+        e = _object(e, f"context_management.edits.{i}")
+        if e.get("type") not in _KEEP_ALL or e.get("keep", "all") != "all":
+            raise bad_request(f"context_management.edits.{i}", "only clear_thinking with keep 'all' is supported by "
+                                                               "this server (it keeps the whole history)")
+
+
+def _output_config(config: Any, template_kwargs: dict[str, Any]) -> dict[str, Any] | None:
     """``output_config``: its ``format`` (``{"type": "json_schema", "schema": {...}}``) as a
-    structured-outputs spec, as vLLM's ``_handle_output_config`` makes it a ``response_format``."""
+    structured-outputs spec, as vLLM's ``_handle_output_config`` makes it a ``response_format``, and
+    its ``effort`` as the template keyword ``reasoning_effort``, as vLLM renders it."""
     if config is None:
         return None
     config = _object(config, "output_config")
     for k in config:
-        if k == "effort" and config[k] is not None:
-            raise bad_request("output_config.effort", "reasoning effort is not supported by this server")
         if k not in ("format", "effort"):
             raise bad_request(f"output_config.{k}", "Extra inputs are not permitted")
+    effort = config.get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise bad_request("output_config.effort", f"must be one of {', '.join(EFFORTS)}, got {effort!r}")
+        template_kwargs["reasoning_effort"] = effort
     fmt = config.get("format")
     if fmt is None:
         return None

@@ -160,9 +160,11 @@ class AnthropicApi:
             raise bad_request("messages", "this router has no tokenizer (--tokenizer-path), so it cannot "
                                           "render messages")
         try:
-            return chat_request_from_body({"messages": req.messages, "tools": req.tools,
+            chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
                                            "tool_choice": req.tool_choice, "add_generation_prompt": True,
                                            "parallel_tool_calls": req.parallel_tool_calls})
+            chat.engine_kwargs = dict(req.template_kwargs)   # as vLLM's /v1/messages renders them
+            return chat
         except ChatRenderError as exc:
             raise bad_request("messages", exc.message) from None
 
@@ -267,6 +269,7 @@ class AnthropicApi:
             try:
                 chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
                                                "tool_choice": req.tool_choice, "chat_template_kwargs": ctk})
+                chat.engine_kwargs = dict(req.template_kwargs)
             except ChatRenderError as exc:
                 raise bad_request(exc.param or "messages", exc.message) from None
             inp = GenInput(model=req.model, chat_request=chat, session_id=req.session_id,

@@ -90,7 +90,11 @@ def test_session_from_header_else_metadata_user_id():
     ({"top_p": 0}, "top_p"), ({"stop_sequences": [""]}, "stop_sequences"),
     ({"stop_sequences": ["s"] * 17}, "stop_sequences"), ({"speed": "fast"}, "speed"),
     ({"output_config": {"format": {}}}, "output_config.format.type"),
-    ({"output_config": {"effort": "high"}}, "output_config.effort"), ({"metadata": {"x": 1}}, "metadata.x"),
+    ({"output_config": {"effort": "turbo"}}, "output_config.effort"),
+    ({"context_management": {"edits": [{"type": "clear_tool_uses_20250919"}]}}, "context_management.edits.0"),
+    ({"context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": {"type": "thinking_turns",
+                                                                                  "value": 1}}]}},
+     "context_management.edits.0"), ({"metadata": {"x": 1}}, "metadata.x"),
 ])
 def test_bad_fields_are_named(over, field):
     body = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], **over}
@@ -190,3 +194,17 @@ def test_tool_calls_in_the_complete_message_and_a_cut_short_call_stays_text():
 ])
 def test_stop_reasons(finish, stop, tool, expected):
     assert R.stop_reason(finish, stop, tool) == expected
+
+
+def test_claude_code_2_1_197_turn_is_served() -> None:
+    """What Claude Code 2.1.197 sends every turn: adaptive thinking (vLLM pins nothing), a context edit
+    that keeps every thinking block, and an effort, which vLLM renders as the template keyword
+    ``reasoning_effort`` (a template that does not read it never sees it)."""
+    body = {"model": "m", "max_tokens": 32000, "messages": [{"role": "user", "content": "hi"}],
+            "thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": '{"device_id":"d","account_uuid":"","session_id":"s-1"}'}, "stream": True}
+    req = parse_messages(body, H)
+    assert req.template_kwargs == {"reasoning_effort": "high"} and req.structured_outputs is None
+    assert req.session_id == body["metadata"]["user_id"]
+    assert parse_messages({**body, "output_config": None}, H).template_kwargs == {}

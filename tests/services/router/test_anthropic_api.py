@@ -326,3 +326,24 @@ def test_no_live_endpoint_is_overloaded_error(tmp_path, procs, tiny_model_dir):
         with client.messages.stream(model=MODEL, max_tokens=4, messages=msgs) as s:
             s.get_final_message()
     assert client.messages.count_tokens(model=MODEL, messages=msgs).input_tokens > 0   # no endpoint needed
+
+
+def test_a_claude_code_2_1_197_turn_is_answered(client):
+    """The real Claude Code 2.1.197 failed on its first request (a 400 on ``context_management``): every
+    turn it sends adaptive thinking, a context edit that keeps all thinking, an effort and a JSON
+    ``metadata.user_id``. vLLM's /v1/messages serves that; so does the router, streamed, and the
+    conversation's second turn reads the first from the cache."""
+    extra = {"thinking": {"type": "adaptive"}, "output_config": {"effort": "high"},
+             "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}}
+    meta = {"user_id": '{"device_id":"d1","account_uuid":"","session_id":"cc-session-1"}'}
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197; cch=1;"},
+              {"type": "text", "text": "You are Claude Code. " * 40, "cache_control": {"type": "ephemeral"}}]
+    turn = [{"role": "user", "content": "List the files."}]
+    with client.messages.stream(model=MODEL, max_tokens=8, system=system, messages=turn, metadata=meta,
+                                extra_body=extra) as s:
+        first = s.get_final_message()
+    assert first.stop_reason == "max_tokens" and first.content[0].type == "text"
+    turn += [{"role": "assistant", "content": first.content[0].text}, {"role": "user", "content": "Now read a.py."}]
+    second = client.messages.create(model=MODEL, max_tokens=4, system=system, messages=turn, metadata=meta,
+                                    extra_body=extra)
+    assert second.usage.cache_read_input_tokens > 0

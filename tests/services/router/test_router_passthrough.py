@@ -287,7 +287,7 @@ async def test_messages_errors_have_anthropics_shape(stack) -> None:
     assert err.value.body["error"]["type"] == "invalid_request_error" and "messages.0.role" in err.value.message
     with pytest.raises(anthropic.BadRequestError):
         await client.messages.create(model=MODEL, max_tokens=8, messages=[{"role": "user", "content": "x"}],
-                                     extra_body={"output_config": {"effort": "high"}})
+                                     extra_body={"output_config": {"effort": "turbo"}})
     with pytest.raises(anthropic.NotFoundError):
         await client.messages.create(model="nope", max_tokens=8, messages=[{"role": "user", "content": "x"}])
     assert not _received(engines)

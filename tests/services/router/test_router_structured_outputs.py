@@ -140,7 +140,7 @@ def test_bad_responses_formats(stack, body, param) -> None:
 @pytest.mark.parametrize(("config", "param"), [
     ({"format": {"type": "json_schema"}}, "output_config.format.schema"),
     ({"format": {"type": "xml", "schema": {}}}, "output_config.format.type"),
-    ({"effort": "high"}, "output_config.effort"),
+    ({"effort": "turbo"}, "output_config.effort"),
     ({"colour": "red"}, "output_config.colour"),
 ])
 def test_bad_anthropic_output_config(stack, config, param) -> None:
