@@ -30,8 +30,9 @@ What kvmesh cannot honour is refused with a 400 whose message names the field,
 never ignored: image and document blocks (text-only models), server tools,
 extended thinking with a budget, context edits that would drop history, a region,
 ``max_tokens`` 0 (cache pre-warming), unknown fields. ``thinking`` ``adaptive`` changes nothing (as
-in vLLM); ``output_config.effort`` is the template keyword ``reasoning_effort``, as vLLM renders it. ``output_config.format`` (a JSON schema) is structured output, the
-chat API's ``response_format`` ``json_schema`` as vLLM maps it (``kvmesh.structured_outputs``).
+in vLLM); ``output_config.effort`` is the template keyword ``reasoning_effort``, as vLLM renders
+it; ``output_config.format`` (a JSON schema) is structured output, the chat API's
+``response_format`` ``json_schema`` as vLLM maps it (``kvmesh.structured_outputs``).
 """
 
 from __future__ import annotations

@@ -172,7 +172,7 @@ def _item(where: str, item: Any, msgs: list[dict[str, Any]]) -> None:
         if ns is not None and (not isinstance(ns, str) or not ns):
             raise BadRequest(f"{where}: a function_call's 'namespace' must be a non-empty string", where)
         if ns:   # vLLM renders a namespace's call under its flat name
-            name = f"{ns}{NAMESPACE_SEPARATOR}{name}"
+            name = flat_name(ns, name)
         call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
         if prev is not None:
             prev.setdefault("tool_calls", []).append(call)
@@ -268,6 +268,11 @@ HOSTED_TOOLS = frozenset({
 NAMESPACE_SEPARATOR = "__"
 
 
+def flat_name(namespace: str, name: str) -> str:
+    """The name vLLM shows the model for function ``name`` of a ``namespace`` tool."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
 def _function(where: str, t: dict[str, Any], name: str | None = None) -> dict[str, Any]:
     if not isinstance(t.get("name"), str) or not t["name"]:
         raise BadRequest(f"{where}.name must be a non-empty string", where)
@@ -299,7 +304,7 @@ def chat_tools(tools: Any) -> list[dict[str, Any]] | None:
                 raise BadRequest(f"{where}: a namespace needs a string 'name' and a list of 'tools'", where)
             for j, f in enumerate(inner):
                 if isinstance(f, dict) and f.get("type") == "function":
-                    out.append(_function(f"{where}.tools[{j}]", f, f"{ns}{NAMESPACE_SEPARATOR}{f.get('name')}"))
+                    out.append(_function(f"{where}.tools[{j}]", f, flat_name(ns, str(f.get("name")))))
         elif kind == "custom":
             if not isinstance(t.get("name"), str) or not t["name"]:
                 raise BadRequest(f"{where}.name must be a non-empty string", where)
@@ -323,7 +328,7 @@ def namespaced_names(tools: Any) -> dict[str, tuple[str, str]]:
         if isinstance(t, dict) and t.get("type") == "namespace" and isinstance(t.get("tools"), list):
             for f in t["tools"]:
                 if isinstance(f, dict) and f.get("type") == "function" and isinstance(f.get("name"), str):
-                    out[f"{t['name']}{NAMESPACE_SEPARATOR}{f['name']}"] = (t["name"], f["name"])
+                    out[flat_name(t["name"], f["name"])] = (t["name"], f["name"])
     return out
 
 
@@ -331,16 +336,17 @@ def _custom_names(tools: Any) -> frozenset[str]:
     return frozenset(t["name"] for t in tools or [] if t.get("type") == "custom")
 
 
-def chat_tool_choice(choice: Any, tools: Any = None) -> Any:
-    """A Responses ``tool_choice`` as the chat one. A named function may be a namespace's, by its flat
-    name or, when only one namespace has it, by its own (vLLM's ``_resolve_named_tool_choice``)."""
+def chat_tool_choice(choice: Any, tools: Any = None, flat: dict[str, tuple[str, str]] | None = None) -> Any:
+    """A Responses ``tool_choice`` as the chat one. A named function may be a namespace's (``flat``:
+    ``namespaced_names(tools)``), by its flat name or, when only one namespace has it, by its own
+    (vLLM's ``_resolve_named_tool_choice``)."""
     if choice is None or isinstance(choice, str):
         return choice
     if isinstance(choice, dict) and choice.get("type") in ("function", "custom"):
         name = choice.get("name")
         if not isinstance(name, str):
             raise BadRequest(f"'tool_choice' {{\"type\": \"{choice['type']}\"}} needs a string 'name'", "tool_choice")
-        flat = namespaced_names(tools)
+        flat = namespaced_names(tools) if flat is None else flat
         plain = {t.get("name") for t in tools or [] if isinstance(t, dict) and t.get("type") != "namespace"}
         if name not in flat and name not in plain:
             candidates = [f for f, (_, own) in flat.items() if own == name]
@@ -427,10 +433,11 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
     chat_body: dict[str, Any] = {k: body[k] for k in _SAME_NAME if k in body}
     chat_body["messages"] = input_messages(body)
     tools = chat_tools(body.get("tools"))
+    namespaced = namespaced_names(body.get("tools"))
     if tools is not None:
         chat_body["tools"] = tools
     if body.get("tool_choice") is not None:
-        chat_body["tool_choice"] = chat_tool_choice(body["tool_choice"], body.get("tools"))
+        chat_body["tool_choice"] = chat_tool_choice(body["tool_choice"], body.get("tools"), namespaced)
     if body.get("max_output_tokens") is not None:
         chat_body["max_tokens"] = body["max_output_tokens"]
     fmt = text_format(body)
@@ -458,4 +465,4 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
                             tools=list(body.get("tools") or []),
                             tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
                             metadata=_metadata(body), user=user, custom_tools=_custom_names(body["tools"] if tools else None),
-                            namespaced=namespaced_names(body.get("tools")))
+                            namespaced=namespaced)

@@ -12,9 +12,9 @@ stream; every error has Anthropic's shape (``kvmesh.anthropic.errors``).
 
 With external OpenAI engines (``vllm serve``, ``Cluster.external_mode``) the request
 goes to the engine's own ``/v1/messages`` instead (``passthrough``): vLLM parses tool
-calls, applies stop sequences and writes the answer. ``output_config`` is checked as for the
-workers (``format`` is structured output; ``effort`` would change the rendered prompt, so it is
-refused on both paths).
+calls, applies stop sequences and writes the answer. ``output_config`` is read as for the
+workers (``format`` is structured output; ``effort`` is the template keyword
+``reasoning_effort``, in the prediction as vLLM renders it).
 
 Stop sequences are found in the decoded text here (the workers' token streams
 carry no stop strings); on a match the worker call is cancelled, so the engine

@@ -56,7 +56,7 @@ from kvmesh.worker.engine.sim.block_manager import BlockManager, Cleared, Remove
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
 from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
 from kvmesh.worker.engine.sim.structured import scripted_answer
-from kvmesh.worker.engine.sim.tool_calls import SimToolStream, sim_tool_calls
+from kvmesh.worker.engine.sim.tool_calls import SimToolStream, calls_tools, sim_tool_calls
 from kvmesh.worker.engine.validation import validate_request
 
 if TYPE_CHECKING:
@@ -482,7 +482,7 @@ class SimEngine(Engine):
         if c.eos_token_id is not None and not req.ignore_eos:
             stop.add(c.eos_token_id)
         script = None
-        if req.structured_outputs and not req.prefill_only and not (req.tools and req.tool_choice != "none"):
+        if req.structured_outputs and not req.prefill_only and not calls_tools(req.tools, req.tool_choice):
             # Structured outputs: the answer is a fixed text that matches the constraint, then EOS.
             script, eos = scripted_answer(req.structured_outputs, c.tokenizer)
             stop.add(eos)
@@ -547,7 +547,6 @@ class SimEngine(Engine):
                     item.delta = tools.finish(req.request_id)
                 elif tools is not None:   # an aborted answer says no more
                     item.delta = tools.next() if not item.finished else ParsedDelta()
-
                 yield item
                 if item.finished:
                     return

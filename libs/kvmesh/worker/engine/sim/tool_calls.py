@@ -98,11 +98,16 @@ def example_value(schema: Any, depth: int = 0, root: Any = None, budget: list[in
     return (text * (n // len(text) + 1))[:max(n, len(text))][:cap]
 
 
+def calls_tools(tools: list[dict[str, Any]] | None, tool_choice: Any) -> bool:
+    """Whether the sim answers with tool calls (then nothing else shapes the answer)."""
+    return bool(tools) and tool_choice != "none"
+
+
 def sim_tool_calls(request_id: str, tools: list[dict[str, Any]], tool_choice: Any, calls: int = 1,
                    parallel: bool = True) -> list[ToolCall]:
     """The calls the sim makes for this request (none when tools may not be called): ``calls`` of
     them, or one when ``parallel`` (OpenAI's ``parallel_tool_calls``) is false."""
-    if not tools or tool_choice == "none":
+    if not calls_tools(tools, tool_choice):
         return []
     named = None
     if isinstance(tool_choice, dict):
