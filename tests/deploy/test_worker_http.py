@@ -265,3 +265,42 @@ async def test_a_client_gone_mid_stream_frees_the_engine(api, path, body) -> Non
             break
         await asyncio.sleep(0.05)
     assert engine.load().running == 0
+
+
+async def test_a_reasoning_worker_answers_with_its_reasoning_apart(tiny_model_dir: Path) -> None:
+    """A worker started with a reasoning parser (the sim splits by position) answers chat and
+    Responses requests on its own HTTP API as vLLM's server does: ``reasoning`` beside the content,
+    streamed as ``reasoning`` deltas that add up to it; completions are not parsed."""
+    engine = SimEngine(SimEngineConfig(model=MODEL, endpoint_id="w-think", block_size=16, num_blocks=512,
+                                       time_scale=50, enable_events=False, tokenizer=str(tiny_model_dir),
+                                       reasoning_tokens=4))
+    await engine.start()
+    server = await start_http_api(engine, host="127.0.0.1", port=0, tokenizer=str(tiny_model_dir),
+                                  endpoint_id="w-think")
+    body = {"model": MODEL, "max_tokens": 10, "seed": 9, "ignore_eos": True,
+            "messages": [{"role": "user", "content": "Why?"}]}
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{server.port}", timeout=30) as client:
+            whole = (await client.post("/v1/chat/completions", json=body)).json()
+            msg = whole["choices"][0]["message"]
+            assert msg["reasoning"] and whole["usage"]["completion_tokens_details"]["reasoning_tokens"] == 4
+            async with client.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+                raw = (await s.aread()).decode()
+            deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in raw.splitlines()
+                      if line.startswith("data: {")]
+            assert "".join(d.get("reasoning") or "" for d in deltas) == msg["reasoning"]
+            assert "".join(d.get("content") or "" for d in deltas) == msg["content"]
+            bare = (await client.post("/v1/chat/completions", json={**body, "include_reasoning": False})).json()
+            assert "reasoning" not in bare["choices"][0]["message"]
+            assert bare["choices"][0]["message"]["content"] == msg["content"]
+            r = (await client.post("/v1/responses", json={
+                "model": MODEL, "input": "Why?", "max_output_tokens": 10, "seed": 9, "ignore_eos": True})).json()
+            assert [o["type"] for o in r["output"]] == ["reasoning", "message"]
+            assert r["output"][0]["content"][0]["text"] == msg["reasoning"]
+            assert r["usage"]["output_tokens_details"]["reasoning_tokens"] == 4
+            comp = (await client.post("/v1/completions", json={"model": MODEL, "prompt": "Why?", "max_tokens": 6})
+                    ).json()
+            assert "reasoning" not in comp["choices"][0]
+    finally:
+        await server.stop()
+        await engine.stop()

@@ -83,9 +83,13 @@ def new_id(request_id: str = "") -> str:
     return "msg_" + (request_id or uuid.uuid4().hex)
 
 
-def content_blocks(text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
-    """Text first (if any), then one ``tool_use`` per complete call; never empty."""
+def content_blocks(text: str, calls: list[ToolCall], reasoning: str | None = None) -> list[dict[str, Any]]:
+    """A reasoning model's thinking first (if any), then the text (if any), then one ``tool_use`` per
+    complete call; never empty. The thinking block's signature is a random id, as vLLM's server
+    gives it: nothing here signs thinking."""
     blocks: list[dict[str, Any]] = []
+    if reasoning:
+        blocks.append({"type": "thinking", "thinking": reasoning, "signature": uuid.uuid4().hex})
     tools: list[dict[str, Any]] = []
     for call in calls:
         args = tool_input(call)
@@ -93,7 +97,7 @@ def content_blocks(text: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
             text += call.arguments
         else:
             tools.append({"type": "tool_use", "id": tool_use_id(call), "name": call.name, "input": args})
-    if text or not tools:
+    if text or not (tools or blocks):
         blocks.append({"type": "text", "text": text})
     return blocks + tools
 

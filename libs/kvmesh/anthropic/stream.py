@@ -5,8 +5,9 @@ sequence of named server-sent events::
 
     message_start            the message with empty content and the usage known so far
     ping
-    content_block_start      per block, indexed from 0: text, then tool_use blocks
-    content_block_delta      text_delta (text) / input_json_delta (a tool's input as JSON text)
+    content_block_start      per block, indexed from 0: thinking, text, then tool_use blocks
+    content_block_delta      thinking_delta and, last, signature_delta (a reasoning model's thinking) /
+                             text_delta (text) / input_json_delta (a tool's input as JSON text)
     content_block_stop
     message_delta            stop_reason, stop_sequence and the final usage (cumulative)
     message_stop
@@ -19,6 +20,7 @@ keeps the block index and which block is open, so a front door only says
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from kvmesh.anthropic.errors import error_body
@@ -43,6 +45,7 @@ class MessageStream:
         self.model = model
         self.blocks = 0           # content blocks started so far
         self.text_open = False
+        self.thinking_open = False
         self.tool_open: int | None = None           # the open tool_use block (streamed calls)
         self.tool_blocks: dict[int, int] = {}       # streamed call index -> its block
         self._pending: dict[int, list[str]] = {}    # a call's id and arguments until its name comes
@@ -60,6 +63,12 @@ class MessageStream:
 
     def _close_text(self) -> list[bytes]:
         out = []
+        if self.thinking_open:
+            # As vLLM's server: the block's signature (a random id: nothing here signs thinking) goes last.
+            self.thinking_open = False
+            out += [event("content_block_delta", {"index": self.blocks - 1, "delta": {
+                        "type": "signature_delta", "signature": uuid.uuid4().hex}}),
+                    event("content_block_stop", {"index": self.blocks - 1})]
         if self.tool_open is not None:
             out.append(event("content_block_stop", {"index": self.tool_open}))
             self.tool_open = None
@@ -74,6 +83,21 @@ class MessageStream:
         out = [] if self.text_open else [*self._close_text(), *self._open_text()]
         out.append(event("content_block_delta", {"index": self.blocks - 1,
                                                  "delta": {"type": "text_delta", "text": delta}}))
+        return out
+
+    def thinking(self, delta: str) -> list[bytes]:
+        """More of a reasoning model's thinking, in a ``thinking`` block of its own."""
+        if not delta:
+            return []
+        out = []
+        if not self.thinking_open:
+            out = self._close_text()
+            self.thinking_open = True
+            self.blocks += 1
+            out.append(event("content_block_start", {"index": self.blocks - 1, "content_block": {
+                "type": "thinking", "thinking": "", "signature": ""}}))
+        out.append(event("content_block_delta", {"index": self.blocks - 1,
+                                                 "delta": {"type": "thinking_delta", "thinking": delta}}))
         return out
 
     def tool_use(self, call: ToolCall) -> list[bytes]:

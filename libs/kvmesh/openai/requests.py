@@ -167,6 +167,7 @@ class OpenAIRequest:
     ignore_eos: bool | None = None
     knobs: dict[str, float] = field(default_factory=dict)   # kvmesh.sampling's, as sent
     structured_outputs: dict[str, Any] | None = None         # kvmesh.structured_outputs' spec
+    include_reasoning: bool = True   # vLLM's: false drops a reasoning model's reasoning from the answer
     stream: bool = False
     include_usage: bool = False
     cache_salt: str = ""
@@ -207,8 +208,6 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "guided_regex": (_empty, _GUIDED),
     "guided_choice": (_empty, _GUIDED),
     "guided_grammar": (_empty, _GUIDED),
-    "reasoning_effort": (_empty, "reasoning_effort is not supported; use chat_template_kwargs if the "
-                                 "template reads it"),
     "functions": (_empty, "the legacy 'functions' API is not supported; use 'tools'"),
     "function_call": (_empty, "the legacy 'function_call' API is not supported; use 'tool_choice'"),
     "audio": (_empty, "audio output is not supported"),
@@ -218,6 +217,24 @@ UNSUPPORTED: dict[str, tuple[Any, str]] = {
     "min_tokens": (_zero, "min_tokens is not supported"),
     "truncate_prompt_tokens": (_empty, "truncate_prompt_tokens is not supported"),
 }
+
+
+# vLLM's values of ``reasoning_effort`` (chat) and ``reasoning.effort`` (Responses).
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def reasoning_kwargs(effort: Any, template_kwargs: Any, param: str) -> dict[str, Any]:
+    """The template keywords vLLM renders a reasoning effort as: ``reasoning_effort`` and, unless the
+    client's ``chat_template_kwargs`` set it, ``enable_thinking`` (false for ``"none"``). A template
+    that reads neither never sees them, so the prompt, and the prediction, change only where the
+    model's own template asks."""
+    if effort is None:
+        return {}
+    if effort not in REASONING_EFFORTS:
+        raise BadRequest(f"'{param}' must be one of {list(REASONING_EFFORTS)}, got {effort!r}", param)
+    if isinstance(template_kwargs, dict) and "enable_thinking" in template_kwargs:
+        return {"reasoning_effort": effort}
+    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
 
 
 def refuse_unsupported(body: dict[str, Any]) -> None:
@@ -326,4 +343,7 @@ def parse_chat(body: dict[str, Any], headers: Any) -> OpenAIRequest:
     req.messages = req.chat_request.messages
     req.add_generation_prompt = req.chat_request.add_generation_prompt
     req.tools = req.chat_request.tools
+    req.include_reasoning = boolean(body, "include_reasoning") is not False
+    effort = reasoning_kwargs(body.get("reasoning_effort"), body.get("chat_template_kwargs"), "reasoning_effort")
+    req.chat_request.engine_kwargs = {**req.chat_request.engine_kwargs, **effort}
     return _common(req, body, headers)

@@ -55,14 +55,19 @@ class Answer:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
     def response(self, text: str, token_ids: list[int], finish: str, usage: dict[str, Any],
-                 tool_calls: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+                 tool_calls: list[dict[str, Any]] | None = None, reasoning: str | None = None,
+                 **extra: Any) -> dict[str, Any]:
         """The non-streaming answer; ``extra`` adds top-level keys (e.g. ``kvmesh``). With
-        ``tool_calls`` (``tool_call``), ``text`` is the answer's other text (null when empty)."""
+        ``tool_calls`` (``tool_call``), ``text`` is the answer's other text (null when empty). A
+        reasoning model's answer (``reasoning`` not None) carries it as vLLM's chat message does
+        (``reasoning``, null when empty)."""
         choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None, "token_ids": token_ids}
         if self.chat:
             choice["message"] = {"role": "assistant", "content": text}
             if tool_calls:
                 choice["message"] = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+            if reasoning is not None:
+                choice["message"]["reasoning"] = reasoning or None
         else:
             choice["text"] = text
         return {**self._head(self.object), "choices": [choice], "usage": usage, **extra}
@@ -80,6 +85,13 @@ class Answer:
         else:
             choice["text"] = text
         return {**self._head(self.chunk_object), "choices": [choice], **extra}
+
+    def reasoning_chunk(self, reasoning: str, first: bool) -> dict[str, Any]:
+        """A chat chunk carrying more of a reasoning model's reasoning (vLLM's ``delta.reasoning``)."""
+        delta: dict[str, Any] = {"role": "assistant"} if first else {}
+        delta["reasoning"] = reasoning
+        return {**self._head(self.chunk_object),
+                "choices": [{"index": 0, "finish_reason": None, "logprobs": None, "delta": delta}]}
 
     def tool_calls_chunk(self, tool_calls: list[dict[str, Any]], first: bool) -> dict[str, Any]:
         """A chat chunk carrying whole tool calls as deltas (each with its ``index``)."""

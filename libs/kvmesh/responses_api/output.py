@@ -25,15 +25,27 @@ def new_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(input_tokens: int, output_tokens: int, cached_tokens: int, **details: int) -> dict[str, Any]:
+def usage(input_tokens: int, output_tokens: int, cached_tokens: int, reasoning_tokens: int = 0,
+          **details: int) -> dict[str, Any]:
     """The Responses ``usage``; ``details`` (kvmesh's GPU/offload split) go beside ``cached_tokens``."""
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached_tokens, **details},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
 
 def text_part(text: str) -> dict[str, Any]:
     return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def reasoning_part(text: str) -> dict[str, Any]:
+    return {"type": "reasoning_text", "text": text}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    """A reasoning model's thinking as vLLM's server returns it: its text as ``reasoning_text``
+    content, no summary."""
+    return {"type": "reasoning", "id": item_id, "summary": [], "status": status,
+            "content": [reasoning_part(text)] if status == "completed" else []}
 
 
 def message_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -64,12 +76,20 @@ def call_item(call_id: str, name: str, arguments: str, req: ResponsesRequest) ->
     return function_call_item(new_id("fc"), call_id, name, arguments, namespaced=req.namespaced)
 
 
-def output_items(text: str, calls: list[Any], req: ResponsesRequest) -> list[dict[str, Any]]:
-    """The output of a whole answer to ``req``: its text as one message (when there is text), then its
-    tool calls (objects with ``id``, ``name`` and ``arguments``)."""
-    out = [message_item(new_id("msg"), text)] if text else []
+def output_items(text: str, calls: list[Any], req: ResponsesRequest, reasoning: str | None = None
+                 ) -> list[dict[str, Any]]:
+    """The output of a whole answer to ``req``: a reasoning model's thinking as a reasoning item (when
+    there is some), its text as one message (when there is text), then its tool calls (objects with
+    ``id``, ``name`` and ``arguments``)."""
+    out = [reasoning_item(new_id("rs"), reasoning)] if reasoning else []
+    out += [message_item(new_id("msg"), text)] if text else []
     out += [call_item(c.id, c.name, c.arguments, req) for c in calls]
     return out
+
+
+def _reasoning_echo(body: dict[str, Any]) -> dict[str, Any]:
+    r = body.get("reasoning") if isinstance(body.get("reasoning"), dict) else {}
+    return {"effort": r.get("effort"), "summary": r.get("summary")}
 
 
 @dataclass
@@ -93,7 +113,7 @@ class ResponseHead:
             "parallel_tool_calls": chat.chat_request.parallel_tool_calls if chat.chat_request else True,
             "temperature": chat.temperature, "top_p": chat.top_p, "max_output_tokens": chat.max_tokens,
             "tool_choice": req.tool_choice, "tools": req.tools, "previous_response_id": None,
-            "reasoning": {"effort": None, "summary": None}, "store": False,
+            "reasoning": _reasoning_echo(req.body), "store": False,
             "text": {"format": req.body["text"].get("format") or {"type": "text"}} if isinstance(
                 req.body.get("text"), dict) else {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata,
             "user": req.user, "usage": usage, **extra,

@@ -25,9 +25,10 @@ in ``vllm/entrypoints/openai/responses/utils.py``), so that a router in front of
 
 What cannot be honoured gets a 400 naming the field rather than silence: state kept by the
 server (``previous_response_id``, ``conversation``, ``item_reference``, ``background``),
-a ``tool_choice`` naming a hosted tool, grammar-constrained custom tools, images and files,
-log probabilities, and ``reasoning.effort``; the last two are an external
-engine's to honour when the router forwards to ``vllm serve`` (``engine_renders``). Nothing is
+a ``tool_choice`` naming a hosted tool, grammar-constrained custom tools, images and files, and
+log probabilities; the last are an external engine's to honour when the router forwards to
+``vllm serve`` (``engine_renders``). ``reasoning.effort`` is rendered as vLLM renders it (the
+template keywords ``reasoning_effort`` and ``enable_thinking``). Nothing is
 stored, so every answer says ``store: false``.
 """
 
@@ -38,13 +39,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.openai.errors import BadRequest
-from kvmesh.openai.requests import OpenAIRequest, parse_chat, string
+from kvmesh.openai.requests import OpenAIRequest, parse_chat, reasoning_kwargs, string
 
 # Chat fields a Responses body may carry under the same name and meaning (vLLM's extensions
 # included); copied into the chat body as they are.
 _SAME_NAME = ("model", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
               "repetition_penalty", "seed", "parallel_tool_calls", "stream", "cache_salt", "session_id",
-              "chat_template_kwargs", "kvmesh_policy", "lora_name")
+              "chat_template_kwargs", "kvmesh_policy", "lora_name", "include_reasoning")
 _ROLES = ("user", "system", "developer", "assistant")
 # Item types that need state this server does not keep, or tools it does not run.
 _STATEFUL = {"item_reference": "items are not stored by this server; send the item itself"}
@@ -102,9 +103,6 @@ def _refuse_engine_only(body: dict[str, Any]) -> None:
     if reasoning is not None:
         if not isinstance(reasoning, dict):
             raise BadRequest("'reasoning' must be an object", "reasoning")
-        if reasoning.get("effort") is not None:
-            raise BadRequest("'reasoning.effort' is not supported by this server: reasoning output is not "
-                             "parsed; use chat_template_kwargs if the template reads it", "reasoning")
     include = body.get("include")
     if include is not None:
         if not isinstance(include, list) or not all(isinstance(x, str) for x in include):
@@ -409,16 +407,10 @@ def _as_responses_error(exc: BadRequest) -> BadRequest:
 
 
 def _reasoning_kwargs(body: dict[str, Any]) -> dict[str, Any]:
-    """vLLM renders ``reasoning.effort`` as the template keywords ``reasoning_effort`` and, unless the
-    client set it, ``enable_thinking``; the prediction must render the same."""
+    """vLLM renders ``reasoning.effort`` as the chat ``reasoning_effort`` (``openai.requests.reasoning_kwargs``)."""
     reasoning = body.get("reasoning")
     effort = reasoning.get("effort") if isinstance(reasoning, dict) else None
-    if effort is None:
-        return {}
-    ctk = body.get("chat_template_kwargs")
-    if isinstance(ctk, dict) and "enable_thinking" in ctk:
-        return {"reasoning_effort": effort}
-    return {"reasoning_effort": effort, "enable_thinking": effort != "none"}
+    return reasoning_kwargs(effort, body.get("chat_template_kwargs"), "reasoning")
 
 
 def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = False) -> ResponsesRequest:
@@ -459,8 +451,7 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
     if chat.chat_request is not None:
         # vLLM's /v1/responses hands the template the messages it built, not re-parsed ones.
         chat.chat_request.call_key_order = ("name", "arguments")
-        if engine_renders:
-            chat.chat_request.engine_kwargs = _reasoning_kwargs(body)
+        chat.chat_request.engine_kwargs = _reasoning_kwargs(body)
     return ResponsesRequest(chat=chat, body=body, instructions=body.get("instructions"),
                             tools=list(body.get("tools") or []),
                             tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",

@@ -6,7 +6,9 @@ that open and close output items, each numbered (``sequence_number``) and framed
 ``response.output_item.done`` and ends the turn on ``response.completed``. ``ResponseEvents``
 keeps that state so the HTTP handler only feeds it text and tool-call pieces:
 
-``response.created``, ``response.in_progress``; per message item ``output_item.added``,
+``response.created``, ``response.in_progress``; for a reasoning model's thinking a reasoning item
+(``output_item.added``, ``content_part.added``, ``reasoning_text.delta``..., ``reasoning_text.done``,
+``content_part.done``, ``output_item.done``); per message item ``output_item.added``,
 ``content_part.added``, ``output_text.delta``..., ``output_text.done``, ``content_part.done``,
 ``output_item.done``; per function call ``output_item.added``,
 ``function_call_arguments.delta``..., ``function_call_arguments.done``, ``output_item.done`` (for a
@@ -27,9 +29,18 @@ from kvmesh.responses_api.output import (
     function_call_item,
     message_item,
     new_id,
+    reasoning_item,
+    reasoning_part,
     text_part,
 )
 from kvmesh.responses_api.requests import shim_payload
+
+# Per streamed item kind: its item and part builders, its delta/done events, their extra fields.
+_PARTS: dict[str, tuple[Any, Any, str, dict[str, Any]]] = {
+    "message": (message_item, text_part, "response.output_text", {"logprobs": []}),
+    "reasoning": (reasoning_item, reasoning_part, "response.reasoning_text", {}),
+}
+_ID_PREFIX = {"message": "msg", "reasoning": "rs"}
 
 
 class ResponseEvents:
@@ -39,8 +50,7 @@ class ResponseEvents:
         self.head = head
         self.seq = 0
         self.output: list[dict[str, Any]] = []   # finished items, in order
-        self._text: str | None = None             # the open message item's text so far
-        self._msg_id = ""
+        self._part: list[str] | None = None       # the open message or reasoning item: kind, id, text so far
         self._call: dict[str, Any] | None = None  # the open function_call item
         self._call_index: int | None = None       # its index in the engine's tool-call deltas
         self._whole = 0                           # whole calls seen (each its own item)
@@ -58,33 +68,41 @@ class ResponseEvents:
         r = self.head.response("in_progress", [])
         return self._event("response.created", response=r) + self._event("response.in_progress", response=r)
 
-    # -- text
+    # -- reasoning and text: an item with one text part, streamed as deltas
+    def reasoning(self, delta: str) -> bytes:
+        return self._part_delta("reasoning", delta)
+
     def text(self, delta: str) -> bytes:
+        return self._part_delta("message", delta)
+
+    def _part_delta(self, kind: str, delta: str) -> bytes:
         if not delta:
             return b""
-        out = self._close_call()
-        if self._text is None:
-            self._msg_id, self._text = new_id("msg"), ""
+        make_item, make_part, event, extra = _PARTS[kind]
+        out = b"" if self._part is not None and self._part[0] == kind else self._close_part()
+        out += self._close_call()
+        if self._part is None:
+            self._part = [kind, new_id(_ID_PREFIX[kind]), ""]
             out += self._event("response.output_item.added", output_index=self._index,
-                               item=message_item(self._msg_id, "", "in_progress"))
-            out += self._event("response.content_part.added", item_id=self._msg_id, output_index=self._index,
-                               content_index=0, part=text_part(""))
-        self._text += delta
-        return out + self._event("response.output_text.delta", item_id=self._msg_id, output_index=self._index,
-                                 content_index=0, delta=delta, logprobs=[])
+                               item=make_item(self._part[1], "", "in_progress"))
+            out += self._event("response.content_part.added", item_id=self._part[1], output_index=self._index,
+                               content_index=0, part=make_part(""))
+        self._part[2] += delta
+        return out + self._event(f"{event}.delta", item_id=self._part[1], output_index=self._index,
+                                 content_index=0, delta=delta, **extra)
 
-    def _close_text(self) -> bytes:
-        if self._text is None:
+    def _close_part(self) -> bytes:
+        if self._part is None:
             return b""
-        text, i = self._text, self._index
-        out = self._event("response.output_text.done", item_id=self._msg_id, output_index=i, content_index=0,
-                          text=text, logprobs=[])
-        out += self._event("response.content_part.done", item_id=self._msg_id, output_index=i, content_index=0,
-                           part=text_part(text))
-        item = message_item(self._msg_id, text)
+        (kind, item_id, text), i = self._part, self._index
+        make_item, make_part, event, extra = _PARTS[kind]
+        out = self._event(f"{event}.done", item_id=item_id, output_index=i, content_index=0, text=text, **extra)
+        out += self._event("response.content_part.done", item_id=item_id, output_index=i, content_index=0,
+                           part=make_part(text))
+        item = make_item(item_id, text)
         out += self._event("response.output_item.done", output_index=i, item=item)
         self.output.append(item)
-        self._text = None
+        self._part = None
         return out
 
     # -- function calls
@@ -92,7 +110,7 @@ class ResponseEvents:
         """A piece of the engine's tool call ``index``: its first piece has the id and name."""
         out = b""
         if self._call is None or index != self._call_index:
-            out += self._close_text() + self._close_call()
+            out += self._close_part() + self._close_call()
             self._call_index = index
             if name in self.head.req.custom_tools:
                 added = custom_call_item(new_id("ctc"), call_id, name, "")
@@ -139,14 +157,14 @@ class ResponseEvents:
         ``openai`` SDK's stream helper needs that event for its final response, and some Responses
         clients take a ``response.incomplete`` event as a stream error; ``status`` and
         ``incomplete_details`` say whether the token limit ended the answer."""
-        out = self._close_text() + self._close_call()
+        out = self._close_part() + self._close_call()
         status = "incomplete" if incomplete else "completed"
         return out + self._event("response.completed", response=self.head.response(status, self.output, usage,
                                                                                    **extra))
 
     def failed(self, code: str, message: str) -> bytes:
         """The answer broke off: what was streamed, and the error (``response.failed``)."""
-        out = self._close_text() + self._close_call()
+        out = self._close_part() + self._close_call()
         r = self.head.response("failed", self.output)
         r["error"] = {"code": code, "message": message}
         return out + self._event("response.failed", response=r)

@@ -311,6 +311,38 @@ def write_tiny_model(path: str | Path, spec: TinyModelSpec | None = None, overwr
     return out
 
 
+THINK_TOKENS = ("<think>", "</think>")
+
+
+def add_think_tokens(path: str | Path) -> tuple[int, int]:
+    """Give the tiny model's tokenizer a reasoning model's markers, ``<think>`` and ``</think>``, and
+    return their ids. vLLM's reasoning parsers (``deepseek_r1``, ``qwen3``...) look the markers up
+    in the vocabulary and refuse a tokenizer without them. The vocabulary must stay exactly the
+    model's, so the markers take the ids of the last two BPE merges (whose merges are dropped), as
+    added tokens that are not special: decoding keeps them, as Qwen3's and DeepSeek's do."""
+    out = Path(path)
+    doc = json.loads((out / "tokenizer.json").read_text())
+    vocab: dict[str, int] = doc["model"]["vocab"]
+    taken = {t["id"] for t in doc["added_tokens"]}
+    last = sorted((i, t) for t, i in vocab.items() if i not in taken)[-2:]
+    gone = {t for _, t in last}
+    doc["model"]["merges"] = [m for m in doc["model"]["merges"]
+                              if "".join(m.split(" ") if isinstance(m, str) else m) not in gone]
+    ids = []
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    for (i, old), new in zip(last, THINK_TOKENS, strict=True):
+        del vocab[old]
+        vocab[new] = i
+        entry = {"content": new, "lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+                 "special": False}
+        doc["added_tokens"].append({"id": i, **entry})
+        config["added_tokens_decoder"][str(i)] = entry
+        ids.append(i)
+    _dump(out / "tokenizer.json", doc)
+    _dump(out / "tokenizer_config.json", config)
+    return ids[0], ids[1]
+
+
 def write_tiny_lora(path: str | Path, spec: TinyModelSpec | None = None, seed: int = 1, rank: int = 8) -> Path:
     """Write a PEFT LoRA adapter (q_proj/v_proj) for the tiny model, with seeded random weights.
 

@@ -115,6 +115,12 @@ class WorkerConfig:
         "vllm engine: vLLM tool parser for chat answers with tools (e.g. hermes), as vLLM's flag"))
     enable_auto_tool_choice: bool = field(default=False, metadata=_h(
         "vllm engine: let the model decide to call tools (tool_choice auto), as vLLM's flag"))
+    reasoning_parser: str = field(default="", metadata=_h(
+        "vLLM reasoning parser for chat answers (e.g. deepseek_r1, qwen3), as vLLM's flag: the answer's "
+        "reasoning is returned apart from its content; the sim engine (with --tokenizer) splits its "
+        "answers by position instead (--sim-reasoning-tokens)"))
+    sim_reasoning_tokens: int = field(default=8, metadata=_h(
+        "sim with a reasoning parser: the first this many output tokens of a chat answer are its reasoning"))
     vllm_options: dict = field(default_factory=dict, metadata=_h(
         "vllm engine: extra VllmEngineConfig settings (JSON), e.g. lora_modules"))
 
@@ -137,6 +143,11 @@ class WorkerConfig:
         for name in ("offload_timeout_s", "offload_lookup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
+        if self.sim_reasoning_tokens < 0:
+            raise ConfigError(f"setting 'sim_reasoning_tokens' must be >= 0, got {self.sim_reasoning_tokens}")
+        if self.reasoning_parser and self.engine == "sim" and not self.tokenizer:
+            raise ConfigError("setting 'reasoning_parser': the sim engine decodes its answers' reasoning with "
+                              "the worker's tokenizer: set 'tokenizer'")
         if "@" in self.endpoint_id:
             raise ConfigError("setting 'endpoint_id' must not contain '@'")
         if len(self.endpoint_id.encode()) > 128:
@@ -191,4 +202,5 @@ class WorkerConfig:
             model_h2d=self.model_h2d, kv_num_layers=self.kv_num_layers,
             kv_num_kv_heads=self.kv_num_kv_heads, kv_head_dim=self.kv_head_dim, kv_dtype=self.kv_dtype,
             latency=self.latency(), tool_calls=self.sim_tool_calls, tokenizer=self.tokenizer,
+            reasoning_tokens=self.sim_reasoning_tokens if self.reasoning_parser else 0,
         )

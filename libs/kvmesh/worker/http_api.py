@@ -115,6 +115,13 @@ def _parallel(req: OpenAIRequest) -> bool:
     return req.chat_request is None or req.chat_request.parallel_tool_calls
 
 
+def _template_kwargs(req: OpenAIRequest) -> dict | None:
+    creq = req.chat_request
+    if creq is None:
+        return None
+    return {**creq.chat_template_kwargs, **creq.engine_kwargs} or None
+
+
 def _engine_error(exc: EngineError) -> OpenAIError:
     return OpenAIError(str(exc), status=exc.http_status)
 
@@ -218,6 +225,8 @@ class WorkerHttpApi:
             tools=req.chat_request.tools if _tools_active(req) else None,
             tool_choice=req.chat_request.effective_tool_choice if _tools_active(req) else None,
             parallel_tool_calls=_parallel(req), structured_outputs=req.structured_outputs, **req.knobs,
+            # A chat answer: an engine with a reasoning parser splits off its reasoning.
+            reasoning=req.chat, chat_template_kwargs=_template_kwargs(req),
         )
 
     async def _handle(self, request: Request, chat: bool) -> Response:
@@ -243,10 +252,10 @@ class WorkerHttpApi:
                 raise _engine_error(exc) from None
             return sse.sse_response(self._events(agen, first, answer, len(ids), req.include_usage,
                                                  hold=_tools_active(req), parallel=_parallel(req),
-                                                 engine_id=ereq.request_id),
+                                                 engine_id=ereq.request_id, reasoning=req.include_reasoning),
                                     headers=self._headers())
         parent = propagate.extract(dict(request.headers))
-        return JSONResponse(await self._collect(ereq, req.stop, answer, parent, _parallel(req)),
+        return JSONResponse(await self._collect(ereq, req.stop, answer, parent, _parallel(req), req.include_reasoning),
                             headers=self._headers())
 
     async def _run(self, req: EngineRequest, stops: list[str]) -> AsyncIterator[tuple[list[int], str, EngineOutput]]:
@@ -284,7 +293,7 @@ class WorkerHttpApi:
         return usage(out.num_prompt_tokens or n_prompt, out.num_output_tokens or n_out, out.num_cached_tokens)
 
     async def _collect(self, ereq: EngineRequest, stops: list[str], answer: Answer, parent: Any = None,
-                       parallel: bool = True) -> dict[str, Any]:
+                       parallel: bool = True, include_reasoning: bool = True) -> dict[str, Any]:
         t0 = time.perf_counter()
         ids: list[int] = []
         text = ""
@@ -315,16 +324,22 @@ class WorkerHttpApi:
                 span.set_attribute("gen_ai.latency.time_to_first_token", ttft)
         log.debug("http request done", extra={"request_id": answer.id,
                                               "ms": round(1000 * (time.perf_counter() - t0), 2)})
-        if last.tool_calls:
+        if last.tool_calls or last.reasoning is not None:   # the engine's parse: text that is not a call
             text = last.content or ""
+        if last.reasoning is not None:   # as vLLM's server with a reasoning parser
+            use["completion_tokens_details"] = {"reasoning_tokens": last.num_reasoning_tokens}
         return answer.response(text, ids, last.finish_reason or "stop", use, tool_calls=tool_calls(last.tool_calls or [], parallel),
+                               reasoning=last.reasoning if include_reasoning else None,
                                kvmesh={"endpoint": self.endpoint_id})
 
     async def _events(self, agen: AsyncIterator[tuple[list[int], str, EngineOutput]],
                       first: tuple[list[int], str, EngineOutput] | None, answer: Answer, n_prompt: int,
                       include_usage: bool, hold: bool = False, parallel: bool = True,
-                      engine_id: str = "") -> AsyncIterator[bytes]:
-        """``hold``: the answer may be a tool call, so its text is sent once the engine has parsed it."""
+                      engine_id: str = "", reasoning: bool = True) -> AsyncIterator[bytes]:
+        """``hold``: the answer may be a tool call, so its text is sent once the engine has parsed it.
+        An engine with a reasoning parser sends its chat answers parsed (``out.reasoning`` at the end,
+        ``out.delta`` as it streams): the reasoning goes out as ``reasoning`` deltas (unless
+        ``reasoning`` is false, vLLM's ``include_reasoning``), the text as the parse's content."""
         n_out = 0
         held: list[str] = []
         last: EngineOutput | None = None
@@ -336,11 +351,16 @@ class WorkerHttpApi:
                     n_out += len(new_ids)
                     last = out
                     finish = (out.finish_reason or "stop") if out.finished else None
+                    if out.delta is not None and reasoning and out.delta.reasoning:
+                        yield sse.event(answer.reasoning_chunk(out.delta.reasoning, first_chunk))
+                        first_chunk = False
+                    if out.delta is not None and not hold:
+                        delta = out.delta.content   # a reasoning parser's reading, not the decoded tokens
                     if hold:
                         held.append(delta)
                         if not finish:
                             continue
-                        text = (out.content or "") if out.tool_calls else "".join(held)
+                        text = (out.content or "") if out.tool_calls or out.reasoning is not None else "".join(held)
                         if text:
                             yield sse.event(answer.chunk(text, None, None, first_chunk))
                             first_chunk = False

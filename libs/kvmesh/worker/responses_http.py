@@ -69,25 +69,31 @@ class WorkerResponses:
             raise api.engine_error(exc) from None
         assert last is not None
         calls = _calls(last, parallel)
-        if last.tool_calls:
+        if last.tool_calls or last.reasoning is not None:   # the engine's parse: text that is not a call
             text = last.content or ""
-        items = output_items(text, calls, rreq)
+        items = output_items(text, calls, rreq, last.reasoning)
         return JSONResponse(head.response(_status(last), items, self._usage(last, len(ids), n_out),
                                           kvmesh={"endpoint": api.endpoint_id}), headers=api._headers())
 
     @staticmethod
     def _usage(out: EngineOutput, n_prompt: int, n_out: int) -> dict[str, Any]:
-        return usage(out.num_prompt_tokens or n_prompt, out.num_output_tokens or n_out, out.num_cached_tokens)
+        return usage(out.num_prompt_tokens or n_prompt, out.num_output_tokens or n_out, out.num_cached_tokens,
+                     out.num_reasoning_tokens)
 
     async def _events(self, agen: AsyncIterator[Item], first: Item | None, ev: ResponseEvents, n_prompt: int,
                       engine_id: str, hold: bool, parallel: bool) -> AsyncIterator[bytes]:
-        """``hold``: the answer may be a tool call, so its text goes out once the engine has parsed it."""
+        """``hold``: the answer may be a tool call, so its text goes out once the engine has parsed it.
+        An engine with a reasoning parser streams its reading (``out.delta``): reasoning, then text."""
         yield ev.start()
         held: list[str] = []
         n_out = 0
         try:
             async for new_ids, delta, out in _chain(first, agen):
                 n_out += len(new_ids)
+                if out.delta is not None:
+                    yield ev.reasoning(out.delta.reasoning)
+                    if not hold:
+                        delta = out.delta.content   # a reasoning parser's reading, not the decoded tokens
                 if not hold:
                     yield ev.text(delta)
                 else:
@@ -95,7 +101,8 @@ class WorkerResponses:
                 if not out.finished:
                     continue
                 if hold:
-                    yield ev.text((out.content or "") if out.tool_calls else "".join(held))
+                    text = (out.content or "") if out.tool_calls or out.reasoning is not None else "".join(held)
+                    yield ev.text(text)
                 for c in _calls(out, parallel):
                     yield ev.call(c.id, c.name, c.arguments)
                 yield ev.finish(_status(out) == "incomplete", self._usage(out, n_prompt, n_out),

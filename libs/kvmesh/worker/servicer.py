@@ -71,7 +71,8 @@ def _status(err: EngineError) -> grpc.StatusCode:
 def usage_of(out: EngineOutput) -> common_pb2.Usage:
     return common_pb2.Usage(prompt_tokens=out.num_prompt_tokens, completion_tokens=out.num_output_tokens,
                             cached_tokens=out.num_cached_tokens, cached_tokens_gpu=out.num_cached_tokens_gpu,
-                            cached_tokens_offload=out.num_cached_tokens_offload)
+                            cached_tokens_offload=out.num_cached_tokens_offload,
+                            reasoning_tokens=out.num_reasoning_tokens)
 
 
 def handle_to_proto(h: KvHandle | None) -> common_pb2.KvHandle:
@@ -104,6 +105,20 @@ def _tools(msg: Any) -> tuple[list[dict] | None, Any]:
                                               and isinstance(t["function"].get("name"), str) for t in tools):
         raise BadRequest("tools_json must be a list of {type, function: {name, ...}} objects")
     return tools or None, choice
+
+
+def _reasoning(msg: Any) -> tuple[bool, dict | None]:
+    """Whether a GenerateRequest is a chat answer to parse for reasoning, and its template keywords."""
+    if not getattr(msg, "parse_reasoning", False):
+        return False, None
+    raw = msg.chat_template_kwargs_json
+    try:
+        kwargs = json.loads(raw) if raw else None
+    except json.JSONDecodeError as exc:
+        raise BadRequest(f"chat_template_kwargs_json is not JSON: {exc}") from None
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise BadRequest("chat_template_kwargs_json must be a JSON object")
+    return True, kwargs
 
 
 class WorkerServicer(worker_pb2_grpc.WorkerServicer):
@@ -158,7 +173,9 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
         # Unset (or a PrefillRequest, which has no tools) is OpenAI's default: parallel calls allowed.
         single = "parallel_tool_calls" in msg.DESCRIPTOR.fields_by_name and msg.HasField("parallel_tool_calls") \
             and not msg.parallel_tool_calls
+        reasoning, template_kwargs = _reasoning(msg)
         return EngineRequest(
+            reasoning=reasoning and not (prefill_only or self.role == "prefill"), chat_template_kwargs=template_kwargs,
             tools=tools, tool_choice=tool_choice, parallel_tool_calls=not single, structured_outputs=structured,
             request_id=rid, prompt_token_ids=list(msg.prompt_token_ids), max_tokens=max_tokens,
             temperature=temperature, top_p=top_p, seed=sp.seed if sp.HasField("seed") else None, **knobs_of(sp),
@@ -255,6 +272,7 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                     if out.delta is not None:
                         msg.parsed = True
                         msg.content_delta = out.delta.content
+                        msg.reasoning_delta = out.delta.reasoning
                         for d in out.delta.tool_calls:
                             msg.tool_call_deltas.add(index=d.index, id=d.id, name=d.name, arguments=d.arguments)
                     if out.finished:
@@ -266,6 +284,8 @@ class WorkerServicer(worker_pb2_grpc.WorkerServicer):
                             msg.tool_calls.add(id=c.id, name=c.name, arguments=c.arguments)
                         if out.content is not None:
                             msg.content = out.content
+                        if out.reasoning is not None:
+                            msg.reasoning = out.reasoning
                         if out.truth is not None:
                             t = out.truth
                             msg.truth.CopyFrom(worker_pb2.CacheTruth(

@@ -114,6 +114,10 @@ class _Output:
         self.tokens += len(ids)
         return self.stops.push(self.detok.push(ids))
 
+    def count(self, ids: list[int]) -> None:
+        """Tokens whose text comes parsed (the worker's parser): counted, not decoded."""
+        self.tokens += len(ids)
+
     @property
     def matched(self) -> str | None:
         return self.stops.matched
@@ -294,9 +298,21 @@ class AnthropicApi:
         fin: FinalInfo | None = None
         watch = self.api.watch(request, inp)
         try:
+            parsed = False
+            reasoning: list[str] = []
             async for kind, item in gen:
-                if kind == "chunk":
+                if kind == "chunk" and parsed:
+                    out.count(item)
+                elif kind == "chunk":
                     text.append(out.push(item))
+                    if out.matched is not None:
+                        break
+                elif kind == "parsed":
+                    # The worker's parser reads the text (tools, reasoning): its content, not the
+                    # decoded chunks, is the answer's text, and the stop sequences apply to it.
+                    parsed = True
+                    reasoning.append(item.reasoning)
+                    text.append(out.stops.push(item.content))
                     if out.matched is not None:
                         break
                 elif kind == "final":
@@ -318,7 +334,8 @@ class AnthropicApi:
         calls = _tool_calls(fin)
         if calls:   # the worker's parse: the answer's text that is not a tool call
             text = [fin.content or ""] if fin is not None else []
-        content = R.content_blocks("".join(text), calls)
+        thought = fin.reasoning if fin is not None else ("".join(reasoning) if parsed else None)
+        content = R.content_blocks("".join(text), calls, thought)
         tool_use = any(b["type"] == "tool_use" for b in content)
         stop = R.stop_reason(_finish(fin) if fin is not None else "stop", out.matched, tool_use)
         metrics.REQUESTS.labels(api=API, outcome="ok").inc()
@@ -351,13 +368,17 @@ class AnthropicApi:
             chain = items()
             try:
                 async for kind, item in chain:
-                    if kind == "chunk" and hold:
+                    if kind == "chunk" and parsed:
+                        out.count(item)
+                    elif kind == "chunk" and hold:
                         held.append(out.push(item))
                     elif kind == "chunk":
                         for e in ms.text(out.push(item)):
                             yield e
                     elif kind == "parsed":
                         parsed = True
+                        for e in ms.thinking(item.reasoning):
+                            yield e
                         for e in ms.text(out.stops.push(item.content)):
                             yield e
                         for d in item.tool_calls:
@@ -372,7 +393,7 @@ class AnthropicApi:
             calls = _tool_calls(fin) if not parsed else []
             rest = out.stops.flush()
             if hold and not parsed:
-                rest = (fin.content or "") if calls and fin is not None else "".join(held) + rest
+                rest = fin.parsed_text if fin is not None and fin.parsed_text is not None else "".join(held) + rest
             for e in ms.text(rest):
                 yield e
             tool_use = bool(ms.tool_blocks)

@@ -170,22 +170,33 @@ class RouterServicer(router_pb2_grpc.RouterServicer):
         try:
             inp = to_input(request, sc.deadline, sc.tenant)
             inp.received = received
+            pending: router_pb2.GenerateResponse | None = None   # a parsed chunk goes after its tokens
             async for kind, item in self.service.generate(inp):
                 if kind == "chunk":
                     yield router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
                         token_ids=item, text=self._text(request, item)))
                 elif kind == "parsed":
                     # The worker's deltas are common.v1.ToolCallDelta, as the router's.
-                    yield router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
-                        parsed=True, content_delta=item.content, tool_call_deltas=item.tool_calls))
+                    pending = router_pb2.GenerateResponse(chunk=router_pb2.Chunk(
+                        parsed=True, content_delta=item.content, tool_call_deltas=item.tool_calls,
+                        reasoning_delta=item.reasoning))
+                    continue
                 elif kind == "final":
+                    if pending is not None:
+                        yield pending
+                        pending = None
                     fin = router_pb2.Final(
                         usage=item.usage, finish_reason=item.finish_reason, routing=item.routing,
                         request_id=item.request_id, ttft_s=item.ttft_s,
                         tool_calls=item.tool_calls)
-                    if item.tool_calls and item.content is not None:
+                    if item.parsed_text is not None and item.content is not None:
                         fin.content = item.content
+                    if item.reasoning is not None:
+                        fin.reasoning = item.reasoning
                     yield router_pb2.GenerateResponse(final=fin)
+                if pending is not None:
+                    yield pending
+                    pending = None
             metrics.REQUESTS.labels(api="grpc", outcome="ok").inc()
         except RouterError as exc:
             metrics.REQUESTS.labels(api="grpc", outcome=type(exc).__name__).inc()

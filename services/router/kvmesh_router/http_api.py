@@ -49,8 +49,11 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_LENGT
 
 def _usage(fin: FinalInfo) -> dict[str, Any]:
     u = fin.usage
-    return usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
-                 cached_tokens_gpu=u.cached_tokens_gpu, cached_tokens_offload=u.cached_tokens_offload)
+    out = usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+                cached_tokens_gpu=u.cached_tokens_gpu, cached_tokens_offload=u.cached_tokens_offload)
+    if fin.reasoning is not None:   # as vLLM's server with a reasoning parser
+        out["completion_tokens_details"] = {"reasoning_tokens": u.reasoning_tokens}
+    return out
 
 
 def _finish(fin: FinalInfo) -> str:
@@ -130,6 +133,7 @@ class RouterHttpApi:
             s.seed = req.seed
         s.stop.extend(req.stop)
         s.stop_token_ids.extend(req.stop_token_ids)
+        inp.include_reasoning = req.include_reasoning
         if req.ignore_eos is not None:
             s.ignore_eos = req.ignore_eos
         for name, value in req.knobs.items():
@@ -243,10 +247,11 @@ class RouterHttpApi:
         assert fin is not None
         metrics.REQUESTS.labels(api=api, outcome="ok").inc()
         tok = self.service.tokenizer
-        text = tok.decode(ids) if tok is not None else ""
-        if fin.tool_calls:
-            text = fin.content or ""
+        text = fin.parsed_text
+        if text is None:
+            text = tok.decode(ids) if tok is not None else ""
         return JSONResponse(answer.response(text, ids, _finish(fin), _usage(fin), tool_calls=_tool_calls(fin),
+                                            reasoning=fin.reasoning if inp.include_reasoning else None,
                                             kvmesh=fin.routing_doc()))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
@@ -256,7 +261,9 @@ class RouterHttpApi:
         first_chunk = True
         # With tools the answer's text may be a tool call: the worker's tool parser reads it as it
         # streams ("parsed" items: content and tool-call deltas, sent as they come). A worker that
-        # does not stream its parse gets the text held back until its final report.
+        # does not stream its parse gets the text held back until its final report. A worker with a
+        # reasoning parser sends every chat answer parsed (reasoning and content), its "parsed" item
+        # before the chunk of the same tokens: from then on, chunks are not shown.
         creq = inp.chat_request
         hold = creq is not None and creq.tools_active
         held: list[str] = []
@@ -269,6 +276,8 @@ class RouterHttpApi:
                     yield it
 
             async for kind, item in items():
+                if kind == "chunk" and parsed:
+                    continue
                 if kind == "chunk" and hold:
                     held.append(detok.push(item))
                 elif kind == "chunk":
@@ -276,6 +285,9 @@ class RouterHttpApi:
                     first_chunk = False
                 elif kind == "parsed":
                     parsed = True
+                    if item.reasoning:
+                        yield sse.event(answer.reasoning_chunk(item.reasoning, first_chunk))
+                        first_chunk = False
                     if item.content:
                         yield sse.event(answer.chunk(item.content, None, None, first_chunk))
                         first_chunk = False
@@ -283,7 +295,8 @@ class RouterHttpApi:
                         yield sse.event(answer.tool_call_deltas_chunk(item.tool_calls, first_chunk))
                         first_chunk = False
                 else:
-                    text = (item.content or "") if item.tool_calls else "".join(held)
+                    text = item.parsed_text
+                    text = "".join(held) if text is None else text
                     if text and not parsed:
                         yield sse.event(answer.chunk(text, item.output_ids, None, first_chunk))
                         first_chunk = False

@@ -53,7 +53,7 @@ PATH = "/v1/responses"
 
 def _usage(fin: FinalInfo) -> dict[str, Any]:
     u = fin.usage
-    return usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens,
+    return usage(u.prompt_tokens, u.completion_tokens, u.cached_tokens, u.reasoning_tokens,
                  cached_tokens_gpu=u.cached_tokens_gpu, cached_tokens_offload=u.cached_tokens_offload)
 
 
@@ -140,10 +140,13 @@ class ResponsesApi:
         assert fin is not None
         calls = fin.tool_calls   # RouterService.generate applied parallel_tool_calls
         tok = self.service.tokenizer
-        text = (fin.content or "") if fin.tool_calls else (tok.decode(ids) if tok is not None else "")
+        text = fin.parsed_text
+        if text is None:
+            text = tok.decode(ids) if tok is not None else ""
         metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         status = "incomplete" if _incomplete(fin) else "completed"
-        return JSONResponse(head.response(status, output_items(text, calls, head.req), _usage(fin), kvmesh=fin.routing_doc()))
+        return JSONResponse(head.response(status, output_items(text, calls, head.req, fin.reasoning), _usage(fin),
+                                          kvmesh=fin.routing_doc()))
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
                       head: ResponseHead) -> AsyncIterator[bytes]:
@@ -167,18 +170,22 @@ class ResponsesApi:
                     yield it
 
             async for kind, item in items():
+                if kind == "chunk" and parsed:
+                    continue   # a parsed stream: its text comes in the "parsed" items
                 if kind == "chunk" and hold:
                     held.append(detok.push(item))
                 elif kind == "chunk":
                     yield ev.text(detok.push(item))
                 elif kind == "parsed":
                     parsed = True
+                    yield ev.reasoning(item.reasoning)
                     yield ev.text(item.content)
                     for d in item.tool_calls:   # RouterService.generate applied parallel_tool_calls
                         yield ev.call_delta(d.index, d.id, d.name, d.arguments)
                 elif kind == "final":
                     if not parsed:
-                        yield ev.text((item.content or "") if item.tool_calls else "".join(held))
+                        text = item.parsed_text
+                        yield ev.text("".join(held) if text is None else text)
                         for c in item.tool_calls:
                             yield ev.call(c.id, c.name, c.arguments)
                     yield ev.finish(_incomplete(item), _usage(item), kvmesh=item.routing_doc())

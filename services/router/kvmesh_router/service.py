@@ -100,6 +100,8 @@ class GenInput:
     # out of band (HTTP) can cancel them.
     calls: list[Any] = field(default_factory=list)
     add_special_tokens: bool = True
+    # vLLM's ``include_reasoning``: false drops a reasoning model's reasoning from the answer.
+    include_reasoning: bool = True
     # Set by ``generate`` once known, for a front door that ends a stream before the engine's
     # final report (the Messages API on a stop sequence): the prompt's length and predicted hit.
     prompt_tokens: int = 0
@@ -169,6 +171,13 @@ class FinalInfo:
     # The worker parsed tool calls out of the answer: the calls and the text that is not one.
     tool_calls: list[common_pb2.ToolCall] = field(default_factory=list)
     content: str | None = None
+    # The worker's reasoning parser read the answer: its reasoning ("" if none); ``content`` is the rest.
+    reasoning: str | None = None
+
+    @property
+    def parsed_text(self) -> str | None:
+        """The answer's text as the worker parsed it (None: decode the tokens)."""
+        return (self.content or "") if self.tool_calls or self.reasoning is not None else None
 
     def routing_doc(self) -> dict[str, Any]:
         """The routing decision as JSON answers carry it (under ``kvmesh``), every field present."""
@@ -178,12 +187,15 @@ class FinalInfo:
 
 @dataclass
 class Parsed:
-    """A chat-with-tools answer as the worker's tool parser read its newest tokens (``worker.proto``
-    ``GenerateResponse.parsed``): new text that is not a tool call, and new pieces of tool calls.
-    ``generate`` yields it as ("parsed", Parsed) after the chunk of the same tokens."""
+    """A chat answer as the worker's parser (tools, reasoning) read its newest tokens (``worker.proto``
+    ``GenerateResponse.parsed``): new text that is not a tool call, new pieces of tool calls, and new
+    reasoning. ``generate`` yields it as ("parsed", Parsed) *before* the chunk of the same tokens, so
+    a door knows from the stream's first item that its text comes parsed, and shows these instead
+    of the decoded chunks."""
 
     content: str
     tool_calls: list[common_pb2.ToolCallDelta]
+    reasoning: str = ""
 
 
 
@@ -824,6 +836,13 @@ class RouterService:
             wreq.tool_choice_json = json.dumps(creq.effective_tool_choice)
             if not creq.parallel_tool_calls:
                 wreq.parallel_tool_calls = False
+        if creq is not None or inp.chat is not None:
+            # A chat answer: a worker with a reasoning parser splits off its reasoning, reading the
+            # template keywords the prompt was rendered with (the engine's own override the client's).
+            wreq.parse_reasoning = True
+            kwargs = {**creq.chat_template_kwargs, **creq.engine_kwargs} if creq is not None else {}
+            if kwargs:
+                wreq.chat_template_kwargs_json = json.dumps(kwargs)
         try:
             with trace.use_span(span, end_on_exit=False):   # trace context goes out with the call
                 call = self.cluster.stub(d.endpoint_id).Generate(wreq, timeout=self._remaining(inp))
@@ -841,15 +860,17 @@ class RouterService:
                     break
                 if final is not None:
                     continue   # read to the stream's end: the call (and its client span) then completes
-                if msg.token_ids:
+                ids = list(msg.token_ids)
+                if ids:
                     if not generated:
                         self.core.on_first_token(p.req)
                         ttft = msg.ttft_s or (time.monotonic() - t_start)
-                    ids = list(msg.token_ids)
                     generated.extend(ids)
-                    yield "chunk", ids
                 if msg.parsed:
-                    yield "parsed", Parsed(msg.content_delta, _first_call_only(inp, msg.tool_call_deltas))
+                    yield "parsed", Parsed(msg.content_delta, _first_call_only(inp, msg.tool_call_deltas),
+                                           msg.reasoning_delta if inp.include_reasoning else "")
+                if ids:
+                    yield "chunk", ids
                 if msg.finished:
                     final = self._final(p, inp, d, split, handle, msg, generated, ttft, attempt, overhead,
                                         span)
@@ -1034,4 +1055,5 @@ class RouterService:
         self.settle(p, d, generated)
         return FinalInfo(usage, msg.finish_reason or common_pb2.FINISH_REASON_STOP, routing, p.request_id,
                          ttft, generated, _first_call_only(inp, msg.tool_calls),
-                         msg.content if msg.HasField("content") else None)
+                         msg.content if msg.HasField("content") else None,
+                         (msg.reasoning if inp.include_reasoning else "") if msg.HasField("reasoning") else None)

@@ -211,7 +211,7 @@ def test_streamed_text(client) -> None:
     ({"temperature": 3}, "temperature", "[0, 2]"),
     ({"top_k": -7}, "top_k", "top_k"),
     ({"text": {"format": {"type": "yaml"}}}, "text", "json_schema"),
-    ({"reasoning": {"effort": "high"}}, "reasoning", "reasoning"),
+    ({"reasoning": {"effort": "turbo"}}, "reasoning", "reasoning"),
     ({"top_logprobs": 2}, "top_logprobs", "log probabilities"),
     ({"background": True}, "background", "background"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice", "nope"),

@@ -134,7 +134,7 @@ def test_router_and_worker_render_the_same_ids(client, stack) -> None:
 BAD_VALUES = {"logprobs": True, "top_logprobs": 2,
               "prompt_logprobs": 1, "logit_bias": {"5": 10}, "best_of": 2, "use_beam_search": True, "suffix": "x", "echo": True,
               "guided_json": {"type": "object"}, "guided_regex": "a+",
-              "guided_choice": ["a"], "guided_grammar": "root ::= a", "reasoning_effort": "high",
+              "guided_choice": ["a"], "guided_grammar": "root ::= a",
               "functions": [{"name": "f"}], "function_call": "auto", "audio": {"voice": "x"},
               "modalities": ["text", "audio"], "prediction": {"type": "content", "content": "x"},
               "web_search_options": {"search_context_size": "low"}, "min_tokens": 3,

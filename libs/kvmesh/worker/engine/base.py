@@ -133,10 +133,11 @@ class ToolCallDelta:
 
 @dataclass
 class ParsedDelta:
-    """What a streaming tool parser made of an answer's newest tokens."""
+    """What a streaming parser (tools, reasoning) made of an answer's newest tokens."""
 
     content: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
+    reasoning: str = ""   # new reasoning text (a worker with a reasoning parser)
 
 
 @dataclass
@@ -179,6 +180,11 @@ class EngineRequest:
     # Structured outputs (kvmesh.structured_outputs' spec: vLLM's StructuredOutputsParams fields):
     # the answer must match it. None: unconstrained.
     structured_outputs: dict | None = None
+    # A chat answer: an engine with a reasoning parser splits the model's reasoning from its content
+    # (``EngineOutput.reasoning``, ``ParsedDelta.reasoning``); the chat template keywords the prompt was
+    # rendered with go to that parser, as vLLM's server hands them over.
+    reasoning: bool = False
+    chat_template_kwargs: dict | None = None
 
     @property
     def prompt_len(self) -> int:
@@ -224,6 +230,10 @@ class EngineOutput:
     # Chat with tools, as the answer streams: the tool parser's reading of this output's tokens
     # (set on every output of such a request, the final one included; None: not parsed).
     delta: ParsedDelta | None = None
+    # Final output of a chat answer an engine's reasoning parser read: the reasoning ("" if none), with
+    # ``content`` the rest of the answer, and how many output tokens were reasoning.
+    reasoning: str | None = None
+    num_reasoning_tokens: int = 0
 
 
 @dataclass

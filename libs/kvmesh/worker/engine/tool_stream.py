@@ -24,10 +24,12 @@ class DeltaLedger:
 
     def __init__(self) -> None:
         self.content = ""
+        self.reasoning = ""
         self.calls: dict[int, list[str]] = {}
 
     def record(self, delta: ParsedDelta) -> ParsedDelta:
         self.content += delta.content
+        self.reasoning += delta.reasoning
         for d in delta.tool_calls:
             sent = self.calls.setdefault(d.index, ["", "", ""])
             sent[0] += d.id
@@ -35,8 +37,9 @@ class DeltaLedger:
             sent[2] += d.arguments
         return delta
 
-    def completion(self, calls: list[ToolCall], content: str | None, request_id: str = "") -> ParsedDelta:
-        """The last delta: what of the final ``calls`` and ``content`` was not sent yet. A final call
+    def completion(self, calls: list[ToolCall], content: str | None, request_id: str = "",
+                   reasoning: str | None = None) -> ParsedDelta:
+        """The last delta: what of the final ``calls``, ``content`` and ``reasoning`` was not sent yet. A final call
         takes the id its deltas carried. If the deltas sent something the final calls do not start
         with (the streaming parser read the answer otherwise), the rest cannot be fixed up: logged."""
         out = ParsedDelta()
@@ -57,6 +60,8 @@ class DeltaLedger:
                         extra={"request_id": request_id, "streamed": len(self.calls), "final": len(calls)})
         if content and content.startswith(self.content):
             out.content = content[len(self.content):]
+        if reasoning and reasoning.startswith(self.reasoning):
+            out.reasoning = reasoning[len(self.reasoning):]
         return self.record(out)
 
 
@@ -69,4 +74,4 @@ def merge(a: ParsedDelta, b: ParsedDelta) -> ParsedDelta:
             calls[d.index] = ToolCallDelta(d.index, d.id, d.name, d.arguments)
         else:
             have.id, have.name, have.arguments = have.id + d.id, have.name + d.name, have.arguments + d.arguments
-    return ParsedDelta(a.content + b.content, list(calls.values()))
+    return ParsedDelta(a.content + b.content, list(calls.values()), a.reasoning + b.reasoning)

@@ -111,6 +111,8 @@ class VllmEngineConfig:
     extra_engine_args: dict = field(default_factory=dict, metadata={"help": "more vLLM EngineArgs (JSON)"})
     tool_call_parser: str = field(default="", metadata={
         "help": "vLLM tool parser for chat answers (e.g. hermes); needs skip_tokenizer_init false"})
+    reasoning_parser: str = field(default="", metadata={
+        "help": "vLLM reasoning parser for chat answers (e.g. deepseek_r1); needs skip_tokenizer_init false"})
     enable_auto_tool_choice: bool = field(default=False, metadata={
         "help": "let the model decide to call tools (tool_choice auto), as vLLM's flag"})
 
@@ -127,6 +129,8 @@ class VllmEngineConfig:
             raise ConfigError("setting 'tool_call_parser' needs the tokenizer: set skip_tokenizer_init false")
         if self.enable_auto_tool_choice and not self.tool_call_parser:
             raise ConfigError("setting 'enable_auto_tool_choice' needs 'tool_call_parser'")
+        if self.reasoning_parser and self.skip_tokenizer_init:
+            raise ConfigError("setting 'reasoning_parser' needs the tokenizer: set skip_tokenizer_init false")
 
     @property
     def model_name(self) -> str:
@@ -215,6 +219,8 @@ class VllmEngine(Engine):
                            skip_tokenizer_init=False)
         elif cfg.enable_auto_tool_choice:
             raise ConfigError("setting 'enable_auto_tool_choice' needs 'tool_call_parser'")
+        if cfg.reasoning_parser:
+            mapping.update(reasoning_parser=cfg.reasoning_parser, skip_tokenizer_init=False)
         if cfg.kv_cache_memory_bytes > 0:
             mapping["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
         defaults = type(cfg)
@@ -321,6 +327,9 @@ class VllmEngine(Engine):
             # whenever a stat logger is given: ours), and the worker exports it (vllm_metrics).
             disable_log_stats=True,
         )
+        if self.cfg.reasoning_parser:
+            # As `vllm serve --reasoning-parser`: structured outputs constrain the answer after its reasoning.
+            kwargs["reasoning_parser"] = self.cfg.reasoning_parser
         if self.cfg.kv_cache_memory_bytes:
             kwargs["kv_cache_memory_bytes"] = self.cfg.kv_cache_memory_bytes
         if self.cfg.max_num_batched_tokens:
@@ -598,7 +607,9 @@ class VllmEngine(Engine):
         cached = 0
         stream = None
         finished = False
-        tool_stream = tools.stream(req) if req.tools else None   # vLLM's tool parser over the answer
+        # vLLM's reasoning parser (then its tool parser) over a chat answer, or its tool parser alone.
+        think = self._reasoning().stream(req) if req.reasoning and self.cfg.reasoning_parser else None
+        tool_stream = tools.stream(req) if req.tools and think is None else None
         arrival = self._arrival(req)
         try:
             stream = llm.generate(prompt, params, req.request_id, lora_request=self._lora_request(req.lora_name),
@@ -624,7 +635,13 @@ class VllmEngine(Engine):
                     out.truth = await self._truth(arrival)
                     arrival = None
                     parsed = None
-                    if tool_stream is not None and out.finish_reason in ("stop", "length"):
+                    if think is not None and out.finish_reason in ("stop", "length"):
+                        out.delta, (out.reasoning, out.content, calls, out.num_reasoning_tokens) = think.finish(new)
+                        if calls:
+                            out.tool_calls, out.finish_reason = calls, "tool_calls"
+                    elif think is not None:
+                        out.delta = think.push(new, finished=True)
+                    elif tool_stream is not None and out.finish_reason in ("stop", "length"):
                         out.delta, parsed = tool_stream.finish(new)
                     elif tool_stream is not None:
                         out.delta = tool_stream.push(new)
@@ -634,7 +651,9 @@ class VllmEngine(Engine):
                     yield out
                     return
                 if new:
-                    if tool_stream is not None:
+                    if think is not None:
+                        out.delta = think.push(new)
+                    elif tool_stream is not None:
                         out.delta = tool_stream.push(new)
                     yield out
         except (VllmDeadError, EngineGenerateError) as exc:
@@ -665,6 +684,18 @@ class VllmEngine(Engine):
                 tokenizer = AutoTokenizer.from_pretrained(self.cfg.model, local_files_only=True)
             self._tools = VllmToolCalls(self.cfg.tool_call_parser, tokenizer, self.cfg.enable_auto_tool_choice)
         return self._tools
+
+    def _reasoning(self) -> Any:
+        """vLLM's reasoning parsing for this engine (``kvmesh.worker.engine.vllm_reasoning``), made once."""
+        if getattr(self, "_think", None) is None:
+            from transformers import AutoTokenizer
+
+            from kvmesh.worker.engine.vllm_reasoning import VllmReasoning
+
+            tokenizer = self._tool_calls().tokenizer or AutoTokenizer.from_pretrained(self.cfg.model,
+                                                                                      local_files_only=True)
+            self._think = VllmReasoning(self.cfg.reasoning_parser, self._tool_calls(), tokenizer)
+        return self._think
 
     def _finish(self, out: EngineOutput, ro: Any, comp: Any, req: EngineRequest) -> None:
         out.finished = True

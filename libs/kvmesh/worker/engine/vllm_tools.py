@@ -74,7 +74,7 @@ class VllmToolCalls:
 
     def _unified(self, req: EngineRequest) -> tuple[Any, Any]:
         """vLLM's unified parser for ``req`` and its chat request as that parser adjusted it."""
-        request = _chat_request(req)
+        request = chat_request(req)
         parser = self.unified_cls(self.tokenizer, request.tools)  # type: ignore[misc]
         return parser, parser.adjust_request(request)
 
@@ -90,7 +90,7 @@ class VllmToolCalls:
 
     def parser(self, req: EngineRequest) -> tuple[Any, Any]:
         """A fresh parser for ``req`` and vLLM's chat request as the parser adjusted it."""
-        request = _chat_request(req)
+        request = chat_request(req)
         parser = self.parser_cls(self.tokenizer, request.tools)
         try:
             request = parser.adjust_request(request)
@@ -180,7 +180,7 @@ class VllmToolStream:
             self.broken = True
             return ParsedDelta()
         self.text, self.parsed_ids = text, list(self.ids)
-        delta = _delta(dm)
+        delta = delta_of(dm)
         if not self.req.parallel_tool_calls:   # vLLM's server streams call 0's deltas only
             delta.tool_calls = [d for d in delta.tool_calls if d.index == 0]
         return self.ledger.record(delta)
@@ -198,7 +198,7 @@ class VllmToolStream:
         return merge(last, rest), parsed
 
 
-def _chat_request(req: EngineRequest) -> Any:
+def chat_request(req: EngineRequest) -> Any:
     """vLLM's chat request for ``req``'s tools, as its server builds one (what its parsers read)."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
@@ -210,10 +210,10 @@ def _chat_request(req: EngineRequest) -> Any:
                                  # parser combines the two.
                                  structured_outputs=req.structured_outputs if req.tool_choice == "auto" else None)
 
-def _delta(dm: Any) -> ParsedDelta:
+def delta_of(dm: Any) -> ParsedDelta:
     """vLLM's ``DeltaMessage`` as a ``ParsedDelta`` (None: nothing new)."""
     if dm is None:
         return ParsedDelta()
     calls = [ToolCallDelta(tc.index, tc.id or "", (tc.function.name or "") if tc.function else "",
                            (tc.function.arguments or "") if tc.function else "") for tc in dm.tool_calls or []]
-    return ParsedDelta(dm.content or "", calls)
+    return ParsedDelta(dm.content or "", calls, getattr(dm, "reasoning", None) or "")

@@ -74,18 +74,20 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[Chunk, _Mapping]] = ..., final: _Optional[_Union[Final, _Mapping]] = ...) -> None: ...
 
 class Chunk(_message.Message):
-    __slots__ = ("token_ids", "text", "parsed", "content_delta", "tool_call_deltas")
+    __slots__ = ("token_ids", "text", "parsed", "content_delta", "tool_call_deltas", "reasoning_delta")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     PARSED_FIELD_NUMBER: _ClassVar[int]
     CONTENT_DELTA_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALL_DELTAS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_DELTA_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     text: str
     parsed: bool
     content_delta: str
     tool_call_deltas: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCallDelta]
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[_common_pb2.ToolCallDelta, _Mapping]]] = ...) -> None: ...
+    reasoning_delta: str
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[_common_pb2.ToolCallDelta, _Mapping]]] = ..., reasoning_delta: _Optional[str] = ...) -> None: ...
 
 class RoutingDecision(_message.Message):
     __slots__ = ("endpoint", "endpoint_address", "policy", "predicted_cached_tokens", "predicted_cached_tokens_gpu", "predicted_cached_tokens_offload", "split", "prefill_endpoint", "uncached_tokens", "score", "attempts", "reason", "kv_from_prefill", "routing_overhead_ms", "mismatch", "decision_ms", "tokenize_ms", "hash_ms", "lookup_ms")
@@ -130,7 +132,7 @@ class RoutingDecision(_message.Message):
     def __init__(self, endpoint: _Optional[str] = ..., endpoint_address: _Optional[str] = ..., policy: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., predicted_cached_tokens_gpu: _Optional[int] = ..., predicted_cached_tokens_offload: _Optional[int] = ..., split: _Optional[bool] = ..., prefill_endpoint: _Optional[str] = ..., uncached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., kv_from_prefill: _Optional[bool] = ..., routing_overhead_ms: _Optional[float] = ..., mismatch: _Optional[str] = ..., decision_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., hash_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ...) -> None: ...
 
 class Final(_message.Message):
-    __slots__ = ("usage", "finish_reason", "routing", "request_id", "ttft_s", "tool_calls", "content")
+    __slots__ = ("usage", "finish_reason", "routing", "request_id", "ttft_s", "tool_calls", "content", "reasoning")
     USAGE_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     ROUTING_FIELD_NUMBER: _ClassVar[int]
@@ -138,6 +140,7 @@ class Final(_message.Message):
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
     usage: _common_pb2.Usage
     finish_reason: _common_pb2.FinishReason
     routing: RoutingDecision
@@ -145,7 +148,8 @@ class Final(_message.Message):
     ttft_s: float
     tool_calls: _containers.RepeatedCompositeFieldContainer[_common_pb2.ToolCall]
     content: str
-    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., content: _Optional[str] = ...) -> None: ...
+    reasoning: str
+    def __init__(self, usage: _Optional[_Union[_common_pb2.Usage, _Mapping]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., routing: _Optional[_Union[RoutingDecision, _Mapping]] = ..., request_id: _Optional[str] = ..., ttft_s: _Optional[float] = ..., tool_calls: _Optional[_Iterable[_Union[_common_pb2.ToolCall, _Mapping]]] = ..., content: _Optional[str] = ..., reasoning: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

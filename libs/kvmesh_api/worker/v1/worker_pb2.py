@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from kvmesh_api.common.v1 import common_pb2 as kvmesh__api_dot_common_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh_api/worker/v1/worker.proto\x12\x10kvmesh.worker.v1\x1a!kvmesh_api/common/v1/common.proto\"\xd4\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12-\n\tkv_handle\x18\x08 \x01(\x0b\x32\x1a.kvmesh.common.v1.KvHandle\x12\x12\n\ntools_json\x18\t \x01(\t\x12\x18\n\x10tool_choice_json\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x42\x16\n\x14_parallel_tool_calls\"\xa0\x03\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12\x17\n\x0fkv_from_prefill\x18\x05 \x01(\x08\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12.\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1a.kvmesh.common.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x08 \x01(\tH\x00\x88\x01\x01\x12+\n\x05truth\x18\t \x01(\x0b\x32\x1c.kvmesh.worker.v1.CacheTruth\x12\x0e\n\x06parsed\x18\n \x01(\x08\x12\x15\n\rcontent_delta\x18\x0b \x01(\t\x12\x39\n\x10tool_call_deltas\x18\x0c \x03(\x0b\x32\x1f.kvmesh.common.v1.ToolCallDeltaB\n\n\x08_content\"]\n\nCacheTruth\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\ngpu_tokens\x18\x02 \x01(\r\x12\x14\n\x0cstore_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x65vents_through\x18\x04 \x01(\x04\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\"e\n\x0fPrefillResponse\x12*\n\x06handle\x18\x01 \x01(\x0b\x32\x1a.kvmesh.common.v1.KvHandle\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb5\x01\n\x0fGetLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x1e\n\x16waiting_prefill_tokens\x18\x07 \x01(\x04\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xd6\x03\n\x0fGetInfoResponse\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12-\n\thash_algo\x18\x04 \x01(\x0e\x32\x1a.kvmesh.common.v1.HashAlgo\x12$\n\x04role\x18\x05 \x01(\x0e\x32\x16.kvmesh.common.v1.Role\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x12\n\nlora_names\x18\n \x03(\t\x12\x1a\n\x12kv_events_endpoint\x18\x0b \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18\x0c \x01(\t\x12\x14\n\x0chttp_address\x18\r \x01(\t\x12\x44\n\nlora_paths\x18\x0e \x03(\x0b\x32\x30.kvmesh.worker.v1.GetInfoResponse.LoraPathsEntry\x1a\x30\n\x0eLoraPathsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\x97\x03\n\x06Worker\x12S\n\x08Generate\x12!.kvmesh.worker.v1.GenerateRequest\x1a\".kvmesh.worker.v1.GenerateResponse0\x01\x12N\n\x07Prefill\x12 .kvmesh.worker.v1.PrefillRequest\x1a!.kvmesh.worker.v1.PrefillResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvmesh.worker.v1.AbortRequest\x1a\x1f.kvmesh.worker.v1.AbortResponse\x12N\n\x07GetLoad\x12 .kvmesh.worker.v1.GetLoadRequest\x1a!.kvmesh.worker.v1.GetLoadResponse\x12N\n\x07GetInfo\x12 .kvmesh.worker.v1.GetInfoRequest\x1a!.kvmesh.worker.v1.GetInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh_api/worker/v1/worker.proto\x12\x10kvmesh.worker.v1\x1a!kvmesh_api/common/v1/common.proto\"\x90\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\x12-\n\tkv_handle\x18\x08 \x01(\x0b\x32\x1a.kvmesh.common.v1.KvHandle\x12\x12\n\ntools_json\x18\t \x01(\t\x12\x18\n\x10tool_choice_json\x18\n \x01(\t\x12 \n\x13parallel_tool_calls\x18\x0b \x01(\x08H\x00\x88\x01\x01\x12\x17\n\x0fparse_reasoning\x18\x0c \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\r \x01(\tB\x16\n\x14_parallel_tool_calls\"\xdf\x03\n\x10GenerateResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x10\n\x08\x66inished\x18\x02 \x01(\x08\x12\x35\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1e.kvmesh.common.v1.FinishReason\x12&\n\x05usage\x18\x04 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\x12\x17\n\x0fkv_from_prefill\x18\x05 \x01(\x08\x12\x0e\n\x06ttft_s\x18\x06 \x01(\x01\x12.\n\ntool_calls\x18\x07 \x03(\x0b\x32\x1a.kvmesh.common.v1.ToolCall\x12\x14\n\x07\x63ontent\x18\x08 \x01(\tH\x00\x88\x01\x01\x12+\n\x05truth\x18\t \x01(\x0b\x32\x1c.kvmesh.worker.v1.CacheTruth\x12\x0e\n\x06parsed\x18\n \x01(\x08\x12\x15\n\rcontent_delta\x18\x0b \x01(\t\x12\x39\n\x10tool_call_deltas\x18\x0c \x03(\x0b\x32\x1f.kvmesh.common.v1.ToolCallDelta\x12\x17\n\x0freasoning_delta\x18\r \x01(\t\x12\x16\n\treasoning\x18\x0e \x01(\tH\x01\x88\x01\x01\x42\n\n\x08_contentB\x0c\n\n_reasoning\"]\n\nCacheTruth\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x12\n\ngpu_tokens\x18\x02 \x01(\r\x12\x14\n\x0cstore_tokens\x18\x03 \x01(\r\x12\x16\n\x0e\x65vents_through\x18\x04 \x01(\x04\"\xbc\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x32\n\x08sampling\x18\x04 \x01(\x0b\x32 .kvmesh.common.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x11\n\tlora_name\x18\x06 \x01(\t\x12\x12\n\nsession_id\x18\x07 \x01(\t\"e\n\x0fPrefillResponse\x12*\n\x06handle\x18\x01 \x01(\x0b\x32\x1a.kvmesh.common.v1.KvHandle\x12&\n\x05usage\x18\x02 \x01(\x0b\x32\x17.kvmesh.common.v1.Usage\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x10\n\x0eGetLoadRequest\"\xb5\x01\n\x0fGetLoadResponse\x12\x0f\n\x07running\x18\x01 \x01(\r\x12\x0f\n\x07waiting\x18\x02 \x01(\r\x12\x10\n\x08kv_usage\x18\x03 \x01(\x01\x12\x12\n\nnum_blocks\x18\x04 \x01(\r\x12\x13\n\x0b\x66ree_blocks\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x1e\n\x16waiting_prefill_tokens\x18\x07 \x01(\x04\x12\x11\n\ttimestamp\x18\x08 \x01(\x01\"\x10\n\x0eGetInfoRequest\"\xd6\x03\n\x0fGetInfoResponse\x12\x13\n\x0b\x65ndpoint_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12-\n\thash_algo\x18\x04 \x01(\x0e\x32\x1a.kvmesh.common.v1.HashAlgo\x12$\n\x04role\x18\x05 \x01(\x0e\x32\x16.kvmesh.common.v1.Role\x12\x15\n\rmax_model_len\x18\x06 \x01(\r\x12\x12\n\nvocab_size\x18\x07 \x01(\r\x12\x0e\n\x06\x65ngine\x18\x08 \x01(\t\x12\x1a\n\x12kv_bytes_per_token\x18\t \x01(\x04\x12\x12\n\nlora_names\x18\n \x03(\t\x12\x1a\n\x12kv_events_endpoint\x18\x0b \x01(\t\x12!\n\x19kv_events_replay_endpoint\x18\x0c \x01(\t\x12\x14\n\x0chttp_address\x18\r \x01(\t\x12\x44\n\nlora_paths\x18\x0e \x03(\x0b\x32\x30.kvmesh.worker.v1.GetInfoResponse.LoraPathsEntry\x1a\x30\n\x0eLoraPathsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x32\x97\x03\n\x06Worker\x12S\n\x08Generate\x12!.kvmesh.worker.v1.GenerateRequest\x1a\".kvmesh.worker.v1.GenerateResponse0\x01\x12N\n\x07Prefill\x12 .kvmesh.worker.v1.PrefillRequest\x1a!.kvmesh.worker.v1.PrefillResponse\x12H\n\x05\x41\x62ort\x12\x1e.kvmesh.worker.v1.AbortRequest\x1a\x1f.kvmesh.worker.v1.AbortResponse\x12N\n\x07GetLoad\x12 .kvmesh.worker.v1.GetLoadRequest\x1a!.kvmesh.worker.v1.GetLoadResponse\x12N\n\x07GetInfo\x12 .kvmesh.worker.v1.GetInfoRequest\x1a!.kvmesh.worker.v1.GetInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,29 +35,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETINFORESPONSE_LORAPATHSENTRY']._loaded_options = None
   _globals['_GETINFORESPONSE_LORAPATHSENTRY']._serialized_options = b'8\001'
   _globals['_GENERATEREQUEST']._serialized_start=91
-  _globals['_GENERATEREQUEST']._serialized_end=431
-  _globals['_GENERATERESPONSE']._serialized_start=434
-  _globals['_GENERATERESPONSE']._serialized_end=850
-  _globals['_CACHETRUTH']._serialized_start=852
-  _globals['_CACHETRUTH']._serialized_end=945
-  _globals['_PREFILLREQUEST']._serialized_start=948
-  _globals['_PREFILLREQUEST']._serialized_end=1136
-  _globals['_PREFILLRESPONSE']._serialized_start=1138
-  _globals['_PREFILLRESPONSE']._serialized_end=1239
-  _globals['_ABORTREQUEST']._serialized_start=1241
-  _globals['_ABORTREQUEST']._serialized_end=1275
-  _globals['_ABORTRESPONSE']._serialized_start=1277
-  _globals['_ABORTRESPONSE']._serialized_end=1307
-  _globals['_GETLOADREQUEST']._serialized_start=1309
-  _globals['_GETLOADREQUEST']._serialized_end=1325
-  _globals['_GETLOADRESPONSE']._serialized_start=1328
-  _globals['_GETLOADRESPONSE']._serialized_end=1509
-  _globals['_GETINFOREQUEST']._serialized_start=1511
-  _globals['_GETINFOREQUEST']._serialized_end=1527
-  _globals['_GETINFORESPONSE']._serialized_start=1530
-  _globals['_GETINFORESPONSE']._serialized_end=2000
-  _globals['_GETINFORESPONSE_LORAPATHSENTRY']._serialized_start=1952
-  _globals['_GETINFORESPONSE_LORAPATHSENTRY']._serialized_end=2000
-  _globals['_WORKER']._serialized_start=2003
-  _globals['_WORKER']._serialized_end=2410
+  _globals['_GENERATEREQUEST']._serialized_end=491
+  _globals['_GENERATERESPONSE']._serialized_start=494
+  _globals['_GENERATERESPONSE']._serialized_end=973
+  _globals['_CACHETRUTH']._serialized_start=975
+  _globals['_CACHETRUTH']._serialized_end=1068
+  _globals['_PREFILLREQUEST']._serialized_start=1071
+  _globals['_PREFILLREQUEST']._serialized_end=1259
+  _globals['_PREFILLRESPONSE']._serialized_start=1261
+  _globals['_PREFILLRESPONSE']._serialized_end=1362
+  _globals['_ABORTREQUEST']._serialized_start=1364
+  _globals['_ABORTREQUEST']._serialized_end=1398
+  _globals['_ABORTRESPONSE']._serialized_start=1400
+  _globals['_ABORTRESPONSE']._serialized_end=1430
+  _globals['_GETLOADREQUEST']._serialized_start=1432
+  _globals['_GETLOADREQUEST']._serialized_end=1448
+  _globals['_GETLOADRESPONSE']._serialized_start=1451
+  _globals['_GETLOADRESPONSE']._serialized_end=1632
+  _globals['_GETINFOREQUEST']._serialized_start=1634
+  _globals['_GETINFOREQUEST']._serialized_end=1650
+  _globals['_GETINFORESPONSE']._serialized_start=1653
+  _globals['_GETINFORESPONSE']._serialized_end=2123
+  _globals['_GETINFORESPONSE_LORAPATHSENTRY']._serialized_start=2075
+  _globals['_GETINFORESPONSE_LORAPATHSENTRY']._serialized_end=2123
+  _globals['_WORKER']._serialized_start=2126
+  _globals['_WORKER']._serialized_end=2533
 # @@protoc_insertion_point(module_scope)

@@ -54,8 +54,9 @@ from kvmesh.worker.engine.base import (
 )
 from kvmesh.worker.engine.sim.block_manager import BlockManager, Cleared, Removed, Stored
 from kvmesh.worker.engine.sim.latency import LatencyModel, LatencyParams
+from kvmesh.worker.engine.sim.reasoning import SimReasoningStream
 from kvmesh.worker.engine.sim.scheduler import Scheduler, SchedulerConfig, Seq, StepPlan, default_extender
-from kvmesh.worker.engine.sim.structured import scripted_answer
+from kvmesh.worker.engine.sim.structured import load_tokenizer, scripted_answer
 from kvmesh.worker.engine.sim.tool_calls import SimToolStream, calls_tools, sim_tool_calls
 from kvmesh.worker.engine.validation import validate_request
 
@@ -109,6 +110,9 @@ class SimEngineConfig:
     latency: LatencyParams = field(default_factory=LatencyParams)
     tool_calls: int = 1   # calls per answer in the deterministic tool mode (parallel_tool_calls false: 1)
     tokenizer: str = ""   # HF tokenizer dir: structured outputs are answered with its token ids
+    # Reasoning mode (sim.reasoning): the first this many output tokens of a chat answer are its
+    # reasoning (0 = off; needs ``tokenizer``).
+    reasoning_tokens: int = 0
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -119,6 +123,8 @@ class SimEngineConfig:
             raise ValueError(f"time_scale must be > 0, got {self.time_scale}")
         if self.max_model_len <= 0 or self.vocab_size <= 0:
             raise ValueError("max_model_len and vocab_size must be > 0")
+        if self.reasoning_tokens and not self.tokenizer:
+            raise ValueError("the sim's reasoning mode decodes its answers: it needs a tokenizer")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -327,6 +333,9 @@ class SimEngine(Engine):
         if self._started:
             return
         c = self.cfg
+        if c.reasoning_tokens:
+            # Every chat answer decodes its reasoning: load the tokenizer before serving, off the loop.
+            await asyncio.to_thread(load_tokenizer, c.tokenizer)
         if c.kv_events_endpoint and c.enable_events:
             from kvmesh.events import KvEventPublisher
 
@@ -538,15 +547,29 @@ class SimEngine(Engine):
             calls = sim_tool_calls(req.request_id, req.tools, req.tool_choice, self.cfg.tool_calls,
                                    req.parallel_tool_calls) if req.tools else []
             tools = SimToolStream(calls) if calls else None
+            think = SimReasoningStream(load_tokenizer(self.cfg.tokenizer), self.cfg.reasoning_tokens) \
+                if req.reasoning and self.cfg.reasoning_tokens and live.script is None else None
             while True:
                 item = await live.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                thought = think.push(item.new_token_ids, final=item.finished) if think is not None else None
                 if tools is not None and item.finished and item.finish_reason in ("stop", "length"):
                     item.tool_calls, item.content, item.finish_reason = list(tools.calls), "", "tool_calls"
                     item.delta = tools.finish(req.request_id)
+                elif tools is not None and think is not None and not think.reasoning_done:
+                    item.delta = ParsedDelta()   # still reasoning: the calls come after it
                 elif tools is not None:   # an aborted answer says no more
                     item.delta = tools.next() if not item.finished else ParsedDelta()
+                if thought is not None and think is not None:
+                    # A reasoning model's answer: its reasoning, then its calls or its text.
+                    item.delta = item.delta or ParsedDelta(content=thought.content)
+                    item.delta.reasoning = thought.reasoning
+                    if item.finished:
+                        item.reasoning, content = think.result()
+                        item.num_reasoning_tokens = min(len(think.ids), think.limit)
+                        if item.tool_calls is None:
+                            item.content = content
                 yield item
                 if item.finished:
                     return

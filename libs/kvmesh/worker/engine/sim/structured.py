@@ -37,7 +37,7 @@ def structured_text(spec: dict[str, Any]) -> str:
 
 
 @functools.lru_cache(maxsize=4)
-def _tokenizer(path: str) -> Any:
+def load_tokenizer(path: str) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path, local_files_only=True)
@@ -49,7 +49,7 @@ def scripted_answer(spec: dict[str, Any], tokenizer_path: str) -> tuple[list[int
     if not tokenizer_path:
         raise InvalidRequestError("the sim engine answers structured outputs with its tokenizer's tokens: start "
                                   "the worker with --tokenizer")
-    tok = _tokenizer(tokenizer_path)
+    tok = load_tokenizer(tokenizer_path)
     if tok.eos_token_id is None:
         raise InvalidRequestError("the sim worker's tokenizer has no EOS token to end a structured answer")
     return [*tok.encode(text, add_special_tokens=False), tok.eos_token_id], tok.eos_token_id
