@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.anthropic.errors import bad_request
-from kvmesh.openai.requests import MAX_TOKENS_LIMIT
+from kvmesh.openai.requests import MAX_TOKENS_LIMIT, reasoning_kwargs
 from kvmesh.sampling import INT32_MAX
 
 SESSION_HEADER = "x-session-id"
@@ -91,6 +92,9 @@ class MessagesRequest:
     # Chat template keywords vLLM's /v1/messages adds (output_config.effort -> reasoning_effort); a
     # template that does not read one never sees it (kvmesh.tokenization.chat_render).
     template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # ``thinking: {"type": "disabled"}``: vLLM renders it as a reasoning effort of its own choosing
+    # (the router's ``AnthropicApi`` makes the same choice).
+    thinking_disabled: bool = False
 
 
 # -- typed field readers ----------------------------------------------------------------------
@@ -367,6 +371,7 @@ def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
     req.parallel_tool_calls = not (isinstance(body.get("tool_choice"), dict)
                                    and body["tool_choice"].get("disable_parallel_tool_use") is True)
     req.structured_outputs = _output_config(body.get("output_config"), req.template_kwargs)
+    req.thinking_disabled = isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "disabled"
     return req
 
 
@@ -388,6 +393,21 @@ def _context_management(cm: Any) -> None:
         if e.get("type") not in _KEEP_ALL or e.get("keep", "all") != "all":
             raise bad_request(f"context_management.edits.{i}", "only clear_thinking with keep 'all' is supported by "
                                                                "this server (it keeps the whole history)")
+
+
+def disabled_thinking_effort(render: Callable[[dict[str, Any]], str | None]) -> str:
+    """The reasoning effort vLLM's /v1/messages renders ``thinking: {"type": "disabled"}`` as: ``"none"``,
+    unless the template renders ``"none"`` like one of the thinking efforts (it ignores the keyword)
+    or cannot render it, then ``"low"``. ``render`` renders a one-message conversation with the
+    template keywords of an effort (``openai.requests.reasoning_kwargs``); vLLM probes the same way."""
+    def prompt(effort: str) -> str | None:
+        try:
+            return render(reasoning_kwargs(effort, None, "thinking"))
+        except Exception:   # a template that refuses the keyword
+            return None
+
+    none = prompt("none")
+    return "low" if none is None or any(prompt(e) == none for e in EFFORTS) else "none"
 
 
 def _output_config(config: Any, template_kwargs: dict[str, Any]) -> dict[str, Any] | None:

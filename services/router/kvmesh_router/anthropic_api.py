@@ -41,6 +41,7 @@ from kvmesh.anthropic import responses as R
 from kvmesh.anthropic.errors import OVERLOADED, AnthropicError, bad_request
 from kvmesh.anthropic.requests import (
     MessagesRequest,
+    disabled_thinking_effort,
     merge_inline_system,
     needs_system_first,
     parse_count_tokens,
@@ -50,6 +51,7 @@ from kvmesh.anthropic.stops import StopMatcher
 from kvmesh.anthropic.stream import MessageStream, error_event
 from kvmesh.openai import sse
 from kvmesh.openai.errors import OpenAIError
+from kvmesh.openai.requests import reasoning_kwargs
 from kvmesh.tokenization.chat_render import ChatRenderError, ChatRequest, chat_request_from_body
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
@@ -131,6 +133,7 @@ class AnthropicApi:
         self.service = api.service
         self.cfg = api.cfg
         self._system_first: bool | None = None   # the template's need, once known
+        self._disabled: str | None = None        # the effort thinking "disabled" renders as, once known
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PREFIX, self.messages, methods=["POST"])
@@ -167,10 +170,32 @@ class AnthropicApi:
             chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
                                            "tool_choice": req.tool_choice, "add_generation_prompt": True,
                                            "parallel_tool_calls": req.parallel_tool_calls})
-            chat.engine_kwargs = dict(req.template_kwargs)   # as vLLM's /v1/messages renders them
+            chat.engine_kwargs = self._engine_kwargs(req, None)   # as vLLM's /v1/messages renders them
             return chat
         except ChatRenderError as exc:
             raise bad_request("messages", exc.message) from None
+
+    def _engine_kwargs(self, req: MessagesRequest, template_kwargs: Any) -> dict[str, Any]:
+        """The template keywords vLLM's /v1/messages renders the request with: ``output_config.effort``,
+        else for ``thinking`` ``disabled`` the effort ``_disabled_effort`` picks, as the chat
+        ``reasoning_effort`` (with ``enable_thinking``, unless the client's own keywords set it)."""
+        effort = req.template_kwargs.get("reasoning_effort")
+        if effort is None and req.thinking_disabled:
+            effort = self._disabled_effort()
+        return reasoning_kwargs(effort, template_kwargs, "output_config.effort")
+
+    def _disabled_effort(self) -> str:
+        """vLLM's effort for ``thinking`` ``disabled`` under this router's template, found once."""
+        if self._disabled is None:
+            tok = self.service.tokenizer
+
+            def render(kwargs: dict[str, Any]) -> str | None:
+                if tok is None:
+                    return None
+                return tok.render(ChatRequest(messages=[{"role": "user", "content": "Hi"}], engine_kwargs=kwargs))
+
+            self._disabled = disabled_thinking_effort(render)
+        return self._disabled
 
     def _gen_input(self, req: MessagesRequest, request: Request) -> GenInput:
         h = request.headers
@@ -273,7 +298,7 @@ class AnthropicApi:
             try:
                 chat = chat_request_from_body({"messages": req.messages, "tools": req.tools,
                                                "tool_choice": req.tool_choice, "chat_template_kwargs": ctk})
-                chat.engine_kwargs = dict(req.template_kwargs)
+                chat.engine_kwargs = self._engine_kwargs(req, ctk)
             except ChatRenderError as exc:
                 raise bad_request(exc.param or "messages", exc.message) from None
             inp = GenInput(model=req.model, chat_request=chat, session_id=req.session_id,

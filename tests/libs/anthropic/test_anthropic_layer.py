@@ -208,3 +208,22 @@ def test_claude_code_2_1_197_turn_is_served() -> None:
     assert req.template_kwargs == {"reasoning_effort": "high"} and req.structured_outputs is None
     assert req.session_id == body["metadata"]["user_id"]
     assert parse_messages({**body, "output_config": None}, H).template_kwargs == {}
+
+
+def test_thinking_disabled_renders_as_vllm_chooses() -> None:
+    """vLLM's /v1/messages renders ``thinking: disabled`` as effort ``"none"`` where the template
+    reads it, and ``"low"`` where ``"none"`` renders like a thinking effort or fails to render."""
+    from kvmesh.anthropic.requests import disabled_thinking_effort
+
+    assert disabled_thinking_effort(lambda kw: "same prompt") == "low"
+    assert disabled_thinking_effort(lambda kw: f"thinking={kw['enable_thinking']}") == "none"
+
+    def refuses_none(kw):
+        if kw["reasoning_effort"] == "none":
+            raise ValueError("unknown effort")
+        return kw["reasoning_effort"]
+
+    assert disabled_thinking_effort(refuses_none) == "low"
+    req = parse_messages({"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}],
+                          "thinking": {"type": "disabled"}}, {})
+    assert req.thinking_disabled and req.template_kwargs == {}
