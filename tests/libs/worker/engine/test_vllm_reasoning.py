@@ -22,11 +22,11 @@ def hf(tiny_think_model_dir: Path):
     return AutoTokenizer.from_pretrained(str(tiny_think_model_dir), local_files_only=True)
 
 
-def _think(hf, tool_parser: str = ""):
+def _think(hf, tool_parser: str = "", parser: str = "deepseek_r1"):
     from kvmesh.worker.engine.vllm_reasoning import VllmReasoning
     from kvmesh.worker.engine.vllm_tools import VllmToolCalls
 
-    return VllmReasoning("deepseek_r1", VllmToolCalls(tool_parser, hf if tool_parser else None, bool(tool_parser)), hf)
+    return VllmReasoning(parser, VllmToolCalls(tool_parser, hf if tool_parser else None, bool(tool_parser)), hf)
 
 
 def _replay(think, req: EngineRequest, ids: list[int], step: int):
@@ -44,9 +44,10 @@ def _replay(think, req: EngineRequest, ids: list[int], step: int):
     return ("".join(d.reasoning for d in deltas), "".join(d.content for d in deltas), calls), parsed
 
 
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])   # a classic parser, an engine-based one
 @pytest.mark.parametrize("step", [1, 3, 64])
-def test_reasoning_then_content(hf, step) -> None:
-    think = _think(hf)
+def test_reasoning_then_content(hf, step, parser) -> None:
+    think = _think(hf, parser=parser)
     ids = hf.encode("<think>The test fails on line 3.</think>Fix the import.", add_special_tokens=False)
     req = EngineRequest("r", [1, 2], reasoning=True)
     (reasoning, content, _), (whole_r, whole_c, calls, n) = _replay(think, req, ids, step)
@@ -64,13 +65,16 @@ def test_unclosed_reasoning_is_all_reasoning(hf) -> None:
     assert content == parsed[1] == ""
 
 
-def test_a_prompt_that_closed_the_reasoning_gets_content_only(hf) -> None:
-    """A template that closes the reasoning in the prompt (thinking off) leaves the answer content."""
-    think = _think(hf)
+@pytest.mark.parametrize("parser", ["deepseek_r1", "qwen3"])
+def test_a_prompt_that_closed_the_reasoning_gets_content_only(hf, parser) -> None:
+    """A template that closes the reasoning in the prompt (thinking off) leaves the answer content,
+    streamed and whole (vLLM's whole-answer parse does not see the prompt; the stream's reading is
+    the answer's)."""
+    think = _think(hf, parser=parser)
     prompt = hf.encode("<think></think>", add_special_tokens=False)
     ids = hf.encode("Plain answer.", add_special_tokens=False)
-    (reasoning, content, _), _ = _replay(think, EngineRequest("r", prompt, reasoning=True), ids, 2)
-    assert (reasoning, content) == ("", "Plain answer.")
+    (reasoning, content, _), whole = _replay(think, EngineRequest("r", prompt, reasoning=True), ids, 2)
+    assert (reasoning, content) == whole[:2] == ("", "Plain answer.")
 
 
 @pytest.mark.parametrize("step", [1, 5])
