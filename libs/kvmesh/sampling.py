@@ -1,6 +1,6 @@
 """vLLM's sampling knobs beyond temperature and top_p: their names, defaults and ranges, in one place.
 
-Why it exists: the same five values enter at four doors (the router's OpenAI and Anthropic HTTP
+Why it exists: the same six values enter at four doors (the router's OpenAI and Anthropic HTTP
 APIs, its gRPC ``Generate``, a worker's own OpenAI API) and reach vLLM's ``SamplingParams``. Coding
 models ship recommended settings that use them (Qwen3-Coder's card: ``top_k`` 20 and
 ``repetition_penalty`` 1.05), so a request carrying them must be served, and each door must refuse
@@ -8,6 +8,8 @@ the same bad values with the same words. Ranges are vLLM's (``SamplingParams._ve
 with upper bounds where vLLM has none, so that a value always fits the protocol's 32-bit field
 (a float32 above 3.4e38 is infinite): ``repetition_penalty`` at most 2, as SGLang checks it,
 ``top_k`` at most 2^31 - 1. ``top_k`` -1 is vLLM's older spelling of "off" and is taken as 0.
+``thinking_token_budget`` (a reasoning model's token budget for its thinking) is -1 for unlimited,
+as in vLLM; only an engine with a reasoning parser takes another value.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ KNOBS: dict[str, tuple[Callable[[float], bool], str, bool]] = {
     "repetition_penalty": (lambda v: 0.0 < v <= 2.0, "in (0, 2]", False),
     "top_k": (lambda v: -1 <= v <= INT32_MAX, "0 or -1 (off), or from 1 to 2147483647", True),
     "min_p": (lambda v: 0.0 <= v <= 1.0, "in [0, 1]", False),
+    "thinking_token_budget": (lambda v: -1 <= v <= INT32_MAX, "-1 (unlimited) or from 0 to 2147483647", True),
 }
 
 

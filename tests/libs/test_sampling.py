@@ -1,4 +1,4 @@
-"""kvmesh.sampling: the rules every door applies to vLLM's penalties, top_k and min_p."""
+"""kvmesh.sampling: the rules every door applies to vLLM's penalties, top_k, min_p and thinking budget."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from kvmesh_api.common.v1 import common_pb2
 @pytest.mark.parametrize(("name", "value"), [
     ("presence_penalty", -2.0), ("presence_penalty", 2), ("frequency_penalty", 0.0), ("repetition_penalty", 1.05),
     ("repetition_penalty", 2.0), ("top_k", -1), ("top_k", 2**31 - 1), ("top_k", 0), ("top_k", 20), ("min_p", 0.0), ("min_p", 1.0),
+    ("thinking_token_budget", -1), ("thinking_token_budget", 0), ("thinking_token_budget", 4096),
 ])
 def test_values_vllm_takes_pass(name: str, value: float) -> None:
     assert knob_error(name, value) is None
@@ -25,6 +26,8 @@ def test_values_vllm_takes_pass(name: str, value: float) -> None:
     ("top_k", -2, "from 1 to"), ("top_k", 2**40, "from 1 to"), ("presence_penalty", math.inf, "[-2, 2]"),
     ("top_k", 2.5, "an integer"), ("top_k", True, "an integer"), ("min_p", 1.5, "in [0, 1]"),
     ("min_p", math.nan, "in [0, 1]"), ("min_p", "0.1", "a number"), ("presence_penalty", None, "a number"),
+    ("thinking_token_budget", -2, "-1 (unlimited)"), ("thinking_token_budget", 2**31, "-1 (unlimited)"),
+    ("thinking_token_budget", 1.5, "an integer"),
 ])
 def test_bad_values_are_named_with_the_rule(name: str, value: object, words: str) -> None:
     why = knob_error(name, value)

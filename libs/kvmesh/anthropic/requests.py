@@ -28,10 +28,11 @@ writes a dict with ``tojson`` writes its keys in order.
 
 What kvmesh cannot honour is refused with a 400 whose message names the field,
 never ignored: image and document blocks (text-only models), server tools,
-extended thinking with a budget, context edits that would drop history, a region,
-``max_tokens`` 0 (cache pre-warming), unknown fields. ``thinking`` ``adaptive`` changes nothing (as
-in vLLM); ``output_config.effort`` is the template keyword ``reasoning_effort``, as vLLM renders
-it; ``output_config.format`` (a JSON schema) is structured output, the chat API's
+context edits that would drop history, a region, ``max_tokens`` 0 (cache pre-warming), unknown
+fields. ``thinking`` is read as vLLM reads it (``_thinking``): ``adaptive`` changes nothing,
+``disabled`` is a reasoning effort, ``enabled`` a thinking token budget;
+``output_config.effort`` is the chat ``reasoning_effort``, as vLLM renders it;
+``output_config.format`` (a JSON schema) is structured output, the chat API's
 ``response_format`` ``json_schema`` as vLLM maps it (``kvmesh.structured_outputs``).
 """
 
@@ -95,6 +96,7 @@ class MessagesRequest:
     # ``thinking: {"type": "disabled"}``: vLLM renders it as a reasoning effort of its own choosing
     # (the router's ``AnthropicApi`` makes the same choice).
     thinking_disabled: bool = False
+    thinking_budget: int | None = None   # thinking "enabled": vLLM's thinking_token_budget
 
 
 # -- typed field readers ----------------------------------------------------------------------
@@ -344,10 +346,7 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             raise bad_request(name, _NOT_SUPPORTED[name])
         if name not in allowed:
             raise bad_request(name, "Extra inputs are not permitted")
-    thinking = body.get("thinking")
-    # "adaptive" lets the model choose (Claude Code sends it every turn); vLLM pins nothing for it.
-    if thinking is not None and _object(thinking, "thinking").get("type") not in ("disabled", "adaptive"):
-        raise bad_request("thinking", "extended thinking with a budget is not supported by this server")
+    _thinking(body.get("thinking"))
     _context_management(body.get("context_management"))
     if body.get("speed") not in (None, "standard"):
         raise bad_request("speed", "only 'standard' is supported by this server")
@@ -361,6 +360,28 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         _object(body["cache_control"], "cache_control")
 
 
+def _thinking(thinking: Any) -> int | None:
+    """``thinking``, as vLLM's /v1/messages reads it: ``adaptive`` lets the model choose (Claude Code
+    sends it every turn; vLLM pins nothing for it), ``disabled`` is a reasoning effort
+    (``disabled_thinking_effort``), ``enabled`` has a token budget of at least 1,024 (Anthropic's and
+    vLLM's floor), which becomes vLLM's ``thinking_token_budget``. Returns that budget."""
+    if thinking is None:
+        return None
+    thinking = _object(thinking, "thinking")
+    kind = thinking.get("type")
+    for k in thinking:
+        if k not in ("type", "budget_tokens", "display"):
+            raise bad_request(f"thinking.{k}", "Extra inputs are not permitted")
+    if kind in ("disabled", "adaptive"):
+        return None
+    if kind != "enabled":
+        raise bad_request("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
+    budget = thinking.get("budget_tokens")
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 1024 <= budget <= INT32_MAX:
+        raise bad_request("thinking.budget_tokens", f"must be an integer from 1024 to {INT32_MAX}, got {budget!r}")
+    return budget
+
+
 def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
     body = _object(body, "body")
     _check_fields(body, allowed)
@@ -372,6 +393,7 @@ def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
                                    and body["tool_choice"].get("disable_parallel_tool_use") is True)
     req.structured_outputs = _output_config(body.get("output_config"), req.template_kwargs)
     req.thinking_disabled = isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "disabled"
+    req.thinking_budget = _thinking(body.get("thinking"))
     return req
 
 

@@ -209,6 +209,8 @@ class AnthropicApi:
             s.top_p = req.top_p
         if req.top_k is not None:
             s.top_k = req.top_k
+        if req.thinking_budget is not None:   # as vLLM's /v1/messages: a worker with a reasoning parser takes it
+            s.thinking_token_budget = req.thinking_budget
         s.stop.extend(req.stop_sequences)
         s.structured_outputs_json = structured_outputs.to_json(req.structured_outputs)
         inp.session_id = req.session_id

@@ -235,3 +235,22 @@ def test_reasoning_effort_is_rendered_as_vllm_renders_it(client, stack) -> None:
     bad = httpx.post(stack.http_base + "/v1/responses", json={"model": MODEL, "input": "hi",
                                                              "reasoning": {"effort": "turbo"}}, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "reasoning"
+
+
+def test_a_thinking_budget_caps_the_reasoning(client, stack) -> None:
+    """vLLM's ``thinking_token_budget`` (chat) and Anthropic's ``thinking`` ``enabled`` budget reach
+    the worker: the sim's reasoning stops at the budget."""
+    r = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, seed=3,
+                                       extra_body={"ignore_eos": True, "thinking_token_budget": 2})
+    assert r.usage.completion_tokens_details.reasoning_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2,
+                                       extra_body={"thinking_token_budget": -5})
+    assert e.value.body["param"] == "thinking_token_budget"
+    ac = anthropic.Anthropic(base_url=stack.http_base, api_key="k", max_retries=0, timeout=60)
+    m = ac.messages.create(model=MODEL, messages=ASK, max_tokens=16,
+                           extra_body={"thinking": {"type": "enabled", "budget_tokens": 1024}})
+    assert m.content[0].type == "thinking"
+    with pytest.raises(anthropic.BadRequestError):
+        ac.messages.create(model=MODEL, messages=ASK, max_tokens=16,
+                           extra_body={"thinking": {"type": "enabled", "budget_tokens": 10}})

@@ -92,3 +92,19 @@ def test_completions_keep_the_whole_text(client, hf) -> None:
     r = client.completions.create(model=TINY_MODEL_NAME, prompt="def add(a, b):", max_tokens=8, seed=2,
                                   extra_body={"ignore_eos": True})
     assert r.choices[0].text == hf.decode(r.choices[0].model_extra["token_ids"], skip_special_tokens=True)
+
+
+def test_a_thinking_budget_makes_vllm_close_the_reasoning(client, hf) -> None:
+    """``thinking_token_budget`` reaches vLLM's sampler: in a turn whose prompt opened the reasoning
+    (the assistant message ``<think>`` continued), vLLM writes ``</think>`` once the budget is spent,
+    whatever the weights, and the parser splits there."""
+    msgs = [*ASK, {"role": "assistant", "content": "<think>"}]
+    r = client.chat.completions.create(model=TINY_MODEL_NAME, messages=msgs, max_tokens=10, seed=3, extra_body={
+        "ignore_eos": True, "thinking_token_budget": 3, "continue_final_message": True,
+        "add_generation_prompt": False})
+    ids = r.choices[0].model_extra["token_ids"]
+    end = hf.convert_tokens_to_ids("</think>")
+    assert end in ids[:4], ids
+    cut = ids.index(end)
+    assert r.choices[0].message.model_extra["reasoning"] == hf.decode(ids[:cut], skip_special_tokens=True)
+    assert (r.choices[0].message.content or "") == hf.decode(ids[cut + 1:], skip_special_tokens=True)

@@ -155,6 +155,7 @@ class EngineRequest:
     repetition_penalty: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    thinking_token_budget: int = -1   # vLLM's: reasoning tokens allowed (-1 unlimited; needs a reasoning parser)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     cache_salt: str = ""

@@ -40,12 +40,13 @@ def first_out_of_vocab(ids: Sequence[object], vocab_size: int) -> tuple[int, obj
 
 def validate_request(req: EngineRequest, *, vocab_size: int, max_model_len: int, lora_names: Collection[str],
                      in_flight: Container[str], queued: int, max_queued: int, queued_what: str = "waiting",
-                     allow_block_hashes: bool = False) -> None:
+                     allow_block_hashes: bool = False, reasoning: bool = False) -> None:
     """Raise the matching ``InvalidRequestError`` subclass (or ``QueueFullError``) for a bad request.
 
     ``allow_block_hashes``: a request may carry precomputed ``block_hashes`` and
     ``num_prompt_tokens`` instead of token ids (the sim's virtual-time path).
     ``queued``/``max_queued`` (0 = unbounded) is the engine's admission queue.
+    ``reasoning``: the engine splits reasoning off (a reasoning parser), so it takes a thinking budget.
     """
     if not req.request_id:
         raise InvalidRequestError("request_id is required")
@@ -74,6 +75,8 @@ def validate_request(req: EngineRequest, *, vocab_size: int, max_model_len: int,
     bad_knob = first_error({name: getattr(req, name) for name in KNOBS})
     if bad_knob is not None:
         raise BadSamplingError(bad_knob[1])
+    if req.thinking_token_budget >= 0 and not reasoning and not req.prefill_only:   # vLLM's rule
+        raise BadSamplingError("thinking_token_budget needs a worker with a reasoning parser (--reasoning-parser)")
     bad_stop = first_out_of_vocab(req.stop_token_ids, vocab_size) if req.stop_token_ids else None
     if bad_stop is not None:
         raise TokenOutOfVocabError(f"stop token id {bad_stop[1]} is outside the vocabulary [0, {vocab_size})")

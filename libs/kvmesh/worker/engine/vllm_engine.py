@@ -529,7 +529,8 @@ class VllmEngine(Engine):
         # kills the engine core, so the vocabulary check protects every other request too.
         validate_request(req, vocab_size=self._vocab_size, max_model_len=self._max_model_len,
                          lora_names=self._lora_ids, in_flight=self._inflight, queued=len(self._inflight),
-                         max_queued=self.cfg.max_waiting, queued_what="in flight")
+                         max_queued=self.cfg.max_waiting, queued_what="in flight",
+                         reasoning=bool(self.cfg.reasoning_parser))
 
     def _sampling_params(self, req: EngineRequest) -> Any:
         from vllm import SamplingParams
@@ -548,6 +549,8 @@ class VllmEngine(Engine):
             max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, seed=req.seed,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, top_k=req.top_k, min_p=req.min_p,
+            thinking_token_budget=(req.thinking_token_budget if req.thinking_token_budget >= 0 and not req.prefill_only
+                                   else None),
             stop_token_ids=list(req.stop_token_ids) or None, ignore_eos=req.ignore_eos,
             output_kind=RequestOutputKind.DELTA, extra_args=extra or None, detokenize=False,
             structured_outputs=structured)

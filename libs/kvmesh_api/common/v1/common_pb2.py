@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh_api/common/v1/common.proto\x12\x10kvmesh.common.v1\"t\n\tExtraKeys\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12\x11\n\tlora_name\x18\x02 \x01(\t\x12\x11\n\tlora_path\x18\x03 \x01(\t\x12-\n\x02mm\x18\x04 \x03(\x0b\x32!.kvmesh.common.v1.MultiModalRange\"E\n\x0fMultiModalRange\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xc1\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x17structured_outputs_json\x18\r \x01(\tB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_top_kB\x08\n\x06_min_p\"\xa4\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x04 \x01(\r\x12\x1d\n\x15\x63\x61\x63hed_tokens_offload\x18\x05 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x06 \x01(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xa8\x01\n\x08KvHandle\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x19\n\x11producer_endpoint\x18\x05 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x06 \x01(\r\x12\x17\n\x0fhas_first_token\x18\x07 \x01(\x08*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\x87\x01\n\x08HashAlgo\x12\x19\n\x15HASH_ALGO_UNSPECIFIED\x10\x00\x12\x14\n\x10HASH_ALGO_SHA256\x10\x01\x12\x19\n\x15HASH_ALGO_SHA256_CBOR\x10\x02\x12\x14\n\x10HASH_ALGO_XXHASH\x10\x03\x12\x19\n\x15HASH_ALGO_XXHASH_CBOR\x10\x04*^\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x12\x0e\n\nROLE_STORE\x10\x04*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!kvmesh_api/common/v1/common.proto\x12\x10kvmesh.common.v1\"t\n\tExtraKeys\x12\x12\n\ncache_salt\x18\x01 \x01(\t\x12\x11\n\tlora_name\x18\x02 \x01(\t\x12\x11\n\tlora_path\x18\x03 \x01(\t\x12-\n\x02mm\x18\x04 \x03(\x0b\x32!.kvmesh.common.v1.MultiModalRange\"E\n\x0fMultiModalRange\x12\x12\n\nidentifier\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\r\x12\x0e\n\x06length\x18\x03 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xff\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\x11\n\x04seed\x18\x04 \x01(\x03H\x02\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x12\n\nignore_eos\x18\x06 \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x1d\n\x10presence_penalty\x18\x08 \x01(\x02H\x03\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\t \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\n \x01(\x02H\x05\x88\x01\x01\x12\x12\n\x05top_k\x18\x0b \x01(\x05H\x06\x88\x01\x01\x12\x12\n\x05min_p\x18\x0c \x01(\x02H\x07\x88\x01\x01\x12\x1f\n\x17structured_outputs_json\x18\r \x01(\t\x12\"\n\x15thinking_token_budget\x18\x0e \x01(\x05H\x08\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\x08\n\x06_top_kB\x08\n\x06_min_pB\x18\n\x16_thinking_token_budget\"\xa4\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11\x63\x61\x63hed_tokens_gpu\x18\x04 \x01(\r\x12\x1d\n\x15\x63\x61\x63hed_tokens_offload\x18\x05 \x01(\r\x12\x18\n\x10reasoning_tokens\x18\x06 \x01(\r\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\r\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"\xa8\x01\n\x08KvHandle\x12\x11\n\tnamespace\x18\x01 \x01(\t\x12\x12\n\nblock_keys\x18\x02 \x03(\x04\x12\x12\n\nnum_tokens\x18\x03 \x01(\r\x12\x15\n\rstore_address\x18\x04 \x01(\t\x12\x19\n\x11producer_endpoint\x18\x05 \x01(\t\x12\x16\n\x0e\x66irst_token_id\x18\x06 \x01(\r\x12\x17\n\x0fhas_first_token\x18\x07 \x01(\x08*G\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x0c\n\x08TIER_GPU\x10\x01\x12\x0c\n\x08TIER_CPU\x10\x02\x12\r\n\tTIER_DISK\x10\x03*\x87\x01\n\x08HashAlgo\x12\x19\n\x15HASH_ALGO_UNSPECIFIED\x10\x00\x12\x14\n\x10HASH_ALGO_SHA256\x10\x01\x12\x19\n\x15HASH_ALGO_SHA256_CBOR\x10\x02\x12\x14\n\x10HASH_ALGO_XXHASH\x10\x03\x12\x19\n\x15HASH_ALGO_XXHASH_CBOR\x10\x04*^\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\r\n\tROLE_BOTH\x10\x03\x12\x0e\n\nROLE_STORE\x10\x04*\xaf\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvmesh_api.common.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1193
-  _globals['_TIER']._serialized_end=1264
-  _globals['_HASHALGO']._serialized_start=1267
-  _globals['_HASHALGO']._serialized_end=1402
-  _globals['_ROLE']._serialized_start=1404
-  _globals['_ROLE']._serialized_end=1498
-  _globals['_FINISHREASON']._serialized_start=1501
-  _globals['_FINISHREASON']._serialized_end=1676
+  _globals['_TIER']._serialized_start=1255
+  _globals['_TIER']._serialized_end=1326
+  _globals['_HASHALGO']._serialized_start=1329
+  _globals['_HASHALGO']._serialized_end=1464
+  _globals['_ROLE']._serialized_start=1466
+  _globals['_ROLE']._serialized_end=1560
+  _globals['_FINISHREASON']._serialized_start=1563
+  _globals['_FINISHREASON']._serialized_end=1738
   _globals['_EXTRAKEYS']._serialized_start=55
   _globals['_EXTRAKEYS']._serialized_end=171
   _globals['_MULTIMODALRANGE']._serialized_start=173
@@ -46,13 +46,13 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=244
   _globals['_TOKENIDS']._serialized_end=267
   _globals['_SAMPLINGPARAMS']._serialized_start=270
-  _globals['_SAMPLINGPARAMS']._serialized_end=719
-  _globals['_USAGE']._serialized_start=722
-  _globals['_USAGE']._serialized_end=886
-  _globals['_TOOLCALL']._serialized_start=888
-  _globals['_TOOLCALL']._serialized_end=943
-  _globals['_TOOLCALLDELTA']._serialized_start=945
-  _globals['_TOOLCALLDELTA']._serialized_end=1020
-  _globals['_KVHANDLE']._serialized_start=1023
-  _globals['_KVHANDLE']._serialized_end=1191
+  _globals['_SAMPLINGPARAMS']._serialized_end=781
+  _globals['_USAGE']._serialized_start=784
+  _globals['_USAGE']._serialized_end=948
+  _globals['_TOOLCALL']._serialized_start=950
+  _globals['_TOOLCALL']._serialized_end=1005
+  _globals['_TOOLCALLDELTA']._serialized_start=1007
+  _globals['_TOOLCALLDELTA']._serialized_end=1082
+  _globals['_KVHANDLE']._serialized_start=1085
+  _globals['_KVHANDLE']._serialized_end=1253
 # @@protoc_insertion_point(module_scope)

@@ -440,7 +440,7 @@ class SimEngine(Engine):
         c = self.cfg
         validate_request(req, vocab_size=c.vocab_size, max_model_len=c.max_model_len, lora_names=c.lora_names,
                          in_flight=self._live, queued=self.scheduler.num_waiting, max_queued=c.max_waiting,
-                         allow_block_hashes=True)
+                         allow_block_hashes=True, reasoning=bool(c.reasoning_tokens))
         # vLLM clamps max_tokens to the room left; the sim rejects it so callers see the mistake.
         if req.max_tokens > c.max_model_len:
             raise BadSamplingError(f"max_tokens {req.max_tokens} exceeds max_model_len {c.max_model_len}")
@@ -547,7 +547,8 @@ class SimEngine(Engine):
             calls = sim_tool_calls(req.request_id, req.tools, req.tool_choice, self.cfg.tool_calls,
                                    req.parallel_tool_calls) if req.tools else []
             tools = SimToolStream(calls) if calls else None
-            think = SimReasoningStream(load_tokenizer(self.cfg.tokenizer), self.cfg.reasoning_tokens) \
+            budget = req.thinking_token_budget if req.thinking_token_budget >= 0 else self.cfg.reasoning_tokens
+            think = SimReasoningStream(load_tokenizer(self.cfg.tokenizer), min(self.cfg.reasoning_tokens, budget)) \
                 if req.reasoning and self.cfg.reasoning_tokens and live.script is None else None
             while True:
                 item = await live.queue.get()
