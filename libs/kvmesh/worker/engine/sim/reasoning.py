@@ -22,14 +22,17 @@ from kvmesh.worker.engine.base import ParsedDelta
 
 
 class SimReasoningStream:
-    """One answer's reasoning and content deltas, an engine output at a time."""
+    """One answer's reasoning and content deltas, an engine output at a time. The content is
+    decoded incrementally (a window of the last tokens, as vLLM's detokenizer), so a long answer
+    costs what its tokens cost."""
 
     def __init__(self, tokenizer: Any, reasoning_tokens: int) -> None:
         self.tok = tokenizer
         self.limit = max(0, reasoning_tokens)
         self.ids: list[int] = []
         self.sent_reasoning = ""
-        self.sent_content = ""
+        self.content = ""
+        self._prefix = self._read = 0   # the content's decoding window, in content tokens
 
     def _text(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
@@ -43,15 +46,20 @@ class SimReasoningStream:
         waits for the next output, unless the answer ends here."""
         self.ids.extend(new_ids)
         out = ParsedDelta()
-        reasoning = self._text(self.ids[:self.limit])
-        if (final or len(self.ids) >= self.limit or not reasoning.endswith("\ufffd")) \
-                and reasoning.startswith(self.sent_reasoning):
-            out.reasoning, self.sent_reasoning = reasoning[len(self.sent_reasoning):], reasoning
-        content = self._text(self.ids[self.limit:])
-        if (final or not content.endswith("\ufffd")) and content.startswith(self.sent_content):
-            out.content, self.sent_content = content[len(self.sent_content):], content
+        if len(self.sent_reasoning) == 0 or len(self.ids) - len(new_ids) < self.limit:
+            reasoning = self._text(self.ids[:self.limit])
+            if (final or len(self.ids) >= self.limit or not reasoning.endswith("\ufffd")) \
+                    and reasoning.startswith(self.sent_reasoning):
+                out.reasoning, self.sent_reasoning = reasoning[len(self.sent_reasoning):], reasoning
+        body = self.ids[self.limit:]
+        before = self._text(body[self._prefix:self._read])
+        now = self._text(body[self._prefix:])
+        if (final or not now.endswith("\ufffd")) and now.startswith(before) and len(body) > self._read:
+            out.content = now[len(before):]
+            self.content += out.content
+            self._prefix, self._read = self._read, len(body)
         return out
 
     def result(self) -> tuple[str, str]:
-        """The whole answer's reasoning and content."""
-        return self._text(self.ids[:self.limit]), self._text(self.ids[self.limit:])
+        """The whole answer's reasoning and content (as streamed)."""
+        return self.sent_reasoning, self.content
