@@ -41,6 +41,7 @@ from kvmesh.openai.usage import usage
 from kvmesh.request_ids import engine_request_id
 from kvmesh.rpc.tls import TlsConfig
 from kvmesh.tokenization.chat_render import ChatRenderer, ChatRenderError
+from kvmesh.tokenization.detokenize import IncrementalDetokenizer
 from kvmesh.worker.engine.base import Engine, EngineError, EngineOutput, EngineRequest
 from kvmesh.worker.responses_http import WorkerResponses
 
@@ -209,11 +210,6 @@ class WorkerHttpApi:
             raise OpenAIError(f"model {model!r} is not served here (serving {self.model!r})", "model",
                               status=404, etype="model_not_found")
 
-    def _detok(self, ids: list[int]) -> str:
-        if self.tokenizer is None or not ids:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
-
     def _engine_request(self, req: OpenAIRequest, ids: list[int], request_id: str) -> EngineRequest:
         return EngineRequest(
             request_id=request_id, prompt_token_ids=ids,
@@ -261,25 +257,26 @@ class WorkerHttpApi:
     async def _run(self, req: EngineRequest, stops: list[str]) -> AsyncIterator[tuple[list[int], str, EngineOutput]]:
         """Yield (new token ids, new text, output); applies ``stop`` strings on the decoded text."""
         ids: list[int] = []
-        sent_text = ""
+        detok = IncrementalDetokenizer(self.tokenizer)
+        longest = max((len(s) for s in stops), default=0)
         gen = self.engine.generate(req)
         try:
             async for out in gen:
                 ids.extend(out.new_token_ids)
-                text = self._detok(ids) if self.tokenizer is not None else ""
-                if stops and text:
-                    cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=-1)
+                delta = detok.push(out.new_token_ids, final=out.finished)
+                if stops and delta:
+                    # A stop string may start in text sent before: look back its length, no further.
+                    sent = len(detok.text) - len(delta)
+                    start = max(0, sent - longest + 1)
+                    cut = min((i for i in (detok.text.find(s, start) for s in stops) if i >= 0), default=-1)
                     if cut >= 0:
-                        delta = text[len(sent_text):cut] if cut > len(sent_text) else ""
                         out.finished = True
                         out.finish_reason = "stop"
                         if out.num_output_tokens == 0:
                             out.num_output_tokens = len(ids)
                         await self.engine.abort(req.request_id)
-                        yield out.new_token_ids, delta, out
+                        yield out.new_token_ids, detok.text[sent:cut] if cut > sent else "", out
                         return
-                delta = text[len(sent_text):]
-                sent_text = text
                 yield out.new_token_ids, delta, out
                 if out.finished:
                     return

@@ -36,6 +36,7 @@ COMMANDS: LazyRegistry[Register] = LazyRegistry("kvmesh command", {
 })
 
 BENCHES: LazyRegistry[Register] = LazyRegistry("benchmark", {
+    "detokenize": ("kvmesh_tools.bench.detokenize", "register"),
     "events": ("kvmesh_tools.bench.events", "register"),
     "hashing": ("kvmesh_tools.bench.hashing", "register"),
     "hedge": ("kvmesh_tools.bench.hedge", "register"),

@@ -29,6 +29,7 @@ from kvmesh.openai.errors import OpenAIError, error_body, error_response, instal
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
 from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
+from kvmesh.tokenization.detokenize import IncrementalDetokenizer
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.anthropic_api import AnthropicApi
@@ -63,26 +64,6 @@ def _finish(fin: FinalInfo) -> str:
 def _tool_calls(fin: FinalInfo) -> list[dict[str, Any]]:
     # RouterService.generate already kept the first call only when parallel_tool_calls is false.
     return tool_calls(fin.tool_calls)
-
-
-class _Detok:
-    """Incremental detokenization: emit only text that is final (no half UTF-8 sequence)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tok = tokenizer
-        self.ids: list[int] = []
-        self.sent = 0
-
-    def push(self, ids: list[int]) -> str:
-        if self.tok is None:
-            return ""
-        self.ids.extend(ids)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):
-            return ""
-        delta = text[self.sent:]
-        self.sent = len(text)
-        return delta
 
 
 class _DisconnectWatch:
@@ -163,8 +144,8 @@ class RouterHttpApi:
         cfg = self.cfg
         return await read_json(request, cfg.max_text_bytes, cfg.http_body_timeout_s, cfg.max_json_depth)
 
-    def detokenizer(self) -> _Detok:
-        return _Detok(self.service.tokenizer)
+    def detokenizer(self) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.service.tokenizer)
 
     def watch(self, request: Request, inp: GenInput) -> _DisconnectWatch:
         return _DisconnectWatch(request, inp)
@@ -256,7 +237,7 @@ class RouterHttpApi:
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
                       answer: Answer, api: str, include_usage: bool) -> AsyncIterator[bytes]:
-        detok = _Detok(self.service.tokenizer)
+        detok = IncrementalDetokenizer(self.service.tokenizer)
         watch = _DisconnectWatch(request, inp)
         first_chunk = True
         # With tools the answer's text may be a tool call: the worker's tool parser reads it as it

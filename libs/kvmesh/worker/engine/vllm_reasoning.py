@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+from kvmesh.tokenization.detokenize import IncrementalDetokenizer
 from kvmesh.worker.engine.base import EngineRequest, ParsedDelta, ToolCall
 from kvmesh.worker.engine.tool_stream import DeltaLedger, merge
 from kvmesh.worker.engine.vllm_tools import VllmToolCalls, chat_request, delta_of
@@ -97,10 +98,9 @@ class VllmReasoningStream:
         self.owner = owner
         self.req = req
         self.parser, self.request = owner.parser(req)
-        self.skip_special = bool(self.request.skip_special_tokens)
-        self.ids: list[int] = []
+        self.detok = IncrementalDetokenizer(owner.tokenizer, bool(self.request.skip_special_tokens))
+        self.ids = self.detok.ids
         self.parsed = 0            # tokens the parser has read
-        self.prefix = 0            # incremental decoding: the window's start, as vLLM's detokenizer
         self.prompt_seen = False
         self.broken = False
         self.ledger = DeltaLedger()
@@ -116,23 +116,9 @@ class VllmReasoningStream:
             out = self._step([], True)
         return out
 
-    def _delta_text(self, finished: bool) -> str | None:
-        """The text of the tokens the parser has not read, decoded in a short window behind them
-        (vLLM's incremental detokenization: a token's text can depend on the one before it); None
-        while it ends inside a character."""
-        dec = self.owner.tokenizer.decode
-        before = dec(self.ids[self.prefix:self.parsed], skip_special_tokens=self.skip_special)
-        now = dec(self.ids[self.prefix:], skip_special_tokens=self.skip_special)
-        if (now.endswith("\ufffd") and not finished) or not now.startswith(before):
-            return None
-        return now[len(before):]
-
     def _step(self, new_ids: list[int], finished: bool) -> ParsedDelta:
-        self.ids.extend(new_ids)
-        if self.broken:
-            return ParsedDelta()
-        delta_text = self._delta_text(finished)
-        if delta_text is None:
+        delta_text = self.detok.push(new_ids, final=finished)
+        if self.broken or self.detok.pending:   # a token that ends inside a character waits
             return ParsedDelta()
         # The prompt tells the parser whether reasoning is already closed; it reads it once.
         prompt = None if self.prompt_seen else list(self.req.prompt_token_ids)
@@ -145,7 +131,7 @@ class VllmReasoningStream:
             self.broken = True
             return ParsedDelta()
         self.prompt_seen = True
-        self.prefix, self.parsed = self.parsed, len(self.ids)
+        self.parsed = len(self.ids)
         delta = delta_of(dm)
         if not self.req.parallel_tool_calls:   # vLLM's server streams call 0's deltas only
             delta.tool_calls = [d for d in delta.tool_calls if d.index == 0]

@@ -18,24 +18,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvmesh.tokenization.detokenize import IncrementalDetokenizer
 from kvmesh.worker.engine.base import ParsedDelta
 
 
 class SimReasoningStream:
-    """One answer's reasoning and content deltas, an engine output at a time. The content is
-    decoded incrementally (a window of the last tokens, as vLLM's detokenizer), so a long answer
-    costs what its tokens cost."""
+    """One answer's reasoning and content deltas, an engine output at a time; the content is
+    decoded incrementally (``kvmesh.tokenization.detokenize``), so a long answer costs what its
+    tokens cost."""
 
     def __init__(self, tokenizer: Any, reasoning_tokens: int) -> None:
-        self.tok = tokenizer
         self.limit = max(0, reasoning_tokens)
         self.ids: list[int] = []
-        self.sent_reasoning = ""
-        self.content = ""
-        self._prefix = self._read = 0   # the content's decoding window, in content tokens
-
-    def _text(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True) if ids else ""
+        self.reasoning = IncrementalDetokenizer(tokenizer)
+        self.content = IncrementalDetokenizer(tokenizer)
 
     @property
     def reasoning_done(self) -> bool:
@@ -43,23 +39,16 @@ class SimReasoningStream:
 
     def push(self, new_ids: list[int], final: bool = False) -> ParsedDelta:
         """The new reasoning and content text of ``new_ids``. A piece that ends inside a character
-        waits for the next output, unless the answer ends here."""
+        waits for the next output, unless the answer (or its reasoning) ends here."""
+        head = max(0, min(len(new_ids), self.limit - len(self.ids)))
         self.ids.extend(new_ids)
         out = ParsedDelta()
-        if len(self.sent_reasoning) == 0 or len(self.ids) - len(new_ids) < self.limit:
-            reasoning = self._text(self.ids[:self.limit])
-            if (final or len(self.ids) >= self.limit or not reasoning.endswith("\ufffd")) \
-                    and reasoning.startswith(self.sent_reasoning):
-                out.reasoning, self.sent_reasoning = reasoning[len(self.sent_reasoning):], reasoning
-        body = self.ids[self.limit:]
-        before = self._text(body[self._prefix:self._read])
-        now = self._text(body[self._prefix:])
-        if (final or not now.endswith("\ufffd")) and now.startswith(before) and len(body) > self._read:
-            out.content = now[len(before):]
-            self.content += out.content
-            self._prefix, self._read = self._read, len(body)
+        if head or final:
+            out.reasoning = self.reasoning.push(new_ids[:head], final=final or len(self.ids) >= self.limit)
+        if len(new_ids) > head or final:
+            out.content = self.content.push(new_ids[head:], final=final)
         return out
 
     def result(self) -> tuple[str, str]:
         """The whole answer's reasoning and content (as streamed)."""
-        return self.sent_reasoning, self.content
+        return self.reasoning.text, self.content.text
