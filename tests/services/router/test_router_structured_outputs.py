@@ -164,3 +164,44 @@ def test_grpc_generate_carries_the_spec(stack) -> None:
         with pytest.raises(grpc.RpcError) as err:
             list(stack.stub.Generate(req, timeout=30))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_outputs" in err.value.details()
+
+
+def test_a_first_structured_answer_does_not_stall_the_worker(tmp_path, tiny_model_dir) -> None:
+    """A fresh sim worker's first structured answer loads its tokenizer (importing transformers,
+    seconds on a loaded machine). That happens off the worker's event loop: its ``GetLoad`` keeps
+    answering within the router's deadline, or the router would mark it down (seen in CI)."""
+    import threading
+    import time
+
+    from kvmesh_api.worker.v1 import worker_pb2, worker_pb2_grpc
+    from tests.fixtures.router import start_worker
+
+    w = start_worker(tmp_path, "fresh", extra=["--tokenizer", str(tiny_model_dir)])
+    try:
+        channel = grpc.insecure_channel(w.grpc_address)
+        stub = worker_pb2_grpc.WorkerStub(channel)
+        worst: list[float] = []
+        done = threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                t = time.monotonic()
+                stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
+                worst.append(time.monotonic() - t)
+                time.sleep(0.02)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        req = worker_pb2.GenerateRequest(request_id="so-1", prompt_token_ids=list(range(10, 60)))
+        req.sampling.max_tokens = 8
+        req.sampling.structured_outputs_json = json.dumps({"choice": ["yes", "no"]})
+        out = list(stub.Generate(req, timeout=60))
+        done.set()
+        poller.join()
+        assert out[-1].finished and worst
+        # The router marks a worker down after GetLoad misses its 0.5 s deadline several times in a
+        # row; a loop held by the load (3.6 s here before the fix) misses them all.
+        assert max(worst) < 1.0, f"GetLoad took {max(worst):.2f} s while the tokenizer loaded"
+        channel.close()
+    finally:
+        w.stop(grace_s=2)

@@ -527,6 +527,11 @@ class SimEngine(Engine):
     async def generate(self, req: EngineRequest) -> AsyncIterator[EngineOutput]:
         self._check_up()
         self._validate(req)
+        if req.structured_outputs and self.cfg.tokenizer and not req.prefill_only:
+            # The first structured answer loads the tokenizer: off the loop, whose GetLoad answers
+            # keep the worker alive in the router's eyes (a load on the loop took longer than
+            # their deadline under CI's load, and the router marked the worker down).
+            await asyncio.to_thread(load_tokenizer, self.cfg.tokenizer)
         live = self._make_live(req)
         self._live[req.request_id] = live
         live.truth = self._truth(live.seq)
