@@ -346,7 +346,6 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
             raise bad_request(name, _NOT_SUPPORTED[name])
         if name not in allowed:
             raise bad_request(name, "Extra inputs are not permitted")
-    _thinking(body.get("thinking"))
     _context_management(body.get("context_management"))
     if body.get("speed") not in (None, "standard"):
         raise bad_request("speed", "only 'standard' is supported by this server")
@@ -360,31 +359,32 @@ def _check_fields(body: dict[str, Any], allowed: set[str]) -> None:
         _object(body["cache_control"], "cache_control")
 
 
-def _thinking(thinking: Any) -> int | None:
+def _thinking(thinking: Any) -> tuple[bool, int | None]:
     """``thinking``, as vLLM's /v1/messages reads it: ``adaptive`` lets the model choose (Claude Code
     sends it every turn; vLLM pins nothing for it), ``disabled`` is a reasoning effort
     (``disabled_thinking_effort``), ``enabled`` has a token budget of at least 1,024 (Anthropic's and
-    vLLM's floor), which becomes vLLM's ``thinking_token_budget``. Returns that budget."""
+    vLLM's floor), which becomes vLLM's ``thinking_token_budget``. Returns (disabled, that budget)."""
     if thinking is None:
-        return None
+        return False, None
     thinking = _object(thinking, "thinking")
     kind = thinking.get("type")
     for k in thinking:
         if k not in ("type", "budget_tokens", "display"):
             raise bad_request(f"thinking.{k}", "Extra inputs are not permitted")
     if kind in ("disabled", "adaptive"):
-        return None
+        return kind == "disabled", None
     if kind != "enabled":
         raise bad_request("thinking.type", f"must be 'enabled', 'disabled' or 'adaptive', got {kind!r}")
     budget = thinking.get("budget_tokens")
     if isinstance(budget, bool) or not isinstance(budget, int) or not 1024 <= budget <= INT32_MAX:
         raise bad_request("thinking.budget_tokens", f"must be an integer from 1024 to {INT32_MAX}, got {budget!r}")
-    return budget
+    return False, budget
 
 
 def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
     body = _object(body, "body")
     _check_fields(body, allowed)
+    disabled, budget = _thinking(body.get("thinking"))
     model = _string(body.get("model"), "model", required=True, empty_ok=False) or ""
     tools = _tools(body)
     req = MessagesRequest(model=model, body=body, messages=_messages(body), tools=tools)
@@ -392,8 +392,7 @@ def _prompt(body: Any, allowed: set[str]) -> MessagesRequest:
     req.parallel_tool_calls = not (isinstance(body.get("tool_choice"), dict)
                                    and body["tool_choice"].get("disable_parallel_tool_use") is True)
     req.structured_outputs = _output_config(body.get("output_config"), req.template_kwargs)
-    req.thinking_disabled = isinstance(body.get("thinking"), dict) and body["thinking"].get("type") == "disabled"
-    req.thinking_budget = _thinking(body.get("thinking"))
+    req.thinking_disabled, req.thinking_budget = disabled, budget
     return req
 
 

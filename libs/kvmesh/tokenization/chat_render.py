@@ -86,6 +86,12 @@ class ChatRequest:
         return "auto" if self.tools else "none"
 
     @property
+    def rendered_kwargs(self) -> dict[str, Any]:
+        """The template keywords the prompt is rendered with (the engine's own override the
+        client's), as a reasoning parser reads them; the renderer drops those its template ignores."""
+        return {**self.chat_template_kwargs, **self.engine_kwargs}
+
+    @property
     def tools_active(self) -> bool:
         """Tools are offered and may be called (the answer may hold ``tool_calls``)."""
         return bool(self.tools) and self.effective_tool_choice != "none"

@@ -116,13 +116,6 @@ def _parallel(req: OpenAIRequest) -> bool:
     return req.chat_request is None or req.chat_request.parallel_tool_calls
 
 
-def _template_kwargs(req: OpenAIRequest) -> dict | None:
-    creq = req.chat_request
-    if creq is None:
-        return None
-    return {**creq.chat_template_kwargs, **creq.engine_kwargs} or None
-
-
 def _engine_error(exc: EngineError) -> OpenAIError:
     return OpenAIError(str(exc), status=exc.http_status)
 
@@ -222,7 +215,8 @@ class WorkerHttpApi:
             tool_choice=req.chat_request.effective_tool_choice if _tools_active(req) else None,
             parallel_tool_calls=_parallel(req), structured_outputs=req.structured_outputs, **req.knobs,
             # A chat answer: an engine with a reasoning parser splits off its reasoning.
-            reasoning=req.chat, chat_template_kwargs=_template_kwargs(req),
+            reasoning=req.chat,
+            chat_template_kwargs=(req.chat_request.rendered_kwargs or None) if req.chat_request else None,
         )
 
     async def _handle(self, request: Request, chat: bool) -> Response:

@@ -840,7 +840,7 @@ class RouterService:
             # A chat answer: a worker with a reasoning parser splits off its reasoning, reading the
             # template keywords the prompt was rendered with (the engine's own override the client's).
             wreq.parse_reasoning = True
-            kwargs = {**creq.chat_template_kwargs, **creq.engine_kwargs} if creq is not None else {}
+            kwargs = creq.rendered_kwargs if creq is not None else {}
             if kwargs:
                 wreq.chat_template_kwargs_json = json.dumps(kwargs)
         try:

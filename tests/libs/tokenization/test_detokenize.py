@@ -4,18 +4,16 @@ a character (until the end), and each push decodes a short window, not the whole
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from kvmesh.tokenization.detokenize import IncrementalDetokenizer
+from tests.helpers.decoding import CountingDecoder
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+def tok(tiny_hf_tokenizer):
+    return tiny_hf_tokenizer
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -45,15 +43,9 @@ def test_a_cut_character_waits_for_its_last_byte(tok) -> None:
 
 
 def test_each_push_decodes_a_window(tok) -> None:
-    seen: list[int] = []
-
-    class Counting:
-        def decode(self, ids, skip_special_tokens=True):
-            seen.append(len(ids))
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    d = IncrementalDetokenizer(Counting())
+    counting = CountingDecoder(tok)
+    d = IncrementalDetokenizer(counting)
     for i in range(3000):
         d.push([1000 + i % 700])
-    assert max(seen) <= 4
+    assert max(counting.sizes) <= 4
     assert IncrementalDetokenizer(None).push([5, 6]) == ""

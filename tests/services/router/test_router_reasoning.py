@@ -17,7 +17,6 @@ import grpc
 import httpx
 import openai
 import pytest
-from transformers import AutoTokenizer
 
 from kvmesh_api.router.v1 import router_pb2
 from tests.fixtures.router import MODEL, RouterStack, one_worker_stack
@@ -45,8 +44,8 @@ def client(stack) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_dir):
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+def tok(tiny_hf_tokenizer):
+    return tiny_hf_tokenizer
 
 
 def _split(tok, ids: list[int]) -> tuple[str, str]:

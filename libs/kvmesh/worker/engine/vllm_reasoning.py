@@ -8,8 +8,8 @@ so the worker does the same for chat answers (``EngineRequest.reasoning``), with
 parser (``vllm.parser.ParserManager``: the named reasoning parser, then, for a request whose tools
 may be called, the worker's tool parser over what follows the reasoning):
 
-* while the answer streams, ``parse_delta`` an engine output at a time, as vLLM's chat server
-  feeds it (with the prompt's token ids on the first call, so a template that closed the
+* while the answer streams, ``parse_delta`` a token at a time, as vLLM's chat server sees a decode
+  step (with the prompt's token ids on the first call, so a template that closed the
   reasoning in the prompt, e.g. Qwen3 with ``enable_thinking`` false, yields content only);
 * on the finished answer, ``parse`` with a fresh parser, as vLLM's server answers a request that
   does not stream.
@@ -91,8 +91,8 @@ class VllmReasoning:
 
 
 class VllmReasoningStream:
-    """One chat answer through vLLM's ``parse_delta``, a token at a time. A parser that fails stops streaming: ``finish`` then sends the
-    whole answer, as parsed at the end."""
+    """One chat answer through vLLM's ``parse_delta``, a token at a time. A parser that fails stops
+    streaming: ``finish`` then sends the whole answer, as parsed at the end."""
 
     def __init__(self, owner: VllmReasoning, req: EngineRequest) -> None:
         self.owner = owner
@@ -121,7 +121,7 @@ class VllmReasoningStream:
         if self.broken or self.detok.pending:   # a token that ends inside a character waits
             return ParsedDelta()
         # The prompt tells the parser whether reasoning is already closed; it reads it once.
-        prompt = None if self.prompt_seen else list(self.req.prompt_token_ids)
+        prompt = None if self.prompt_seen else self.req.prompt_token_ids   # read, never copied
         try:
             dm = self.parser.parse_delta(delta_text, self.ids[self.parsed:], self.request,
                                          prompt_token_ids=prompt, finished=finished)

@@ -5,18 +5,16 @@ a long answer is decoded incrementally."""
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 import pytest
 
 from kvmesh.worker.engine.sim.reasoning import SimReasoningStream
+from tests.helpers.decoding import CountingDecoder
 
 
 @pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(tiny_model_dir), local_files_only=True)
+def tok(tiny_hf_tokenizer):
+    return tiny_hf_tokenizer
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -40,14 +38,8 @@ def test_streamed_pieces_add_up_to_the_split(tok, seed) -> None:
 
 def test_a_long_answer_decodes_a_window_per_output(tok) -> None:
     """Each output decodes a few tokens, not the whole answer so far."""
-    calls: list[int] = []
-
-    class Counting:
-        def decode(self, ids, skip_special_tokens=True):
-            calls.append(len(ids))
-            return tok.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    s = SimReasoningStream(Counting(), 4)
+    counting = CountingDecoder(tok)
+    s = SimReasoningStream(counting, 4)
     for i in range(2000):
         s.push([1000 + i % 500])
-    assert max(calls) <= 8
+    assert max(counting.sizes) <= 8
