@@ -219,11 +219,12 @@ def test_network_policies_admit_only_the_pods_that_need_each_port() -> None:
     labels = {name: wl["spec"]["template"]["metadata"]["labels"] for name, wl in workloads(docs).items()}
     router, indexer, offload, decode, prefill = (labels[n] for n in ("router", "indexer", "offload", "decode",
                                                                       "prefill"))
-    redis = labels["redis"]
+    redis, responses_redis = labels["redis"], labels["responses-redis"]
     expect = {
         # (target, port): pods admitted; every other kvmesh pod is refused
         ("indexer", 50051): {"router", "decode", "prefill", "offload"},
         ("redis", 6379): {"indexer"},
+        ("responses-redis", 6379): {"router"},   # stored Responses: prompts, per tenant
         ("decode", 50051): {"router"},
         ("decode", 5558): {"indexer"},     # replay: hands out every buffered event
         ("prefill", 5557): {"indexer"},
@@ -233,7 +234,7 @@ def test_network_policies_admit_only_the_pods_that_need_each_port() -> None:
         ("offload", 5558): {"indexer"},   # the store's replay socket
     }
     pods = {"router": router, "indexer": indexer, "offload": offload, "decode": decode, "prefill": prefill,
-            "redis": redis}
+            "redis": redis, "responses-redis": responses_redis}
     for (target, port), allowed in expect.items():
         admitted = {name for name, lab in pods.items() if name != target and _admits(docs, pods[target], port, lab)}
         assert admitted == allowed, f"{target}:{port} admits {sorted(admitted)}"

@@ -7,6 +7,8 @@ two routers and Envoy's front door over the routers' HTTP ports (``deploy/envoy/
 - A replica killed with SIGKILL during a steady stream loses no request, not even those it
   held: Envoy retries a refused or dropped try on the other replica, and its health check
   takes the dead one out.
+- A Responses conversation chained by ``previous_response_id`` goes on whichever replica
+  answers each turn: the replicas keep stored responses in one Redis.
 """
 
 from __future__ import annotations
@@ -90,6 +92,26 @@ def test_both_replicas_serve_through_envoy(stack: LocalStack) -> None:
     per_host = httpx.get(f"http://127.0.0.1:{stack.envoy.admin_port}/clusters", timeout=5).text
     served = [line for line in per_host.splitlines() if line.startswith(f"{ROUTERS}::") and "::rq_success::" in line]
     assert len(served) == 2 and all(int(line.rsplit("::", 1)[1]) > 0 for line in served), (served, stats)
+
+
+def test_a_response_chain_continues_on_either_replica(stack: LocalStack) -> None:
+    """A Responses conversation chained by ``previous_response_id``, each turn answered by the other
+    replica: the replicas share the stored responses (the stack's Redis for them)."""
+    assert stack.responses_redis is not None
+    one, two = stack.router_http_addresses
+    with httpx.Client(timeout=60, headers=stack.auth_headers()) as c:
+        prev = None
+        for turn, base in enumerate((one, two, one, two)):
+            body = {"model": MODEL, "input": f"Turn {turn}: go on.", "max_output_tokens": 2}
+            if prev is not None:
+                body["previous_response_id"] = prev
+            r = c.post(f"{base}/v1/responses", json=body)
+            assert r.status_code == 200, r.text
+            assert r.json()["previous_response_id"] == prev and r.json()["store"] is True
+            prev = r.json()["id"]
+        items = c.get(f"{one}/v1/responses/{prev}/input_items", params={"order": "asc", "limit": 100}).json()
+        said = [i["content"] for i in items["data"] if i.get("role") == "user"]
+        assert said == [f"Turn {t}: go on." for t in range(4)]
 
 
 def test_sibling_burst_split_across_replicas_colocates(stack: LocalStack) -> None:

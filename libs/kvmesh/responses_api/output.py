@@ -100,6 +100,8 @@ class ResponseHead:
     model: str
     id: str = field(default_factory=lambda: new_id("resp"))
     created_at: int = field(default_factory=lambda: int(time.time()))
+    previous_response_id: str | None = None
+    store: bool = False   # whether the answer is kept (the server stores, and the request asked it to)
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  **extra: Any) -> dict[str, Any]:
@@ -112,8 +114,9 @@ class ResponseHead:
             "instructions": req.instructions, "model": self.model, "output": output,
             "parallel_tool_calls": chat.chat_request.parallel_tool_calls if chat.chat_request else True,
             "temperature": chat.temperature, "top_p": chat.top_p, "max_output_tokens": chat.max_tokens,
-            "tool_choice": req.tool_choice, "tools": req.tools, "previous_response_id": None,
-            "reasoning": _reasoning_echo(req.body), "store": False,
+            "tool_choice": req.tool_choice, "tools": req.tools,
+            "previous_response_id": self.previous_response_id, "reasoning": _reasoning_echo(req.body),
+            "store": self.store,
             "text": {"format": req.body["text"].get("format") or {"type": "text"}} if isinstance(
                 req.body.get("text"), dict) else {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata,
             "user": req.user, "usage": usage, **extra,

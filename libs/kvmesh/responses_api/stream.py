@@ -54,6 +54,7 @@ class ResponseEvents:
         self._call: dict[str, Any] | None = None  # the open function_call item
         self._call_index: int | None = None       # its index in the engine's tool-call deltas
         self._whole = 0                           # whole calls seen (each its own item)
+        self.final: dict[str, Any] | None = None  # the response of response.completed, once finished
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         doc = {"type": kind, "sequence_number": self.seq, **fields}
@@ -159,8 +160,8 @@ class ResponseEvents:
         ``incomplete_details`` say whether the token limit ended the answer."""
         out = self._close_part() + self._close_call()
         status = "incomplete" if incomplete else "completed"
-        return out + self._event("response.completed", response=self.head.response(status, self.output, usage,
-                                                                                   **extra))
+        self.final = self.head.response(status, self.output, usage, **extra)
+        return out + self._event("response.completed", response=self.final)
 
     def failed(self, code: str, message: str) -> bytes:
         """The answer broke off: what was streamed, and the error (``response.failed``)."""

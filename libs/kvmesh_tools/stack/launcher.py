@@ -95,6 +95,7 @@ class LocalStack:
     cfg: StackConfig
     procs: list[ServiceProcess] = field(default_factory=list)
     redis: RedisProcess | None = None
+    responses_redis: RedisProcess | None = None   # stored Responses shared by router replicas
     envoy: EnvoyProcess | None = None
     router_address: str = ""
     router_addresses: list[str] = field(default_factory=list)
@@ -234,6 +235,8 @@ class LocalStack:
         if c.routers < 1:
             raise ValueError(f"routers must be >= 1, got {c.routers}")
         replicated = c.routers > 1
+        if replicated:
+            args += self._responses_store_args()
         http_ports: list[int] = []
         for i in range(c.routers):
             first = i == 0
@@ -256,6 +259,16 @@ class LocalStack:
                                 listen_ports={ROUTERS: c.http_port} if c.http_port else None)
             self.envoy = start_envoy(cfg, Path(self.cfg.log_dir), "envoy", timeout_s=c.start_timeout_s)
             self.http_address = self.envoy.routers_base
+
+    def _responses_store_args(self) -> list[str]:
+        """Replicas share stored Responses (a chained turn may reach either) through a Redis of their own;
+        without redis-server each keeps its own, and a chain must stay on one replica."""
+        if shutil.which("redis-server") is None:
+            log.warning("no redis-server: each router replica keeps its own stored responses "
+                        "(previous_response_id works only on the replica that answered)")
+            return []
+        self.responses_redis = RedisProcess().start()
+        return ["--responses-store", self.responses_redis.url]
 
     def _auth_args(self) -> list[str]:
         """The routers' front-door flags; with keys, a fresh key and salt secret under log_dir/auth."""
@@ -330,9 +343,11 @@ class LocalStack:
             except Exception:  # noqa: BLE001 - keep stopping the others
                 log.exception("stopping service failed", extra={"service": sp.name})
         self.procs.clear()
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
+        for name in ("redis", "responses_redis"):
+            r = getattr(self, name)
+            if r is not None:
+                r.stop()
+                setattr(self, name, None)
 
     def alive(self) -> list[str]:
         names = [sp.name for sp in self.procs if sp.alive()]

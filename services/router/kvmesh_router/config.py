@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from kvmesh.config import ConfigError
 from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
+from kvmesh.responses_api.store.registry import store_name
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
@@ -176,6 +177,18 @@ class RouterConfig:
                 "(httpx 5 s), else a request sent as the router closes the connection is lost (ReadError)"})
     http_max_header_bytes: int = field(default=65536, metadata={"help": "request line + headers above this: 431"})
     max_json_depth: int = field(default=64, metadata={"help": "JSON bodies nested deeper are refused (400)"})
+    # Stored Responses (kvmesh.responses_api.store): previous_response_id, item_reference, GET /v1/responses/{id}.
+    responses_store: str = field(default="memory", metadata={
+        "help": "where answered Responses API responses are kept for previous_response_id, item_reference and "
+                "GET/DELETE /v1/responses/{id}: off | memory (this replica only) | a redis:// URL (shared by "
+                "replicas; not the indexer's Redis); a request's store: false is never kept"})
+    responses_store_ttl_s: float = field(default=3600.0, metadata={
+        "help": "a stored response is forgotten this long after it was answered"})
+    responses_store_max_bytes: int = field(default=256 << 20, metadata={
+        "help": "memory store: bytes of stored responses in all (oldest forgotten first)"})
+    responses_store_tenant_max_bytes: int = field(default=64 << 20, metadata={
+        "help": "memory store: bytes one tenant's responses may take (its own oldest go first, never another "
+                "tenant's); both stores: a larger single response is not kept (store: false)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time on shutdown"})
 
     def validate(self) -> None:
@@ -222,6 +235,14 @@ class RouterConfig:
             ns, _, name = self.inference_pool.partition("/")
             if not ns or not name or "/" in name:
                 raise ConfigError(f"setting 'inference_pool': {self.inference_pool!r} is not NAMESPACE/NAME")
+        try:
+            store_name(self.responses_store)
+        except ValueError as exc:
+            raise ConfigError(f"setting 'responses_store': {exc}") from None
+        if self.responses_store_ttl_s <= 0 or self.responses_store_max_bytes < 1 \
+                or self.responses_store_tenant_max_bytes < 1:
+            raise ConfigError("settings 'responses_store_ttl_s', 'responses_store_max_bytes' and "
+                              "'responses_store_tenant_max_bytes' must be > 0")
         if self.auth == "keys" and not self.api_keys_file:
             raise ConfigError("setting 'auth' is keys (the default) but no 'api_keys_file' is given: give "
                               "--api-keys-file, or --auth off for a local demo")

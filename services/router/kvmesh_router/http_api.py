@@ -34,10 +34,10 @@ from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.anthropic_api import AnthropicApi
 from kvmesh_router.errors import RouterError, UnknownModel
-from kvmesh_router.http_guard import SCOPE_KEY, ScopeMiddleware
+from kvmesh_router.http_guard import ScopeMiddleware, request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.passthrough import Passthrough
-from kvmesh_router.request_scope import RequestScopes, Scope, scopes_from_config
+from kvmesh_router.request_scope import RequestScopes, scopes_from_config
 from kvmesh_router.responses_api import ResponsesApi
 from kvmesh_router.service import FinalInfo, GenInput, RouterService
 
@@ -300,14 +300,6 @@ class RouterHttpApi:
             watch.stop()
             await gen.aclose()
         yield sse.DONE
-
-
-def request_scope_of(request: Request) -> Scope:
-    """The scope ``ScopeMiddleware`` set (the app always runs behind it)."""
-    sc = request.scope.get("state", {}).get(SCOPE_KEY)
-    if sc is None:
-        raise RuntimeError("request without a scope: the app must run behind ScopeMiddleware")
-    return sc
 
 
 def build_app(service: RouterService, scopes: RequestScopes | None = None) -> FastAPI:

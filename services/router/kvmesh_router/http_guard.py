@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -29,7 +29,10 @@ from kvmesh.anthropic.errors import AnthropicError
 from kvmesh.http_tls import scope_identity
 from kvmesh.openai.errors import error_body
 from kvmesh_router import metrics
-from kvmesh_router.request_scope import PUBLIC_PATHS, RequestScopes, Unauthenticated
+from kvmesh_router.request_scope import PUBLIC_PATHS, RequestScopes, Scope, Unauthenticated
+
+if TYPE_CHECKING:
+    from fastapi import Request
 
 log = logging.getLogger(__name__)
 
@@ -225,3 +228,11 @@ def guarded_protocol(max_connections: int, header_timeout_s: float, max_header_b
             super().connection_lost(exc)
 
     return GuardedHttpTools
+
+
+def request_scope_of(request: Request) -> Scope:
+    """The scope ``ScopeMiddleware`` set (the app always runs behind it)."""
+    sc = request.scope.get("state", {}).get(SCOPE_KEY)
+    if sc is None:
+        raise RuntimeError("request without a scope: the app must run behind ScopeMiddleware")
+    return sc

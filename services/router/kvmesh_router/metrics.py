@@ -46,6 +46,9 @@ TOKENIZE_CACHE = Counter("kvmesh_router_tokenize_cache_total",
 STALLS = Counter("kvmesh_router_stalls_total", "worker streams cancelled for silence (first token or idle)",
                  ["stage"])
 REQUESTS = Counter("kvmesh_router_requests_total", "requests by outcome", ["api", "outcome"])
+RESPONSES_STORED = Counter("kvmesh_router_responses_stored_total",
+                           "answered Responses API responses offered to the response store, by outcome "
+                           "(stored, too_large, error)", ["outcome"])
 HASH_BLOCKS = Counter("kvmesh_router_hash_blocks_total", "blocks hashed vs reused from the hash cache", ["kind"])
 HEDGES = Counter("kvmesh_router_hedges_total",
                  "hedged first tokens (sent: a second copy went out; won: the copy answered first; lost: the "

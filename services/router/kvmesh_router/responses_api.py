@@ -10,10 +10,15 @@ vLLM's own conversion) and then routed exactly like a chat completion:
 turns land where their prefix is cached. The answer is a ``response`` object or its event
 stream (``kvmesh.responses_api``); errors have OpenAI's shape.
 
-Nothing is stored: ``previous_response_id`` is a 400 and ``GET /v1/responses/{id}`` a 404
-saying so. Clients that keep their own history (Codex sends ``store: false`` and the whole
-conversation every turn) need nothing more, and a turn that repeats its history is exactly
-the prefix the router routes on.
+Answered responses are kept (``--responses-store``: in this process, or in Redis for every
+replica) unless the request says ``store: false``, as OpenAI keeps them by default. A later
+request's ``previous_response_id`` and ``item_reference`` items are put back into its input
+before it is parsed (``kvmesh.responses_api.history``), so a chained turn renders, and is
+routed on, exactly the prefix a client sending its whole history would have sent.
+``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and forget
+them. Everything is per tenant (the API key's): another tenant's id is not found. A response
+is kept before its last event is sent, so a client that chains at once finds it. Codex sends
+``store: false`` and the whole conversation every turn, and needs none of this.
 
 With external OpenAI engines (``vllm serve``) the body goes to the engine's own
 ``/v1/responses`` (``passthrough``); the router predicts from the same conversion.
@@ -31,13 +36,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvmesh.openai import sse
-from kvmesh.openai.errors import OpenAIError, error_response
+from kvmesh.openai.errors import BadRequest, OpenAIError, error_response
+from kvmesh.responses_api.history import Resolved, not_found, resolve
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
+from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, valid_id
+from kvmesh.responses_api.store.registry import open_store
 from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
+from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.passthrough import OPENAI, engine_body
 from kvmesh_router.service import FinalInfo, GenInput
@@ -64,19 +73,96 @@ def _incomplete(fin: FinalInfo) -> bool:
 class ResponsesApi:
     """The Responses handlers over the router's HTTP API object (its service, config and helpers)."""
 
-    def __init__(self, api: RouterHttpApi) -> None:
+    def __init__(self, api: RouterHttpApi, store: ResponseStore | None = None) -> None:
         self.api = api
         self.service = api.service
+        cfg = api.cfg
+        self.store = store if store is not None else open_store(
+            cfg.responses_store, cfg.responses_store_ttl_s, cfg.responses_store_max_bytes,
+            cfg.responses_store_tenant_max_bytes)
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PATH, self.create, methods=["POST"])
         app.add_api_route(PATH + "/input_tokens", self.input_tokens, methods=["POST"])
-        app.add_api_route(PATH + "/{response_id}", self.retrieve, methods=["GET", "DELETE"])
+        app.add_api_route(PATH + "/{response_id}", self.retrieve, methods=["GET"])
+        app.add_api_route(PATH + "/{response_id}", self.delete, methods=["DELETE"])
+        app.add_api_route(PATH + "/{response_id}/input_items", self.input_items, methods=["GET"])
 
-    async def retrieve(self, response_id: str) -> Response:
-        metrics.REQUESTS.labels(api=API, outcome="NotFound").inc()
-        return error_response(404, f"response {response_id[:64]!r} not found: this server does not store "
-                                   "responses (send the conversation as 'input')", "not_found_error", "response_id")
+    # -- stored responses
+    async def _stored(self, request: Request, response_id: str, api: str) -> StoredResponse | Response:
+        """The tenant's stored ``response_id``, or the error answer (404 for absent, off or another tenant's)."""
+        if self.store is None:
+            metrics.REQUESTS.labels(api=api, outcome="NotFound").inc()
+            return error_response(404, f"response {response_id[:64]!r} not found: this server does not store "
+                                       "responses (--responses-store off; send the conversation as 'input')",
+                                  "not_found_error", "response_id")
+        rec = await self.store.get(_tenant(request), response_id) if valid_id(response_id) else None
+        if rec is None:
+            metrics.REQUESTS.labels(api=api, outcome="NotFound").inc()
+            return not_found("Response", response_id, "response_id").response()
+        return rec
+
+    async def retrieve(self, request: Request, response_id: str) -> Response:
+        if request.query_params.get("stream") in ("true", "1"):
+            metrics.REQUESTS.labels(api="responses_retrieve", outcome="BadRequest").inc()
+            return BadRequest("'stream' is not supported when retrieving a response: it has finished "
+                              "(background responses are not supported)", "stream").response()
+        rec = await self._stored(request, response_id, "responses_retrieve")
+        if isinstance(rec, Response):
+            return rec
+        metrics.REQUESTS.labels(api="responses_retrieve", outcome="ok").inc()
+        return JSONResponse(rec.response)
+
+    async def delete(self, request: Request, response_id: str) -> Response:
+        rec = await self._stored(request, response_id, "responses_delete")
+        if isinstance(rec, Response):
+            return rec
+        assert self.store is not None
+        await self.store.delete(_tenant(request), response_id)
+        metrics.REQUESTS.labels(api="responses_delete", outcome="ok").inc()
+        return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+    async def input_items(self, request: Request, response_id: str) -> Response:
+        """``GET /v1/responses/{id}/input_items``: the conversation the response answered, a page at a
+        time (``limit`` 1-100, default 20; ``order`` desc (default) or asc; ``after``/``before`` an item id)."""
+        api = "responses_input_items"
+        try:
+            limit, order, after, before = _page_params(request)
+        except BadRequest as exc:
+            metrics.REQUESTS.labels(api=api, outcome="BadRequest").inc()
+            return exc.response()
+        rec = await self._stored(request, response_id, api)
+        if isinstance(rec, Response):
+            return rec
+        items = rec.input if order == "asc" else rec.input[::-1]
+        ids = [i.get("id") if isinstance(i, dict) else None for i in items]
+        start, end = 0, len(items)
+        if after is not None:
+            start = ids.index(after) + 1 if after in ids else len(items)
+        if before is not None:
+            end = ids.index(before) if before in ids else 0
+        page = items[start:max(start, end)]
+        data = page[:limit]
+        metrics.REQUESTS.labels(api=api, outcome="ok").inc()
+        return JSONResponse({"object": "list", "data": data, "first_id": data[0].get("id") if data else None,
+                             "last_id": data[-1].get("id") if data else None, "has_more": len(page) > limit})
+
+    async def _keep(self, scope_tenant: str, head: ResponseHead, response: dict[str, Any],
+                    res: Resolved) -> None:
+        """Keep an answered response before its last event goes out (a client chaining at once finds it);
+        a store that fails or refuses it loses the response, never the answer."""
+        if not head.store or self.store is None or response.get("status") not in ("completed", "incomplete"):
+            return
+        try:
+            kept = await self.store.put(scope_tenant, StoredResponse(response, res.conversation))
+        except Exception as exc:   # a store outage must not fail an answered request
+            log.warning("response not stored", extra={"response_id": head.id, "error": f"{type(exc).__name__}: "
+                                                                                      f"{exc}"})
+            metrics.RESPONSES_STORED.labels(outcome="error").inc()
+            return
+        metrics.RESPONSES_STORED.labels(outcome="stored" if kept else "too_large").inc()
+        if not kept:
+            log.warning("response not stored: larger than the store keeps", extra={"response_id": head.id})
 
     async def input_tokens(self, request: Request) -> Response:
         """``POST /v1/responses/input_tokens``: how many tokens the request's prompt is, rendered and
@@ -102,8 +188,16 @@ class ResponsesApi:
     async def create(self, request: Request) -> Response:
         received = time.perf_counter()
         external = self.api.passthrough.applies()
+        tenant = _tenant(request)
         try:
-            req = parse_responses(await self.api.body(request), request.headers, engine_renders=external)
+            body = await self.api.body(request)
+            wants_store = body.get("store", True)
+            if wants_store is not None and not isinstance(wants_store, bool):
+                raise BadRequest("'store' must be a boolean", "store")
+            # An external engine's answers pass through unread, so none is kept to chain from.
+            res = await resolve(body, None, tenant, "answers of external engines are not kept by the router") \
+                if external else await resolve(body, self.store, tenant)
+            req = parse_responses(res.body, request.headers, engine_renders=external)
             inp = self.api.gen_input(req.chat, request)
         except OpenAIError as exc:
             metrics.REQUESTS.labels(api=API, outcome=type(exc).__name__).inc()
@@ -111,10 +205,12 @@ class ResponsesApi:
         if external:
             return await self._external(request, req, inp)
         inp.received = received
-        head = ResponseHead(req, inp.model)
+        head = ResponseHead(req, inp.model, previous_response_id=res.previous.id if res.previous else None,
+                            store=self.store is not None and wants_store is not False)
         gen = self.service.generate(inp)
         if not req.stream:
-            return await answer_or_error(API, self.api.watch(request, inp), self._answer(inp, gen, head))
+            return await answer_or_error(API, self.api.watch(request, inp), self._answer(inp, gen, head, res,
+                                                                                         tenant))
         # Pull the first item before answering 200, so routing and validation errors keep their status.
         try:
             first = await gen.__anext__()
@@ -122,14 +218,15 @@ class ResponsesApi:
             first = None
         except RouterError as exc:
             return router_error_response(exc, API)
-        return sse.sse_response(self._events(request, inp, gen, first, head))
+        return sse.sse_response(self._events(request, inp, gen, first, head, res, tenant))
 
     async def _external(self, request: Request, req: ResponsesRequest, inp: GenInput) -> Response:
         """Forward to an external engine's own /v1/responses: the body as sent, plus the tenant's salt."""
         return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, engine_body(req.body),
                                                   None, OPENAI)
 
-    async def _answer(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], head: ResponseHead) -> Response:
+    async def _answer(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], head: ResponseHead,
+                      res: Resolved, tenant: str) -> Response:
         ids: list[int] = []
         fin: FinalInfo | None = None
         async for kind, item in gen:
@@ -145,11 +242,13 @@ class ResponsesApi:
             text = tok.decode(ids) if tok is not None else ""
         metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         status = "incomplete" if _incomplete(fin) else "completed"
-        return JSONResponse(head.response(status, output_items(text, calls, head.req, fin.reasoning), _usage(fin),
-                                          kvmesh=fin.routing_doc()))
+        response = head.response(status, output_items(text, calls, head.req, fin.reasoning), _usage(fin),
+                                 kvmesh=fin.routing_doc())
+        await self._keep(tenant, head, response, res)
+        return JSONResponse(response)
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
-                      head: ResponseHead) -> AsyncIterator[bytes]:
+                      head: ResponseHead, res: Resolved, tenant: str) -> AsyncIterator[bytes]:
         ev = ResponseEvents(head)
         detok = self.api.detokenizer()
         watch = self.api.watch(request, inp)
@@ -188,7 +287,10 @@ class ResponsesApi:
                         yield ev.text("".join(held) if text is None else text)
                         for c in item.tool_calls:
                             yield ev.call(c.id, c.name, c.arguments)
-                    yield ev.finish(_incomplete(item), _usage(item), kvmesh=item.routing_doc())
+                    last = ev.finish(_incomplete(item), _usage(item), kvmesh=item.routing_doc())
+                    assert ev.final is not None
+                    await self._keep(tenant, head, ev.final, res)
+                    yield last
             metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         except RouterError as exc:
             metrics.REQUESTS.labels(api=API, outcome=type(exc).__name__).inc()
@@ -203,3 +305,21 @@ class ResponsesApi:
         finally:
             watch.stop()
             await gen.aclose()
+
+
+def _tenant(request: Request) -> str:
+    return request_scope_of(request).tenant
+
+
+def _page_params(request: Request) -> tuple[int, str, str | None, str | None]:
+    q = request.query_params
+    try:
+        limit = int(q.get("limit", "20"))
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= 100:
+        raise BadRequest("'limit' must be an integer from 1 to 100", "limit")
+    order = q.get("order", "desc")
+    if order not in ("asc", "desc"):
+        raise BadRequest("'order' must be asc or desc", "order")
+    return limit, order, q.get("after"), q.get("before")

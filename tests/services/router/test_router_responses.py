@@ -57,7 +57,7 @@ def test_text_answer_is_the_chat_answer(client) -> None:
     assert r.usage.input_tokens == chat.usage.prompt_tokens
     assert r.usage.output_tokens == chat.usage.completion_tokens == 6
     assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
-    assert r.instructions == INSTRUCTIONS and r.max_output_tokens == 6 and r.store is False
+    assert r.instructions == INSTRUCTIONS and r.max_output_tokens == 6 and r.store is True
     # The second time the prompt's blocks are cached: the hit is in the field clients read.
     again = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input="Say hi.", max_output_tokens=6,
                                     temperature=0)
@@ -198,13 +198,11 @@ def test_streamed_text(client) -> None:
 
 
 @pytest.mark.parametrize("body,param,words", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id", "not stored"),
     ({"tools": [{"type": "image_to_hologram"}]}, "tools[0]", "function, namespace and custom tools"),
     ({"input": None}, "input", "required"),
     ({"input": []}, "input", "non-empty"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}]},
      "input[0]", "text only"),
-    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0]", "not stored"),
     ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0]", "not supported"),
     ({"input": [{"type": "reasoning", "encrypted_content": "gAAAA"}]}, "input[0]", "encrypted"),
     ({"max_output_tokens": 0}, "max_output_tokens", "max_output_tokens"),
@@ -230,9 +228,12 @@ def test_unknown_model_and_retrieval_are_404s(client, stack) -> None:
     with pytest.raises(openai.NotFoundError) as e:
         client.responses.create(model="gpt-4o", input="hi", max_output_tokens=4)
     assert e.value.body["param"] == "model"
-    with pytest.raises(openai.NotFoundError) as e:
-        client.responses.retrieve("resp_123")
-    assert "does not store" in e.value.body["message"]
+    for call in (lambda: client.responses.retrieve("resp_123"),
+                 lambda: client.responses.create(model=MODEL, input="hi", previous_response_id="resp_123"),
+                 lambda: client.responses.create(model=MODEL, input=[{"type": "item_reference", "id": "msg_1"}])):
+        with pytest.raises(openai.NotFoundError) as e:
+            call()
+        assert "not found" in e.value.body["message"]
     r = httpx.post(stack.http_base + "/v1/responses", content=b"{not json", timeout=10)
     assert r.status_code == 400 and r.json()["error"]["param"] == "body"
 
@@ -242,3 +243,22 @@ def test_the_session_is_the_prompt_cache_key(client) -> None:
     for key in ("conv-a", "conv-b"):
         r = client.responses.create(model=MODEL, input="Same text.", max_output_tokens=2, prompt_cache_key=key)
         assert r.model_extra["kvmesh"]["endpoint"] == "w1"
+
+
+def test_a_chained_turn_is_the_prefix_its_first_turn_cached(client, stack) -> None:
+    """Through the real stack: the second turn names the first by id and sends only its new message. It
+    is routed to where the first turn's prefix is cached, and its prompt is the one a client sending the
+    whole conversation sends."""
+    r1 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input="Explain the scheduler. " * 40,
+                                 max_output_tokens=6, prompt_cache_key="chain-1")
+    r2 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, previous_response_id=r1.id,
+                                 input="And the block manager?", max_output_tokens=6, prompt_cache_key="chain-1")
+    assert r2.previous_response_id == r1.id and r2.store is True
+    whole = [{"role": "user", "content": "Explain the scheduler. " * 40},
+             *[o.model_dump(exclude_none=True) for o in r1.output],
+             {"role": "user", "content": "And the block manager?"}]
+    r3 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=whole, max_output_tokens=6,
+                                 prompt_cache_key="chain-1", store=False)
+    assert r2.usage.input_tokens == r3.usage.input_tokens > r1.usage.input_tokens
+    assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens // 2
+    assert client.responses.retrieve(r2.id).output[0].content[0].text == r2.output_text

@@ -1,0 +1,116 @@
+"""A Responses request's conversation, with what the server kept put back in its place.
+
+Why it exists: with ``previous_response_id`` a client sends only its new items and the
+server adds the conversation so far; with ``item_reference`` it names an item the server
+kept instead of sending it again. Both are resolved here, before the request is parsed,
+into the plain ``input`` list a client keeping its own history would have sent: the
+previous response's conversation, its output, then the new items (OpenAI's order; the
+previous ``instructions`` do not carry over, as OpenAI documents and vLLM does). So one
+parser renders both kinds of client, and a chained turn renders exactly the prefix the
+previous turn cached.
+
+``conversation_items`` gives every new item an id (the one it has, else a fresh one) so that
+the stored conversation's items can be listed and referenced later.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvmesh.openai.errors import BadRequest, OpenAIError
+from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, valid_id
+
+# Bounds a body's work on the store: each reference is a lookup.
+MAX_REFERENCES = 1024
+
+
+def not_found(what: str, ident: str, param: str) -> OpenAIError:
+    return OpenAIError(f"{what} with id {ident[:128]!r} not found", param, status=404)
+
+
+def _with_id(item: Any) -> Any:
+    if not isinstance(item, dict) or valid_id(item.get("id")):
+        return item
+    kind = item.get("type", "message")
+    prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+              "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}.get(kind, "item")
+    return {**item, "id": f"{prefix}_{uuid.uuid4().hex}"}
+
+
+def conversation_items(inp: Any) -> list[Any]:
+    """``input`` as a list of items with ids; a string is one user message (its content kept a
+    string, so it renders as the string did)."""
+    if isinstance(inp, str):
+        inp = [{"type": "message", "role": "user", "content": inp}]
+    return [_with_id(i) for i in inp] if isinstance(inp, list) else []
+
+
+@dataclass
+class Resolved:
+    """The body to parse (stateless: its ``input`` is the whole conversation) and what was resolved."""
+
+    body: dict[str, Any]
+    previous: StoredResponse | None = None
+    conversation: list[Any] = field(default_factory=list)   # the body's input, ids given
+
+
+async def resolve(body: dict[str, Any], store: ResponseStore | None, tenant: str,
+                  why_none: str = "the router runs with --responses-store off") -> Resolved:
+    """``body`` with ``previous_response_id`` and ``item_reference`` items replaced by what ``store``
+    kept for ``tenant``. Without a store both are refused (400), naming the field and ``why_none``;
+    an unknown id (or another tenant's) is a 404."""
+    prev_id = body.get("previous_response_id")
+    inp = body.get("input")
+    refs = [i for i, it in enumerate(inp) if isinstance(it, dict) and it.get("type") == "item_reference"] \
+        if isinstance(inp, list) else []
+    if prev_id is None and not refs:
+        return Resolved(body, None, conversation_items(inp))
+    if store is None:
+        if prev_id is not None:
+            raise BadRequest(f"'previous_response_id' is not supported here: responses are not stored ({why_none});"
+                             " send the whole conversation as 'input'", "previous_response_id")
+        raise BadRequest(f"input[{refs[0]}]: items are not stored ({why_none}); send the item itself",
+                         f"input[{refs[0]}]")
+    if len(refs) > MAX_REFERENCES:
+        raise BadRequest(f"'input' has {len(refs)} item references; at most {MAX_REFERENCES} are resolved",
+                         "input")
+    previous = None
+    history: list[Any] = []
+    if prev_id is not None:
+        if not valid_id(prev_id):
+            raise BadRequest("'previous_response_id' must be a response id (letters, digits, '_', '-', '.', ':'; "
+                             "at most 128)", "previous_response_id")
+        previous = await store.get(tenant, prev_id)
+        if previous is None:
+            raise not_found("Previous response", prev_id, "previous_response_id")
+        history = previous.input + list(previous.response.get("output") or [])
+    new = list(inp) if isinstance(inp, list) else inp
+    if refs:
+        new = await _dereference(new, refs, store, tenant)
+    out = {k: v for k, v in body.items() if k != "previous_response_id"}
+    if not new or not isinstance(new, (str, list)):
+        return Resolved(out)   # the parser names what is wrong with 'input'
+    conv = history + conversation_items(new)
+    out["input"] = conv
+    return Resolved(out, previous, conv)
+
+
+async def _dereference(items: list[Any], refs: list[int], store: ResponseStore, tenant: str) -> list[Any]:
+    records: dict[str, StoredResponse | None] = {}
+    items = list(items)
+    for i in refs:
+        ident = items[i].get("id")
+        where = f"input[{i}]"
+        if not valid_id(ident):
+            raise BadRequest(f"{where}: an item_reference needs the 'id' of a stored item", where)
+        owner = await store.item_owner(tenant, ident)
+        if owner is not None and owner not in records:
+            records[owner] = await store.get(tenant, owner)
+        rec = records.get(owner) if owner is not None else None
+        found = rec.find(ident) if rec is not None else None
+        if found is None:
+            raise not_found("Item", ident, where)
+        items[i] = found
+    return items

@@ -1,0 +1,105 @@
+"""``memory``: responses kept in the router's own process.
+
+Bounded three ways: a time to live from when a response was stored, a total byte budget,
+and a per-tenant share of it, so that one tenant's traffic evicts its own oldest responses
+and never another tenant's. Eviction is oldest first (records are stored once and never
+updated, so insertion order is age order and the expired ones are always at the front).
+A router replica keeps its own: behind several replicas use ``redis``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvmesh.responses_api.store.base import ResponseStore, StoredResponse
+
+
+@dataclass
+class _Entry:
+    raw: bytes
+    expires: float
+    items: list[str]
+
+
+class MemoryResponseStore(ResponseStore):
+    name = "memory"
+
+    def __init__(self, ttl_s: float, max_bytes: int, tenant_max_bytes: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.ttl_s, self.max_bytes = ttl_s, max_bytes
+        self.tenant_max_bytes = min(tenant_max_bytes, max_bytes) if tenant_max_bytes > 0 else max_bytes
+        self.clock = clock
+        self._records: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._items: dict[tuple[str, str], str] = {}
+        self._used: dict[str, int] = {}
+        self.bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def _drop(self, key: tuple[str, str]) -> None:
+        e = self._records.pop(key)
+        tenant, rid = key
+        self.bytes -= len(e.raw)
+        left = self._used[tenant] - len(e.raw)
+        if left:
+            self._used[tenant] = left
+        else:
+            del self._used[tenant]
+        for item in e.items:
+            if self._items.get((tenant, item)) == rid:
+                del self._items[(tenant, item)]
+
+    def _expire(self, now: float) -> None:
+        while self._records:
+            key, e = next(iter(self._records.items()))
+            if e.expires > now:
+                return
+            self._drop(key)
+
+    def _live(self, tenant: str, response_id: str) -> _Entry | None:
+        self._expire(self.clock())
+        return self._records.get((tenant, response_id))
+
+    async def put(self, tenant: str, record: StoredResponse) -> bool:
+        raw = record.encode()
+        size = len(raw)
+        if size > self.tenant_max_bytes:
+            return False
+        now = self.clock()
+        self._expire(now)
+        key = (tenant, record.id)
+        if key in self._records:
+            self._drop(key)
+        # The tenant's own oldest first, then anyone's oldest.
+        if self._used.get(tenant, 0) + size > self.tenant_max_bytes:
+            for k in [k for k in self._records if k[0] == tenant]:
+                self._drop(k)
+                if self._used.get(tenant, 0) + size <= self.tenant_max_bytes:
+                    break
+        while self.bytes + size > self.max_bytes and self._records:
+            self._drop(next(iter(self._records)))
+        items = record.item_ids()
+        self._records[key] = _Entry(raw, now + self.ttl_s, items)
+        self._used[tenant] = self._used.get(tenant, 0) + size
+        self.bytes += size
+        for item in items:
+            self._items[(tenant, item)] = record.id
+        return True
+
+    async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
+        e = self._live(tenant, response_id)
+        return StoredResponse.decode(e.raw) if e is not None else None
+
+    async def delete(self, tenant: str, response_id: str) -> bool:
+        if self._live(tenant, response_id) is None:
+            return False
+        self._drop((tenant, response_id))
+        return True
+
+    async def item_owner(self, tenant: str, item_id: str) -> str | None:
+        self._expire(self.clock())
+        return self._items.get((tenant, item_id))

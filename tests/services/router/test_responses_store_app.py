@@ -1,0 +1,179 @@
+"""Stored Responses through the router's real app and the official ``openai`` client: a chained turn
+(``previous_response_id``) renders the conversation a client sending its whole history renders,
+``item_reference``, retrieval, deletion and ``input_items`` pages, tenants that cannot see each other's
+responses, ``store: false``, a stream whose response is kept before its last event, the store off, and
+two router replicas sharing a real Redis. The service below ``generate`` is the stand-in of
+``test_responses_app.py`` (it answers every turn with text and two tool calls)."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import pytest
+
+from kvmesh.api_keys import ApiKeys
+from kvmesh.tokenization import load_tokenizer
+from kvmesh_router.http_api import build_app
+from kvmesh_router.request_scope import RequestScopes
+from tests.services.router.test_responses_app import TOOLS, _RoutedService
+
+
+def _client(app: Any, key: str = "k") -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url="http://router/v1", api_key=key, max_retries=0,
+                              http_client=httpx2.AsyncClient(transport=httpx2.ASGITransport(app=app)))
+
+
+def _service(tiny_model_dir: Path, **cfg: Any) -> _RoutedService:
+    service = _RoutedService(load_tokenizer(tiny_model_dir))
+    for k, v in cfg.items():
+        setattr(service.cfg, k, v)
+    return service
+
+
+@pytest.fixture
+def routed(tiny_model_dir):
+    service = _service(tiny_model_dir)
+    return service, _client(build_app(service))  # type: ignore[arg-type]
+
+
+async def test_a_chained_turn_renders_what_the_whole_history_renders(routed):
+    service, client = routed
+    r1 = await client.responses.create(model="m", instructions="Be brief.", input="Read a.py and b.py.", tools=TOOLS)
+    assert r1.store is True and r1.previous_response_id is None
+    outputs = [{"type": "function_call_output", "call_id": o.call_id, "output": f"contents of {o.call_id}"}
+               for o in r1.output if o.type == "function_call"]
+    assert len(outputs) == 2
+    r2 = await client.responses.create(model="m", instructions="Be brief.", previous_response_id=r1.id,
+                                       input=outputs, tools=TOOLS)
+    chained = service.rendered
+    assert r2.previous_response_id == r1.id
+    # The same conversation sent whole, as a client keeping its own history sends it.
+    history = [{"role": "user", "content": "Read a.py and b.py."},
+               *[o.model_dump(exclude_none=True) for o in r1.output], *outputs]
+    r3 = await client.responses.create(model="m", instructions="Be brief.", input=history, tools=TOOLS, store=False)
+    assert service.rendered == chained
+    assert 'contents of call_7' in chained and '"path": "b.py"' in chained and r3.store is False
+    # Instructions do not carry over (OpenAI's rule, and vLLM's).
+    await client.responses.create(model="m", previous_response_id=r1.id, input=outputs, tools=TOOLS)
+    assert "Be brief." not in service.rendered
+    # A chain of chains: the third turn sees the first turn's question.
+    r4 = await client.responses.create(model="m", previous_response_id=r2.id, input="Thanks.", tools=TOOLS)
+    assert "Read a.py and b.py." in service.rendered and "Thanks." in service.rendered
+    items = [i async for i in client.responses.input_items.list(r4.id, order="asc", limit=2)]
+    assert [i.type for i in items[:2]] == ["message", "message"] and items[0].content == "Read a.py and b.py."
+    assert items[-1].content == "Thanks." and len({i.id for i in items}) == len(items)
+
+
+async def test_retrieve_delete_and_item_references(routed):
+    service, client = routed
+    r1 = await client.responses.create(model="m", input="Read a.py.", tools=TOOLS)
+    got = await client.responses.retrieve(r1.id)
+    assert got.model_dump() == r1.model_dump()
+    msg = next(o for o in r1.output if o.type == "message")
+    await client.responses.create(model="m", input=[{"type": "item_reference", "id": msg.id},
+                                                    {"role": "user", "content": "Go on."}])
+    assert service.seen[-1].chat_request.messages[0] == {"role": "assistant", "content": "Let me read them."}
+    page = await client.responses.input_items.list(r1.id)
+    assert page.data[0].content == "Read a.py." and page.has_more is False
+    await client.responses.delete(r1.id)
+    for call in (client.responses.retrieve(r1.id),
+                 client.responses.create(model="m", previous_response_id=r1.id, input="x"),
+                 client.responses.input_items.list(r1.id)):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.delete(r1.id)
+
+
+async def test_store_false_keeps_nothing(routed):
+    service, client = routed
+    r = await client.responses.create(model="m", input="hi", store=False)
+    assert r.store is False
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r.id)
+
+
+async def test_a_streamed_response_is_kept_before_its_last_event(routed):
+    service, client = routed
+    stream = await client.responses.create(model="m", input="Read a.py.", tools=TOOLS, stream=True)
+    async for ev in stream:
+        if ev.type == "response.completed":
+            # The client may chain the moment it sees this event: the response is already there.
+            got = await client.responses.retrieve(ev.response.id)
+            assert ev.response.store is True and got.output == ev.response.output
+    r2 = await client.responses.create(model="m", previous_response_id=got.id, input="ok")
+    assert r2.previous_response_id == got.id
+
+
+@pytest.mark.parametrize("path,params,param", [
+    ("/responses/resp_1/input_items", {"limit": 0}, "limit"),
+    ("/responses/resp_1/input_items", {"limit": "ten"}, "limit"),
+    ("/responses/resp_1/input_items", {"order": "sideways"}, "order"),
+    ("/responses/resp_1", {"stream": "true"}, "stream"),
+])
+async def test_bad_queries_are_400s(routed, path, params, param):
+    _, client = routed
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.get(path, options={"params": params}, cast_to=dict)
+    assert e.value.body["param"] == param
+
+
+async def test_bad_store_values_and_ids(routed):
+    service, client = routed
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.post("/responses", body={"model": "m", "input": "hi", "store": "yes"}, cast_to=dict)
+    assert e.value.body["param"] == "store"
+    n = len(service.seen)
+    with pytest.raises(openai.BadRequestError):
+        await client.responses.create(model="m", input="hi", previous_response_id="resp_1/../../x")
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve("r" * 300)
+    assert len(service.seen) == n   # nothing was generated
+
+
+async def test_tenants_do_not_see_each_others_responses(tiny_model_dir, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("team-a KEY-A\nteam-b KEY-B\n")
+    service = _service(tiny_model_dir)
+    app = build_app(service, RequestScopes("keys", ApiKeys(keys)))  # type: ignore[arg-type]
+    a, b = _client(app, "KEY-A"), _client(app, "KEY-B")
+    r = await a.responses.create(model="m", input="secret source code")
+    assert (await a.responses.retrieve(r.id)).id == r.id
+    for call in (b.responses.retrieve(r.id), b.responses.input_items.list(r.id), b.responses.delete(r.id),
+                 b.responses.create(model="m", previous_response_id=r.id, input="what did they say?"),
+                 b.responses.create(model="m", input=[{"type": "item_reference", "id": r.output[0].id}])):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    assert (await a.responses.retrieve(r.id)).id == r.id   # b's delete did nothing
+
+
+async def test_with_the_store_off_state_is_refused_as_before(tiny_model_dir):
+    service = _service(tiny_model_dir, responses_store="off")
+    client = _client(build_app(service))  # type: ignore[arg-type]
+    r = await client.responses.create(model="m", input="hi")
+    assert r.store is False
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model="m", input="hi", previous_response_id=r.id)
+    assert e.value.body["param"] == "previous_response_id" and "not stored" in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.responses.retrieve(r.id)
+    assert "does not store" in e.value.body["message"]
+
+
+@pytest.mark.redis
+async def test_two_router_replicas_share_a_redis_store(tiny_model_dir, redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"   # a database of its own, as deployments should
+    apps = []
+    for _ in range(2):
+        service = _service(tiny_model_dir, responses_store=url, responses_store_ttl_s=60.0)
+        apps.append((service, _client(build_app(service))))  # type: ignore[arg-type]
+    (s1, c1), (s2, c2) = apps
+    tag = uuid.uuid4().hex
+    r1 = await c1.responses.create(model="m", input=f"Remember {tag}.")
+    r2 = await c2.responses.create(model="m", previous_response_id=r1.id, input="What did I ask?")
+    assert r2.previous_response_id == r1.id and tag in s2.rendered
+    assert (await c1.responses.retrieve(r2.id)).id == r2.id
