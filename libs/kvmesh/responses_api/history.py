@@ -31,12 +31,16 @@ def not_found(what: str, ident: str, param: str) -> OpenAIError:
 
 
 def _with_id(item: Any) -> Any:
-    if not isinstance(item, dict) or valid_id(item.get("id")):
+    """``item`` with an id, and a bare ``{"role", "content"}`` message typed as one (as OpenAI lists it)."""
+    if not isinstance(item, dict):
         return item
     kind = item.get("type", "message")
+    if valid_id(item.get("id")) and "type" in item:
+        return item
     prefix = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
               "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}.get(kind, "item")
-    return {**item, "id": f"{prefix}_{uuid.uuid4().hex}"}
+    ident = item["id"] if valid_id(item.get("id")) else f"{prefix}_{uuid.uuid4().hex}"
+    return {**item, "type": kind, "id": ident}
 
 
 def conversation_items(inp: Any) -> list[Any]:

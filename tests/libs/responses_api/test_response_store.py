@@ -172,3 +172,13 @@ async def test_a_malformed_previous_response_id_is_a_400(prev):
     with pytest.raises(OpenAIError) as e:
         await resolve({"previous_response_id": prev, "input": "x"}, st, "a")
     assert e.value.status == 400 and e.value.param == "previous_response_id"
+
+
+def test_kept_items_have_ids_and_types_as_openai_lists_them():
+    bare, typed = {"role": "user", "content": "x"}, {"type": "function_call_output", "call_id": "c", "output": "o",
+                                                     "id": "fco_client_1"}
+    a, b = conversation_items([bare, typed])
+    assert a["type"] == "message" and a["id"].startswith("msg_") and a["content"] == "x"
+    assert b is typed   # already typed and named: kept as sent
+    (one,) = conversation_items("hi")
+    assert {k: one[k] for k in ("type", "role", "content")} == {"type": "message", "role": "user", "content": "hi"}
