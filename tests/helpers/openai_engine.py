@@ -129,11 +129,12 @@ class OpenAIEngine:
                                            "code": 404}}, status_code=404)
         usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": self.cached_tokens},
                  "output_tokens": 2, "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12}
-        item = {"type": "message", "id": "msg_x", "role": "assistant", "status": "completed",
+        n = len(self.bodies)   # ids of its own per answer, as vLLM's
+        item = {"type": "message", "id": f"msg_{n}", "role": "assistant", "status": "completed",
                 "content": [{"type": "output_text", "text": "hi", "annotations": []}]}
 
         def response(status: str, output: list[Any], use: Any) -> dict[str, Any]:
-            return {"id": "resp_x", "object": "response", "created_at": 0, "status": status, "model": self.model,
+            return {"id": f"resp_{self.port}_{n}", "object": "response", "created_at": 0, "status": status, "model": self.model,
                     "output": output, "usage": use, "parallel_tool_calls": True, "tool_choice": "auto",
                     "tools": []}
 
@@ -147,8 +148,8 @@ class OpenAIEngine:
             yield ev(0, "response.created", {"response": response("in_progress", [], None)})
             yield ev(1, "response.output_item.added", {"output_index": 0, "item": {**item, "content": [],
                                                                                    "status": "in_progress"}})
-            for n, piece in enumerate(("h", "i")):
-                yield ev(2 + n, "response.output_text.delta", {"item_id": "msg_x", "output_index": 0,
+            for k, piece in enumerate(("h", "i")):
+                yield ev(2 + k, "response.output_text.delta", {"item_id": item["id"], "output_index": 0,
                                                                "content_index": 0, "delta": piece})
                 if self.break_stream:
                     raise RuntimeError("engine died mid-stream")

@@ -39,7 +39,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 from fastapi import Request
@@ -180,6 +180,16 @@ class _Usage:
         return n if isinstance(n, int) else None
 
 
+class AnswerTap(Protocol):
+    """Sees a successful answer of an external engine before the client does, and may rewrite it."""
+
+    async def body(self, raw: bytes) -> bytes:
+        """A whole (JSON) answer."""
+
+    def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A streamed answer's bytes, as they come."""
+
+
 class Passthrough:
     """The HTTP front door's path for routers whose endpoints are external OpenAI servers."""
 
@@ -215,8 +225,9 @@ class Passthrough:
         return await self.forward(request, api, path, inp, body, raw, OPENAI)
 
     async def forward(self, request: Request, api: str, path: str, inp: GenInput, body: dict[str, Any],
-                      raw: bytes | None, shape: Shape) -> Response:
-        """Predict and pick for ``inp``, then send ``body`` (``raw`` when the salt is already there)."""
+                      raw: bytes | None, shape: Shape, tap: AnswerTap | None = None) -> Response:
+        """Predict and pick for ``inp``, then send ``body`` (``raw`` when the salt is already there);
+        ``tap`` sees, and may rewrite, a successful answer on its way to the client."""
         try:
             p = await self.service.prepare(inp)
         except RouterError as exc:
@@ -230,11 +241,11 @@ class Passthrough:
         headers = {"content-type": "application/json", "x-request-id": p.request_id}
         propagate.inject(headers, context=propagate.extract(dict(request.headers)))
         watch = self._watch(request, inp)
-        return await answer_or_error(api, watch, self._send(request, api, path, inp, p, content, headers, shape, body),
-                                     shape)
+        return await answer_or_error(api, watch, self._send(request, api, path, inp, p, content, headers, shape, body,
+                                                            tap), shape)
 
     async def _send(self, request: Request, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
-                    headers: dict[str, str], shape: Shape, body: dict[str, Any]) -> Response:
+                    headers: dict[str, str], shape: Shape, body: dict[str, Any], tap: AnswerTap | None) -> Response:
         exclude = {e for e in self.service.core.endpoints if e not in self.cluster.external}
         failures: list[str] = []
         deadline = inp.deadline   # the request scope's
@@ -242,13 +253,14 @@ class Passthrough:
         inp.calls.append(call)
         try:
             return await self._attempts(api, path, inp, p, content, headers, exclude, failures, deadline, shape,
-                                        body)
+                                        body, tap)
         finally:
             inp.calls.remove(call)
 
     async def _attempts(self, api: str, path: str, inp: GenInput, p: Prepared, content: bytes,
                         headers: dict[str, str], exclude: set[str], failures: list[str],
-                        deadline: float | None, shape: Shape, body: dict[str, Any]) -> Response:
+                        deadline: float | None, shape: Shape, body: dict[str, Any], tap: AnswerTap | None
+                        ) -> Response:
         ext = self.cluster.external
         client = ext.client
         for attempt in range(1, self.cfg.max_attempts + 1):
@@ -316,9 +328,12 @@ class Passthrough:
                 usage = _Usage()
                 if resp.status_code == 200:
                     usage.from_json(raw)
+                    if tap is not None:
+                        raw = await tap.body(raw)
                 self._done(api, p, d, resp.status_code, usage)
                 return Response(raw, status_code=resp.status_code, media_type=ctype, headers=out_headers)
-            return StreamingResponse(self._stream(api, p, d, resp, shape), status_code=resp.status_code,
+            return StreamingResponse(self._stream(api, p, d, resp, shape, tap if resp.status_code == 200 else None),
+                                     status_code=resp.status_code,
                                      media_type=ctype, headers=out_headers)
         raise Unavailable(f"no endpoint could serve the request after {self.cfg.max_attempts} attempt(s): "
                           + "; ".join(failures))
@@ -342,12 +357,13 @@ class Passthrough:
         log.warning("retrying on another endpoint", extra={"request_id": p.request_id, "endpoint": d.endpoint_id,
                                                             "why": why})
 
-    async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response, shape: Shape
-                      ) -> AsyncIterator[bytes]:
+    async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response, shape: Shape,
+                      tap: AnswerTap | None = None) -> AsyncIterator[bytes]:
         usage = _Usage()
         outcome = "broken"
+        chunks = resp.aiter_raw() if tap is None else tap.stream(resp.aiter_raw())
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in chunks:
                 usage.feed(chunk)
                 yield chunk
             outcome = "ok"

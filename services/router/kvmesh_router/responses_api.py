@@ -49,6 +49,7 @@ from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
 from kvmesh_router.passthrough import OPENAI, engine_body
+from kvmesh_router.responses_tap import StoreTap
 from kvmesh_router.service import FinalInfo, GenInput
 
 if TYPE_CHECKING:
@@ -194,19 +195,17 @@ class ResponsesApi:
             wants_store = body.get("store", True)
             if wants_store is not None and not isinstance(wants_store, bool):
                 raise BadRequest("'store' must be a boolean", "store")
-            # An external engine's answers pass through unread, so none is kept to chain from.
-            res = await resolve(body, None, tenant, "answers of external engines are not kept by the router") \
-                if external else await resolve(body, self.store, tenant)
+            res = await resolve(body, self.store, tenant)
             req = parse_responses(res.body, request.headers, engine_renders=external)
             inp = self.api.gen_input(req.chat, request)
         except OpenAIError as exc:
             metrics.REQUESTS.labels(api=API, outcome=type(exc).__name__).inc()
             return exc.response()
-        if external:
-            return await self._external(request, req, inp)
-        inp.received = received
         head = ResponseHead(req, inp.model, previous_response_id=res.previous.id if res.previous else None,
                             store=self.store is not None and wants_store is not False)
+        if external:
+            return await self._external(request, req, inp, head, res, tenant)
+        inp.received = received
         gen = self.service.generate(inp)
         if not req.stream:
             return await answer_or_error(API, self.api.watch(request, inp), self._answer(inp, gen, head, res,
@@ -220,10 +219,22 @@ class ResponsesApi:
             return router_error_response(exc, API)
         return sse.sse_response(self._events(request, inp, gen, first, head, res, tenant))
 
-    async def _external(self, request: Request, req: ResponsesRequest, inp: GenInput) -> Response:
-        """Forward to an external engine's own /v1/responses: the body as sent, plus the tenant's salt."""
-        return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, engine_body(req.body),
-                                                  None, OPENAI)
+    async def _external(self, request: Request, req: ResponsesRequest, inp: GenInput, head: ResponseHead,
+                        res: Resolved, tenant: str) -> Response:
+        """Forward to an external engine's own /v1/responses: the body with stored state put back, plus the
+        tenant's salt. A stored request's answer is kept on its way back (``responses_tap``); the engine
+        is told not to keep it (the next turn may go to another engine)."""
+        body = engine_body(req.body)
+        tap = None
+        if head.store:
+            body["store"] = False
+
+            async def keep(response: dict[str, Any]) -> None:
+                await self._keep(tenant, head, response, res)
+
+            tap = StoreTap(head.previous_response_id, keep)
+        return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, body, None, OPENAI,
+                                                  tap)
 
     async def _answer(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], head: ResponseHead,
                       res: Resolved, tenant: str) -> Response:

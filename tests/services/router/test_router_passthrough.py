@@ -505,10 +505,45 @@ async def test_responses_go_to_the_engines_own_responses_api(stack) -> None:
         raw = (await s.aread()).decode()
     assert raw.count("event: ") == 6 and "event: response.completed" in raw
     assert metrics.CACHED_TOKENS.labels(tier="gpu")._value.get() == cached + 8
-    # What needs server state is refused here, before any engine sees it.
+    # An unknown previous response is the router's 404, before any engine sees it.
     n = len(_received(engines))
     r = await client.post("/v1/responses", json={**sent, "previous_response_id": "resp_1"})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "previous_response_id"
-    assert "external engines are not kept" in r.json()["error"]["message"]
+    assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
     assert len(_received(engines)) == n
     assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
+
+
+async def test_external_engines_answers_are_kept_by_the_router_and_chained(stack) -> None:
+    """A stored conversation over external engines: the router keeps each engine answer as it goes by
+    (the engine is told store: false), a chained turn reaches the engine as the whole conversation, and
+    the answers echo what the router did, streamed or not."""
+    svc, engines, client = stack
+    first = {"model": MODEL, "input": "What is in a.py?", "max_output_tokens": 8, "instructions": "Be brief."}
+    r1 = (await client.post("/v1/responses", json=first)).json()
+    assert r1["store"] is True and r1["previous_response_id"] is None
+    assert _received(engines)[-1]["store"] is False and _received(engines)[-1]["input"] == "What is in a.py?"
+    r2 = (await client.post("/v1/responses", json={"model": MODEL, "previous_response_id": r1["id"],
+                                                   "input": "And b.py?", "max_output_tokens": 8})).json()
+    assert r2["store"] is True and r2["previous_response_id"] == r1["id"]
+    sent = _received(engines)[-1]
+    assert "previous_response_id" not in sent and sent["store"] is False and "instructions" not in sent
+    assert [(i.get("role"), i.get("id")) for i in sent["input"]] == [
+        ("user", sent["input"][0]["id"]), ("assistant", r1["output"][0]["id"]), ("user", sent["input"][2]["id"])]
+    assert sent["input"][0]["content"] == "What is in a.py?" and sent["input"][2]["content"] == "And b.py?"
+    async with client.stream("POST", "/v1/responses", json={"model": MODEL, "previous_response_id": r2["id"],
+                                                            "input": "Thanks.", "stream": True}) as s:
+        raw = (await s.aread()).decode()
+    events = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: ")]
+    assert [e["type"] for e in events][0] == "response.created" and events[-1]["type"] == "response.completed"
+    done = events[-1]["response"]
+    assert done["store"] is True and done["previous_response_id"] == r2["id"]
+    assert events[0]["response"]["previous_response_id"] == r2["id"]
+    assert raw.count("event: ") == 6   # every event came through
+    got = (await client.get(f"/v1/responses/{done['id']}")).json()
+    assert got["output"] == done["output"]
+    items = (await client.get(f"/v1/responses/{done['id']}/input_items", params={"order": "asc"})).json()["data"]
+    assert [i.get("content") for i in items if i.get("role") == "user"] == ["What is in a.py?", "And b.py?",
+                                                                          "Thanks."]
+    # store: false goes through as the client sent it, and nothing is kept.
+    r4 = (await client.post("/v1/responses", json={**first, "store": False})).json()
+    assert r4.get("store") is not True and (await client.get(f"/v1/responses/{r4['id']}")).status_code == 404

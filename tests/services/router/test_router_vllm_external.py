@@ -353,6 +353,41 @@ def test_responses_api_through_vllms_own_responses(fleet) -> None:
     assert len(set(endpoints[1:])) == 1, endpoints
 
 
+def test_a_stored_conversation_over_vllms_own_responses(fleet) -> None:
+    """previous_response_id over external vLLM engines: the router keeps each vLLM answer, sends vLLM each
+    turn as the whole conversation (store false), streamed or not, and predicts exactly what vLLM
+    caches of it."""
+    client = _client(fleet, "acme")
+    instructions = "You are a coding agent. Read before you write. " * 8
+    prev, endpoints = None, []
+    for turn in range(4):
+        kw = dict(model=TINY_MODEL_NAME, instructions=instructions, input=f"Step {turn}: look at mod_{turn}.py.",
+                  temperature=0.0, max_output_tokens=8, prompt_cache_key="stored-conv-1")
+        if prev is not None:
+            kw["previous_response_id"] = prev
+        if turn == 2:
+            raw = client.responses.with_raw_response.create(**kw, stream=True)
+            events = list(raw.parse())
+            assert events[0].response.store is True and events[0].response.previous_response_id == prev
+            r = events[-1].response
+        else:
+            raw = client.responses.with_raw_response.create(**kw)
+            r = raw.parse()
+        assert r.store is True and r.previous_response_id == prev
+        predicted, cached = int(raw.headers["x-kvmesh-predicted-cached-tokens"]), r.usage.input_tokens_details.cached_tokens
+        assert predicted == cached, (turn, predicted, r.usage, _lookups(fleet))
+        if turn:
+            assert cached > 0, turn
+        endpoints.append(raw.headers["x-kvmesh-endpoint"])
+        prev = r.id
+        time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
+    assert client.responses.retrieve(prev).id == prev
+    said = [i.content for i in client.responses.input_items.list(prev, order="asc", limit=100)
+            if i.type == "message" and i.role == "user"]
+    assert said == [f"Step {t}: look at mod_{t}.py." for t in range(4)]
+    assert len(set(endpoints[1:])) == 1, endpoints
+
+
 def test_grpc_generate_on_external_engines(fleet) -> None:
     """gRPC Generate reaches vLLM as completions of the router's token ids (with the tenant's
     salt): tokens stream back, and the prediction equals vLLM's cached tokens."""

@@ -1,0 +1,76 @@
+"""An external engine's Responses answer, kept in the router's store on its way to the client.
+
+Why it exists: with ``vllm serve`` endpoints the router forwards ``/v1/responses`` to the engine
+and passes its answer through. The engine must not keep the conversation itself: the next turn
+may go to another engine (or another replica of the router). So the router puts stored state
+back into the body before forwarding (``previous_response_id``, ``item_reference``), sends
+``store: false``, and keeps the engine's ``response`` itself as it goes by. The answer the
+client sees then says what the router did: ``store: true`` and the ``previous_response_id`` it
+resolved. The response is kept before the event (or JSON) that completes it goes out, as for
+the router's own workers.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+Keep = Callable[[dict[str, Any]], Awaitable[None]]
+_DONE = ("completed", "incomplete")
+
+
+class StoreTap:
+    """``AnswerTap`` of one stored Responses request (``kvmesh_router.passthrough``)."""
+
+    def __init__(self, previous_response_id: str | None, keep: Keep) -> None:
+        self.previous_response_id = previous_response_id
+        self.keep = keep
+        self.kept = False
+
+    def _echo(self, response: dict[str, Any]) -> None:
+        response["store"] = True
+        response["previous_response_id"] = self.previous_response_id
+
+    async def _done(self, response: dict[str, Any]) -> None:
+        if not self.kept and response.get("status") in _DONE:
+            self.kept = True
+            await self.keep(response)
+
+    async def body(self, raw: bytes) -> bytes:
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            return raw
+        if not isinstance(doc, dict) or doc.get("object") != "response":
+            return raw
+        self._echo(doc)
+        await self._done(doc)
+        return json.dumps(doc, ensure_ascii=False).encode()
+
+    async def _line(self, line: bytes) -> bytes:
+        """An SSE line; a ``data:`` event that carries the ``response`` gets the router's echo."""
+        if not line.startswith(b"data: {") or b'"response"' not in line:
+            return line
+        try:
+            doc = json.loads(line[6:])
+        except ValueError:
+            return line
+        r = doc.get("response") if isinstance(doc, dict) else None
+        if not isinstance(r, dict):
+            return line
+        self._echo(r)
+        if doc.get("type") == "response.completed":
+            await self._done(r)
+        return b"data: " + json.dumps(doc, ensure_ascii=False).encode()
+
+    async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The engine's bytes a whole line at a time (an event can span chunks)."""
+        tail = b""
+        async for chunk in chunks:
+            lines = (tail + chunk).split(b"\n")
+            tail = lines.pop()
+            if lines:
+                yield b"\n".join([await self._line(x) for x in lines]) + b"\n"
+        if tail:
+            yield await self._line(tail)
