@@ -64,6 +64,10 @@ class StackConfig:
     vocab_size: int = field(default=32000, metadata={"help": "sim vocabulary size"})
     time_scale: float = field(default=1.0, metadata={"help": "sim workers run this many times faster than an H100"})
     max_model_len: int = field(default=0, metadata={"help": "sim workers' max prompt + output tokens (0 = theirs)"})
+    reasoning_parser: str = field(default="", metadata={
+        "help": "the sim workers answer as a reasoning model, split as vLLM's parser of this name splits it "
+                "(deepseek_r1, qwen3, ...: chat 'reasoning', Responses reasoning items, Anthropic thinking; "
+                "'' = plain answers)"})
     offload_ram_bytes: int = field(default=1 << 30, metadata={"help": "offload store RAM tier (bytes)"})
     policy: str = field(default="precise", metadata={"help": "router's default routing policy"})
     routers: int = field(default=1, metadata={
@@ -210,6 +214,7 @@ class LocalStack:
                         # The sim writes its answers to structured outputs in this tokenizer's tokens.
                         "--tokenizer", self.model_dir,
                         *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
+                        *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
                         "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
                 # The sim engine binds both event sockets where the kernel picks (port '*'
                 # or 0) and registers the ports it got: nothing to pick in advance.
