@@ -84,6 +84,7 @@ def to_input(req: router_pb2.GenerateRequest, deadline: float | None, tenant: st
                    session_id=req.session_id, lora_name=req.lora_name, tenant=tenant, policy=req.policy,
                    deadline=deadline)
     inp.sampling.CopyFrom(req.sampling)
+    inp.include_reasoning = req.include_reasoning if req.HasField("include_reasoning") else True
     which = req.WhichOneof("input")
     if which == "tokens":
         # Kept as the protobuf field: copying 200k ids into a list costs ~10 ms, while the

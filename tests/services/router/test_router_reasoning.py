@@ -201,6 +201,12 @@ def test_grpc_stream_carries_reasoning_deltas(stack, client) -> None:
     assert "".join(reasoning) == final.reasoning == chat.model_extra["reasoning"]
     assert "".join(content) == final.content == chat.content
     assert final.usage.reasoning_tokens == THINK
+    # include_reasoning false (vLLM's flag, as the HTTP door takes it): the same answer without it.
+    req.include_reasoning = False
+    msgs = list(stack.stub.Generate(req, timeout=60))
+    quiet = msgs[-1].final
+    assert not any(m.chunk.reasoning_delta for m in msgs if m.HasField("chunk"))
+    assert quiet.reasoning == "" and quiet.content == chat.content and quiet.usage.reasoning_tokens == THINK
 
 
 def test_a_worker_without_a_tokenizer_refuses_the_setting(tmp_path) -> None:
