@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.openai.errors import BadRequest, OpenAIError
-from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, valid_id
+from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, StoreError, valid_id
 
 # Bounds a body's work on the store: each reference is a lookup.
 MAX_REFERENCES = 1024
@@ -60,11 +60,23 @@ class Resolved:
     conversation: list[Any] = field(default_factory=list)   # the body's input, ids given
 
 
+def unavailable(exc: StoreError) -> OpenAIError:
+    return OpenAIError(f"the response store is unavailable ({exc}); retry, or send the whole conversation as "
+                       "'input'", None, status=503)
+
+
 async def resolve(body: dict[str, Any], store: ResponseStore | None, tenant: str,
                   why_none: str = "the router runs with --responses-store off") -> Resolved:
     """``body`` with ``previous_response_id`` and ``item_reference`` items replaced by what ``store``
     kept for ``tenant``. Without a store both are refused (400), naming the field and ``why_none``;
-    an unknown id (or another tenant's) is a 404."""
+    an unknown id (or another tenant's) is a 404, a store that cannot answer a 503."""
+    try:
+        return await _resolve(body, store, tenant, why_none)
+    except StoreError as exc:
+        raise unavailable(exc) from None
+
+
+async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: str, why_none: str) -> Resolved:
     prev_id = body.get("previous_response_id")
     inp = body.get("input")
     refs = [i for i, it in enumerate(inp) if isinstance(it, dict) and it.get("type") == "item_reference"] \

@@ -37,10 +37,10 @@ from fastapi.responses import JSONResponse, Response
 
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, error_response
-from kvmesh.responses_api.history import Resolved, not_found, resolve
+from kvmesh.responses_api.history import Resolved, not_found, resolve, unavailable
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
-from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, valid_id
+from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, StoreError, valid_id
 from kvmesh.responses_api.store.registry import open_store
 from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
@@ -97,7 +97,11 @@ class ResponsesApi:
             return error_response(404, f"response {response_id[:64]!r} not found: this server does not store "
                                        "responses (--responses-store off; send the conversation as 'input')",
                                   "not_found_error", "response_id")
-        rec = await self.store.get(_tenant(request), response_id) if valid_id(response_id) else None
+        try:
+            rec = await self.store.get(_tenant(request), response_id) if valid_id(response_id) else None
+        except StoreError as exc:
+            metrics.REQUESTS.labels(api=api, outcome="StoreUnavailable").inc()
+            return unavailable(exc).response()
         if rec is None:
             metrics.REQUESTS.labels(api=api, outcome="NotFound").inc()
             return not_found("Response", response_id, "response_id").response()
@@ -119,7 +123,11 @@ class ResponsesApi:
         if isinstance(rec, Response):
             return rec
         assert self.store is not None
-        await self.store.delete(_tenant(request), response_id)
+        try:
+            await self.store.delete(_tenant(request), response_id)
+        except StoreError as exc:
+            metrics.REQUESTS.labels(api="responses_delete", outcome="StoreUnavailable").inc()
+            return unavailable(exc).response()
         metrics.REQUESTS.labels(api="responses_delete", outcome="ok").inc()
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

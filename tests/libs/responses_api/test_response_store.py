@@ -182,3 +182,25 @@ def test_kept_items_have_ids_and_types_as_openai_lists_them():
     assert b is typed   # already typed and named: kept as sent
     (one,) = conversation_items("hi")
     assert {k: one[k] for k in ("type", "role", "content")} == {"type": "message", "role": "user", "content": "hi"}
+
+
+async def test_memory_store_accounting_holds_under_a_random_workload():
+    import random
+
+    rng = random.Random(5)
+    one = len(record("resp_x", pad=500).encode())
+    st = MemoryResponseStore(ttl_s=1e9, max_bytes=20 * one, tenant_max_bytes=6 * one)
+    live: set[tuple[str, str]] = set()
+    for i in range(2000):
+        t = rng.choice("abcde")
+        if rng.random() < 0.2 and live:
+            k = rng.choice(sorted(live))
+            assert await st.delete(*k)
+            live.discard(k)
+        else:
+            assert await st.put(t, record(f"resp_{i}", pad=rng.randrange(0, 1000)))
+            live.add((t, f"resp_{i}"))
+            live = {k for k in live if await st.get(*k) is not None}
+        assert st.bytes <= 20 * one and st.bytes == sum(st._used.values())
+        assert all(v <= 6 * one for v in st._used.values())
+        assert len(st) == len(live)

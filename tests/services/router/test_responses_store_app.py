@@ -177,3 +177,25 @@ async def test_two_router_replicas_share_a_redis_store(tiny_model_dir, redis_ser
     r2 = await c2.responses.create(model="m", previous_response_id=r1.id, input="What did I ask?")
     assert r2.previous_response_id == r1.id and tag in s2.rendered
     assert (await c1.responses.retrieve(r2.id)).id == r2.id
+
+
+async def test_a_store_that_cannot_answer_is_a_503_and_never_costs_an_answer(tiny_model_dir):
+    """A Redis store whose server is gone: what needs the store is a 503 saying so; a plain request is
+    still answered (its response is not kept, and the metric counts the error)."""
+    import socket
+
+    from kvmesh_router import metrics
+
+    with socket.socket() as dead:   # bound, never listening: every connection is refused
+        dead.bind(("127.0.0.1", 0))
+        url = f"redis://127.0.0.1:{dead.getsockname()[1]}/0"
+        service = _service(tiny_model_dir, responses_store=url)
+        client = _client(build_app(service))  # type: ignore[arg-type]
+        errors = metrics.RESPONSES_STORED.labels(outcome="error")._value.get()
+        r = await client.responses.create(model="m", input="hi")
+        assert r.output_text and metrics.RESPONSES_STORED.labels(outcome="error")._value.get() == errors + 1
+        for call in (client.responses.create(model="m", input="more", previous_response_id=r.id),
+                     client.responses.retrieve(r.id), client.responses.delete(r.id)):
+            with pytest.raises(openai.InternalServerError) as e:
+                await call
+            assert e.value.status_code == 503 and "response store is unavailable" in e.value.body["message"]

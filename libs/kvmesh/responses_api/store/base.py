@@ -60,6 +60,10 @@ class StoredResponse:
         return cls(doc["response"], doc["input"])
 
 
+class StoreError(Exception):
+    """The store could not answer (its server is down or too slow): the caller answers 503."""
+
+
 class ResponseStore(ABC):
     """A tenant-scoped, bounded store of answered responses."""
 

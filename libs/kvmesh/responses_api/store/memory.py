@@ -33,6 +33,7 @@ class MemoryResponseStore(ResponseStore):
         self.tenant_max_bytes = min(tenant_max_bytes, max_bytes) if tenant_max_bytes > 0 else max_bytes
         self.clock = clock
         self._records: OrderedDict[tuple[str, str], _Entry] = OrderedDict()
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}   # each tenant's response ids, oldest first
         self._items: dict[tuple[str, str], str] = {}
         self._used: dict[str, int] = {}
         self.bytes = 0
@@ -45,10 +46,12 @@ class MemoryResponseStore(ResponseStore):
         tenant, rid = key
         self.bytes -= len(e.raw)
         left = self._used[tenant] - len(e.raw)
-        if left:
+        mine = self._by_tenant[tenant]
+        del mine[rid]
+        if mine:
             self._used[tenant] = left
         else:
-            del self._used[tenant]
+            del self._used[tenant], self._by_tenant[tenant]
         for item in e.items:
             if self._items.get((tenant, item)) == rid:
                 del self._items[(tenant, item)]
@@ -75,15 +78,13 @@ class MemoryResponseStore(ResponseStore):
         if key in self._records:
             self._drop(key)
         # The tenant's own oldest first, then anyone's oldest.
-        if self._used.get(tenant, 0) + size > self.tenant_max_bytes:
-            for k in [k for k in self._records if k[0] == tenant]:
-                self._drop(k)
-                if self._used.get(tenant, 0) + size <= self.tenant_max_bytes:
-                    break
+        while self._used.get(tenant, 0) + size > self.tenant_max_bytes:
+            self._drop((tenant, next(iter(self._by_tenant[tenant]))))
         while self.bytes + size > self.max_bytes and self._records:
             self._drop(next(iter(self._records)))
         items = record.item_ids()
         self._records[key] = _Entry(raw, now + self.ttl_s, items)
+        self._by_tenant.setdefault(tenant, OrderedDict())[record.id] = None
         self._used[tenant] = self._used.get(tenant, 0) + size
         self.bytes += size
         for item in items:
