@@ -110,7 +110,7 @@ def test_a_response_chain_continues_on_either_replica(stack: LocalStack) -> None
             assert r.json()["previous_response_id"] == prev and r.json()["store"] is True
             prev = r.json()["id"]
         items = c.get(f"{one}/v1/responses/{prev}/input_items", params={"order": "asc", "limit": 100}).json()
-        said = [i["content"] for i in items["data"] if i.get("role") == "user"]
+        said = [i["content"][0]["text"] for i in items["data"] if i.get("role") == "user"]
         assert said == [f"Turn {t}: go on." for t in range(4)]
 
 

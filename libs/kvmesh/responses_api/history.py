@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvmesh.openai.errors import BadRequest, OpenAIError
-from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, StoreError, valid_id
+from kvmesh.responses_api.store.base import (
+    CONVERSATION,
+    RESPONSE,
+    ResponseStore,
+    StoredResponse,
+    StoreError,
+    valid_id,
+)
 
 # Bounds a body's work on the store: each reference is a lookup.
 MAX_REFERENCES = 1024
@@ -58,6 +65,8 @@ class Resolved:
     body: dict[str, Any]
     previous: StoredResponse | None = None
     conversation: list[Any] = field(default_factory=list)   # the body's input, ids given
+    thread: StoredResponse | None = None                     # the Conversations API object it continues
+    new_items: list[Any] = field(default_factory=list)      # the request's own input items, ids given
 
 
 def unavailable(exc: StoreError) -> OpenAIError:
@@ -76,19 +85,34 @@ async def resolve(body: dict[str, Any], store: ResponseStore | None, tenant: str
         raise unavailable(exc) from None
 
 
+def _conversation_id(ref: Any) -> str:
+    cid = ref.get("id") if isinstance(ref, dict) else ref
+    if not valid_id(cid):
+        raise BadRequest("'conversation' must be a conversation id or {\"id\": ...}", "conversation")
+    return str(cid)
+
+
 async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: str, why_none: str) -> Resolved:
     prev_id = body.get("previous_response_id")
+    conv_ref = body.get("conversation")
     inp = body.get("input")
     refs = [i for i, it in enumerate(inp) if isinstance(it, dict) and it.get("type") == "item_reference"] \
         if isinstance(inp, list) else []
-    if prev_id is None and not refs:
-        return Resolved(body, None, conversation_items(inp))
+    if prev_id is None and conv_ref is None and not refs:
+        items = conversation_items(inp)
+        return Resolved(body, None, items, new_items=items)
     if store is None:
         if prev_id is not None:
             raise BadRequest(f"'previous_response_id' is not supported here: responses are not stored ({why_none});"
                              " send the whole conversation as 'input'", "previous_response_id")
+        if conv_ref is not None:
+            raise BadRequest(f"'conversation' is not supported here: conversations are not stored ({why_none}); "
+                             "send the whole conversation as 'input'", "conversation")
         raise BadRequest(f"input[{refs[0]}]: items are not stored ({why_none}); send the item itself",
                          f"input[{refs[0]}]")
+    if prev_id is not None and conv_ref is not None:
+        raise BadRequest("Mutually exclusive parameters: give only one of 'previous_response_id' and "
+                         "'conversation'", "conversation")
     if len(refs) > MAX_REFERENCES:
         raise BadRequest(f"'input' has {len(refs)} item references; at most {MAX_REFERENCES} are resolved",
                          "input")
@@ -99,18 +123,26 @@ async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: st
             raise BadRequest("'previous_response_id' must be a response id (letters, digits, '_', '-', '.', ':'; "
                              "at most 128)", "previous_response_id")
         previous = await store.get(tenant, prev_id)
-        if previous is None:
+        if previous is None or previous.kind != RESPONSE:
             raise not_found("Previous response", prev_id, "previous_response_id")
         history = previous.input + list(previous.response.get("output") or [])
+    thread = None
+    if conv_ref is not None:
+        cid = _conversation_id(conv_ref)
+        thread = await store.get(tenant, cid)
+        if thread is None or thread.kind != CONVERSATION:
+            raise not_found("Conversation", cid, "conversation")
+        history = list(thread.input)
     new = list(inp) if isinstance(inp, list) else inp
     if refs:
         new = await _dereference(new, refs, store, tenant)
-    out = {k: v for k, v in body.items() if k != "previous_response_id"}
+    out = {k: v for k, v in body.items() if k not in ("previous_response_id", "conversation")}
     if not new or not isinstance(new, (str, list)):
         return Resolved(out)   # the parser names what is wrong with 'input'
-    conv = history + conversation_items(new)
+    items = conversation_items(new)
+    conv = history + items
     out["input"] = conv
-    return Resolved(out, previous, conv)
+    return Resolved(out, previous, conv, thread, items)
 
 
 async def _dereference(items: list[Any], refs: list[int], store: ResponseStore, tenant: str) -> list[Any]:

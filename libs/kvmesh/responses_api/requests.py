@@ -24,7 +24,8 @@ in ``vllm/entrypoints/openai/responses/utils.py``), so that a router in front of
   (structured outputs, ``kvmesh.structured_outputs``), as vLLM's ``extract_structured_outputs``.
 
 What cannot be honoured gets a 400 naming the field rather than silence: state kept by the
-server (``previous_response_id``, ``conversation``, ``item_reference``, ``background``),
+server (``previous_response_id``, ``conversation``, ``item_reference``, ``background``; the router
+puts stored state back into the body before this parse, ``kvmesh.responses_api.history``),
 a ``tool_choice`` naming a hosted tool, grammar-constrained custom tools, images and files, and
 log probabilities; the last are an external engine's to honour when the router forwards to
 ``vllm serve`` (``engine_renders``). ``reasoning.effort`` is rendered as vLLM renders it (the

@@ -16,7 +16,7 @@ request's ``previous_response_id`` and ``item_reference`` items are put back int
 before it is parsed (``kvmesh.responses_api.history``), so a chained turn renders, and is
 routed on, exactly the prefix a client sending its whole history would have sent.
 ``GET``/``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items`` read and forget
-them. Everything is per tenant (the API key's): another tenant's id is not found. A response
+them; ``conversation`` continues a Conversations API object (``conversations_api``). Everything is per tenant (the API key's): another tenant's id is not found. A response
 is kept before its last event is sent, so a client that chains at once finds it. Codex sends
 ``store: false`` and the whole conversation every turn, and needs none of this.
 
@@ -37,14 +37,23 @@ from fastapi.responses import JSONResponse, Response
 
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError, error_response
+from kvmesh.responses_api.conversations import page, with_items
 from kvmesh.responses_api.history import Resolved, not_found, resolve, unavailable
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
-from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, StoreError, valid_id
+from kvmesh.responses_api.store.base import (
+    CONVERSATION,
+    RESPONSE,
+    ResponseStore,
+    StoredResponse,
+    StoreError,
+    valid_id,
+)
 from kvmesh.responses_api.store.registry import open_store
 from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
+from kvmesh_router.conversations_api import ConversationsApi
 from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
@@ -88,6 +97,7 @@ class ResponsesApi:
         app.add_api_route(PATH + "/{response_id}", self.retrieve, methods=["GET"])
         app.add_api_route(PATH + "/{response_id}", self.delete, methods=["DELETE"])
         app.add_api_route(PATH + "/{response_id}/input_items", self.input_items, methods=["GET"])
+        ConversationsApi(self.store, self.api.body, _page_params).mount(app)   # /v1/conversations
 
     # -- stored responses
     async def _stored(self, request: Request, response_id: str, api: str) -> StoredResponse | Response:
@@ -102,7 +112,7 @@ class ResponsesApi:
         except StoreError as exc:
             metrics.REQUESTS.labels(api=api, outcome="StoreUnavailable").inc()
             return unavailable(exc).response()
-        if rec is None:
+        if rec is None or rec.kind != RESPONSE:
             metrics.REQUESTS.labels(api=api, outcome="NotFound").inc()
             return not_found("Response", response_id, "response_id").response()
         return rec
@@ -143,24 +153,19 @@ class ResponsesApi:
         rec = await self._stored(request, response_id, api)
         if isinstance(rec, Response):
             return rec
-        items = rec.input if order == "asc" else rec.input[::-1]
-        ids = [i.get("id") if isinstance(i, dict) else None for i in items]
-        start, end = 0, len(items)
-        if after is not None:
-            start = ids.index(after) + 1 if after in ids else len(items)
-        if before is not None:
-            end = ids.index(before) if before in ids else 0
-        page = items[start:max(start, end)]
-        data = page[:limit]
         metrics.REQUESTS.labels(api=api, outcome="ok").inc()
-        return JSONResponse({"object": "list", "data": data, "first_id": data[0].get("id") if data else None,
-                             "last_id": data[-1].get("id") if data else None, "has_more": len(page) > limit})
+        return JSONResponse(page(rec.input, limit, order, after, before))
 
     async def _keep(self, scope_tenant: str, head: ResponseHead, response: dict[str, Any],
                     res: Resolved) -> None:
-        """Keep an answered response before its last event goes out (a client chaining at once finds it);
-        a store that fails or refuses it loses the response, never the answer."""
-        if not head.store or self.store is None or response.get("status") not in ("completed", "incomplete"):
+        """Keep an answered response, and add it to its conversation, before its last event goes out (a
+        client chaining at once finds it); a store that fails or refuses it loses the stored copy, never
+        the answer."""
+        if self.store is None or response.get("status") not in ("completed", "incomplete"):
+            return
+        if res.thread is not None:
+            await self._add_to_conversation(scope_tenant, head, response, res)
+        if not head.store:
             return
         try:
             kept = await self.store.put(scope_tenant, StoredResponse(response, res.conversation))
@@ -194,6 +199,28 @@ class ResponsesApi:
         metrics.REQUESTS.labels(api=api, outcome="ok").inc()
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens)})
 
+    async def _add_to_conversation(self, tenant: str, head: ResponseHead, response: dict[str, Any],
+                                   res: Resolved) -> None:
+        """The request's input items and the answer's output join its conversation (re-read now: another
+        turn may have added to it meanwhile)."""
+        assert self.store is not None and res.thread is not None
+        try:
+            thread = await self.store.get(tenant, res.thread.id)
+            if thread is None or thread.kind != CONVERSATION:
+                log.warning("conversation gone before its answer was added", extra={"conversation": res.thread.id})
+                return
+            kept = await self.store.put(tenant, with_items(thread, res.new_items
+                                                           + list(response.get("output") or [])))
+        except Exception as exc:   # a store outage must not fail an answered request
+            log.warning("answer not added to its conversation", extra={
+                "response_id": head.id, "conversation": res.thread.id, "error": f"{type(exc).__name__}: {exc}"})
+            metrics.RESPONSES_STORED.labels(outcome="error").inc()
+            return
+        if not kept:
+            log.warning("answer not added: the conversation is larger than the store keeps",
+                        extra={"conversation": res.thread.id})
+            metrics.RESPONSES_STORED.labels(outcome="too_large").inc()
+
     async def create(self, request: Request) -> Response:
         received = time.perf_counter()
         external = self.api.passthrough.applies()
@@ -210,7 +237,8 @@ class ResponsesApi:
             metrics.REQUESTS.labels(api=API, outcome=type(exc).__name__).inc()
             return exc.response()
         head = ResponseHead(req, inp.model, previous_response_id=res.previous.id if res.previous else None,
-                            store=self.store is not None and wants_store is not False)
+                            store=self.store is not None and wants_store is not False,
+                            conversation=res.thread.id if res.thread else None)
         if external:
             return await self._external(request, req, inp, head, res, tenant)
         inp.received = received
@@ -234,13 +262,14 @@ class ResponsesApi:
         is told not to keep it (the next turn may go to another engine)."""
         body = engine_body(req.body)
         tap = None
-        if head.store:
+        if head.store or head.conversation:
             body["store"] = False
 
             async def keep(response: dict[str, Any]) -> None:
                 await self._keep(tenant, head, response, res)
 
-            tap = StoreTap(head.previous_response_id, keep)
+            tap = StoreTap({"store": head.store, "previous_response_id": head.previous_response_id,
+                            "conversation": {"id": head.conversation} if head.conversation else None}, keep)
         return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, body, None, OPENAI,
                                                   tap)
 

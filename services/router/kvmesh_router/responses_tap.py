@@ -5,8 +5,8 @@ and passes its answer through. The engine must not keep the conversation itself:
 may go to another engine (or another replica of the router). So the router puts stored state
 back into the body before forwarding (``previous_response_id``, ``item_reference``), sends
 ``store: false``, and keeps the engine's ``response`` itself as it goes by. The answer the
-client sees then says what the router did: ``store: true`` and the ``previous_response_id`` it
-resolved. The response is kept before the event (or JSON) that completes it goes out, as for
+client sees then says what the router did: ``store``, the ``previous_response_id`` it resolved
+and the ``conversation`` it adds to. The response is kept before the event (or JSON) that completes it goes out, as for
 the router's own workers.
 """
 
@@ -23,14 +23,13 @@ _DONE = ("completed", "incomplete")
 class StoreTap:
     """``AnswerTap`` of one stored Responses request (``kvmesh_router.passthrough``)."""
 
-    def __init__(self, previous_response_id: str | None, keep: Keep) -> None:
-        self.previous_response_id = previous_response_id
+    def __init__(self, echo: dict[str, Any], keep: Keep) -> None:
+        self.echo = echo   # what the router did: store, previous_response_id, conversation
         self.keep = keep
         self.kept = False
 
     def _echo(self, response: dict[str, Any]) -> None:
-        response["store"] = True
-        response["previous_response_id"] = self.previous_response_id
+        response.update(self.echo)
 
     async def _done(self, response: dict[str, Any]) -> None:
         if not self.kept and response.get("status") in _DONE:

@@ -64,8 +64,8 @@ async def test_a_chained_turn_renders_what_the_whole_history_renders(routed):
     r4 = await client.responses.create(model="m", previous_response_id=r2.id, input="Thanks.", tools=TOOLS)
     assert "Read a.py and b.py." in service.rendered and "Thanks." in service.rendered
     items = [i async for i in client.responses.input_items.list(r4.id, order="asc", limit=2)]
-    assert [i.type for i in items[:2]] == ["message", "message"] and items[0].content == "Read a.py and b.py."
-    assert items[-1].content == "Thanks." and len({i.id for i in items}) == len(items)
+    assert [i.type for i in items[:2]] == ["message", "message"] and items[0].content[0].text == "Read a.py and b.py."
+    assert items[-1].content[0].text == "Thanks." and len({i.id for i in items}) == len(items)
 
 
 async def test_retrieve_delete_and_item_references(routed):
@@ -78,7 +78,7 @@ async def test_retrieve_delete_and_item_references(routed):
                                                     {"role": "user", "content": "Go on."}])
     assert service.seen[-1].chat_request.messages[0] == {"role": "assistant", "content": "Let me read them."}
     page = await client.responses.input_items.list(r1.id)
-    assert page.data[0].content == "Read a.py." and page.has_more is False
+    assert page.data[0].content[0].text == "Read a.py." and page.has_more is False
     await client.responses.delete(r1.id)
     for call in (client.responses.retrieve(r1.id),
                  client.responses.create(model="m", previous_response_id=r1.id, input="x"),
@@ -199,3 +199,89 @@ async def test_a_store_that_cannot_answer_is_a_503_and_never_costs_an_answer(tin
             with pytest.raises(openai.InternalServerError) as e:
                 await call
             assert e.value.status_code == 503 and "response store is unavailable" in e.value.body["message"]
+
+
+# -- the Conversations API -----------------------------------------------------------------
+async def test_a_conversation_collects_each_responses_input_and_output(routed):
+    service, client = routed
+    c = await client.conversations.create(items=[{"type": "message", "role": "developer", "content": "Repo: kvmesh."}],
+                                          metadata={"team": "infra"})
+    assert c.object == "conversation" and c.metadata == {"team": "infra"}
+    r1 = await client.responses.create(model="m", conversation=c.id, input="Read a.py.", tools=TOOLS)
+    assert r1.conversation.id == c.id
+    assert "Repo: kvmesh." in service.rendered and "Read a.py." in service.rendered
+    outputs = [{"type": "function_call_output", "call_id": o.call_id, "output": "x = 1"}
+               for o in r1.output if o.type == "function_call"]
+    r2 = await client.responses.create(model="m", conversation={"id": c.id}, input=outputs, tools=TOOLS, store=False)
+    # The second turn saw the first one's input and output, as a client sending them would render them.
+    chained = service.rendered
+    whole = [{"type": "message", "role": "developer", "content": "Repo: kvmesh."},
+             {"role": "user", "content": "Read a.py."}, *[o.model_dump(exclude_none=True) for o in r1.output],
+             *outputs]
+    await client.responses.create(model="m", input=whole, tools=TOOLS, store=False)
+    assert service.rendered == chained and r2.conversation.id == c.id and r2.store is False
+    items = [i async for i in client.conversations.items.list(c.id, order="asc")]
+    assert [i.type for i in items] == ["message", "message", *[o.type for o in r1.output],
+                                       *["function_call_output"] * len(outputs), *[o.type for o in r2.output]]
+    assert items[1].content[0].text == "Read a.py." and items[2].id == r1.output[0].id
+    got = await client.conversations.items.retrieve(items[1].id, conversation_id=c.id)
+    assert got.id == items[1].id
+    after = await client.conversations.items.delete(items[1].id, conversation_id=c.id)
+    assert after.id == c.id
+    assert len([i async for i in client.conversations.items.list(c.id)]) == len(items) - 1
+    added = await client.conversations.items.create(c.id, items=[{"role": "user", "content": "One more thing."}])
+    assert [i.content[0].text for i in added.data] == ["One more thing."]
+    updated = await client.conversations.update(c.id, metadata={"team": "serving"})
+    assert updated.metadata == {"team": "serving"} and (await client.conversations.retrieve(c.id)).metadata == {
+        "team": "serving"}
+    deleted = await client.conversations.delete(c.id)
+    assert deleted.deleted is True and deleted.object == "conversation.deleted"
+    for call in (client.conversations.retrieve(c.id), client.responses.create(model="m", conversation=c.id,
+                                                                              input="hi")):
+        with pytest.raises(openai.NotFoundError):
+            await call
+
+
+async def test_conversations_are_checked_and_kept_apart(routed, tiny_model_dir, tmp_path):
+    service, client = routed
+    c = await client.conversations.create()
+    r = await client.responses.create(model="m", input="hi")
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model="m", input="x", conversation=c.id, previous_response_id=r.id)
+    assert e.value.body["param"] == "conversation" and "Mutually exclusive" in e.value.body["message"]
+    for bad in ([{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/a.png"}]}],
+                [{"role": "user", "content": "x"}] * 21, [{"type": "item_reference", "id": "msg_1"}], "text"):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.conversations.items.create(c.id, items=bad)   # type: ignore[arg-type]
+        assert e.value.body["param"] == "items"
+    with pytest.raises(openai.BadRequestError):
+        await client.conversations.create(metadata={"k": "v" * 600})
+    # A response id is not a conversation, nor the other way round.
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.create(model="m", input="x", conversation=r.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(c.id)
+    with pytest.raises(openai.NotFoundError):
+        await client.conversations.retrieve(r.id)
+    # Another tenant sees none of it.
+    keys = tmp_path / "keys"
+    keys.write_text("team-a KEY-A\nteam-b KEY-B\n")
+    app = build_app(_service(tiny_model_dir), RequestScopes("keys", ApiKeys(keys)))  # type: ignore[arg-type]
+    a, b = _client(app, "KEY-A"), _client(app, "KEY-B")
+    ca = await a.conversations.create(items=[{"role": "user", "content": "secret"}])
+    for call in (b.conversations.retrieve(ca.id), b.conversations.items.list(ca.id), b.conversations.delete(ca.id),
+                 b.conversations.items.create(ca.id, items=[{"role": "user", "content": "x"}]),
+                 b.responses.create(model="m", conversation=ca.id, input="what was it?")):
+        with pytest.raises(openai.NotFoundError):
+            await call
+    assert [i.content[0].text for i in (await a.conversations.items.list(ca.id)).data] == ["secret"]
+
+
+async def test_with_the_store_off_conversations_are_refused(tiny_model_dir):
+    client = _client(build_app(_service(tiny_model_dir, responses_store="off")))  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError) as e:
+        await client.conversations.create()
+    assert "not stored" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model="m", input="x", conversation="conv_1")
+    assert e.value.body["param"] == "conversation"

@@ -542,8 +542,27 @@ async def test_external_engines_answers_are_kept_by_the_router_and_chained(stack
     got = (await client.get(f"/v1/responses/{done['id']}")).json()
     assert got["output"] == done["output"]
     items = (await client.get(f"/v1/responses/{done['id']}/input_items", params={"order": "asc"})).json()["data"]
-    assert [i.get("content") for i in items if i.get("role") == "user"] == ["What is in a.py?", "And b.py?",
+    assert [i["content"][0]["text"] for i in items if i.get("role") == "user"] == ["What is in a.py?", "And b.py?",
                                                                           "Thanks."]
     # store: false goes through as the client sent it, and nothing is kept.
     r4 = (await client.post("/v1/responses", json={**first, "store": False})).json()
     assert r4.get("store") is not True and (await client.get(f"/v1/responses/{r4['id']}")).status_code == 404
+
+
+async def test_a_conversation_over_external_engines(stack) -> None:
+    """The Conversations API over external engines: each engine gets the conversation so far (store false),
+    and its input and output join the conversation as they pass."""
+    svc, engines, client = stack
+    c = (await client.post("/v1/conversations", json={"items": [{"role": "developer", "content": "Repo."}]})).json()
+    for turn in ("First?", "Second?"):
+        r = await client.post("/v1/responses", json={"model": MODEL, "conversation": c["id"], "input": turn,
+                                                     "max_output_tokens": 4, "store": False})
+        assert r.status_code == 200, r.text
+        assert r.json()["conversation"] == {"id": c["id"]} and r.json()["store"] is False
+    sent = _received(engines)[-1]
+    assert sent["store"] is False and "conversation" not in sent
+    assert [(i.get("role"), i["content"] if isinstance(i["content"], str) else i["content"][0]["text"])
+            for i in sent["input"]] == [("developer", "Repo."), ("user", "First?"), ("assistant", "hi"),
+                                        ("user", "Second?")]
+    items = (await client.get(f"/v1/conversations/{c['id']}/items", params={"order": "asc"})).json()["data"]
+    assert [i.get("role") for i in items] == ["developer", "user", "assistant", "user", "assistant"]

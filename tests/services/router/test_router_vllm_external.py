@@ -382,7 +382,7 @@ def test_a_stored_conversation_over_vllms_own_responses(fleet) -> None:
         prev = r.id
         time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
     assert client.responses.retrieve(prev).id == prev
-    said = [i.content for i in client.responses.input_items.list(prev, order="asc", limit=100)
+    said = [i.content[0].text for i in client.responses.input_items.list(prev, order="asc", limit=100)
             if i.type == "message" and i.role == "user"]
     assert said == [f"Step {t}: look at mod_{t}.py." for t in range(4)]
     assert len(set(endpoints[1:])) == 1, endpoints

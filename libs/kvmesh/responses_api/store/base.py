@@ -27,9 +27,13 @@ def valid_id(value: Any) -> bool:
     return isinstance(value, str) and ID_PATTERN.fullmatch(value) is not None
 
 
+RESPONSE, CONVERSATION = "response", "conversation"
+
+
 @dataclass
 class StoredResponse:
-    """One answered response and the conversation items it answered."""
+    """One answered response and the conversation items it answered; or a Conversations API object
+    (``response`` is then the ``conversation`` object, ``input`` its items)."""
 
     response: dict[str, Any]
     input: list[dict[str, Any]]
@@ -37,6 +41,11 @@ class StoredResponse:
     @property
     def id(self) -> str:
         return str(self.response["id"])
+
+    @property
+    def kind(self) -> str:
+        """``response`` or ``conversation`` (the object's own ``object`` field)."""
+        return str(self.response.get("object"))
 
     def _items(self) -> list[Any]:
         return [*self.input, *(self.response.get("output") or ())]

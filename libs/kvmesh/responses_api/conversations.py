@@ -1,0 +1,92 @@
+"""OpenAI's Conversations API objects, kept in the response store.
+
+Why it exists: a conversation is the other way OpenAI's Responses clients leave their history
+with the server (``conversation`` on ``/v1/responses``; the Agents SDK's
+``OpenAIConversationsSession``): a list of items that each response answered in it adds its
+input and output to. It lives in the same tenant-scoped, bounded store as responses, as a
+record whose object is the ``conversation`` and whose items are its ``input``; ``history``
+puts its items before a request's own. Also here: the pages that list a record's items, shared
+with ``GET /v1/responses/{id}/input_items``.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+from kvmesh.openai.errors import BadRequest
+from kvmesh.responses_api.history import conversation_items
+from kvmesh.responses_api.requests import MAX_METADATA_KEYS, input_messages
+from kvmesh.responses_api.store.base import CONVERSATION, StoredResponse
+
+MAX_ITEMS_PER_ADD = 20   # OpenAI's bound on items given at creation or in one add
+
+
+def _metadata(md: Any) -> dict[str, str]:
+    if md is None:
+        return {}
+    if (not isinstance(md, dict) or len(md) > MAX_METADATA_KEYS
+            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                       for k, v in md.items())):
+        raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values (keys up "
+                         "to 64 characters, values up to 512)", "metadata")
+    return md
+
+
+def checked_items(items: Any) -> list[Any]:
+    """Items to add, checked as ``input`` items are (an item the renderer refuses is refused now, not
+    at the conversation's next response); ids given."""
+    if items is None:
+        return []
+    if not isinstance(items, list) or len(items) > MAX_ITEMS_PER_ADD:
+        raise BadRequest(f"'items' must be a list of at most {MAX_ITEMS_PER_ADD} items", "items")
+    if any(isinstance(i, dict) and i.get("type") == "item_reference" for i in items):
+        raise BadRequest("'items' cannot hold item references: add the items themselves", "items")
+    if items:
+        try:
+            input_messages({"input": items})
+        except BadRequest as exc:
+            raise BadRequest(exc.message.replace("input[", "items["), "items") from None
+    return conversation_items(items)
+
+
+def new_conversation(body: dict[str, Any]) -> StoredResponse:
+    obj = {"id": f"conv_{uuid.uuid4().hex}", "object": CONVERSATION, "created_at": int(time.time()),
+           "metadata": _metadata(body.get("metadata"))}
+    return StoredResponse(obj, checked_items(body.get("items")))
+
+
+def with_metadata(thread: StoredResponse, md: Any) -> StoredResponse:
+    return StoredResponse({**thread.response, "metadata": _metadata(md)}, thread.input)
+
+
+def with_items(thread: StoredResponse, items: list[Any]) -> StoredResponse:
+    return StoredResponse(thread.response, thread.input + items)
+
+
+def without_item(thread: StoredResponse, item_id: str) -> StoredResponse | None:
+    kept = [i for i in thread.input if not (isinstance(i, dict) and i.get("id") == item_id)]
+    return None if len(kept) == len(thread.input) else StoredResponse(thread.response, kept)
+
+
+def listed(item: Any) -> Any:
+    """An item as OpenAI lists it: a message's string content as one text part (``input_text``, or
+    ``output_text`` for the assistant). Kept items keep the string, which is what renders."""
+    if isinstance(item, dict) and item.get("type") == "message" and isinstance(item.get("content"), str):
+        kind = "output_text" if item.get("role") == "assistant" else "input_text"
+        return {**item, "content": [{"type": kind, "text": item["content"]}]}
+    return item
+
+
+def page(items: list[Any], limit: int, order: str, after: str | None, before: str | None) -> dict[str, Any]:
+    """A list page of ``items`` (oldest first): ``order`` desc (newest first) or asc, from after ``after``
+    up to ``before`` (item ids), at most ``limit``."""
+    seq = items if order == "asc" else items[::-1]
+    ids = [i.get("id") if isinstance(i, dict) else None for i in seq]
+    start = ids.index(after) + 1 if after is not None and after in ids else (len(seq) if after else 0)
+    end = ids.index(before) if before is not None and before in ids else (0 if before else len(seq))
+    window = seq[start:max(start, end)]
+    data = [listed(i) for i in window[:limit]]
+    return {"object": "list", "data": data, "first_id": data[0].get("id") if data else None,
+            "last_id": data[-1].get("id") if data else None, "has_more": len(window) > limit}

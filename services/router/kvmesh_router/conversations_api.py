@@ -1,0 +1,134 @@
+"""The router's OpenAI Conversations API: ``/v1/conversations`` and its items.
+
+Why it exists: Responses clients may keep their history as a server-side conversation (the
+``conversation`` field of ``/v1/responses``; the Agents SDK's ``OpenAIConversationsSession``)
+rather than chain ``previous_response_id``. Conversations live in the Responses store
+(``--responses-store``), per tenant and bounded like responses
+(``kvmesh.responses_api.conversations``); another tenant's conversation is not found. A response
+created in a conversation adds its input and output items to it (``responses_api``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from kvmesh.openai.errors import BadRequest, OpenAIError
+from kvmesh.responses_api import conversations as conv
+from kvmesh.responses_api.history import not_found, unavailable
+from kvmesh.responses_api.store.base import CONVERSATION, ResponseStore, StoredResponse, StoreError, valid_id
+from kvmesh_router import metrics
+from kvmesh_router.http_guard import request_scope_of
+
+API = "conversations"
+PATH = "/v1/conversations"
+
+
+class ConversationsApi:
+    def __init__(self, store: ResponseStore | None, body: Callable[[Request], Awaitable[dict[str, Any]]],
+                 page_params: Callable[[Request], tuple[int, str, str | None, str | None]]) -> None:
+        self.store = store
+        self.body = body
+        self.page_params = page_params
+
+    def mount(self, app: FastAPI) -> None:
+        for path, methods, fn in (
+                (PATH, ["POST"], self.create),
+                (PATH + "/{conversation_id}", ["GET"], self.retrieve),
+                (PATH + "/{conversation_id}", ["POST"], self.update),
+                (PATH + "/{conversation_id}", ["DELETE"], self.delete),
+                (PATH + "/{conversation_id}/items", ["GET"], self.list_items),
+                (PATH + "/{conversation_id}/items", ["POST"], self.add_items),
+                (PATH + "/{conversation_id}/items/{item_id}", ["GET"], self.item),
+                (PATH + "/{conversation_id}/items/{item_id}", ["DELETE"], self.delete_item)):
+            app.add_api_route(path, self._answered(fn), methods=methods)
+
+    def _answered(self, fn: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
+        """``fn`` with the store's and the request's errors answered in OpenAI's shape and counted."""
+        async def handler(request: Request, **path: str) -> Response:
+            try:
+                if self.store is None:
+                    raise OpenAIError("conversations are not stored by this server (--responses-store off); send "
+                                      "the whole conversation as 'input'", "conversation_id", status=404)
+                out = await fn(request, request_scope_of(request).tenant, **path)
+            except StoreError as exc:
+                out = unavailable(exc).response()
+            except OpenAIError as exc:
+                out = exc.response()
+            metrics.REQUESTS.labels(api=API, outcome="ok" if out.status_code < 400 else f"http_{out.status_code}").inc()
+            return out
+        handler.__name__ = fn.__name__
+        handler.__signature__ = _signature(fn)  # type: ignore[attr-defined]
+        return handler
+
+    async def _thread(self, tenant: str, conversation_id: str) -> StoredResponse:
+        assert self.store is not None
+        thread = await self.store.get(tenant, conversation_id) if valid_id(conversation_id) else None
+        if thread is None or thread.kind != CONVERSATION:
+            raise not_found("Conversation", conversation_id, "conversation_id")
+        return thread
+
+    async def _put(self, tenant: str, thread: StoredResponse) -> None:
+        assert self.store is not None
+        if not await self.store.put(tenant, thread):
+            raise OpenAIError("the conversation is larger than this server keeps for a tenant "
+                              "(--responses-store-tenant-max-bytes)", "items", status=413)
+
+    async def create(self, request: Request, tenant: str) -> Response:
+        thread = conv.new_conversation(await self.body(request))
+        await self._put(tenant, thread)
+        return JSONResponse(thread.response)
+
+    async def retrieve(self, request: Request, tenant: str, conversation_id: str) -> Response:
+        return JSONResponse((await self._thread(tenant, conversation_id)).response)
+
+    async def update(self, request: Request, tenant: str, conversation_id: str) -> Response:
+        body = await self.body(request)
+        thread = conv.with_metadata(await self._thread(tenant, conversation_id), body.get("metadata"))
+        await self._put(tenant, thread)
+        return JSONResponse(thread.response)
+
+    async def delete(self, request: Request, tenant: str, conversation_id: str) -> Response:
+        await self._thread(tenant, conversation_id)
+        assert self.store is not None
+        await self.store.delete(tenant, conversation_id)
+        return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
+
+    async def list_items(self, request: Request, tenant: str, conversation_id: str) -> Response:
+        limit, order, after, before = self.page_params(request)
+        thread = await self._thread(tenant, conversation_id)
+        return JSONResponse(conv.page(thread.input, limit, order, after, before))
+
+    async def add_items(self, request: Request, tenant: str, conversation_id: str) -> Response:
+        body = await self.body(request)
+        if "items" not in body:
+            raise BadRequest("'items' is required", "items")
+        items = conv.checked_items(body["items"])
+        thread = await self._thread(tenant, conversation_id)
+        await self._put(tenant, conv.with_items(thread, items))
+        return JSONResponse(conv.page(items, len(items) or 1, "asc", None, None))
+
+    async def item(self, request: Request, tenant: str, conversation_id: str, item_id: str) -> Response:
+        thread = await self._thread(tenant, conversation_id)
+        found = thread.find(item_id)
+        if found is None:
+            raise not_found("Item", item_id, "item_id")
+        return JSONResponse(conv.listed(found))
+
+    async def delete_item(self, request: Request, tenant: str, conversation_id: str, item_id: str) -> Response:
+        thread = conv.without_item(await self._thread(tenant, conversation_id), item_id)
+        if thread is None:
+            raise not_found("Item", item_id, "item_id")
+        await self._put(tenant, thread)
+        return JSONResponse(thread.response)
+
+
+def _signature(fn: Callable[..., Any]) -> Any:
+    """FastAPI reads the route's parameters from the handler's signature: the request and the path's."""
+    import inspect
+
+    params = [p for name, p in inspect.signature(fn).parameters.items() if name not in ("tenant",)]
+    return inspect.Signature(params)
