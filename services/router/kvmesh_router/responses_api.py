@@ -183,8 +183,9 @@ class ResponsesApi:
         tokenized as ``create`` would (no generation, no routing, so it works with no live endpoint)."""
         api = "responses_input_tokens"
         try:
-            req = parse_responses(await self.api.body(request), request.headers,
-                                  engine_renders=self.api.passthrough.applies())
+            # A chained body counts what create would render: the stored conversation and its own input.
+            res = await resolve(await self.api.body(request), self.store, _tenant(request))
+            req = parse_responses(res.body, request.headers, engine_renders=self.api.passthrough.applies())
             inp = self.api.gen_input(req.chat, request)
             # No session: a count (often of a fragment) must not take the place of the session's
             # conversation in the router's per-session caches.

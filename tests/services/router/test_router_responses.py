@@ -69,7 +69,7 @@ def test_input_tokens_counts_the_prompt_create_sends(client) -> None:
     count = client.responses.input_tokens.count(**kw)
     assert count.object == "response.input_tokens"
     assert count.input_tokens == client.responses.create(**kw, max_output_tokens=2).usage.input_tokens
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.NotFoundError):   # resolved as create resolves it: no such stored item
         client.responses.input_tokens.count(model=MODEL, input=[{"type": "item_reference", "id": "x"}])
 
 
@@ -260,5 +260,8 @@ def test_a_chained_turn_is_the_prefix_its_first_turn_cached(client, stack) -> No
     r3 = client.responses.create(model=MODEL, instructions=INSTRUCTIONS, input=whole, max_output_tokens=6,
                                  prompt_cache_key="chain-1", store=False)
     assert r2.usage.input_tokens == r3.usage.input_tokens > r1.usage.input_tokens
+    counted = client.responses.input_tokens.count(model=MODEL, instructions=INSTRUCTIONS, previous_response_id=r1.id,
+                                                  input="And the block manager?")
+    assert counted.input_tokens == r2.usage.input_tokens   # counted as create renders the chain
     assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.input_tokens // 2
     assert client.responses.retrieve(r2.id).output[0].content[0].text == r2.output_text
