@@ -17,21 +17,14 @@ from typing import Any
 
 from kvmesh.openai.errors import BadRequest
 from kvmesh.responses_api.history import conversation_items
-from kvmesh.responses_api.requests import MAX_METADATA_KEYS, input_messages
+from kvmesh.responses_api.requests import checked_metadata, input_messages
 from kvmesh.responses_api.store.base import CONVERSATION, StoredResponse
 
 MAX_ITEMS_PER_ADD = 20   # OpenAI's bound on items given at creation or in one add
 
 
 def _metadata(md: Any) -> dict[str, str]:
-    if md is None:
-        return {}
-    if (not isinstance(md, dict) or len(md) > MAX_METADATA_KEYS
-            or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                       for k, v in md.items())):
-        raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values (keys up "
-                         "to 64 characters, values up to 512)", "metadata")
-    return md
+    return checked_metadata(md, max_chars=(64, 512))
 
 
 def checked_items(items: Any) -> list[Any]:
@@ -84,8 +77,8 @@ def page(items: list[Any], limit: int, order: str, after: str | None, before: st
     up to ``before`` (item ids), at most ``limit``."""
     seq = items if order == "asc" else items[::-1]
     ids = [i.get("id") if isinstance(i, dict) else None for i in seq]
-    start = ids.index(after) + 1 if after is not None and after in ids else (len(seq) if after else 0)
-    end = ids.index(before) if before is not None and before in ids else (0 if before else len(seq))
+    start = 0 if after is None else ids.index(after) + 1 if after in ids else len(seq)
+    end = len(seq) if before is None else ids.index(before) if before in ids else 0
     window = seq[start:max(start, end)]
     data = [listed(i) for i in window[:limit]]
     return {"object": "list", "data": data, "first_id": data[0].get("id") if data else None,

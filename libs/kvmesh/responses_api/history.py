@@ -64,9 +64,16 @@ class Resolved:
 
     body: dict[str, Any]
     previous: StoredResponse | None = None
-    conversation: list[Any] = field(default_factory=list)   # the body's input, ids given
-    thread: StoredResponse | None = None                     # the Conversations API object it continues
-    new_items: list[Any] = field(default_factory=list)      # the request's own input items, ids given
+    conversation: list[Any] | None = None    # the body's input, ids given (None: not yet, see ``stored_input``)
+    thread: StoredResponse | None = None     # the Conversations API object it continues
+    new_items: list[Any] = field(default_factory=list)   # the request's own input items, ids given
+
+    def stored_input(self) -> list[Any]:
+        """The conversation as it is kept. A stateless request's items get their ids only when it is kept:
+        a client that stores nothing (Codex) does not pay for it on every turn."""
+        if self.conversation is None:
+            self.conversation = conversation_items(self.body.get("input"))
+        return self.conversation
 
 
 def unavailable(exc: StoreError) -> OpenAIError:
@@ -99,8 +106,7 @@ async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: st
     refs = [i for i, it in enumerate(inp) if isinstance(it, dict) and it.get("type") == "item_reference"] \
         if isinstance(inp, list) else []
     if prev_id is None and conv_ref is None and not refs:
-        items = conversation_items(inp)
-        return Resolved(body, None, items, new_items=items)
+        return Resolved(body)
     if store is None:
         if prev_id is not None:
             raise BadRequest(f"'previous_response_id' is not supported here: responses are not stored ({why_none});"
@@ -132,10 +138,8 @@ async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: st
         thread = await store.get(tenant, cid)
         if thread is None or thread.kind != CONVERSATION:
             raise not_found("Conversation", cid, "conversation")
-        history = list(thread.input)
-    new = list(inp) if isinstance(inp, list) else inp
-    if refs:
-        new = await _dereference(new, refs, store, tenant)
+        history = thread.input
+    new = await _dereference(inp, refs, store, tenant) if refs else inp
     out = {k: v for k, v in body.items() if k not in ("previous_response_id", "conversation")}
     if not new or not isinstance(new, (str, list)):
         return Resolved(out)   # the parser names what is wrong with 'input'

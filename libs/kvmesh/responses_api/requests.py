@@ -359,13 +359,18 @@ def chat_tool_choice(choice: Any, tools: Any = None, flat: dict[str, tuple[str, 
                      "\"name\": ...}", "tool_choice")
 
 
-def _metadata(body: dict[str, Any]) -> dict[str, str]:
-    md = body.get("metadata")
+def checked_metadata(md: Any, max_chars: tuple[int, int] | None = None) -> dict[str, str]:
+    """``metadata``: at most ``MAX_METADATA_KEYS`` string values ({} when absent); with ``max_chars``, keys
+    and values at most that long too (the Conversations API's bounds)."""
     if md is None:
         return {}
     if (not isinstance(md, dict) or len(md) > MAX_METADATA_KEYS
-            or not all(isinstance(k, str) and isinstance(v, str) for k, v in md.items())):
-        raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values", "metadata")
+            or not all(isinstance(k, str) and isinstance(v, str)
+                       and (max_chars is None or (len(k) <= max_chars[0] and len(v) <= max_chars[1]))
+                       for k, v in md.items())):
+        bounds = f" (keys up to {max_chars[0]} characters, values up to {max_chars[1]})" if max_chars else ""
+        raise BadRequest(f"'metadata' must be an object of at most {MAX_METADATA_KEYS} string values{bounds}",
+                         "metadata")
     return md
 
 
@@ -456,5 +461,5 @@ def parse_responses(body: dict[str, Any], headers: Any, engine_renders: bool = F
     return ResponsesRequest(chat=chat, body=body, instructions=body.get("instructions"),
                             tools=list(body.get("tools") or []),
                             tool_choice=body.get("tool_choice") if body.get("tool_choice") is not None else "auto",
-                            metadata=_metadata(body), user=user, custom_tools=_custom_names(body["tools"] if tools else None),
+                            metadata=checked_metadata(body.get("metadata")), user=user, custom_tools=_custom_names(body["tools"] if tools else None),
                             namespaced=namespaced)

@@ -18,10 +18,10 @@ from fastapi.responses import JSONResponse, Response
 
 from kvmesh.openai.errors import BadRequest, OpenAIError
 from kvmesh.responses_api import conversations as conv
-from kvmesh.responses_api.history import not_found, unavailable
-from kvmesh.responses_api.store.base import CONVERSATION, ResponseStore, StoredResponse, StoreError, valid_id
-from kvmesh_router import metrics
+from kvmesh.responses_api.history import not_found
+from kvmesh.responses_api.store.base import CONVERSATION, ResponseStore, StoredResponse, valid_id
 from kvmesh_router.http_guard import request_scope_of
+from kvmesh_router.http_outcome import store_route
 
 API = "conversations"
 PATH = "/v1/conversations"
@@ -35,6 +35,9 @@ class ConversationsApi:
         self.page_params = page_params
 
     def mount(self, app: FastAPI) -> None:
+        off = None if self.store is not None else lambda **_: OpenAIError(
+            "conversations are not stored by this server (--responses-store off); send the whole conversation "
+            "as 'input'", "conversation_id", status=404)
         for path, methods, fn in (
                 (PATH, ["POST"], self.create),
                 (PATH + "/{conversation_id}", ["GET"], self.retrieve),
@@ -44,91 +47,66 @@ class ConversationsApi:
                 (PATH + "/{conversation_id}/items", ["POST"], self.add_items),
                 (PATH + "/{conversation_id}/items/{item_id}", ["GET"], self.item),
                 (PATH + "/{conversation_id}/items/{item_id}", ["DELETE"], self.delete_item)):
-            app.add_api_route(path, self._answered(fn), methods=methods)
+            app.add_api_route(path, store_route(API, fn, off), methods=methods)
 
-    def _answered(self, fn: Callable[..., Awaitable[Response]]) -> Callable[..., Awaitable[Response]]:
-        """``fn`` with the store's and the request's errors answered in OpenAI's shape and counted."""
-        async def handler(request: Request, **path: str) -> Response:
-            try:
-                if self.store is None:
-                    raise OpenAIError("conversations are not stored by this server (--responses-store off); send "
-                                      "the whole conversation as 'input'", "conversation_id", status=404)
-                out = await fn(request, request_scope_of(request).tenant, **path)
-            except StoreError as exc:
-                out = unavailable(exc).response()
-            except OpenAIError as exc:
-                out = exc.response()
-            metrics.REQUESTS.labels(api=API, outcome="ok" if out.status_code < 400 else f"http_{out.status_code}").inc()
-            return out
-        handler.__name__ = fn.__name__
-        handler.__signature__ = _signature(fn)  # type: ignore[attr-defined]
-        return handler
-
-    async def _thread(self, tenant: str, conversation_id: str) -> StoredResponse:
+    # Handlers (``store_route`` answers what they raise).
+    async def _thread(self, request: Request, conversation_id: str) -> StoredResponse:
         assert self.store is not None
+        tenant = request_scope_of(request).tenant
         thread = await self.store.get(tenant, conversation_id) if valid_id(conversation_id) else None
         if thread is None or thread.kind != CONVERSATION:
             raise not_found("Conversation", conversation_id, "conversation_id")
         return thread
 
-    async def _put(self, tenant: str, thread: StoredResponse) -> None:
+    async def _put(self, request: Request, thread: StoredResponse) -> None:
         assert self.store is not None
-        if not await self.store.put(tenant, thread):
+        if not await self.store.put(request_scope_of(request).tenant, thread):
             raise OpenAIError("the conversation is larger than this server keeps for a tenant "
                               "(--responses-store-tenant-max-bytes)", "items", status=413)
 
-    async def create(self, request: Request, tenant: str) -> Response:
+    async def create(self, request: Request) -> Response:
         thread = conv.new_conversation(await self.body(request))
-        await self._put(tenant, thread)
+        await self._put(request, thread)
         return JSONResponse(thread.response)
 
-    async def retrieve(self, request: Request, tenant: str, conversation_id: str) -> Response:
-        return JSONResponse((await self._thread(tenant, conversation_id)).response)
+    async def retrieve(self, request: Request, conversation_id: str) -> Response:
+        return JSONResponse((await self._thread(request, conversation_id)).response)
 
-    async def update(self, request: Request, tenant: str, conversation_id: str) -> Response:
+    async def update(self, request: Request, conversation_id: str) -> Response:
         body = await self.body(request)
-        thread = conv.with_metadata(await self._thread(tenant, conversation_id), body.get("metadata"))
-        await self._put(tenant, thread)
+        thread = conv.with_metadata(await self._thread(request, conversation_id), body.get("metadata"))
+        await self._put(request, thread)
         return JSONResponse(thread.response)
 
-    async def delete(self, request: Request, tenant: str, conversation_id: str) -> Response:
-        await self._thread(tenant, conversation_id)
+    async def delete(self, request: Request, conversation_id: str) -> Response:
+        await self._thread(request, conversation_id)
         assert self.store is not None
-        await self.store.delete(tenant, conversation_id)
+        await self.store.delete(request_scope_of(request).tenant, conversation_id)
         return JSONResponse({"id": conversation_id, "object": "conversation.deleted", "deleted": True})
 
-    async def list_items(self, request: Request, tenant: str, conversation_id: str) -> Response:
+    async def list_items(self, request: Request, conversation_id: str) -> Response:
         limit, order, after, before = self.page_params(request)
-        thread = await self._thread(tenant, conversation_id)
+        thread = await self._thread(request, conversation_id)
         return JSONResponse(conv.page(thread.input, limit, order, after, before))
 
-    async def add_items(self, request: Request, tenant: str, conversation_id: str) -> Response:
+    async def add_items(self, request: Request, conversation_id: str) -> Response:
         body = await self.body(request)
         if "items" not in body:
             raise BadRequest("'items' is required", "items")
         items = conv.checked_items(body["items"])
-        thread = await self._thread(tenant, conversation_id)
-        await self._put(tenant, conv.with_items(thread, items))
+        thread = await self._thread(request, conversation_id)
+        await self._put(request, conv.with_items(thread, items))
         return JSONResponse(conv.page(items, len(items) or 1, "asc", None, None))
 
-    async def item(self, request: Request, tenant: str, conversation_id: str, item_id: str) -> Response:
-        thread = await self._thread(tenant, conversation_id)
-        found = thread.find(item_id)
+    async def item(self, request: Request, conversation_id: str, item_id: str) -> Response:
+        found = (await self._thread(request, conversation_id)).find(item_id)
         if found is None:
             raise not_found("Item", item_id, "item_id")
         return JSONResponse(conv.listed(found))
 
-    async def delete_item(self, request: Request, tenant: str, conversation_id: str, item_id: str) -> Response:
-        thread = conv.without_item(await self._thread(tenant, conversation_id), item_id)
+    async def delete_item(self, request: Request, conversation_id: str, item_id: str) -> Response:
+        thread = conv.without_item(await self._thread(request, conversation_id), item_id)
         if thread is None:
             raise not_found("Item", item_id, "item_id")
-        await self._put(tenant, thread)
+        await self._put(request, thread)
         return JSONResponse(thread.response)
-
-
-def _signature(fn: Callable[..., Any]) -> Any:
-    """FastAPI reads the route's parameters from the handler's signature: the request and the path's."""
-    import inspect
-
-    params = [p for name, p in inspect.signature(fn).parameters.items() if name not in ("tenant",)]
-    return inspect.Signature(params)

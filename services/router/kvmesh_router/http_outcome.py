@@ -6,19 +6,28 @@ JSON error and counts in ``kvmesh_router_requests_total{api, outcome=<error clas
 that went away (the disconnect watch cancelled the worker calls) gets 499 and counts as
 ``client_gone``; a cancel for any other reason propagates. The disconnect watch stops in every
 case. ``shape`` (``passthrough.Shape``) writes the error in its API's shape; none: OpenAI's.
+
+The endpoints of stored state (``/v1/responses/{id}``..., ``/v1/conversations``...) end one way of
+their own (``store_route``): a refused request (``OpenAIError``) is its error, a store that cannot
+answer is a 503, and each counts by its status.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import functools
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fastapi.responses import Response
 
-from kvmesh.openai.errors import error_response
+from kvmesh.openai.errors import OpenAIError, error_response
+from kvmesh.responses_api.history import unavailable
+from kvmesh.responses_api.store.base import StoreError
 from kvmesh_router import metrics
 from kvmesh_router.errors import RouterError
+
+_STORE_OUTCOMES = {400: "BadRequest", 404: "NotFound", 413: "TooLarge", 503: "StoreUnavailable"}
 
 
 def router_error_response(exc: RouterError, api: str, shape: Any = None) -> Response:
@@ -44,3 +53,25 @@ async def answer_or_error(api: str, watch: Any, answer: Awaitable[Response], sha
         return error_response(499, "client closed the request", "client_closed")
     finally:
         watch.stop()
+
+
+def store_route(api: str, fn: Callable[..., Awaitable[Response]],
+                off: Callable[..., OpenAIError] | None = None) -> Callable[..., Awaitable[Response]]:
+    """``fn`` (a handler of stored state) answering its ``OpenAIError`` and the store's ``StoreError``
+    (503) in OpenAI's shape, counted under ``api`` by outcome; with ``off`` (no store configured)
+    every call is the error ``off`` makes of the route's path parameters. FastAPI reads the route's parameters through ``functools.wraps``."""
+    @functools.wraps(fn)
+    async def handler(*args: Any, **kw: Any) -> Response:
+        try:
+            if off is not None:
+                raise off(**kw)
+            out = await fn(*args, **kw)
+        except StoreError as exc:
+            out = unavailable(exc).response()
+        except OpenAIError as exc:
+            out = exc.response()
+        status = out.status_code
+        metrics.REQUESTS.labels(api=api, outcome="ok" if status < 400 else _STORE_OUTCOMES.get(
+            status, f"http_{status}")).inc()
+        return out
+    return handler

@@ -36,9 +36,9 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from kvmesh.openai import sse
-from kvmesh.openai.errors import BadRequest, OpenAIError, error_response
+from kvmesh.openai.errors import BadRequest, OpenAIError
 from kvmesh.responses_api.conversations import page, with_items
-from kvmesh.responses_api.history import Resolved, not_found, resolve, unavailable
+from kvmesh.responses_api.history import Resolved, not_found, resolve
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
 from kvmesh.responses_api.store.base import (
@@ -46,7 +46,6 @@ from kvmesh.responses_api.store.base import (
     RESPONSE,
     ResponseStore,
     StoredResponse,
-    StoreError,
     valid_id,
 )
 from kvmesh.responses_api.store.registry import open_store
@@ -56,7 +55,7 @@ from kvmesh_router import metrics
 from kvmesh_router.conversations_api import ConversationsApi
 from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import request_scope_of
-from kvmesh_router.http_outcome import answer_or_error, router_error_response
+from kvmesh_router.http_outcome import answer_or_error, router_error_response, store_route
 from kvmesh_router.passthrough import OPENAI, engine_body
 from kvmesh_router.responses_tap import StoreTap
 from kvmesh_router.service import FinalInfo, GenInput
@@ -94,67 +93,42 @@ class ResponsesApi:
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PATH, self.create, methods=["POST"])
         app.add_api_route(PATH + "/input_tokens", self.input_tokens, methods=["POST"])
-        app.add_api_route(PATH + "/{response_id}", self.retrieve, methods=["GET"])
-        app.add_api_route(PATH + "/{response_id}", self.delete, methods=["DELETE"])
-        app.add_api_route(PATH + "/{response_id}/input_items", self.input_items, methods=["GET"])
+        off = None if self.store is not None else lambda response_id, **_: OpenAIError(
+            f"response {response_id[:64]!r} not found: this server does not store responses (--responses-store "
+            "off; send the conversation as 'input')", "response_id", status=404)
+        for path, method, fn, api in (
+                (PATH + "/{response_id}", "GET", self.retrieve, "responses_retrieve"),
+                (PATH + "/{response_id}", "DELETE", self.delete, "responses_delete"),
+                (PATH + "/{response_id}/input_items", "GET", self.input_items, "responses_input_items")):
+            app.add_api_route(path, store_route(api, fn, off), methods=[method])
         ConversationsApi(self.store, self.api.body, _page_params).mount(app)   # /v1/conversations
 
-    # -- stored responses
-    async def _stored(self, request: Request, response_id: str, api: str) -> StoredResponse | Response:
-        """The tenant's stored ``response_id``, or the error answer (404 for absent, off or another tenant's)."""
-        if self.store is None:
-            metrics.REQUESTS.labels(api=api, outcome="NotFound").inc()
-            return error_response(404, f"response {response_id[:64]!r} not found: this server does not store "
-                                       "responses (--responses-store off; send the conversation as 'input')",
-                                  "not_found_error", "response_id")
-        try:
-            rec = await self.store.get(_tenant(request), response_id) if valid_id(response_id) else None
-        except StoreError as exc:
-            metrics.REQUESTS.labels(api=api, outcome="StoreUnavailable").inc()
-            return unavailable(exc).response()
+    # -- stored responses (``store_route`` answers what these raise)
+    async def _stored(self, request: Request, response_id: str) -> StoredResponse:
+        """The tenant's stored ``response_id``; 404 for an absent one or another tenant's."""
+        assert self.store is not None
+        rec = await self.store.get(_tenant(request), response_id) if valid_id(response_id) else None
         if rec is None or rec.kind != RESPONSE:
-            metrics.REQUESTS.labels(api=api, outcome="NotFound").inc()
-            return not_found("Response", response_id, "response_id").response()
+            raise not_found("Response", response_id, "response_id")
         return rec
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
         if request.query_params.get("stream") in ("true", "1"):
-            metrics.REQUESTS.labels(api="responses_retrieve", outcome="BadRequest").inc()
-            return BadRequest("'stream' is not supported when retrieving a response: it has finished "
-                              "(background responses are not supported)", "stream").response()
-        rec = await self._stored(request, response_id, "responses_retrieve")
-        if isinstance(rec, Response):
-            return rec
-        metrics.REQUESTS.labels(api="responses_retrieve", outcome="ok").inc()
-        return JSONResponse(rec.response)
+            raise BadRequest("'stream' is not supported when retrieving a response: it has finished "
+                             "(background responses are not supported)", "stream")
+        return JSONResponse((await self._stored(request, response_id)).response)
 
     async def delete(self, request: Request, response_id: str) -> Response:
-        rec = await self._stored(request, response_id, "responses_delete")
-        if isinstance(rec, Response):
-            return rec
+        await self._stored(request, response_id)
         assert self.store is not None
-        try:
-            await self.store.delete(_tenant(request), response_id)
-        except StoreError as exc:
-            metrics.REQUESTS.labels(api="responses_delete", outcome="StoreUnavailable").inc()
-            return unavailable(exc).response()
-        metrics.REQUESTS.labels(api="responses_delete", outcome="ok").inc()
+        await self.store.delete(_tenant(request), response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
     async def input_items(self, request: Request, response_id: str) -> Response:
         """``GET /v1/responses/{id}/input_items``: the conversation the response answered, a page at a
         time (``limit`` 1-100, default 20; ``order`` desc (default) or asc; ``after``/``before`` an item id)."""
-        api = "responses_input_items"
-        try:
-            limit, order, after, before = _page_params(request)
-        except BadRequest as exc:
-            metrics.REQUESTS.labels(api=api, outcome="BadRequest").inc()
-            return exc.response()
-        rec = await self._stored(request, response_id, api)
-        if isinstance(rec, Response):
-            return rec
-        metrics.REQUESTS.labels(api=api, outcome="ok").inc()
-        return JSONResponse(page(rec.input, limit, order, after, before))
+        limit, order, after, before = _page_params(request)
+        return JSONResponse(page((await self._stored(request, response_id)).input, limit, order, after, before))
 
     async def _keep(self, scope_tenant: str, head: ResponseHead, response: dict[str, Any],
                     res: Resolved) -> None:
@@ -168,7 +142,7 @@ class ResponsesApi:
         if not head.store:
             return
         try:
-            kept = await self.store.put(scope_tenant, StoredResponse(response, res.conversation))
+            kept = await self.store.put(scope_tenant, StoredResponse(response, res.stored_input()))
         except Exception as exc:   # a store outage must not fail an answered request
             log.warning("response not stored", extra={"response_id": head.id, "error": f"{type(exc).__name__}: "
                                                                                       f"{exc}"})
@@ -371,4 +345,4 @@ def _page_params(request: Request) -> tuple[int, str, str | None, str | None]:
     order = q.get("order", "desc")
     if order not in ("asc", "desc"):
         raise BadRequest("'order' must be asc or desc", "order")
-    return limit, order, q.get("after"), q.get("before")
+    return limit, order, q.get("after") or None, q.get("before") or None   # an empty one: none

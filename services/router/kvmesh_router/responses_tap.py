@@ -16,8 +16,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
-Keep = Callable[[dict[str, Any]], Awaitable[None]]
-_DONE = ("completed", "incomplete")
+Keep = Callable[[dict[str, Any]], Awaitable[None]]   # keeps a finished response (it reads its status)
 
 
 class StoreTap:
@@ -26,15 +25,9 @@ class StoreTap:
     def __init__(self, echo: dict[str, Any], keep: Keep) -> None:
         self.echo = echo   # what the router did: store, previous_response_id, conversation
         self.keep = keep
-        self.kept = False
 
     def _echo(self, response: dict[str, Any]) -> None:
         response.update(self.echo)
-
-    async def _done(self, response: dict[str, Any]) -> None:
-        if not self.kept and response.get("status") in _DONE:
-            self.kept = True
-            await self.keep(response)
 
     async def body(self, raw: bytes) -> bytes:
         try:
@@ -44,7 +37,7 @@ class StoreTap:
         if not isinstance(doc, dict) or doc.get("object") != "response":
             return raw
         self._echo(doc)
-        await self._done(doc)
+        await self.keep(doc)
         return json.dumps(doc, ensure_ascii=False).encode()
 
     async def _line(self, line: bytes) -> bytes:
@@ -59,8 +52,8 @@ class StoreTap:
         if not isinstance(r, dict):
             return line
         self._echo(r)
-        if doc.get("type") == "response.completed":
-            await self._done(r)
+        if doc.get("type") == "response.completed":   # the one event whose response is finished
+            await self.keep(r)
         return b"data: " + json.dumps(doc, ensure_ascii=False).encode()
 
     async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -2,8 +2,9 @@
 
 Bounded three ways: a time to live from when a response was stored, a total byte budget,
 and a per-tenant share of it, so that one tenant's traffic evicts its own oldest responses
-and never another tenant's. Eviction is oldest first (records are stored once and never
-updated, so insertion order is age order and the expired ones are always at the front).
+and never another tenant's. Eviction is oldest first: a record written again (a conversation
+that grew) is taken out and put back, so insertion order is the order of last writes, and
+the expired ones are always at the front.
 A router replica keeps its own: behind several replicas use ``redis``.
 """
 

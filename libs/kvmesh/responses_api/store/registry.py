@@ -34,5 +34,5 @@ def open_store(spec: str, ttl_s: float, max_bytes: int, tenant_max_bytes: int) -
     if name == OFF:
         return None
     if name == "redis":
-        return RESPONSE_STORES.create(name, spec, ttl_s, max_record_bytes=tenant_max_bytes or max_bytes)
+        return RESPONSE_STORES.create(name, spec, ttl_s, max_record_bytes=tenant_max_bytes)
     return RESPONSE_STORES.create(name, ttl_s, max_bytes, tenant_max_bytes)
