@@ -16,9 +16,9 @@ import uuid
 from typing import Any
 
 from kvmesh.openai.errors import BadRequest
-from kvmesh.responses_api.history import conversation_items
+from kvmesh.responses_api.history import conversation_items, not_found
 from kvmesh.responses_api.requests import checked_metadata, input_messages
-from kvmesh.responses_api.store.base import CONVERSATION, StoredResponse
+from kvmesh.responses_api.store.base import CONVERSATION, Change, StoredResponse
 
 MAX_ITEMS_PER_ADD = 20   # OpenAI's bound on items given at creation or in one add
 
@@ -50,17 +50,30 @@ def new_conversation(body: dict[str, Any]) -> StoredResponse:
     return StoredResponse(obj, checked_items(body.get("items")))
 
 
-def with_metadata(thread: StoredResponse, md: Any) -> StoredResponse:
-    return StoredResponse({**thread.response, "metadata": _metadata(md)}, thread.input)
+def _conversation(thread: StoredResponse) -> StoredResponse:
+    if thread.kind != CONVERSATION:   # a response of that id is not a conversation
+        raise not_found("Conversation", thread.id, "conversation_id")
+    return thread
 
 
-def with_items(thread: StoredResponse, items: list[Any]) -> StoredResponse:
-    return StoredResponse(thread.response, thread.input + items)
+# Changes of a kept conversation, for ``ResponseStore.update`` (which applies each to the record as it is
+# when written, so two writers at once keep both their items).
+def with_metadata(md: Any) -> Change:
+    metadata = _metadata(md)
+    return lambda thread: StoredResponse({**_conversation(thread).response, "metadata": metadata}, thread.input)
 
 
-def without_item(thread: StoredResponse, item_id: str) -> StoredResponse | None:
-    kept = [i for i in thread.input if not (isinstance(i, dict) and i.get("id") == item_id)]
-    return None if len(kept) == len(thread.input) else StoredResponse(thread.response, kept)
+def with_items(items: list[Any]) -> Change:
+    return lambda thread: StoredResponse(_conversation(thread).response, thread.input + items)
+
+
+def without_item(item_id: str) -> Change:
+    def change(thread: StoredResponse) -> StoredResponse:
+        kept = [i for i in _conversation(thread).input if not (isinstance(i, dict) and i.get("id") == item_id)]
+        if len(kept) == len(thread.input):
+            raise not_found("Item", item_id, "item_id")
+        return StoredResponse(thread.response, kept)
+    return change
 
 
 def listed(item: Any) -> Any:

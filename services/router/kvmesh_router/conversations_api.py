@@ -19,12 +19,24 @@ from fastapi.responses import JSONResponse, Response
 from kvmesh.openai.errors import BadRequest, OpenAIError
 from kvmesh.responses_api import conversations as conv
 from kvmesh.responses_api.history import not_found
-from kvmesh.responses_api.store.base import CONVERSATION, ResponseStore, StoredResponse, valid_id
+from kvmesh.responses_api.store.base import (
+    CONVERSATION,
+    Change,
+    ResponseStore,
+    StoredResponse,
+    TooLarge,
+    valid_id,
+)
 from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import store_route
 
 API = "conversations"
 PATH = "/v1/conversations"
+
+
+def _too_large() -> OpenAIError:
+    return OpenAIError("the conversation is larger than this server keeps for a tenant "
+                       "(--responses-store-tenant-max-bytes)", "items", status=413)
 
 
 class ConversationsApi:
@@ -61,8 +73,19 @@ class ConversationsApi:
     async def _put(self, request: Request, thread: StoredResponse) -> None:
         assert self.store is not None
         if not await self.store.put(request_scope_of(request).tenant, thread):
-            raise OpenAIError("the conversation is larger than this server keeps for a tenant "
-                              "(--responses-store-tenant-max-bytes)", "items", status=413)
+            raise _too_large()
+
+    async def _change(self, request: Request, conversation_id: str, change: Change) -> StoredResponse:
+        """The conversation changed in one store step (another replica adding to it at once is not lost)."""
+        assert self.store is not None
+        try:
+            thread = await self.store.update(request_scope_of(request).tenant, conversation_id, change) \
+                if valid_id(conversation_id) else None
+        except TooLarge:
+            raise _too_large() from None
+        if thread is None:
+            raise not_found("Conversation", conversation_id, "conversation_id")
+        return thread
 
     async def create(self, request: Request) -> Response:
         thread = conv.new_conversation(await self.body(request))
@@ -74,9 +97,8 @@ class ConversationsApi:
 
     async def update(self, request: Request, conversation_id: str) -> Response:
         body = await self.body(request)
-        thread = conv.with_metadata(await self._thread(request, conversation_id), body.get("metadata"))
-        await self._put(request, thread)
-        return JSONResponse(thread.response)
+        return JSONResponse((await self._change(request, conversation_id, conv.with_metadata(body.get("metadata")))
+                             ).response)
 
     async def delete(self, request: Request, conversation_id: str) -> Response:
         await self._thread(request, conversation_id)
@@ -94,8 +116,7 @@ class ConversationsApi:
         if "items" not in body:
             raise BadRequest("'items' is required", "items")
         items = conv.checked_items(body["items"])
-        thread = await self._thread(request, conversation_id)
-        await self._put(request, conv.with_items(thread, items))
+        await self._change(request, conversation_id, conv.with_items(items))
         return JSONResponse(conv.page(items, len(items) or 1, "asc", None, None))
 
     async def item(self, request: Request, conversation_id: str, item_id: str) -> Response:
@@ -105,8 +126,5 @@ class ConversationsApi:
         return JSONResponse(conv.listed(found))
 
     async def delete_item(self, request: Request, conversation_id: str, item_id: str) -> Response:
-        thread = conv.without_item(await self._thread(request, conversation_id), item_id)
-        if thread is None:
-            raise not_found("Item", item_id, "item_id")
-        await self._put(request, thread)
+        thread = await self._change(request, conversation_id, conv.without_item(item_id))
         return JSONResponse(thread.response)

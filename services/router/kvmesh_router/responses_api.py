@@ -41,13 +41,7 @@ from kvmesh.responses_api.conversations import page, with_items
 from kvmesh.responses_api.history import Resolved, not_found, resolve
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
-from kvmesh.responses_api.store.base import (
-    CONVERSATION,
-    RESPONSE,
-    ResponseStore,
-    StoredResponse,
-    valid_id,
-)
+from kvmesh.responses_api.store.base import RESPONSE, ResponseStore, StoredResponse, TooLarge, valid_id
 from kvmesh.responses_api.store.registry import open_store
 from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
@@ -179,22 +173,21 @@ class ResponsesApi:
         """The request's input items and the answer's output join its conversation (re-read now: another
         turn may have added to it meanwhile)."""
         assert self.store is not None and res.thread is not None
+        items = res.new_items + list(response.get("output") or [])
         try:
-            thread = await self.store.get(tenant, res.thread.id)
-            if thread is None or thread.kind != CONVERSATION:
-                log.warning("conversation gone before its answer was added", extra={"conversation": res.thread.id})
-                return
-            kept = await self.store.put(tenant, with_items(thread, res.new_items
-                                                           + list(response.get("output") or [])))
+            thread = await self.store.update(tenant, res.thread.id, with_items(items))
+        except TooLarge:
+            log.warning("answer not added: the conversation is larger than the store keeps",
+                        extra={"conversation": res.thread.id})
+            metrics.RESPONSES_STORED.labels(outcome="too_large").inc()
+            return
         except Exception as exc:   # a store outage must not fail an answered request
             log.warning("answer not added to its conversation", extra={
                 "response_id": head.id, "conversation": res.thread.id, "error": f"{type(exc).__name__}: {exc}"})
             metrics.RESPONSES_STORED.labels(outcome="error").inc()
             return
-        if not kept:
-            log.warning("answer not added: the conversation is larger than the store keeps",
-                        extra={"conversation": res.thread.id})
-            metrics.RESPONSES_STORED.labels(outcome="too_large").inc()
+        if thread is None:
+            log.warning("conversation gone before its answer was added", extra={"conversation": res.thread.id})
 
     async def create(self, request: Request) -> Response:
         received = time.perf_counter()

@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 
 from kvmesh.openai.errors import OpenAIError
+from kvmesh.responses_api.conversations import with_items, without_item
 from kvmesh.responses_api.history import MAX_REFERENCES, conversation_items, resolve
-from kvmesh.responses_api.store.base import StoredResponse
+from kvmesh.responses_api.store.base import StoredResponse, TooLarge
 from kvmesh.responses_api.store.memory import MemoryResponseStore
 from kvmesh.responses_api.store.redis_store import RedisResponseStore
 from kvmesh.responses_api.store.registry import open_store, store_name
@@ -116,6 +117,52 @@ async def test_redis_store_against_a_real_server(redis_server):
         assert await st.put("team:a", record("resp_2"))
         await asyncio.sleep(0.7)   # the time to live is Redis's own
         assert await other.get("team:a", "resp_2") is None and await other.item_owner("team:a", "msg_resp_2") is None
+    finally:
+        await st.close()
+        await other.close()
+
+
+def thread(cid: str = "conv_1") -> StoredResponse:
+    return StoredResponse({"id": cid, "object": "conversation", "created_at": 0, "metadata": {}}, [])
+
+
+def said(i: int) -> list[dict[str, Any]]:
+    return [{"type": "message", "id": f"msg_{i}", "role": "user", "content": f"turn {i}"}]
+
+
+async def check_updates(st: Any, other: Any) -> None:
+    """``update`` on any store: absent is None; a change that raises writes nothing; too large writes
+    nothing; and many writers at once (two replicas) keep every item."""
+    assert await st.update("a", "conv_1", with_items(said(0))) is None
+    assert await st.put("a", thread())
+    assert await st.update("b", "conv_1", with_items(said(0))) is None   # another tenant's
+    with pytest.raises(OpenAIError):   # not there: nothing written
+        await st.update("a", "conv_1", without_item("msg_9"))
+    with pytest.raises(TooLarge):
+        await st.update("a", "conv_1", with_items([{**said(0)[0], "content": "x" * 9000}]))
+    assert (await other.get("a", "conv_1")).input == []
+    assert await st.put("a", record("resp_1"))
+    with pytest.raises(OpenAIError):   # a response is not a conversation
+        await st.update("a", "resp_1", with_items(said(0)))
+    # Sixty turns added at once through two stores (two router replicas): none is lost.
+    await asyncio.gather(*[(st, other)[i % 2].update("a", "conv_1", with_items(said(i))) for i in range(60)])
+    got = await st.get("a", "conv_1")
+    assert sorted(i["id"] for i in got.input) == sorted(f"msg_{i}" for i in range(60))
+    assert await other.item_owner("a", "msg_59") == "conv_1"
+
+
+async def test_memory_store_updates_in_one_step():
+    st = MemoryResponseStore(ttl_s=60, max_bytes=1 << 20, tenant_max_bytes=8000)
+    await check_updates(st, st)
+
+
+@pytest.mark.redis
+async def test_redis_store_updates_from_two_replicas_lose_nothing(redis_server):
+    prefix = f"test:{uuid.uuid4().hex}"
+    st, other = (RedisResponseStore(redis_server.url, ttl_s=60, max_record_bytes=8000, prefix=prefix)
+                 for _ in range(2))
+    try:
+        await check_updates(st, other)
     finally:
         await st.close()
         await other.close()

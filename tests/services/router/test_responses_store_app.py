@@ -7,6 +7,7 @@ two router replicas sharing a real Redis. The service below ``generate`` is the 
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from pathlib import Path
 from typing import Any
@@ -177,6 +178,22 @@ async def test_two_router_replicas_share_a_redis_store(tiny_model_dir, redis_ser
     r2 = await c2.responses.create(model="m", previous_response_id=r1.id, input="What did I ask?")
     assert r2.previous_response_id == r1.id and tag in s2.rendered
     assert (await c1.responses.retrieve(r2.id)).id == r2.id
+
+
+@pytest.mark.redis
+async def test_turns_of_one_conversation_at_once_on_two_replicas_keep_every_item(tiny_model_dir, redis_server):
+    """Parallel turns in one conversation (sub-agents sharing it), answered by two replicas at the same
+    moment: each adds its input and output to the conversation as it is then, so none is lost."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+    c1, c2 = (_client(build_app(_service(tiny_model_dir, responses_store=url)))  # type: ignore[arg-type]
+              for _ in range(2))
+    c = await c1.conversations.create()
+    answers = await asyncio.gather(*[(c1, c2)[i % 2].responses.create(model="m", conversation=c.id, input=f"task {i}")
+                                     for i in range(12)])
+    items = [i async for i in c2.conversations.items.list(c.id, limit=100)]
+    texts = {i.content[0].text for i in items if i.type == "message" and i.role == "user"}
+    assert texts == {f"task {i}" for i in range(12)}
+    assert {o.id for r in answers for o in r.output} <= {i.id for i in items}
 
 
 async def test_a_store_that_cannot_answer_is_a_503_and_never_costs_an_answer(tiny_model_dir):

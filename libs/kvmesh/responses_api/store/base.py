@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -73,6 +74,13 @@ class StoreError(Exception):
     """The store could not answer (its server is down or too slow): the caller answers 503."""
 
 
+class TooLarge(Exception):
+    """The changed record is larger than the store keeps for a tenant; nothing was written."""
+
+
+Change = Callable[[StoredResponse], StoredResponse]
+
+
 class ResponseStore(ABC):
     """A tenant-scoped, bounded store of answered responses."""
 
@@ -89,6 +97,14 @@ class ResponseStore(ABC):
     @abstractmethod
     async def delete(self, tenant: str, response_id: str) -> bool:
         """Forget ``response_id``; False if ``tenant`` had no such response."""
+
+    @abstractmethod
+    async def update(self, tenant: str, record_id: str, change: Change) -> StoredResponse | None:
+        """Replace a record by ``change(record)`` as one step, so that two writers at once (two turns of
+        one conversation, on two router replicas) cannot lose each other's items. ``change`` sees the
+        record as it is now and may be called again if another writer got there first; what it raises
+        comes out of ``update`` and writes nothing. Returns the new record, or None when there is none
+        (absent, expired or another tenant's). Raises ``TooLarge`` when the new record is not kept."""
 
     @abstractmethod
     async def item_owner(self, tenant: str, item_id: str) -> str | None:

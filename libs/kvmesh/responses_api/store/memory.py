@@ -5,7 +5,8 @@ and a per-tenant share of it, so that one tenant's traffic evicts its own oldest
 and never another tenant's. Eviction is oldest first: a record written again (a conversation
 that grew) is taken out and put back, so insertion order is the order of last writes, and
 the expired ones are always at the front.
-A router replica keeps its own: behind several replicas use ``redis``.
+A router replica keeps its own: behind several replicas use ``redis``. No call suspends
+between reading and writing, so an ``update`` is one step on the event loop.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvmesh.responses_api.store.base import ResponseStore, StoredResponse
+from kvmesh.responses_api.store.base import Change, ResponseStore, StoredResponse, TooLarge
 
 
 @dataclass
@@ -69,6 +70,9 @@ class MemoryResponseStore(ResponseStore):
         return self._records.get((tenant, response_id))
 
     async def put(self, tenant: str, record: StoredResponse) -> bool:
+        return self._put(tenant, record)
+
+    def _put(self, tenant: str, record: StoredResponse) -> bool:
         raw = record.encode()
         size = len(raw)
         if size > self.tenant_max_bytes:
@@ -95,6 +99,15 @@ class MemoryResponseStore(ResponseStore):
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         e = self._live(tenant, response_id)
         return StoredResponse.decode(e.raw) if e is not None else None
+
+    async def update(self, tenant: str, record_id: str, change: Change) -> StoredResponse | None:
+        e = self._live(tenant, record_id)
+        if e is None:
+            return None
+        new = change(StoredResponse.decode(e.raw))
+        if not self._put(tenant, new):
+            raise TooLarge(record_id)
+        return new
 
     async def delete(self, tenant: str, response_id: str) -> bool:
         if self._live(tenant, response_id) is None:

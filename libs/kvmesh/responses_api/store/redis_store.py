@@ -6,22 +6,28 @@ with the store's time to live; each item id of it is a small key naming its newe
 record, with the same life. Keys are per tenant (the tenant is escaped, so no tenant can
 name another's keys). Bound the memory on the Redis side (``maxmemory`` with
 ``volatile-ttl`` or ``allkeys-lru``) and do not share the indexer's Redis, whose policy is
-``noeviction``: a full store must not refuse the index's writes.
+``noeviction``: a full store must not refuse the index's writes. A record changed in place (a
+conversation that grew) is written with WATCH/MULTI, so replicas adding to it at once retry rather
+than overwrite each other.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import random
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 from urllib.parse import quote
 
-from redis.exceptions import RedisError
+from redis.exceptions import RedisError, WatchError
 
-from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, StoreError
+from kvmesh.responses_api.store.base import Change, ResponseStore, StoredResponse, StoreError, TooLarge
 
 T = TypeVar("T")
 TIMEOUT_S = 2.0   # a request waits at most this for the store (each call), then is answered 503
+UPDATE_TRIES = 64   # an update that loses this many races in a row is answered 503
+UPDATE_BACKOFF_S = 0.002   # the first retry's mean pause; it doubles (jittered) up to 64x
 
 
 def _translated(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -55,13 +61,40 @@ class RedisResponseStore(ResponseStore):
         raw = record.encode()
         if len(raw) > self.max_record_bytes:
             return False
-        rid = record.id
         pipe = self.client.pipeline(transaction=False)
+        self._write(pipe, tenant, record, raw)
+        await pipe.execute()
+        return True
+
+    def _write(self, pipe: Any, tenant: str, record: StoredResponse, raw: bytes) -> None:
+        rid = record.id
         pipe.set(self._key("r", tenant, rid), raw, px=self.ttl_ms)
         for item in record.item_ids():
             pipe.set(self._key("i", tenant, item), rid, px=self.ttl_ms)
-        await pipe.execute()
-        return True
+
+    @_translated
+    async def update(self, tenant: str, record_id: str, change: Change) -> StoredResponse | None:
+        key = self._key("r", tenant, record_id)
+        async with self.client.pipeline(transaction=True) as pipe:
+            for attempt in range(UPDATE_TRIES):
+                if attempt:   # losers spread out, so that many writers at once do not starve each other
+                    await asyncio.sleep(random.uniform(0, 2 * UPDATE_BACKOFF_S * (1 << min(attempt - 1, 6))))
+                try:
+                    await pipe.watch(key)
+                    raw = await pipe.get(key)
+                    if raw is None:
+                        return None
+                    new = change(StoredResponse.decode(raw))
+                    encoded = new.encode()
+                    if len(encoded) > self.max_record_bytes:
+                        raise TooLarge(record_id)
+                    pipe.multi()
+                    self._write(pipe, tenant, new, encoded)
+                    await pipe.execute()
+                    return new
+                except WatchError:   # another writer changed it between our read and write: read again
+                    continue
+        raise StoreError(f"{record_id} changed by other writers {UPDATE_TRIES} times in a row")
 
     @_translated
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
