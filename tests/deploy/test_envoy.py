@@ -274,3 +274,44 @@ async def test_shedding_answers_429(envoy_factory) -> None:
 def _inflight(server) -> int:
     (binding,) = server.bindings
     return binding[1].inflight
+
+
+def test_stored_responses_chain_through_the_gateway(deploy_stack, gateway) -> None:
+    """The official openai client through Envoy, chaining by ``previous_response_id`` and continuing a
+    conversation: the picker puts the stored state back into the body the worker gets (which then
+    says ``store: false``), and keeps each answer as Envoy passes it back (JSON and a stream); the router's
+    own front door reads what the gateway kept, as one store serves both."""
+    import openai
+
+    via_gateway = openai.OpenAI(base_url=gateway.base + "/v1", api_key="k", max_retries=0, timeout=60)
+    via_router = openai.OpenAI(base_url=f"http://127.0.0.1:{deploy_stack.router_http}/v1", api_key="k",
+                               max_retries=0, timeout=60)
+    r1 = via_gateway.responses.create(model=MODEL, input="Remember the gateway tag 4417.", max_output_tokens=4)
+    assert r1.store is True and r1.output_text
+    r2 = via_gateway.responses.create(model=MODEL, previous_response_id=r1.id, input="Which tag?",
+                                      max_output_tokens=4)
+    assert r2.previous_response_id == r1.id and r2.store is True
+    # The worker saw the whole conversation: the first turn's prompt is a prefix of the second's.
+    assert r2.usage.input_tokens > r1.usage.input_tokens
+    with via_gateway.responses.stream(model=MODEL, previous_response_id=r2.id, input="And again?",
+                                      max_output_tokens=4) as stream:
+        r3 = stream.get_final_response()
+    assert r3.previous_response_id == r2.id and r3.store is True
+    got = via_router.responses.retrieve(r3.id)
+    assert got.id == r3.id and got.output_text == r3.output_text
+    said = [i.content[0].text for i in via_router.responses.input_items.list(r3.id, order="asc").data
+            if i.type == "message" and i.role == "user"]
+    assert said == ["Remember the gateway tag 4417.", "Which tag?", "And again?"]
+    # A conversation made at the router's door, continued through the gateway.
+    c = via_router.conversations.create(items=[{"role": "user", "content": "Project: kvmesh."}])
+    r4 = via_gateway.responses.create(model=MODEL, conversation=c.id, input="Name it.", max_output_tokens=4)
+    assert r4.conversation.id == c.id
+    kinds = [(i.type, getattr(i, "role", None)) for i in via_router.conversations.items.list(c.id, order="asc").data]
+    assert kinds[:2] == [("message", "user"), ("message", "user")] and ("message", "assistant") in kinds[2:]
+    # store: false keeps nothing; an unknown id is the client's 404, not the worker's.
+    r5 = via_gateway.responses.create(model=MODEL, input="Forget this.", max_output_tokens=4, store=False)
+    with pytest.raises(openai.NotFoundError):
+        via_router.responses.retrieve(r5.id)
+    with pytest.raises(openai.NotFoundError) as e:
+        via_gateway.responses.create(model=MODEL, previous_response_id="resp_nope", input="x", max_output_tokens=4)
+    assert "resp_nope" in str(e.value)

@@ -130,3 +130,55 @@ async def test_bodyless_request_is_picked_on_headers(picker) -> None:
     out = await run(stub, [headers_msg(path="/v1/models", eos=True)])
     assert [r.WhichOneof("response") for r in out] == ["request_headers"]
     assert seen[-1].body is None and seen[-1].path == "/v1/models"
+
+
+def response_msgs(status: int, content_type: str, chunks: list[bytes]) -> list[ep.ProcessingRequest]:
+    hs = [base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in
+          {":status": str(status), "content-type": content_type, "content-length": "99"}.items()]
+    return [ep.ProcessingRequest(response_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(headers=hs))),
+            *[ep.ProcessingRequest(response_body=ep.HttpBody(body=c, end_of_stream=i == len(chunks) - 1))
+              for i, c in enumerate(chunks)]]
+
+
+class Upper:
+    """A tap that holds a JSON answer to its end and upper-cases a stream a piece at a time."""
+
+    def __init__(self) -> None:
+        self.held = b""
+
+    async def feed(self, chunk: bytes, eos: bool, sse: bool) -> bytes:
+        if sse:
+            return chunk.upper()
+        self.held += chunk
+        return self.held.upper() if eos else b""
+
+
+async def test_a_taps_response_body_is_what_the_tap_gives_back() -> None:
+    async def pick(_req: PickRequest) -> PickResult:
+        return PickResult(address=POOL[0], tap=Upper())
+
+    server = await start_extproc_server(pick, 0, host="127.0.0.1", config=ExtProcConfig())
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            request = [headers_msg(path="/v1/responses"), *body_msgs(b'{"model": "m", "input": "hi"}', 1)]
+
+            def answer(out: list[ep.ProcessingResponse]) -> tuple[list[str], list[bytes]]:
+                hdrs = [r for r in out if r.WhichOneof("response") == "response_headers"][0]
+                bodies = [r.response_body.response.body_mutation.streamed_response.body
+                          for r in out if r.WhichOneof("response") == "response_body"]
+                return list(hdrs.response_headers.response.header_mutation.remove_headers), bodies
+
+            # JSON: held back (sent empty) to its end, then rewritten whole; its length goes.
+            removed, bodies = answer(await run(stub, [*request, *response_msgs(
+                200, "application/json", [b'{"a":', b' "b"}'])]))
+            assert removed == ["content-length"] and bodies == [b"", b'{"A": "B"}']
+            removed, bodies = answer(await run(stub, [*request, *response_msgs(
+                200, "text/event-stream", [b"data: x\n", b"data: y\n"])]))
+            assert bodies == [b"DATA: X\n", b"DATA: Y\n"]
+            # An error answer is not the tap's: it passes as it came, with its length.
+            removed, bodies = answer(await run(stub, [*request, *response_msgs(
+                404, "application/json", [b'{"error": "x"}'])]))
+            assert removed == [] and bodies == [b'{"error": "x"}']
+    finally:
+        await server.stop(0)

@@ -76,6 +76,14 @@ class Resolved:
         return self.conversation
 
 
+def wants_store(body: dict[str, Any]) -> bool:
+    """Whether the request asks for its answer to be kept (``store``, default true, as OpenAI's)."""
+    value = body.get("store", True)
+    if value is not None and not isinstance(value, bool):
+        raise BadRequest("'store' must be a boolean", "store")
+    return value is not False
+
+
 def unavailable(exc: StoreError) -> OpenAIError:
     return OpenAIError(f"the response store is unavailable ({exc}); retry, or send the whole conversation as "
                        "'input'", None, status=503)

@@ -23,6 +23,11 @@ Protocol (per the EPP spec):
   bad body -> 400, over ``max_body_bytes`` -> 413.
 - response headers, when Envoy sends them, get ``x-kvmesh-picked-endpoint`` and
   ``x-kvmesh-predicted-cached-tokens``.
+- response bodies, where Envoy sends them (``FULL_DUPLEX_STREAMED``: the shipped config
+  does for ``/v1/responses`` only), pass through unchanged, unless the pick carries a
+  ``tap`` (a stored Responses request, whose answer the router keeps) and the response is
+  a 200: then its ``content-length`` goes and each piece is what the tap gives back
+  (held back pieces are sent empty).
 - gRPC health serves ``envoy.service.ext_proc.v3.ExternalProcessor`` (and ``""``
   and ``liveness``) via ``kvmesh.rpc.server.ServiceServer``.
 
@@ -38,7 +43,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import grpc
 from envoy.config.core.v3 import base_pb2
@@ -123,6 +128,13 @@ class PickRequest:
     subset: list[str] | None = None       # allowed worker HTTP addresses (ip:port); None = whole pool
 
 
+class BodyTap(Protocol):
+    """Sees a successful answer's body on its way to the client, and may rewrite it."""
+
+    async def feed(self, chunk: bytes, eos: bool, sse: bool) -> bytes:
+        """What to send on in place of ``chunk`` (``sse``: the answer is an event stream)."""
+
+
 @dataclass
 class PickResult:
     """Where to send it: ``address`` is the worker's HTTP ``ip:port`` (what Envoy dials)."""
@@ -137,6 +149,7 @@ class PickResult:
     extra_headers: dict[str, str] = field(default_factory=dict)
     # The request body to forward instead of the one received (the tenant's cache_salt set); None = as is.
     body: bytes | None = None
+    tap: BodyTap | None = None
 
 
 PickFn = Callable[[PickRequest], Awaitable[PickResult]]
@@ -212,6 +225,7 @@ class _Stream:
         self.request_id = ""
         self.status = 0
         self.counted = False
+        self.tap_sse: bool | None = None   # the response body goes through the pick's tap (an event stream?)
 
     def done(self, servicer: ExtProcServicer) -> None:
         """The HTTP request is over (the gateway closed the stream): settle the bookkeeping once."""
@@ -268,23 +282,40 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                             yield resp
                     yield ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
                 elif kind == "response_headers":
-                    for h in req.response_headers.headers.headers:
-                        if h.key == ":status":
-                            st.status = int(_header_value(h) or 0)
-                    # What was picked and what it should have cached, next to the engine's own usage.
-                    mutation = ep.HeaderMutation(set_headers=[
-                        _set_header(PICKED_RESPONSE_HEADER, st.result.address),
-                        _set_header(PREDICTED_RESPONSE_HEADER, str(st.result.predicted_cached_tokens))]) \
-                        if st.result is not None else ep.HeaderMutation()
-                    yield ep.ProcessingResponse(response_headers=ep.HeadersResponse(
-                        response=ep.CommonResponse(header_mutation=mutation)))
+                    yield self._response_headers(st, req.response_headers)
                 elif kind == "response_body":
-                    yield self._body_passthrough(req.response_body.body, req.response_body.end_of_stream,
-                                                 response=True)
+                    yield await self._response_body(st, req.response_body.body, req.response_body.end_of_stream)
                 elif kind == "response_trailers":
                     yield ep.ProcessingResponse(response_trailers=ep.TrailersResponse())
         finally:
             st.done(self)
+
+    @staticmethod
+    def _response_headers(st: _Stream, headers: ep.HttpHeaders) -> ep.ProcessingResponse:
+        got = {h.key.lower(): _header_value(h) for h in headers.headers.headers}
+        st.status = int(got.get(":status") or 0)
+        if st.result is None:
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
+        # What was picked and what it should have cached, next to the engine's own usage.
+        set_headers = [_set_header(PICKED_RESPONSE_HEADER, st.result.address),
+                       _set_header(PREDICTED_RESPONSE_HEADER, str(st.result.predicted_cached_tokens))]
+        if st.result.tap is None or st.status != 200 or headers.end_of_stream:
+            return ep.ProcessingResponse(response_headers=ep.HeadersResponse(
+                response=ep.CommonResponse(header_mutation=ep.HeaderMutation(set_headers=set_headers))))
+        # The tap may rewrite the body, so its length goes; Envoy sends the client chunked.
+        st.tap_sse = "text/event-stream" in got.get("content-type", "")
+        return ep.ProcessingResponse(response_headers=ep.HeadersResponse(response=ep.CommonResponse(
+            header_mutation=ep.HeaderMutation(set_headers=set_headers, remove_headers=["content-length"]))))
+
+    async def _response_body(self, st: _Stream, body: bytes, eos: bool) -> ep.ProcessingResponse:
+        if st.tap_sse is None or st.result is None or st.result.tap is None:
+            return self._body_passthrough(body, eos, response=True)
+        try:
+            out = await st.result.tap.feed(body, eos, st.tap_sse)
+        except Exception:   # the answer must reach the client even if keeping it fails
+            log.exception("response tap failed", extra={"request_id": st.request_id})
+            st.tap_sse, out = None, body
+        return self._body_passthrough(out, eos, response=True)
 
     @staticmethod
     def _body_passthrough(body: bytes, eos: bool, response: bool = False) -> ep.ProcessingResponse:

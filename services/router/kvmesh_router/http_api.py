@@ -29,6 +29,7 @@ from kvmesh.openai.errors import OpenAIError, error_body, error_response, instal
 from kvmesh.openai.requests import OpenAIRequest, parse_chat, parse_completion, read_json, string
 from kvmesh.openai.responses import Answer, tool_calls
 from kvmesh.openai.usage import usage
+from kvmesh.responses_api.store.base import ResponseStore
 from kvmesh.tokenization.detokenize import IncrementalDetokenizer
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import metrics
@@ -302,8 +303,10 @@ class RouterHttpApi:
         yield sse.DONE
 
 
-def build_app(service: RouterService, scopes: RequestScopes | None = None) -> FastAPI:
-    """The FastAPI app of the router's HTTP front door over ``service``; ``scopes`` default to the config's."""
+def build_app(service: RouterService, scopes: RequestScopes | None = None,
+              store: ResponseStore | None = None) -> FastAPI:
+    """The FastAPI app of the router's HTTP front door over ``service``; ``scopes`` default to the config's,
+    the Responses ``store`` to one opened from it (``--responses-store``)."""
     api = RouterHttpApi(service)
     app = FastAPI(title="kvmesh router", docs_url=None, redoc_url=None)
     app.add_middleware(ScopeMiddleware, scopes=scopes or scopes_from_config(service.cfg))
@@ -314,5 +317,5 @@ def build_app(service: RouterService, scopes: RequestScopes | None = None) -> Fa
     app.add_api_route("/health", api.health, methods=["GET"])
     install_error_handlers(app)
     AnthropicApi(api).mount(app)   # /v1/messages, /v1/messages/count_tokens
-    ResponsesApi(api).mount(app)   # /v1/responses
+    ResponsesApi(api, store).mount(app)   # /v1/responses
     return app

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import json
 import logging
 from typing import Any
 
@@ -14,6 +13,7 @@ import uvicorn
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh.hashing import BlockHasher
 from kvmesh.http_tls import ServerSsl, http_tls_enabled, peer_aware
+from kvmesh.responses_api.store.registry import open_store
 from kvmesh.routing.hash_cache import HashCacheConfig
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
@@ -28,7 +28,7 @@ from kvmesh_router.config import RouterConfig
 from kvmesh_router.grpc_api import AuthInterceptor, RouterServicer
 from kvmesh_router.http_api import build_app
 from kvmesh_router.http_guard import guarded_protocol
-from kvmesh_router.request_scope import RequestScopes, Unauthenticated, scopes_from_config
+from kvmesh_router.request_scope import scopes_from_config
 from kvmesh_router.service import RouterService
 
 log = logging.getLogger(__name__)
@@ -62,76 +62,15 @@ def build_service(cfg: RouterConfig) -> RouterService:
     return RouterService(cfg, core, Cluster(cfg, core), tokenizer)
 
 
-def _extproc_pick_fn(service: RouterService, scopes: RequestScopes) -> Any:
-    """Adapter from the ext_proc module's ``PickRequest`` to :func:`kvmesh_router.picker.pick`."""
-    from kvmesh.openai.errors import OpenAIError
-    from kvmesh.responses_api.requests import parse_responses
-    from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
-    from kvmesh_router import extproc
-    from kvmesh_router.errors import BadRequest, Overloaded, RouterError, Unavailable
-    from kvmesh_router.picker import pick
-
-    async def pick_fn(preq: Any) -> Any:
-        try:
-            # The same keys and tenants as the router's own front doors.
-            principal = scopes.authenticate(preq.headers.get)
-        except Unauthenticated as exc:
-            raise extproc.UnauthenticatedError(str(exc)) from None
-        body = preq.body or {}
-        client_salt = body.get("cache_salt", "")
-        if not isinstance(client_salt, str):
-            raise extproc.BadRequestError("cache_salt: must be a string")
-        # The worker behind Envoy hashes with the body's cache_salt: it gets the tenant's secret salt
-        # (the client's mixed in), so tenants stay apart on this path too, and the prediction matches.
-        salt = service.salts.salt(scopes.tenant(principal, preq.headers.get(scopes.tenant_header, "")), client_salt)
-        new_body = None
-        if salt != client_salt and preq.body is not None:
-            new_body = json.dumps({**body, "cache_salt": salt}, ensure_ascii=False).encode()
-        prompt = body.get("prompt")
-        tokens = prompt if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt) else None
-        text = prompt if isinstance(prompt, str) else None
-        session_id = str(body.get("session_id", ""))
-        try:
-            # The chat request is rendered as the engine behind Envoy will render it (tools included);
-            # a Responses body as vLLM's /v1/responses converts it.
-            if preq.path.split("?", 1)[0] == "/v1/responses":
-                rreq = parse_responses(body, preq.headers, engine_renders=True)
-                chat, session_id = rreq.chat.chat_request, rreq.chat.session_id
-            else:
-                chat = chat_request_from_body(body) if body.get("messages") is not None else None
-        except ChatRenderError as exc:
-            raise extproc.BadRequestError(f"{exc.param}: {exc.message}") from None
-        except OpenAIError as exc:
-            raise extproc.BadRequestError(f"{exc.param}: {exc.message}" if exc.param else exc.message) from None
-        try:
-            picked = await pick(service, str(body.get("model", service.cfg.model)), tokens=tokens, text=text,
-                                chat_request=chat, headers=preq.headers,
-                                subset=set(preq.subset) if preq.subset is not None else None,
-                                session_id=session_id,
-                                cache_salt=salt)
-        except BadRequest as exc:
-            raise extproc.BadRequestError(exc.message) from None
-        except Unavailable as exc:
-            raise extproc.NoEligibleEndpointError(exc.message) from None
-        except Overloaded as exc:
-            raise extproc.ShedLoadError(exc.message) from None
-        except RouterError as exc:
-            raise extproc.PickError(exc.message) from None
-        return extproc.PickResult(address=picked.http_address or picked.grpc_address,
-                                  endpoint_id=picked.endpoint_id,
-                                  predicted_cached_tokens=picked.predicted_cached_tokens, reason=picked.reason,
-                                  on_done=lambda _status: picked.done(), body=new_body,
-                                  extra_headers=picked.extra_headers)
-
-    return pick_fn
-
-
 async def serve(cfg: RouterConfig) -> int:
     setup_tracing("kvmesh-router")
     tls.set_default(cfg.tls)
     start_metrics_server(cfg.metrics_port, host=cfg.host, auth=cfg.metrics_auth, tls=cfg.tls)
     service = build_service(cfg)
     scopes = scopes_from_config(cfg)   # one request scope for the gRPC and HTTP front doors
+    # One store for the HTTP front door and the gateway's picker: a turn may come either way.
+    store = open_store(cfg.responses_store, cfg.responses_store_ttl_s, cfg.responses_store_max_bytes,
+                       cfg.responses_store_tenant_max_bytes)
     server = ServiceServer("router", [(router_pb2_grpc.add_RouterServicer_to_server, RouterServicer(service, scopes),
                                        router_pb2.DESCRIPTOR.services_by_name["Router"].full_name)],
                            ServerOptions(host=cfg.host, port=cfg.port, grace_s=cfg.grace_s, tls=cfg.tls),
@@ -160,7 +99,7 @@ async def serve(cfg: RouterConfig) -> int:
         elif scopes.gateways:
             log.warning("--trusted-gateways is set but the HTTP front door is plaintext (--http-tls on): "
                         "gateways are recognised on gRPC only")
-        ucfg = uvicorn.Config(build_app(service, scopes), host=cfg.host, port=cfg.http_port, log_level="warning",
+        ucfg = uvicorn.Config(build_app(service, scopes, store), host=cfg.host, port=cfg.http_port, log_level="warning",
                               lifespan="off", access_log=False, http=protocol,
                               timeout_keep_alive=cfg.http_keepalive_s, **https)
         http_server = uvicorn.Server(ucfg)
@@ -176,9 +115,10 @@ async def serve(cfg: RouterConfig) -> int:
             log.error("--extproc-port given but kvmesh_router.extproc is not installed")
         else:
             from kvmesh_router import extproc
+            from kvmesh_router.gateway_pick import gateway_pick_fn
 
-            extproc_server = await extproc.start_extproc_server(_extproc_pick_fn(service, scopes), cfg.extproc_port,
-                                                                cfg.host, tls=cfg.tls)
+            extproc_server = await extproc.start_extproc_server(gateway_pick_fn(service, scopes, store),
+                                                                cfg.extproc_port, cfg.host, tls=cfg.tls)
 
     async def drain() -> None:
         if http_server is not None:

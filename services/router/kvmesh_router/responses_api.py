@@ -37,11 +37,11 @@ from fastapi.responses import JSONResponse, Response
 
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError
-from kvmesh.responses_api.conversations import page, with_items
-from kvmesh.responses_api.history import Resolved, not_found, resolve
+from kvmesh.responses_api.conversations import page
+from kvmesh.responses_api.history import Resolved, not_found, resolve, wants_store
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
-from kvmesh.responses_api.store.base import RESPONSE, ResponseStore, StoredResponse, TooLarge, valid_id
+from kvmesh.responses_api.store.base import RESPONSE, ResponseStore, StoredResponse, valid_id
 from kvmesh.responses_api.store.registry import open_store
 from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
@@ -51,7 +51,7 @@ from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response, store_route
 from kvmesh_router.passthrough import OPENAI, engine_body
-from kvmesh_router.responses_tap import StoreTap
+from kvmesh_router.responses_keep import ResponseKeeper
 from kvmesh_router.service import FinalInfo, GenInput
 
 if TYPE_CHECKING:
@@ -83,6 +83,7 @@ class ResponsesApi:
         self.store = store if store is not None else open_store(
             cfg.responses_store, cfg.responses_store_ttl_s, cfg.responses_store_max_bytes,
             cfg.responses_store_tenant_max_bytes)
+        self.keeper = ResponseKeeper(self.store)
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PATH, self.create, methods=["POST"])
@@ -124,28 +125,6 @@ class ResponsesApi:
         limit, order, after, before = _page_params(request)
         return JSONResponse(page((await self._stored(request, response_id)).input, limit, order, after, before))
 
-    async def _keep(self, scope_tenant: str, head: ResponseHead, response: dict[str, Any],
-                    res: Resolved) -> None:
-        """Keep an answered response, and add it to its conversation, before its last event goes out (a
-        client chaining at once finds it); a store that fails or refuses it loses the stored copy, never
-        the answer."""
-        if self.store is None or response.get("status") not in ("completed", "incomplete"):
-            return
-        if res.thread is not None:
-            await self._add_to_conversation(scope_tenant, head, response, res)
-        if not head.store:
-            return
-        try:
-            kept = await self.store.put(scope_tenant, StoredResponse(response, res.stored_input()))
-        except Exception as exc:   # a store outage must not fail an answered request
-            log.warning("response not stored", extra={"response_id": head.id, "error": f"{type(exc).__name__}: "
-                                                                                      f"{exc}"})
-            metrics.RESPONSES_STORED.labels(outcome="error").inc()
-            return
-        metrics.RESPONSES_STORED.labels(outcome="stored" if kept else "too_large").inc()
-        if not kept:
-            log.warning("response not stored: larger than the store keeps", extra={"response_id": head.id})
-
     async def input_tokens(self, request: Request) -> Response:
         """``POST /v1/responses/input_tokens``: how many tokens the request's prompt is, rendered and
         tokenized as ``create`` would (no generation, no routing, so it works with no live endpoint)."""
@@ -168,36 +147,13 @@ class ResponsesApi:
         metrics.REQUESTS.labels(api=api, outcome="ok").inc()
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens)})
 
-    async def _add_to_conversation(self, tenant: str, head: ResponseHead, response: dict[str, Any],
-                                   res: Resolved) -> None:
-        """The request's input items and the answer's output join its conversation (re-read now: another
-        turn may have added to it meanwhile)."""
-        assert self.store is not None and res.thread is not None
-        items = res.new_items + list(response.get("output") or [])
-        try:
-            thread = await self.store.update(tenant, res.thread.id, with_items(items))
-        except TooLarge:
-            log.warning("answer not added: the conversation is larger than the store keeps",
-                        extra={"conversation": res.thread.id})
-            metrics.RESPONSES_STORED.labels(outcome="too_large").inc()
-            return
-        except Exception as exc:   # a store outage must not fail an answered request
-            log.warning("answer not added to its conversation", extra={
-                "response_id": head.id, "conversation": res.thread.id, "error": f"{type(exc).__name__}: {exc}"})
-            metrics.RESPONSES_STORED.labels(outcome="error").inc()
-            return
-        if thread is None:
-            log.warning("conversation gone before its answer was added", extra={"conversation": res.thread.id})
-
     async def create(self, request: Request) -> Response:
         received = time.perf_counter()
         external = self.api.passthrough.applies()
         tenant = _tenant(request)
         try:
             body = await self.api.body(request)
-            wants_store = body.get("store", True)
-            if wants_store is not None and not isinstance(wants_store, bool):
-                raise BadRequest("'store' must be a boolean", "store")
+            store_it = wants_store(body)
             res = await resolve(body, self.store, tenant)
             req = parse_responses(res.body, request.headers, engine_renders=external)
             inp = self.api.gen_input(req.chat, request)
@@ -205,7 +161,7 @@ class ResponsesApi:
             metrics.REQUESTS.labels(api=API, outcome=type(exc).__name__).inc()
             return exc.response()
         head = ResponseHead(req, inp.model, previous_response_id=res.previous.id if res.previous else None,
-                            store=self.store is not None and wants_store is not False,
+                            store=self.store is not None and store_it,
                             conversation=res.thread.id if res.thread else None)
         if external:
             return await self._external(request, req, inp, head, res, tenant)
@@ -229,15 +185,7 @@ class ResponsesApi:
         tenant's salt. A stored request's answer is kept on its way back (``responses_tap``); the engine
         is told not to keep it (the next turn may go to another engine)."""
         body = engine_body(req.body)
-        tap = None
-        if head.store or head.conversation:
-            body["store"] = False
-
-            async def keep(response: dict[str, Any]) -> None:
-                await self._keep(tenant, head, response, res)
-
-            tap = StoreTap({"store": head.store, "previous_response_id": head.previous_response_id,
-                            "conversation": {"id": head.conversation} if head.conversation else None}, keep)
+        tap = self.keeper.engine_tap(tenant, head, res, body)
         return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, body, None, OPENAI,
                                                   tap)
 
@@ -260,7 +208,7 @@ class ResponsesApi:
         status = "incomplete" if _incomplete(fin) else "completed"
         response = head.response(status, output_items(text, calls, head.req, fin.reasoning), _usage(fin),
                                  kvmesh=fin.routing_doc())
-        await self._keep(tenant, head, response, res)
+        await self.keeper.keep(tenant, head, response, res)
         return JSONResponse(response)
 
     async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
@@ -305,7 +253,7 @@ class ResponsesApi:
                             yield ev.call(c.id, c.name, c.arguments)
                     last = ev.finish(_incomplete(item), _usage(item), kvmesh=item.routing_doc())
                     assert ev.final is not None
-                    await self._keep(tenant, head, ev.final, res)
+                    await self.keeper.keep(tenant, head, ev.final, res)
                     yield last
             metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         except RouterError as exc:

@@ -16,6 +16,7 @@ import json
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+MAX_HELD_BYTES = 16 * 1024 * 1024   # a JSON answer held whole to be kept; larger ones pass unkept
 Keep = Callable[[dict[str, Any]], Awaitable[None]]   # keeps a finished response (it reads its status)
 
 
@@ -25,6 +26,8 @@ class StoreTap:
     def __init__(self, echo: dict[str, Any], keep: Keep) -> None:
         self.echo = echo   # what the router did: store, previous_response_id, conversation
         self.keep = keep
+        self._tail = b""   # a stream's unfinished line
+        self._held: bytearray | None = bytearray()   # a JSON answer so far (None: too large, passed on)
 
     def _echo(self, response: dict[str, Any]) -> None:
         response.update(self.echo)
@@ -56,13 +59,30 @@ class StoreTap:
             await self.keep(r)
         return b"data: " + json.dumps(doc, ensure_ascii=False).encode()
 
+    async def feed(self, chunk: bytes, eos: bool, sse: bool) -> bytes:
+        """The next piece of the answer's bytes, pushed (the gateway's picker sees them this way); what to
+        send on in its place. A JSON answer is held until its end (at most ``MAX_HELD_BYTES``, then it
+        passes as it is, and is not kept); a stream goes on a whole line at a time."""
+        if not sse:
+            if self._held is None:
+                return chunk
+            self._held += chunk
+            if len(self._held) > MAX_HELD_BYTES:
+                held, self._held = bytes(self._held), None
+                return held
+            return await self.body(bytes(self._held)) if eos else b""
+        lines = (self._tail + chunk).split(b"\n")
+        self._tail = lines.pop()
+        out = b"\n".join([await self._line(x) for x in lines]) + b"\n" if lines else b""
+        if eos and self._tail:
+            out += await self._line(self._tail)
+            self._tail = b""
+        return out
+
     async def stream(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """The engine's bytes a whole line at a time (an event can span chunks)."""
-        tail = b""
         async for chunk in chunks:
-            lines = (tail + chunk).split(b"\n")
-            tail = lines.pop()
-            if lines:
-                yield b"\n".join([await self._line(x) for x in lines]) + b"\n"
-        if tail:
-            yield await self._line(tail)
+            if out := await self.feed(chunk, False, True):
+                yield out
+        if tail := await self.feed(b"", True, True):
+            yield tail

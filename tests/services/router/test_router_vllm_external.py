@@ -353,16 +353,19 @@ def test_responses_api_through_vllms_own_responses(fleet) -> None:
     assert len(set(endpoints[1:])) == 1, endpoints
 
 
-def test_a_stored_conversation_over_vllms_own_responses(fleet) -> None:
-    """previous_response_id over external vLLM engines: the router keeps each vLLM answer, sends vLLM each
-    turn as the whole conversation (store false), streamed or not, and predicts exactly what vLLM
-    caches of it."""
-    client = _client(fleet, "acme")
-    instructions = "You are a coding agent. Read before you write. " * 8
+@pytest.mark.parametrize("door", ["router", "gateway"])
+def test_a_stored_conversation_over_vllms_own_responses(fleet, door) -> None:
+    """previous_response_id over external vLLM engines, through the router's front door or through Envoy
+    with the router as its picker: the router keeps each vLLM answer, sends vLLM each turn as the whole
+    conversation (store false), streamed or not, and predicts exactly what vLLM caches of it."""
+    router = _client(fleet, "acme")
+    client = router if door == "router" else openai.OpenAI(
+        base_url=fleet["gateway"] + "/v1", api_key="k", max_retries=0, timeout=120, default_headers={"x-tenant": "acme"})
+    instructions = f"You are a coding agent ({door}). Read before you write. " * 8
     prev, endpoints = None, []
     for turn in range(4):
         kw = dict(model=TINY_MODEL_NAME, instructions=instructions, input=f"Step {turn}: look at mod_{turn}.py.",
-                  temperature=0.0, max_output_tokens=8, prompt_cache_key="stored-conv-1")
+                  temperature=0.0, max_output_tokens=8, prompt_cache_key=f"stored-conv-{door}")
         if prev is not None:
             kw["previous_response_id"] = prev
         if turn == 2:
@@ -378,11 +381,11 @@ def test_a_stored_conversation_over_vllms_own_responses(fleet) -> None:
         assert predicted == cached, (turn, predicted, r.usage, _lookups(fleet))
         if turn:
             assert cached > 0, turn
-        endpoints.append(raw.headers["x-kvmesh-endpoint"])
+        endpoints.append(raw.headers["x-kvmesh-endpoint" if door == "router" else "x-kvmesh-picked-endpoint"])
         prev = r.id
         time.sleep(0.4)   # past the speculative TTL: predictions rest on vLLM's own events
-    assert client.responses.retrieve(prev).id == prev
-    said = [i.content[0].text for i in client.responses.input_items.list(prev, order="asc", limit=100)
+    assert router.responses.retrieve(prev).id == prev   # one store behind both doors
+    said = [i.content[0].text for i in router.responses.input_items.list(prev, order="asc", limit=100)
             if i.type == "message" and i.role == "user"]
     assert said == [f"Step {t}: look at mod_{t}.py." for t in range(4)]
     assert len(set(endpoints[1:])) == 1, endpoints
