@@ -103,6 +103,7 @@ class ResponseHead:
     previous_response_id: str | None = None
     store: bool = False   # whether the answer is kept (the server stores, and the request asked it to)
     conversation: str | None = None   # the Conversations API object the answer is added to
+    background: bool = False   # answered at once as ``queued``, run on, and polled with GET
 
     def response(self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None = None,
                  **extra: Any) -> dict[str, Any]:
@@ -117,7 +118,7 @@ class ResponseHead:
             "temperature": chat.temperature, "top_p": chat.top_p, "max_output_tokens": chat.max_tokens,
             "tool_choice": req.tool_choice, "tools": req.tools,
             "previous_response_id": self.previous_response_id, "reasoning": _reasoning_echo(req.body),
-            "store": self.store, "conversation": {"id": self.conversation} if self.conversation else None,
+            "store": self.store, "background": self.background, "conversation": {"id": self.conversation} if self.conversation else None,
             "text": {"format": req.body["text"].get("format") or {"type": "text"}} if isinstance(
                 req.body.get("text"), dict) else {"format": {"type": "text"}}, "truncation": "disabled", "metadata": req.metadata,
             "user": req.user, "usage": usage, **extra,

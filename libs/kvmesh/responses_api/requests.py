@@ -29,8 +29,8 @@ puts stored state back into the body before this parse, ``kvmesh.responses_api.h
 a ``tool_choice`` naming a hosted tool, grammar-constrained custom tools, images and files, and
 log probabilities; the last are an external engine's to honour when the router forwards to
 ``vllm serve`` (``engine_renders``). ``reasoning.effort`` is rendered as vLLM renders it (the
-template keywords ``reasoning_effort`` and ``enable_thinking``). Nothing is
-stored, so every answer says ``store: false``.
+template keywords ``reasoning_effort`` and ``enable_thinking``). ``background`` is taken out
+before this parse where it is honoured (``kvmesh_router.responses_background``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ _REFUSED: dict[str, tuple[Any, str]] = {
                                     "as 'input' (as clients do with store: false)"),
     "conversation": (_null, "conversations are not stored by this server; send the whole conversation as "
                             "'input'"),
-    "background": (_null, "background responses are not supported"),
+    "background": (_null, "background responses are run by the router's own front door, over its own "
+                          "workers, with its response store"),
     "prompt": (_null, "stored prompt templates are not supported"),
     "logit_bias": (_null, "logit_bias is not supported"),
 }

@@ -38,10 +38,10 @@ from fastapi.responses import JSONResponse, Response
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError
 from kvmesh.responses_api.conversations import page
-from kvmesh.responses_api.history import Resolved, not_found, resolve, wants_store
+from kvmesh.responses_api.history import Resolved, not_found, resolve, unavailable, wants_store
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
-from kvmesh.responses_api.store.base import RESPONSE, ResponseStore, StoredResponse, valid_id
+from kvmesh.responses_api.store.base import RESPONSE, ResponseStore, StoredResponse, StoreError, valid_id
 from kvmesh.responses_api.store.registry import open_store
 from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
@@ -51,6 +51,7 @@ from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response, store_route
 from kvmesh_router.passthrough import OPENAI, engine_body
+from kvmesh_router.responses_background import BackgroundResponses
 from kvmesh_router.responses_keep import ResponseKeeper
 from kvmesh_router.service import FinalInfo, GenInput
 
@@ -84,6 +85,8 @@ class ResponsesApi:
             cfg.responses_store, cfg.responses_store_ttl_s, cfg.responses_store_max_bytes,
             cfg.responses_store_tenant_max_bytes)
         self.keeper = ResponseKeeper(self.store)
+        self.background = BackgroundResponses(self.store, self.keeper, cfg.http_deadline_s) \
+            if self.store is not None else None
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PATH, self.create, methods=["POST"])
@@ -94,7 +97,8 @@ class ResponsesApi:
         for path, method, fn, api in (
                 (PATH + "/{response_id}", "GET", self.retrieve, "responses_retrieve"),
                 (PATH + "/{response_id}", "DELETE", self.delete, "responses_delete"),
-                (PATH + "/{response_id}/input_items", "GET", self.input_items, "responses_input_items")):
+                (PATH + "/{response_id}/input_items", "GET", self.input_items, "responses_input_items"),
+                (PATH + "/{response_id}/cancel", "POST", self.cancel, "responses_cancel")):
             app.add_api_route(path, store_route(api, fn, off), methods=[method])
         ConversationsApi(self.store, self.api.body, _page_params).mount(app)   # /v1/conversations
 
@@ -110,8 +114,15 @@ class ResponsesApi:
     async def retrieve(self, request: Request, response_id: str) -> Response:
         if request.query_params.get("stream") in ("true", "1"):
             raise BadRequest("'stream' is not supported when retrieving a response: it has finished "
-                             "(background responses are not supported)", "stream")
-        return JSONResponse((await self._stored(request, response_id)).response)
+                             "(resuming an event stream is not supported; poll a background response without it)", "stream")
+        assert self.background is not None
+        return JSONResponse(self.background.as_read((await self._stored(request, response_id)).response))
+
+    async def cancel(self, request: Request, response_id: str) -> Response:
+        """``POST /v1/responses/{id}/cancel``: stop a background response (``queued`` or ``in_progress``)."""
+        await self._stored(request, response_id)
+        assert self.background is not None
+        return JSONResponse(await self.background.cancel(_tenant(request), response_id))
 
     async def delete(self, request: Request, response_id: str) -> Response:
         await self._stored(request, response_id)
@@ -154,6 +165,9 @@ class ResponsesApi:
         try:
             body = await self.api.body(request)
             store_it = wants_store(body)
+            background = self._background_asked(body, store_it, external)
+            if background:   # honoured here; the parser refuses it elsewhere
+                body = {k: v for k, v in body.items() if k != "background"}
             res = await resolve(body, self.store, tenant)
             req = parse_responses(res.body, request.headers, engine_renders=external)
             inp = self.api.gen_input(req.chat, request)
@@ -162,10 +176,21 @@ class ResponsesApi:
             return exc.response()
         head = ResponseHead(req, inp.model, previous_response_id=res.previous.id if res.previous else None,
                             store=self.store is not None and store_it,
-                            conversation=res.thread.id if res.thread else None)
+                            conversation=res.thread.id if res.thread else None, background=background)
         if external:
             return await self._external(request, req, inp, head, res, tenant)
         inp.received = received
+        if background:
+            assert self.background is not None
+            try:
+                queued = await self.background.start(tenant, head, res, lambda: self._final(
+                    inp, self.service.generate(inp), head))
+            except OpenAIError as exc:
+                return exc.response()
+            except StoreError as exc:
+                return unavailable(exc).response()
+            metrics.REQUESTS.labels(api=API, outcome="background").inc()
+            return JSONResponse(queued)
         gen = self.service.generate(inp)
         if not req.stream:
             return await answer_or_error(API, self.api.watch(request, inp), self._answer(inp, gen, head, res,
@@ -189,15 +214,35 @@ class ResponsesApi:
         return await self.api.passthrough.forward(request, "passthrough-responses", PATH, inp, body, None, OPENAI,
                                                   tap)
 
-    async def _answer(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], head: ResponseHead,
-                      res: Resolved, tenant: str) -> Response:
+    def _background_asked(self, body: dict[str, Any], store_it: bool, external: bool) -> bool:
+        value = body.get("background")
+        if value is not None and not isinstance(value, bool):
+            raise BadRequest("'background' must be a boolean", "background")
+        if not value:
+            return False
+        why = ("responses are not stored by this server (--responses-store off)" if self.store is None
+               else "a background response is polled from the store: it needs store: true" if not store_it
+               else "a streamed background response is not supported; create it without stream and poll "
+                    "GET /v1/responses/{id}" if body.get("stream")
+               else "the endpoints are external engines; background responses run on the router's own workers"
+               if external else "")
+        if why:
+            raise BadRequest(f"'background' is not supported here: {why}", "background")
+        return True
+
+    async def _final(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], head: ResponseHead
+                     ) -> dict[str, Any]:
+        """The finished ``response`` of a generation."""
         ids: list[int] = []
         fin: FinalInfo | None = None
-        async for kind, item in gen:
-            if kind == "chunk":
-                ids.extend(item)
-            elif kind == "final":
-                fin = item
+        try:
+            async for kind, item in gen:
+                if kind == "chunk":
+                    ids.extend(item)
+                elif kind == "final":
+                    fin = item
+        finally:
+            await gen.aclose()   # a cancelled background response stops its generation
         assert fin is not None
         calls = fin.tool_calls   # RouterService.generate applied parallel_tool_calls
         tok = self.service.tokenizer
@@ -206,8 +251,12 @@ class ResponsesApi:
             text = tok.decode(ids) if tok is not None else ""
         metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         status = "incomplete" if _incomplete(fin) else "completed"
-        response = head.response(status, output_items(text, calls, head.req, fin.reasoning), _usage(fin),
-                                 kvmesh=fin.routing_doc())
+        return head.response(status, output_items(text, calls, head.req, fin.reasoning), _usage(fin),
+                             kvmesh=fin.routing_doc())
+
+    async def _answer(self, inp: GenInput, gen: AsyncIterator[tuple[str, Any]], head: ResponseHead,
+                      res: Resolved, tenant: str) -> Response:
+        response = await self._final(inp, gen, head)
         await self.keeper.keep(tenant, head, response, res)
         return JSONResponse(response)
 

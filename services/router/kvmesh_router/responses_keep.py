@@ -20,6 +20,11 @@ from kvmesh_router import metrics
 from kvmesh_router.responses_tap import StoreTap
 
 log = logging.getLogger(__name__)
+FINISHED = ("completed", "incomplete")   # answered: kept, and added to a conversation
+
+
+class _Cancelled(Exception):
+    """The background response was cancelled while it ran: its record stays cancelled."""
 
 
 class ResponseKeeper:
@@ -28,7 +33,7 @@ class ResponseKeeper:
 
     async def keep(self, tenant: str, head: ResponseHead, response: dict[str, Any], res: Resolved) -> None:
         """Keep a finished ``response`` (``head.store``) and add it to its conversation (``res.thread``)."""
-        if self.store is None or response.get("status") not in ("completed", "incomplete"):
+        if self.store is None or response.get("status") not in FINISHED:
             return
         if res.thread is not None:
             await self._add_to_conversation(tenant, head, response, res)
@@ -37,13 +42,52 @@ class ResponseKeeper:
         try:
             kept = await self.store.put(tenant, StoredResponse(response, res.stored_input()))
         except Exception as exc:   # a store outage must not fail an answered request
-            log.warning("response not stored", extra={"response_id": head.id, "error": f"{type(exc).__name__}: "
-                                                                                      f"{exc}"})
-            metrics.RESPONSES_STORED.labels(outcome="error").inc()
+            self._lost(head, exc)
             return
         metrics.RESPONSES_STORED.labels(outcome="stored" if kept else "too_large").inc()
         if not kept:
             log.warning("response not stored: larger than the store keeps", extra={"response_id": head.id})
+
+    async def settle(self, tenant: str, head: ResponseHead, response: dict[str, Any], res: Resolved) -> None:
+        """A background response's end (finished, or failed): its kept record, which clients poll, becomes
+        ``response`` unless it was cancelled meanwhile; a finished one joins its conversation first, so a
+        client that sees it completed finds it there."""
+        assert self.store is not None
+
+        def change(rec: StoredResponse) -> StoredResponse:
+            if rec.response.get("status") == "cancelled":
+                raise _Cancelled
+            return StoredResponse(response, rec.input)
+
+        try:
+            now = await self.store.get(tenant, head.id)
+            if now is None or now.response.get("status") == "cancelled":
+                return
+            if res.thread is not None and response.get("status") in FINISHED:
+                await self._add_to_conversation(tenant, head, response, res)
+            if await self.store.update(tenant, head.id, change) is None:   # deleted meanwhile
+                return
+        except _Cancelled:
+            return
+        except TooLarge:   # the poller learns why there is no answer
+            metrics.RESPONSES_STORED.labels(outcome="too_large").inc()
+            failed = {**response, "status": "failed", "output": [], "error": {
+                "code": "server_error", "message": "the answer is larger than this server keeps for a tenant "
+                                                   "(--responses-store-tenant-max-bytes)"}}
+            try:
+                await self.store.update(tenant, head.id, lambda rec: StoredResponse(failed, rec.input))
+            except Exception as exc:
+                self._lost(head, exc)
+            return
+        except Exception as exc:   # the store is down: the poller sees the response as it was
+            self._lost(head, exc)
+            return
+        metrics.RESPONSES_STORED.labels(outcome="stored").inc()
+
+    @staticmethod
+    def _lost(head: ResponseHead, exc: Exception) -> None:
+        log.warning("response not stored", extra={"response_id": head.id, "error": f"{type(exc).__name__}: {exc}"})
+        metrics.RESPONSES_STORED.labels(outcome="error").inc()
 
     async def _add_to_conversation(self, tenant: str, head: ResponseHead, response: dict[str, Any],
                                    res: Resolved) -> None:

@@ -8,6 +8,7 @@ two router replicas sharing a real Redis. The service below ``generate`` is the 
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -302,3 +303,132 @@ async def test_with_the_store_off_conversations_are_refused(tiny_model_dir):
     with pytest.raises(openai.BadRequestError) as e:
         await client.responses.create(model="m", input="x", conversation="conv_1")
     assert e.value.body["param"] == "conversation"
+
+
+# -- background responses --------------------------------------------------------------------
+class _Held(_RoutedService):
+    """The stand-in whose answer waits for ``release``; ``closed`` counts generations stopped early."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        super().__init__(tokenizer)
+        self.release = asyncio.Event()
+        self.closed = 0
+
+    async def generate(self, inp: Any) -> Any:
+        finished = False
+        try:
+            await self.release.wait()
+            async for item in super().generate(inp):
+                yield item
+            finished = True
+        finally:
+            self.closed += not finished
+
+
+def _held(tiny_model_dir: Path, **cfg: Any) -> _Held:
+    service = _Held(load_tokenizer(tiny_model_dir))
+    for k, v in cfg.items():
+        setattr(service.cfg, k, v)
+    return service
+
+
+async def _until(client: openai.AsyncOpenAI, rid: str, statuses: set[str], timeout_s: float = 10.0) -> Any:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        r = await client.responses.retrieve(rid)
+        if r.status in statuses or asyncio.get_running_loop().time() > deadline:
+            return r
+        await asyncio.sleep(0.05)
+
+
+async def test_a_background_response_is_queued_then_polled_to_its_answer(tiny_model_dir):
+    service = _held(tiny_model_dir)
+    client = _client(build_app(service))  # type: ignore[arg-type]
+    r = await client.responses.create(model="m", input="Read a.py.", tools=TOOLS, background=True)
+    assert r.status == "queued" and r.background is True and r.output == [] and r.store is True
+    assert (await client.responses.retrieve(r.id)).status in ("queued", "in_progress")
+    service.release.set()
+    done = await _until(client, r.id, {"completed"})
+    assert done.status == "completed" and done.background is True
+    assert [o.type for o in done.output] == ["message", "function_call", "function_call"]
+    assert done.usage.input_tokens == 50
+    # It chains like any stored response.
+    nxt = await client.responses.create(model="m", previous_response_id=r.id, input="Go on.")
+    assert nxt.previous_response_id == r.id and "Read a.py." in service.rendered
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.cancel(r.id)
+    assert "already completed" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.cancel(nxt.id)
+    assert e.value.body["message"] == "Cannot cancel a synchronous response."
+
+
+async def test_a_cancelled_background_response_stops_and_stays_cancelled(tiny_model_dir):
+    service = _held(tiny_model_dir)
+    client = _client(build_app(service))  # type: ignore[arg-type]
+    r = await client.responses.create(model="m", input="A long job.", background=True)
+    await _until(client, r.id, {"in_progress"})
+    cancelled = await client.responses.cancel(r.id)
+    assert cancelled.status == "cancelled" and cancelled.id == r.id
+    for _ in range(100):
+        if service.closed:
+            break
+        await asyncio.sleep(0.02)
+    assert service.closed == 1   # the generation was stopped, not left to run
+    service.release.set()
+    await asyncio.sleep(0.1)
+    assert (await client.responses.retrieve(r.id)).status == "cancelled"
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.cancel("resp_nope")
+
+
+async def test_a_failed_background_response_says_why(tiny_model_dir):
+    service = _service(tiny_model_dir)
+    service.fail_after_first = True
+    client = _client(build_app(service))  # type: ignore[arg-type]
+    r = await client.responses.create(model="m", input="hi", background=True)
+    failed = await _until(client, r.id, {"failed"})
+    assert failed.status == "failed" and "every endpoint is down" in failed.error.message
+
+
+@pytest.mark.parametrize("kw, says", [
+    (dict(store=False), "needs store: true"),
+    (dict(stream=True), "streamed background response"),
+    (dict(extra_body={"background": "yes"}), "must be a boolean"),
+])
+async def test_background_requests_that_cannot_be_honoured_are_400s(routed, kw, says):
+    _, client = routed
+    with pytest.raises(openai.BadRequestError) as e:
+        await client.responses.create(model="m", input="hi", **({"background": True} | kw))
+    assert e.value.body["param"] == "background" and says in e.value.body["message"]
+
+
+async def test_a_background_response_whose_replica_stopped_reads_as_failed(tiny_model_dir):
+    """A record left running past the request deadline lost the replica that ran it."""
+    from kvmesh_router.responses_background import STALE_GRACE_S, BackgroundResponses
+
+    bg = BackgroundResponses(None, None, deadline_s=600.0)  # type: ignore[arg-type]
+    running = {"id": "resp_1", "status": "in_progress", "created_at": 0}
+    assert bg.as_read(running)["status"] == "failed"
+    fresh = {**running, "created_at": int(time.time()) - 600 - STALE_GRACE_S + 5}
+    assert bg.as_read(fresh)["status"] == "in_progress"
+    assert bg.as_read({**running, "status": "completed"})["status"] == "completed"
+
+
+@pytest.mark.redis
+async def test_a_background_response_is_cancelled_from_another_replica(tiny_model_dir, redis_server):
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+    runner = _held(tiny_model_dir, responses_store=url)
+    c1 = _client(build_app(runner))  # type: ignore[arg-type]
+    c2 = _client(build_app(_service(tiny_model_dir, responses_store=url)))  # type: ignore[arg-type]
+    r = await c1.responses.create(model="m", input="A long job.", background=True)
+    assert (await _until(c2, r.id, {"in_progress"})).status == "in_progress"   # any replica answers the poll
+    assert (await c2.responses.cancel(r.id)).status == "cancelled"
+    for _ in range(150):   # the runner reads its record every second
+        if runner.closed:
+            break
+        await asyncio.sleep(0.02)
+    assert runner.closed == 1
+    runner.release.set()
+    await asyncio.sleep(0.1)
+    assert (await c1.responses.retrieve(r.id)).status == "cancelled"

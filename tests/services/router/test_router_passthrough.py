@@ -509,6 +509,8 @@ async def test_responses_go_to_the_engines_own_responses_api(stack) -> None:
     n = len(_received(engines))
     r = await client.post("/v1/responses", json={**sent, "previous_response_id": "resp_1"})
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
+    r = await client.post("/v1/responses", json={**sent, "background": True, "store": True})   # run by the router's own workers
+    assert r.status_code == 400 and "external engines" in r.json()["error"]["message"]
     assert len(_received(engines)) == n
     assert all(svc.core.load.inflight_count(e) == 0 for e in engines)
 

@@ -6,6 +6,7 @@ A real router process over a real sim worker (tool mode), on loopback."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -211,7 +212,7 @@ def test_streamed_text(client) -> None:
     ({"text": {"format": {"type": "yaml"}}}, "text", "json_schema"),
     ({"reasoning": {"effort": "turbo"}}, "reasoning", "reasoning"),
     ({"top_logprobs": 2}, "top_logprobs", "log probabilities"),
-    ({"background": True}, "background", "background"),
+    ({"background": True, "store": False}, "background", "store: true"),
     ({"tool_choice": {"type": "function", "name": "nope"}, "tools": TOOLS}, "tool_choice", "nope"),
     ({"metadata": {"k": 1}}, "metadata", "metadata"),
     ({"truncation": "auto"}, "truncation", "disabled"),
@@ -222,6 +223,20 @@ def test_what_cannot_be_honoured_is_a_400_naming_it(client, body, param, words) 
         client.post("/responses", body=req, cast_to=dict)
     err = e.value.body
     assert err["param"] == param and words in err["message"], err
+
+
+def test_a_background_response_through_the_stack(client) -> None:
+    """background=True through the real router and workers: answered at once, polled to its answer,
+    which then chains like any stored response."""
+    r = client.responses.create(model=MODEL, input="Summarise the lexer module.", max_output_tokens=8,
+                                background=True)
+    assert r.status == "queued" and r.background is True
+    deadline = time.monotonic() + 30
+    while (got := client.responses.retrieve(r.id)).status in ("queued", "in_progress") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert got.status in ("completed", "incomplete") and got.output_text and got.usage.output_tokens > 0
+    nxt = client.responses.create(model=MODEL, previous_response_id=r.id, input="Shorter.", max_output_tokens=4)
+    assert nxt.usage.input_tokens > got.usage.input_tokens
 
 
 def test_unknown_model_and_retrieval_are_404s(client, stack) -> None:
