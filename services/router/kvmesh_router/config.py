@@ -189,6 +189,11 @@ class RouterConfig:
     responses_store_tenant_max_bytes: int = field(default=64 << 20, metadata={
         "help": "memory store: bytes one tenant's responses may take (its own oldest go first, never another "
                 "tenant's); both stores: a larger single response is not kept (store: false)"})
+    responses_background_max: int = field(default=256, metadata={
+        "help": "background responses (background: true) this replica runs at once; past it a new one is a "
+                "429 (they outlive their connections, so --http-max-connections does not bound them)"})
+    responses_background_tenant_max: int = field(default=64, metadata={
+        "help": "background responses one tenant may have running on this replica at once (429 past it)"})
     grace_s: float = field(default=5.0, metadata={"help": "drain time on shutdown"})
 
     def validate(self) -> None:
@@ -240,9 +245,10 @@ class RouterConfig:
         except ValueError as exc:
             raise ConfigError(f"setting 'responses_store': {exc}") from None
         if self.responses_store_ttl_s <= 0 or self.responses_store_max_bytes < 1 \
-                or self.responses_store_tenant_max_bytes < 1:
-            raise ConfigError("settings 'responses_store_ttl_s', 'responses_store_max_bytes' and "
-                              "'responses_store_tenant_max_bytes' must be > 0")
+                or self.responses_store_tenant_max_bytes < 1 or self.responses_background_max < 1 \
+                or self.responses_background_tenant_max < 1:
+            raise ConfigError("settings 'responses_store_ttl_s', 'responses_store_max_bytes', "
+                              "'responses_store_tenant_max_bytes' and 'responses_background_*' must be > 0")
         if self.auth == "keys" and not self.api_keys_file:
             raise ConfigError("setting 'auth' is keys (the default) but no 'api_keys_file' is given: give "
                               "--api-keys-file, or --auth off for a local demo")

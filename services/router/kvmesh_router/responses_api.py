@@ -85,8 +85,9 @@ class ResponsesApi:
             cfg.responses_store, cfg.responses_store_ttl_s, cfg.responses_store_max_bytes,
             cfg.responses_store_tenant_max_bytes)
         self.keeper = ResponseKeeper(self.store)
-        self.background = BackgroundResponses(self.store, self.keeper, cfg.http_deadline_s) \
-            if self.store is not None else None
+        self.background = BackgroundResponses(
+            self.store, self.keeper, cfg.http_deadline_s, cfg.responses_background_max,
+            cfg.responses_background_tenant_max) if self.store is not None else None
 
     def mount(self, app: FastAPI) -> None:
         app.add_api_route(PATH, self.create, methods=["POST"])

@@ -46,25 +46,44 @@ class _Final(Exception):
 class BackgroundResponses:
     """The background responses this replica runs, and the calls that start, cancel and read them."""
 
-    def __init__(self, store: ResponseStore, keeper: ResponseKeeper, deadline_s: float) -> None:
+    def __init__(self, store: ResponseStore, keeper: ResponseKeeper, deadline_s: float, max_running: int = 256,
+                 tenant_max_running: int = 64) -> None:
         self.store = store
         self.keeper = keeper
         self.deadline_s = deadline_s
+        self.max_running = max_running
+        self.tenant_max_running = tenant_max_running
         self._running: dict[str, asyncio.Task[None]] = {}
+        self._per_tenant: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._running)
 
     async def start(self, tenant: str, head: ResponseHead, res: Resolved,
                     answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """Keep ``head``'s response as ``queued`` and run ``answer`` (the finished response) behind it."""
+        """Keep ``head``'s response as ``queued`` and run ``answer`` (the finished response) behind it. They
+        outlive their connections, so their number is bounded here: past it, a 429."""
+        if len(self._running) >= self.max_running:
+            raise OpenAIError(f"too many background responses running on this server ({self.max_running}); "
+                              "retry later", "background", status=429)
+        if self._per_tenant.get(tenant, 0) >= self.tenant_max_running:
+            raise OpenAIError(f"too many background responses of this tenant running ({self.tenant_max_running});"
+                              " retry when one has finished", "background", status=429)
         queued = head.response("queued", [])
         if not await self.store.put(tenant, StoredResponse(queued, res.stored_input())):
             raise OpenAIError("the request is larger than this server keeps for a tenant "
                               "(--responses-store-tenant-max-bytes)", "input", status=413)
         task = asyncio.create_task(self._run(tenant, head, res, answer), name=f"background {head.id}")
         self._running[head.id] = task
-        task.add_done_callback(lambda _t: self._running.pop(head.id, None))
+        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
+
+        def ended(_task: asyncio.Task[None]) -> None:
+            self._running.pop(head.id, None)
+            left = self._per_tenant.pop(tenant) - 1
+            if left:
+                self._per_tenant[tenant] = left
+
+        task.add_done_callback(ended)
         return queued
 
     async def _status(self, tenant: str, response_id: str) -> str | None:

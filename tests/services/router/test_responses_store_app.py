@@ -432,3 +432,26 @@ async def test_a_background_response_is_cancelled_from_another_replica(tiny_mode
     runner.release.set()
     await asyncio.sleep(0.1)
     assert (await c1.responses.retrieve(r.id)).status == "cancelled"
+
+
+async def test_background_responses_are_bounded_per_replica_and_tenant(tiny_model_dir, tmp_path):
+    """They outlive their connections, so a client cannot start them without end: past the bounds, 429s;
+    a finished one frees its place."""
+    keys = tmp_path / "keys"
+    keys.write_text("team-a KEY-A\nteam-b KEY-B\n")
+    service = _held(tiny_model_dir, responses_background_max=3, responses_background_tenant_max=2)
+    app = build_app(service, RequestScopes("keys", ApiKeys(keys)))  # type: ignore[arg-type]
+    a, b = _client(app, "KEY-A"), _client(app, "KEY-B")
+    started = [await a.responses.create(model="m", input="job", background=True) for _ in range(2)]
+    with pytest.raises(openai.RateLimitError) as e:
+        await a.responses.create(model="m", input="one more", background=True)
+    assert "of this tenant" in e.value.body["message"]
+    await b.responses.create(model="m", input="job", background=True)   # another tenant still may
+    with pytest.raises(openai.RateLimitError) as e:
+        await b.responses.create(model="m", input="one more", background=True)
+    assert "on this server (3)" in e.value.body["message"]
+    service.release.set()
+    for r in started:
+        assert (await _until(a, r.id, {"completed"})).status == "completed"
+    await asyncio.sleep(0.05)   # the runner's last step after its record is written
+    assert (await a.responses.create(model="m", input="again", background=True)).status == "queued"
