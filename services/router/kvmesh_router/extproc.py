@@ -361,7 +361,8 @@ class ExtProcServicer(ep_grpc.ExternalProcessorServicer):
                     raise NoEligibleEndpointError(
                         f"picked {result.address}, which is outside the subset hint {st.subset}")
             except PickError as exc:
-                outcome = {400: "bad_request", 401: "unauthenticated", 429: "shed", 503: "no_endpoint"}.get(exc.http_status, "error")
+                outcome = {400: "bad_request", 401: "unauthenticated", 404: "not_found", 429: "shed",
+                           503: "no_endpoint"}.get(exc.http_status, "error")
                 PICKS.labels(outcome).inc()
                 span.set_attribute("kvmesh.pick.outcome", outcome)
                 log.info("ext_proc refused request", extra={"request_id": st.request_id, "status": exc.http_status,

@@ -38,7 +38,10 @@ RESPONSES_PATH = "/v1/responses"
 def _refused(exc: OpenAIError) -> extproc.PickError:
     """An OpenAI error as the picker's refusal, with its status (400, 404 for an unknown stored id, 503
     for a store that cannot answer)."""
-    err = extproc.PickError(f"{exc.param}: {exc.message}" if exc.param else exc.message)
+    message = f"{exc.param}: {exc.message}" if exc.param else exc.message
+    if exc.status == 400:
+        return extproc.BadRequestError(message)
+    err = extproc.PickError(message)
     err.http_status = exc.status
     return err
 

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import pytest
 
+from kvmesh.responses_api.store.memory import MemoryResponseStore
 from kvmesh_router import extproc
 from kvmesh_router.config import RouterConfig
 from kvmesh_router.errors import Overloaded
-from kvmesh_router.main import _extproc_pick_fn, build_service
+from kvmesh_router.gateway_pick import gateway_pick_fn
+from kvmesh_router.main import build_service
 from kvmesh_router.picker import OBJECTIVE_HEADER, pick
 from kvmesh_router.request_scope import scopes_from_config
 from tests.helpers.openai_engine import OpenAIEngine
@@ -50,7 +52,7 @@ def _preq(objective: str | None, tokens: list[int]) -> extproc.PickRequest:
 
 async def test_sheddable_requests_get_429_only_while_the_pool_is_saturated(gateway) -> None:
     svc, engines = gateway
-    pick_fn = _extproc_pick_fn(svc, scopes_from_config(svc.cfg))
+    pick_fn = gateway_pick_fn(svc, scopes_from_config(svc.cfg))
     tokens = list(range(5, 40))
     for e in engines:
         e.waiting = 4
@@ -118,7 +120,7 @@ async def test_a_responses_body_is_picked_as_the_chat_it_renders_to(gateway) -> 
     vLLM converts it, so the same conversation sent as chat is a prefix hit; state it cannot route is a 400."""
     svc, _ = gateway
     await _poll(svc)
-    pick_fn = _extproc_pick_fn(svc, scopes_from_config(svc.cfg))
+    pick_fn = gateway_pick_fn(svc, scopes_from_config(svc.cfg))
     system = "You are a coding agent. " * 40
     chat = {"model": MODEL, "messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}]}
     first = await pick_fn(extproc.PickRequest("r1", "POST", "/v1/chat/completions",
@@ -128,6 +130,12 @@ async def test_a_responses_body_is_picked_as_the_chat_it_renders_to(gateway) -> 
     second = await pick_fn(extproc.PickRequest("r2", "POST", "/v1/responses", {":path": "/v1/responses"}, body))
     second.on_done(200)
     assert second.endpoint_id == first.endpoint_id and second.predicted_cached_tokens > 0, second.reason
-    with pytest.raises(extproc.BadRequestError, match="previous_response_id"):
+    with pytest.raises(extproc.BadRequestError, match="previous_response_id"):   # no store given
         await pick_fn(extproc.PickRequest("r3", "POST", "/v1/responses", {":path": "/v1/responses"},
                                           {**body, "previous_response_id": "resp_1"}))
+    # With the router's store: an id the tenant never had is the client's 404, before any pick.
+    stored = gateway_pick_fn(svc, scopes_from_config(svc.cfg), MemoryResponseStore(60, 1 << 20, 1 << 20))
+    with pytest.raises(extproc.PickError, match="resp_1") as e:
+        await stored(extproc.PickRequest("r4", "POST", "/v1/responses", {":path": "/v1/responses"},
+                                         {**body, "previous_response_id": "resp_1"}))
+    assert e.value.http_status == 404
