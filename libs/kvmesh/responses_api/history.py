@@ -139,6 +139,9 @@ async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: st
         previous = await store.get(tenant, prev_id)
         if previous is None or previous.kind != RESPONSE:
             raise not_found("Previous response", prev_id, "previous_response_id")
+        if previous.response.get("status") in ("queued", "in_progress"):   # a background one, not done
+            raise BadRequest(f"Previous response {prev_id!r} has not finished (status "
+                             f"{previous.response['status']}): poll it until it has", "previous_response_id")
         history = previous.input + list(previous.response.get("output") or [])
     thread = None
     if conv_ref is not None:

@@ -346,6 +346,9 @@ async def test_a_background_response_is_queued_then_polled_to_its_answer(tiny_mo
     client = _client(build_app(service))  # type: ignore[arg-type]
     r = await client.responses.create(model="m", input="Read a.py.", tools=TOOLS, background=True)
     assert r.status == "queued" and r.background is True and r.output == [] and r.store is True
+    with pytest.raises(openai.BadRequestError) as e:   # nothing to chain from yet
+        await client.responses.create(model="m", previous_response_id=r.id, input="Go on.")
+    assert "has not finished" in e.value.body["message"]
     assert (await client.responses.retrieve(r.id)).status in ("queued", "in_progress")
     service.release.set()
     done = await _until(client, r.id, {"completed"})
