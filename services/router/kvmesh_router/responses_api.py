@@ -184,6 +184,10 @@ class ResponsesApi:
         if background:
             assert self.background is not None
             try:
+                self.service.validate(inp)   # what a plain request would be refused for, refused now
+            except RouterError as exc:
+                return router_error_response(exc, API)
+            try:
                 queued = await self.background.start(tenant, head, res, lambda: self._final(
                     inp, self.service.generate(inp), head))
             except OpenAIError as exc:

@@ -17,7 +17,7 @@ from kvmesh.tokenization import load_tokenizer
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.router.v1 import router_pb2
 from kvmesh_router.config import RouterConfig
-from kvmesh_router.errors import Unavailable
+from kvmesh_router.errors import Unavailable, UnknownModel
 from kvmesh_router.http_api import build_app
 from kvmesh_router.service import FinalInfo, GenInput
 
@@ -41,6 +41,10 @@ class _RoutedService:
         self.tokenizer = tokenizer
         self.seen: list[GenInput] = []
         self.fail_after_first = False
+
+    def validate(self, inp: GenInput) -> None:
+        if inp.model != self.cfg.model:
+            raise UnknownModel(inp.model, self.cfg.model)
 
     async def generate(self, inp: GenInput) -> AsyncIterator[tuple[str, Any]]:
         self.seen.append(inp)

@@ -404,6 +404,9 @@ async def test_background_requests_that_cannot_be_honoured_are_400s(routed, kw, 
     with pytest.raises(openai.BadRequestError) as e:
         await client.responses.create(model="m", input="hi", **({"background": True} | kw))
     assert e.value.body["param"] == "background" and says in e.value.body["message"]
+    with pytest.raises(openai.NotFoundError) as e:   # refused now, as a plain request would be, not later
+        await client.responses.create(model="gpt-9", input="hi", background=True)
+    assert e.value.body["param"] == "model"
 
 
 async def test_a_background_response_whose_replica_stopped_reads_as_failed(tiny_model_dir):
