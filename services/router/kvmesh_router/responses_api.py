@@ -114,8 +114,8 @@ class ResponsesApi:
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
         if request.query_params.get("stream") in ("true", "1"):
-            raise BadRequest("'stream' is not supported when retrieving a response: it has finished "
-                             "(resuming an event stream is not supported; poll a background response without it)", "stream")
+            raise BadRequest("'stream' is not supported when retrieving a response: its events are not kept to "
+                             "be replayed; retrieve it without stream (and poll a background one)", "stream")
         assert self.background is not None
         return JSONResponse(self.background.as_read((await self._stored(request, response_id)).response))
 

@@ -27,7 +27,7 @@ from typing import Any
 from kvmesh.openai.errors import BadRequest, OpenAIError
 from kvmesh.responses_api.history import Resolved, not_found
 from kvmesh.responses_api.output import ResponseHead
-from kvmesh.responses_api.store.base import ResponseStore, StoredResponse
+from kvmesh.responses_api.store.base import ResponseStore, StoredResponse, StoreError
 from kvmesh_router.errors import RouterError
 from kvmesh_router.responses_keep import ResponseKeeper
 
@@ -103,23 +103,26 @@ class BackgroundResponses:
                    answer: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         work: asyncio.Task[dict[str, Any]] | None = None
         try:
-            await self._set_running(tenant, head)
+            with contextlib.suppress(StoreError):   # a store that does not answer leaves it queued
+                await self._set_running(tenant, head)
             work = asyncio.create_task(answer())
             while not (await asyncio.wait({work}, timeout=CANCEL_POLL_S))[0]:
-                if await self._status(tenant, head.id) not in RUNNING:   # cancelled, or deleted, elsewhere
-                    work.cancel()
+                try:
+                    status = await self._status(tenant, head.id)
+                except StoreError:   # not known now: the generation goes on, and the next poll asks again
+                    continue
+                if status not in RUNNING:   # cancelled, or deleted, elsewhere
                     return
             response = work.result()
-        except asyncio.CancelledError:   # cancelled on this replica
-            if work is not None:
-                work.cancel()
-            raise
         except RouterError as exc:
             response = head.response("failed", [], error={"code": exc.error_type, "message": exc.message})
         except Exception as exc:   # noqa: BLE001 - the poller must learn that it failed
             log.exception("background response failed", extra={"response_id": head.id})
             response = head.response("failed", [], error={"code": "server_error",
                                                            "message": f"internal error: {type(exc).__name__}"})
+        finally:   # cancelled here or elsewhere, or failed: the generation stops with it
+            if work is not None and not work.done():
+                work.cancel()
         await self.keeper.settle(tenant, head, response, res)
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:

@@ -13,9 +13,11 @@ the router's own workers.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+log = logging.getLogger(__name__)
 MAX_HELD_BYTES = 16 * 1024 * 1024   # a JSON answer held whole to be kept; larger ones pass unkept
 Keep = Callable[[dict[str, Any]], Awaitable[None]]   # keeps a finished response (it reads its status)
 
@@ -70,7 +72,14 @@ class StoreTap:
             if len(self._held) > MAX_HELD_BYTES:
                 held, self._held = bytes(self._held), None
                 return held
-            return await self.body(bytes(self._held)) if eos else b""
+            if not eos:
+                return b""
+            held = bytes(self._held)
+            try:
+                return await self.body(held)
+            except Exception:   # keeping it failed: the client still gets the answer as it came
+                log.exception("a JSON answer could not be kept")
+                return held
         lines = (self._tail + chunk).split(b"\n")
         self._tail = lines.pop()
         out = b"\n".join([await self._line(x) for x in lines]) + b"\n" if lines else b""

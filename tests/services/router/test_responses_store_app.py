@@ -461,3 +461,26 @@ async def test_background_responses_are_bounded_per_replica_and_tenant(tiny_mode
         assert (await _until(a, r.id, {"completed"})).status == "completed"
     await asyncio.sleep(0.05)   # the runner's last step after its record is written
     assert (await a.responses.create(model="m", input="again", background=True)).status == "queued"
+
+
+async def test_a_store_that_stops_answering_for_a_while_does_not_stop_a_background_response(tiny_model_dir):
+    from kvmesh.responses_api.store.base import StoreError
+    from kvmesh.responses_api.store.memory import MemoryResponseStore
+
+    class Flaky(MemoryResponseStore):
+        down = False
+
+        async def get(self, tenant: str, response_id: str) -> Any:
+            if self.down:
+                raise StoreError("ConnectionError: down")
+            return await super().get(tenant, response_id)
+
+    store = Flaky(60, 1 << 20, 1 << 20)
+    service = _held(tiny_model_dir)
+    client = _client(build_app(service, store=store))  # type: ignore[arg-type]
+    r = await client.responses.create(model="m", input="A long job.", background=True)
+    store.down = True
+    await asyncio.sleep(1.3)   # the runner's poll meets the outage
+    store.down = False
+    service.release.set()
+    assert (await _until(client, r.id, {"completed"})).status == "completed" and service.closed == 0
