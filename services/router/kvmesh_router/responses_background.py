@@ -18,7 +18,6 @@ sees it (at once when the cancel reaches the same replica). A record left ``queu
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -38,9 +37,8 @@ RUNNING = ("queued", "in_progress")
 STALE_GRACE_S = 30.0   # past the deadline, and this: the replica that ran it is gone
 
 
-class _Final(Exception):
-    def __init__(self, status: str) -> None:
-        self.status = status
+class _NotQueued(Exception):
+    """Cancelled (or deleted) before its turn to run came."""
 
 
 class BackgroundResponses:
@@ -90,21 +88,26 @@ class BackgroundResponses:
         rec = await self.store.get(tenant, response_id)
         return None if rec is None else str(rec.response.get("status"))
 
-    async def _set_running(self, tenant: str, head: ResponseHead) -> None:
+    async def _set_running(self, tenant: str, head: ResponseHead) -> bool:
+        """``queued`` becomes ``in_progress``; False when it was cancelled (or deleted) before it started."""
         def change(rec: StoredResponse) -> StoredResponse:
             if rec.response.get("status") != "queued":
-                raise _Final(str(rec.response.get("status")))
+                raise _NotQueued
             return StoredResponse({**rec.response, "status": "in_progress"}, rec.input)
 
-        with contextlib.suppress(_Final):
-            await self.store.update(tenant, head.id, change)
+        try:
+            return await self.store.update(tenant, head.id, change) is not None
+        except _NotQueued:
+            return False
+        except StoreError:   # a store that does not answer leaves it queued; it runs all the same
+            return True
 
     async def _run(self, tenant: str, head: ResponseHead, res: Resolved,
                    answer: Callable[[], Awaitable[dict[str, Any]]]) -> None:
         work: asyncio.Task[dict[str, Any]] | None = None
         try:
-            with contextlib.suppress(StoreError):   # a store that does not answer leaves it queued
-                await self._set_running(tenant, head)
+            if not await self._set_running(tenant, head):
+                return
             work = asyncio.create_task(answer())
             while not (await asyncio.wait({work}, timeout=CANCEL_POLL_S))[0]:
                 try:

@@ -28,6 +28,8 @@ class _Cancelled(Exception):
 
 
 class ResponseKeeper:
+    """Keeps answers in one store (None: the store is off, and nothing is kept)."""
+
     def __init__(self, store: ResponseStore | None) -> None:
         self.store = store
 
