@@ -54,7 +54,7 @@ class ResponseEvents:
         self._call: dict[str, Any] | None = None  # the open function_call item
         self._call_index: int | None = None       # its index in the engine's tool-call deltas
         self._whole = 0                           # whole calls seen (each its own item)
-        self.final: dict[str, Any] | None = None  # the response of response.completed, once finished
+        self.final: dict[str, Any] | None = None  # the response of the last event (completed or failed)
 
     def _event(self, kind: str, **fields: Any) -> bytes:
         doc = {"type": kind, "sequence_number": self.seq, **fields}
@@ -168,4 +168,5 @@ class ResponseEvents:
         out = self._close_part() + self._close_call()
         r = self.head.response("failed", self.output)
         r["error"] = {"code": code, "message": message}
+        self.final = r
         return out + self._event("response.failed", response=r)

@@ -29,7 +29,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -51,7 +51,7 @@ from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response, store_route
 from kvmesh_router.passthrough import OPENAI, engine_body
-from kvmesh_router.responses_background import BackgroundResponses
+from kvmesh_router.responses_background import LOG_KEEP_S, BackgroundResponses
 from kvmesh_router.responses_keep import ResponseKeeper
 from kvmesh_router.service import FinalInfo, GenInput
 
@@ -113,11 +113,22 @@ class ResponsesApi:
         return rec
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
-        if request.query_params.get("stream") in ("true", "1"):
-            raise BadRequest("'stream' is not supported when retrieving a response: its events are not kept to "
-                             "be replayed; retrieve it without stream (and poll a background one)", "stream")
         assert self.background is not None
-        return JSONResponse(self.background.as_read((await self._stored(request, response_id)).response))
+        rec = await self._stored(request, response_id)
+        q = request.query_params
+        if q.get("stream") not in ("true", "1"):
+            return JSONResponse(self.background.as_read(rec.response))
+        # Resuming a streamed background response: its events after ``starting_after``, then the rest.
+        events = self.background.events_of(_tenant(request), response_id)
+        if events is None:
+            raise BadRequest(f"'stream': the events of {response_id!r} are not kept here (only a streamed "
+                             "background response's, on the replica that ran it, for "
+                             f"{LOG_KEEP_S:.0f} s after its end); retrieve it without stream", "stream")
+        try:
+            after = int(q.get("starting_after", "-1"))
+        except ValueError:
+            raise BadRequest("'starting_after' must be an integer (a sequence number)", "starting_after") from None
+        return sse.sse_response(_while_connected(request, events.follow(after)))
 
     async def cancel(self, request: Request, response_id: str) -> Response:
         """``POST /v1/responses/{id}/cancel``: stop a background response (``queued`` or ``in_progress``)."""
@@ -188,14 +199,20 @@ class ResponsesApi:
             except RouterError as exc:
                 return router_error_response(exc, API)
             try:
-                queued = await self.background.start(tenant, head, res, lambda: self._final(
-                    inp, self.service.generate(inp), head))
+                if req.stream:   # its events go to a log that this answer, and resumptions, follow
+                    events = await self.background.start_stream(tenant, head, res, lambda: self._events(
+                        None, inp, self.service.generate(inp), None, head,
+                        lambda r: self.keeper.settle(tenant, head, r, res)))
+                    answer: Response = sse.sse_response(_while_connected(request, events.follow(-1)))
+                else:
+                    answer = JSONResponse(await self.background.start(tenant, head, res, lambda: self._final(
+                        inp, self.service.generate(inp), head)))
             except OpenAIError as exc:
                 return exc.response()
             except StoreError as exc:
                 return unavailable(exc).response()
             metrics.REQUESTS.labels(api=API, outcome="background").inc()
-            return JSONResponse(queued)
+            return answer
         gen = self.service.generate(inp)
         if not req.stream:
             return await answer_or_error(API, self.api.watch(request, inp), self._answer(inp, gen, head, res,
@@ -207,7 +224,8 @@ class ResponsesApi:
             first = None
         except RouterError as exc:
             return router_error_response(exc, API)
-        return sse.sse_response(self._events(request, inp, gen, first, head, res, tenant))
+        return sse.sse_response(self._events(request, inp, gen, first, head, lambda r: self.keeper.keep(
+            tenant, head, r, res)))
 
     async def _external(self, request: Request, req: ResponsesRequest, inp: GenInput, head: ResponseHead,
                         res: Resolved, tenant: str) -> Response:
@@ -227,8 +245,6 @@ class ResponsesApi:
             return False
         why = ("responses are not stored by this server (--responses-store off)" if self.store is None
                else "a background response is polled from the store: it needs store: true" if not store_it
-               else "a streamed background response is not supported; create it without stream and poll "
-                    "GET /v1/responses/{id}" if body.get("stream")
                else "the endpoints are external engines; background responses run on the router's own workers"
                if external else "")
         if why:
@@ -265,11 +281,14 @@ class ResponsesApi:
         await self.keeper.keep(tenant, head, response, res)
         return JSONResponse(response)
 
-    async def _events(self, request: Request, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
-                      head: ResponseHead, res: Resolved, tenant: str) -> AsyncIterator[bytes]:
+    async def _events(self, request: Request | None, inp: GenInput, gen: Any, first: tuple[str, Any] | None,
+                      head: ResponseHead, keep: Callable[[dict[str, Any]], Awaitable[None]]
+                      ) -> AsyncIterator[bytes]:
+        """The answer's events. ``keep`` gets the last event's response (completed or failed) before that
+        event goes out. ``request`` None: a background response, which runs on when its client leaves."""
         ev = ResponseEvents(head)
         detok = self.api.detokenizer()
-        watch = self.api.watch(request, inp)
+        watch = self.api.watch(request, inp) if request is not None else None
         # With tools the text may be a tool call: the worker's parser reads it as it streams
         # ("parsed": text and tool-call pieces, sent as they come); a worker that does not stream
         # its parse gets the text held back until its final report.
@@ -307,22 +326,47 @@ class ResponsesApi:
                             yield ev.call(c.id, c.name, c.arguments)
                     last = ev.finish(_incomplete(item), _usage(item), kvmesh=item.routing_doc())
                     assert ev.final is not None
-                    await self.keeper.keep(tenant, head, ev.final, res)
+                    await keep(ev.final)
                     yield last
             metrics.REQUESTS.labels(api=API, outcome="ok").inc()
         except RouterError as exc:
             metrics.REQUESTS.labels(api=API, outcome=type(exc).__name__).inc()
-            yield ev.failed(exc.error_type, exc.message)
+            last = ev.failed(exc.error_type, exc.message)
+            await keep(ev.final)   # type: ignore[arg-type]  # failed() set it
+            yield last
         except asyncio.CancelledError:
-            if not watch.gone:
+            if watch is None or not watch.gone:
                 raise
             metrics.REQUESTS.labels(api=API, outcome="client_gone").inc()
         except Exception as exc:
             log.exception("responses stream failed")
-            yield ev.failed("server_error", f"internal error: {type(exc).__name__}: {exc}")
+            last = ev.failed("server_error", f"internal error: {type(exc).__name__}: {exc}")
+            await keep(ev.final)   # type: ignore[arg-type]
+            yield last
         finally:
-            watch.stop()
+            if watch is not None:
+                watch.stop()
             await gen.aclose()
+
+
+async def _while_connected(request: Request, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """``events`` until the client leaves (a background response runs on; its reader need not)."""
+    gone = asyncio.Event()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        gone.set()
+
+    task = asyncio.create_task(watch())
+    try:
+        async for event in events:
+            if gone.is_set():
+                return
+            yield event
+            await asyncio.sleep(0)   # a backlog replayed at once: let the loop see a closed connection
+    finally:
+        task.cancel()
 
 
 def _tenant(request: Request) -> str:

@@ -9,6 +9,11 @@ runs on the replica that took the request, routed like any other (same prefix, s
 detached from the client's connection but not from the request's deadline
 (``--http-deadline-s``).
 
+A streamed one (``stream: true`` too) sends its events as they come, and keeps them on the
+replica that runs it (``EventLog``) for ``LOG_KEEP_S`` after its end: a client whose connection
+broke resumes with ``GET /v1/responses/{id}?stream=true&starting_after=N`` there (the events after
+sequence number N, then the rest as they come), as OpenAI's and vLLM's servers resume them.
+
 A cancel may reach another replica: it writes ``cancelled`` in the store, and the replica that
 runs the response reads its record every ``CANCEL_POLL_S`` and stops the generation when it
 sees it (at once when the cancel reaches the same replica). A record left ``queued`` or
@@ -20,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from kvmesh.openai.errors import BadRequest, OpenAIError
@@ -35,6 +40,41 @@ log = logging.getLogger(__name__)
 CANCEL_POLL_S = 1.0
 RUNNING = ("queued", "in_progress")
 STALE_GRACE_S = 30.0   # past the deadline, and this: the replica that ran it is gone
+LOG_KEEP_S = 300.0   # a streamed background response's events stay this long after its end
+
+
+class EventLog:
+    """The events of one streamed background response (one ``event:``/``data:`` frame each, so an
+    event's place in the list is its ``sequence_number``), and the readers that follow it."""
+
+    def __init__(self) -> None:
+        self.events: list[bytes] = []
+        self.done = False
+        self._changed = asyncio.Event()
+
+    def add(self, frames: bytes) -> None:
+        self.events.extend(f + b"\n\n" for f in frames.split(b"\n\n") if f)
+        self._wake()
+
+    def close(self) -> None:
+        self.done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, after: int) -> AsyncIterator[bytes]:
+        """The events after sequence number ``after`` (-1: all), then each as it comes, to the end."""
+        i = max(after + 1, 0)
+        while True:
+            changed = self._changed
+            while i < len(self.events):
+                yield self.events[i]
+                i += 1
+            if self.done:
+                return
+            await changed.wait()
 
 
 class _NotQueued(Exception):
@@ -53,25 +93,26 @@ class BackgroundResponses:
         self.tenant_max_running = tenant_max_running
         self._running: dict[str, asyncio.Task[None]] = {}
         self._per_tenant: dict[str, int] = {}
+        self._logs: dict[tuple[str, str], EventLog] = {}
 
     def __len__(self) -> int:
         return len(self._running)
 
-    async def start(self, tenant: str, head: ResponseHead, res: Resolved,
-                    answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
-        """Keep ``head``'s response as ``queued`` and run ``answer`` (the finished response) behind it. They
-        outlive their connections, so their number is bounded here: past it, a 429."""
+    async def _admit(self, tenant: str, head: ResponseHead, res: Resolved) -> None:
+        """Within the bounds (they outlive their connections, so their number is bounded here: past it, a
+        429), kept as ``queued``."""
         if len(self._running) >= self.max_running:
             raise OpenAIError(f"too many background responses running on this server ({self.max_running}); "
                               "retry later", "background", status=429)
         if self._per_tenant.get(tenant, 0) >= self.tenant_max_running:
             raise OpenAIError(f"too many background responses of this tenant running ({self.tenant_max_running});"
                               " retry when one has finished", "background", status=429)
-        queued = head.response("queued", [])
-        if not await self.store.put(tenant, StoredResponse(queued, res.stored_input())):
+        if not await self.store.put(tenant, StoredResponse(head.response("queued", []), res.stored_input())):
             raise OpenAIError("the request is larger than this server keeps for a tenant "
                               "(--responses-store-tenant-max-bytes)", "input", status=413)
-        task = asyncio.create_task(self._run(tenant, head, res, answer), name=f"background {head.id}")
+
+    def _launch(self, tenant: str, head: ResponseHead, run: Awaitable[None]) -> None:
+        task = asyncio.create_task(run, name=f"background {head.id}")   # type: ignore[arg-type]
         self._running[head.id] = task
         self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
 
@@ -82,7 +123,39 @@ class BackgroundResponses:
                 self._per_tenant[tenant] = left
 
         task.add_done_callback(ended)
-        return queued
+
+    async def start(self, tenant: str, head: ResponseHead, res: Resolved,
+                    answer: Callable[[], Awaitable[dict[str, Any]]]) -> dict[str, Any]:
+        """Keep ``head``'s response as ``queued`` and run ``answer`` (the finished response) behind it."""
+        await self._admit(tenant, head, res)
+        self._launch(tenant, head, self._run(tenant, head, res, answer))
+        return head.response("queued", [])
+
+    async def start_stream(self, tenant: str, head: ResponseHead, res: Resolved,
+                           events: Callable[[], AsyncIterator[bytes]]) -> EventLog:
+        """Keep ``head``'s response as ``queued`` and run ``events`` (which keep the response themselves)
+        into a log that the caller, and later resumptions, follow."""
+        await self._admit(tenant, head, res)
+        events_log = EventLog()
+        key = (tenant, head.id)
+        self._logs[key] = events_log
+
+        async def pump() -> None:
+            async for frames in events():
+                events_log.add(frames)
+
+        async def run() -> None:
+            try:
+                await self._run(tenant, head, res, pump)
+            finally:   # however it ended (cancelled before it ran too), its readers see the end
+                events_log.close()
+                asyncio.get_running_loop().call_later(LOG_KEEP_S, self._logs.pop, key, None)
+
+        self._launch(tenant, head, run())
+        return events_log
+
+    def events_of(self, tenant: str, response_id: str) -> EventLog | None:
+        return self._logs.get((tenant, response_id))
 
     async def _status(self, tenant: str, response_id: str) -> str | None:
         rec = await self.store.get(tenant, response_id)
@@ -103,8 +176,9 @@ class BackgroundResponses:
             return True
 
     async def _run(self, tenant: str, head: ResponseHead, res: Resolved,
-                   answer: Callable[[], Awaitable[dict[str, Any]]]) -> None:
-        work: asyncio.Task[dict[str, Any]] | None = None
+                   answer: Callable[[], Awaitable[dict[str, Any] | None]]) -> None:
+        """Run ``answer`` while the record says it runs; its response (None: it kept its own) settles it."""
+        work: asyncio.Task[dict[str, Any] | None] | None = None
         try:
             if not await self._set_running(tenant, head):
                 return
@@ -126,7 +200,8 @@ class BackgroundResponses:
         finally:   # cancelled here or elsewhere, or failed: the generation stops with it
             if work is not None and not work.done():
                 work.cancel()
-        await self.keeper.settle(tenant, head, response, res)
+        if response is not None:
+            await self.keeper.settle(tenant, head, response, res)
 
     async def cancel(self, tenant: str, response_id: str) -> dict[str, Any]:
         """``POST /v1/responses/{id}/cancel``: a queued or running background response becomes ``cancelled``."""

@@ -21,6 +21,7 @@ from kvmesh.api_keys import ApiKeys
 from kvmesh.tokenization import load_tokenizer
 from kvmesh_router.http_api import build_app
 from kvmesh_router.request_scope import RequestScopes
+from tests.helpers.served_app import served
 from tests.services.router.test_responses_app import TOOLS, _RoutedService
 
 
@@ -115,7 +116,6 @@ async def test_a_streamed_response_is_kept_before_its_last_event(routed):
     ("/responses/resp_1/input_items", {"limit": 0}, "limit"),
     ("/responses/resp_1/input_items", {"limit": "ten"}, "limit"),
     ("/responses/resp_1/input_items", {"order": "sideways"}, "order"),
-    ("/responses/resp_1", {"stream": "true"}, "stream"),
 ])
 async def test_bad_queries_are_400s(routed, path, params, param):
     _, client = routed
@@ -396,7 +396,6 @@ async def test_a_failed_background_response_says_why(tiny_model_dir):
 
 @pytest.mark.parametrize("kw, says", [
     (dict(store=False), "needs store: true"),
-    (dict(stream=True), "streamed background response"),
     (dict(extra_body={"background": "yes"}), "must be a boolean"),
 ])
 async def test_background_requests_that_cannot_be_honoured_are_400s(routed, kw, says):
@@ -484,3 +483,55 @@ async def test_a_store_that_stops_answering_for_a_while_does_not_stop_a_backgrou
     store.down = False
     service.release.set()
     assert (await _until(client, r.id, {"completed"})).status == "completed" and service.closed == 0
+
+
+async def test_a_streamed_background_response_resumes_where_its_client_left(tiny_model_dir):
+    """background + stream: the events come as they are made; a client whose connection broke resumes
+    with retrieve(stream=True, starting_after=N) and gets the rest, numbered on, to response.completed."""
+    service = _held(tiny_model_dir)
+    async with served(build_app(service)) as base:  # type: ignore[arg-type]
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0) as client:
+            await _resumes(service, client)
+
+
+async def _resumes(service: _Held, client: openai.AsyncOpenAI) -> None:
+    stream = await client.responses.create(model="m", input="Read a.py.", tools=TOOLS, background=True, stream=True)
+    seen = []
+    async for event in stream:
+        seen.append(event)
+        if event.type == "response.in_progress":
+            break   # the client goes away before the answer
+    await stream.close()
+    rid = seen[0].response.id
+    assert [e.sequence_number for e in seen] == [0, 1] and seen[0].response.background is True
+    service.release.set()
+    rest = [e async for e in await client.responses.retrieve(rid, stream=True, starting_after=1)]
+    assert [e.sequence_number for e in rest] == list(range(2, 2 + len(rest)))
+    assert rest[-1].type == "response.completed" and service.closed == 0   # it ran on without its client
+    done = await client.responses.retrieve(rid)
+    assert done.status == "completed" and [o.id for o in done.output] == [o.id for o in rest[-1].response.output]
+    again = [e async for e in await client.responses.retrieve(rid, stream=True)]   # from the start
+    assert [e.sequence_number for e in again] == list(range(len(again))) and again[2:] == rest
+    # A response whose events are not kept (not a streamed background one), and a bad starting_after.
+    plain = await client.responses.create(model="m", input="hi")
+    for params, param in (({"stream": "true"}, "stream"), ({"stream": "true", "starting_after": "x"}, "starting_after")):
+        with pytest.raises(openai.BadRequestError) as e:
+            await client.get(f"/responses/{plain.id if param == 'stream' else rid}", options={"params": params},
+                             cast_to=dict)
+        assert e.value.body["param"] == param
+
+
+async def test_a_cancelled_streamed_background_response_ends_its_stream(tiny_model_dir):
+    service = _held(tiny_model_dir)
+    async with served(build_app(service)) as base:  # type: ignore[arg-type]
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0) as client:
+            stream = await client.responses.create(model="m", input="A long job.", background=True, stream=True)
+            await _cancel_ends(service, client, stream)
+
+
+async def _cancel_ends(service: _Held, client: openai.AsyncOpenAI, stream: Any) -> None:
+    first = await stream.__anext__()
+    await client.responses.cancel(first.response.id)
+    rest = [e async for e in stream]   # the stream ends rather than hanging
+    assert all(e.type != "response.completed" for e in rest) and service.closed == 1
+    assert (await client.responses.retrieve(first.response.id)).status == "cancelled"
