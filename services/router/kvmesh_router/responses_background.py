@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ CANCEL_POLL_S = 1.0
 RUNNING = ("queued", "in_progress")
 STALE_GRACE_S = 30.0   # past the deadline, and this: the replica that ran it is gone
 LOG_KEEP_S = 300.0   # a streamed background response's events stay this long after its end
+LOGS_MAX_BYTES = 64 << 20   # and at most this many bytes of ended ones stay (the oldest go first)
 
 
 class EventLog:
@@ -49,11 +51,15 @@ class EventLog:
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
+        self.size = 0
         self.done = False
         self._changed = asyncio.Event()
 
     def add(self, frames: bytes) -> None:
-        self.events.extend(f + b"\n\n" for f in frames.split(b"\n\n") if f)
+        for f in frames.split(b"\n\n"):
+            if f:
+                self.events.append(f + b"\n\n")
+                self.size += len(f) + 2
         self._wake()
 
     def close(self) -> None:
@@ -94,6 +100,8 @@ class BackgroundResponses:
         self._running: dict[str, asyncio.Task[None]] = {}
         self._per_tenant: dict[str, int] = {}
         self._logs: dict[tuple[str, str], EventLog] = {}
+        self._ended: OrderedDict[tuple[str, str], int] = OrderedDict()   # ended logs' sizes, oldest first
+        self._ended_bytes = 0
 
     def __len__(self) -> int:
         return len(self._running)
@@ -149,10 +157,24 @@ class BackgroundResponses:
                 await self._run(tenant, head, res, pump)
             finally:   # however it ended (cancelled before it ran too), its readers see the end
                 events_log.close()
-                asyncio.get_running_loop().call_later(LOG_KEEP_S, self._logs.pop, key, None)
+                self._retire(key, events_log.size)
 
         self._launch(tenant, head, run())
         return events_log
+
+    def _retire(self, key: tuple[str, str], size: int) -> None:
+        """An ended log stays ``LOG_KEEP_S``, within ``LOGS_MAX_BYTES`` of ended logs in all."""
+        self._ended[key] = size
+        self._ended_bytes += size
+        asyncio.get_running_loop().call_later(LOG_KEEP_S, self._forget, key)
+        while self._ended_bytes > LOGS_MAX_BYTES:
+            self._forget(next(iter(self._ended)))
+
+    def _forget(self, key: tuple[str, str]) -> None:
+        size = self._ended.pop(key, None)
+        if size is not None:
+            self._ended_bytes -= size
+            self._logs.pop(key, None)
 
     def events_of(self, tenant: str, response_id: str) -> EventLog | None:
         return self._logs.get((tenant, response_id))

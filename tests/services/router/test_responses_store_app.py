@@ -535,3 +535,23 @@ async def _cancel_ends(service: _Held, client: openai.AsyncOpenAI, stream: Any) 
     rest = [e async for e in stream]   # the stream ends rather than hanging
     assert all(e.type != "response.completed" for e in rest) and service.closed == 1
     assert (await client.responses.retrieve(first.response.id)).status == "cancelled"
+
+
+async def test_ended_event_logs_are_bounded():
+    """Streamed background responses' events outlive them only within a byte budget, oldest first."""
+    from kvmesh_router import responses_background as rb
+
+    bg = rb.BackgroundResponses(None, None, deadline_s=600.0)  # type: ignore[arg-type]
+    budget, rb.LOGS_MAX_BYTES = rb.LOGS_MAX_BYTES, 1000
+    try:
+        for i in range(5):
+            log = rb.EventLog()
+            log.add(b"event: x\ndata: " + b"y" * 380 + b"\n\n")
+            log.close()
+            bg._logs[("t", f"resp_{i}")] = log
+            bg._retire(("t", f"resp_{i}"), log.size)
+        assert [k[1] for k in bg._logs] == ["resp_3", "resp_4"] and bg._ended_bytes <= 1000
+        assert [e async for e in bg.events_of("t", "resp_4").follow(-1)] == bg._logs[("t", "resp_4")].events
+        assert bg.events_of("u", "resp_4") is None   # another tenant's is not found
+    finally:
+        rb.LOGS_MAX_BYTES = budget
