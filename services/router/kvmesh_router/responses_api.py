@@ -119,16 +119,16 @@ class ResponsesApi:
         if q.get("stream") not in ("true", "1"):
             return JSONResponse(self.background.as_read(rec.response))
         # Resuming a streamed background response: its events after ``starting_after``, then the rest.
-        events = self.background.events_of(_tenant(request), response_id)
-        if events is None:
-            raise BadRequest(f"'stream': the events of {response_id!r} are not kept here (only a streamed "
-                             "background response's, on the replica that ran it, for "
-                             f"{LOG_KEEP_S:.0f} s after its end); retrieve it without stream", "stream")
         try:
             after = int(q.get("starting_after", "-1"))
         except ValueError:
             raise BadRequest("'starting_after' must be an integer (a sequence number)", "starting_after") from None
-        return sse.sse_response(_while_connected(request, events.follow(after)))
+        events = await self.background.follow(_tenant(request), response_id, after)
+        if events is None:
+            raise BadRequest(f"'stream': the events of {response_id!r} are not kept (only a streamed background "
+                             f"response's, for {LOG_KEEP_S:.0f} s after its end: on the replica that ran it, or "
+                             "in a shared Redis store); retrieve it without stream", "stream")
+        return sse.sse_response(_while_connected(request, events))
 
     async def cancel(self, request: Request, response_id: str) -> Response:
         """``POST /v1/responses/{id}/cancel``: stop a background response (``queued`` or ``in_progress``)."""

@@ -10,9 +10,10 @@ detached from the client's connection but not from the request's deadline
 (``--http-deadline-s``).
 
 A streamed one (``stream: true`` too) sends its events as they come, and keeps them on the
-replica that runs it (``EventLog``) for ``LOG_KEEP_S`` after its end: a client whose connection
-broke resumes with ``GET /v1/responses/{id}?stream=true&starting_after=N`` there (the events after
-sequence number N, then the rest as they come), as OpenAI's and vLLM's servers resume them.
+replica that runs it (``EventLog``) for ``LOG_KEEP_S`` after its end, and in a shared (Redis) store
+as well: a client whose connection broke resumes with ``GET
+/v1/responses/{id}?stream=true&starting_after=N`` on any replica (the events after sequence number
+N, then the rest as they come), as OpenAI's and vLLM's servers resume them.
 
 A cancel may reach another replica: it writes ``cancelled`` in the store, and the replica that
 runs the response reads its record every ``CANCEL_POLL_S`` and stops the generation when it
@@ -43,6 +44,9 @@ RUNNING = ("queued", "in_progress")
 STALE_GRACE_S = 30.0   # past the deadline, and this: the replica that ran it is gone
 LOG_KEEP_S = 300.0   # a streamed background response's events stay this long after its end
 LOGS_MAX_BYTES = 64 << 20   # and at most this many bytes of ended ones stay (the oldest go first)
+SHARED_POLL_S = 0.1   # a resumption on another replica reads the shared store this often
+SHARED_POLLS_PER_STATUS = 10   # and, while nothing comes, asks every this many reads whether it still runs
+LAST_EVENTS = (b"event: response.completed", b"event: response.failed")
 
 
 class EventLog:
@@ -51,6 +55,7 @@ class EventLog:
 
     def __init__(self) -> None:
         self.events: list[bytes] = []
+        self.shared = 0   # how many of them the shared store has
         self.size = 0
         self.done = False
         self._changed = asyncio.Event()
@@ -151,6 +156,8 @@ class BackgroundResponses:
         async def pump() -> None:
             async for frames in events():
                 events_log.add(frames)
+                if self.store.shared:   # for a client that resumes on another replica
+                    await self._share(tenant, head.id, events_log)
 
         async def run() -> None:
             try:
@@ -176,8 +183,55 @@ class BackgroundResponses:
             self._ended_bytes -= size
             self._logs.pop(key, None)
 
+    async def _share(self, tenant: str, response_id: str, events_log: EventLog) -> None:
+        new = events_log.events[events_log.shared:]
+        if not new:
+            return
+        try:
+            await self.store.add_events(tenant, response_id, new, LOG_KEEP_S)
+        except StoreError as exc:   # resumption elsewhere loses these; the answer goes on
+            log.warning("background events not shared", extra={"response_id": response_id, "error": str(exc)})
+            return
+        events_log.shared += len(new)
+
     def events_of(self, tenant: str, response_id: str) -> EventLog | None:
         return self._logs.get((tenant, response_id))
+
+    async def follow(self, tenant: str, response_id: str, after: int) -> AsyncIterator[bytes] | None:
+        """The events of a streamed background response after ``after``: this replica's log, else (a shared
+        store) the store's copy, read until its last event; None when neither is kept."""
+        here = self.events_of(tenant, response_id)
+        if here is not None:
+            return here.follow(after)
+        if not self.store.shared or await self.store.events(tenant, response_id, 0) is None:
+            return None
+        return self._follow_shared(tenant, response_id, after)
+
+    async def _follow_shared(self, tenant: str, response_id: str, after: int) -> AsyncIterator[bytes]:
+        i = max(after + 1, 0)
+        idle = 0
+        while True:
+            try:
+                got = await self.store.events(tenant, response_id, i) or []
+            except StoreError:   # the stream ends here; the client resumes again from its last event
+                return
+            for event in got:
+                yield event
+            i += len(got)
+            if got and got[-1].startswith(LAST_EVENTS):
+                return
+            if got:
+                idle = 0
+                continue
+            idle += 1
+            # No last event yet: still running, or ended without one (cancelled, or its replica stopped).
+            if idle % SHARED_POLLS_PER_STATUS == 0:
+                try:
+                    if await self._status(tenant, response_id) not in RUNNING:
+                        return
+                except StoreError:
+                    return
+            await asyncio.sleep(SHARED_POLL_S)
 
     async def _status(self, tenant: str, response_id: str) -> str | None:
         rec = await self.store.get(tenant, response_id)

@@ -555,3 +555,23 @@ async def test_ended_event_logs_are_bounded():
         assert bg.events_of("u", "resp_4") is None   # another tenant's is not found
     finally:
         rb.LOGS_MAX_BYTES = budget
+
+
+@pytest.mark.redis
+async def test_a_streamed_background_response_resumes_on_another_replica(tiny_model_dir, redis_server):
+    """With a shared (Redis) store the events are there too: a client that lost its connection to the
+    replica running the response resumes on the other one."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+    runner = _held(tiny_model_dir, responses_store=url)
+    other = _client(build_app(_service(tiny_model_dir, responses_store=url)))  # type: ignore[arg-type]
+    async with served(build_app(runner)) as base:  # type: ignore[arg-type]
+        async with openai.AsyncOpenAI(base_url=base + "/v1", api_key="k", max_retries=0) as client:
+            stream = await client.responses.create(model="m", input="Read a.py.", tools=TOOLS, background=True,
+                                                   stream=True)
+            first = await stream.__anext__()
+            await stream.close()
+            runner.release.set()
+            rest = [e async for e in await other.responses.retrieve(first.response.id, stream=True, starting_after=0)]
+    assert [e.sequence_number for e in rest] == list(range(1, 1 + len(rest)))
+    assert rest[0].type == "response.in_progress" and rest[-1].type == "response.completed"
+    assert (await other.responses.retrieve(first.response.id)).status == "completed"

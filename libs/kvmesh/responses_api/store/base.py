@@ -110,5 +110,16 @@ class ResponseStore(ABC):
     async def item_owner(self, tenant: str, item_id: str) -> str | None:
         """The id of the newest kept response whose conversation or output holds ``item_id``."""
 
+    # A streamed background response's events, for a client that resumes them on another replica. Only
+    # a store every replica shares keeps them; the replica that runs a response keeps its own copy.
+    shared: ClassVar[bool] = False
+
+    async def add_events(self, tenant: str, response_id: str, events: list[bytes], ttl_s: float) -> None:  # noqa: B027
+        """Append ``events`` to the response's, kept ``ttl_s`` from the last append (a shared store)."""
+
+    async def events(self, tenant: str, response_id: str, start: int) -> list[bytes] | None:
+        """The response's events from index ``start`` on; None when none are kept."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 - an in-process store has nothing to release
         """Release connections."""

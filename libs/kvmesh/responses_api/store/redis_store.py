@@ -8,7 +8,8 @@ name another's keys). Bound the memory on the Redis side (``maxmemory`` with
 ``volatile-ttl`` or ``allkeys-lru``) and do not share the indexer's Redis, whose policy is
 ``noeviction``: a full store must not refuse the index's writes. A record changed in place (a
 conversation that grew) is written with WATCH/MULTI, so replicas adding to it at once retry rather
-than overwrite each other.
+than overwrite each other. A streamed background response's events are a list key of their own
+(``e``), so that a client resumes them on any replica.
 """
 
 from __future__ import annotations
@@ -104,6 +105,25 @@ class RedisResponseStore(ResponseStore):
     @_translated
     async def delete(self, tenant: str, response_id: str) -> bool:
         return bool(await self.client.delete(self._key("r", tenant, response_id)))
+
+    shared = True
+
+    @_translated
+    async def add_events(self, tenant: str, response_id: str, events: list[bytes], ttl_s: float) -> None:
+        key = self._key("e", tenant, response_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.rpush(key, *events)
+        pipe.pexpire(key, max(1, int(ttl_s * 1000)))
+        await pipe.execute()
+
+    @_translated
+    async def events(self, tenant: str, response_id: str, start: int) -> list[bytes] | None:
+        key = self._key("e", tenant, response_id)
+        pipe = self.client.pipeline(transaction=False)
+        pipe.exists(key)
+        pipe.lrange(key, start, -1)
+        there, got = await pipe.execute()
+        return list(got) if there else None
 
     @_translated
     async def item_owner(self, tenant: str, item_id: str) -> str | None:
