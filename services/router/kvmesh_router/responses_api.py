@@ -51,7 +51,7 @@ from kvmesh_router.errors import RouterError
 from kvmesh_router.http_guard import request_scope_of
 from kvmesh_router.http_outcome import answer_or_error, router_error_response, store_route
 from kvmesh_router.passthrough import OPENAI, engine_body
-from kvmesh_router.responses_background import LOG_KEEP_S, BackgroundResponses
+from kvmesh_router.responses_background import LOG_KEEP_S, RUNNING, BackgroundResponses
 from kvmesh_router.responses_keep import ResponseKeeper
 from kvmesh_router.service import FinalInfo, GenInput
 
@@ -137,8 +137,10 @@ class ResponsesApi:
         return JSONResponse(await self.background.cancel(_tenant(request), response_id))
 
     async def delete(self, request: Request, response_id: str) -> Response:
-        await self._stored(request, response_id)
-        assert self.store is not None
+        rec = await self._stored(request, response_id)
+        assert self.store is not None and self.background is not None
+        if rec.response.get("background") and rec.response.get("status") in RUNNING:
+            await self.background.cancel(_tenant(request), response_id)   # its generation stops too
         await self.store.delete(_tenant(request), response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 

@@ -15,9 +15,10 @@ as well: a client whose connection broke resumes with ``GET
 /v1/responses/{id}?stream=true&starting_after=N`` on any replica (the events after sequence number
 N, then the rest as they come), as OpenAI's and vLLM's servers resume them.
 
-A cancel may reach another replica: it writes ``cancelled`` in the store, and the replica that
-runs the response reads its record every ``CANCEL_POLL_S`` and stops the generation when it
-sees it (at once when the cancel reaches the same replica). A record left ``queued`` or
+A cancel may reach another replica: it writes ``cancelled`` in the store and, in a shared store,
+a small marker key that the replica running the response reads every ``CANCEL_POLL_S``; it stops
+the generation when it sees it (at once when the cancel reaches the same replica). Deleting a
+running background response cancels it first. A record left ``queued`` or
 ``in_progress`` past the deadline (its replica stopped) reads as ``failed``.
 """
 
@@ -103,37 +104,47 @@ class BackgroundResponses:
         self.max_running = max_running
         self.tenant_max_running = tenant_max_running
         self._running: dict[str, asyncio.Task[None]] = {}
-        self._per_tenant: dict[str, int] = {}
+        self._per_tenant: dict[str, int] = {}   # places taken, per tenant
+        self._active = 0   # places taken in all (admitted, running)
         self._logs: dict[tuple[str, str], EventLog] = {}
         self._ended: OrderedDict[tuple[str, str], int] = OrderedDict()   # ended logs' sizes, oldest first
         self._ended_bytes = 0
 
-    def __len__(self) -> int:
-        return len(self._running)
-
     async def _admit(self, tenant: str, head: ResponseHead, res: Resolved) -> None:
         """Within the bounds (they outlive their connections, so their number is bounded here: past it, a
-        429), kept as ``queued``."""
-        if len(self._running) >= self.max_running:
+        429), kept as ``queued``. The place is taken before the store is awaited, so that requests arriving
+        meanwhile count it; ``_launch`` hands it to the task, a failure gives it back."""
+        if self._active >= self.max_running:
             raise OpenAIError(f"too many background responses running on this server ({self.max_running}); "
                               "retry later", "background", status=429)
         if self._per_tenant.get(tenant, 0) >= self.tenant_max_running:
             raise OpenAIError(f"too many background responses of this tenant running ({self.tenant_max_running});"
                               " retry when one has finished", "background", status=429)
-        if not await self.store.put(tenant, StoredResponse(head.response("queued", []), res.stored_input())):
+        self._take(tenant, 1)
+        try:
+            kept = await self.store.put(tenant, StoredResponse(head.response("queued", []), res.stored_input()))
+        except BaseException:
+            self._take(tenant, -1)
+            raise
+        if not kept:
+            self._take(tenant, -1)
             raise OpenAIError("the request is larger than this server keeps for a tenant "
                               "(--responses-store-tenant-max-bytes)", "input", status=413)
 
+    def _take(self, tenant: str, n: int) -> None:
+        self._active += n
+        left = self._per_tenant.pop(tenant, 0) + n
+        if left:
+            self._per_tenant[tenant] = left
+
     def _launch(self, tenant: str, head: ResponseHead, run: Awaitable[None]) -> None:
+        """Run ``run`` in the place ``_admit`` took; the place is free when it ends."""
         task = asyncio.create_task(run, name=f"background {head.id}")   # type: ignore[arg-type]
         self._running[head.id] = task
-        self._per_tenant[tenant] = self._per_tenant.get(tenant, 0) + 1
 
         def ended(_task: asyncio.Task[None]) -> None:
             self._running.pop(head.id, None)
-            left = self._per_tenant.pop(tenant) - 1
-            if left:
-                self._per_tenant[tenant] = left
+            self._take(tenant, -1)
 
         task.add_done_callback(ended)
 
@@ -203,35 +214,33 @@ class BackgroundResponses:
         here = self.events_of(tenant, response_id)
         if here is not None:
             return here.follow(after)
-        if not self.store.shared or await self.store.events(tenant, response_id, 0) is None:
-            return None
-        return self._follow_shared(tenant, response_id, after)
+        first = await self.store.events(tenant, response_id, max(after + 1, 0)) if self.store.shared else None
+        return None if first is None else self._follow_shared(tenant, response_id, max(after + 1, 0), first)
 
-    async def _follow_shared(self, tenant: str, response_id: str, after: int) -> AsyncIterator[bytes]:
-        i = max(after + 1, 0)
+    async def _follow_shared(self, tenant: str, response_id: str, i: int, got: list[bytes]
+                             ) -> AsyncIterator[bytes]:
+        """The shared store's events from index ``i`` on (``got``: the first read), until the last one."""
         idle = 0
         while True:
-            try:
-                got = await self.store.events(tenant, response_id, i) or []
-            except StoreError:   # the stream ends here; the client resumes again from its last event
-                return
             for event in got:
                 yield event
             i += len(got)
             if got and got[-1].startswith(LAST_EVENTS):
                 return
-            if got:
-                idle = 0
-                continue
-            idle += 1
+            idle = 0 if got else idle + 1
             # No last event yet: still running, or ended without one (cancelled, or its replica stopped).
-            if idle % SHARED_POLLS_PER_STATUS == 0:
+            if idle and idle % SHARED_POLLS_PER_STATUS == 0:
                 try:
                     if await self._status(tenant, response_id) not in RUNNING:
                         return
                 except StoreError:
                     return
-            await asyncio.sleep(SHARED_POLL_S)
+            if idle:
+                await asyncio.sleep(SHARED_POLL_S)
+            try:
+                got = await self.store.events(tenant, response_id, i) or []
+            except StoreError:   # the stream ends here; the client resumes again from its last event
+                return
 
     async def _status(self, tenant: str, response_id: str) -> str | None:
         rec = await self.store.get(tenant, response_id)
@@ -259,13 +268,14 @@ class BackgroundResponses:
             if not await self._set_running(tenant, head):
                 return
             work = asyncio.create_task(answer())
-            while not (await asyncio.wait({work}, timeout=CANCEL_POLL_S))[0]:
+            # A cancel on this replica cancels this task; one on another (a shared store) leaves a marker.
+            poll = CANCEL_POLL_S if self.store.shared else None
+            while not (await asyncio.wait({work}, timeout=poll))[0]:
                 try:
-                    status = await self._status(tenant, head.id)
+                    if await self.store.cancel_marked(tenant, head.id):
+                        return
                 except StoreError:   # not known now: the generation goes on, and the next poll asks again
                     continue
-                if status not in RUNNING:   # cancelled, or deleted, elsewhere
-                    return
             response = work.result()
         except RouterError as exc:
             response = head.response("failed", [], error={"code": exc.error_type, "message": exc.message})
@@ -291,6 +301,8 @@ class BackgroundResponses:
         rec = await self.store.update(tenant, response_id, change)
         if rec is None:
             raise not_found("Response", response_id, "response_id")
+        if self.store.shared:   # the replica running it may be another
+            await self.store.mark_cancelled(tenant, response_id, self.deadline_s + STALE_GRACE_S)
         task = self._running.get(response_id)
         if task is not None:
             task.cancel()

@@ -575,3 +575,32 @@ async def test_a_streamed_background_response_resumes_on_another_replica(tiny_mo
     assert [e.sequence_number for e in rest] == list(range(1, 1 + len(rest)))
     assert rest[0].type == "response.in_progress" and rest[-1].type == "response.completed"
     assert (await other.responses.retrieve(first.response.id)).status == "completed"
+
+
+@pytest.mark.redis
+async def test_background_bounds_hold_for_requests_that_arrive_together(tiny_model_dir, redis_server):
+    """The place is taken before the (Redis) store is awaited: requests arriving together cannot all pass
+    the count before any of them is running."""
+    url = redis_server.url.rsplit("/", 1)[0] + "/3"
+    service = _held(tiny_model_dir, responses_store=url, responses_background_max=2)
+    client = _client(build_app(service))  # type: ignore[arg-type]
+    got = await asyncio.gather(*[client.responses.create(model="m", input=f"job {i}", background=True)
+                                 for i in range(6)], return_exceptions=True)
+    assert sum(not isinstance(r, Exception) for r in got) == 2
+    assert all(isinstance(r, openai.RateLimitError) for r in got if isinstance(r, Exception))
+    service.release.set()
+
+
+async def test_deleting_a_running_background_response_stops_it(tiny_model_dir):
+    service = _held(tiny_model_dir)
+    client = _client(build_app(service))  # type: ignore[arg-type]
+    r = await client.responses.create(model="m", input="A long job.", background=True)
+    await _until(client, r.id, {"in_progress"})
+    await client.responses.delete(r.id)
+    for _ in range(100):
+        if service.closed:
+            break
+        await asyncio.sleep(0.02)
+    assert service.closed == 1
+    with pytest.raises(openai.NotFoundError):
+        await client.responses.retrieve(r.id)

@@ -121,5 +121,12 @@ class ResponseStore(ABC):
         """The response's events from index ``start`` on; None when none are kept."""
         return None
 
+    async def mark_cancelled(self, tenant: str, response_id: str, ttl_s: float) -> None:  # noqa: B027
+        """Note, in a small key of its own, that a background response was cancelled (a shared store), so
+        that the replica running it learns without reading the whole record."""
+
+    async def cancel_marked(self, tenant: str, response_id: str) -> bool:
+        return False
+
     async def close(self) -> None:  # noqa: B027 - an in-process store has nothing to release
         """Release connections."""

@@ -126,6 +126,14 @@ class RedisResponseStore(ResponseStore):
         return list(got) if there else None
 
     @_translated
+    async def mark_cancelled(self, tenant: str, response_id: str, ttl_s: float) -> None:
+        await self.client.set(self._key("x", tenant, response_id), b"1", px=max(1, int(ttl_s * 1000)))
+
+    @_translated
+    async def cancel_marked(self, tenant: str, response_id: str) -> bool:
+        return bool(await self.client.exists(self._key("x", tenant, response_id)))
+
+    @_translated
     async def item_owner(self, tenant: str, item_id: str) -> str | None:
         rid = await self.client.get(self._key("i", tenant, item_id))
         return rid.decode() if rid is not None else None
