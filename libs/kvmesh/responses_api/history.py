@@ -37,6 +37,15 @@ def not_found(what: str, ident: str, param: str) -> OpenAIError:
     return OpenAIError(f"{what} with id {ident[:128]!r} not found", param, status=404)
 
 
+async def kept(store: ResponseStore, tenant: str, ident: Any, kind: str, what: str, param: str) -> StoredResponse:
+    """The tenant's kept record ``ident`` of ``kind``: a 404 for an invalid or absent id, another
+    tenant's, or a record of another kind (so one kind's id never reads as another's)."""
+    rec = await store.get(tenant, ident) if valid_id(ident) else None
+    if rec is None or rec.kind != kind:
+        raise not_found(what, str(ident), param)
+    return rec
+
+
 def _with_id(item: Any) -> Any:
     """``item`` with an id, and a bare ``{"role", "content"}`` message typed as one (as OpenAI lists it)."""
     if not isinstance(item, dict):
@@ -136,9 +145,7 @@ async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: st
         if not valid_id(prev_id):
             raise BadRequest("'previous_response_id' must be a response id (letters, digits, '_', '-', '.', ':'; "
                              "at most 128)", "previous_response_id")
-        previous = await store.get(tenant, prev_id)
-        if previous is None or previous.kind != RESPONSE:
-            raise not_found("Previous response", prev_id, "previous_response_id")
+        previous = await kept(store, tenant, prev_id, RESPONSE, "Previous response", "previous_response_id")
         if previous.response.get("status") in ("queued", "in_progress"):   # a background one, not done
             raise BadRequest(f"Previous response {prev_id!r} has not finished (status "
                              f"{previous.response['status']}): poll it until it has", "previous_response_id")
@@ -146,9 +153,7 @@ async def _resolve(body: dict[str, Any], store: ResponseStore | None, tenant: st
     thread = None
     if conv_ref is not None:
         cid = _conversation_id(conv_ref)
-        thread = await store.get(tenant, cid)
-        if thread is None or thread.kind != CONVERSATION:
-            raise not_found("Conversation", cid, "conversation")
+        thread = await kept(store, tenant, cid, CONVERSATION, "Conversation", "conversation")
         history = thread.input
     new = await _dereference(inp, refs, store, tenant) if refs else inp
     out = {k: v for k, v in body.items() if k not in ("previous_response_id", "conversation")}

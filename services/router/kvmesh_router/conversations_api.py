@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 
 from kvmesh.openai.errors import BadRequest, OpenAIError
 from kvmesh.responses_api import conversations as conv
-from kvmesh.responses_api.history import not_found
+from kvmesh.responses_api.history import kept, not_found
 from kvmesh.responses_api.store.base import (
     CONVERSATION,
     Change,
@@ -64,11 +64,8 @@ class ConversationsApi:
     # Handlers (``store_route`` answers what they raise).
     async def _thread(self, request: Request, conversation_id: str) -> StoredResponse:
         assert self.store is not None
-        tenant = request_scope_of(request).tenant
-        thread = await self.store.get(tenant, conversation_id) if valid_id(conversation_id) else None
-        if thread is None or thread.kind != CONVERSATION:
-            raise not_found("Conversation", conversation_id, "conversation_id")
-        return thread
+        return await kept(self.store, request_scope_of(request).tenant, conversation_id, CONVERSATION,
+                          "Conversation", "conversation_id")
 
     async def _put(self, request: Request, thread: StoredResponse) -> None:
         assert self.store is not None

@@ -38,10 +38,10 @@ from fastapi.responses import JSONResponse, Response
 from kvmesh.openai import sse
 from kvmesh.openai.errors import BadRequest, OpenAIError
 from kvmesh.responses_api.conversations import page
-from kvmesh.responses_api.history import Resolved, not_found, resolve, unavailable, wants_store
+from kvmesh.responses_api.history import Resolved, kept, resolve, unavailable, wants_store
 from kvmesh.responses_api.output import ResponseHead, output_items, usage
 from kvmesh.responses_api.requests import ResponsesRequest, parse_responses
-from kvmesh.responses_api.store.base import RESPONSE, ResponseStore, StoredResponse, StoreError, valid_id
+from kvmesh.responses_api.store.base import RESPONSE, ResponseStore, StoredResponse, StoreError
 from kvmesh.responses_api.store.registry import open_store
 from kvmesh.responses_api.stream import ResponseEvents
 from kvmesh_api.common.v1 import common_pb2
@@ -107,10 +107,7 @@ class ResponsesApi:
     async def _stored(self, request: Request, response_id: str) -> StoredResponse:
         """The tenant's stored ``response_id``; 404 for an absent one or another tenant's."""
         assert self.store is not None
-        rec = await self.store.get(_tenant(request), response_id) if valid_id(response_id) else None
-        if rec is None or rec.kind != RESPONSE:
-            raise not_found("Response", response_id, "response_id")
-        return rec
+        return await kept(self.store, _tenant(request), response_id, RESPONSE, "Response", "response_id")
 
     async def retrieve(self, request: Request, response_id: str) -> Response:
         assert self.background is not None
