@@ -46,7 +46,9 @@ STALE_GRACE_S = 30.0   # past the deadline, and this: the replica that ran it is
 LOG_KEEP_S = 300.0   # a streamed background response's events stay this long after its end
 LOGS_MAX_BYTES = 64 << 20   # and at most this many bytes of ended ones stay (the oldest go first)
 SHARED_POLL_S = 0.1   # a resumption on another replica reads the shared store this often
-SHARED_POLLS_PER_STATUS = 10   # and, while nothing comes, asks every this many reads whether it still runs
+SHARED_POLLS_PER_STATUS = 10   # and, while nothing comes, looks for a cancel every this many reads
+SHARED_RECORD_CHECK_S = 30.0   # and reads the record (has its replica stopped?) this often
+SHARED_POLLS_PER_RECORD = round(SHARED_RECORD_CHECK_S / SHARED_POLL_S)
 LAST_EVENTS = (b"event: response.completed", b"event: response.failed")
 
 
@@ -219,7 +221,12 @@ class BackgroundResponses:
 
     async def _follow_shared(self, tenant: str, response_id: str, i: int, got: list[bytes]
                              ) -> AsyncIterator[bytes]:
-        """The shared store's events from index ``i`` on (``got``: the first read), until the last one."""
+        """The shared store's events from index ``i`` on (``got``: the first read), until the last one.
+
+        No last event yet: it still runs, or it ended without one. While nothing comes, a cancel is looked
+        for every second (its marker: one key) and the record itself, which can be a whole conversation,
+        is read only every ``SHARED_RECORD_CHECK_S``: one whose replica stopped reads as failed once past
+        its deadline (``as_read``), so a reader of it ends then."""
         idle = 0
         while True:
             for event in got:
@@ -228,23 +235,26 @@ class BackgroundResponses:
             if got and got[-1].startswith(LAST_EVENTS):
                 return
             idle = 0 if got else idle + 1
-            # No last event yet: still running, or ended without one (cancelled, or its replica stopped).
-            if idle and idle % SHARED_POLLS_PER_STATUS == 0:
-                try:
-                    if await self._status(tenant, response_id) not in RUNNING:
-                        return
-                except StoreError:
-                    return
-            if idle:
-                await asyncio.sleep(SHARED_POLL_S)
             try:
-                got = await self.store.events(tenant, response_id, i) or []
+                if idle and idle % SHARED_POLLS_PER_STATUS == 0 and await self._ended_elsewhere(
+                        tenant, response_id, record=idle % SHARED_POLLS_PER_RECORD == 0):
+                    return
+                if idle:
+                    await asyncio.sleep(SHARED_POLL_S)
+                more = await self.store.events(tenant, response_id, i)
             except StoreError:   # the stream ends here; the client resumes again from its last event
                 return
+            if more is None:   # its log is no longer kept
+                return
+            got = more
 
-    async def _status(self, tenant: str, response_id: str) -> str | None:
+    async def _ended_elsewhere(self, tenant: str, response_id: str, record: bool) -> bool:
+        if await self.store.cancel_marked(tenant, response_id):
+            return True
+        if not record:
+            return False
         rec = await self.store.get(tenant, response_id)
-        return None if rec is None else str(rec.response.get("status"))
+        return rec is None or self.as_read(rec.response).get("status") not in RUNNING
 
     async def _set_running(self, tenant: str, head: ResponseHead) -> bool:
         """``queued`` becomes ``in_progress``; False when it was cancelled (or deleted) before it started."""

@@ -604,3 +604,45 @@ async def test_deleting_a_running_background_response_stops_it(tiny_model_dir):
     assert service.closed == 1
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve(r.id)
+
+
+@pytest.mark.redis
+@pytest.mark.parametrize("ending", ["cancelled", "replica_stopped", "log_expired"])
+async def test_a_resumption_on_another_replica_ends_when_its_response_cannot_go_on(redis_server, ending,
+                                                                                    monkeypatch):
+    """A reader following the shared store's events of a response with no last event yet ends (it does
+    not wait for ever) once the response was cancelled, its replica stopped (past its deadline) or its log
+    expired; meanwhile it reads the whole record only now and then."""
+    from kvmesh.responses_api.store.base import StoredResponse
+    from kvmesh.responses_api.store.redis_store import RedisResponseStore
+    from kvmesh_router import responses_background as rb
+
+    monkeypatch.setattr(rb, "SHARED_POLL_S", 0.01)
+    monkeypatch.setattr(rb, "SHARED_POLLS_PER_RECORD", 40)
+    store = RedisResponseStore(redis_server.url, ttl_s=60, max_record_bytes=8000, prefix=f"t{uuid.uuid4().hex}:")
+    reads = 0
+    get = store.get
+
+    async def counted(tenant: str, rid: str) -> Any:
+        nonlocal reads
+        reads += 1
+        return await get(tenant, rid)
+
+    monkeypatch.setattr(store, "get", counted)
+    created = 0 if ending == "replica_stopped" else int(time.time())
+    await store.put("t", StoredResponse({"id": "resp_1", "object": "response", "status": "in_progress",
+                                         "background": True, "created_at": created}, []))
+    await store.add_events("t", "resp_1", [b"event: response.created\n\n"], ttl_s=0.3 if ending == "log_expired" else 60)
+    bg = rb.BackgroundResponses(store, None, deadline_s=600.0)  # type: ignore[arg-type]
+    reader = await bg.follow("t", "resp_1", -1)
+    assert reader is not None
+    got = [await reader.__anext__()]
+    if ending == "cancelled":
+        await store.mark_cancelled("t", "resp_1", 60)
+    got += [e async for e in reader]   # ends, and without an event it never had
+    assert got == [b"event: response.created\n\n"]
+    if ending == "cancelled":
+        assert reads == 0   # a cancel is seen by its marker, not by reading the record
+    if ending == "replica_stopped":
+        assert reads == 1
+    await store.close()
