@@ -87,6 +87,22 @@ def test_official_openai_client_chats_in_text(up) -> None:
     assert done.usage is not None and done.usage.completion_tokens <= 4
 
 
+def test_a_request_without_max_tokens_gets_an_answer_that_ends(up) -> None:
+    """Most clients name no max_tokens (the banner's curl, LangChain, an agent's tool loop). vLLM then
+    allows the rest of max_model_len, which a dummy model fills: the 262k-token answer took the
+    banner's own curl past any timeout. The stack's sim workers end an answer as a model does."""
+    client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key=up["API key"], max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    resp = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Say hello."}])
+    assert resp.choices[0].finish_reason == "stop" and resp.usage is not None
+    assert 128 < resp.usage.completion_tokens <= 384   # 256 (--answer-tokens) +- half
+    tool = {"type": "function", "function": {"name": "read", "parameters": {
+        "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
+    called = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Read a.py."}],
+                                            tools=[tool])
+    assert called.choices[0].finish_reason == "tool_calls" and called.choices[0].message.tool_calls
+
+
 class Finding(BaseModel):
     file: str
     line: int

@@ -121,6 +121,10 @@ class WorkerConfig:
         "answers by position instead (--sim-reasoning-tokens)"))
     sim_reasoning_tokens: int = field(default=8, metadata=_h(
         "sim with a reasoning parser: the first this many output tokens of a chat answer are its reasoning"))
+    sim_answer_tokens: int = field(default=0, metadata=_h(
+        "sim: an answer ends (EOS, finish 'stop') after a length drawn per request between half and 1.5 times "
+        "this, as a model answers and stops, so a request without max_tokens ends; EOS is --eos-token-id, else "
+        "the tokenizer's (0 = answers run to max_tokens, as a dummy-weight model's do)"))
     vllm_options: dict = field(default_factory=dict, metadata=_h(
         "vllm engine: extra VllmEngineConfig settings (JSON), e.g. lora_modules"))
 
@@ -143,6 +147,8 @@ class WorkerConfig:
         for name in ("offload_timeout_s", "offload_lookup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
+        if self.sim_answer_tokens < 0:
+            raise ConfigError(f"setting 'sim_answer_tokens' must be >= 0, got {self.sim_answer_tokens}")
         if self.sim_reasoning_tokens < 0:
             raise ConfigError(f"setting 'sim_reasoning_tokens' must be >= 0, got {self.sim_reasoning_tokens}")
         if self.reasoning_parser and self.engine == "sim" and not self.tokenizer:
@@ -203,4 +209,5 @@ class WorkerConfig:
             kv_num_kv_heads=self.kv_num_kv_heads, kv_head_dim=self.kv_head_dim, kv_dtype=self.kv_dtype,
             latency=self.latency(), tool_calls=self.sim_tool_calls, tokenizer=self.tokenizer,
             reasoning_tokens=self.sim_reasoning_tokens if self.reasoning_parser else 0,
+            answer_tokens=self.sim_answer_tokens,
         )

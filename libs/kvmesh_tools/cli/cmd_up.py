@@ -19,6 +19,10 @@ class UpConfig(StackConfig):
 
     router_port: int = field(default=50050, metadata={"help": "router gRPC port (0 = free port)"})
     http_port: int = field(default=8000, metadata={"help": "router OpenAI HTTP port (0 = free port)"})
+    # A client that names no max_tokens (curl, LangChain, ...) gets an answer that ends, as from a model.
+    answer_tokens: int = field(default=256, metadata={
+        "help": "sim workers end an answer (finish 'stop') after about this many tokens, so a request without "
+                "max_tokens ends (0 = answers run to max_tokens, up to max_model_len)"})
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -68,6 +68,9 @@ class StackConfig:
         "help": "the sim workers answer as a reasoning model, split as vLLM's parser of this name splits it "
                 "(deepseek_r1, qwen3, ...: chat 'reasoning', Responses reasoning items, Anthropic thinking; "
                 "'' = plain answers)"})
+    answer_tokens: int = field(default=0, metadata={
+        "help": "sim workers end an answer (finish 'stop') after about this many tokens, so a request without "
+                "max_tokens ends (0 = answers run to max_tokens: the workloads' own output lengths)"})
     offload_ram_bytes: int = field(default=1 << 30, metadata={"help": "offload store RAM tier (bytes)"})
     policy: str = field(default="precise", metadata={"help": "router's default routing policy"})
     routers: int = field(default=1, metadata={
@@ -215,6 +218,7 @@ class LocalStack:
                         "--tokenizer", self.model_dir,
                         *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
                         *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
+                        *(["--sim-answer-tokens", str(c.answer_tokens)] if c.answer_tokens else []),
                         "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
                 # The sim engine binds both event sockets where the kernel picks (port '*'
                 # or 0) and registers the ports it got: nothing to pick in advance.

@@ -173,6 +173,35 @@ async def test_stop_tokens_and_ignore_eos() -> None:
         await eng.stop()
 
 
+async def test_answers_end_after_about_answer_tokens(tiny_model_dir) -> None:
+    """With ``answer_tokens`` an answer stops (EOS, "stop") at a length drawn per request between half and
+    1.5 times it, so a request that names no max_tokens (vLLM then allows the rest of max_model_len) ends;
+    the same seed ends at the same token, a smaller max_tokens still ends it ("length"), and ignore_eos
+    runs to max_tokens."""
+    eng = SimEngine(SimEngineConfig(block_size=BS, num_blocks=512, virtual_time=True, answer_tokens=40,
+                                    tokenizer=str(tiny_model_dir)))
+    await eng.start()
+    try:
+        eos = eng._answer_eos
+        lengths = []
+        for i in range(30):
+            out, toks = await _run(eng, EngineRequest(f"r{i}", [1, 2, 3], max_tokens=100_000))
+            assert out.finish_reason == "stop" and toks[-1] == eos
+            lengths.append(len(toks))
+        assert all(20 < n <= 60 for n in lengths) and len(set(lengths)) > 5
+        a = await _run(eng, EngineRequest("x", [1, 2, 3], max_tokens=100_000, seed=7))
+        b = await _run(eng, EngineRequest("y", [1, 2, 3], max_tokens=100_000, seed=7))
+        assert a[1] == b[1]
+        out, toks = await _run(eng, EngineRequest("short", [1, 2, 3], max_tokens=8))
+        assert out.finish_reason == "length" and len(toks) == 8
+        out, toks = await _run(eng, EngineRequest("all", [1, 2, 3], max_tokens=90, ignore_eos=True))
+        assert out.finish_reason == "length" and len(toks) == 90
+    finally:
+        await eng.stop()
+    with pytest.raises(ValueError, match="EOS"):
+        SimEngineConfig(answer_tokens=40).validate()   # no eos_token_id, no tokenizer
+
+
 # ---------------------------------------------------------------------------- offload hook
 
 

@@ -113,6 +113,11 @@ class SimEngineConfig:
     # Reasoning mode (sim.reasoning): the first this many output tokens of a chat answer are its
     # reasoning (0 = off; needs ``tokenizer``).
     reasoning_tokens: int = 0
+    # A plain answer ends with EOS (finish "stop") after a length drawn per request between half and
+    # 1.5 times this, when its max_tokens allows that many: as a model answers and stops, so a request
+    # without max_tokens (vLLM then allows what is left of max_model_len) ends (0 = answers run to
+    # max_tokens). The EOS is ``eos_token_id``, else the tokenizer's.
+    answer_tokens: int = 0
 
     def validate(self) -> None:
         if self.block_size <= 0:
@@ -125,6 +130,10 @@ class SimEngineConfig:
             raise ValueError("max_model_len and vocab_size must be > 0")
         if self.reasoning_tokens and not self.tokenizer:
             raise ValueError("the sim's reasoning mode decodes its answers: it needs a tokenizer")
+        if self.answer_tokens < 0:
+            raise ValueError(f"answer_tokens must be >= 0, got {self.answer_tokens}")
+        if self.answer_tokens and self.eos_token_id is None and not self.tokenizer:
+            raise ValueError("answers that end (answer_tokens) need an EOS: eos_token_id or a tokenizer")
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -237,6 +246,7 @@ class _Live:
     last_digest: bytes | None = None
     sample_base: int = 0
     script: list[int] | None = None   # a structured answer's token ids, then its EOS (sim.structured)
+    answer_len: int = 0   # the answer ends with EOS at this many tokens (SimEngineConfig.answer_tokens; 0 = never)
     ttft_s: float | None = None
     last_token_at: float | None = None   # engine clock of the last token (inter-token latency)
     restored_offload: int = 0      # tokens restored from the store beyond the GPU hit
@@ -261,6 +271,16 @@ class _Meta:
         self.lora_id = lora_id
         self.extra = extra
         self.session_id = session_id
+
+
+_ANSWER_SALT = 0xA5A5_5A5A_0F0F_F0F0   # the answer length's draw apart from the tokens' (same base)
+
+
+def _tokenizer_eos(path: str) -> int:
+    eos = load_tokenizer(path).eos_token_id
+    if eos is None:
+        raise ValueError(f"the tokenizer in {path} has no EOS token to end the sim's answers (answer_tokens)")
+    return int(eos)
 
 
 def _mix(x: int) -> int:
@@ -306,6 +326,7 @@ class SimEngine(Engine):
         self.topic = kv_events_topic(c.endpoint_id, c.model)
         self._publisher: Any = None
         self._live: dict[str, _Live] = {}
+        self._answer_eos: int | None = None   # set by start() with answer_tokens
         self._wake = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._started = False
@@ -336,6 +357,9 @@ class SimEngine(Engine):
         if c.reasoning_tokens:
             # Every chat answer decodes its reasoning: load the tokenizer before serving, off the loop.
             await asyncio.to_thread(load_tokenizer, c.tokenizer)
+        if c.answer_tokens:
+            self._answer_eos = c.eos_token_id if c.eos_token_id is not None else \
+                await asyncio.to_thread(_tokenizer_eos, c.tokenizer)
         if c.kv_events_endpoint and c.enable_events:
             from kvmesh.events import KvEventPublisher
 
@@ -495,19 +519,24 @@ class SimEngine(Engine):
             # Structured outputs: the answer is a fixed text that matches the constraint, then EOS.
             script, eos = scripted_answer(req.structured_outputs, c.tokenizer)
             stop.add(eos)
-        lora_id = c.lora_names.index(req.lora_name) + 1 if req.lora_name else None
-        meta = _Meta(tokens, req.lora_name or None, lora_id, extra, req.session_id or None)
-        seq = Seq(request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=req.max_tokens,
-                  block_hashes=keys, tokens=tokens, arrival=self.now(), prefill_only=req.prefill_only,
-                  meta=meta, stop_token_ids=frozenset(stop))
         if req.seed is not None:
             base = _mix(req.seed & _MASK64)
         elif req.temperature == 0 and tokens:
             base = _mix(zlib.crc32(repr(tokens[-64:]).encode()))
         else:
             base = _mix(zlib.crc32(req.request_id.encode()))
+        answer_len = 0
+        if self._answer_eos is not None and script is None and not req.prefill_only and not req.ignore_eos:
+            # Its length is drawn as its tokens are: the same request (seed) ends at the same token.
+            stop.add(self._answer_eos)
+            answer_len = self.cfg.answer_tokens // 2 + _mix(base ^ _ANSWER_SALT) % self.cfg.answer_tokens + 1
+        lora_id = c.lora_names.index(req.lora_name) + 1 if req.lora_name else None
+        meta = _Meta(tokens, req.lora_name or None, lora_id, extra, req.session_id or None)
+        seq = Seq(request_id=req.request_id, prompt_len=req.prompt_len, max_tokens=req.max_tokens,
+                  block_hashes=keys, tokens=tokens, arrival=self.now(), prefill_only=req.prefill_only,
+                  meta=meta, stop_token_ids=frozenset(stop))
         live = _Live(req=req, seq=seq, queue=_Outbox(), arrival_wall=time.monotonic(), arrival=seq.arrival,
-                     extra=extra, last_digest=last_digest, sample_base=base, script=script)
+                     extra=extra, last_digest=last_digest, sample_base=base, script=script, answer_len=answer_len)
         return live
 
     def _truth(self, seq: Seq) -> CacheTruth:
@@ -521,6 +550,8 @@ class SimEngine(Engine):
         live = self._live.get(seq.request_id)
         if live is not None and live.script is not None:
             return live.script[min(seq.num_output, len(live.script) - 1)]
+        if live is not None and live.answer_len and seq.num_output + 1 >= live.answer_len:
+            return self._answer_eos
         base = live.sample_base if live else 0
         return _mix(base + seq.num_output) % self.cfg.vocab_size
 
