@@ -99,8 +99,26 @@ def test_a_request_without_max_tokens_gets_an_answer_that_ends(up) -> None:
     tool = {"type": "function", "function": {"name": "read", "parameters": {
         "type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]}}}
     called = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "Read a.py."}],
-                                            tools=[tool])
+                                            tools=[tool], tool_choice="required")
     assert called.choices[0].finish_reason == "tool_calls" and called.choices[0].message.tool_calls
+
+
+def test_an_agents_tool_loop_ends(up) -> None:
+    """With tool_choice auto the sim workers call the offered tools on about 3 answers in 4 (drawn per
+    request), so an agent that loops until a text answer (Claude Code, Codex, the Agents SDK) stops."""
+    client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key=up["API key"], max_retries=0, timeout=60)
+    model = client.models.list().data[0].id
+    tool = {"type": "function", "function": {"name": "read", "parameters": {"type": "object", "properties": {}}}}
+    messages: list[dict] = [{"role": "user", "content": "Fix the bug."}]
+    for turn in range(40):
+        r = client.chat.completions.create(model=model, messages=messages, tools=[tool], max_tokens=16)
+        msg = r.choices[0].message
+        if not msg.tool_calls:
+            assert r.choices[0].finish_reason == "length" and turn < 40
+            return
+        messages += [msg.model_dump(exclude_none=True),
+                     *({"role": "tool", "tool_call_id": c.id, "content": "ok"} for c in msg.tool_calls)]
+    pytest.fail("40 tool calls in a row: the loop never ended")
 
 
 class Finding(BaseModel):

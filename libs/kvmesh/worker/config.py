@@ -121,6 +121,10 @@ class WorkerConfig:
         "answers by position instead (--sim-reasoning-tokens)"))
     sim_reasoning_tokens: int = field(default=8, metadata=_h(
         "sim with a reasoning parser: the first this many output tokens of a chat answer are its reasoning"))
+    sim_tool_call_share: float = field(default=1.0, metadata=_h(
+        "sim: with tool_choice auto (or none given), the share of answers to a request with tools that call "
+        "them, drawn per request, so that an agent's tool loop ends; 'required' or a named tool always calls "
+        "(1.0 = every answer: the deterministic tool mode)"))
     sim_answer_tokens: int = field(default=0, metadata=_h(
         "sim: an answer ends (EOS, finish 'stop') after a length drawn per request between half and 1.5 times "
         "this, as a model answers and stops, so a request without max_tokens ends; EOS is --eos-token-id, else "
@@ -147,6 +151,8 @@ class WorkerConfig:
         for name in ("offload_timeout_s", "offload_lookup_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"setting {name!r} must be > 0, got {getattr(self, name)}")
+        if not 0.0 <= self.sim_tool_call_share <= 1.0:
+            raise ConfigError(f"setting 'sim_tool_call_share' must be within [0, 1], got {self.sim_tool_call_share}")
         if self.sim_answer_tokens < 0:
             raise ConfigError(f"setting 'sim_answer_tokens' must be >= 0, got {self.sim_answer_tokens}")
         if self.sim_reasoning_tokens < 0:
@@ -209,5 +215,5 @@ class WorkerConfig:
             kv_num_kv_heads=self.kv_num_kv_heads, kv_head_dim=self.kv_head_dim, kv_dtype=self.kv_dtype,
             latency=self.latency(), tool_calls=self.sim_tool_calls, tokenizer=self.tokenizer,
             reasoning_tokens=self.sim_reasoning_tokens if self.reasoning_parser else 0,
-            answer_tokens=self.sim_answer_tokens,
+            answer_tokens=self.sim_answer_tokens, tool_call_share=self.sim_tool_call_share,
         )

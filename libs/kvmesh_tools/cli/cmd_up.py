@@ -20,6 +20,10 @@ class UpConfig(StackConfig):
     router_port: int = field(default=50050, metadata={"help": "router gRPC port (0 = free port)"})
     http_port: int = field(default=8000, metadata={"help": "router OpenAI HTTP port (0 = free port)"})
     # A client that names no max_tokens (curl, LangChain, ...) gets an answer that ends, as from a model.
+    # An agent's tool loop (Claude Code, Codex, the Agents SDK) ends after a few calls, as with a model.
+    tool_call_share: float = field(default=0.75, metadata={
+        "help": "sim workers: with tool_choice auto, the share of answers that call the offered tools, so that an "
+                "agent's tool loop ends (1.0 = every answer calls)"})
     answer_tokens: int = field(default=256, metadata={
         "help": "sim workers end an answer (finish 'stop') after about this many tokens, so a request without "
                 "max_tokens ends (0 = answers run to max_tokens, up to max_model_len)"})

@@ -71,6 +71,9 @@ class StackConfig:
     answer_tokens: int = field(default=0, metadata={
         "help": "sim workers end an answer (finish 'stop') after about this many tokens, so a request without "
                 "max_tokens ends (0 = answers run to max_tokens: the workloads' own output lengths)"})
+    tool_call_share: float = field(default=1.0, metadata={
+        "help": "sim workers: with tool_choice auto, the share of answers that call the offered tools, so that an "
+                "agent's tool loop ends (1.0 = every answer calls: the deterministic tool mode)"})
     offload_ram_bytes: int = field(default=1 << 30, metadata={"help": "offload store RAM tier (bytes)"})
     policy: str = field(default="precise", metadata={"help": "router's default routing policy"})
     routers: int = field(default=1, metadata={
@@ -219,6 +222,7 @@ class LocalStack:
                         *(["--max-model-len", str(c.max_model_len)] if c.max_model_len else []),
                         *(["--reasoning-parser", c.reasoning_parser] if c.reasoning_parser else []),
                         *(["--sim-answer-tokens", str(c.answer_tokens)] if c.answer_tokens else []),
+                        *(["--sim-tool-call-share", str(c.tool_call_share)] if c.tool_call_share < 1.0 else []),
                         "--indexer-address", self.indexer_address, "--offload-address", self.offload_address]
                 # The sim engine binds both event sockets where the kernel picks (port '*'
                 # or 0) and registers the ports it got: nothing to pick in advance.

@@ -202,6 +202,35 @@ async def test_answers_end_after_about_answer_tokens(tiny_model_dir) -> None:
         SimEngineConfig(answer_tokens=40).validate()   # no eos_token_id, no tokenizer
 
 
+async def test_a_share_of_auto_answers_call_tools() -> None:
+    """``tool_call_share``: with tool_choice auto about that share of answers are calls, drawn per request
+    (the same seed, the same draw); "required" and a named tool always call; 1.0 (the default) always."""
+    tools = [{"type": "function", "function": {"name": "read", "parameters": {"type": "object"}}}]
+
+    def req(rid: str, choice: object = "auto", seed: int | None = None) -> EngineRequest:
+        return EngineRequest(rid, [1, 2, 3], max_tokens=4, tools=tools, tool_choice=choice, seed=seed)
+
+    eng = SimEngine(SimEngineConfig(block_size=BS, num_blocks=256, virtual_time=True, tool_call_share=0.5))
+    await eng.start()
+    try:
+        outs = [(await _run(eng, req(f"r{i}")))[0].finish_reason for i in range(200)]
+        assert 70 <= outs.count("tool_calls") <= 130 and outs.count("length") == 200 - outs.count("tool_calls")
+        first = [(await _run(eng, req(f"s{i}", seed=11)))[0].finish_reason for i in range(5)]
+        assert len(set(first)) == 1
+        for choice in ("required", {"type": "function", "function": {"name": "read"}}):
+            assert all([(await _run(eng, req(f"q{i}", choice)))[0].finish_reason == "tool_calls" for i in range(20)])
+    finally:
+        await eng.stop()
+    eng = SimEngine(SimEngineConfig(block_size=BS, num_blocks=256, virtual_time=True))
+    await eng.start()
+    try:
+        assert all([(await _run(eng, req(f"a{i}")))[0].finish_reason == "tool_calls" for i in range(20)])
+    finally:
+        await eng.stop()
+    with pytest.raises(ValueError, match="tool_call_share"):
+        SimEngineConfig(tool_call_share=1.5).validate()
+
+
 # ---------------------------------------------------------------------------- offload hook
 
 

@@ -109,6 +109,10 @@ class SimEngineConfig:
     kv_dtype: str = "bf16"
     latency: LatencyParams = field(default_factory=LatencyParams)
     tool_calls: int = 1   # calls per answer in the deterministic tool mode (parallel_tool_calls false: 1)
+    # With tool_choice "auto" (or none given), the share of answers that call tools, drawn per request
+    # from the answer's seed, so that an agent's tool loop ends as a model's does; "required" or a
+    # named tool always calls. 1.0 = every answer calls (the deterministic tool mode tests use).
+    tool_call_share: float = 1.0
     tokenizer: str = ""   # HF tokenizer dir: structured outputs are answered with its token ids
     # Reasoning mode (sim.reasoning): the first this many output tokens of a chat answer are its
     # reasoning (0 = off; needs ``tokenizer``).
@@ -130,6 +134,8 @@ class SimEngineConfig:
             raise ValueError("max_model_len and vocab_size must be > 0")
         if self.reasoning_tokens and not self.tokenizer:
             raise ValueError("the sim's reasoning mode decodes its answers: it needs a tokenizer")
+        if not 0.0 <= self.tool_call_share <= 1.0:
+            raise ValueError(f"tool_call_share must be within [0, 1], got {self.tool_call_share}")
         if self.answer_tokens < 0:
             raise ValueError(f"answer_tokens must be >= 0, got {self.answer_tokens}")
         if self.answer_tokens and self.eos_token_id is None and not self.tokenizer:
@@ -246,6 +252,7 @@ class _Live:
     last_digest: bytes | None = None
     sample_base: int = 0
     script: list[int] | None = None   # a structured answer's token ids, then its EOS (sim.structured)
+    calls_tools: bool = False   # the answer is tool calls (sim_tool_calls)
     answer_len: int = 0   # the answer ends with EOS at this many tokens (SimEngineConfig.answer_tokens; 0 = never)
     ttft_s: float | None = None
     last_token_at: float | None = None   # engine clock of the last token (inter-token latency)
@@ -274,6 +281,7 @@ class _Meta:
 
 
 _ANSWER_SALT = 0xA5A5_5A5A_0F0F_F0F0   # the answer length's draw apart from the tokens' (same base)
+_TOOL_SALT = 0x3C3C_C3C3_6969_9696   # and whether it calls tools
 
 
 def _tokenizer_eos(path: str) -> int:
@@ -514,17 +522,18 @@ class SimEngine(Engine):
         stop = set(req.stop_token_ids)
         if c.eos_token_id is not None and not req.ignore_eos:
             stop.add(c.eos_token_id)
-        script = None
-        if req.structured_outputs and not req.prefill_only and not calls_tools(req.tools, req.tool_choice):
-            # Structured outputs: the answer is a fixed text that matches the constraint, then EOS.
-            script, eos = scripted_answer(req.structured_outputs, c.tokenizer)
-            stop.add(eos)
         if req.seed is not None:
             base = _mix(req.seed & _MASK64)
         elif req.temperature == 0 and tokens:
             base = _mix(zlib.crc32(repr(tokens[-64:]).encode()))
         else:
             base = _mix(zlib.crc32(req.request_id.encode()))
+        calls = not req.prefill_only and self._calls_tools(req, base)
+        script = None
+        if req.structured_outputs and not req.prefill_only and not calls:
+            # Structured outputs: the answer is a fixed text that matches the constraint, then EOS.
+            script, eos = scripted_answer(req.structured_outputs, c.tokenizer)
+            stop.add(eos)
         answer_len = 0
         if self._answer_eos is not None and script is None and not req.prefill_only and not req.ignore_eos:
             # Its length is drawn as its tokens are: the same request (seed) ends at the same token.
@@ -536,8 +545,17 @@ class SimEngine(Engine):
                   block_hashes=keys, tokens=tokens, arrival=self.now(), prefill_only=req.prefill_only,
                   meta=meta, stop_token_ids=frozenset(stop))
         live = _Live(req=req, seq=seq, queue=_Outbox(), arrival_wall=time.monotonic(), arrival=seq.arrival,
-                     extra=extra, last_digest=last_digest, sample_base=base, script=script, answer_len=answer_len)
+                     extra=extra, last_digest=last_digest, sample_base=base, script=script, calls_tools=calls, answer_len=answer_len)
         return live
+
+    def _calls_tools(self, req: EngineRequest, base: int) -> bool:
+        """Whether this answer is tool calls: always when tools must be called, else drawn (tool_call_share)."""
+        if not calls_tools(req.tools, req.tool_choice):
+            return False
+        share = self.cfg.tool_call_share
+        if share >= 1.0 or req.tool_choice == "required" or isinstance(req.tool_choice, dict):
+            return True
+        return (_mix(base ^ _TOOL_SALT) >> 11) * 2.0 ** -53 < share
 
     def _truth(self, seq: Seq) -> CacheTruth:
         """What this engine would reuse of ``seq`` if scheduled now, and which events describe it."""
@@ -581,7 +599,7 @@ class SimEngine(Engine):
             self._wake.set()
             # The deterministic tool-call mode (tests): the answer is its calls, streamed as deltas.
             calls = sim_tool_calls(req.request_id, req.tools, req.tool_choice, self.cfg.tool_calls,
-                                   req.parallel_tool_calls) if req.tools else []
+                                   req.parallel_tool_calls) if live.calls_tools else []
             tools = SimToolStream(calls) if calls else None
             budget = req.thinking_token_budget if req.thinking_token_budget >= 0 else self.cfg.reasoning_tokens
             think = SimReasoningStream(load_tokenizer(self.cfg.tokenizer), min(self.cfg.reasoning_tokens, budget)) \
