@@ -4,12 +4,20 @@ so each area keeps its fixtures in its own file."""
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 os.environ.setdefault("KVMESH_LOG_FORMAT", "text")
+# vLLM binds its engine's IPC sockets as <VLLM_RPC_BASE_PATH>/<uuid> (the system temp dir by
+# default) and leaves them behind: a day of test runs left 2,233 socket files in /tmp. This
+# run's go into one directory of its own (inherited by the vLLM processes it starts), removed
+# at its end.
+_VLLM_RPC_DIR = tempfile.mkdtemp(prefix="kvmesh-vllm-rpc-")
+os.environ.setdefault("VLLM_RPC_BASE_PATH", _VLLM_RPC_DIR)
 
 pytest_plugins = sorted(
     f"tests.fixtures.{p.stem}" for p in (Path(__file__).parent / "fixtures").glob("*.py") if p.stem != "__init__"
@@ -38,6 +46,10 @@ ALONGSIDE_VLLM = (
     "tools/test_cmd_up.py",
     "tools/test_router_replicas.py",
 )
+
+
+def pytest_unconfigure(config) -> None:  # noqa: ARG001 (pytest's hook signature)
+    shutil.rmtree(_VLLM_RPC_DIR, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:  # noqa: ARG001 (pytest's hook signature)
