@@ -86,6 +86,22 @@ def test_redis_on_a_taken_port_is_started_on_another() -> None:
         held.close()
 
 
+def test_a_stopped_redis_leaves_no_directory_and_starts_again() -> None:
+    """Its temporary --dir goes with stop() (every stack and test run left one in /tmp), and a test
+    that restarts Redis (stop, then start) gets it back."""
+    r = RedisProcess().start()
+    workdir = r.workdir
+    assert workdir is not None and workdir.is_dir()
+    r.stop()
+    assert not workdir.exists()
+    try:
+        r.start()
+        assert workdir.is_dir()
+    finally:
+        r.stop()
+    assert not workdir.exists()
+
+
 def test_with_ports_restarts_on_fresh_ports_and_reads_them_back(tmp_path, monkeypatch) -> None:
     import urllib.request
 

@@ -66,7 +66,13 @@ class MooncakeMaster:
     metrics_port: int = 0
     extra_args: list[str] = field(default_factory=list)
     proc: subprocess.Popen | None = None
-    log_path: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvmesh-mooncake-")) / "master.log")
+    # None: master.log in a temporary directory, removed by stop() (each run left one in /tmp before).
+    log_path: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._own_dir = self.log_path is None
+        if self.log_path is None:
+            self.log_path = Path(tempfile.mkdtemp(prefix="kvmesh-mooncake-")) / "master.log"
 
     @property
     def address(self) -> str:
@@ -76,6 +82,8 @@ class MooncakeMaster:
         exe = master_binary()
         if exe is None:
             raise RuntimeError("mooncake_master not found; run `make install-mooncake`")
+        assert self.log_path is not None
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)   # again after a stop()
         for _ in range(ATTEMPTS):
             self.port = self.metrics_port = free_port()
             # Two picks can return the same port (each binds 0 and closes). The master then binds
@@ -89,6 +97,7 @@ class MooncakeMaster:
                            + self.log_path.read_text(errors="replace")[-2000:])
 
     def _try(self, exe: str, timeout_s: float) -> bool:
+        assert self.log_path is not None
         args = [exe, f"--rpc_port={self.port}", "--rpc_address=127.0.0.1", f"--metrics_port={self.metrics_port}",
                 "--metrics_host=127.0.0.1", "--logtostderr", *self.extra_args]
         with open(self.log_path, "ab") as out:
@@ -100,12 +109,15 @@ class MooncakeMaster:
             if inodes and _holds(self.proc.pid, inodes) and _holds(self.proc.pid, _listen_inodes(self.metrics_port)):
                 return True
             time.sleep(0.05)
-        self.stop()
+        stop_process(self.proc, 10, group=True)   # the log stays for start()'s error
+        self.proc = None
         return False
 
     def stop(self) -> None:
         stop_process(self.proc, 10, group=True)
         self.proc = None
+        if self._own_dir and self.log_path is not None:
+            shutil.rmtree(self.log_path.parent, ignore_errors=True)
 
     def __enter__(self) -> MooncakeMaster:
         return self.start()

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
@@ -31,7 +31,13 @@ class RedisProcess:
     password: str | None = None
     exe: str | None = None          # the server binary (default: redis-server on PATH)
     proc: subprocess.Popen | None = None
-    workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvmesh-redis-")))
+    # Its --dir; None: a temporary one, removed by stop() (each run left one in /tmp before).
+    workdir: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._own_dir = self.workdir is None
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix="kvmesh-redis-"))
 
     @property
     def url(self) -> str:
@@ -52,6 +58,8 @@ class RedisProcess:
         raise RuntimeError(f"redis-server did not start on port {self.port}")
 
     def _try_start(self, exe: str, timeout_s: float) -> bool:
+        assert self.workdir is not None
+        self.workdir.mkdir(parents=True, exist_ok=True)   # again after a stop()
         args = [exe, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
                 "--dir", str(self.workdir)]
         if self.password:
@@ -65,9 +73,12 @@ class RedisProcess:
                     return True
             except redis.RedisError:
                 time.sleep(0.05)
-        self.stop()
+        stop_process(self.proc, 5)
+        self.proc = None
         return False
 
     def stop(self) -> None:
         stop_process(self.proc, 5)
         self.proc = None
+        if self._own_dir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
