@@ -6,10 +6,17 @@ import argparse
 import json
 import signal
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh_tools.stack.launcher import StackConfig
+
+
+def _stack_help(name: str) -> Mapping[str, Any]:
+    """A ``StackConfig`` field's help, for a field ``UpConfig`` gives another default."""
+    return StackConfig.__dataclass_fields__[name].metadata
 
 
 @dataclass
@@ -19,15 +26,11 @@ class UpConfig(StackConfig):
 
     router_port: int = field(default=50050, metadata={"help": "router gRPC port (0 = free port)"})
     http_port: int = field(default=8000, metadata={"help": "router OpenAI HTTP port (0 = free port)"})
-    # A client that names no max_tokens (curl, LangChain, ...) gets an answer that ends, as from a model.
-    # An agent's tool loop (Claude Code, Codex, the Agents SDK) ends after a few calls, as with a model.
-    tool_call_share: float = field(default=0.75, metadata={
-        "help": "sim workers: with tool_choice auto, the share of answers that call the offered tools, so that an "
-                "agent's tool loop ends (1.0 = every answer calls)"})
-    answer_tokens: int = field(default=256, metadata={
-        "help": "sim workers end an answer (finish 'stop') after about this many tokens, so a request without "
-                "max_tokens ends (0 = answers run to max_tokens, up to max_model_len)"})
-
+    # Sim workers that answer as a model does for an agent: a client that names no max_tokens (curl,
+    # LangChain) gets an answer that ends, and an agent's tool loop (Claude Code, Codex, the Agents
+    # SDK) ends after a few calls.
+    answer_tokens: int = field(default=256, metadata=_stack_help("answer_tokens"))
+    tool_call_share: float = field(default=0.75, metadata=_stack_help("tool_call_share"))
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the local stack (router, indexer, workers, offload) until Ctrl-C")
