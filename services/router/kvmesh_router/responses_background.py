@@ -47,8 +47,7 @@ LOG_KEEP_S = 300.0   # a streamed background response's events stay this long af
 LOGS_MAX_BYTES = 64 << 20   # and at most this many bytes of ended ones stay (the oldest go first)
 SHARED_POLL_S = 0.1   # a resumption on another replica reads the shared store this often
 SHARED_POLLS_PER_STATUS = 10   # and, while nothing comes, looks for a cancel every this many reads
-SHARED_RECORD_CHECK_S = 30.0   # and reads the record (has its replica stopped?) this often
-SHARED_POLLS_PER_RECORD = round(SHARED_RECORD_CHECK_S / SHARED_POLL_S)
+SHARED_CANCEL_LOOKS_PER_RECORD = 30   # and reads the record (has its replica stopped?) every this many looks
 LAST_EVENTS = (b"event: response.completed", b"event: response.failed")
 
 
@@ -225,8 +224,8 @@ class BackgroundResponses:
 
         No last event yet: it still runs, or it ended without one. While nothing comes, a cancel is looked
         for every second (its marker: one key) and the record itself, which can be a whole conversation,
-        is read only every ``SHARED_RECORD_CHECK_S``: one whose replica stopped reads as failed once past
-        its deadline (``as_read``), so a reader of it ends then."""
+        is read only every 30 s (``SHARED_CANCEL_LOOKS_PER_RECORD`` looks): one whose replica stopped reads
+        as failed once past its deadline (``as_read``), so a reader of it ends then."""
         idle = 0
         while True:
             for event in got:
@@ -235,9 +234,10 @@ class BackgroundResponses:
             if got and got[-1].startswith(LAST_EVENTS):
                 return
             idle = 0 if got else idle + 1
+            looks, due = divmod(idle, SHARED_POLLS_PER_STATUS)   # due 0: a cancel look is due
             try:
-                if idle and idle % SHARED_POLLS_PER_STATUS == 0 and await self._ended_elsewhere(
-                        tenant, response_id, record=idle % SHARED_POLLS_PER_RECORD == 0):
+                if idle and not due and await self._ended_elsewhere(
+                        tenant, response_id, record=looks % SHARED_CANCEL_LOOKS_PER_RECORD == 0):
                     return
                 if idle:
                     await asyncio.sleep(SHARED_POLL_S)

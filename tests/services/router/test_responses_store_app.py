@@ -618,7 +618,7 @@ async def test_a_resumption_on_another_replica_ends_when_its_response_cannot_go_
     from kvmesh_router import responses_background as rb
 
     monkeypatch.setattr(rb, "SHARED_POLL_S", 0.01)
-    monkeypatch.setattr(rb, "SHARED_POLLS_PER_RECORD", 40)
+    monkeypatch.setattr(rb, "SHARED_CANCEL_LOOKS_PER_RECORD", 4)
     store = RedisResponseStore(redis_server.url, ttl_s=60, max_record_bytes=8000, prefix=f"t{uuid.uuid4().hex}:")
     reads = 0
     get = store.get
