@@ -208,7 +208,15 @@ class CandidateTable:
                                      * own * own / (2.0 * cfg.turn_interval_s), 0.0)
         else:
             self.blocking = np.zeros(len(ids))
-        self.cost = self.wait + own + self.decode + self.work + self.displace + self.blocking
+        self.evicted = np.zeros(len(ids))
+        if cfg.gpu_survival and not offload_enabled:   # the evicted term of scoring.evaluate, element-wise
+            over = np.maximum(0.0, lc.all_inflight_ctx_tokens + req.num_tokens - lc.capacity_blocks * bs)
+            gone = np.where((lc.capacity_blocks > 0) & (gpu > 0), np.minimum(gpu * bs, over), 0.0)
+            u, c = uncached + gone, cached_tokens - gone
+            p, a = cfg.prefill_s_per_token, cfg.attn_s_per_token_pair
+            self.evicted = np.where(gone > 0.0, (u * p + u * (c + u / 2.0) * a)
+                                    - (uncached * p + uncached * (cached_tokens + uncached / 2.0) * a), 0.0)
+        self.cost = self.wait + own + self.decode + self.work + self.displace + self.blocking + self.evicted
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)

@@ -65,6 +65,9 @@ class EffectiveLoad:
     # still prefilling there (their cached tokens plus half their own): a token of a 5k tail on
     # a 190k context costs its attention as well as its linear part (0: nothing queued).
     prefill_ctx_tokens: float = 0.0
+    # The context tokens of every request the router has in flight there, reported or not: each
+    # touches its blocks before a request queued behind it runs (ScoringConfig.gpu_survival).
+    all_inflight_ctx_tokens: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -113,6 +116,7 @@ class LoadColumns:
     stored_tokens: np.ndarray
     prefill_ctx_tokens: np.ndarray
     resident_sessions: np.ndarray
+    all_inflight_ctx_tokens: np.ndarray
 
 
 class _Sums:
@@ -495,10 +499,11 @@ class LoadView:
                                  kv_usage=rep.kv_usage, inflight=total, stale=False,
                                  active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx,
                                  capacity_blocks=capacity, resident_tokens=resident, stored_tokens=stored,
-                                 resident_sessions=sessions, prefill_ctx_tokens=pctx)
+                                 resident_sessions=sessions, prefill_ctx_tokens=pctx, all_inflight_ctx_tokens=all_ctx)
         return EffectiveLoad(running=0, waiting=total, prefill_tokens=all_prefill, inflight=total, stale=True,
                              inflight_ctx_tokens=all_ctx, capacity_blocks=capacity, resident_tokens=resident,
-                             stored_tokens=stored, resident_sessions=sessions, prefill_ctx_tokens=pctx)
+                             stored_tokens=stored, resident_sessions=sessions, prefill_ctx_tokens=pctx,
+                             all_inflight_ctx_tokens=all_ctx)
 
     def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
         """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
@@ -516,4 +521,5 @@ class LoadView:
                            inflight_ctx_tokens=np.where(fresh, c["new_ctx"], c["all_ctx"]),
                            capacity_blocks=c["capacity"],
                            resident_tokens=c["resident"], stored_tokens=c["stored"],
-                           resident_sessions=c["sessions"], prefill_ctx_tokens=c["prefill_ctx"])
+                           resident_sessions=c["sessions"], prefill_ctx_tokens=c["prefill_ctx"],
+                           all_inflight_ctx_tokens=c["all_ctx"])

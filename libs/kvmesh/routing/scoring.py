@@ -6,7 +6,7 @@ but in *seconds*, from the same latency figures as the engine model (the
 neutral :mod:`kvmesh.perfmodel`, shared with the sim engine), so that every tier
 and every kind of load is weighed at its real price::
 
-    cost = wait + own + decode + work + displace + blocking
+    cost = wait + own + decode + work + displace + blocking (+ evicted)
     wait     = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
                (with ``queue_attention``, each queued token also at its attention to the queued
                prefill's mean context: :func:`queued_s_per_token`)
@@ -25,6 +25,9 @@ and every kind of load is weighed at its real price::
     blocking = blocking_weight · others · own² / (2 · turn_interval_s): the waits of the other
                sessions homed there whose turns arrive while this prefill runs (vLLM's default
                scheduler gives a running prefill the whole step budget) (:func:`blocking_s`)
+    evicted  = with ``gpu_survival``, no store: the recompute of the GPU hit's tail that the
+               contexts in flight there evict before the turn runs (:func:`gpu_lost_tokens`), on
+               top of the estimate; the cluster terms keep the index's hit (off by default)
 
 The first three are this request's TTFT there; ``work``, ``displace`` and ``blocking`` are
 what the placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill
@@ -165,6 +168,11 @@ class ScoringConfig:
                 "runs there (its queue wait against the store's horizon as the router sees it, "
                 "kvmesh.routing.load.StoreHorizon); the rest at its recompute (scoring.store_kept; false = every "
                 "restorable block at the restore)"})
+    gpu_survival: bool = field(default=False, metadata={
+        "help": "without an offload store, price a GPU hit only for what survives until the turn runs there: the "
+                "contexts of the router's requests in flight there are touched before it, so what they and the "
+                "prompt exceed of the cache is evicted from the tail of the hit and priced as a recompute "
+                "(scoring.gpu_lost_tokens; false = every GPU-cached block as a hit; docs/router.md)"})
     cold_first: bool = field(default=True, metadata={
         "help": "precise: a new session goes to a cold endpoint (no request placed on it, once the router has "
                 "routed for --cold-after-s, and none of the prompt there) with nothing queued, the cheapest of them, "
@@ -378,11 +386,18 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         if cfg.displace_free_at > 1.0 and not cliff:
             displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
     blocking = blocking_s(own, others_sessions, cfg, offload_enabled)
-    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace + blocking,
+    evicted = 0.0
+    if cfg.gpu_survival and not offload_enabled and load.capacity_blocks > 0 and split.gpu > 0:
+        gone = gpu_lost_tokens(load.capacity_blocks * block_size, load.all_inflight_ctx_tokens, num_tokens,
+                               split.gpu * block_size)
+        if gone > 0.0:
+            evicted = cfg.prefill_cost(uncached + gone, cached_tokens - gone) - cfg.prefill_cost(uncached, cached_tokens)
+    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace + blocking + evicted,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
                      uncached_tokens=uncached, queue=load.queue, prefill_tokens=load.prefill_tokens,
                      wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace, blocking_s=blocking,
+                     evicted_s=evicted,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
 
@@ -440,6 +455,21 @@ def store_kept(wait_s: float, life_s: float) -> float:
     if life_s <= 0.0:
         return 0.0
     return max(0.0, 1.0 - wait_s / life_s)
+
+
+def gpu_lost_tokens(capacity_tokens: float, inflight_ctx_tokens: float, num_tokens: int, gpu_tokens: int) -> float:
+    """Of a GPU hit of ``gpu_tokens``, the tokens the endpoint evicts before the turn runs (``gpu_survival``).
+
+    vLLM evicts the least recently used free blocks, and a finished turn's blocks go free tail
+    first. Every request the router has in flight on the endpoint (``inflight_ctx_tokens``: their
+    whole contexts) touches its blocks before a turn queued now is scheduled, so those blocks are
+    newer than the turn's cached prefix, which its session last touched at its previous turn. The
+    prefix survives whole if they and the prompt fit in the cache; what they exceed it by comes off
+    the prefix's tail, at most the whole hit. Contexts shared between in-flight requests count
+    once per request, so this errs towards a loss; without a store nothing brings the tail back
+    but a recompute.
+    """
+    return float(min(gpu_tokens, max(0.0, inflight_ctx_tokens + num_tokens - capacity_tokens)))
 
 
 def cliff_displaced(capacity_tokens: float, others_tokens: float, need_tokens: float) -> float:

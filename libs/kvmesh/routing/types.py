@@ -113,6 +113,7 @@ class Candidate:
     work_s: float = 0.0          # price of the prefill it adds beyond the cheapest placement's (saturated)
     displace_s: float = 0.0      # price of the cached KV its new blocks would evict there
     blocking_s: float = 0.0      # price of the waits its own prefill adds to the sessions homed there
+    evicted_s: float = 0.0       # recompute of the hit's tail evicted before it runs (ScoringConfig.gpu_survival)
     store_blocks: int = 0        # leading blocks any endpoint could restore from the offload store
     pending_blocks: int = 0      # of offload_blocks, only there after a sibling's split prefill
     hot: bool = False

@@ -723,7 +723,8 @@ class ClusterSim:
         if win is not None:
             out.update(est_wait_s=round(win.wait_s, 6), est_own_s=round(win.own_s, 6),
                        est_decode_s=round(win.decode_s, 6), est_work_s=round(win.work_s, 6),
-                       est_displace_s=round(win.displace_s, 6), est_blocking_s=round(win.blocking_s, 6), est_queued_tokens=round(win.prefill_tokens),
+                       est_displace_s=round(win.displace_s, 6), est_blocking_s=round(win.blocking_s, 6),
+                       est_evicted_s=round(win.evicted_s, 6), est_queued_tokens=round(win.prefill_tokens),
                        est_queue=win.queue)
         if j.scheduled is not None and j.first_token is not None and not j.split:
             queued = j.scheduled - j.release - j.restore_delay

@@ -35,7 +35,7 @@ from kvmesh_tools.traffic.model import chain_keys
 BS = 16
 
 
-def _random_load(rng: random.Random, ids: list[str], now: float) -> LoadView:
+def _random_load(rng: random.Random, ids: list[str], now: float, blocks: tuple[int, ...] = (0, 1000, 40)) -> LoadView:
     lv = LoadView(staleness_s=1.0, reuse_window_s=rng.choice([0.0, 4.0, 600.0]))
     heads = [rng.randrange(3) for _ in range(4)]
     live: list[str] = []
@@ -48,7 +48,7 @@ def _random_load(rng: random.Random, ids: list[str], now: float) -> LoadView:
             lv.update(ep, LoadReport(running=rng.randrange(4), waiting=rng.randrange(4),
                                      kv_usage=rng.choice([0.0, 0.5, 0.99, rng.random()]),
                                      waiting_prefill_tokens=rng.choice([0, 100, rng.randrange(5000)]),
-                                     num_blocks=rng.choice([0, 1000]), received_at=rng.choice([t, t - 2.5])))
+                                     num_blocks=rng.choice(blocks), received_at=rng.choice([t, t - 2.5])))
         elif op < 0.65:
             rid = f"r{step}"
             n = rng.randrange(1, 40)
@@ -79,14 +79,24 @@ def _random_match(rng: random.Random, cap: int) -> TierMatch:
 
 @pytest.mark.parametrize("seed", range(300))
 def test_table_decides_as_the_reference_rule(seed: int) -> None:
-    rng = random.Random(seed)
+    _decide_both_ways(random.Random(seed))
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_table_prices_what_survives_on_the_gpu_as_the_reference_rule(seed: int) -> None:
+    """``gpu_survival`` without a store, on caches small enough that in-flight contexts evict hits."""
+    _decide_both_ways(random.Random(seed), survival=True)
+
+
+def _decide_both_ways(rng: random.Random, survival: bool = False) -> None:
     ids = [f"e{i}" for i in rng.sample(range(50), rng.randrange(1, 24))]
     now = 10.0
-    load = _random_load(rng, ids, now)
+    load = _random_load(rng, ids, now, (40, 40, 1000, 0) if survival else (0, 1000, 40))
     if rng.random() < 0.4:   # a saturated cluster: every endpoint has prefill queued
         for e in ids:
             load.update(e, LoadReport(running=1, waiting_prefill_tokens=rng.randrange(1, 5000),
-                                      num_blocks=rng.choice([0, 1000]), received_at=now - 0.1))
+                                      num_blocks=rng.choice([0, 1000, 40] if survival else [0, 1000]),
+                                      received_at=now - 0.1))
     nblocks = rng.randrange(1, 30)
     keys = chain_keys("t", [rng.randrange(3)] + [rng.randrange(4) for _ in range(nblocks - 1)])
     req = RouteRequest(request_id="q", model="m", keys=keys, num_tokens=nblocks * BS + rng.randrange(BS),
@@ -106,8 +116,8 @@ def test_table_decides_as_the_reference_rule(seed: int) -> None:
                         displace_cliff_with_store=rng.random() < 0.5, displace_attention=rng.random() < 0.5,
                         blocking_weight=rng.choice([0.0, 0.07, 1.0]), blocking_weight_with_store=rng.choice([0.0, 0.07, 0.3]),
                         turn_interval_s=rng.choice([0.0, 30.0, 120.0]),
-                        displace_cliff_max_sessions=rng.choice([0, 1, 2, 4]))
-    offload = rng.random() < 0.8
+                        displace_cliff_max_sessions=rng.choice([0, 1, 2, 4]), gpu_survival=survival or rng.random() < 0.5)
+    offload = not survival and rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     if rng.random() < 0.5:   # store_keep, with a store that has lost nothing yet, or has a horizon
         cfg.store_keep = True
@@ -201,10 +211,10 @@ def test_load_columns_equal_effective(seed: int) -> None:
         assert _scan(load, e, now) == (eff.queue, eff.prefill_tokens, eff.inflight_ctx_tokens, eff.inflight)
         assert (cols.queue[i], cols.prefill_tokens[i], cols.kv_usage[i], cols.inflight[i], cols.active_blocks[i],
                 cols.inflight_ctx_tokens[i], cols.capacity_blocks[i], cols.resident_tokens[i], cols.stored_tokens[i],
-                cols.prefill_ctx_tokens[i]) == (
+                cols.prefill_ctx_tokens[i], cols.all_inflight_ctx_tokens[i]) == (
                     eff.queue, eff.prefill_tokens, eff.kv_usage, eff.inflight, eff.active_blocks,
                     eff.inflight_ctx_tokens, eff.capacity_blocks, eff.resident_tokens, eff.stored_tokens,
-                    eff.prefill_ctx_tokens)
+                    eff.prefill_ctx_tokens, eff.all_inflight_ctx_tokens)
 
 
 @pytest.mark.parametrize("seed", range(50))

@@ -743,3 +743,76 @@ def test_a_stored_turn_stays_home_unless_the_decode_load_outweighs_its_restore()
     ep, decode = decide(32.0, cap)
     assert (ep, decode) == ("e0", pytest.approx(full / 2, rel=1e-9))
     assert decide(32.0, 0)[1] == pytest.approx(full, rel=1e-9)
+
+
+# ----------------------------------------- gpu_survival: what the in-flight contexts evict first
+
+
+def _no_store_core(n: int, **scoring: float) -> RouterCore:
+    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, offload_enabled=False,
+                                       scoring=ScoringConfig(**(PLAIN | scoring))))
+    for i in range(n):
+        core.set_endpoint(EndpointView(f"e{i}", f"127.0.0.1:{9000 + i}", "m"))
+        core.load.update(f"e{i}", LoadReport(num_blocks=1001, received_at=0.0))   # 1,000 blocks: 16,000 tokens
+    return core
+
+
+@pytest.mark.parametrize(("inflight", "lost"), [(0, 0), (4000, 0), (8000, 0), (10_000, 2000), (30_000, 7984)])
+def test_gpu_survival_prices_the_tail_the_inflight_contexts_evict_first(inflight: int, lost: int):
+    """The endpoint caches 16,000 tokens and holds 7,984 of the 8,000-token prompt. Requests in
+    flight there with ``inflight`` context tokens touch their blocks before the turn runs: what
+    they and the prompt exceed the cache by comes off the hit's tail (at most all of it). The
+    ``evicted`` term is its recompute after what is left, beyond the prefill of the predicted hit."""
+    n = 8000
+    cap = max_hit_blocks(n, BS)
+    hit = cap * BS
+    core = _no_store_core(1, gpu_survival=True, displace_weight=0.0, cluster_work_weight=0.0)
+    cfg = core.cfg.scoring
+    if inflight:
+        core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=inflight, cached_tokens=inflight)
+    assert core.load.effective("e0", 0.1).all_inflight_ctx_tokens == inflight
+    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    c = d.candidates[0]
+    assert c.evicted_s == pytest.approx(cfg.prefill_cost(n - hit + lost, hit - lost) - _own(cfg, n, hit), rel=1e-12)
+    assert c.cost == c.own_s + c.evicted_s + c.decode_s
+    # The prediction and the other terms are the index's: the term prices the risk and changes no view.
+    assert c.own_s == pytest.approx(_own(cfg, n, hit), rel=1e-12)
+    assert c.gpu_blocks == cap and d.predicted_cached_tokens == hit
+    off = _no_store_core(1, displace_weight=0.0, cluster_work_weight=0.0)
+    if inflight:
+        off.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=inflight, cached_tokens=inflight)
+    d = off.decide(_req(off, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    assert d.candidates[0].evicted_s == 0.0
+
+
+def test_gpu_survival_moves_a_turn_whose_home_will_have_evicted_it():
+    """e0 holds the whole 8,000-token prompt, behind a 2,000-token prefill of a 30,000-token
+    context that overflows e0's 16,000-token cache; e1 is idle and holds nothing. Counted as a
+    hit, the turn waits 0.5 s at home and stays; priced as what survives (nothing), home is the
+    same recompute after the wait, and the turn goes to e1."""
+    n = 8000
+    cap = max_hit_blocks(n, BS)
+
+    def decide(on: bool) -> tuple[str, float]:
+        core = _no_store_core(2, gpu_survival=on, displace_weight=0.0, cluster_work_weight=0.0)
+        core.load.on_sent("e0", "a", 2000, 0.05, keys=[1, 2], num_tokens=30_000, cached_tokens=28_000)
+        d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+        home = {c.endpoint_id: c for c in d.candidates}["e0"]
+        return d.endpoint_id, home.own_s + home.evicted_s
+
+    cfg = ScoringConfig()
+    assert decide(False) == ("e0", pytest.approx(_own(cfg, n, cap * BS), rel=1e-12))
+    assert decide(True) == ("e1", pytest.approx(_own(cfg, n, 0), rel=1e-12))
+
+
+def test_gpu_survival_is_off_with_an_offload_store():
+    """With a store, evicted GPU blocks are offloaded and come back by a restore; the term is not used."""
+    n, cap = 8000, max_hit_blocks(8000, BS)
+    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS,
+                                       scoring=ScoringConfig(**PLAIN, gpu_survival=True)))
+    core.set_endpoint(EndpointView("e0", "127.0.0.1:9000", "m"))
+    core.load.update("e0", LoadReport(num_blocks=1001, received_at=0.0))
+    core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=30_000, cached_tokens=30_000)
+    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    assert d.candidates[0].evicted_s == 0.0
+    assert d.candidates[0].own_s == pytest.approx(_own(core.cfg.scoring, n, cap * BS), rel=1e-12)
