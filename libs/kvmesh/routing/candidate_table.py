@@ -88,6 +88,12 @@ class MatchColumns:
         return self.cols[name]
 
 
+def _prefill_s(tokens: np.ndarray, context: np.ndarray, cfg: ScoringConfig) -> np.ndarray:
+    """``ScoringConfig.prefill_cost``, element-wise, with the same operations in the same order (the
+    callers keep the ``tokens <= 0`` case out)."""
+    return tokens * cfg.prefill_s_per_token + tokens * (context + tokens / 2.0) * cfg.attn_s_per_token_pair
+
+
 @dataclass
 class Choice:
     index: int
@@ -127,8 +133,7 @@ class CandidateTable:
         uncached = np.maximum(0, req.num_tokens - cached_tokens)
         restore = np.where(self.offload > 0, cfg.restore_overhead_s + (n_cpu * bs) * cfg.cpu_restore_s_per_token
                            + (n_disk * bs) * cfg.disk_restore_s_per_token, 0.0)
-        compute = np.where(uncached > 0, uncached * cfg.prefill_s_per_token
-                           + uncached * (cached_tokens + uncached / 2.0) * cfg.attn_s_per_token_pair, 0.0)
+        compute = np.where(uncached > 0, _prefill_s(uncached, cached_tokens, cfg), 0.0)
         self.shared_arr = np.zeros(len(ids))
         for ep, n in shared.items():
             i = matches.pos.get(ep)
@@ -150,8 +155,7 @@ class CandidateTable:
             at_risk = (self.offload - pend) * bs
             lost = np.where((at_risk > 0) & (kept < 1.0), (1.0 - kept) * at_risk, 0.0)
             u, c = uncached + lost, cached_tokens - lost
-            compute = np.where(lost > 0.0, u * cfg.prefill_s_per_token
-                               + u * (c + u / 2.0) * cfg.attn_s_per_token_pair, compute)
+            compute = np.where(lost > 0.0, _prefill_s(u, c, cfg), compute)
             restore = np.where(lost > 0.0, restore - lost * cfg.cpu_restore_s_per_token, restore)
         own = compute + restore
         ctx = lc.active_blocks * bs + lc.inflight_ctx_tokens
@@ -211,11 +215,8 @@ class CandidateTable:
         self.evicted = np.zeros(len(ids))
         if cfg.gpu_survival and not offload_enabled:   # the evicted term of scoring.evaluate, element-wise
             over = np.maximum(0.0, lc.all_inflight_ctx_tokens + req.num_tokens - lc.capacity_blocks * bs)
-            gone = np.where((lc.capacity_blocks > 0) & (gpu > 0), np.minimum(gpu * bs, over), 0.0)
-            u, c = uncached + gone, cached_tokens - gone
-            p, a = cfg.prefill_s_per_token, cfg.attn_s_per_token_pair
-            self.evicted = np.where(gone > 0.0, (u * p + u * (c + u / 2.0) * a)
-                                    - (uncached * p + uncached * (cached_tokens + uncached / 2.0) * a), 0.0)
+            gone = np.where(lc.capacity_blocks > 0, np.minimum(gpu * bs, over), 0.0)
+            self.evicted = np.where(gone > 0.0, _prefill_s(uncached + gone, cached_tokens - gone, cfg) - own, 0.0)
         self.cost = self.wait + own + self.decode + self.work + self.displace + self.blocking + self.evicted
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)

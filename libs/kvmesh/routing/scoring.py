@@ -387,11 +387,12 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
             displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
     blocking = blocking_s(own, others_sessions, cfg, offload_enabled)
     evicted = 0.0
-    if cfg.gpu_survival and not offload_enabled and load.capacity_blocks > 0 and split.gpu > 0:
+    if cfg.gpu_survival and not offload_enabled and load.capacity_blocks > 0:
         gone = gpu_lost_tokens(load.capacity_blocks * block_size, load.all_inflight_ctx_tokens, num_tokens,
                                split.gpu * block_size)
         if gone > 0.0:
-            evicted = cfg.prefill_cost(uncached + gone, cached_tokens - gone) - cfg.prefill_cost(uncached, cached_tokens)
+            # Without a store ``own`` is the prefill after the predicted hit: no restore, no store loss.
+            evicted = cfg.prefill_cost(uncached + gone, cached_tokens - gone) - own
     return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace + blocking + evicted,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,

@@ -32,6 +32,7 @@ class UpConfig(StackConfig):
     answer_tokens: int = field(default=256, metadata=_stack_help("answer_tokens"))
     tool_call_share: float = field(default=0.75, metadata=_stack_help("tool_call_share"))
 
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the local stack (router, indexer, workers, offload) until Ctrl-C")
     add_dataclass_args(p, UpConfig)
