@@ -7,6 +7,7 @@ default), turns /metrics on, and prints the URLs a user needs.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -150,3 +151,45 @@ def test_the_store_registers_a_replay_socket(up) -> None:
                      if "subscribed to kv events" in ln and "endpoint=offload-0" in ln), "")
         time.sleep(0.2)
     assert re.search(r"replay=tcp://127\.0\.0\.1:\d+", line), line
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's zombie stays until the machine's init reaps it)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, IndexError):
+        return False
+
+
+def test_repeated_stop_signals_still_stop_every_service(tmp_path: Path) -> None:
+    """An orchestrator (or a user pressing Ctrl-C again) may signal ``kvmesh up`` more than once. A second
+    signal used to interrupt the shutdown itself and leave the services running, orphaned."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmesh_tools.cli.main", "up", "--router-port", "0", "--http-port", "0",
+         "--decode-workers", "1", "--prefill-workers", "0", "--redis", "off", "--auth", "off",
+         "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, "KVMESH_LOG_FORMAT": "text"})
+    pids: dict[str, int] = {}
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if "OpenAI base URL" in line:
+                break
+        pids = json.loads((tmp_path / "stack.json").read_text())["pids"]
+        assert pids and all(_running(p) for p in pids.values())
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGTERM, signal.SIGTERM):
+            proc.send_signal(sig)
+            time.sleep(0.3)
+        proc.wait(60)
+        deadline = time.monotonic() + 10
+        while any(_running(p) for p in pids.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [name for name, p in pids.items() if _running(p)]
+    finally:
+        for pid in [proc.pid, *pids.values()]:   # each service runs in a process group of its own
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.wait(10)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -50,10 +49,6 @@ def demo_workload(sessions: int, seed: int) -> Any:
     from kvmesh_tools.traffic.shapes import long_agent_sessions
 
     return long_agent_sessions(sessions, seed)
-
-
-def _interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
 
 
 def _console():
@@ -108,6 +103,7 @@ def _run(args: argparse.Namespace) -> int:
     from kvmesh_tools.replay.client import ReplayConfig, run_replay
     from kvmesh_tools.replay.plots import write_replay_plots
     from kvmesh_tools.stack.launcher import LocalStack, StackConfig
+    from kvmesh_tools.stack.stop_signals import stop_on_signals
     from kvmesh_tools.traffic.analyze import analyze
 
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
@@ -115,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     if bad or not policies:
         print(f"error: unknown policy {', '.join(bad) or '(none)'}; choose from {', '.join(available_policies())}")
         return 2
-    signal.signal(signal.SIGTERM, _interrupt)
+    stop_on_signals()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace = demo_workload(args.sessions, args.seed)

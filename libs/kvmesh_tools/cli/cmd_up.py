@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -12,6 +11,7 @@ from typing import Any
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh_tools.stack.launcher import StackConfig
+from kvmesh_tools.stack.stop_signals import stop_on_signals
 
 
 def _stack_help(name: str) -> Mapping[str, Any]:
@@ -63,10 +63,6 @@ def banner(d: dict[str, object], model: str, api_key: str = "") -> str:
     ])
 
 
-def _raise_interrupt(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def _run(args: argparse.Namespace) -> int:
     from kvmesh_tools.stack.launcher import LocalStack
 
@@ -75,7 +71,7 @@ def _run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}")
         return 2
-    signal.signal(signal.SIGTERM, _raise_interrupt)
+    stop_on_signals()
     stack = LocalStack(cfg)
     try:
         print("starting the kvmesh stack ...", flush=True)
