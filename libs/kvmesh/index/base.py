@@ -85,6 +85,11 @@ class BlockIndex(ABC):
     name: str = "abstract"
     #: True when calls do network I/O and must not run on an event loop thread.
     blocking: bool = False
+    #: True when GPU-tier entries count copies: vLLM's block pool may hold two blocks with one
+    #: hash and reports each store and each eviction, so an add of a held GPU block is one more
+    #: copy and a remove takes one copy; the block is held until its last copy goes. A backend
+    #: without it keeps one entry per block (the indexer wraps it: ``kvmesh_indexer.copy_ledger``).
+    counts_copies: bool = False
 
     @abstractmethod
     def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],

@@ -15,6 +15,12 @@ cluster simulator (hence a synchronous core and an injectable clock).
 - Clearing one endpoint is O(its blocks): each slot keeps an append-only
   ``array('Q')`` log of the keys it added (8 bytes per entry), compacted when
   it grows twice as long as the live count.
+- GPU blocks are counted by copy. vLLM's block pool can hold two blocks with one
+  hash (requests that computed the same prefix in the same steps), announces each
+  with a ``BlockStored`` and each eviction with a ``BlockRemoved``. A bit alone would
+  drop the block at the first copy's eviction while the engine still serves the
+  other, so the extra copies are counted beside the masks (``_copies``, only for
+  blocks that have them) and a removal takes a copy before it clears the bit.
 """
 
 from __future__ import annotations
@@ -60,6 +66,7 @@ class MemoryIndex(BlockIndex):
 
     name = "memory"
     blocking = False
+    counts_copies = True
     LOCK_CHUNK = 2048
 
     def __init__(self, max_entries: int = 0, now: Callable[[], float] = time.monotonic,
@@ -84,6 +91,8 @@ class MemoryIndex(BlockIndex):
         self._any_base = 0
         self._spec: dict[str, dict[str, dict[int, float]]] = {}
         self._spec_count = 0
+        # (model, slot, key) -> GPU copies beyond the first (see the module docstring).
+        self._copies: dict[tuple[str, int, int], int] = {}
         self.evicted = 0
         self.slots_version = 0   # bumped when an endpoint gets or loses a slot
 
@@ -165,6 +174,7 @@ class MemoryIndex(BlockIndex):
                 log = logs[model] = array("Q")
             intern = self._intern
             pop = d.pop
+            copies = self._copies if tier == Tier.GPU else None
             added = 0
             for k in keys:
                 m = pop(k, 0)
@@ -173,6 +183,9 @@ class MemoryIndex(BlockIndex):
                     added += 1
                     log.append(k)
                     m = intern.get(m) or self._interned(m)
+                elif copies is not None:
+                    c = (model, slot, k)
+                    copies[c] = copies.get(c, 0) + 1
                 d[k] = m
             if added:
                 self._entries += added
@@ -192,10 +205,18 @@ class MemoryIndex(BlockIndex):
             if d is None or slot is None:
                 return 0
             bit = 1 << (slot * _BITS_PER_SLOT + tier)
+            copies = self._copies if tier == Tier.GPU and self._copies else None
             removed = 0
             for k in keys:
                 m = d.get(k)
                 if m is not None and m & bit:
+                    if copies is not None and (n := copies.get(c := (model, slot, k))):
+                        # Another copy of the block is still in the engine's cache.
+                        if n > 1:
+                            copies[c] = n - 1
+                        else:
+                            del copies[c]
+                        continue
                     m &= ~bit
                     removed += 1
                     if m:
@@ -230,6 +251,8 @@ class MemoryIndex(BlockIndex):
                                 d[k] = self._interned(m)
                             else:
                                 del d[k]
+                if self._copies and (tier is None or tier == Tier.GPU):
+                    self._copies = {c: n for c, n in self._copies.items() if c[1] != slot}
                 if tier is None:
                     self._release_slot(slot)
             if tier is None:
@@ -261,11 +284,15 @@ class MemoryIndex(BlockIndex):
                     break
                 # Spread the batch over the models by their share of keys.
                 n = max(1, min(len(d), int(excess * len(d) / total_keys) + 1))
-                for k in list(islice(iter(d), n)):
+                gone = list(islice(iter(d), n))
+                for k in gone:
                     m = d.pop(k)
                     self._drop_bits(m)
                     self.evicted += m.bit_count()
                     progressed = True
+                if self._copies:
+                    dropped = set(gone)
+                    self._copies = {c: n for c, n in self._copies.items() if c[2] not in dropped}
             if not progressed:
                 break
 
@@ -449,5 +476,6 @@ class MemoryIndex(BlockIndex):
                 keys=sum(len(d) for d in self._models.values()),
                 endpoints=sum(1 for i, n in enumerate(self._slot_names) if n is not None and self._slot_entries[i] > 0),
                 entries_by_tier=dict(self._tier_entries),
-                counters={"evicted": self.evicted, "speculative_keys": self._spec_count},
+                counters={"evicted": self.evicted, "speculative_keys": self._spec_count,
+                          "gpu_extra_copies": sum(self._copies.values())},
             )

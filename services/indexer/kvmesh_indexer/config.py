@@ -65,6 +65,9 @@ class IndexerConfig:
     redis_anchor_depth: int = field(default=64, metadata={
         "help": "redis-cluster: blocks of a chain below this depth live on its first block's shard, the rest on "
                 "the shard of its block at this depth (a lookup touches <= 2 shards); set it past shared prefixes"})
+    gpu_copy_ledger_max_keys: int = field(default=4_000_000, metadata={
+        "help": "redis backends: GPU blocks per endpoint whose copies this replica counts, so an engine's "
+                "eviction of one of two copies of a block does not drop the block (0 = off)"})
     max_entries: int = field(default=20_000_000, metadata={
         "help": "memory backend: block-endpoint-tier entry budget (LRU eviction beyond it; 0 = unbounded)"})
     models: str = field(default="", metadata={"help": "models: JSON list or NAME@BLOCK_SIZE@ALGO[@SEED],..."})
@@ -143,6 +146,8 @@ class IndexerConfig:
             raise ConfigError("setting 'speculative_ttl_s' must be in (0, 300]")
         if self.redis_probe_stride < 1:
             raise ConfigError("setting 'redis_probe_stride' must be >= 1")
+        if self.gpu_copy_ledger_max_keys < 0:
+            raise ConfigError("setting 'gpu_copy_ledger_max_keys' must be >= 0")
         if self.max_entries < 0:
             raise ConfigError("setting 'max_entries' must be >= 0")
         if self.socket_buffer_bytes <= 0:

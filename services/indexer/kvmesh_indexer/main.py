@@ -30,6 +30,7 @@ from kvmesh.telemetry import setup_tracing, start_metrics_server
 from kvmesh_api.indexer.v1 import indexer_pb2, indexer_pb2_grpc
 from kvmesh_indexer.central_socket import CentralSocket
 from kvmesh_indexer.config import IndexerConfig
+from kvmesh_indexer.copy_ledger import CopyCountingIndex
 from kvmesh_indexer.ingest import Ingestor
 from kvmesh_indexer.keys import ModelSpec
 from kvmesh_indexer.liveness import Liveness
@@ -150,7 +151,10 @@ def build_app(cfg: IndexerConfig, registry: CollectorRegistry | None = None) -> 
         models[cfg.default_model] = ModelSpec(cfg.default_model, cfg.default_block_size, cfg.default_hash_algo)
     registry = registry if registry is not None else CollectorRegistry()
     metrics = IndexMetrics(registry)
-    index = InstrumentedIndex(build_index(cfg), metrics)
+    backend = build_index(cfg)
+    if not backend.counts_copies and cfg.gpu_copy_ledger_max_keys:
+        backend = CopyCountingIndex(backend, max_keys=cfg.gpu_copy_ledger_max_keys)
+    index = InstrumentedIndex(backend, metrics)
     ingestor = Ingestor(index, models, MetricsObserver(metrics), max_events_per_batch=cfg.max_batch_events,
                         max_seq_jump=cfg.max_seq_jump)
     pump = IngestPump(ingestor, replay_timeout_s=cfg.replay_timeout_s, queue_size=cfg.queue_size,

@@ -137,6 +137,7 @@ class InstrumentedIndex(BlockIndex):
         self.metrics = metrics
         self.name = inner.name
         self.blocking = inner.blocking
+        self.counts_copies = inner.counts_copies
 
     def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
             chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:

@@ -461,6 +461,30 @@ async def test_two_replicas_on_one_redis_answer_identically(start_indexer, reque
         assert counted["1"] + counted["2"] >= len(chains) + 1 and counted["3"] == 0
 
 
+@pytest.mark.parametrize("server", ["redis_server", "redis_cluster"])
+async def test_replicas_keep_a_block_until_the_engines_last_copy_goes(start_indexer, request, server: str) -> None:
+    """Two requests computed the same prefix on one engine: vLLM holds two copies of each block,
+    announces both stores and, later, each eviction. Two replicas apply every batch to one Redis;
+    the block stays while one copy does, and goes with the last."""
+    url = request.getfixturevalue(server).url
+    ns = f"cp{random.randrange(1 << 30)}"
+    reps = [await start_indexer(models=MODELS, backend="redis", redis_url=url, redis_namespace=ns)
+            for _ in range(2)]
+    toks = tokens(77, 4)
+    ev, keys = stored(toks)
+    batches = [[ev], [ev], [BlockRemoved(block_hashes=keys[::-1], medium="GPU")],
+               [BlockRemoved(block_hashes=keys[::-1], medium="GPU")]]
+    held = []
+    for seq, events in enumerate(batches):
+        for r in reps:
+            await r.stub.IngestEvents(iter([indexer_pb2.IngestEventsRequest(
+                endpoint_id="e", model=MODEL, seq=seq, vllm_payload=encode_batch(KVEventBatch(0.0, events)))]),
+                timeout=5)
+        got = [match_of(await r.stub.Lookup(chain_req(keys), timeout=5), "e") for r in reps]
+        held.append([0 if m is None else m.combined_blocks for m in got])
+    assert held == [[4, 4], [4, 4], [4, 4], [0, 0]]
+
+
 async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer, engines) -> None:
     redis = RedisProcess().start()
     try:

@@ -46,7 +46,11 @@ def _key(h: int | bytes) -> int:
 
 
 class CacheMirror:
-    """The set of block keys the engine holds in its own (GPU) cache, from its KV events."""
+    """The block keys the engine holds in its own (GPU) cache, from its KV events.
+
+    Keys are counted by copy: vLLM's block pool may hold two blocks with one hash (requests
+    that computed the same prefix in the same steps) and announces each store and each
+    eviction, so a key is held until its last copy is removed."""
 
     def __init__(self, endpoint: str, topic: str, hasher: BlockHasher, max_blocks: int,
                  replay_endpoint: str = "", replay_timeout_s: float = 2.0) -> None:
@@ -57,7 +61,7 @@ class CacheMirror:
         self.topic = topic
         self.hasher = hasher
         self.max_blocks = max(1, max_blocks)
-        self._blocks: set[int] = set()
+        self._blocks: dict[int, int] = {}   # key -> copies
         self._lock = threading.Lock()
         self._next_seq = 0         # batches applied (the indexer's "applied" count)
         self._sure = True
@@ -148,10 +152,20 @@ class CacheMirror:
             for ev in events:
                 if isinstance(ev, BlockStored):
                     if ev.medium in (None, "", "GPU"):
-                        self._blocks.update(_key(h) for h in ev.block_hashes)
+                        blocks = self._blocks
+                        for h in ev.block_hashes:
+                            k = _key(h)
+                            blocks[k] = blocks.get(k, 0) + 1
                 elif isinstance(ev, BlockRemoved):
                     if ev.medium in (None, "", "GPU"):
-                        self._blocks.difference_update(_key(h) for h in ev.block_hashes)
+                        blocks = self._blocks
+                        for h in ev.block_hashes:
+                            k = _key(h)
+                            n = blocks.get(k, 0)
+                            if n > 1:
+                                blocks[k] = n - 1
+                            elif n:
+                                del blocks[k]
                 elif isinstance(ev, AllBlocksCleared):
                     self._blocks.clear()
                     self._sure = True   # a known state again

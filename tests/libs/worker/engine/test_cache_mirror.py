@@ -55,6 +55,20 @@ def test_leading_hit_batches_and_removals() -> None:
     assert m.truth_of_keys(h.block_keys(p)) == (2 * BS, 3)
 
 
+def test_a_block_is_held_until_the_engines_last_copy_is_removed() -> None:
+    # Two requests that computed the same prefix together: vLLM caches two copies of each block
+    # and removes them one at a time.
+    h = BlockHasher("sha256_cbor", BS)
+    m = CacheMirror("tcp://127.0.0.1:1", TOPIC, h, max_blocks=1000)
+    p = _prompt(4, 3 * BS)
+    keys = h.block_keys(p)
+    m.apply(0, [_stored(h, p), _stored(h, p)])
+    m.apply(1, [BlockRemoved(block_hashes=keys[::-1], medium="GPU")])
+    assert m.truth(p) == (3 * BS, 2)
+    m.apply(2, [BlockRemoved(block_hashes=keys[::-1], medium="GPU")])
+    assert m.truth(p) == (0, 3)
+
+
 def test_a_gap_without_replay_is_unknown_until_the_cache_is_cleared() -> None:
     h = BlockHasher("sha256_cbor", BS)
     m = CacheMirror("tcp://127.0.0.1:1", TOPIC, h, max_blocks=1000)
