@@ -16,8 +16,8 @@ cluster simulator (hence a synchronous core and an injectable clock).
   ``array('Q')`` log of the keys it added (8 bytes per entry), compacted when
   it grows twice as long as the live count.
 - GPU blocks are counted by copy. vLLM's block pool can hold two blocks with one
-  hash (requests that computed the same prefix in the same steps), announces each
-  with a ``BlockStored`` and each eviction with a ``BlockRemoved``. A bit alone would
+  hash (a fully cached prompt's last block is computed again into a new block),
+  announces each with a ``BlockStored`` and each eviction with a ``BlockRemoved``. A bit alone would
   drop the block at the first copy's eviction while the engine still serves the
   other, so the extra copies are counted beside the masks (``_copies``, only for
   blocks that have them) and a removal takes a copy before it clears the bit.

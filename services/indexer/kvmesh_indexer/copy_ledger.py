@@ -1,8 +1,10 @@
 """Count an engine's copies of a GPU block for backends that keep one entry per block.
 
-Why: vLLM's block pool may hold two blocks with one hash. Requests that compute the same
-prefix in the same steps (a burst of sub-agents on one engine) each fill blocks of their own;
-vLLM caches both, announces each with a ``BlockStored`` and each eviction with a
+Why: vLLM's block pool may hold two blocks with one hash. A prompt whose every block is
+cached still has its last token computed, so vLLM computes the last block again into a new
+block (each resend of a block-aligned prompt adds a copy); a block computed again while an
+older copy is still cached (restored from a store, prefilled side by side) is one too. vLLM
+caches every copy, announces each with a ``BlockStored`` and each eviction with a
 ``BlockRemoved``. An index that keeps a set of (block, endpoint) forgets the block at the first
 copy's eviction, while the engine still serves the other copy to every later request: the
 router then sends that prefix elsewhere or predicts it as a miss.

@@ -177,8 +177,8 @@ def test_duplicate_adds_count_once(any_index) -> None:
 
 
 def test_a_gpu_block_is_held_until_its_last_copy_goes(any_index) -> None:
-    # vLLM's block pool holds two blocks with one hash when two requests computed the same prefix
-    # in the same steps; it announces each store and each eviction.
+    # vLLM's block pool holds two blocks with one hash when a cached block is computed again (a
+    # fully cached prompt's last block); it announces each store and each eviction.
     idx = as_deployed(any_index)
     c = chain(15, 4)
     assert idx.add(M, "a", Tier.GPU, c, [(0, None)]) == 4

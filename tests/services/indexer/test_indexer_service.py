@@ -463,8 +463,8 @@ async def test_two_replicas_on_one_redis_answer_identically(start_indexer, reque
 
 @pytest.mark.parametrize("server", ["redis_server", "redis_cluster"])
 async def test_replicas_keep_a_block_until_the_engines_last_copy_goes(start_indexer, request, server: str) -> None:
-    """Two requests computed the same prefix on one engine: vLLM holds two copies of each block,
-    announces both stores and, later, each eviction. Two replicas apply every batch to one Redis;
+    """An engine computed a cached prefix again: vLLM holds two copies of each block, announces
+    both stores and, later, each eviction. Two replicas apply every batch to one Redis;
     the block stays while one copy does, and goes with the last."""
     url = request.getfixturevalue(server).url
     ns = f"cp{random.randrange(1 << 30)}"

@@ -52,6 +52,10 @@ def main():
             print("KVRESP " + json.dumps({"cached": out[0].num_cached_tokens}), flush=True)
         elif cmd["op"] == "reset":
             print("KVRESP " + json.dumps({"ok": bool(llm.reset_prefix_cache())}), flush=True)
+        elif cmd["op"] == "free_blocks":
+            # The engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0).
+            pool = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_manager.block_pool
+            print("KVRESP " + json.dumps({"free": pool.get_num_free_blocks()}), flush=True)
         else:
             break
 
@@ -249,3 +253,45 @@ async def test_vllm_reset_and_restart_clear_the_endpoint(vllm_engine, start_inde
         clears = [ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": ep, "reason": r}) or 0
                   for r in ("seq_reset", "probe_restart")]
         assert sum(clears) == 1, (ep, clears)
+
+
+async def test_vllm_evicting_one_of_two_copies_keeps_the_block_indexed(vllm_engine, start_indexer,
+                                                                       redis_server) -> None:
+    """vLLM recomputes the last block of a prompt that is all cached (it must compute one token),
+    so sending a block-aligned prompt twice leaves two copies of that block, each announced as
+    stored. Evicting the older copy announces a removal while the engine still serves the other:
+    the index (memory, and Redis through the replica's copy ledger) keeps the block."""
+    ixs = [await start_indexer(models=MODELS, engines=_engines(vllm_engine)),
+           await start_indexer(models=MODELS, engines=_engines(vllm_engine), backend="redis",
+                               redis_url=redis_server.url, redis_namespace=f"cp{os.getpid()}")]
+    assert (await asyncio.to_thread(vllm_engine.call, "reset"))["ok"]
+    await _prefill(vllm_engine, prompt(98, BS // 2))      # flushes the reset's AllBlocksCleared
+    p = prompt(21, 6 * BS)
+    assert (await _prefill(vllm_engine, p))["cached"] == 0
+    assert (await _prefill(vllm_engine, p))["cached"] == 5 * BS     # block 6 computed again: a second copy
+
+    async def extra_copies(ix) -> int:  # noqa: ANN001
+        st = await ix.stub.Stats(indexer_pb2.StatsRequest(), timeout=5)
+        return st.counters["index_gpu_extra_copies"]
+
+    for ix in ixs:   # one extra copy seen by each of the two indexed endpoints (fast and derived keys)
+        await wait_until(lambda ix=ix: _eq_async(extra_copies(ix), 2), timeout_s=20, what="two copies indexed")
+    # The free queue ends with the two copies of block 6, then blocks 5..1; everything before them
+    # is unused. Full-block fillers take exactly those and the older copy, and free their own
+    # blocks behind.
+    need = (await asyncio.to_thread(vllm_engine.call, "free_blocks"))["free"] - 6
+    seed = 300
+    while need > 0:
+        k = min(need, 63)
+        await _prefill(vllm_engine, prompt(seed, k * BS))
+        need, seed = need - k, seed + 1
+    for ix in ixs:
+        await wait_until(lambda ix=ix: _eq_async(extra_copies(ix), 0), timeout_s=20, what="one copy evicted")
+        for model, ep in ((FAST_MODEL, "v-fast"), (DERIVED_MODEL, "v-derived")):
+            assert await lookup_blocks(ix.stub, model, p + prompt(22, BS), ep) == 6, (ix.app.cfg.backend, ep)
+    # The engine agrees: the longer prompt reuses all six blocks.
+    assert (await _prefill(vllm_engine, p + prompt(22, BS)))["cached"] == 6 * BS
+
+
+async def _eq_async(value, want: int) -> bool:  # noqa: ANN001
+    return await value == want

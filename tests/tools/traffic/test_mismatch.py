@@ -125,9 +125,10 @@ MOONCAKE = Path("/work/shared/traces/mooncake")
 
 @pytest.mark.skipif(not MOONCAKE.is_dir(), reason="the shared real traces are not on this machine")
 def test_no_view_bug_when_an_engine_holds_two_copies_of_a_block() -> None:
-    """Mooncake's requests share prefixes across sessions and arrive together, so one engine often
-    computes a prefix twice at once and holds two copies of its blocks. vLLM reports each copy's
-    store and eviction; an index that dropped the block at the first eviction disagreed with the
+    """Mooncake's requests share prefixes across sessions and arrive together, so an engine often
+    computes blocks it still holds again (a fully cached prompt's last block, a prefix restored
+    from the store, prefills of one prefix side by side) and holds two copies. vLLM reports each
+    copy's store and eviction; an index that dropped the block at the first eviction disagreed with the
     engine (2 / 1 / 1 view bugs here for precise / llmd / dynamo before the index counted copies)."""
     from kvmesh_tools.traffic.readers import load_trace
 

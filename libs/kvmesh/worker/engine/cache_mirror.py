@@ -48,9 +48,9 @@ def _key(h: int | bytes) -> int:
 class CacheMirror:
     """The block keys the engine holds in its own (GPU) cache, from its KV events.
 
-    Keys are counted by copy: vLLM's block pool may hold two blocks with one hash (requests
-    that computed the same prefix in the same steps) and announces each store and each
-    eviction, so a key is held until its last copy is removed."""
+    Keys are counted by copy: vLLM's block pool may hold two blocks with one hash (a fully
+    cached prompt's last block is computed again into a new block) and announces each store
+    and each eviction, so a key is held until its last copy is removed."""
 
     def __init__(self, endpoint: str, topic: str, hasher: BlockHasher, max_blocks: int,
                  replay_endpoint: str = "", replay_timeout_s: float = 2.0) -> None:

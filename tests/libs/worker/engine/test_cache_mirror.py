@@ -56,8 +56,8 @@ def test_leading_hit_batches_and_removals() -> None:
 
 
 def test_a_block_is_held_until_the_engines_last_copy_is_removed() -> None:
-    # Two requests that computed the same prefix together: vLLM caches two copies of each block
-    # and removes them one at a time.
+    # Two copies of each block (a block computed again while cached): vLLM announces both stores
+    # and removes the copies one at a time.
     h = BlockHasher("sha256_cbor", BS)
     m = CacheMirror("tcp://127.0.0.1:1", TOPIC, h, max_blocks=1000)
     p = _prompt(4, 3 * BS)
