@@ -75,6 +75,26 @@ def test_keys_are_on_by_default(up) -> None:
         openai.OpenAI(base_url=up["OpenAI base URL"], api_key="unused", max_retries=0).models.list()
 
 
+def test_replay_over_the_stacks_mutual_tls_writes_its_report_without_the_key(up, tmp_path: Path) -> None:
+    """``kvmesh replay`` against the default stack (mutual TLS on gRPC) once ran to the end and then
+    failed writing its report (the TLS settings were not JSON), and a report without TLS held the
+    API key in plain text."""
+    stack = json.loads((Path(up["log_dir"]) / "stack.json").read_text())
+    out = tmp_path / "replay.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "kvmesh_tools.cli.main", "replay", "--generate-sessions", "2",
+         "--target", stack["router_grpc"], "--tls", "on", "--tls-ca", stack["tls"]["ca"],
+         "--tls-cert", stack["tls"]["admin_cert"], "--tls-key", stack["tls"]["admin_key"],
+         "--api-key", up["API key"], "--time-scale", "50", "--max-output-tokens", "4", "--progress", "false",
+         "--json", str(out)], capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    text = out.read_text()
+    report = json.loads(text)
+    assert report["metrics"]["ok"] > 0 and report["metrics"]["errors"] == 0
+    assert report["config"]["tls"]["tls"] == "on" and report["config"]["api_key"] == "(set)"
+    assert up["API key"] not in text
+
+
 def test_official_openai_client_chats_in_text(up) -> None:
     client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key=up["API key"], max_retries=0)
     models = client.models.list()

@@ -8,7 +8,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh_tools.cli.trace_args import TraceArgs
@@ -33,6 +33,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_dataclass_args(p, ReplayRun)
     add_dataclass_args(p, ReplayConfig)
     p.set_defaults(func=_run)
+
+
+def report_config(cfg: Any) -> dict[str, Any]:
+    """The run's settings as the report keeps them: nested settings (TLS) as objects, and the API
+    key only as whether one was given (a report is shared; the key is a credential)."""
+    out = dataclasses.asdict(cfg)
+    out["api_key"] = "(set)" if cfg.api_key else ""
+    return out
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -67,7 +75,7 @@ def _run(args: argparse.Namespace) -> int:
     out = Path(run.json)
     out.parent.mkdir(parents=True, exist_ok=True)
     plots = write_replay_plots({cfg.policy or "router": res.records}, run.plots or str(out.with_suffix("")) + "_plots")
-    report = {"config": {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, "metrics": res.metrics,
+    report = {"config": report_config(cfg), "metrics": res.metrics,
               "plots": [str(p) for p in plots], "records": res.records}
     out.write_text(json.dumps(report, indent=1))
     print(json.dumps(res.metrics, indent=1))
