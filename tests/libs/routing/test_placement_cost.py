@@ -23,7 +23,7 @@ import pytest
 from kvmesh.routing.load import LoadReport
 from kvmesh.routing.router import RouterCore, RouterCoreConfig
 from kvmesh.routing.scoring import ScoringConfig, max_hit_blocks
-from kvmesh.routing.types import EndpointView, Matches, RouteRequest, TierMatch
+from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
 
 BS = 16
 # The displacement and blocking defaults off: the formulas below are the plain ones. A test that
@@ -33,8 +33,9 @@ PLAIN = {"displace_cliff": False, "displace_cliff_with_store": True, "displace_a
 pytestmark = pytest.mark.timeout(60)
 
 
-def _core(n: int, **scoring: float) -> RouterCore:
-    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, scoring=ScoringConfig(**(PLAIN | scoring))))
+def _core(n: int, offload_enabled: bool = True, **scoring: float) -> RouterCore:
+    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, offload_enabled=offload_enabled,
+                                       scoring=ScoringConfig(**(PLAIN | scoring))))
     for i in range(n):
         core.set_endpoint(EndpointView(f"e{i}", f"127.0.0.1:{9000 + i}", "m"))
     return core
@@ -44,6 +45,11 @@ def _req(core: RouterCore, n: int, rid: str, session: str = "", seed: int = 0) -
     rng = random.Random(seed)
     keys = core.chain([rng.randrange(32000) for _ in range(n)], None, session).keys
     return RouteRequest(rid, "m", keys, n, BS, session)
+
+
+def _decide_held_on_e0(core: RouterCore, n: int, cap: int) -> Decision:
+    """Route an ``n``-token turn of session ``s`` whose first ``cap`` blocks e0 holds on its GPU."""
+    return core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
 
 
 def _own(cfg: ScoringConfig, n: int, cached: int) -> float:
@@ -95,7 +101,7 @@ def test_an_idle_endpoint_makes_the_recompute_free_for_the_cluster():
     # e1 has nothing queued: the cluster is not saturated, a recompute there delays nobody.
     core.load.update("e0", LoadReport(running=1, waiting=2, waiting_prefill_tokens=home_q, received_at=0.0))
     core.load.update("e1", LoadReport(running=1, received_at=0.0))
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     assert d.endpoint_id == "e1"
     assert all(c.work_s == 0.0 for c in d.candidates)
 
@@ -109,7 +115,7 @@ def test_cluster_work_scales_with_the_least_loaded_queue(fraction: float):
     q = int(fraction * cfg.saturation_s / cfg.prefill_s_per_token)
     for e in ("e0", "e1"):
         core.load.update(e, LoadReport(running=1, waiting_prefill_tokens=q, received_at=0.0))
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     by = {c.endpoint_id: c for c in d.candidates}
     sat = min(1.0, q * cfg.prefill_s_per_token / cfg.saturation_s)
     assert by["e1"].work_s == cfg.cluster_work_weight * sat * (by["e1"].own_s - by["e0"].own_s)
@@ -172,7 +178,7 @@ def test_the_sessions_own_context_is_not_displaced_by_its_next_turn():
     ws.touch("s", "e0", n - 600, 0.0)
     ws.touch("other0", "e0", nb * BS - need, 0.0)
     ws.touch("other1", "e1", nb * BS, 0.0)
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     by = {c.endpoint_id: c for c in d.candidates}
     assert d.endpoint_id == "e0"
     # At home the old context is reused, not displaced; the prompt fits beside other0's.
@@ -198,7 +204,7 @@ def test_cached_blocks_of_a_prompt_occupy_the_cache_beside_the_others():
     # (the blocks allocated), never more.
     ws.touch("s", "e0", n - 600, 0.0)
     ws.touch("other0", "e0", nb * BS - (n - 600), 0.0)
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     c = d.candidates[0]
     fresh = -(-c.uncached_tokens // BS) * BS
     over = need - (n - 600)
@@ -341,7 +347,7 @@ def test_an_idle_endpoint_lifts_the_hold():
     cfg = core.cfg.scoring
     # e1 has nothing queued: the cluster is not saturated, a recompute there evicts in no queue.
     _queues(core, e0=_long_home_queue(cfg, n), e1=0)
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     assert d.endpoint_id == "e1"
 
 
@@ -364,7 +370,7 @@ def test_hold_off_moves_the_turn():
     core = _core(2, hold_min_ratio=0.0, cluster_work_weight=0.0, displace_weight=0.0)
     cfg = core.cfg.scoring
     _queues(core, e0=_long_home_queue(cfg, n), e1=BS)
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     assert d.endpoint_id == "e1"
 
 
@@ -472,7 +478,7 @@ def test_cliff_leaves_a_session_home_while_its_own_context_fits_there():
     # The session's own context (last turn, 3,000 tokens) is counted on e0 but is what it reuses.
     core.load.working_set.touch("s", "e0", 3000, 0.0)
     core.load.working_set.touch("a", "e0", nb * BS - 3300, 0.0)
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     assert d.endpoint_id == "e0"
     assert {c.endpoint_id: c.displace_s for c in d.candidates}["e0"] == 0.0
 
@@ -696,7 +702,7 @@ def test_queue_attention_moves_a_turn_off_a_queue_of_long_context_prefill():
     def decide(on: bool) -> tuple[str, float]:
         core = _core(2, queue_attention=on, displace_weight=0.0, cluster_work_weight=0.0)
         core.load.on_sent("e0", "a", 50_000, 0.0, keys=[7, 8], num_tokens=300_000, cached_tokens=250_000)
-        d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+        d = _decide_held_on_e0(core, n, cap)
         return d.endpoint_id, {c.endpoint_id: c for c in d.candidates}["e0"].wait_s
 
     assert decide(False) == ("e0", pytest.approx(50_000 * 250e-6))
@@ -749,10 +755,8 @@ def test_a_stored_turn_stays_home_unless_the_decode_load_outweighs_its_restore()
 
 
 def _no_store_core(n: int, **scoring: float) -> RouterCore:
-    core = RouterCore(RouterCoreConfig(policy="precise", block_size=BS, offload_enabled=False,
-                                       scoring=ScoringConfig(**(PLAIN | scoring))))
+    core = _core(n, offload_enabled=False, **scoring)
     for i in range(n):
-        core.set_endpoint(EndpointView(f"e{i}", f"127.0.0.1:{9000 + i}", "m"))
         core.load.update(f"e{i}", LoadReport(num_blocks=1001, received_at=0.0))   # 1,000 blocks: 16,000 tokens
     return core
 
@@ -771,7 +775,7 @@ def test_gpu_survival_prices_the_tail_the_inflight_contexts_evict_first(inflight
     if inflight:
         core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=inflight, cached_tokens=inflight)
     assert core.load.effective("e0", 0.1).all_inflight_ctx_tokens == inflight
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     c = d.candidates[0]
     assert c.evicted_s == pytest.approx(cfg.prefill_cost(n - hit + lost, hit - lost) - _own(cfg, n, hit), rel=1e-12)
     assert c.cost == c.own_s + c.evicted_s + c.decode_s
@@ -781,7 +785,7 @@ def test_gpu_survival_prices_the_tail_the_inflight_contexts_evict_first(inflight
     off = _no_store_core(1, displace_weight=0.0, cluster_work_weight=0.0)
     if inflight:
         off.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=inflight, cached_tokens=inflight)
-    d = off.decide(_req(off, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(off, n, cap)
     assert d.candidates[0].evicted_s == 0.0
 
 
@@ -796,7 +800,7 @@ def test_gpu_survival_moves_a_turn_whose_home_will_have_evicted_it():
     def decide(on: bool) -> tuple[str, float]:
         core = _no_store_core(2, gpu_survival=on, displace_weight=0.0, cluster_work_weight=0.0)
         core.load.on_sent("e0", "a", 2000, 0.05, keys=[1, 2], num_tokens=30_000, cached_tokens=28_000)
-        d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+        d = _decide_held_on_e0(core, n, cap)
         home = {c.endpoint_id: c for c in d.candidates}["e0"]
         return d.endpoint_id, home.own_s + home.evicted_s
 
@@ -813,6 +817,6 @@ def test_gpu_survival_is_off_with_an_offload_store():
     core.set_endpoint(EndpointView("e0", "127.0.0.1:9000", "m"))
     core.load.update("e0", LoadReport(num_blocks=1001, received_at=0.0))
     core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=30_000, cached_tokens=30_000)
-    d = core.decide(_req(core, n, "r", session="s"), Matches(per_endpoint={"e0": TierMatch(gpu=cap)}), now=0.1)
+    d = _decide_held_on_e0(core, n, cap)
     assert d.candidates[0].evicted_s == 0.0
     assert d.candidates[0].own_s == pytest.approx(_own(core.cfg.scoring, n, cap * BS), rel=1e-12)
