@@ -28,7 +28,7 @@ from kvmesh_indexer.central_socket import (
 )
 from kvmesh_indexer.config import IndexerConfig
 from kvmesh_tools.testing.ports import free_port
-from tests.fixtures.indexer import wait_until
+from tests.fixtures.indexer import awaits, wait_until
 from tests.helpers.events import connect_when_ready, publish_lost
 from tests.services.indexer.test_indexer_service import BS, HASHER, MODEL, MODELS, combined, stored, tokens
 
@@ -86,10 +86,6 @@ async def connected(pod: Pod, ix) -> None:  # noqa: ANN001
         await asyncio.sleep(0.05)
 
 
-async def _eq(coro, value: int) -> bool:  # noqa: ANN001
-    return await coro == value
-
-
 def _rejected(ix, endpoint: str, reason: str) -> float:  # noqa: ANN001
     return ix.metric("kvmesh_indexer_rejected_total", {"endpoint": endpoint, "reason": reason}) or 0.0
 
@@ -104,8 +100,8 @@ async def test_many_engines_on_one_socket_named_by_topic(start_indexer, pods, tm
     ev_b, keys_b = stored(tb)
     a.publish(ev_a)
     b.publish(ev_b)
-    await wait_until(lambda: _eq(combined(ix.stub, keys_a, "10.0.0.1:8000"), 5), what="a's blocks")
-    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "10.0.0.2:8001"), 3), what="b's blocks")
+    await wait_until(lambda: awaits(combined(ix.stub, keys_a, "10.0.0.1:8000"), 5), what="a's blocks")
+    await wait_until(lambda: awaits(combined(ix.stub, keys_b, "10.0.0.2:8001"), 3), what="b's blocks")
     # Each engine's events are attributed to its own topic's endpoint only.
     assert await combined(ix.stub, keys_a, "10.0.0.2:8001") == 0
     assert await combined(ix.stub, keys_b, "10.0.0.1:8000") == 0
@@ -131,7 +127,7 @@ async def test_gap_and_late_join_are_repaired_by_the_derived_replay_address(star
     pod.publish(first)
     pod.publish_lost(lost)
     pod.publish(last)
-    await wait_until(lambda: _eq(combined(ix.stub, keys, pod.endpoint_id), 8), what="gap repaired by replay")
+    await wait_until(lambda: awaits(combined(ix.stub, keys, pod.endpoint_id), 8), what="gap repaired by replay")
     assert ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": pod.endpoint_id}) - gaps0 == 1
     assert ix.metric("kvmesh_indexer_replays_total", {"endpoint": pod.endpoint_id, "outcome": "complete"}) >= 1
     assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": pod.endpoint_id, "reason": "gap"}) is None
@@ -143,7 +139,7 @@ async def test_gap_and_late_join_are_repaired_by_the_derived_replay_address(star
     for _ in range(2):
         late.publish_lost(ev_early)
     await connected(late, ix)
-    await wait_until(lambda: _eq(combined(ix.stub, keys_early, late.endpoint_id), 3), what="late join replayed")
+    await wait_until(lambda: awaits(combined(ix.stub, keys_early, late.endpoint_id), 3), what="late join replayed")
 
 
 async def test_hostile_topics_are_counted_not_admitted(start_indexer, pods, tmp_path) -> None:
@@ -179,7 +175,7 @@ async def test_hostile_topics_are_counted_not_admitted(start_indexer, pods, tmp_
         # Still serving the admitted engine.
         ev2, keys2 = stored(tokens(6, 4))
         ok.publish(ev2)
-        await wait_until(lambda: _eq(combined(ix.stub, keys2, ok.endpoint_id), 4), what="admitted engine still ingested")
+        await wait_until(lambda: awaits(combined(ix.stub, keys2, ok.endpoint_id), 4), what="admitted engine still ingested")
     finally:
         raw.close(linger=0)
 
@@ -196,7 +192,7 @@ async def test_oversized_message_drops_that_peer_only(start_indexer, pods, tmp_p
                                      b"\0" * (limit + 8192)])
         await asyncio.sleep(0.1)
     ok.publish(ev)
-    await wait_until(lambda: _eq(combined(ix.stub, keys, ok.endpoint_id), 2), what="the other engine still ingested")
+    await wait_until(lambda: awaits(combined(ix.stub, keys, ok.endpoint_id), 2), what="the other engine still ingested")
     assert "10.4.0.2:8000" not in ix.app.central.endpoints   # never reached the indexer
 
 
@@ -229,8 +225,8 @@ async def test_idle_endpoint_is_purged_and_readmitted(start_indexer, pods, tmp_p
     await connected(pod, ix)
     ev, keys = stored(tokens(8, 3))
     pod.publish(ev)
-    await wait_until(lambda: _eq(combined(ix.stub, keys, pod.endpoint_id), 3), what="ingested")
-    await wait_until(lambda: _eq(combined(ix.stub, keys, pod.endpoint_id), 0), timeout_s=5, what="idle purge")
+    await wait_until(lambda: awaits(combined(ix.stub, keys, pod.endpoint_id), 3), what="ingested")
+    await wait_until(lambda: awaits(combined(ix.stub, keys, pod.endpoint_id), 0), timeout_s=5, what="idle purge")
     assert pod.endpoint_id not in ix.app.central.endpoints
     assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": pod.endpoint_id, "reason": "purged"}) == 1
     pod.publish(BlockRemoved(block_hashes=[keys[0]], medium="GPU"))  # any message re-admits it
@@ -312,8 +308,8 @@ async def test_data_parallel_ranks_are_endpoints_of_their_own(start_indexer) -> 
         (ev0, keys0), (ev1, keys1) = stored(tokens(21, 4)), stored(tokens(22, 2))
         ranks[0].publish(ev0)
         ranks[1].publish(ev1)
-        await wait_until(lambda: _eq(combined(ix.stub, keys0, pod), 4), what="rank 0's blocks")
-        await wait_until(lambda: _eq(combined(ix.stub, keys1, f"{pod}_dp1"), 2), what="rank 1's blocks")
+        await wait_until(lambda: awaits(combined(ix.stub, keys0, pod), 4), what="rank 0's blocks")
+        await wait_until(lambda: awaits(combined(ix.stub, keys1, f"{pod}_dp1"), 2), what="rank 1's blocks")
         assert await combined(ix.stub, keys0, f"{pod}_dp1") == 0 and await combined(ix.stub, keys1, pod) == 0
         listed = {e.endpoint.endpoint_id: e.endpoint for e in (await ix.stub.ListEndpoints(
             indexer_pb2.ListEndpointsRequest(), timeout=5)).endpoints}

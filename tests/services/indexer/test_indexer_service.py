@@ -20,7 +20,7 @@ from kvmesh.registration import IndexerRegistration
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2
 from kvmesh_tools.testing.redis_server import RedisProcess
-from tests.fixtures.indexer import wait_until
+from tests.fixtures.indexer import awaits, wait_until
 from tests.helpers.events import publish_lost
 
 pytestmark = pytest.mark.timeout(90)
@@ -167,7 +167,7 @@ async def test_zmq_ingest_lookup_by_chain_and_tokens(start_indexer, engines) -> 
     assert match_of(salted, "e0") is None
     # Remove block 3: the leading match shrinks to 3.
     eng.publish(BlockRemoved(block_hashes=[keys[3]], medium="GPU"))
-    await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="removal applied")
+    await wait_until(lambda: awaits(combined(ix.stub, keys, "e0"), 3), what="removal applied")
     assert ix.metric("kvmesh_indexer_events_total", {"type": "stored"}) >= 2
     assert ix.metric("kvmesh_indexer_blocks", {"tier": "GPU"}) == 6  # warm-up 1 + 6 - 1
 
@@ -187,7 +187,7 @@ async def test_gap_is_repaired_by_replay(start_indexer, engines) -> None:
     eng.publish(first)
     eng.publish_lost(lost)        # seq gap: the indexer never sees this one
     eng.publish(last)
-    await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 8), what="gap repaired")
+    await wait_until(lambda: awaits(combined(ix.stub, keys, "e0"), 8), what="gap repaired")
     assert ix.metric("kvmesh_indexer_seq_gaps_total", {"endpoint": "e0"}) - gaps0 == 1
     assert ix.metric("kvmesh_indexer_replays_total", {"endpoint": "e0", "outcome": "complete"}) - replays0 == 1
     assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "gap"}) is None
@@ -199,12 +199,12 @@ async def test_gap_without_replay_clears_endpoint(start_indexer, engines) -> Non
     a = tokens(3, 4)
     ev_a, keys_a = stored(a)
     eng.publish(ev_a)
-    await wait_until(lambda: _eq(combined(ix.stub, keys_a, "e0"), 4), what="a ingested")
+    await wait_until(lambda: awaits(combined(ix.stub, keys_a, "e0"), 4), what="a ingested")
     b = tokens(4, 2)
     ev_b, keys_b = stored(b)
     eng.publish_lost(BlockRemoved(block_hashes=[keys_a[0]], medium="GPU"))
     eng.publish(ev_b)
-    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 2), what="b ingested")
+    await wait_until(lambda: awaits(combined(ix.stub, keys_b, "e0"), 2), what="b ingested")
     # The lost removal could have made anything stale: the endpoint was cleared first.
     assert await combined(ix.stub, keys_a, "e0") == 0
     assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "gap"}) == 1
@@ -221,18 +221,18 @@ async def test_engine_restart_and_all_blocks_cleared_clear_the_endpoint(start_in
         eng.publish(ev)
     last, last_keys = stored(tokens(55, 1))
     eng.publish(last)   # in order on one connection: once it is in, every seq before it was seen
-    await wait_until(lambda: _eq(combined(ix.stub, last_keys, "e0"), 1), what="old run ingested")
+    await wait_until(lambda: awaits(combined(ix.stub, last_keys, "e0"), 1), what="old run ingested")
     assert await combined(ix.stub, keys, "e0") == 3
     eng.stop()
     eng.start()  # a new process: seq restarts at 0
     b = tokens(6, 2)
     ev_b, keys_b = stored(b)
-    await _publish_until(lambda: eng.publish(ev_b), lambda: _eq(combined(ix.stub, keys_b, "e0"), 2),
+    await _publish_until(lambda: eng.publish(ev_b), lambda: awaits(combined(ix.stub, keys_b, "e0"), 2),
                          "the post-restart batch")
     assert await combined(ix.stub, keys, "e0") == 0
     assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "seq_reset"}) == 1
     eng.publish(AllBlocksCleared())
-    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 0), what="AllBlocksCleared applied")
+    await wait_until(lambda: awaits(combined(ix.stub, keys_b, "e0"), 0), what="AllBlocksCleared applied")
 
 
 def _try_start(eng: Engine) -> bool:
@@ -251,13 +251,13 @@ async def test_restart_whose_messages_are_all_lost_is_found_by_the_tail_probe(st
     ix = await _indexer_on(start_indexer, eng, tail_probe_s=0.3)
     ev, keys = stored(tokens(7, 3))
     eng.publish(ev)
-    await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="a ingested")
+    await wait_until(lambda: awaits(combined(ix.stub, keys, "e0"), 3), what="a ingested")
     eng.stop()
     # A new process: seq from 0 again, on the same ports (their release by libzmq is asynchronous).
     await wait_until(lambda: _try_start(eng), what="publisher restarted on its ports")
     ev_b, keys_b = stored(tokens(8, 2))
     eng.publish_lost(ev_b)
-    await wait_until(lambda: _eq(combined(ix.stub, keys_b, "e0"), 2), timeout_s=15, what="lost batch probed in")
+    await wait_until(lambda: awaits(combined(ix.stub, keys_b, "e0"), 2), timeout_s=15, what="lost batch probed in")
     assert await combined(ix.stub, keys, "e0") == 0
     assert ix.metric("kvmesh_indexer_tail_probes_total", {"endpoint": "e0", "outcome": "restarted"}) == 1
     assert ix.metric("kvmesh_indexer_endpoint_clears_total", {"endpoint": "e0", "reason": "probe_restart"}) == 1
@@ -388,7 +388,7 @@ async def test_registration_subscribes_and_dead_endpoint_disappears(start_indexe
         toks = tokens(9, 3)
         ev, keys = stored(toks)
         eng.publish(ev)
-        await wait_until(lambda: _eq(combined(ix.stub, keys, "w1"), 3), what="registered engine ingested")
+        await wait_until(lambda: awaits(combined(ix.stub, keys, "w1"), 3), what="registered engine ingested")
         listed = await ix.stub.ListEndpoints(indexer_pb2.ListEndpointsRequest(model=MODEL), timeout=5)
         st = {s.endpoint.endpoint_id: s for s in listed.endpoints}["w1"]
         assert st.alive and st.blocks == 4 and st.seconds_since_event >= 0
@@ -495,7 +495,7 @@ async def test_redis_down_lookup_unavailable_then_resync_by_replay(start_indexer
         keys = HASHER.block_keys(toks)
         ev1, _ = stored(toks[: 3 * BS])
         eng.publish(ev1)
-        await wait_until(lambda: _eq(combined(ix.stub, keys, "e0"), 3), what="before outage")
+        await wait_until(lambda: awaits(combined(ix.stub, keys, "e0"), 3), what="before outage")
         redis.stop()
         with pytest.raises(grpc.aio.AioRpcError) as e:
             await ix.stub.Lookup(chain_req(keys), timeout=30)
@@ -614,10 +614,6 @@ def _json(obj: dict) -> str:
     return json.dumps(obj)
 
 
-async def _eq(coro, value: int) -> bool:  # noqa: ANN001
-    return (await coro) == value
-
-
 async def _ok_eq(coro, value: int) -> bool:  # noqa: ANN001
     try:
         return (await coro) == value
@@ -673,7 +669,7 @@ async def test_publisher_binds_indexer_connects(start_indexer, tmp_path) -> None
         ev, keys = stored(toks)
         pub.publish([ev])                      # likely before the SUB connected: replay recovers it
         later = stored(tokens(61, 1))[0]       # the first one heard shows the gap
-        await _publish_until(lambda: pub.publish([later]), lambda: _eq(combined(ix.stub, keys, "b0"), 3),
+        await _publish_until(lambda: pub.publish([later]), lambda: awaits(combined(ix.stub, keys, "b0"), 3),
                              "ingest over a connecting SUB")
     finally:
         pub.close(linger_ms=0)

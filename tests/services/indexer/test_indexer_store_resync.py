@@ -19,7 +19,7 @@ import pytest
 from kvmesh.kvstore.client_async import OffloadClient
 from kvmesh_api.indexer.v1 import indexer_pb2
 from kvmesh_tools.testing.redis_server import RedisProcess
-from tests.fixtures.indexer import wait_until
+from tests.fixtures.indexer import awaits, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -70,7 +70,7 @@ async def test_store_entries_survive_a_redis_stall_and_restart(start_indexer, of
 
             async def wait_for_blocks(keys: list[int], n: int, timeout_s: float) -> bool:
                 try:
-                    await wait_until(lambda: _eq(_store_blocks(ix, keys), n), timeout_s=timeout_s, interval_s=0.05)
+                    await wait_until(lambda: awaits(_store_blocks(ix, keys), n), timeout_s=timeout_s, interval_s=0.05)
                 except AssertionError:
                     return False
                 return True
@@ -78,7 +78,7 @@ async def test_store_entries_survive_a_redis_stall_and_restart(start_indexer, of
             await wait_until(subscribed, timeout_s=30, interval_s=0.01, what="the store's events reach the indexer")
             a, b, c = _chain(1, 6), _chain(2, 5), _chain(3, 4)
             await put(*a)
-            await wait_until(lambda: _eq(_store_blocks(ix, a[0]), 6), timeout_s=20, what="chain A indexed")
+            await wait_until(lambda: awaits(_store_blocks(ix, a[0]), 6), timeout_s=20, what="chain A indexed")
             st = ix.app.servicer.ingestor.endpoints[STORE]
             before = {k: v for k, v in st.counters.items() if k.startswith("clear_")}   # the store's start
             replayed = st.counters.get("replay_complete", 0)
@@ -91,7 +91,7 @@ async def test_store_entries_survive_a_redis_stall_and_restart(start_indexer, of
             finally:
                 os.kill(redis.proc.pid, signal.SIGCONT)
             await put(*c)   # its batch follows the lost one: the re-sync runs before it is applied
-            await wait_until(lambda: _eq(_store_blocks(ix, c[0]), 4), timeout_s=20, what="chain C indexed")
+            await wait_until(lambda: awaits(_store_blocks(ix, c[0]), 4), timeout_s=20, what="chain C indexed")
             await wait_until(lambda: not st.needs_resync, timeout_s=20, what="the re-sync done")
             cleared = {k: v for k, v in st.counters.items() if k.startswith("clear_") and v != before.get(k)}
             if not replay:
@@ -108,11 +108,7 @@ async def test_store_entries_survive_a_redis_stall_and_restart(start_indexer, of
             redis.stop()
             redis.start()
             for (keys, _), n in ((a, 6), (b, 5), (c, 4)):
-                await wait_until(lambda keys=keys, n=n: _eq(_store_blocks(ix, keys), n), timeout_s=30,
+                await wait_until(lambda keys=keys, n=n: awaits(_store_blocks(ix, keys), n), timeout_s=30,
                                  interval_s=0.1, what="the store's entries rebuilt after the Redis restart")
     finally:
         redis.stop()
-
-
-async def _eq(coro, value: int) -> bool:  # noqa: ANN001
-    return (await coro) == value

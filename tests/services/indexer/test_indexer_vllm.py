@@ -23,7 +23,7 @@ import pytest
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_api.indexer.v1 import indexer_pb2
 from kvmesh_tools.testing.ports import free_port
-from tests.fixtures.indexer import wait_until
+from tests.fixtures.indexer import awaits, wait_until
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(240)]
 
@@ -275,7 +275,7 @@ async def test_vllm_evicting_one_of_two_copies_keeps_the_block_indexed(vllm_engi
         return st.counters["index_gpu_extra_copies"]
 
     for ix in ixs:   # one extra copy seen by each of the two indexed endpoints (fast and derived keys)
-        await wait_until(lambda ix=ix: _eq_async(extra_copies(ix), 2), timeout_s=20, what="two copies indexed")
+        await wait_until(lambda ix=ix: awaits(extra_copies(ix), 2), timeout_s=20, what="two copies indexed")
     # The free queue ends with the two copies of block 6, then blocks 5..1; everything before them
     # is unused. Full-block fillers take exactly those and the older copy, and free their own
     # blocks behind.
@@ -286,12 +286,8 @@ async def test_vllm_evicting_one_of_two_copies_keeps_the_block_indexed(vllm_engi
         await _prefill(vllm_engine, prompt(seed, k * BS))
         need, seed = need - k, seed + 1
     for ix in ixs:
-        await wait_until(lambda ix=ix: _eq_async(extra_copies(ix), 0), timeout_s=20, what="one copy evicted")
+        await wait_until(lambda ix=ix: awaits(extra_copies(ix), 0), timeout_s=20, what="one copy evicted")
         for model, ep in ((FAST_MODEL, "v-fast"), (DERIVED_MODEL, "v-derived")):
             assert await lookup_blocks(ix.stub, model, p + prompt(22, BS), ep) == 6, (ix.app.cfg.backend, ep)
     # The engine agrees: the longer prompt reuses all six blocks.
     assert (await _prefill(vllm_engine, p + prompt(22, BS)))["cached"] == 6 * BS
-
-
-async def _eq_async(value, want: int) -> bool:  # noqa: ANN001
-    return await value == want
