@@ -26,23 +26,21 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
-from kvmesh.index.base import BlockIndex, IndexStats, LookupResult, Tier
+from kvmesh.index.base import BlockIndex, IndexStats, Tier
+from kvmesh_indexer.index_wrapper import IndexWrapper
 
 log = logging.getLogger(__name__)
 
 
-class CopyCountingIndex(BlockIndex):
+class CopyCountingIndex(IndexWrapper):
     """A backend whose GPU-tier removals reach it only with an engine's last copy of a block."""
 
-    counts_copies = True
-
     def __init__(self, inner: BlockIndex, max_keys: int = 4_000_000) -> None:
-        self.inner = inner
-        self.name = inner.name
-        self.blocking = inner.blocking
+        super().__init__(inner)
+        self.counts_copies = True
         self.max_keys = max_keys
         self._copies: dict[tuple[str, str], dict[int, int]] = {}   # (endpoint, model) -> key -> copies
         self.extra_copies = 0   # copies beyond the first, over all endpoints
@@ -108,24 +106,7 @@ class CopyCountingIndex(BlockIndex):
                 held = self._copies.pop(ek)
                 self.extra_copies -= sum(n - 1 for n in held.values() if n > 1)
 
-    def lookup(self, model: str, keys: Sequence[int], endpoint_filter: Iterable[str] | None = None,
-               include_speculative: bool = False, exclude: Iterable[str] | None = None,
-               extra_models: Sequence[str] = ()) -> LookupResult:
-        return self.inner.lookup(model, keys, endpoint_filter, include_speculative, exclude, extra_models)
-
-    def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:
-        self.inner.put_speculative(model, endpoint, keys, ttl_s)
-
-    def endpoint_blocks(self, endpoint: str) -> int:
-        return self.inner.endpoint_blocks(endpoint)
-
     def stats(self) -> IndexStats:
         st = self.inner.stats()
         st.counters["gpu_extra_copies"] = self.extra_copies
         return st
-
-    def ping(self) -> bool:
-        return self.inner.ping()
-
-    def close(self) -> None:
-        self.inner.close()

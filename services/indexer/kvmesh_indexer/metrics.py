@@ -20,6 +20,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from kvmesh.index.base import TIERS, BlockIndex, IndexStats, LookupResult, Tier
+from kvmesh_indexer.index_wrapper import IndexWrapper
 
 log = logging.getLogger(__name__)
 _tracer = trace.get_tracer("kvmesh.indexer.index")
@@ -129,22 +130,12 @@ class StateCollector(Collector):
         yield published
 
 
-class InstrumentedIndex(BlockIndex):
+class InstrumentedIndex(IndexWrapper):
     """Adds latency metrics and spans to any backend without touching it."""
 
     def __init__(self, inner: BlockIndex, metrics: IndexMetrics | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.metrics = metrics
-        self.name = inner.name
-        self.blocking = inner.blocking
-        self.counts_copies = inner.counts_copies
-
-    def add(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int],
-            chain_starts: Sequence[tuple[int, int | None]] | None = None) -> int:
-        return self.inner.add(model, endpoint, tier, keys, chain_starts)
-
-    def remove(self, model: str, endpoint: str, tier: Tier, keys: Sequence[int]) -> int:
-        return self.inner.remove(model, endpoint, tier, keys)
 
     def clear_endpoint(self, endpoint: str, tier: Tier | None = None) -> int:
         with _tracer.start_as_current_span("index.clear_endpoint", attributes={"kvmesh.endpoint": endpoint}):
@@ -198,21 +189,6 @@ class InstrumentedIndex(BlockIndex):
                 self.metrics.lookup_shards.labels(str(shards)).inc()
         return res
 
-    def put_speculative(self, model: str, endpoint: str, keys: Sequence[int], ttl_s: float) -> None:
-        self.inner.put_speculative(model, endpoint, keys, ttl_s)
-
-    def endpoint_blocks(self, endpoint: str) -> int:
-        return self.inner.endpoint_blocks(endpoint)
-
-    def stats(self) -> IndexStats:
-        return self.inner.stats()
-
-    def ping(self) -> bool:
-        return self.inner.ping()
-
     def run_id(self) -> str | None:
         fn = getattr(self.inner, "run_id", None)
         return fn() if fn else "in-process"
-
-    def close(self) -> None:
-        self.inner.close()
