@@ -95,6 +95,21 @@ def test_replay_over_the_stacks_mutual_tls_writes_its_report_without_the_key(up,
     assert up["API key"] not in text
 
 
+def test_replay_with_a_wrong_key_says_so_without_a_traceback(up, tmp_path: Path) -> None:
+    stack = json.loads((Path(up["log_dir"]) / "stack.json").read_text())
+    grpc_args = ["--target", stack["router_grpc"], "--tls", "on", "--tls-ca", stack["tls"]["ca"],
+                 "--tls-cert", stack["tls"]["admin_cert"], "--tls-key", stack["tls"]["admin_key"]]
+    http_args = ["--api", "http", "--target", up["OpenAI base URL"].removesuffix("/v1")]
+    for args, says in ((grpc_args, "UNAUTHENTICATED"), (http_args, "401")):
+        run = subprocess.run(
+            [sys.executable, "-m", "kvmesh_tools.cli.main", "replay", "--generate-sessions", "1", *args,
+             "--api-key", "not-the-key", "--progress", "false", "--json", str(tmp_path / "r.json")],
+            capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and says in run.stdout and "Traceback" not in run.stderr + run.stdout, (
+            run.stdout[-1000:] + run.stderr[-1000:])
+        assert not (tmp_path / "r.json").exists()
+
+
 def test_official_openai_client_chats_in_text(up) -> None:
     client = openai.OpenAI(base_url=up["OpenAI base URL"], api_key=up["API key"], max_retries=0)
     models = client.models.list()

@@ -66,8 +66,12 @@ class GrpcTransport:
         self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
 
     async def models(self) -> list[str]:
-        resp = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s,
-                                          metadata=self.metadata)
+        try:
+            resp = await self.stub.ListModels(router_pb2.ListModelsRequest(), timeout=self.timeout_s,
+                                              metadata=self.metadata)
+        except grpc.aio.AioRpcError as exc:   # a wrong key, TLS refused, no router: say which, no traceback
+            raise RuntimeError(f"router at {self.target} refused ListModels: {exc.code().name}: {exc.details()}"
+                               ) from None
         return [m.id for m in resp.models]
 
     async def call(self, c: Call) -> Outcome:
@@ -124,8 +128,14 @@ class HttpTransport:
                                         headers={"authorization": f"Bearer {api_key}"} if api_key else None)
 
     async def models(self) -> list[str]:
-        r = await self.client.get(f"{self.base}/v1/models")
-        r.raise_for_status()
+        try:
+            r = await self.client.get(f"{self.base}/v1/models")
+            r.raise_for_status()
+        except httpx.HTTPStatusError as exc:
+            raise RuntimeError(f"router at {self.base}: GET /v1/models answered {exc.response.status_code}: "
+                               f"{exc.response.text[:200]}") from None
+        except httpx.HTTPError as exc:
+            raise RuntimeError(f"router at {self.base}: GET /v1/models failed: {summary(exc)}") from None
         return [m["id"] for m in r.json().get("data", [])]
 
     async def call(self, c: Call) -> Outcome:
