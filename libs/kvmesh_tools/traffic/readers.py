@@ -6,9 +6,13 @@ sessions; a malformed trace is a ``TraceFormatError`` naming the file, line and
 field, never a crash deep inside the simulator.
 
 Formats (see docs/traffic-and-simulation.md):
-- ``weka`` / ``claude-code``: one JSON object per file (``.json`` or ``.json.gz``)
-  with nested sub-agents; sub-agent request times are relative to the sub-agent's
-  ``t``; hash ids are scoped to the file, so each file gets its own namespace.
+- ``weka`` / ``claude-code``: one session object per ``.json(.gz)`` file (the
+  kv-cache-tester layout), or one per line of a ``.jsonl(.gz)`` file (the layout of
+  the published cc-traces corpora), with nested sub-agents. A sub-agent's request
+  times are relative to its ``t`` in the kv-cache-tester files and absolute (from
+  the session's start) in the corpora; :func:`_nested_base` tells them apart.
+  ``hash_id_scope`` ``local`` gives each session its own namespace, ``global`` one
+  namespace shared by every session read.
 - ``mooncake``: jsonl, one request per line ``{timestamp (ms), input_length,
   output_length, hash_ids}``, 512-token blocks, ids global to the file. Each line
   becomes a one-request session starting at its timestamp.
@@ -83,15 +87,18 @@ def _parse_items(items: list[Any], *, session: str, agent: str, base_t: float, n
         if not isinstance(it, dict):
             raise TraceFormatError(f"{w}: expected an object")
         t_rel = float(_req_field(it, "t", w, (int, float)))
+        if t_rel < 0 or t_rel != t_rel or t_rel == float("inf"):
+            raise TraceFormatError(f"{w}: field 't' must be a finite time >= 0")
         if it.get("type") == "subagent":
             sub_id = str(it.get("agent_id") or f"sub{i}")
             full_id = sub_id if agent == "main" else f"{agent}/{sub_id}"
             dur_ms = it.get("duration_ms")
             dur = float(it["duration"]) if "duration" in it else (float(dur_ms) / 1000.0 if dur_ms else None)
             sub = Agent(agent_id=full_id, t=base_t + t_rel, duration=dur, kind=str(it.get("subagent_type", "")))
-            sub.items = _parse_items(_req_field(it, "requests", w, list), session=session, agent=full_id,
-                                     base_t=base_t + t_rel, namespace=namespace, block_size=block_size,
-                                     where=f"{w} (subagent {sub_id})", counter=counter)
+            inner = _req_field(it, "requests", w, list)
+            sub.items = _parse_items(inner, session=session, agent=full_id,
+                                     base_t=_nested_base(inner, base_t, t_rel), namespace=namespace,
+                                     block_size=block_size, where=f"{w} (subagent {sub_id})", counter=counter)
             out.append(sub)
             continue
         n_in = _req_field(it, "in", w, int)
@@ -112,6 +119,46 @@ def _parse_items(items: list[Any], *, session: str, agent: str, base_t: float, n
     return out
 
 
+def _nested_base(inner: list[Any], base_t: float, t_rel: float) -> float:
+    """The time a sub-agent's request times count from, session-absolute.
+
+    kv-cache-tester's files time a sub-agent's requests from its spawn (its first request
+    at 0), the cc-traces corpora from the start of the session: every inner time is at or
+    after the sub-agent's own ``t``. So times that all reach the spawn are read as the
+    parent's clock; otherwise they count from the spawn. A spawn at 0 reads the same
+    either way, and where the first relative request comes only after the parent's whole
+    elapsed time, the reading is off by at most that first request's delay.
+    """
+    times = [it.get("t") for it in inner if isinstance(it, dict)]
+    if t_rel > 0 and times and all(isinstance(t, (int, float)) and not isinstance(t, bool) and t >= t_rel
+                                   for t in times):
+        return base_t
+    return base_t + t_rel
+
+
+_SCOPES = ("local", "global")
+
+
+def _claude_code_session(doc: Any, where: str, default_id: str) -> Session:
+    """One claude-code session object (a file's document, or a corpus line)."""
+    if not isinstance(doc, dict):
+        raise TraceFormatError(f"{where}: expected a JSON object")
+    block_size = int(_req_field(doc, "block_size", where, int))
+    if block_size <= 0:
+        raise TraceFormatError(f"{where}: block_size must be positive")
+    scope = doc.get("hash_id_scope", "local")
+    if scope not in _SCOPES:
+        raise TraceFormatError(f"{where}: hash_id_scope must be 'local' or 'global', got {scope!r}")
+    sid = str(doc.get("id") or default_id)
+    root = Agent(agent_id="main", t=0.0)
+    # Local ids: the session id is the namespace (load_trace renames a repeated id, and the
+    # namespace with it). Global ids: one namespace for every session read.
+    namespace = "cc-global" if scope == "global" else f"cc:{sid}"
+    root.items = _parse_items(_req_field(doc, "requests", where, list), session=sid, agent="main", base_t=0.0,
+                              namespace=namespace, block_size=block_size, where=where, counter=[0])
+    return Session(session_id=sid, root=root, block_size=block_size, source=where)
+
+
 def _load_json_file(path: Path) -> Any:
     try:
         with _open_text(path) as fh:
@@ -123,19 +170,14 @@ def _load_json_file(path: Path) -> Any:
 def read_claude_code(path: str | Path) -> Session:
     """One claude-code session file (``.json`` or ``.json.gz``)."""
     path = Path(path)
-    doc = _load_json_file(path)
-    if not isinstance(doc, dict):
-        raise TraceFormatError(f"{path}: expected a JSON object at top level")
-    where = str(path)
-    block_size = int(_req_field(doc, "block_size", where, int))
-    if block_size <= 0:
-        raise TraceFormatError(f"{where}: block_size must be positive")
-    sid = str(doc.get("id") or path.name.split(".")[0])
-    root = Agent(agent_id="main", t=0.0)
-    # Ids are file-local: the session id is the namespace.
-    root.items = _parse_items(_req_field(doc, "requests", where, list), session=sid, agent="main", base_t=0.0,
-                              namespace=f"cc:{sid}", block_size=block_size, where=where, counter=[0])
-    return Session(session_id=sid, root=root, block_size=block_size, source=str(path))
+    return _claude_code_session(_load_json_file(path), str(path), path.name.split(".")[0])
+
+
+def read_claude_code_corpus(path: str | Path) -> list[Session]:
+    """A claude-code corpus (``.jsonl`` or ``.jsonl.gz``): one session object per line."""
+    path = Path(path)
+    return [_claude_code_session(obj, f"{path}:{lineno}", f"{path.name.split('.')[0]}-{lineno}")
+            for lineno, obj in _iter_jsonl(path)]
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -218,7 +260,10 @@ def load_trace(paths: list[str | Path], fmt: str = "weka", limit: int | None = N
     sessions: list[Session] = []
     for p in expand_paths(paths):
         if fmt in ("weka", "claude-code"):
-            sessions.append(read_claude_code(p))
+            if p.name.endswith((".jsonl", ".jsonl.gz")):
+                sessions.extend(read_claude_code_corpus(p))
+            else:
+                sessions.append(read_claude_code(p))
         elif fmt == "mooncake":
             sessions.extend(read_mooncake(p))
         else:

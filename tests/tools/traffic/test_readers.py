@@ -55,6 +55,58 @@ def test_claude_code_nested_subagents_and_namespaces(tmp_path: Path) -> None:
     assert reqs[0].keys == reqs[3].keys[:2]
 
 
+def _absolute(doc: dict) -> dict:
+    """``doc`` with each sub-agent's request times counted from the session's start, as the
+    cc-traces corpora record them."""
+    doc = json.loads(json.dumps(doc))
+    for it in doc["requests"]:
+        if it.get("type") == "subagent":
+            for r in it["requests"]:
+                r["t"] += it["t"]
+    return doc
+
+
+def _timeline(paths: list[Path]) -> list[tuple]:
+    return [(r.uid, r.t, r.keys, r.think_time) for s in load_trace(paths, "weka").sessions
+            for r in s.requests()]
+
+
+def test_a_claude_code_corpus_reads_as_its_files(tmp_path: Path) -> None:
+    """A ``.jsonl(.gz)`` corpus (one session per line) gives the sessions, times and block
+    keys of the same sessions as files, whichever clock the sub-agents' times use."""
+    files = tmp_path / "files"
+    files.mkdir()
+    for sid in ("a", "b"):
+        (files / f"{sid}.json").write_text(json.dumps(_cc_session(sid)))
+    with gzip.open(tmp_path / "rel.jsonl.gz", "wt") as fh:
+        fh.writelines(json.dumps(_cc_session(sid)) + "\n" for sid in ("a", "b"))
+    (tmp_path / "abs.jsonl").write_text("".join(json.dumps(_absolute(_cc_session(sid))) + "\n"
+                                                for sid in ("a", "b")))
+    want = _timeline([files])
+    assert [t for _, t, _, _ in want] == [0.0, 5.0, 8.0, 10.0] * 2
+    assert _timeline([tmp_path / "rel.jsonl.gz"]) == want
+    assert _timeline([tmp_path / "abs.jsonl"]) == want
+
+
+def test_global_hash_ids_are_shared_across_sessions(tmp_path: Path) -> None:
+    for sid in ("a", "b"):
+        (tmp_path / f"{sid}.json").write_text(json.dumps({**_cc_session(sid), "hash_id_scope": "global"}))
+    a, b = (s.requests()[0] for s in load_trace([tmp_path], "weka").sessions)
+    assert a.session != b.session and a.keys == b.keys
+
+
+@pytest.mark.parametrize(("change", "needle"), [
+    ({"hash_id_scope": "tenant"}, "hash_id_scope must be 'local' or 'global'"),
+    ({"requests": [{"t": -1.0, "type": "n", "in": 4, "out": 1, "hash_ids": [1]}]}, "field 't' must be"),
+])
+def test_bad_claude_code_session_names_the_line(tmp_path: Path, change: dict, needle: str) -> None:
+    path = tmp_path / "corpus.jsonl"
+    path.write_text(json.dumps(_cc_session("a")) + "\n" + json.dumps({**_cc_session("b"), **change}) + "\n")
+    with pytest.raises(TraceFormatError, match=needle) as err:
+        load_trace([path], "weka")
+    assert f"{path}:2" in str(err.value)
+
+
 def test_claude_code_closed_loop_schedule(tmp_path: Path) -> None:
     (tmp_path / "a.json").write_text(json.dumps(_cc_session("a")))
     tr = load_trace([tmp_path / "a.json"], "claude-code")
