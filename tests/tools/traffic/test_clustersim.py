@@ -79,6 +79,25 @@ def test_accounting_and_contract_keys() -> None:
     assert rep["results"]["precise"]["gpu_hit_rate"] > rep["results"]["round_robin"]["gpu_hit_rate"]
 
 
+def test_corpus_rows_with_an_empty_prompt_or_no_output_are_simulated(tmp_path: Path) -> None:
+    """Published Claude Code corpora hold rows with ``out`` 0 (and could hold ``in`` 0) and
+    sub-agents launched without waiting: every policy runs them to the end, without errors."""
+    from kvmesh_tools.traffic.readers import load_trace
+
+    def req(t: float, n_in: int, n_out: int) -> dict:
+        return {"t": t, "type": "n", "model": "m", "in": n_in, "out": n_out,
+                "hash_ids": list(range(-(-n_in // 64))), "api_time": 1.0, "think_time": 1.0}
+    sub = {"t": 12.0, "type": "subagent", "agent_id": "x", "subagent_type": "Explore", "duration_ms": None,
+           "status": "async_launched", "models": ["m"], "requests": [req(12.0, 128, 3)]}
+    doc = {"id": "z", "models": ["m"], "block_size": 64, "hash_id_scope": "local",
+           "requests": [req(0.0, 640, 0), req(5.0, 0, 5), sub, req(13.0, 768, 4)]}
+    (tmp_path / "corpus.jsonl").write_text(json.dumps(doc) + "\n")
+    rep = simulate_policies(load_trace([tmp_path / "corpus.jsonl"], "weka"), _cfg(),
+                            ["precise", "session", "llmd", "dynamo"], jobs=1)
+    for m in rep["results"].values():
+        assert m["requests"] == 4 and m["errors"] == 0
+
+
 def test_offload_serves_what_gpus_evicted() -> None:
     tr = _trace()
     no = simulate_policies(tr, _cfg(offload_capacity_tokens=0, prefill_workers=0), ["round_robin"], jobs=1)

@@ -185,7 +185,7 @@ class BlockManager:
         """
         if not self.enable_caching:
             return []
-        max_blocks = min(len(block_hashes), (num_tokens - 1) // self.block_size)
+        max_blocks = min(len(block_hashes), max(0, (num_tokens - 1) // self.block_size))
         known = self._hits.get(id(block_hashes))
         dropped = self._dropped
         if known is not None and known[0] is block_hashes and known[1] >= self._log_base:
