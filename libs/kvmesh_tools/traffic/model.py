@@ -115,6 +115,7 @@ class Agent:
     items: list[Request | Agent] = field(default_factory=list)
     duration: float | None = None              # recorded wall time, when the trace has it
     kind: str = ""                             # e.g. sub-agent type ("Explore")
+    detached: bool = False                     # launched in the background: its parent never waits for it
 
     def requests(self) -> list[Request]:
         """All requests of this agent and its sub-agents, depth first."""

@@ -16,7 +16,9 @@ format can. Schema of one line::
          "requests": [ ... ]}                                      # a sub-agent
      ]}
 
-``in``/``out`` are token counts, ``hash_ids`` one id per full block of the input.
+``in``/``out`` are token counts, ``hash_ids`` one id per full block of the input. A
+sub-agent with ``"status": "async_launched"`` runs in the background: its parent never
+waits for it.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def _items(agent: Agent, base_t: float) -> list[dict[str, Any]]:
                  "requests": _items(it, it.t)}
             if it.duration is not None:
                 d["duration"] = round(it.duration, 6)
+            if it.detached:
+                d["status"] = "async_launched"
             out.append(d)
     return out
 

@@ -79,8 +79,11 @@ def _hash_ids(obj: dict[str, Any], where: str) -> list[int]:
 
 
 def _parse_items(items: list[Any], *, session: str, agent: str, base_t: float, namespace: str,
-                 block_size: int, where: str, counter: list[int]) -> list[Request | Agent]:
-    """Parse a claude-code / native ``requests`` list; times become session-absolute."""
+                 block_size: int, where: str, counter: list[int], tell_clock: bool = False) -> list[Request | Agent]:
+    """Parse a claude-code / native ``requests`` list; times become session-absolute.
+
+    ``tell_clock``: sub-agent times may be on the session's clock (claude-code corpora,
+    :func:`_nested_base`); native files always count them from the sub-agent's ``t``."""
     out: list[Request | Agent] = []
     for i, it in enumerate(items):
         w = f"{where} requests[{i}]"
@@ -94,11 +97,13 @@ def _parse_items(items: list[Any], *, session: str, agent: str, base_t: float, n
             full_id = sub_id if agent == "main" else f"{agent}/{sub_id}"
             dur_ms = it.get("duration_ms")
             dur = float(it["duration"]) if "duration" in it else (float(dur_ms) / 1000.0 if dur_ms else None)
-            sub = Agent(agent_id=full_id, t=base_t + t_rel, duration=dur, kind=str(it.get("subagent_type", "")))
+            sub = Agent(agent_id=full_id, t=base_t + t_rel, duration=dur, kind=str(it.get("subagent_type", "")),
+                        detached=it.get("status") == "async_launched")
             inner = _req_field(it, "requests", w, list)
-            sub.items = _parse_items(inner, session=session, agent=full_id,
-                                     base_t=_nested_base(inner, base_t, t_rel), namespace=namespace,
-                                     block_size=block_size, where=f"{w} (subagent {sub_id})", counter=counter)
+            inner_base = _nested_base(inner, base_t, t_rel) if tell_clock else base_t + t_rel
+            sub.items = _parse_items(inner, session=session, agent=full_id, base_t=inner_base,
+                                     namespace=namespace, block_size=block_size,
+                                     where=f"{w} (subagent {sub_id})", counter=counter, tell_clock=tell_clock)
             out.append(sub)
             continue
         n_in = _req_field(it, "in", w, int)
@@ -155,7 +160,8 @@ def _claude_code_session(doc: Any, where: str, default_id: str) -> Session:
     # namespace with it). Global ids: one namespace for every session read.
     namespace = "cc-global" if scope == "global" else f"cc:{sid}"
     root.items = _parse_items(_req_field(doc, "requests", where, list), session=sid, agent="main", base_t=0.0,
-                              namespace=namespace, block_size=block_size, where=where, counter=[0])
+                              namespace=namespace, block_size=block_size, where=where, counter=[0],
+                              tell_clock=True)
     return Session(session_id=sid, root=root, block_size=block_size, source=where)
 
 

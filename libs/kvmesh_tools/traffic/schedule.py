@@ -14,7 +14,9 @@ Rules (closed loop):
   fire together, as a burst;
 - a parent request that in the recording started after a sub-agent had finished
   also waits for that sub-agent; sub-agents still running at that point keep
-  running in the background;
+  running in the background, and so does a sub-agent the trace marks as launched
+  in the background (kv-cache-tester's ``status: "async_launched"``): its parent
+  never waits for it;
 - session starts are spread uniformly (seeded) over ``start_window_s``, or taken
   from the trace (Mooncake timestamps) when no window is given.
 Open loop: every request is released at session start + its recorded time.
@@ -98,7 +100,7 @@ def _compile_agent(agent: Agent, launch_dep: int | None, launch_end: float, sidx
         else:
             dep = prev if prev is not None else launch_dep
             terminal = _compile_agent(it, dep, prev_end, sidx, nodes, opts)
-            if terminal is not None:
+            if terminal is not None and not it.detached:
                 open_subs.append((terminal, it.recorded_end))
     return prev
 

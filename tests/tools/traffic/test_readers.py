@@ -88,6 +88,17 @@ def test_a_claude_code_corpus_reads_as_its_files(tmp_path: Path) -> None:
     assert _timeline([tmp_path / "abs.jsonl"]) == want
 
 
+def test_native_sub_agent_times_always_count_from_the_spawn(tmp_path: Path) -> None:
+    """Only claude-code sessions may be on the session's clock; a native sub-agent whose first
+    request comes after its own ``t`` is still timed from its spawn."""
+    line = {"session": "s", "block_size": 4, "requests": [
+        {"t": 0.0, "in": 8, "out": 1, "hash_ids": [1, 2]},
+        {"type": "subagent", "t": 1.0, "agent_id": "x", "requests": [
+            {"t": 2.0, "in": 8, "out": 1, "hash_ids": [3, 4]}]}]}
+    (tmp_path / "n.jsonl").write_text(json.dumps(line) + "\n")
+    assert [r.t for r in load_trace([tmp_path / "n.jsonl"], "native").sessions[0].requests()] == [0.0, 3.0]
+
+
 def test_global_hash_ids_are_shared_across_sessions(tmp_path: Path) -> None:
     for sid in ("a", "b"):
         (tmp_path / f"{sid}.json").write_text(json.dumps({**_cc_session(sid), "hash_id_scope": "global"}))
@@ -120,6 +131,24 @@ def test_claude_code_closed_loop_schedule(tmp_path: Path) -> None:
     assert run.complete(1, 110.0) == [(112.0, 2)]     # think time 2 s inside the sub-agent
     # the parent's next turn (t=10) waits for the sub-agent, which had ended at t=9 in the recording
     assert run.complete(2, 120.0) == [(121.0, 3)]
+
+
+def test_a_sub_agent_launched_in_the_background_never_blocks_its_parent(tmp_path: Path) -> None:
+    doc = _cc_session("a")
+    doc["requests"][1]["status"] = "async_launched"
+    (tmp_path / "a.json").write_text(json.dumps(doc))
+    tr = load_trace([tmp_path / "a.json"], "weka")
+    run = ScheduleRunner(build_schedule(tr, ScheduleOptions(start_window_s=None)))
+    assert run.initial() == [(0.0, 0)]
+    # the first call's end releases the sub-agent and, with no sub-agent to wait for, the
+    # parent's next turn after its think time (1 s)
+    assert run.complete(0, 100.0) == [(103.0, 1), (101.0, 3)]
+    assert run.complete(1, 110.0) == [(112.0, 2)]
+    assert run.complete(2, 120.0) == []
+    # written as native and read back, the sub-agent keeps running in the background
+    write_native(tr, tmp_path / "a.jsonl")
+    back = load_trace([tmp_path / "a.jsonl"], "native").sessions[0]
+    assert back.root.sub_agents()[0].detached
 
 
 def test_mooncake_reader(tmp_path: Path) -> None:
