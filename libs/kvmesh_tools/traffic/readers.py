@@ -25,6 +25,7 @@ import gzip
 import io
 import json
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -179,11 +180,12 @@ def read_claude_code(path: str | Path) -> Session:
     return _claude_code_session(_load_json_file(path), str(path), path.name.split(".")[0])
 
 
-def read_claude_code_corpus(path: str | Path) -> list[Session]:
-    """A claude-code corpus (``.jsonl`` or ``.jsonl.gz``): one session object per line."""
+def read_claude_code_corpus(path: str | Path) -> Iterator[Session]:
+    """A claude-code corpus (``.jsonl`` or ``.jsonl.gz``): one session object per line, read as
+    they are asked for (a published corpus is hundreds of MB; ``--limit-sessions`` reads its head)."""
     path = Path(path)
-    return [_claude_code_session(obj, f"{path}:{lineno}", f"{path.name.split('.')[0]}-{lineno}")
-            for lineno, obj in _iter_jsonl(path)]
+    for lineno, obj in _iter_jsonl(path):
+        yield _claude_code_session(obj, f"{path}:{lineno}", f"{path.name.split('.')[0]}-{lineno}")
 
 
 def _iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
@@ -267,7 +269,8 @@ def load_trace(paths: list[str | Path], fmt: str = "weka", limit: int | None = N
     for p in expand_paths(paths):
         if fmt in ("weka", "claude-code"):
             if p.name.endswith((".jsonl", ".jsonl.gz")):
-                sessions.extend(read_claude_code_corpus(p))
+                sessions.extend(islice(read_claude_code_corpus(p),
+                                       None if limit is None else max(0, limit - len(sessions))))
             else:
                 sessions.append(read_claude_code(p))
         elif fmt == "mooncake":

@@ -86,6 +86,13 @@ def test_a_claude_code_corpus_reads_as_its_files(tmp_path: Path) -> None:
     assert [t for _, t, _, _ in want] == [0.0, 5.0, 8.0, 10.0] * 2
     assert _timeline([tmp_path / "rel.jsonl.gz"]) == want
     assert _timeline([tmp_path / "abs.jsonl"]) == want
+    # --limit-sessions reads a corpus's head: a broken line after it is never parsed
+    with open(tmp_path / "abs.jsonl", "a") as fh:
+        fh.write("{not json\n")
+    head = load_trace([tmp_path / "abs.jsonl"], "weka", limit=2)
+    assert [s.session_id for s in head.sessions] == ["a", "b"]
+    with pytest.raises(TraceFormatError, match=r"abs.jsonl:3: invalid JSON"):
+        load_trace([tmp_path / "abs.jsonl"], "weka")
 
 
 def test_native_sub_agent_times_always_count_from_the_spawn(tmp_path: Path) -> None:
