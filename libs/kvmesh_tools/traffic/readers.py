@@ -24,6 +24,7 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import math
 from collections.abc import Iterator
 from itertools import islice
 from pathlib import Path
@@ -91,7 +92,7 @@ def _parse_items(items: list[Any], *, session: str, agent: str, base_t: float, n
         if not isinstance(it, dict):
             raise TraceFormatError(f"{w}: expected an object")
         t_rel = float(_req_field(it, "t", w, (int, float)))
-        if t_rel < 0 or t_rel != t_rel or t_rel == float("inf"):
+        if not math.isfinite(t_rel) or t_rel < 0:
             raise TraceFormatError(f"{w}: field 't' must be a finite time >= 0")
         if it.get("type") == "subagent":
             sub_id = str(it.get("agent_id") or f"sub{i}")
