@@ -217,7 +217,16 @@ class CandidateTable:
             over = np.maximum(0.0, lc.all_inflight_ctx_tokens + req.num_tokens - lc.capacity_blocks * bs)
             gone = np.where(lc.capacity_blocks > 0, np.minimum(gpu * bs, over), 0.0)
             self.evicted = np.where(gone > 0.0, _prefill_s(uncached + gone, cached_tokens - gone, cfg) - own, 0.0)
-        self.cost = self.wait + own + self.decode + self.work + self.displace + self.blocking + self.evicted
+        self.kv_wait = np.zeros(len(ids))
+        kw = cfg.kv_wait_w(offload_enabled)
+        if kw > 0.0:   # scoring.kv_wait_s, element-wise
+            cap_t = lc.capacity_blocks * bs
+            over = lc.inflight_kv_tokens + (need - self.shared_arr) - cap_t
+            with np.errstate(divide="ignore", invalid="ignore"):
+                kvw = kw * over / cap_t * lc.residence_s
+            self.kv_wait = np.where((lc.capacity_blocks > 0) & (lc.residence_s > 0.0) & (over > 0.0), kvw, 0.0)
+        self.cost = (self.wait + own + self.decode + self.work + self.displace + self.blocking + self.evicted
+                     + self.kv_wait)
         self.hot = np.zeros(len(ids), dtype=bool)
         self.excluded_inflight = np.zeros(len(ids), dtype=bool)
         self.excluded_hot = np.zeros(len(ids), dtype=bool)

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from kvmesh.hashing.prefix import common_prefix_near
+from kvmesh.hashing.prefix import common_prefix, common_prefix_near
 
 
 @dataclass
@@ -68,6 +68,13 @@ class EffectiveLoad:
     # The context tokens of every request the router has in flight there, reported or not: each
     # touches its blocks before a request queued behind it runs (ScoringConfig.gpu_survival).
     all_inflight_ctx_tokens: float = 0.0
+    # How long a request has held its KV there after its first token, lately (an average of the
+    # router's requests there; 0: none finished yet): how fast the running requests free the
+    # cache for requests waiting for KV space (ScoringConfig.kv_wait_weight).
+    residence_s: float = 0.0
+    # The context tokens of the router's requests in flight there, each less what it shared with
+    # those in flight there when it was sent: the KV they hold, a shared prefix counted once.
+    inflight_kv_tokens: float = 0.0
 
     @property
     def queue(self) -> float:
@@ -83,6 +90,8 @@ class _InFlight:
     keys: list[int] | None = None     # the prompt's block keys (what its prefill computes)
     num_tokens: int = 0
     cached_tokens: int = 0            # predicted cached at send: its prefill starts there
+    first_token_at: float | None = None
+    kv_tokens: int = 0                # its context less the prefix it shares with those in flight there
 
     @property
     def queued_prefill(self) -> int:
@@ -117,6 +126,8 @@ class LoadColumns:
     prefill_ctx_tokens: np.ndarray
     resident_sessions: np.ndarray
     all_inflight_ctx_tokens: np.ndarray
+    residence_s: np.ndarray
+    inflight_kv_tokens: np.ndarray
 
 
 class _Sums:
@@ -129,7 +140,7 @@ class _Sums:
 
     FIELDS = ("has_report", "received_at", "running", "waiting", "report_prefill", "kv_usage", "report_blocks",
               "capacity", "resident", "stored", "sessions", "all_req", "all_prefill", "all_ctx", "new_req", "new_prefill", "new_ctx",
-              "prefill_ctx")
+              "prefill_ctx", "residence", "all_kv")
 
     def __init__(self) -> None:
         self.slot: dict[str, int] = {}
@@ -138,6 +149,7 @@ class _Sums:
         # when it summed the requests one by one.
         self.py: list[list[int]] = []
         self.pairs2: list[int] = []   # per slot: sum of the in-flight requests' ``queued_pairs2``
+        self.kv: list[int] = []       # per slot: sum of the in-flight requests' ``kv_tokens``
         self._slots_cache: dict[tuple[str, ...], np.ndarray] = {}
 
     def slot_of(self, endpoint_id: str) -> int:
@@ -146,6 +158,7 @@ class _Sums:
             i = self.slot[endpoint_id] = len(self.slot)
             self.py.append([0] * 6)
             self.pairs2.append(0)
+            self.kv.append(0)
             if i >= len(self.cols["all_req"]):
                 self.cols = {f: np.concatenate([a, np.zeros(len(a))]) for f, a in self.cols.items()}
         return i
@@ -178,6 +191,16 @@ class _Sums:
         self.pairs2[i] += pairs2
         prefill = self.py[i][1]
         self.cols["prefill_ctx"][i] = self.pairs2[i] / (2.0 * prefill) if prefill > 0 else 0.0
+
+    def add_kv(self, i: int, tokens: int) -> None:
+        self.kv[i] += tokens
+        self.cols["all_kv"][i] = self.kv[i]
+
+    def observe_residence(self, i: int, seconds: float, rate: float) -> None:
+        """A request held its KV on slot ``i`` for ``seconds`` after its first token: an average
+        that moves ``rate`` of the way to each new sample (the first sample sets it)."""
+        col = self.cols["residence"]
+        col[i] = seconds if col[i] <= 0.0 else col[i] + rate * (seconds - col[i])
 
     def set_new(self, i: int, req: int, prefill: int, ctx: int) -> None:
         self.py[i][3:6] = [req, prefill, ctx]
@@ -348,11 +371,13 @@ class LoadView:
     # dominate the decision.
     _by_endpoint: dict[str, dict[str, _InFlight]] = field(default_factory=dict)
     _prefilling_by_head: dict[int, dict[str, _InFlight]] = field(default_factory=dict)
+    _by_endpoint_head: dict[tuple[str, int], dict[str, _InFlight]] = field(default_factory=dict)
     _sums: _Sums = field(default_factory=_Sums)
     _version: int = 0   # bumped by every change to the in-flight requests
     _overlap_memo: tuple[list[int], int, int, dict[str, int]] | None = None
     working_set: WorkingSet = field(init=False)
     store_horizon: StoreHorizon = field(default_factory=StoreHorizon)
+    residence_rate: float = 0.05   # the weight of each new sample in ``EffectiveLoad.residence_s``
 
     def __post_init__(self) -> None:
         self.working_set = WorkingSet(self._sums, self.reuse_window_s)
@@ -409,18 +434,33 @@ class LoadView:
         return rep is None or f.sent_at > rep.received_at
 
     def on_sent(self, endpoint_id: str, request_id: str, prefill_tokens: int, now: float,
-                keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0) -> None:
+                keys: list[int] | None = None, num_tokens: int = 0, cached_tokens: int = 0,
+                block_size: int = 0) -> None:
+        """``block_size``: the keys' block size, to count a prefix shared with requests in flight on the
+        endpoint once (:attr:`EffectiveLoad.inflight_kv_tokens`; 0: every context whole)."""
         self.on_finished(request_id)
         self._version += 1
         f = _InFlight(endpoint_id, now, max(0, int(prefill_tokens)), True, keys, max(0, int(num_tokens)),
                       max(0, int(cached_tokens)))
         self._inflight[request_id] = f
         self._by_endpoint.setdefault(endpoint_id, {})[request_id] = f
+        f.kv_tokens = f.num_tokens
+        if keys:
+            # Blocks it shares with a request in flight there are held once: vLLM's prefix cache
+            # gives both the same blocks. (If that one finishes first, they stay uncounted.)
+            peers = self._by_endpoint_head.setdefault((endpoint_id, keys[0]), {})
+            if block_size > 0:
+                shared = 0
+                for g in peers.values():
+                    shared = max(shared, min(common_prefix(g.keys, keys) * block_size, g.num_tokens))  # type: ignore[arg-type]
+                f.kv_tokens = max(0, f.num_tokens - shared)
+            peers[request_id] = f
         if keys and f.prefill_tokens > 0:
             self._prefilling_by_head.setdefault(keys[0], {})[request_id] = f
         i = self._sums.slot_of(endpoint_id)
         self._sums.add(i, 1, f.prefill_tokens, f.num_tokens, self._after_report(f))
         self._sums.add_pairs(i, f.queued_pairs2)
+        self._sums.add_kv(i, f.kv_tokens)
 
     def pending_overlap(self, keys: list[int], block_size: int) -> dict[str, int]:
         """Per endpoint: queued prefill tokens (of the router's in-flight requests) that compute
@@ -449,10 +489,13 @@ class LoadView:
         self._overlap_memo = (keys, block_size, self._version, dict(out))
         return out
 
-    def on_first_token(self, request_id: str) -> None:
+    def on_first_token(self, request_id: str, now: float | None = None) -> None:
+        """``now``: when the first token came, so that :meth:`on_finished` times the request's
+        decode (:attr:`EffectiveLoad.residence_s`); None leaves it untimed."""
         f = self._inflight.get(request_id)
         if f is None or not f.prefilling:
             return
+        f.first_token_at = now
         self._version += 1
         i = self._sums.slot_of(f.endpoint_id)
         pairs2 = f.queued_pairs2
@@ -468,14 +511,19 @@ class LoadView:
             rep.waiting_prefill_tokens = max(0, rep.waiting_prefill_tokens - f.prefill_tokens)
             self._sums.set_report(self._sums.slot_of(f.endpoint_id), rep)
 
-    def on_finished(self, request_id: str) -> None:
+    def on_finished(self, request_id: str, now: float | None = None) -> None:
         f = self._inflight.pop(request_id, None)
         if f is None:
             return
         self._version += 1
         _drop(self._by_endpoint, f.endpoint_id, request_id)
         _drop(self._prefilling_by_head, f.keys[0] if f.keys else None, request_id)
+        if f.keys:
+            _drop(self._by_endpoint_head, (f.endpoint_id, f.keys[0]), request_id)
         i = self._sums.slot_of(f.endpoint_id)
+        self._sums.add_kv(i, -f.kv_tokens)
+        if now is not None and f.first_token_at is not None and now >= f.first_token_at:
+            self._sums.observe_residence(i, now - f.first_token_at, self.residence_rate)
         self._sums.add(i, -1, -f.queued_prefill, -f.num_tokens, self._after_report(f))
         self._sums.add_pairs(i, -f.queued_pairs2)
 
@@ -493,17 +541,20 @@ class LoadView:
         stored = float(self._sums.cols["stored"][i]) if i is not None else 0.0
         sessions = float(self._sums.cols["sessions"][i]) if i is not None else 0.0
         pctx = float(self._sums.cols["prefill_ctx"][i]) if i is not None else 0.0
+        res = float(self._sums.cols["residence"][i]) if i is not None else 0.0
+        kv = float(self._sums.kv[i]) if i is not None else 0.0
         if rep is not None and (now - rep.received_at) <= self.staleness_s:
             return EffectiveLoad(running=rep.running, waiting=rep.waiting + new_req,
                                  prefill_tokens=rep.waiting_prefill_tokens + new_prefill,
                                  kv_usage=rep.kv_usage, inflight=total, stale=False,
                                  active_blocks=rep.kv_usage * max(rep.num_blocks, 0), inflight_ctx_tokens=new_ctx,
                                  capacity_blocks=capacity, resident_tokens=resident, stored_tokens=stored,
-                                 resident_sessions=sessions, prefill_ctx_tokens=pctx, all_inflight_ctx_tokens=all_ctx)
+                                 resident_sessions=sessions, prefill_ctx_tokens=pctx, all_inflight_ctx_tokens=all_ctx,
+                                 residence_s=res, inflight_kv_tokens=kv)
         return EffectiveLoad(running=0, waiting=total, prefill_tokens=all_prefill, inflight=total, stale=True,
                              inflight_ctx_tokens=all_ctx, capacity_blocks=capacity, resident_tokens=resident,
                              stored_tokens=stored, resident_sessions=sessions, prefill_ctx_tokens=pctx,
-                             all_inflight_ctx_tokens=all_ctx)
+                             all_inflight_ctx_tokens=all_ctx, residence_s=res, inflight_kv_tokens=kv)
 
     def columns(self, endpoint_ids: list[str], now: float) -> LoadColumns:
         """``effective`` for every endpoint in ``endpoint_ids`` at once (see :class:`LoadColumns`)."""
@@ -522,4 +573,5 @@ class LoadView:
                            capacity_blocks=c["capacity"],
                            resident_tokens=c["resident"], stored_tokens=c["stored"],
                            resident_sessions=c["sessions"], prefill_ctx_tokens=c["prefill_ctx"],
-                           all_inflight_ctx_tokens=c["all_ctx"])
+                           all_inflight_ctx_tokens=c["all_ctx"], residence_s=c["residence"],
+                           inflight_kv_tokens=c["all_kv"])

@@ -209,6 +209,8 @@ class RouterCore:
         """The request was sent: count it on its endpoint (its prefill only where it runs)."""
         local_prefill = decision.uncached_tokens
         prefill_ep = ""
+        # Shared prefixes are found (a scan of the endpoint's in-flight requests) only for the cost that reads them.
+        bs = req.block_size if self.cfg.scoring.kv_wait_w(self.cfg.offload_enabled) > 0.0 else 0
         if split is not None and split.split:
             # The prefill runs on the prefill endpoint (the live service records it there under
             # the same id); the decode endpoint only restores the result.
@@ -216,9 +218,11 @@ class RouterCore:
             prefill_ep = split.prefill_endpoint
             todo = split.prefill_uncached_tokens
             self.load.on_sent(prefill_ep, prefill_request_id(req.request_id), todo, now, keys=req.keys,
-                              num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo)
+                              num_tokens=req.num_tokens, cached_tokens=req.num_tokens - todo,
+                              block_size=bs)
         self.load.on_sent(decision.endpoint_id, req.request_id, local_prefill, now, keys=req.keys,
-                          num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens)
+                          num_tokens=req.num_tokens, cached_tokens=decision.predicted_cached_tokens,
+                          block_size=bs)
         # What the store held of the prompt (the same on every endpoint): displaced from this
         # endpoint later, that part comes back by a restore (ScoringConfig.displace_store_price).
         win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
@@ -241,14 +245,15 @@ class RouterCore:
         expected = min(tokens // req.block_size, max(win.gpu_blocks - win.speculative_blocks, win.store_blocks))
         self.load.store_horizon.observe(now - at, expected, min(win.store_blocks, expected))
 
-    def on_first_token(self, req: RouteRequest) -> None:
-        self.load.on_first_token(req.request_id)
+    def on_first_token(self, req: RouteRequest, now: float | None = None) -> None:
+        """``now`` times the request's decode on its endpoint (``EffectiveLoad.residence_s``)."""
+        self.load.on_first_token(req.request_id, now)
 
     def on_finished(self, req: RouteRequest, decision: Decision, now: float,
                     prompt_tokens: Sequence[int] | None = None, output_tokens: list[int] | None = None,
                     extra: ExtraKeys | None = None) -> None:
         """Release in-flight counts; if the output is known, remember the blocks the engine now holds."""
-        self.load.on_finished(req.request_id)
+        self.load.on_finished(req.request_id, now)
         self.load.working_set.refresh(req.session_id, decision.endpoint_id, now)
         self.hash_cache.release()
         if prompt_tokens is None or not output_tokens:

@@ -6,7 +6,7 @@ but in *seconds*, from the same latency figures as the engine model (the
 neutral :mod:`kvmesh.perfmodel`, shared with the sim engine), so that every tier
 and every kind of load is weighed at its real price::
 
-    cost = wait + own + decode + work + displace + blocking (+ evicted)
+    cost = wait + own + decode + work + displace + blocking (+ evicted) + kv_wait
     wait     = prefill_s/token · queue_weight · max(queued_prefill − shared, 0)
                (with ``queue_attention``, each queued token also at its attention to the queued
                prefill's mean context: :func:`queued_s_per_token`)
@@ -28,6 +28,11 @@ and every kind of load is weighed at its real price::
     evicted  = with ``gpu_survival``, no store: the recompute of the GPU hit's tail that the
                contexts in flight there evict before the turn runs (:func:`gpu_lost_tokens`), on
                top of the estimate; the cluster terms keep the index's hit (off by default)
+    kv_wait  = kv_wait_w · max(0, in-flight KV + prompt − capacity) / capacity · residence:
+               the wait for KV space. vLLM admits a waiting request only when its blocks fit
+               beside the running requests', and those free the cache as they finish decoding;
+               residence is how long the endpoint's requests lately held their KV after their
+               first token (:func:`kv_wait_s`; off by default)
 
 The first three are this request's TTFT there; ``work``, ``displace`` and ``blocking`` are
 what the placement costs everyone else. Once every endpoint has a queue (``saturation``), prefill
@@ -188,6 +193,16 @@ class ScoringConfig:
                 "share of (GPU cache or restorable) only goes to such a holder: a recompute elsewhere would start "
                 "a wave of evictions there (0 = off; see docs/router.md for why it is off by default)"})
 
+    kv_wait_weight: float = field(default=0.0, metadata={
+        "help": "weight of the wait for KV space (scoring.kv_wait_s): vLLM admits a waiting request only when its "
+                "blocks fit beside the running requests', which free the cache as they finish decoding, so what the "
+                "router's in-flight contexts there (a shared prefix once) and the prompt exceed the endpoint's "
+                "capacity by waits that share of a residence (how long its requests lately held their KV after their "
+                "first token). 0 = off, the default: on three of four traces it cost hit rate or TTFT "
+                "(docs/bench-history.md, \"#18: the wait for KV space\"). Without an offload store; with one, "
+                "--kv-wait-weight-with-store"})
+    kv_wait_weight_with_store: float = field(default=0.0, metadata={
+        "help": "--kv-wait-weight when an offload store is on (ScoringConfig.kv_wait_w; 0 = off)"})
     admit_miss_ratio: float = field(default=0.0, metadata={
         "help": "admission control: when every endpoint has prefill queued, hold at the router a request whose "
                 "predicted hit on the chosen endpoint is below this share of its prompt (it recomputes anyway) and "
@@ -230,6 +245,11 @@ class ScoringConfig:
             return False
         k = self.displace_cliff_max_sessions
         return k <= 0 or others_sessions <= k
+
+    def kv_wait_w(self, offload_enabled: bool) -> float:
+        """The KV-space wait's weight: ``kv_wait_weight`` without an offload store,
+        ``kv_wait_weight_with_store`` with one (docs/bench-history.md, "#18: the wait for KV space")."""
+        return self.kv_wait_weight_with_store if offload_enabled else self.kv_wait_weight
 
     def blocking_w(self, offload_enabled: bool) -> float:
         """The blocking term's weight: ``blocking_weight`` without an offload store,
@@ -386,6 +406,11 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         if cfg.displace_free_at > 1.0 and not cliff:
             displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
     blocking = blocking_s(own, others_sessions, cfg, offload_enabled)
+    kv_wait = 0.0
+    if load.capacity_blocks > 0 and load.residence_s > 0.0 and cfg.kv_wait_w(offload_enabled) > 0.0:
+        need = -(-num_tokens // block_size) * block_size - shared_queued_tokens
+        kv_wait = kv_wait_s(load.capacity_blocks * block_size, load.inflight_kv_tokens, need, load.residence_s,
+                            cfg.kv_wait_w(offload_enabled))
     evicted = 0.0
     if cfg.gpu_survival and not offload_enabled and load.capacity_blocks > 0:
         gone = gpu_lost_tokens(load.capacity_blocks * block_size, load.all_inflight_ctx_tokens, num_tokens,
@@ -393,14 +418,36 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
         if gone > 0.0:
             # Without a store ``own`` is the prefill after the predicted hit: no restore, no store loss.
             evicted = cfg.prefill_cost(uncached + gone, cached_tokens - gone) - own
-    return Candidate(endpoint_id=endpoint_id, cost=wait + own + decode + work + displace + blocking + evicted,
+    return Candidate(endpoint_id=endpoint_id,
+                     cost=wait + own + decode + work + displace + blocking + evicted + kv_wait,
                      credit_blocks=float(split.cached),
                      gpu_blocks=split.gpu, offload_blocks=split.offload, speculative_blocks=split.speculative,
                      uncached_tokens=uncached, queue=load.queue, prefill_tokens=load.prefill_tokens,
                      wait_s=wait, own_s=own, decode_s=decode, work_s=work, displace_s=displace, blocking_s=blocking,
-                     evicted_s=evicted,
+                     evicted_s=evicted, kv_wait_s=kv_wait,
                      store_blocks=min(max(store.cpu, store.disk), cap) if offload_enabled else 0,
                      pending_blocks=split.pending)
+
+
+def kv_wait_s(capacity_tokens: float, inflight_kv_tokens: float, need_tokens: float, residence_s: float,
+              weight: float) -> float:
+    """The wait for KV space of a prompt that needs ``need_tokens`` of new KV on an endpoint whose
+    router-sent requests in flight hold ``inflight_kv_tokens`` of KV (``kv_wait_weight``;
+    :attr:`~kvmesh.routing.load.EffectiveLoad.inflight_kv_tokens`).
+
+    vLLM's scheduler admits a waiting request only when the blocks it needs fit beside the running
+    requests' (first come, first served), and a running request frees its blocks when it finishes
+    decoding. The in-flight contexts plus this prompt beyond the capacity are what must be freed
+    before it runs. While requests wait for space the cache is full of running ones, which finish
+    spread over a residence (how long a request lately held its KV after its first token there), so
+    the cache frees about ``capacity / residence`` tokens a second and the wait is the excess over
+    that rate. The queued prefill (``wait``) prices the compute of those ahead, this term the space
+    they hold.
+    """
+    over = inflight_kv_tokens + need_tokens - capacity_tokens
+    if over <= 0.0 or capacity_tokens <= 0.0:
+        return 0.0
+    return weight * over / capacity_tokens * residence_s
 
 
 def displaced_s_per_token(others_tokens: float, others_sessions: float, cfg: ScoringConfig) -> float:

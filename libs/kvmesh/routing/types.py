@@ -114,6 +114,7 @@ class Candidate:
     displace_s: float = 0.0      # price of the cached KV its new blocks would evict there
     blocking_s: float = 0.0      # price of the waits its own prefill adds to the sessions homed there
     evicted_s: float = 0.0       # recompute of the hit's tail evicted before it runs (ScoringConfig.gpu_survival)
+    kv_wait_s: float = 0.0       # wait for KV space beside the running requests there (ScoringConfig.kv_wait_weight)
     store_blocks: int = 0        # leading blocks any endpoint could restore from the offload store
     pending_blocks: int = 0      # of offload_blocks, only there after a sibling's split prefill
     hot: bool = False

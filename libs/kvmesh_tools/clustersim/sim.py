@@ -636,7 +636,7 @@ class ClusterSim:
                 job.decode_cached = max(0, seq.num_cached_tokens)
             if not seq.prefill_only:
                 job.first_token = now
-                self.core.on_first_token(job.route)
+                self.core.on_first_token(job.route, now)
         for seq in res.finished:
             job = seq.meta
             if self.store is not None:
@@ -724,7 +724,8 @@ class ClusterSim:
             out.update(est_wait_s=round(win.wait_s, 6), est_own_s=round(win.own_s, 6),
                        est_decode_s=round(win.decode_s, 6), est_work_s=round(win.work_s, 6),
                        est_displace_s=round(win.displace_s, 6), est_blocking_s=round(win.blocking_s, 6),
-                       est_evicted_s=round(win.evicted_s, 6), est_queued_tokens=round(win.prefill_tokens),
+                       est_evicted_s=round(win.evicted_s, 6), est_kv_wait_s=round(win.kv_wait_s, 6),
+                       est_queued_tokens=round(win.prefill_tokens),
                        est_queue=win.queue)
         if j.scheduled is not None and j.first_token is not None and not j.split:
             queued = j.scheduled - j.release - j.restore_delay

@@ -307,7 +307,7 @@ class Passthrough:
             except BaseException:
                 self.service.settle(p, d)
                 raise
-            self.service.core.on_first_token(p.req)
+            self.service.core.on_first_token(p.req, time.monotonic())
             out_headers = {"x-kvmesh-endpoint": d.endpoint_id, "x-kvmesh-request-id": p.request_id,
                            "x-kvmesh-predicted-cached-tokens": str(d.predicted_cached_tokens),
                            "x-kvmesh-predicted-cached-tokens-gpu": str(d.predicted_cached_tokens_gpu),

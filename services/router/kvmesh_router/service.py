@@ -863,7 +863,7 @@ class RouterService:
                 ids = list(msg.token_ids)
                 if ids:
                     if not generated:
-                        self.core.on_first_token(p.req)
+                        self.core.on_first_token(p.req, time.monotonic())
                         ttft = msg.ttft_s or (time.monotonic() - t_start)
                     generated.extend(ids)
                 if msg.parsed:
@@ -924,7 +924,7 @@ class RouterService:
                     ext.connect_timeout_s, self.cfg.first_token_timeout_s, self.cfg.stream_idle_timeout_s, done,
                     inp.deadline):
                 if not generated:
-                    self.core.on_first_token(p.req)
+                    self.core.on_first_token(p.req, time.monotonic())
                     ttft = time.monotonic() - t_start
                 generated.extend(ids)
                 yield "chunk", ids

@@ -54,16 +54,17 @@ def _random_load(rng: random.Random, ids: list[str], now: float, blocks: tuple[i
             n = rng.randrange(1, 40)
             keys = chain_keys("t", [rng.choice(heads)] + [rng.randrange(4) for _ in range(n - 1)])
             lv.on_sent(ep, rid, rng.choice([0, rng.randrange(n * BS)]), t, keys=keys, num_tokens=n * BS,
-                       cached_tokens=rng.choice([0, BS * rng.randrange(n)]))
+                       cached_tokens=rng.choice([0, BS * rng.randrange(n)]), block_size=rng.choice([0, BS]))
             # Sessions' contexts in the working set, some of them old enough to expire.
             tokens = rng.choice([n * BS, 1000 * BS, rng.randrange(20_000)])
             lv.working_set.touch(rng.choice(["s1", "s2", "s3", "s4"]), ep, tokens, t - rng.choice([0.0, 5.0]),
                                  rng.choice([0, tokens, rng.randrange(tokens + 1), tokens + 7]))
             live.append(rid)
         elif op < 0.8 and live:
-            lv.on_first_token(rng.choice(live))
+            lv.on_first_token(rng.choice(live), rng.choice([None, t]))
         elif op < 0.95 and live:
-            lv.on_finished(live.pop(rng.randrange(len(live))))
+            # Timed finishes give endpoints a residence (the KV-space wait's rate).
+            lv.on_finished(live.pop(rng.randrange(len(live))), rng.choice([None, t + rng.random() * 30]))
         elif op < 0.97:
             lv.reconfirm([ep, rng.choice(ids)], t)
         else:
@@ -88,10 +89,24 @@ def test_table_prices_what_survives_on_the_gpu_as_the_reference_rule(seed: int) 
     _decide_both_ways(random.Random(seed), survival=True)
 
 
-def _decide_both_ways(rng: random.Random, survival: bool = False) -> None:
+@pytest.mark.parametrize("seed", range(100))
+def test_table_prices_the_wait_for_kv_space_as_the_reference_rule(seed: int) -> None:
+    """``kv_wait_weight`` on, on caches small enough that the in-flight contexts fill them."""
+    _decide_both_ways(random.Random(seed), kv_wait=True)
+
+
+def _decide_both_ways(rng: random.Random, survival: bool = False, kv_wait: bool = False) -> None:
     ids = [f"e{i}" for i in rng.sample(range(50), rng.randrange(1, 24))]
     now = 10.0
-    load = _random_load(rng, ids, now, (40, 40, 1000, 0) if survival else (0, 1000, 40))
+    load = _random_load(rng, ids, now, (40, 40, 1000, 0) if survival or kv_wait else (0, 1000, 40))
+    if kv_wait:   # a timed request per endpoint (its residence) and contexts in flight that may fill it
+        for j, e in enumerate(ids):
+            if rng.random() < 0.8:
+                load.on_sent(e, f"kv{j}", 0, now - 9.0, num_tokens=BS)
+                load.on_first_token(f"kv{j}", now - rng.choice([8.0, 3.5]))
+                load.on_finished(f"kv{j}", now - 2.0)
+            for k in range(rng.randrange(3)):
+                load.on_sent(e, f"kv{j}.{k}", rng.randrange(400), now - 1.0, num_tokens=rng.randrange(1, 700))
     if rng.random() < 0.4:   # a saturated cluster: every endpoint has prefill queued
         for e in ids:
             load.update(e, LoadReport(running=1, waiting_prefill_tokens=rng.randrange(1, 5000),
@@ -116,7 +131,9 @@ def _decide_both_ways(rng: random.Random, survival: bool = False) -> None:
                         displace_cliff_with_store=rng.random() < 0.5, displace_attention=rng.random() < 0.5,
                         blocking_weight=rng.choice([0.0, 0.07, 1.0]), blocking_weight_with_store=rng.choice([0.0, 0.07, 0.3]),
                         turn_interval_s=rng.choice([0.0, 30.0, 120.0]),
-                        displace_cliff_max_sessions=rng.choice([0, 1, 2, 4]), gpu_survival=survival or rng.random() < 0.5)
+                        displace_cliff_max_sessions=rng.choice([0, 1, 2, 4]), gpu_survival=survival or rng.random() < 0.5,
+                        kv_wait_weight=rng.choice([1.0, 2.5] if kv_wait else [0.0, 0.0, 1.0]),
+                        kv_wait_weight_with_store=rng.choice([1.0, 0.4] if kv_wait else [0.0, 1.0]))
     offload = not survival and rng.random() < 0.8
     affinity = rng.choice(["", "e999", *ids])
     if rng.random() < 0.5:   # store_keep, with a store that has lost nothing yet, or has a horizon
@@ -211,10 +228,12 @@ def test_load_columns_equal_effective(seed: int) -> None:
         assert _scan(load, e, now) == (eff.queue, eff.prefill_tokens, eff.inflight_ctx_tokens, eff.inflight)
         assert (cols.queue[i], cols.prefill_tokens[i], cols.kv_usage[i], cols.inflight[i], cols.active_blocks[i],
                 cols.inflight_ctx_tokens[i], cols.capacity_blocks[i], cols.resident_tokens[i], cols.stored_tokens[i],
-                cols.prefill_ctx_tokens[i], cols.all_inflight_ctx_tokens[i]) == (
+                cols.prefill_ctx_tokens[i], cols.all_inflight_ctx_tokens[i], cols.residence_s[i],
+                cols.inflight_kv_tokens[i]) == (
                     eff.queue, eff.prefill_tokens, eff.kv_usage, eff.inflight, eff.active_blocks,
                     eff.inflight_ctx_tokens, eff.capacity_blocks, eff.resident_tokens, eff.stored_tokens,
-                    eff.prefill_ctx_tokens, eff.all_inflight_ctx_tokens)
+                    eff.prefill_ctx_tokens, eff.all_inflight_ctx_tokens, eff.residence_s,
+                    eff.inflight_kv_tokens)
 
 
 @pytest.mark.parametrize("seed", range(50))

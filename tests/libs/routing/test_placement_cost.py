@@ -820,3 +820,124 @@ def test_gpu_survival_is_off_with_an_offload_store():
     d = _decide_held_on_e0(core, n, cap)
     assert d.candidates[0].evicted_s == 0.0
     assert d.candidates[0].own_s == pytest.approx(_own(core.cfg.scoring, n, cap * BS), rel=1e-12)
+
+
+# ------------------------------------------------------ kv_wait: the wait for KV space beside the running
+
+
+def _timed_core(n: int, residence_s: float, offload_enabled: bool = True, **scoring: float) -> RouterCore:
+    """Endpoints of 1,000 blocks (16,000 tokens), each with one finished request that held its KV
+    for ``residence_s`` after its first token."""
+    core = _core(n, offload_enabled=offload_enabled, **scoring)
+    for i in range(n):
+        e = f"e{i}"
+        core.load.update(e, LoadReport(num_blocks=1001, received_at=0.0))
+        core.load.on_sent(e, f"done{i}", 0, 0.0, keys=[7], num_tokens=16)
+        core.load.on_first_token(f"done{i}", 0.0)
+        core.load.on_finished(f"done{i}", residence_s)
+    return core
+
+
+@pytest.mark.parametrize(("inflight", "over"), [(0, 0), (8000, 0), (12_000, 4000), (40_000, 32_000)])
+@pytest.mark.parametrize("weight", [0.1, 1.0])
+def test_kv_wait_is_the_excess_over_the_cache_at_its_residence(inflight: int, over: int, weight: float):
+    """e0 caches 16,000 tokens and its requests lately held their KV for 20 s after their first
+    token, so the running ones free the whole cache in about 20 s. Requests in flight there hold
+    ``inflight`` context tokens; the 8,000-token prompt needs 8,000 more. What they exceed the
+    cache by waits that share of the residence, at the weight."""
+    core = _timed_core(1, 20.0, kv_wait_weight_with_store=weight, displace_weight=0.0, cluster_work_weight=0.0)
+    if inflight:
+        core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=inflight, cached_tokens=inflight)
+    assert core.load.effective("e0", 0.1).residence_s == 20.0
+    d = _decide_held_on_e0(core, 8000, max_hit_blocks(8000, BS))
+    c = d.candidates[0]
+    assert c.kv_wait_s == pytest.approx(weight * over / 16_000 * 20.0, rel=1e-12)
+    assert c.cost == c.own_s + c.decode_s + c.kv_wait_s
+    assert c.wait_s == 0.0   # the queued-prefill wait is its own term
+
+
+def test_the_residence_is_an_average_of_the_endpoint_s_finished_requests():
+    """The first timed request sets it; each later one moves it ``residence_rate`` of the way.
+    A request whose first token came untimed, or that never had one, says nothing."""
+    core = _timed_core(1, 20.0)
+    lv = core.load
+    lv.on_sent("e0", "b", 0, 30.0, num_tokens=16)
+    lv.on_first_token("b", 30.0)
+    lv.on_finished("b", 70.0)                       # held it 40 s
+    assert lv.effective("e0", 70.0).residence_s == pytest.approx(20.0 + lv.residence_rate * 20.0, rel=1e-12)
+    before = lv.effective("e0", 70.0).residence_s
+    lv.on_sent("e0", "c", 0, 80.0, num_tokens=16)
+    lv.on_first_token("c")                          # untimed
+    lv.on_finished("c", 500.0)
+    lv.on_sent("e0", "d", 0, 80.0, num_tokens=16)
+    lv.on_finished("d", 600.0)                      # failed before its first token
+    assert lv.effective("e0", 600.0).residence_s == before
+    assert lv.effective("never-seen", 600.0).residence_s == 0.0
+
+
+def test_kv_wait_is_off_by_default_and_without_a_residence():
+    """Both weights are 0 by default; without a store the weight is ``kv_wait_weight``, with one
+    ``kv_wait_weight_with_store``. With no finished request timed there, nothing says how fast the
+    cache frees, and the term is 0."""
+    assert ScoringConfig().kv_wait_w(True) == ScoringConfig().kv_wait_w(False) == 0.0
+    for core in (_timed_core(1, 20.0), _timed_core(1, 20.0, offload_enabled=False),
+                 _timed_core(1, 20.0, offload_enabled=False, kv_wait_weight_with_store=1.0),
+                 _core(1, kv_wait_weight_with_store=1.0)):
+        core.load.update("e0", LoadReport(num_blocks=1001, received_at=0.0))
+        core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=40_000, cached_tokens=40_000)
+        assert _decide_held_on_e0(core, 8000, max_hit_blocks(8000, BS)).candidates[0].kv_wait_s == 0.0
+    on = _timed_core(1, 20.0, offload_enabled=False, kv_wait_weight=1.0)
+    on.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=40_000, cached_tokens=40_000)
+    assert _decide_held_on_e0(on, 8000, max_hit_blocks(8000, BS)).candidates[0].kv_wait_s == pytest.approx(40.0)
+
+
+def test_in_flight_kv_counts_a_prefix_shared_with_requests_in_flight_once():
+    """Three requests in flight on e0 share a 4,000-token prefix: vLLM's prefix cache gives them
+    the same blocks, so they hold 4,000 + 3 x 1,000 tokens, not 15,000. Sent with the keys' block
+    size, each counts its context less its longest common prefix with those in flight there; an
+    unrelated prompt, or one sent without a block size, counts whole. A finished request takes
+    its own count away."""
+    lv = _core(1).load
+    head = list(range(250))   # 4,000 tokens of 16-token blocks
+    for k in range(3):
+        lv.on_sent("e0", f"s{k}", 0, 0.0, keys=head + [1000 * (k + 1) + j for j in range(62)], num_tokens=5000,
+                   block_size=BS)
+    assert lv.effective("e0", 0.1).inflight_kv_tokens == 5000 + 1000 + 1000
+    assert lv.effective("e0", 0.1).all_inflight_ctx_tokens == 15_000
+    lv.on_sent("e0", "other", 0, 0.0, keys=[7, 8, 9], num_tokens=48, block_size=BS)
+    lv.on_sent("e0", "nobs", 0, 0.0, keys=head, num_tokens=4000)
+    assert lv.columns(["e0"], 0.1).inflight_kv_tokens[0] == 7000 + 48 + 4000
+    lv.on_finished("s1")
+    lv.on_finished("nobs")
+    assert lv.effective("e0", 0.1).inflight_kv_tokens == 6000 + 48
+
+
+def test_kv_wait_does_not_count_what_the_prompt_shares_with_a_sibling_in_flight():
+    """A sibling in flight on e0 is computing the prompt's first 4,000 tokens: those blocks will
+    be its, shared, so the prompt needs only the rest of the cache."""
+    core = _timed_core(1, 20.0, kv_wait_weight_with_store=1.0, displace_weight=0.0, cluster_work_weight=0.0)
+    req = _req(core, 8000, "r", session="s")
+    core.load.on_sent("e0", "sib", 4000, 0.0, keys=req.keys[:250], num_tokens=4000)
+    core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=16_000, cached_tokens=16_000)
+    c = core.decide(req, Matches(per_endpoint={}), now=0.1).candidates[0]
+    # In flight 20,000 tokens; the prompt's 8,000 less the sibling's 4,000: 8,000 over the cache.
+    assert c.kv_wait_s == pytest.approx(8000 / 16_000 * 20.0, rel=1e-12)
+
+
+def test_kv_wait_moves_a_turn_off_a_home_full_of_running_contexts():
+    """e0 holds the 8,000-token prompt on its GPU, but its cache is full of contexts in flight
+    (48,000 tokens: two more caches' worth wait). The store holds the prompt too, so e1 restores
+    it. Without the term the turn stays home for its GPU hit; with it, home waits two residences
+    and the turn goes to e1."""
+    n = 8000
+    cap = max_hit_blocks(n, BS)
+
+    def decide(weight: float) -> str:
+        core = _timed_core(2, 20.0, kv_wait_weight_with_store=weight, displace_weight=0.0, cluster_work_weight=0.0)
+        core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=48_000, cached_tokens=48_000)
+        req = _req(core, n, "r", session="s")
+        m = Matches(per_endpoint={"e0": TierMatch(gpu=cap)}, store=TierMatch(cpu=cap))
+        return core.decide(req, m, now=0.1).endpoint_id
+
+    assert decide(0.0) == "e0"
+    assert decide(1.0) == "e1"
