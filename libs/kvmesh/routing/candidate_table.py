@@ -224,7 +224,8 @@ class CandidateTable:
             over = lc.inflight_kv_tokens + (need - self.shared_arr) - cap_t
             with np.errstate(divide="ignore", invalid="ignore"):
                 kvw = kw * over / cap_t * lc.residence_s
-            self.kv_wait = np.where((lc.capacity_blocks > 0) & (lc.residence_s > 0.0) & (over > 0.0), kvw, 0.0)
+            kvw = np.where((lc.capacity_blocks > 0) & (lc.residence_s > 0.0) & (over > 0.0), kvw, 0.0)
+            self.kv_wait = np.maximum(kvw - self.wait, 0.0)
         self.cost = (self.wait + own + self.decode + self.work + self.displace + self.blocking + self.evicted
                      + self.kv_wait)
         self.hot = np.zeros(len(ids), dtype=bool)

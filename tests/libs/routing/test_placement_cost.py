@@ -844,7 +844,8 @@ def test_kv_wait_is_the_excess_over_the_cache_at_its_residence(inflight: int, ov
     """e0 caches 16,000 tokens and its requests lately held their KV for 20 s after their first
     token, so the running ones free the whole cache in about 20 s. Requests in flight there hold
     ``inflight`` context tokens; the 8,000-token prompt needs 8,000 more. What they exceed the
-    cache by waits that share of the residence, at the weight."""
+    cache by waits that share of the residence, at the weight (nothing is queued for prefill, so
+    all of it exceeds ``wait``)."""
     core = _timed_core(1, 20.0, kv_wait_weight_with_store=weight, displace_weight=0.0, cluster_work_weight=0.0)
     if inflight:
         core.load.on_sent("e0", "a", 0, 0.0, keys=[1, 2], num_tokens=inflight, cached_tokens=inflight)
@@ -854,6 +855,23 @@ def test_kv_wait_is_the_excess_over_the_cache_at_its_residence(inflight: int, ov
     assert c.kv_wait_s == pytest.approx(weight * over / 16_000 * 20.0, rel=1e-12)
     assert c.cost == c.own_s + c.decode_s + c.kv_wait_s
     assert c.wait_s == 0.0   # the queued-prefill wait is its own term
+
+
+@pytest.mark.parametrize(("inflight", "kv_wait"), [(12_000, 4.0), (10_000, 1.5), (8800, 0.0), (7000, 0.0)])
+def test_kv_wait_adds_only_what_exceeds_the_queued_prefill_wait(inflight: int, kv_wait: float):
+    """The requests ahead wait for compute and for space at once. e0 has 4,000 tokens of prefill
+    queued (1 s at 250 us a token), and contexts in flight that with the 8,000-token prompt exceed
+    its 16,000-token cache by ``inflight`` + 8,000 - 16,000: at a 20 s residence, 5 s for 4,000
+    over, 2.5 s for 2,000, 1 s for 800. The cost adds what that exceeds the 1 s ``wait`` by, and
+    nothing if it does not exceed it."""
+    core = _timed_core(1, 20.0, kv_wait_weight_with_store=1.0, displace_weight=0.0, cluster_work_weight=0.0)
+    core.load.on_sent("e0", "q", 4000, 0.05, keys=[1, 2], num_tokens=inflight, cached_tokens=inflight - 4000)
+    c = _decide_held_on_e0(core, 8000, max_hit_blocks(8000, BS)).candidates[0]
+    assert c.wait_s == pytest.approx(1.0, rel=1e-12)
+    assert c.kv_wait_s == pytest.approx(max(0.0, inflight + 8000 - 16_000) / 16_000 * 20.0 - 1.0 if kv_wait else 0.0,
+                                        rel=1e-12, abs=1e-12)
+    assert c.kv_wait_s == pytest.approx(kv_wait, abs=1e-9)
+    assert c.cost == c.wait_s + c.own_s + c.decode_s + c.kv_wait_s
 
 
 def test_the_residence_is_an_average_of_the_endpoint_s_finished_requests():
