@@ -94,6 +94,10 @@ class RouteRequest:
     tenant: str = ""
 
 
+COST_TERMS = ("wait_s", "own_s", "decode_s", "work_s", "displace_s", "blocking_s", "evicted_s", "kv_wait_s")
+"""The ``Candidate`` fields whose sum is its cost under the placement cost (kvmesh.routing.scoring)."""
+
+
 @dataclass
 class Candidate:
     """One endpoint's evaluation; kept on the decision for traces and debugging."""

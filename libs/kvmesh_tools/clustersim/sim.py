@@ -40,7 +40,7 @@ from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_id
 from kvmesh.routing.scoring import ScoringConfig
-from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
+from kvmesh.routing.types import COST_TERMS, Decision, EndpointView, Matches, RouteRequest, TierMatch
 from kvmesh.worker.engine.sim.latency import LatencyParams
 from kvmesh.worker.engine.sim.scheduler import ReadyCheck, SchedulerConfig, Seq
 from kvmesh_tools.clustersim.config import SimConfig
@@ -721,12 +721,8 @@ class ClusterSim:
         win = j.decision.candidates[0] if j.decision is not None and j.decision.candidates else None
         out: dict[str, Any] = {"moved": j.moved, "prompt": j.req.input_tokens, "free_tokens": j.free_at_dispatch}
         if win is not None:
-            out.update(est_wait_s=round(win.wait_s, 6), est_own_s=round(win.own_s, 6),
-                       est_decode_s=round(win.decode_s, 6), est_work_s=round(win.work_s, 6),
-                       est_displace_s=round(win.displace_s, 6), est_blocking_s=round(win.blocking_s, 6),
-                       est_evicted_s=round(win.evicted_s, 6), est_kv_wait_s=round(win.kv_wait_s, 6),
-                       est_queued_tokens=round(win.prefill_tokens),
-                       est_queue=win.queue)
+            out.update({f"est_{t}": round(getattr(win, t), 6) for t in COST_TERMS})
+            out.update(est_queued_tokens=round(win.prefill_tokens), est_queue=win.queue)
         if j.scheduled is not None and j.first_token is not None and not j.split:
             queued = j.scheduled - j.release - j.restore_delay
             out.update(restore_s=round(j.restore_delay, 6), queue_s=round(queued, 6),

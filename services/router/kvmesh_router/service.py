@@ -38,7 +38,7 @@ from kvmesh.routing.policy import NoEndpointError
 from kvmesh.routing.prefix_memory import speculative_ttl
 from kvmesh.routing.router import RouterCore, prefill_request_id
 from kvmesh.routing.scoring import max_hit_blocks
-from kvmesh.routing.types import Decision, Matches, RouteRequest
+from kvmesh.routing.types import COST_TERMS, Decision, Matches, RouteRequest
 from kvmesh.sampling import KNOBS, first_error
 from kvmesh.telemetry import tracer
 from kvmesh.tokenization.chat_render import ChatRequest
@@ -641,6 +641,11 @@ class RouterService:
         span.set_attribute("kvmesh.route.candidates",
                            [f"{c.endpoint_id}:cost={c.cost:.3f}s:cached={c.credit_blocks:g}:q={c.queue:g}"
                             + (f":{c.excluded}" if c.excluded else "") for c in d.candidates[:16]])
+        win = next((c for c in d.candidates if c.endpoint_id == d.endpoint_id), None)
+        if win is not None:
+            # The winner's cost by term (routing.scoring): which part of the estimate decided.
+            for term in COST_TERMS:
+                span.set_attribute(f"kvmesh.route.cost.{term}", getattr(win, term))
         span.set_attribute("kvmesh.split", split.split)
         span.set_attribute("kvmesh.split.reason", split.reason)
         span.set_attribute("kvmesh.split.prefill_endpoint", split.prefill_endpoint)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
+from kvmesh.routing.types import COST_TERMS
 from kvmesh.telemetry import setup_tracing
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router.config import RouterConfig
@@ -41,6 +42,9 @@ async def test_decision_attributes_on_the_span(worker):
                 "kvmesh.route.reason", "kvmesh.route.candidates", "kvmesh.split", "kvmesh.split.reason",
                 "kvmesh.split.uncached_tokens", "kvmesh.hash.hashed_blocks", "kvmesh.usage.cached_tokens"):
         assert key in a, key
+    # The winner's cost by term: they add up to its score.
+    assert sum(a[f"kvmesh.route.cost.{t}"] for t in COST_TERMS) == pytest.approx(a["kvmesh.route.score"], rel=1e-9)
+    assert a["kvmesh.route.cost.kv_wait_s"] == 0.0   # off by default
     # The picker used by the Envoy ext_proc server makes the same decision without forwarding.
     picked = await pick(svc, MODEL, tokens=list(range(1, 500)) + [7] * 40, headers={"x-session-id": "t"})
     assert picked.endpoint_id == "tw1" and picked.grpc_address == worker.grpc_address
