@@ -43,7 +43,7 @@ def hold_reason(req: RouteRequest, decision: Decision, load: LoadView, ids: list
     cap = max_hit_blocks(req.num_tokens, req.block_size)
     if cap <= 0 or decision.predicted_cached_tokens >= ratio * cap * req.block_size:
         return ""
-    win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
+    win = decision.chosen()
     if win is None or win.displace_s <= 0:
         return ""
     if not ids or saturation(float(load.columns(ids, now).prefill_tokens.min()), cfg) <= 0:

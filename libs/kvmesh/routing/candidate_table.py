@@ -200,7 +200,6 @@ class CandidateTable:
             displace = cfg.displace_weight * displaced * per_token
         self.displace = np.where(lc.capacity_blocks > 0, displace, 0.0)
         if cfg.displace_free_at > 1.0 and not cliff.all():   # scoring.kept_share, element-wise
-            cap_t = lc.capacity_blocks * bs
             with np.errstate(divide="ignore", invalid="ignore"):
                 over = ((lc.resident_tokens - self.own_resident) - cap_t) / ((cfg.displace_free_at - 1.0) * cap_t)
             kept = np.minimum(1.0, np.maximum(0.0, 1.0 - over))
@@ -219,8 +218,7 @@ class CandidateTable:
             self.evicted = np.where(gone > 0.0, _prefill_s(uncached + gone, cached_tokens - gone, cfg) - own, 0.0)
         self.kv_wait = np.zeros(len(ids))
         kw = cfg.kv_wait_w(offload_enabled)
-        if kw > 0.0:   # scoring.kv_wait_s, element-wise
-            cap_t = lc.capacity_blocks * bs
+        if kw > 0.0:   # scoring.kv_wait_s, element-wise (cap_t: the capacity in tokens, above)
             over = lc.inflight_kv_tokens + (need - self.shared_arr) - cap_t
             with np.errstate(divide="ignore", invalid="ignore"):
                 kvw = kw * over / cap_t * lc.residence_s

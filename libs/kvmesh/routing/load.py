@@ -445,15 +445,14 @@ class LoadView:
         self._inflight[request_id] = f
         self._by_endpoint.setdefault(endpoint_id, {})[request_id] = f
         f.kv_tokens = f.num_tokens
-        if keys:
+        if keys and block_size > 0:
             # Blocks it shares with a request in flight there are held once: vLLM's prefix cache
             # gives both the same blocks. (If that one finishes first, they stay uncounted.)
             peers = self._by_endpoint_head.setdefault((endpoint_id, keys[0]), {})
-            if block_size > 0:
-                shared = 0
-                for g in peers.values():
-                    shared = max(shared, min(common_prefix(g.keys, keys) * block_size, g.num_tokens))  # type: ignore[arg-type]
-                f.kv_tokens = max(0, f.num_tokens - shared)
+            shared = 0
+            for g in peers.values():
+                shared = max(shared, min(common_prefix(g.keys, keys) * block_size, g.num_tokens))  # type: ignore[arg-type]
+            f.kv_tokens = max(0, f.num_tokens - shared)
             peers[request_id] = f
         if keys and f.prefill_tokens > 0:
             self._prefilling_by_head.setdefault(keys[0], {})[request_id] = f

@@ -171,7 +171,7 @@ class RouterCore:
         one prefill endpoint is reused there.
         """
         pre = self.prefill_endpoints(req.model, exclude)
-        win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
+        win = decision.chosen()
         # Blocks credited only as a split sibling's pending prefill are not there to reuse
         # without a split: they count as uncached for the threshold.
         uncached = decision.uncached_tokens + (win.pending_blocks * req.block_size if win is not None else 0)
@@ -225,7 +225,7 @@ class RouterCore:
                           block_size=bs)
         # What the store held of the prompt (the same on every endpoint): displaced from this
         # endpoint later, that part comes back by a restore (ScoringConfig.displace_store_price).
-        win = next((c for c in decision.candidates if c.endpoint_id == decision.endpoint_id), None)
+        win = decision.chosen()
         stored = win.store_blocks if win is not None else 0
         if self.cfg.scoring.store_keep and self.cfg.offload_enabled and win is not None:
             self._observe_store(req, win, now)

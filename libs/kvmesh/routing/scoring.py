@@ -408,11 +408,12 @@ def evaluate(endpoint_id: str, match: TierMatch, store: TierMatch, load: Effecti
             displace *= kept_share(load.capacity_blocks * block_size, load.resident_tokens - own_resident_tokens, cfg)
     blocking = blocking_s(own, others_sessions, cfg, offload_enabled)
     kv_wait = 0.0
-    if load.capacity_blocks > 0 and load.residence_s > 0.0 and cfg.kv_wait_w(offload_enabled) > 0.0:
+    kw = cfg.kv_wait_w(offload_enabled)
+    if load.capacity_blocks > 0 and load.residence_s > 0.0 and kw > 0.0:
         need = -(-num_tokens // block_size) * block_size - shared_queued_tokens
         # Requests ahead wait for compute and for space at once: the longer of the two is the wait.
         kv_wait = max(0.0, kv_wait_s(load.capacity_blocks * block_size, load.inflight_kv_tokens, need,
-                                     load.residence_s, cfg.kv_wait_w(offload_enabled)) - wait)
+                                     load.residence_s, kw) - wait)
     evicted = 0.0
     if cfg.gpu_survival and not offload_enabled and load.capacity_blocks > 0:
         gone = gpu_lost_tokens(load.capacity_blocks * block_size, load.all_inflight_ctx_tokens, num_tokens,

@@ -151,3 +151,7 @@ class Decision:
     @property
     def predicted_cached_tokens(self) -> int:
         return self.predicted_cached_tokens_gpu + self.predicted_cached_tokens_offload
+
+    def chosen(self) -> Candidate | None:
+        """The chosen endpoint's evaluation among ``candidates`` (None: not reported)."""
+        return next((c for c in self.candidates if c.endpoint_id == self.endpoint_id), None)

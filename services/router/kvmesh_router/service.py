@@ -489,7 +489,7 @@ class RouterService:
     def _router_side(req: RouteRequest, d: Decision, matches: Matches | None, uses_index: bool) -> RouterSide:
         """What the prediction rested on, to classify a miss once the engine reports (routing.fidelity)."""
         bs = req.block_size
-        win = next((c for c in d.candidates if c.endpoint_id == d.endpoint_id), None)
+        win = d.chosen()
         applied = -1
         if matches is not None and matches.applied is not None:
             applied = matches.applied.get(d.endpoint_id, 0)
@@ -641,7 +641,7 @@ class RouterService:
         span.set_attribute("kvmesh.route.candidates",
                            [f"{c.endpoint_id}:cost={c.cost:.3f}s:cached={c.credit_blocks:g}:q={c.queue:g}"
                             + (f":{c.excluded}" if c.excluded else "") for c in d.candidates[:16]])
-        win = next((c for c in d.candidates if c.endpoint_id == d.endpoint_id), None)
+        win = d.chosen()
         if win is not None:
             # The winner's cost by term (routing.scoring): which part of the estimate decided.
             for term in COST_TERMS:
