@@ -53,9 +53,11 @@ class PrecisePolicy(Policy):
             d.fallback = "indexer unavailable; approx"
             d.reason = f"fallback to approx: {d.reason}"
             return d
-        matches = (MatchColumns(ctx.pos).put_matches(ctx.matches)
-                   .raise_to("speculative", self.speculative.match(req.keys, ctx.now))
-                   .raise_to("pending", self.pending.match(req.keys, ctx.now)))
+        matches = MatchColumns(ctx.pos).put_matches(ctx.matches)
+        gpu, pos = matches.array("gpu"), ctx.pos
+        matches.raise_to("speculative", self.speculative.confirmed(
+            req.keys, ctx.now, lambda ep: int(gpu[pos[ep]]) if ep in pos else 0))
+        matches.raise_to("pending", self.pending.match(req.keys, ctx.now))
         affinity = self.sessions.get(req.session_id, ctx.now)
         cold = self._cold(ctx, matches) if self.scoring.cold_first and not affinity else None
         return self._scored_choice(req, ctx, matches, affinity, cold)
@@ -80,7 +82,10 @@ class PrecisePolicy(Policy):
         # GPU now would send a sibling there to recompute the whole prefix itself; as pending
         # blocks they draw the sibling there and make it split to the same prefill endpoint.
         ttl = self.speculative.ttl_after(decision.score)
-        self.speculative.put(prefill_endpoint or decision.endpoint_id, req.keys, now, ttl)
+        # What the index already showed there is reported; the rest is this request's to compute.
+        win = None if prefill_endpoint else decision.chosen()
+        known = win.gpu_blocks - win.speculative_blocks if win is not None else 0
+        self.speculative.put(prefill_endpoint or decision.endpoint_id, req.keys, now, ttl, known)
         if prefill_endpoint:
             self.pending.put(decision.endpoint_id, req.keys, now, ttl)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
@@ -93,7 +98,8 @@ class PrecisePolicy(Policy):
 
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
         # The engine now holds prompt + output blocks; cover them until its events land.
-        self.speculative.put(endpoint_id, cached_keys, now)
+        # The prompt's blocks were reported when its prefill ended; only the output's may lag.
+        self.speculative.put(endpoint_id, cached_keys, now, known=len(req.keys))
         if self.warm_fallback:
             self.fallback.on_completed(req, endpoint_id, cached_keys, now)
 

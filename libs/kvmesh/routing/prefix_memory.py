@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import OrderedDict
+from collections.abc import Callable
 
 from kvmesh.hashing.prefix import common_prefix_near, extends
 
@@ -29,30 +30,34 @@ def speculative_ttl(ttl_s: float, estimated_ttft_s: float) -> float:
 
 
 class _ChainSet:
-    """Chains grouped by head key, each tagged with an endpoint and a value (expiry or order)."""
+    """Chains grouped by head key, each tagged with an endpoint, a value (expiry or order) and
+    ``known``: how many of its leading blocks the engine had already reported when it was written."""
 
     def __init__(self, max_per_head: int) -> None:
         self.max_per_head = max_per_head
-        self.by_head: dict[int, list[list]] = {}   # head -> [[endpoint, keys, value], ...]
+        self.by_head: dict[int, list[list]] = {}   # head -> [[endpoint, keys, value, known], ...]
 
-    def add(self, endpoint: str, keys: list[int], value: float) -> list | None:
+    def add(self, endpoint: str, keys: list[int], value: float, known: int = 0) -> list | None:
         """Remember a chain; an older chain of the same endpoint that it extends is replaced."""
         lst = self.by_head.setdefault(keys[0], [])
         for ent in lst:
             if ent[0] == endpoint and extends(ent[1], keys):
                 ent[1] = keys if len(keys) >= len(ent[1]) else ent[1]
                 ent[2] = max(ent[2], value)
+                ent[3] = max(ent[3], known)
                 return None
-        ent = [endpoint, keys, value]
+        ent = [endpoint, keys, value, known]
         lst.append(ent)
         if len(lst) > self.max_per_head:
             lst.sort(key=_VALUE)
             del lst[0]
         return ent
 
-    def best(self, keys: list[int], live_after: float | None = None) -> dict[str, int]:
+    def best(self, keys: list[int], live_after: float | None = None,
+             known_out: dict[str, int] | None = None) -> dict[str, int]:
         """Per endpoint, the longest leading run of ``keys`` in its chains (those whose value
-        is above ``live_after``, if given)."""
+        is above ``live_after``, if given); ``known_out`` gets, per endpoint, how much of that
+        run the engine had reported when the chain was written."""
         out: dict[str, int] = {}
         if not keys:
             return out
@@ -79,6 +84,8 @@ class _ChainSet:
                     after = keys[n] if n < lk else None
             if n > get(ent[0], 0):
                 out[ent[0]] = n
+                if known_out is not None:
+                    known_out[ent[0]] = min(ent[3], n)
         return out
 
     def drop_endpoint(self, endpoint: str) -> None:
@@ -111,10 +118,13 @@ class SpeculativeIndex:
         """TTL of an entry for a request just sent (see :func:`speculative_ttl`)."""
         return speculative_ttl(self.ttl_s, estimated_ttft_s)
 
-    def put(self, endpoint_id: str, keys: list[int], now: float, ttl_s: float | None = None) -> None:
+    def put(self, endpoint_id: str, keys: list[int], now: float, ttl_s: float | None = None,
+            known: int = 0) -> None:
+        """``known``: leading blocks of ``keys`` the engine had already reported (the index
+        held them) when the entry was written; see :meth:`confirmed`."""
         if not keys:
             return
-        ent = self._set.add(endpoint_id, keys, now + (self.ttl_s if ttl_s is None else ttl_s))
+        ent = self._set.add(endpoint_id, keys, now + (self.ttl_s if ttl_s is None else ttl_s), known)
         if ent is not None:
             self._order[id(ent)] = (keys[0], ent)
         self._prune(now)
@@ -137,6 +147,17 @@ class SpeculativeIndex:
     def match(self, keys: list[int], now: float) -> dict[str, int]:
         """Leading speculative blocks per endpoint (only unexpired entries)."""
         return self._set.best(keys, now)
+
+    def confirmed(self, keys: list[int], now: float, index_gpu: Callable[[str], int]) -> dict[str, int]:
+        """:meth:`match`, without the entries the index contradicts.
+
+        An entry stands for blocks the engine has not reported yet; the blocks it had already
+        reported when the entry was written are the index's to tell. Where the index now holds
+        fewer of those, the engine evicted them since (an agent's context freed at the end of
+        its turn goes first on a full GPU), and the entry's claim on the rest is stale too."""
+        known: dict[str, int] = {}
+        out = self._set.best(keys, now, known)
+        return {ep: n for ep, n in out.items() if known[ep] <= 0 or index_gpu(ep) >= known[ep]}
 
     def forget_endpoint(self, endpoint_id: str) -> None:
         self._set.drop_endpoint(endpoint_id)

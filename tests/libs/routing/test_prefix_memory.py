@@ -9,15 +9,18 @@ from kvmesh.routing.prefix_memory import ApproxIndex, SpeculativeIndex, _ChainSe
 from tests.libs.hashing.test_prefix_chains import _tree
 
 
-def _scan(chains: _ChainSet, keys: list[int], live_after: float | None) -> dict[str, int]:
+def _scan(chains: _ChainSet, keys: list[int], live_after: float | None,
+          known: dict[str, int] | None = None) -> dict[str, int]:
     out: dict[str, int] = {}
     for lst in chains.by_head.values():
-        for endpoint, chain, value in lst:
+        for endpoint, chain, value, reported in lst:
             if live_after is not None and value <= live_after:
                 continue
             n = common_prefix(chain, keys)
             if n > out.get(endpoint, 0):
                 out[endpoint] = n
+                if known is not None:
+                    known[endpoint] = min(reported, n)
     return out
 
 
@@ -33,8 +36,13 @@ def test_speculative_and_approx_matches_equal_a_scan() -> None:
             keys = rng.choice(chains)
             ep = f"e{rng.randrange(5)}"
             if rng.random() < 0.5:
-                spec.put(ep, keys, now, rng.choice([None, 0.2, 3.0]))
+                spec.put(ep, keys, now, rng.choice([None, 0.2, 3.0]), known=rng.randrange(len(keys) + 1))
                 approx.insert(ep, keys)
             q = rng.choice(chains)
             assert spec.match(q, now) == _scan(spec._set, q, now)
+            index = {f"e{i}": rng.randrange(len(q) + 1) for i in range(5)}
+            known: dict[str, int] = {}
+            whole = _scan(spec._set, q, now, known)
+            assert spec.confirmed(q, now, index.__getitem__) == {
+                e: n for e, n in whole.items() if known[e] <= 0 or index[e] >= known[e]}
             assert approx.match(q) == _scan(approx._set, q, None)

@@ -103,6 +103,30 @@ def test_speculative_entries_expire():
     assert core.decide(r2, Matches(), now=5.0).predicted_cached_tokens == 0
 
 
+def test_a_speculative_entry_the_index_contradicts_claims_nothing():
+    """A finished turn's context, reported and then evicted: the index's word stands.
+
+    Live on 114k-token GPUs (kv-cache-tester through `kvmesh up`), the next turn of an agent
+    came 0.6 s after its last and found its context evicted; the entry written at the end of
+    the last turn still claimed it, and the router predicted 85,824 cached tokens for 8,768.
+    """
+    core = _core(2, speculative_ttl_s=2.0)
+    toks = _tokens(1000)
+    r1 = _req(core, toks, "t1", session="s")
+    d1 = core.decide(r1, Matches(per_endpoint={"e0": TierMatch(gpu=30)}), now=0.0)
+    core.on_routed(r1, d1, now=0.0)
+    out = _tokens(100, seed=7)
+    core.on_finished(r1, d1, now=0.5, prompt_tokens=toks, output_tokens=out)
+    r2 = _req(core, toks + out + _tokens(50, seed=8), "t2", session="s")
+    n_prompt = len(r1.keys)
+    # The index still holds the whole prompt: the entry adds the output's blocks it may not show yet.
+    held = core.decide(r2, Matches(per_endpoint={d1.endpoint_id: TierMatch(gpu=n_prompt)}), now=0.6)
+    assert held.predicted_cached_tokens_gpu == (len(toks) + len(out) - 1) // BS * BS
+    # The index shows the prompt evicted down to the shared 8 blocks: only those are predicted.
+    gone = core.decide(r2, Matches(per_endpoint={d1.endpoint_id: TierMatch(gpu=8)}), now=0.6)
+    assert gone.predicted_cached_tokens_gpu == 8 * BS
+
+
 def test_misses_do_not_pile_onto_a_hot_endpoint():
     core = _core(3)
     for eid, q in (("e0", 0), ("e1", 1), ("e2", 30)):
