@@ -25,7 +25,12 @@ MISPREDICTIONS = Counter("kvmesh_router_mispredictions_total",
                          "(kvmesh.routing.fidelity: evicted, filled, lag, speculative, lookup_timeout, view_bug, "
                          "no_index, split, unknown)", ["cause"])
 PROMPT_TOKENS = Counter("kvmesh_router_prompt_tokens_total", "prompt tokens routed")
-CACHED_TOKENS = Counter("kvmesh_router_cached_tokens_total", "engine-reported cached prompt tokens", ["tier"])
+CACHED_TOKENS = Counter("kvmesh_router_cached_tokens_total",
+                        "prompt tokens no worker computed for the request, by tier (a split's: its prefill "
+                        "endpoint's hit)", ["tier"])
+TRANSFERRED_TOKENS = Counter("kvmesh_router_transferred_tokens_total",
+                             "prompt tokens a split's decode endpoint restored from what its prefill endpoint "
+                             "computed (engine-reported as cached, but computed for the request)")
 PREDICTED_TOKENS = Counter("kvmesh_router_predicted_cached_tokens_total", "predicted cached prompt tokens")
 OVERHEAD = Histogram("kvmesh_router_routing_overhead_seconds", "tokens in -> decision out",
                      buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))

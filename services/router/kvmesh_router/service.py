@@ -148,6 +148,8 @@ class Prepared:
     lora_lacking: set[str] = field(default_factory=set)
     lora_name: str = ""
     routed_at: float = 0.0   # time.monotonic() of the latest pick (retries re-pick)
+    # The prefill endpoint's usage of the latest split: what it found cached is the split's reuse.
+    prefill_usage: common_pb2.Usage | None = None
 
     @property
     def engine_id(self) -> str:
@@ -686,6 +688,7 @@ class RouterService:
                 return None
             finally:
                 self.core.load.on_finished(prefill_request_id(p.engine_id))
+            p.prefill_usage = resp.usage
             return resp.handle
 
     # -- hedging the first token ---------------------------------------------------------
@@ -1000,6 +1003,20 @@ class RouterService:
             metrics.STALLS.labels(stage="first_token").inc()
             raise _BeforeFirstToken(f"STALLED: no token within {limit:g}s") from None
 
+    @staticmethod
+    def _count_reuse(p: Prepared, usage: common_pb2.Usage, split: bool) -> None:
+        """The hit-rate counters: tokens no worker computed for the request. A split's decode
+        endpoint reports the prefill endpoint's KV as restored, but that KV was computed for
+        this request; counted as reuse it made a policy that splits more look like it hits
+        more (a live A/B with kv-cache-tester, docs/bench-history.md). Its reuse is what the
+        prefill endpoint found cached; the restore is counted as transferred."""
+        gpu, offload = usage.cached_tokens_gpu, usage.cached_tokens_offload
+        if split and p.prefill_usage is not None:
+            gpu, offload = p.prefill_usage.cached_tokens_gpu, p.prefill_usage.cached_tokens_offload
+            metrics.TRANSFERRED_TOKENS.inc(max(0, usage.cached_tokens - gpu - offload))
+        metrics.CACHED_TOKENS.labels(tier="gpu").inc(gpu)
+        metrics.CACHED_TOKENS.labels(tier="offload").inc(offload)
+
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
                ttft: float, attempt: int, overhead: float, span: trace.Span,
@@ -1034,8 +1051,7 @@ class RouterService:
             lookup_ms=inp.lookup_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
-        metrics.CACHED_TOKENS.labels(tier="gpu").inc(usage.cached_tokens_gpu)
-        metrics.CACHED_TOKENS.labels(tier="offload").inc(usage.cached_tokens_offload)
+        self._count_reuse(p, usage, split=handle is not None)
         metrics.PREDICTED_TOKENS.inc(predicted)
         routing.mismatch = self._mismatch(p, d, msg, actual, handle is not None, predicted)
         if self.cfg.local_view_ttl_s > 0:

@@ -115,9 +115,19 @@ def test_two_tenants_never_share_a_prefix_hit(stack):
     assert s1.usage.cached_tokens == 0
 
 
+def _counter(stack, name: str) -> float:
+    import httpx
+
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
 def test_split_triggers_above_threshold_only(stack):
     _, small = stack.generate(rand_tokens(600, seed=11))
     assert not small.routing.split and "threshold" in small.routing.reason
+    cached, moved = (_counter(stack, n) for n in ("kvmesh_router_cached_tokens_total",
+                                                  "kvmesh_router_transferred_tokens_total"))
     _, big = stack.generate(rand_tokens(2000, seed=12))
     r = big.routing
     assert r.split and r.prefill_endpoint == "p1", r
@@ -125,6 +135,10 @@ def test_split_triggers_above_threshold_only(stack):
     assert r.kv_from_prefill and big.usage.cached_tokens_offload > 0
     # The prediction is the decode endpoint's cache once the prefill endpoint's KV arrived.
     assert r.predicted_cached_tokens == (2000 - 1) // BLOCK * BLOCK == big.usage.cached_tokens and not r.mismatch
+    # The hit-rate counters count what no worker computed: the prefill endpoint computed this
+    # fresh prompt, so the decode endpoint's restore of it is a transfer, not a hit.
+    assert _counter(stack, "kvmesh_router_cached_tokens_total") == cached
+    assert _counter(stack, "kvmesh_router_transferred_tokens_total") - moved == big.usage.cached_tokens
 
 
 def test_grpc_bad_input_names_the_field(stack):
