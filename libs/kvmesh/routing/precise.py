@@ -82,10 +82,9 @@ class PrecisePolicy(Policy):
         # GPU now would send a sibling there to recompute the whole prefix itself; as pending
         # blocks they draw the sibling there and make it split to the same prefill endpoint.
         ttl = self.speculative.ttl_after(decision.score)
-        # What the index already showed there is reported; the rest is this request's to compute.
-        win = None if prefill_endpoint else decision.chosen()
-        known = win.gpu_blocks - win.speculative_blocks if win is not None else 0
-        self.speculative.put(prefill_endpoint or decision.endpoint_id, req.keys, now, ttl, known)
+        # Nothing here is for the index to overrule: whatever of the prompt it evicts before this
+        # request runs, the request computes again, and the engine then holds the whole chain.
+        self.speculative.put(prefill_endpoint or decision.endpoint_id, req.keys, now, ttl)
         if prefill_endpoint:
             self.pending.put(decision.endpoint_id, req.keys, now, ttl)
         self.sessions.set(req.session_id, decision.endpoint_id, now)
@@ -98,7 +97,8 @@ class PrecisePolicy(Policy):
 
     def on_completed(self, req: RouteRequest, endpoint_id: str, cached_keys: list[int], now: float) -> None:
         # The engine now holds prompt + output blocks; cover them until its events land.
-        # The prompt's blocks were reported when its prefill ended; only the output's may lag.
+        # The request is over: its prompt's blocks were reported when its prefill ended (only the
+        # output's may lag), and from now on the engine may evict them (SpeculativeIndex.confirmed).
         self.speculative.put(endpoint_id, cached_keys, now, known=len(req.keys))
         if self.warm_fallback:
             self.fallback.on_completed(req, endpoint_id, cached_keys, now)

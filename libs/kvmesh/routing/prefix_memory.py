@@ -151,10 +151,11 @@ class SpeculativeIndex:
     def confirmed(self, keys: list[int], now: float, index_gpu: Callable[[str], int]) -> dict[str, int]:
         """:meth:`match`, without the entries the index contradicts.
 
-        An entry stands for blocks the engine has not reported yet; the blocks it had already
-        reported when the entry was written are the index's to tell. Where the index now holds
-        fewer of those, the engine evicted them since (an agent's context freed at the end of
-        its turn goes first on a full GPU), and the entry's claim on the rest is stale too."""
+        An entry for a finished request says the engine holds its chain, the ``known`` blocks
+        of it reported already. Where the index now holds fewer of those, the engine evicted
+        them since (an agent's context freed at the end of its turn goes first on a full GPU),
+        and the entry's claim on the rest is stale too. An entry for a request in flight has
+        ``known`` 0 and always stands: what is evicted before it runs, it computes again."""
         known: dict[str, int] = {}
         out = self._set.best(keys, now, known)
         return {ep: n for ep, n in out.items() if known[ep] <= 0 or index_gpu(ep) >= known[ep]}

@@ -45,8 +45,10 @@ def test_simulated_mismatches_are_explained() -> None:
         assert all(r["mismatch"] for r in wrong)
     # A GPU this small evicts prefixes a request was routed for before it is scheduled.
     assert _mm(rep, "dynamo")["evicted"] > 0
-    # Speculative entries for a burst's siblings claim blocks their first prefill has not made yet.
-    assert _mm(rep, "precise")["speculative"] > 0 and _mm(rep, "llmd")["speculative"] > 0
+    # llm-d's speculative entries claim a finished request's blocks for their whole TTL, after the
+    # engine has evicted them; precise's give way to the index once the request is over (on main
+    # before that rule, precise had 24 such mispredictions here and llmd 29).
+    assert _mm(rep, "llmd")["speculative"] > _mm(rep, "precise")["speculative"]
     # session does not read the index: its predictions are its own.
     assert _mm(rep, "session")["no_index"] == _mm(rep, "session")["requests"] > 0
 
