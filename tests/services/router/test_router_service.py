@@ -116,11 +116,12 @@ def test_two_tenants_never_share_a_prefix_hit(stack):
 
 
 def _counter(stack, name: str) -> float:
+    """A counter's value summed over its labels (``name`` with its ``_total``)."""
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(f"http://127.0.0.1:{stack.metrics_port}/metrics", timeout=5).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples if s.name == name)
 
 
 def test_split_triggers_above_threshold_only(stack):
