@@ -47,6 +47,7 @@ def test_a_hit_in_the_demo_saves_far_more_than_a_decision_costs() -> None:
 
 def _rec(ttft: float, engine: float | None, decision: float | None, lookup: float | None) -> dict:
     return {"error": "", "prompt_tokens": 100, "cached": 50, "cached_gpu": 50, "cached_offload": 0,
+            "reused": 50, "transferred": 0,
             "output_tokens": 2, "predicted": 50, "ttft_s": ttft, "itl_s": None, "e2e_s": ttft + 0.01,
             "queue_wait_s": 0.0, "split": False, "endpoint": "decode-0", "mismatch": "",
             "engine_ttft_s": engine, "decision_ms": decision, "lookup_ms": lookup}
@@ -60,6 +61,18 @@ def test_summary_reports_the_decision_and_the_engine_ttft_apart() -> None:
     assert m["ttft_s"]["p50"] == 0.3       # every request's client TTFT, reported or not
     empty = summarize([_rec(0.2, None, None, None)], 1.0)
     assert empty["engine_ttft_s"]["p50"] is None and empty["decision_ms"]["p50"] is None
+
+
+def test_a_split_counts_what_the_prefill_endpoint_found_not_what_it_transferred() -> None:
+    # Split: the decode engine restored 90 tokens (60 of its own GPU, 30 from the store), of which
+    # the prefill endpoint had found 20 cached and computed 70 for this request.
+    split = {**_rec(0.2, None, None, None), "split": True, "cached": 90, "cached_gpu": 60, "cached_offload": 30,
+             "reused": 20, "transferred": 70}
+    m = summarize([_rec(0.2, None, None, None), split], 1.0)
+    assert m["hit_rate"] == (50 + 20) / 200
+    assert m["gpu_hit_rate"] == (50 + 20) / 200 and m["offload_hit_rate"] == 0.0
+    assert m["transferred_tokens"] == 70 and m["hit_rate_unsplit"] == 0.5
+    assert m["predicted_vs_actual"]["actual_cached_tokens"] == 50 + 90   # the engine's counts, as predicted
 
 
 def test_table_shows_the_parts_of_ttft(capsys) -> None:

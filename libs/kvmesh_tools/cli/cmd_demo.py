@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--offload-ram-bytes", type=int, default=32 << 20,
                    help="offload store RAM (sim KV is 512 B/token: 32 MiB holds ~1024 blocks)")
     p.add_argument("--split", action="store_true",
-                   help="enable the P/D split (the router then reports a split request's restored prefill KV "
-                        "as offload hits, which inflates the hit rate of cache-blind policies)")
+                   help="enable the P/D split (a split's hit is what its prefill worker found cached; "
+                        "the decode worker's restore of the rest is reported as transferred tokens)")
     p.add_argument("--redis", default="auto", choices=["auto", "on", "off"], help="indexer on Redis")
     p.add_argument("--tls", default="on", choices=["on", "off"],
                    help="mutual TLS between the services (default on: a throwaway CA under the logs folder)")

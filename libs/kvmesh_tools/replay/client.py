@@ -73,9 +73,12 @@ def _dist(values: list[float]) -> dict[str, float | None]:
 def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     ok = [r for r in records if not r["error"]]
     prompt = sum(r["prompt_tokens"] for r in ok)
-    cached = sum(r["cached"] for r in ok)
-    gpu = sum(r["cached_gpu"] for r in ok)
-    off = sum(r["cached_offload"] for r in ok)
+    # The hit is what no engine computed for the request (``Outcome.reused``): a split's decode
+    # engine also counts as cached the KV its prefill engine computed, which is a transfer. Of it,
+    # the GPU's share is at most the decode engine's GPU count; the rest came from the store.
+    cached = sum(r["reused"] for r in ok)
+    gpu = sum(min(r["cached_gpu"], r["reused"]) for r in ok)
+    off = cached - gpu
     out_tok = sum(r["output_tokens"] for r in ok)
     pred = [(r["predicted"], r["cached"]) for r in ok if r["predicted"] is not None]
     errors: dict[str, int] = {}
@@ -116,9 +119,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         # Each missed prediction's cause, as the router classified it (kvmesh.routing.fidelity).
         "mismatches": count([r.get("mismatch", "") for r in ok if r["predicted"] is not None]),
         "split_requests": sum(1 for r in ok if r["split"]),
-        # A split request's usage is the decode worker's, whose "offload" hit includes the KV the prefill
-        # worker just computed; this rate leaves those requests out.
-        "hit_rate_unsplit": round(sum(r["cached"] for r in ok if not r["split"])
+        "transferred_tokens": sum(r["transferred"] for r in ok),
+        "hit_rate_unsplit": round(sum(r["reused"] for r in ok if not r["split"])
                                   / max(1, sum(r["prompt_tokens"] for r in ok if not r["split"])), 4),
         "endpoints": sorted({r["endpoint"] for r in ok if r["endpoint"]}),
     }
@@ -206,6 +208,7 @@ async def _drive(trace: Trace, schedule: Schedule, cfg: ReplayConfig, transport:
             "sent_s": round(sent_rel, 4), "queue_wait_s": round(sent_rel - release, 4),
             "ttft_s": ttft, "itl_s": itl, "e2e_s": round(done_rel - sent_rel, 5),
             "prompt_tokens": out.prompt_tokens, "output_tokens": out.output_tokens, "cached": out.cached,
+            "reused": out.reused, "transferred": out.transferred,
             "cached_gpu": out.cached_gpu, "cached_offload": out.cached_offload, "predicted": out.predicted,
             "endpoint": out.endpoint, "split": out.split, "mismatch": out.mismatch,
             "decision_ms": out.decision_ms, "lookup_ms": out.lookup_ms, "engine_ttft_s": out.engine_ttft_s,

@@ -16,7 +16,7 @@ def _hit_rate_points(recs: list[dict[str, Any]], buckets: int = 20) -> list[tupl
         chunk = ok[i: i + step]
         pt = sum(r["prompt_tokens"] for r in chunk)
         if pt:
-            pts.append((chunk[-1]["sent_s"], sum(r["cached"] for r in chunk) / pt))
+            pts.append((chunk[-1]["sent_s"], sum(r.get("reused", r["cached"]) for r in chunk) / pt))
     return pts
 
 

@@ -30,6 +30,11 @@ class Outcome:
     cached: int = 0
     cached_gpu: int = 0
     cached_offload: int = 0
+    # Of ``cached``, what no engine computed for this request (the router's ``reused_tokens``):
+    # a split's decode engine counts the KV its prefill engine computed as cached. None: the
+    # answer does not say (a pass-through to external engines), and ``cached`` is all there is.
+    reused_tokens: int | None = None
+    transferred: int = 0
     predicted: int | None = None
     endpoint: str = ""
     split: bool = False
@@ -44,6 +49,11 @@ class Outcome:
     # When ``error``: the exception chain, errno, the phase it failed in and whether the request
     # rode a reused keep-alive connection (``kvmesh_tools.replay.errors``); None otherwise.
     error_detail: dict | None = None
+
+    @property
+    def reused(self) -> int:
+        """The request's hit: prompt tokens no engine computed for it."""
+        return self.cached if self.reused_tokens is None else self.reused_tokens
 
 
 @dataclass
@@ -100,6 +110,7 @@ class GrpcTransport:
                     out.predicted = f.routing.predicted_cached_tokens
                     out.endpoint = f.routing.endpoint
                     out.split = f.routing.split
+                    out.reused_tokens, out.transferred = f.routing.reused_tokens, f.routing.transferred_tokens
                     out.mismatch = f.routing.mismatch
                     out.decision_ms, out.lookup_ms = f.routing.decision_ms, f.routing.lookup_ms
                     out.engine_ttft_s = f.ttft_s or None
@@ -195,6 +206,7 @@ class HttpTransport:
                         out.predicted = k.get("predicted_cached_tokens")
                         out.endpoint = k.get("endpoint", "")
                         out.split = bool(k.get("split"))
+                        out.reused_tokens, out.transferred = k.get("reused_tokens"), k.get("transferred_tokens", 0)
                         out.mismatch = k.get("mismatch", "")
                         out.decision_ms, out.lookup_ms = k.get("decision_ms"), k.get("lookup_ms")
                     if doc.get("usage"):

@@ -123,7 +123,8 @@ async def run_soak(cfg: SoakConfig) -> dict[str, Any]:
                                   error_detail={**describe_error(exc), "phase": "client"})
                 rec = {
                     "sent_s": round(sent, 3), "ttft_s": (out.first_token - out.sent) if out.first_token else None,
-                    "prompt_tokens": out.prompt_tokens, "cached": out.cached, "predicted": out.predicted,
+                    "prompt_tokens": out.prompt_tokens, "cached": out.cached, "reused": out.reused,
+                    "predicted": out.predicted,
                     "mismatch": out.mismatch, "split": out.split, "endpoint": out.endpoint,
                     "error": out.error}
                 if out.error:

@@ -26,7 +26,7 @@ def _stats(recs: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {
         "requests": len(recs), "errors": len(recs) - len(ok),
         "ttft_p50_s": _pct(ttft, 50), "ttft_p90_s": _pct(ttft, 90), "ttft_p99_s": _pct(ttft, 99),
-        "hit_rate": round(sum(r["cached"] for r in ok) / prompt, 4) if prompt else None,
+        "hit_rate": round(sum(r.get("reused", r["cached"]) for r in ok) / prompt, 4) if prompt else None,
         # Share of requests whose predicted cached tokens equal the engine's count.
         "prediction_accuracy": round(sum(1 for r in pred if r["predicted"] == r["cached"]) / len(pred), 4)
         if pred else None,

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -49,11 +50,33 @@ def prefill_body(body: dict[str, Any]) -> bytes:
     return json.dumps(prefill_request(body), ensure_ascii=False).encode()
 
 
+@dataclass(frozen=True)
+class Prefilled:
+    """A prefill that ran: the prompt's blocks the store then holds, and the prompt tokens the
+    prefill engine found cached (the split's reuse), None when its answer does not say (vLLM
+    reports them with ``--enable-prompt-tokens-details``)."""
+
+    held_blocks: int
+    cached_tokens: int | None
+
+
+def answer_cached_tokens(r: httpx.Response) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens`` of a non-streamed OpenAI answer, or None."""
+    try:
+        doc = r.json()
+    except ValueError:
+        return None
+    usage = doc.get("usage") if isinstance(doc, dict) else None
+    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
+    n = details.get("cached_tokens") if isinstance(details, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+
+
 async def prefill(cluster: Any, load: Any, cfg: Any, request_id: str, keys: Any, num_tokens: int, block_size: int,
                   prompt_len: int, eid: str, path: str, content: bytes, headers: dict[str, str],
-                  deadline: float | None) -> int | None:
+                  deadline: float | None) -> Prefilled | None:
     """Run the prompt on the external prefill engine ``eid`` and wait until the store holds its
-    KV; the prompt's blocks the store then holds, or None when the prefill failed.
+    KV; None when the prefill failed.
 
     ``cluster`` is the router's ``Cluster`` (engines, index lookups), ``load`` its load view
     (the prefill counts on the prefill engine while it runs), ``cfg`` its ``RouterConfig``.
@@ -99,4 +122,4 @@ async def prefill(cluster: Any, load: Any, cfg: Any, request_id: str, keys: Any,
     if held < want:
         log.warning("the store holds part of the prefilled prompt", extra={
             "request_id": request_id, "endpoint": eid, "held_blocks": held, "wanted_blocks": want})
-    return held
+    return Prefilled(held, answer_cached_tokens(r))

@@ -50,6 +50,7 @@ from kvmesh.openai.errors import OpenAIError, error_response
 from kvmesh.openai.requests import SESSION_HEADER, parse_json_body, read_body, string
 from kvmesh.routing.types import Decision
 from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
+from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import external_split, metrics
 from kvmesh_router.errors import BadRequest, RouterError, Unavailable
 from kvmesh_router.http_guard import SCOPE_KEY
@@ -279,15 +280,17 @@ class Passthrough:
                                  or "the prefill endpoint is not an external engine"}
             if split_to:
                 try:
-                    held = await self._prefill(p, split_to, path, external_split.prefill_body(body), headers, deadline)
+                    done = await self._prefill(p, split_to, path, external_split.prefill_body(body), headers,
+                                               deadline)
                 except BaseException:
                     self.service.settle(p, d)
                     raise
-                split_headers = {"x-kvmesh-split": "true" if held is not None else "failed",
+                split_headers = {"x-kvmesh-split": "true" if done is not None else "failed",
                                  "x-kvmesh-prefill-endpoint": split_to}
-                if held is not None:
+                if done is not None:
+                    p.prefill_usage = self.service.prefill_usage(done)
                     # The decode engine restores what the store now holds of the prompt.
-                    tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
+                    tokens = max(d.predicted_cached_tokens, done.held_blocks * p.req.block_size)
                     d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
             left = None if deadline is None else max(0.001, deadline - time.monotonic())
             req = client.build_request("POST", url + path, content=content,
@@ -339,8 +342,8 @@ class Passthrough:
                           + "; ".join(failures))
 
     async def _prefill(self, p: Prepared, eid: str, path: str, content: bytes, headers: dict[str, str],
-                       deadline: float | None) -> int | None:
-        """The prefill half of the split (``external_split``): the blocks the store then holds, or None."""
+                       deadline: float | None) -> external_split.Prefilled | None:
+        """The prefill half of the split (``external_split``), or None when it failed."""
         return await external_split.prefill(self.cluster, self.service.core.load, self.cfg, p.engine_id,
                                             p.req.keys, p.req.num_tokens, p.req.block_size, len(p.tokens), eid,
                                             path, content, headers, deadline)
@@ -389,7 +392,9 @@ class Passthrough:
             metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         if actual is None:
             return
-        metrics.CACHED_TOKENS.labels(tier="gpu").inc(actual)
+        # A split's decode engine counts the KV its prefill engine computed as cached: reuse is
+        # what the prefill engine found (RouterService.count_reuse).
+        self.service.count_reuse(p, common_pb2.Usage(cached_tokens=actual), split=p.prefill_usage is not None)
         metrics.CACHED_DIFF.observe(actual - d.predicted_cached_tokens)
         if actual != d.predicted_cached_tokens:
             metrics.MISMATCHES.inc()

@@ -967,15 +967,17 @@ class RouterService:
         engine computes the prompt; only the split is lost)."""
         with _tracer.start_as_current_span("router.prefill", context=trace.set_span_in_context(span)) as pspan:
             pspan.set_attribute("kvmesh.prefill_endpoint", split.prefill_endpoint)
-            held = await external_split.prefill(
+            done = await external_split.prefill(
                 self.cluster, self.core.load, self.cfg, p.engine_id, p.req.keys, p.req.num_tokens,
                 p.req.block_size, len(p.tokens), split.prefill_endpoint, "/v1/completions",
                 external_split.prefill_body(body), {"content-type": "application/json", **headers}, inp.deadline)
-            if held is None:
+            if done is None:
                 pspan.set_attribute("kvmesh.prefill_failed", "external")
                 d.reason += "; split: the prefill engine failed, the decode engine computes the prompt"
                 return d, None
+            held = done.held_blocks
             pspan.set_attribute("kvmesh.prefill_store_blocks", held)
+            p.prefill_usage = self.prefill_usage(done)
         tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
         d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
         inp.predicted_cached_tokens = d.predicted_cached_tokens
@@ -1004,18 +1006,33 @@ class RouterService:
             raise _BeforeFirstToken(f"STALLED: no token within {limit:g}s") from None
 
     @staticmethod
-    def _count_reuse(p: Prepared, usage: common_pb2.Usage, split: bool) -> None:
-        """The hit-rate counters: tokens no worker computed for the request. A split's decode
-        endpoint reports the prefill endpoint's KV as restored, but that KV was computed for
-        this request; counted as reuse it made a policy that splits more look like it hits
+    def prefill_usage(done: external_split.Prefilled) -> common_pb2.Usage | None:
+        """An external prefill engine's answer as the usage ``count_reuse`` reads (its count
+        names no tier: the GPU's), None when it reported none."""
+        if done.cached_tokens is None:
+            return None
+        return common_pb2.Usage(cached_tokens=done.cached_tokens, cached_tokens_gpu=done.cached_tokens)
+
+    @staticmethod
+    def count_reuse(p: Prepared, usage: common_pb2.Usage, split: bool) -> tuple[int, int]:
+        """The hit-rate counters, and the request's (reused, transferred) tokens for its
+        ``RoutingDecision``. Reused: tokens no engine computed for the request. A split's
+        decode endpoint reports the prefill endpoint's KV as restored, but that KV was computed
+        for this request; counted as reuse it made a policy that splits more look like it hits
         more (a live A/B with kv-cache-tester, docs/bench-history.md). Its reuse is what the
-        prefill endpoint found cached; the restore is counted as transferred."""
-        gpu, offload = usage.cached_tokens_gpu, usage.cached_tokens_offload
+        prefill endpoint found cached; the rest of the decode endpoint's count is transferred.
+        A split whose prefill endpoint reported no usage (an external engine without
+        ``--enable-prompt-tokens-details``) keeps the decode endpoint's count."""
+        gpu, offload, transferred = usage.cached_tokens_gpu, usage.cached_tokens_offload, 0
+        if not gpu and not offload:
+            gpu = usage.cached_tokens   # an external engine's usage names no tier
         if split and p.prefill_usage is not None:
             gpu, offload = p.prefill_usage.cached_tokens_gpu, p.prefill_usage.cached_tokens_offload
-            metrics.TRANSFERRED_TOKENS.inc(max(0, usage.cached_tokens - gpu - offload))
+            transferred = max(0, usage.cached_tokens - gpu - offload)
+            metrics.TRANSFERRED_TOKENS.inc(transferred)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(gpu)
         metrics.CACHED_TOKENS.labels(tier="offload").inc(offload)
+        return gpu + offload, transferred
 
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
@@ -1051,7 +1068,7 @@ class RouterService:
             lookup_ms=inp.lookup_s * 1000.0)
         actual = usage.cached_tokens
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
-        self._count_reuse(p, usage, split=handle is not None)
+        routing.reused_tokens, routing.transferred_tokens = self.count_reuse(p, usage, split=split_done)
         metrics.PREDICTED_TOKENS.inc(predicted)
         routing.mismatch = self._mismatch(p, d, msg, actual, handle is not None, predicted)
         if self.cfg.local_view_ttl_s > 0:

@@ -313,6 +313,19 @@ async def dp_stack(tiny_model_dir):
         yield svc, engines, client
 
 
+def _reuse_counters() -> tuple[float, float]:
+    """The router's (cached, transferred) token counters, over their tiers."""
+    from prometheus_client import REGISTRY
+
+    cached = sum(REGISTRY.get_sample_value("kvmesh_router_cached_tokens_total", {"tier": t}) or 0.0
+                 for t in ("gpu", "offload"))
+    return cached, REGISTRY.get_sample_value("kvmesh_router_transferred_tokens_total") or 0.0
+
+
+def _reuse_since(before: tuple[float, float]) -> tuple[float, ...]:
+    return tuple(a - b for a, b in zip(_reuse_counters(), before, strict=True))
+
+
 @pytest.fixture
 async def pd_stack(tiny_model_dir):
     """A decode engine "d" and a prefill engine "p" behind a router that splits every request."""
@@ -360,10 +373,14 @@ async def test_pd_split_prefills_on_the_prefill_engine_then_decodes(pd_stack) ->
     """llm-d's P/D convention toward external engines: the prefill engine gets the body with one
     token, no stream and the connector's prefill_only; then the decode engine gets the client's body."""
     svc, engines, client = pd_stack
+    engines["p"].cached_tokens, engines["d"].cached_tokens = 2, 8
+    before = _reuse_counters()
     sent = _chat(stream=True, stream_options={"include_usage": True}, n=1, max_completion_tokens=9)
     r = await client.post("/v1/chat/completions", json=sent, headers={"x-tenant": "acme"})
     assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == "d"
     assert r.headers["x-kvmesh-split"] == "true" and r.headers["x-kvmesh-prefill-endpoint"] == "p"
+    # The hit-rate counter counts what the prefill engine found cached, not the decode engine's restore.
+    assert _reuse_since(before) == (2, 6)
     salt = svc.salts.salt("acme")
     (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
     assert dec == {**sent, "cache_salt": salt}
@@ -411,12 +428,17 @@ async def test_pd_split_on_the_token_path_prefills_then_decodes(pd_stack) -> Non
     engine gets the completions request of token ids with one token, no stream and the connector's
     prefill_only; then the decode engine streams. A prefill engine that is gone costs the split only."""
     svc, engines, _ = pd_stack
+    engines["p"].cached_tokens, engines["d"].cached_tokens = 4, 9
     inp = GenInput(model=MODEL, tokens=list(range(1, 71)), tenant="acme", request_id="rq-1",
                    sampling=common_pb2.SamplingParams(max_tokens=2, temperature=0.0))
+    before = _reuse_counters()
     items = [x async for x in svc.generate(inp)]
     kind, fin = items[-1]
     assert kind == "final" and [ids for k, ids in items if k == "chunk"] == [[100], [101]]
     assert fin.routing.endpoint == "d" and fin.routing.split and fin.routing.prefill_endpoint == "p"
+    # The prefill engine found 4 tokens cached; the decode engine's other 5 came from it: a transfer.
+    assert (fin.usage.cached_tokens, fin.routing.reused_tokens, fin.routing.transferred_tokens) == (9, 4, 5)
+    assert _reuse_since(before) == (4, 5)
     (pre,), (dec,) = engines["p"].bodies, engines["d"].bodies
     salt = svc.salts.salt("acme")
     assert dec["prompt"] == pre["prompt"] == list(range(1, 71))
@@ -568,3 +590,23 @@ async def test_a_conversation_over_external_engines(stack) -> None:
                                         ("user", "Second?")]
     items = (await client.get(f"/v1/conversations/{c['id']}/items", params={"order": "asc"})).json()["data"]
     assert [i.get("role") for i in items] == ["developer", "user", "assistant", "user", "assistant"]
+
+
+@pytest.mark.parametrize("doc, want", [
+    ({"usage": {"prompt_tokens": 9, "prompt_tokens_details": {"cached_tokens": 7}}}, 7),
+    ({"usage": {"prompt_tokens": 9, "prompt_tokens_details": None}}, None),   # no --enable-prompt-tokens-details
+    ({"usage": {"prompt_tokens": 9}}, None),
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": -1}}}, None),
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": True}}}, None),
+    ({"usage": {"prompt_tokens_details": {"cached_tokens": "7"}}}, None),
+    ([1, 2], None),
+])
+def test_a_prefill_answers_cached_tokens_are_read_only_when_well_formed(doc, want) -> None:
+    """A split's reuse is the prefill engine's reported count; an answer without one (or with a
+    malformed one) leaves the decode engine's count in place (``RouterService.count_reuse``)."""
+    import httpx
+
+    from kvmesh_router.external_split import answer_cached_tokens
+
+    assert answer_cached_tokens(httpx.Response(200, json=doc)) == want
+    assert answer_cached_tokens(httpx.Response(200, content=b"not json")) is None

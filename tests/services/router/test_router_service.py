@@ -140,6 +140,9 @@ def test_split_triggers_above_threshold_only(stack):
     # fresh prompt, so the decode endpoint's restore of it is a transfer, not a hit.
     assert _counter(stack, "kvmesh_router_cached_tokens_total") == cached
     assert _counter(stack, "kvmesh_router_transferred_tokens_total") - moved == big.usage.cached_tokens
+    # The answer says the same per request, for clients that compute a hit rate.
+    assert r.reused_tokens == 0 and r.transferred_tokens == big.usage.cached_tokens
+    assert not small.routing.transferred_tokens and small.routing.reused_tokens == small.usage.cached_tokens
 
 
 def test_grpc_bad_input_names_the_field(stack):

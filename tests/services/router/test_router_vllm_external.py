@@ -495,6 +495,9 @@ def test_pd_split_on_grpc_generate(pd_router) -> None:
     assert fin.routing.prefill_endpoint == pd_router["prefill"] and fin.routing.endpoint == pd_router["decode"]
     assert fin.usage.cached_tokens == fin.routing.predicted_cached_tokens == (
         fin.usage.prompt_tokens - 1) // 32 * 32 > 0, fin
+    # The prefill vLLM found none of this tenant's prompt cached: what the decode vLLM restored
+    # was computed for this request, a transfer and not a hit.
+    assert fin.routing.reused_tokens == 0 and fin.routing.transferred_tokens == fin.usage.cached_tokens, fin
 
 
 def test_killing_the_vllm_that_holds_a_conversation_moves_it(fleet) -> None:
