@@ -26,6 +26,8 @@ import httpx
 
 from kvmesh.routing.router import prefill_request_id
 from kvmesh.routing.scoring import max_hit_blocks
+from kvmesh_api.common.v1 import common_pb2
+from kvmesh_router.engine_usage import EngineUsage
 from kvmesh_router.openai_endpoint import CONNECT_ERRORS
 
 log = logging.getLogger(__name__)
@@ -59,17 +61,19 @@ class Prefilled:
     held_blocks: int
     cached_tokens: int | None
 
+    def usage(self) -> common_pb2.Usage | None:
+        """The prefill engine's count as the usage ``RouterService.count_reuse`` reads (an
+        external engine names no tier: the GPU's), None when it reported none."""
+        if self.cached_tokens is None:
+            return None
+        return common_pb2.Usage(cached_tokens=self.cached_tokens, cached_tokens_gpu=self.cached_tokens)
+
 
 def answer_cached_tokens(r: httpx.Response) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens`` of a non-streamed OpenAI answer, or None."""
-    try:
-        doc = r.json()
-    except ValueError:
-        return None
-    usage = doc.get("usage") if isinstance(doc, dict) else None
-    details = usage.get("prompt_tokens_details") if isinstance(usage, dict) else None
-    n = details.get("cached_tokens") if isinstance(details, dict) else None
-    return n if isinstance(n, int) and not isinstance(n, bool) and n >= 0 else None
+    """The cached prompt tokens a non-streamed answer reports, or None."""
+    usage = EngineUsage()
+    usage.from_json(r.content)
+    return usage.cached_tokens
 
 
 async def prefill(cluster: Any, load: Any, cfg: Any, request_id: str, keys: Any, num_tokens: int, block_size: int,

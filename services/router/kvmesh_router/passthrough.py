@@ -52,6 +52,7 @@ from kvmesh.routing.types import Decision
 from kvmesh.tokenization.chat_render import ChatRenderError, chat_request_from_body
 from kvmesh_api.common.v1 import common_pb2
 from kvmesh_router import external_split, metrics
+from kvmesh_router.engine_usage import EngineUsage
 from kvmesh_router.errors import BadRequest, RouterError, Unavailable
 from kvmesh_router.http_guard import SCOPE_KEY
 from kvmesh_router.http_outcome import answer_or_error, router_error_response
@@ -130,55 +131,6 @@ ROUTER_ONLY = ("kvmesh_policy",)
 def engine_body(body: dict[str, Any]) -> dict[str, Any]:
     """``body`` without the router's own fields, for an engine's own API."""
     return {k: v for k, v in body.items() if k not in ROUTER_ONLY}
-
-
-class _Usage:
-    """The engine's usage, from a JSON answer or the last SSE event that carries one.
-
-    OpenAI's ``usage`` has ``prompt_tokens`` and ``prompt_tokens_details.cached_tokens``;
-    Anthropic's has ``input_tokens`` (the uncached part), ``cache_read_input_tokens`` and
-    ``cache_creation_input_tokens``; a Responses answer's has ``input_tokens`` (all of the
-    prompt) and ``input_tokens_details.cached_tokens``, inside its ``response``."""
-
-    def __init__(self) -> None:
-        self.doc: dict[str, Any] | None = None
-        self._tail = b""
-
-    def from_json(self, raw: bytes) -> None:
-        try:
-            doc = json.loads(raw)
-        except ValueError:
-            return
-        if isinstance(doc, dict) and isinstance(doc.get("response"), dict):
-            doc = doc["response"]   # a Responses event (response.completed) carries the response
-        if isinstance(doc, dict) and isinstance(doc.get("usage"), dict):
-            self.doc = doc["usage"]
-
-    def feed(self, chunk: bytes) -> None:
-        lines = (self._tail + chunk).split(b"\n")
-        self._tail = lines.pop()
-        if len(self._tail) > 16 << 20:   # no newline for 16 MiB: not SSE; stop looking
-            self._tail = b""
-        for line in lines:
-            if line.startswith(b"data: {") and b'"usage"' in line:
-                self.from_json(line[6:])
-
-    @property
-    def cached_tokens(self) -> int | None:
-        doc = self.doc or {}
-        n = doc.get("cache_read_input_tokens")
-        if n is None:
-            n = (doc.get("prompt_tokens_details") or doc.get("input_tokens_details") or {}).get("cached_tokens")
-        return n if isinstance(n, int) else None
-
-    @property
-    def prompt_tokens(self) -> int | None:
-        doc = self.doc or {}
-        n = doc.get("prompt_tokens")
-        if n is None and isinstance(doc.get("input_tokens"), int):
-            n = sum(v for k in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")
-                    if isinstance(v := doc.get(k), int))
-        return n if isinstance(n, int) else None
 
 
 class AnswerTap(Protocol):
@@ -288,7 +240,7 @@ class Passthrough:
                 split_headers = {"x-kvmesh-split": "true" if done is not None else "failed",
                                  "x-kvmesh-prefill-endpoint": split_to}
                 if done is not None:
-                    p.prefill_usage = self.service.prefill_usage(done)
+                    p.prefill_usage = done.usage()
                     # The decode engine restores what the store now holds of the prompt.
                     tokens = max(d.predicted_cached_tokens, done.held_blocks * p.req.block_size)
                     d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
@@ -328,7 +280,7 @@ class Passthrough:
                     raise
                 finally:
                     await resp.aclose()
-                usage = _Usage()
+                usage = EngineUsage()
                 if resp.status_code == 200:
                     usage.from_json(raw)
                     if tap is not None:
@@ -362,7 +314,7 @@ class Passthrough:
 
     async def _stream(self, api: str, p: Prepared, d: Decision, resp: httpx.Response, shape: Shape,
                       tap: AnswerTap | None = None) -> AsyncIterator[bytes]:
-        usage = _Usage()
+        usage = EngineUsage()
         outcome = "broken"
         chunks = resp.aiter_raw() if tap is None else tap.stream(resp.aiter_raw())
         try:
@@ -383,7 +335,7 @@ class Passthrough:
                 self.service.settle(p, d)
                 metrics.REQUESTS.labels(api=api, outcome=outcome).inc()
 
-    def _done(self, api: str, p: Prepared, d: Decision, status: int, usage: _Usage) -> None:
+    def _done(self, api: str, p: Prepared, d: Decision, status: int, usage: EngineUsage) -> None:
         self.service.settle(p, d)
         metrics.REQUESTS.labels(api=api, outcome="ok" if status == 200 else f"http_{status}").inc()
         actual = usage.cached_tokens

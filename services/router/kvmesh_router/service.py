@@ -977,7 +977,7 @@ class RouterService:
                 return d, None
             held = done.held_blocks
             pspan.set_attribute("kvmesh.prefill_store_blocks", held)
-            p.prefill_usage = self.prefill_usage(done)
+            p.prefill_usage = done.usage()
         tokens = max(d.predicted_cached_tokens, held * p.req.block_size)
         d = dataclasses.replace(d, predicted_cached_tokens_offload=tokens - d.predicted_cached_tokens_gpu)
         inp.predicted_cached_tokens = d.predicted_cached_tokens
@@ -1004,14 +1004,6 @@ class RouterService:
                                    f"generated tokens: {generated}", generated) from None
             metrics.STALLS.labels(stage="first_token").inc()
             raise _BeforeFirstToken(f"STALLED: no token within {limit:g}s") from None
-
-    @staticmethod
-    def prefill_usage(done: external_split.Prefilled) -> common_pb2.Usage | None:
-        """An external prefill engine's answer as the usage ``count_reuse`` reads (its count
-        names no tier: the GPU's), None when it reported none."""
-        if done.cached_tokens is None:
-            return None
-        return common_pb2.Usage(cached_tokens=done.cached_tokens, cached_tokens_gpu=done.cached_tokens)
 
     @staticmethod
     def count_reuse(p: Prepared, usage: common_pb2.Usage, split: bool) -> tuple[int, int]:

@@ -599,6 +599,8 @@ async def test_a_conversation_over_external_engines(stack) -> None:
     ({"usage": {"prompt_tokens_details": {"cached_tokens": -1}}}, None),
     ({"usage": {"prompt_tokens_details": {"cached_tokens": True}}}, None),
     ({"usage": {"prompt_tokens_details": {"cached_tokens": "7"}}}, None),
+    ({"usage": {"prompt_tokens_details": [7]}}, None),
+    ({"usage": {"input_tokens": 2, "cache_read_input_tokens": 5}}, 5),   # an Anthropic Messages answer
     ([1, 2], None),
 ])
 def test_a_prefill_answers_cached_tokens_are_read_only_when_well_formed(doc, want) -> None:
