@@ -84,3 +84,28 @@ def test_a_router_told_there_is_no_store_scores_as_the_simulator_without_one() -
         assert core.offload_enabled is False
         assert core.scoring.blocking_w(core.offload_enabled) == cfg.scoring.blocking_weight
         assert core.scoring.cliff(core.offload_enabled)
+
+
+def test_split_survival_flags_match_and_are_checked(capsys) -> None:
+    """The survival rule of the P/D split (kvmesh.routing.survival): one flag pair, one help text and
+    one check for the router and the simulator."""
+    from kvmesh.config import ConfigError
+    from kvmesh.routing.pd_split import SplitConfig
+
+    for cls, prefix in ((RouterConfig, "KVMESH_ROUTER_"), (SimConfig, "KVMESH_SIM_")):
+        text = " ".join(_parser(cls, prefix).format_help().split())
+        assert f"(default: 0.9; env {prefix}SPLIT_SURVIVAL_FLOOR)" in text
+        assert f"(default: 0.95; env {prefix}SPLIT_SURVIVAL_DECAY)" in text
+        cfg = load_config(cls, _parser(cls, prefix).parse_args(["--split-survival-floor", "0.5"]),
+                          env_prefix=prefix, env=OFF)
+        assert cfg.split_survival_floor == 0.5 and cfg.split_survival_decay == SplitConfig.survival_decay
+    for bad in ({"split_survival_floor": 1.5}, {"split_survival_decay": 1.0}, {"split_survival_floor": -0.1}):
+        try:
+            RouterConfig(**bad).validate()
+        except ConfigError as exc:
+            assert next(iter(bad)) in str(exc)
+        else:
+            raise AssertionError(f"{bad} accepted")
+    sim = _simulate_parser()
+    args = sim.parse_args(["--trace", "x", "--split-survival-decay", "1.5"])
+    assert args.func(args) == 2 and "'split_survival_decay' must be in [0, 1)" in capsys.readouterr().out

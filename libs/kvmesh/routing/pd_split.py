@@ -18,7 +18,7 @@ response and the trace so a wrong split can be explained.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvmesh.routing.load import EffectiveLoad
@@ -34,6 +34,27 @@ class SplitConfig:
                                     metadata={"help": "... and below this many queued prefill tokens"})
     max_extra_ttft_s: float = field(default=1.0, metadata={
         "help": "do not split when it is estimated to delay the first token by more than this"})
+    survival_floor: float = field(default=0.9, metadata={
+        "help": "when the chosen endpoint's engine has lately found less than this share of the cached tokens "
+                "the router predicted there, count the share it is likely to miss as uncached: recomputed behind "
+                "that endpoint's queue, or restored at once on a prefill endpoint (kvmesh.routing.survival; "
+                "0 = off)"})
+    survival_decay: float = field(default=0.95, metadata={
+        "help": "weight of the past in that share, per request observed on the endpoint (0.95: about the "
+                "last 20)"})
+
+
+# The split's fields, for the services' and the simulator's flags that set them (one help text).
+SPLIT_FIELDS = {f.name: f for f in fields(SplitConfig)}
+
+
+def survival_problem(floor: float, decay: float) -> str:
+    """What is wrong with the survival rule's settings ('' when nothing): both are shares."""
+    if not 0.0 <= floor <= 1.0:
+        return f"setting 'split_survival_floor' must be in [0, 1], got {floor}"
+    if not 0.0 <= decay < 1.0:
+        return f"setting 'split_survival_decay' must be in [0, 1), got {decay}"
+    return ""
 
 
 @dataclass

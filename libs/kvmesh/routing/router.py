@@ -21,6 +21,7 @@ from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
 from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext
 from kvmesh.routing.registry import make_policy
 from kvmesh.routing.scoring import ScoringConfig, max_hit_blocks, split_extra_s
+from kvmesh.routing.survival import HitSurvival
 from kvmesh.routing.types import Candidate, Decision, EndpointView, Matches, RouteRequest
 
 log = logging.getLogger(__name__)
@@ -72,6 +73,7 @@ class RouterCore:
         self.hasher = hasher or BlockHasher(self.cfg.hash_algo, self.cfg.block_size, self.cfg.hash_seed)
         self.hash_cache = HashCache(self.hasher, self.cfg.hash_cache)
         self.load = LoadView(staleness_s=self.cfg.load_staleness_s, reuse_window_s=self.cfg.scoring.reuse_window_s)
+        self.survival = HitSurvival(self.cfg.split.survival_decay, self.cfg.split.survival_floor)
         self.endpoints: dict[str, EndpointView] = {}
         self._eligible: dict[tuple[str, str, frozenset[str], int], _Eligible] = {}
         self._policies: dict[str, Policy] = {}
@@ -113,6 +115,7 @@ class RouterCore:
         if self.endpoints.pop(endpoint_id, None) is not None:
             self.load.forget(endpoint_id)
             self.load.working_set.forget_endpoint(endpoint_id)
+            self.survival.forget(endpoint_id)
             for p in self._policies.values():
                 p.forget_endpoint(endpoint_id)
 
@@ -175,6 +178,10 @@ class RouterCore:
         # Blocks credited only as a split sibling's pending prefill are not there to reuse
         # without a split: they count as uncached for the threshold.
         uncached = decision.uncached_tokens + (win.pending_blocks * req.block_size if win is not None else 0)
+        # What the chosen endpoint's engine has lately not found of its predicted hits is likely
+        # recomputed there too: a split restores it from the store now instead.
+        lost = self.survival.expected_loss(decision.endpoint_id, decision.predicted_cached_tokens)
+        uncached += lost
         if not self.cfg.split.enabled or uncached < self.cfg.split.threshold_tokens:
             # The rule stops before it looks at any prefill endpoint (most requests).
             return decide_split(uncached, req.num_tokens, pre, {}, self.cfg.split)
@@ -198,7 +205,7 @@ class RouterCore:
         def extra(ep: str, ld: EffectiveLoad) -> float:
             gpu, shared = remote(ep)
             return split_extra_s(win, req.num_tokens, req.block_size, max(ld.prefill_tokens - shared, 0.0),
-                                 self.cfg.scoring, gpu)
+                                 self.cfg.scoring, gpu, lost)
 
         def remote_uncached(ep: str) -> int:
             return max(0, req.num_tokens - max(win.store_blocks, remote(ep)[0]) * req.block_size)
@@ -244,6 +251,11 @@ class RouterCore:
         tokens, at = last
         expected = min(tokens // req.block_size, max(win.gpu_blocks - win.speculative_blocks, win.store_blocks))
         self.load.store_horizon.observe(now - at, expected, min(win.store_blocks, expected))
+
+    def on_engine_cached(self, endpoint_id: str, predicted_tokens: int, actual_tokens: int) -> None:
+        """The engine's cached tokens for a request that ran on ``endpoint_id`` without a split,
+        against the router's prediction (``kvmesh.routing.survival``)."""
+        self.survival.observe(endpoint_id, predicted_tokens, actual_tokens)
 
     def on_first_token(self, req: RouteRequest, now: float | None = None) -> None:
         """``now`` times the request's decode on its endpoint (``EffectiveLoad.residence_s``)."""

@@ -579,13 +579,15 @@ def kept_share(capacity_tokens: float, others_tokens: float, cfg: ScoringConfig)
 
 
 def split_extra_s(win: Candidate, num_tokens: int, block_size: int, prefill_queued_tokens: float,
-                  cfg: ScoringConfig, remote_gpu_blocks: int = 0) -> float:
+                  cfg: ScoringConfig, remote_gpu_blocks: int = 0, local_lost_tokens: int = 0) -> float:
     """Estimated TTFT a P/D split adds over prefilling on the chosen endpoint (negative: it saves).
 
     Split: wait on the prefill endpoint, take what its own GPU cache holds
     (``remote_gpu_blocks``, leading), restore what the store holds beyond that, compute
     the rest, then the decode endpoint restores the whole prompt beyond its own GPU hit.
     For a long cached context that is two restores of it against none at home.
+    ``local_lost_tokens``: the tail of the chosen endpoint's predicted hit its engine is likely
+    not to find by the time the turn runs there (``kvmesh.routing.survival``), recomputed.
     """
     remote_cached = max(win.store_blocks, remote_gpu_blocks) * block_size
     restored = max(win.store_blocks - remote_gpu_blocks, 0) * block_size
@@ -593,6 +595,10 @@ def split_extra_s(win: Candidate, num_tokens: int, block_size: int, prefill_queu
               + cfg.prefill_cost(num_tokens - remote_cached, remote_cached)
               + _restore(restored, cfg) + _restore(num_tokens - win.gpu_blocks * block_size, cfg))
     local = win.wait_s + win.own_s
+    if local_lost_tokens > 0:
+        cached = num_tokens - win.uncached_tokens
+        lost = min(local_lost_tokens, cached)
+        local += cfg.prefill_cost(win.uncached_tokens + lost, cached - lost) - cfg.prefill_cost(win.uncached_tokens, cached)
     if win.pending_blocks:
         # Without a split, a sibling's pending prefix is not there yet: it is computed locally.
         p = win.pending_blocks * block_size

@@ -80,6 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from kvmesh.routing.pd_split import survival_problem
     from kvmesh.routing.registry import available_policies
     from kvmesh_tools.clustersim.config import SimConfig
     from kvmesh_tools.clustersim.report import render_table, write_plots
@@ -108,6 +109,9 @@ def _run(args: argparse.Namespace) -> int:
             return 2
     if cfg.prefill_workers < 0 or cfg.offload_capacity_tokens < 0:
         print("error: --prefill-workers and --offload-capacity-tokens must be >= 0")
+        return 2
+    if problem := survival_problem(cfg.split_survival_floor, cfg.split_survival_decay):
+        print(f"error: {problem}")
         return 2
     try:
         regimes = parse_regimes(run.regimes) if run.regimes else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from kvmesh.routing.pd_split import SPLIT_FIELDS, SplitConfig
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 
 
@@ -29,6 +30,10 @@ class SimConfig:
     load_poll_s: float = field(default=0.25, metadata={"help": "how often the router refreshes worker load"})
     split_threshold_tokens: int = field(default=2048, metadata={
         "help": "P/D split when uncached tokens on the chosen decode worker reach this"})
+    split_survival_floor: float = field(default=SplitConfig.survival_floor,
+                                        metadata=SPLIT_FIELDS["survival_floor"].metadata)
+    split_survival_decay: float = field(default=SplitConfig.survival_decay,
+                                        metadata=SPLIT_FIELDS["survival_decay"].metadata)
     speculative_ttl_s: float = field(default=2.0, metadata={"help": "router speculative entry TTL"})
     model: str = field(default="sim-model", metadata={"help": "model name (index namespace)"})
     seed: int = field(default=0, metadata={"help": "seed (session starts, random policy)"})

@@ -149,7 +149,9 @@ class ClusterSim:
                                     # The prefill's KV reaches the decode worker through the
                                     # store: without one there is no split (prefill workers idle).
                                     split=SplitConfig(enabled=cfg.prefill_workers > 0 and cfg.offload_capacity_tokens > 0,
-                                                      threshold_tokens=cfg.split_threshold_tokens),
+                                                      threshold_tokens=cfg.split_threshold_tokens,
+                                                      survival_floor=cfg.split_survival_floor,
+                                                      survival_decay=cfg.split_survival_decay),
                                     # RouterCore builds policies unseeded; a simulation must be reproducible.
                                     policy_options={"random": {"seed": cfg.seed}})
         self.core = RouterCore(core_cfg)
@@ -632,6 +634,8 @@ class ClusterSim:
                 cached = max(0, seq.num_cached_tokens)
                 job.cached_gpu = min(seq.num_cached_gpu, cached)
                 job.cached_offload = cached - job.cached_gpu
+                if not job.split and job.decision is not None:
+                    self.core.on_engine_cached(job.decision.endpoint_id, job.decision.predicted_cached_tokens, cached)
             else:
                 job.decode_cached = max(0, seq.num_cached_tokens)
             if not seq.prefill_only:

@@ -164,6 +164,7 @@ class Cluster:
             if self.external.urls.pop(rid, None) is not None:
                 self.http_addresses.pop(rid, None)
                 self.core.remove_endpoint(rid)
+                metrics.forget_endpoint(rid)
 
     def _drop_channel(self, eid: str) -> None:
         self.lora_paths.pop(eid, None)
@@ -261,6 +262,7 @@ class Cluster:
                     if ep.source == "registry" and eid not in seen]:
             log.info("endpoint left the registry", extra={"endpoint": eid})
             self.core.remove_endpoint(eid)
+            metrics.forget_endpoint(eid)
             self.local_view.forget_endpoint(eid)
             self._drop_channel(eid)
 

@@ -8,6 +8,7 @@ from typing import ClassVar
 from kvmesh.config import ConfigError
 from kvmesh.metrics_http import METRICS_AUTH_METADATA, MetricsAuthConfig
 from kvmesh.responses_api.store.registry import store_name
+from kvmesh.routing.pd_split import SPLIT_FIELDS, SplitConfig, survival_problem
 from kvmesh.routing.registry import available_policies
 from kvmesh.routing.scoring import SCORING_METADATA, ScoringConfig
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
@@ -102,6 +103,10 @@ class RouterConfig:
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
+    split_survival_floor: float = field(default=SplitConfig.survival_floor,
+                                        metadata=SPLIT_FIELDS["survival_floor"].metadata)
+    split_survival_decay: float = field(default=SplitConfig.survival_decay,
+                                        metadata=SPLIT_FIELDS["survival_decay"].metadata)
     split_store_wait_s: float = field(default=5.0, metadata={
         "help": "external P/D split: longest wait, after the prefill engine answered, for the store to hold the "
                 "prompt's KV (the index says so) before the decode engine is sent the request"})
@@ -203,6 +208,8 @@ class RouterConfig:
             raise ConfigError("setting 'external_dp_size' must be in [1, 1024]")
         if self.block_size <= 0:
             raise ConfigError("setting 'block_size' must be > 0")
+        if problem := survival_problem(self.split_survival_floor, self.split_survival_decay):
+            raise ConfigError(problem)
         if self.max_attempts < 1:
             raise ConfigError("setting 'max_attempts' must be >= 1")
         if self.tokenize_parts < 0:

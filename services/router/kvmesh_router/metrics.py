@@ -24,6 +24,10 @@ MISPREDICTIONS = Counter("kvmesh_router_mispredictions_total",
                          "requests whose predicted cached tokens differ from the engine's, by cause "
                          "(kvmesh.routing.fidelity: evicted, filled, lag, speculative, lookup_timeout, view_bug, "
                          "no_index, split, unknown)", ["cause"])
+HIT_SURVIVAL = Gauge("kvmesh_router_hit_survival",
+                     "share of the router's predicted cached tokens the endpoint's engine lately found, requests "
+                     "without a split (kvmesh.routing.survival; below --split-survival-floor the split rule counts "
+                     "the rest as uncached)", ["endpoint"])
 PROMPT_TOKENS = Counter("kvmesh_router_prompt_tokens_total", "prompt tokens routed")
 CACHED_TOKENS = Counter("kvmesh_router_cached_tokens_total",
                         "prompt tokens no worker computed for the request, by tier (a split's: its prefill "
@@ -59,3 +63,11 @@ HEDGES = Counter("kvmesh_router_hedges_total",
                  "hedged first tokens (sent: a second copy went out; won: the copy answered first; lost: the "
                  "first try did; denied: the hedge budget was spent; no_endpoint: no other endpoint could take it)",
                  ["event"])
+
+
+def forget_endpoint(endpoint_id: str) -> None:
+    """Drop an endpoint's per-endpoint series when it leaves (pods come and go under new names)."""
+    try:
+        HIT_SURVIVAL.remove(endpoint_id)
+    except KeyError:
+        pass

@@ -1005,6 +1005,13 @@ class RouterService:
             metrics.STALLS.labels(stage="first_token").inc()
             raise _BeforeFirstToken(f"STALLED: no token within {limit:g}s") from None
 
+    def observe_engine_cached(self, endpoint_id: str, predicted: int, actual: int) -> None:
+        """A request that ran on ``endpoint_id`` without a split: how much of its predicted hit the
+        engine found, for the split rule (``kvmesh.routing.survival``) and the operator's gauge."""
+        self.core.on_engine_cached(endpoint_id, predicted, actual)
+        if predicted > 0:
+            metrics.HIT_SURVIVAL.labels(endpoint=endpoint_id).set(self.core.survival.rate(endpoint_id))
+
     @staticmethod
     def count_reuse(p: Prepared, usage: common_pb2.Usage, split: bool) -> tuple[int, int]:
         """The hit-rate counters, and the request's (reused, transferred) tokens for its
@@ -1059,6 +1066,8 @@ class RouterService:
             decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0, hash_ms=inp.hash_s * 1000.0,
             lookup_ms=inp.lookup_s * 1000.0)
         actual = usage.cached_tokens
+        if not split_done:
+            self.observe_engine_cached(d.endpoint_id, predicted, actual)
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         routing.reused_tokens, routing.transferred_tokens = self.count_reuse(p, usage, split=split_done)
         metrics.PREDICTED_TOKENS.inc(predicted)

@@ -599,3 +599,54 @@ def test_marking_an_endpoint_down_and_up_changes_the_eligible_set_at_once():
     assert {e.endpoint_id for e in core.decode_endpoints("m")} == {"e0", "e1", "e2"}
     core.decode_endpoints("m").clear()   # callers get a copy: the cached list is not theirs to change
     assert len(core.decode_endpoints("m")) == 3
+
+
+def test_split_counts_the_hit_the_chosen_engine_keeps_losing():
+    split = SplitConfig(enabled=True, threshold_tokens=100, survival_decay=0.0, survival_floor=0.9)
+    core = _core(2, split=split)
+    core.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    n = 8000
+    cached = (n - 48) // BS
+    req = _req(core, _tokens(n), "r", session="s")
+    # The home shows 7,952 tokens on GPU and the store holds them too; 48 are new.
+    m = Matches(per_endpoint={"e0": TierMatch(gpu=cached)}, store=TierMatch(cpu=cached))
+    d = core.decide(req, m, now=0.0)
+    predicted = d.predicted_cached_tokens
+    assert d.endpoint_id == "e0" and predicted == cached * BS and d.uncached_tokens < 100
+    assert not core.decide_split(d, req, now=0.0, matches=m).split      # trusted: nothing to split
+    # e0's engine lately found a fifth of what the router predicted there: 4/5 of this hit is
+    # likely recomputed behind its queue, so the rule counts it as uncached and the prefill
+    # endpoint restores the prompt from the store instead.
+    core.on_engine_cached("e0", 10_000, 2_000)
+    s = core.decide_split(d, req, now=0.0, matches=m)
+    assert s.split and s.prefill_endpoint == "p0"
+    assert s.inputs["uncached_tokens"] == d.uncached_tokens + int(0.8 * predicted)
+    assert s.inputs["split_extra_ttft_s"] < 0
+    # Once the engine finds what is predicted again, the hit is trusted again.
+    core.on_engine_cached("e0", 10_000, 10_000)
+    assert not core.decide_split(d, req, now=0.0, matches=m).split
+    # Off (floor 0): the prediction alone decides, however badly it fared.
+    off = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100, survival_floor=0.0))
+    off.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    off.on_engine_cached("e0", 10_000, 0)
+    d = off.decide(req, m, now=0.0)
+    assert not off.decide_split(d, req, now=0.0, matches=m).split
+
+
+def test_split_extra_prices_the_lost_tail_as_a_local_recompute():
+    from kvmesh.routing.scoring import split_extra_s
+    from kvmesh.routing.types import Candidate
+    cfg = ScoringConfig()
+    n, u = 50_000, 2_000
+    win = Candidate(endpoint_id="e0", cost=0.0, credit_blocks=0.0, gpu_blocks=(n - u) // BS, offload_blocks=0,
+                    speculative_blocks=0, uncached_tokens=u, queue=0, prefill_tokens=0.0, wait_s=3.0,
+                    own_s=cfg.prefill_cost(u, n - u), store_blocks=(n - u) // BS)
+    base = split_extra_s(win, n, BS, 0.0, cfg)
+    lost = 30_000
+    with_loss = split_extra_s(win, n, BS, 0.0, cfg, local_lost_tokens=lost)
+    # Locally the lost 30,000 tokens are recomputed (attention over what survives), not hit.
+    extra_local = cfg.prefill_cost(u + lost, n - u - lost) - cfg.prefill_cost(u, n - u)
+    assert with_loss == pytest.approx(base - extra_local)
+    # At most the whole predicted hit is lost.
+    assert split_extra_s(win, n, BS, 0.0, cfg, local_lost_tokens=10 * n) == pytest.approx(
+        base - (cfg.prefill_cost(n, 0) - cfg.prefill_cost(u, n - u)))

@@ -57,6 +57,13 @@ def _misses(metrics_port: int) -> dict[str, float]:
     return out
 
 
+def _survival(metrics_port: int) -> dict[str, float]:
+    """``kvmesh_router_hit_survival`` by endpoint (kvmesh.routing.survival)."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    return {s.labels["endpoint"]: s.value for fam in text_string_to_metric_families(text)
+            if fam.name == "kvmesh_router_hit_survival" for s in fam.samples}
+
+
 class _Stack:
     def __init__(self, tmp: Path, bug: bool) -> None:
         self.procs: list[ServiceProcess] = []
@@ -116,6 +123,8 @@ def test_exact_predictions_carry_no_class_and_the_store_is_predicted(stack: _Sta
         tokens = tokens + out + rand_tokens(60, 700 + turn)
         st.wait_indexed(holder, tokens=tokens[:64])
         time.sleep(0.4)
+    # Every predicted hit was found: the split rule trusts the holder's predictions in full.
+    assert _survival(stack.metrics_port)[holder] == 1.0
     # The holder dies; the store (registered for every model) still has the prefix, and the
     # router knows it: the restore is predicted, not a surprise.
     st.wait_indexed("store-0", tokens=tokens[:64])
@@ -157,5 +166,8 @@ def test_a_planted_view_bug_is_caught(tmp_path: Path) -> None:
         assert fin.routing.predicted_cached_tokens == fin.usage.cached_tokens + 32
         assert fin.routing.mismatch == "view_bug"
         assert _misses(s.metrics_port).get("view_bug", 0) >= 1
+        # The engine found less than predicted, and the survival ratio the split rule reads says so.
+        rate = _survival(s.metrics_port)[fin.routing.endpoint]
+        assert 0.0 < rate < 1.0
     finally:
         s.close()
