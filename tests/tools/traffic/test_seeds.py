@@ -43,6 +43,10 @@ def test_best_counts_follow_the_targets_rules_by_hand():
     at_ceiling = best_counts(_summary(a=(0.9495, 1, 1, 1, 0.9500), b=(0.9500, 1, 1, 1, 0.9500),
                                       c=(0.9489, 1, 1, 1, 0.9500)))
     assert [at_ceiling[p]["hit"] for p in "abc"] == [True, True, False]
+    # A policy above the ceiling (prefill workers' caches are not in it) is not tied with ones at it.
+    above = best_counts(_summary(a=(0.8789, 1, 1, 1, 0.8639), b=(0.8625, 1, 1, 1, 0.8639),
+                                 c=(0.8781, 1, 1, 1, 0.8639)))
+    assert [above[p]["hit"] for p in "abc"] == [True, False, False]
 
 
 def test_each_seed_is_the_plain_run_and_the_aggregate_is_over_them():
