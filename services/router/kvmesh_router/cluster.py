@@ -163,8 +163,12 @@ class Cluster:
             self.external.ranks.pop(rid, None)
             if self.external.urls.pop(rid, None) is not None:
                 self.http_addresses.pop(rid, None)
-                self.core.remove_endpoint(rid)
-                metrics.forget_endpoint(rid)
+                self._remove_endpoint(rid)
+
+    def _remove_endpoint(self, eid: str) -> None:
+        """Forget an endpoint that left: the routing core's state and its per-endpoint metrics."""
+        self.core.remove_endpoint(eid)
+        metrics.forget_endpoint(eid)
 
     def _drop_channel(self, eid: str) -> None:
         self.lora_paths.pop(eid, None)
@@ -261,8 +265,7 @@ class Cluster:
         for eid in [eid for eid, ep in self.core.endpoints.items()
                     if ep.source == "registry" and eid not in seen]:
             log.info("endpoint left the registry", extra={"endpoint": eid})
-            self.core.remove_endpoint(eid)
-            metrics.forget_endpoint(eid)
+            self._remove_endpoint(eid)
             self.local_view.forget_endpoint(eid)
             self._drop_channel(eid)
 

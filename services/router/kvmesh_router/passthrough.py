@@ -344,11 +344,12 @@ class Passthrough:
             metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         if actual is None:
             return
-        if p.prefill_usage is None:
+        split = p.prefill_usage is not None
+        if not split:
             self.service.observe_engine_cached(d.endpoint_id, d.predicted_cached_tokens, actual)
         # A split's decode engine counts the KV its prefill engine computed as cached: reuse is
         # what the prefill engine found (RouterService.count_reuse).
-        self.service.count_reuse(p, common_pb2.Usage(cached_tokens=actual), split=p.prefill_usage is not None)
+        self.service.count_reuse(p, common_pb2.Usage(cached_tokens=actual), split=split)
         metrics.CACHED_DIFF.observe(actual - d.predicted_cached_tokens)
         if actual != d.predicted_cached_tokens:
             metrics.MISMATCHES.inc()

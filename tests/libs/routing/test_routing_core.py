@@ -487,9 +487,16 @@ def test_pending_overlap_counts_only_queued_prefill_of_the_shared_prefix():
     assert lv.pending_overlap(keys, BS) == {}
 
 
+def _split_core(policy: str = "precise", prefill: tuple[str, ...] = ("p0", "p1"), **split) -> RouterCore:
+    """Two decode endpoints and ``prefill`` endpoints, splitting from 100 uncached tokens."""
+    core = _core(2, policy=policy, split=SplitConfig(enabled=True, threshold_tokens=100, **split))
+    for p in prefill:
+        core.set_endpoint(EndpointView(p, "", "m", role="prefill"))
+    return core
+
+
 def test_split_request_charges_its_prefill_to_the_prefill_endpoint_only():
-    core = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100))
-    core.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    core = _split_core(prefill=("p0",))
     req = _req(core, _tokens(2000), "r")
     d = core.decide(req, Matches(), now=0.0)
     split = core.decide_split(d, req, now=0.0)
@@ -500,8 +507,7 @@ def test_split_request_charges_its_prefill_to_the_prefill_endpoint_only():
 
 
 def test_split_stays_local_when_two_restores_of_a_long_context_cost_more():
-    core = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100))
-    core.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    core = _split_core(prefill=("p0",))
     n = 200_000
     cached = (n - 3000) // BS
     req = _req(core, _tokens(n), "r", session="s")
@@ -516,13 +522,6 @@ def test_split_stays_local_when_two_restores_of_a_long_context_cost_more():
     fresh = _req(core, _tokens(3000, seed=5), "f")
     d = core.decide(fresh, Matches(), now=0.0)
     assert core.decide_split(d, fresh, now=0.0).split
-
-
-def _split_core(policy: str = "precise") -> RouterCore:
-    core = _core(2, policy=policy, split=SplitConfig(enabled=True, threshold_tokens=100))
-    for p in ("p0", "p1"):
-        core.set_endpoint(EndpointView(p, "", "m", role="prefill"))
-    return core
 
 
 def test_split_goes_to_the_prefill_endpoint_that_still_holds_the_prefix():
@@ -602,9 +601,7 @@ def test_marking_an_endpoint_down_and_up_changes_the_eligible_set_at_once():
 
 
 def test_split_counts_the_hit_the_chosen_engine_keeps_losing():
-    split = SplitConfig(enabled=True, threshold_tokens=100, survival_decay=0.0, survival_floor=0.9)
-    core = _core(2, split=split)
-    core.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    core = _split_core(prefill=("p0",), survival_decay=0.0, survival_floor=0.9)
     n = 8000
     cached = (n - 48) // BS
     req = _req(core, _tokens(n), "r", session="s")
@@ -626,8 +623,7 @@ def test_split_counts_the_hit_the_chosen_engine_keeps_losing():
     core.on_engine_cached("e0", 10_000, 10_000)
     assert not core.decide_split(d, req, now=0.0, matches=m).split
     # Off (floor 0): the prediction alone decides, however badly it fared.
-    off = _core(2, split=SplitConfig(enabled=True, threshold_tokens=100, survival_floor=0.0))
-    off.set_endpoint(EndpointView("p0", "127.0.0.1:9100", "m", role="prefill"))
+    off = _split_core(prefill=("p0",), survival_floor=0.0)
     off.on_engine_cached("e0", 10_000, 0)
     d = off.decide(req, m, now=0.0)
     assert not off.decide_split(d, req, now=0.0, matches=m).split
