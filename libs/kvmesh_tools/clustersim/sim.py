@@ -101,6 +101,15 @@ class PolicyResult:
     records: list[dict[str, Any]] = field(default_factory=list)            # per request, in release order
 
 
+def _moved_metrics(done: list[Job], prompt: int) -> dict[str, Any]:
+    """``moved_requests``, their share of all prompt tokens, and their hit rate."""
+    moved = [j for j in done if j.moved]
+    mp = sum(j.req.input_tokens for j in moved)
+    reused = sum(j.cached_gpu + j.cached_offload for j in moved)
+    return {"moved_requests": len(moved), "moved_prompt_share": round(mp / prompt, 4) if prompt else 0.0,
+            "moved_hit_rate": round(reused / mp, 4) if mp else 0.0}
+
+
 def _pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -686,6 +695,9 @@ class ClusterSim:
             "load_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 0.0,
             "preemptions": sum(w.sched.num_preemptions for w in self.workers),
             "split_requests": sum(1 for j in done if j.split),
+            # Turns routed away from their session's previous endpoint: what they carry of the
+            # prompt and what they reused, beside the rest (a policy's moves trade reuse for wait).
+            **_moved_metrics(done, prompt),
             # Admission control: requests held at the router at least once, and for how long in all.
             "held_requests": sum(1 for j in self.jobs if j.holds),
             "held_s_total": round(sum(j.holds for j in self.jobs) * self.core.cfg.scoring.admit_recheck_s, 1),

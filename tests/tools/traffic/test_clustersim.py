@@ -79,6 +79,21 @@ def test_accounting_and_contract_keys() -> None:
     assert rep["results"]["precise"]["gpu_hit_rate"] > rep["results"]["round_robin"]["gpu_hit_rate"]
 
 
+def test_moved_turns_are_counted_with_their_reuse() -> None:
+    """A turn routed away from its session's previous endpoint is a move: sticky ``session``
+    never moves, round robin does, and the moved turns' reuse is theirs alone."""
+    rep = simulate_policies(_trace(), _cfg(), ["session", "round_robin"], jobs=1, records=True)
+    assert rep["results"]["session"]["moved_requests"] == 0
+    assert rep["results"]["session"]["moved_hit_rate"] == 0.0
+    m = rep["results"]["round_robin"]
+    moved = [r for r in rep["records"]["round_robin"] if r["moved"] and r["ttft_s"] is not None and not r["error"]]
+    assert m["moved_requests"] == len(moved) > 0
+    prompt = sum(r["prompt"] for r in moved)
+    assert m["moved_hit_rate"] == round(sum(r["cached_gpu"] + r["cached_offload"] for r in moved) / prompt, 4)
+    assert m["moved_prompt_share"] == round(prompt / m["prompt_tokens"], 4)
+    assert 0 < m["moved_prompt_share"] < 1
+
+
 def test_corpus_rows_with_an_empty_prompt_or_no_output_are_simulated(tmp_path: Path) -> None:
     """Published Claude Code corpora hold rows with ``out`` 0 (and could hold ``in`` 0) and
     sub-agents launched without waiting: every policy runs them to the end, without errors."""
