@@ -17,6 +17,7 @@ from kvmesh.hashing import BlockHasher, ExtraKeys
 from kvmesh.routing.admission import hold_reason
 from kvmesh.routing.hash_cache import ChainResult, ConcatTokens, HashCache, HashCacheConfig
 from kvmesh.routing.load import EffectiveLoad, LoadView
+from kvmesh.routing.moves import SessionMoves
 from kvmesh.routing.pd_split import SplitConfig, SplitDecision, decide_split
 from kvmesh.routing.policy import NoEndpointError, Policy, RouteContext
 from kvmesh.routing.registry import make_policy
@@ -74,6 +75,7 @@ class RouterCore:
         self.hash_cache = HashCache(self.hasher, self.cfg.hash_cache)
         self.load = LoadView(staleness_s=self.cfg.load_staleness_s, reuse_window_s=self.cfg.scoring.reuse_window_s)
         self.survival = HitSurvival(self.cfg.split.survival_decay, self.cfg.split.survival_floor)
+        self.moves = SessionMoves()
         self.endpoints: dict[str, EndpointView] = {}
         self._eligible: dict[tuple[str, str, frozenset[str], int], _Eligible] = {}
         self._policies: dict[str, Policy] = {}
@@ -238,6 +240,7 @@ class RouterCore:
             self._observe_store(req, win, now)
         self.load.working_set.touch(req.session_id, decision.endpoint_id, req.num_tokens, now,
                                     stored * req.block_size)
+        decision.moved = self.moves.observe(req.session_id, decision.endpoint_id)
         self.policy(decision.policy).on_routed(req, decision, now, prefill_ep)
 
     def _observe_store(self, req: RouteRequest, win: Candidate, now: float) -> None:

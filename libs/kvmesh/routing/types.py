@@ -147,6 +147,9 @@ class Decision:
     # Non-empty: admission control holds the request at the router (kvmesh.routing.admission);
     # the caller decides again after ``ScoringConfig.admit_recheck_s`` instead of sending it.
     hold: str = ""
+    # Set when the request is sent: its session's previous turn went to another endpoint
+    # (kvmesh.routing.moves).
+    moved: bool = False
 
     @property
     def predicted_cached_tokens(self) -> int:

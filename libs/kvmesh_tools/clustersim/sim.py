@@ -197,7 +197,6 @@ class ClusterSim:
         self._rows_version = -1
         self._worker_rows = np.zeros(0, dtype=np.intp)
         self.jobs: list[Job] = []
-        self._last_ep: dict[str, int] = {}   # session -> decode endpoint of its last routed turn
         self.errors = 0
         # A queued sequence's restore: False while its KV loads, True once loaded (until scheduled).
         self._restore: dict[Seq, bool] = {}
@@ -309,12 +308,10 @@ class ClusterSim:
             return
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
-        prev = self._last_ep.get(route.session_id)
-        job.moved = prev is not None and prev != job.decode_ep
-        self._last_ep[route.session_id] = job.decode_ep
         job.view = self._view_at_decision(job, decision, matches)
         split = self.core.decide_split(decision, route, self.now, matches=matches)
         self.core.on_routed(route, decision, self.now, split)
+        job.moved = decision.moved
         if split.split:
             job.split = True
             job.prefill_ep = self.by_id[split.prefill_endpoint]

@@ -35,6 +35,12 @@ CACHED_TOKENS = Counter("kvmesh_router_cached_tokens_total",
 TRANSFERRED_TOKENS = Counter("kvmesh_router_transferred_tokens_total",
                              "prompt tokens a split's decode endpoint restored from what its prefill endpoint "
                              "computed (engine-reported as cached, but computed for the request)")
+MOVED_REQUESTS = Counter("kvmesh_router_moved_requests_total",
+                         "requests sent to another endpoint than their session's previous turn (kvmesh.routing.moves)")
+MOVED_PROMPT_TOKENS = Counter("kvmesh_router_moved_prompt_tokens_total", "prompt tokens of the moved requests")
+MOVED_CACHED_TOKENS = Counter("kvmesh_router_moved_cached_tokens_total",
+                              "of the moved requests' prompt tokens, those no worker computed for them (as "
+                              "kvmesh_router_cached_tokens_total counts them)")
 PREDICTED_TOKENS = Counter("kvmesh_router_predicted_cached_tokens_total", "predicted cached prompt tokens")
 OVERHEAD = Histogram("kvmesh_router_routing_overhead_seconds", "tokens in -> decision out",
                      buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))

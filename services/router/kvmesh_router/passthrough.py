@@ -349,7 +349,9 @@ class Passthrough:
             self.service.observe_engine_cached(d.endpoint_id, d.predicted_cached_tokens, actual)
         # A split's decode engine counts the KV its prefill engine computed as cached: reuse is
         # what the prefill engine found (RouterService.count_reuse).
-        self.service.count_reuse(p, common_pb2.Usage(cached_tokens=actual), split=split)
+        reused, _ = self.service.count_reuse(p, common_pb2.Usage(cached_tokens=actual), split=split)
+        if usage.prompt_tokens is not None:
+            self.service.count_moved(d, usage.prompt_tokens, reused)
         metrics.CACHED_DIFF.observe(actual - d.predicted_cached_tokens)
         if actual != d.predicted_cached_tokens:
             metrics.MISMATCHES.inc()

@@ -598,8 +598,8 @@ class RouterService:
                     metrics.OVERHEAD.observe(overhead)
                     inp.decision_s = now - (inp.received if inp.received is not None else t0)
                     metrics.DECISION.observe(inp.decision_s)
+                self.record_routed(p, d, split)   # first: it marks the decision moved or not
                 self._trace_decision(span, d, split, attempts)
-                self.record_routed(p, d, split)
                 try:
                     async for item in self._attempt(p, inp, d, split, attempts, overhead, span, exclude, failures):
                         yield item
@@ -640,6 +640,7 @@ class RouterService:
         span.set_attribute("kvmesh.route.uncached_tokens", d.uncached_tokens)
         span.set_attribute("kvmesh.route.fallback", d.fallback)
         span.set_attribute("kvmesh.route.attempt", attempts)
+        span.set_attribute("kvmesh.route.moved", d.moved)
         span.set_attribute("kvmesh.route.candidates",
                            [f"{c.endpoint_id}:cost={c.cost:.3f}s:cached={c.credit_blocks:g}:q={c.queue:g}"
                             + (f":{c.excluded}" if c.excluded else "") for c in d.candidates[:16]])
@@ -1033,6 +1034,16 @@ class RouterService:
         metrics.CACHED_TOKENS.labels(tier="offload").inc(offload)
         return gpu + offload, transferred
 
+    @staticmethod
+    def count_moved(d: Decision, prompt_tokens: int, reused_tokens: int) -> None:
+        """The moved-turn counters: a request its router sent away from its session's previous
+        endpoint (``Decision.moved``), with its prompt and what it reused, so an operator reads
+        what moves cost in hit rate the way the simulator reports it (``moved_hit_rate``)."""
+        if d.moved:
+            metrics.MOVED_REQUESTS.inc()
+            metrics.MOVED_PROMPT_TOKENS.inc(prompt_tokens)
+            metrics.MOVED_CACHED_TOKENS.inc(reused_tokens)
+
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],
                ttft: float, attempt: int, overhead: float, span: trace.Span,
@@ -1070,6 +1081,7 @@ class RouterService:
             self.observe_engine_cached(d.endpoint_id, predicted, actual)
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         routing.reused_tokens, routing.transferred_tokens = self.count_reuse(p, usage, split=split_done)
+        self.count_moved(d, usage.prompt_tokens, routing.reused_tokens)
         metrics.PREDICTED_TOKENS.inc(predicted)
         routing.mismatch = self._mismatch(p, d, msg, actual, handle is not None, predicted)
         if self.cfg.local_view_ttl_s > 0:

@@ -220,6 +220,23 @@ def test_simple_policies_route_and_fail_cleanly(name):
         core.decide(_req(core, _tokens(10), "x"), Matches(), now=0.0)
 
 
+@pytest.mark.parametrize("name,moves", [("session", 0), ("round_robin", 5)])
+def test_a_sent_decision_says_whether_its_session_moved(name, moves):
+    """``RouterCore.on_routed`` marks ``Decision.moved`` (kvmesh.routing.moves), the one mark the
+    simulator's report and the live router's counters read: sticky ``session`` never moves a
+    session's turns, round robin moves each of them after the first over 3 endpoints."""
+    core = _core(3, policy=name)
+    marks = []
+    for i in range(6):
+        r = _req(core, _tokens(100 + 10 * i, seed=7), f"r{i}", session="s")
+        d = core.decide(r, Matches(), now=float(i))
+        assert not d.moved   # not before it is sent
+        core.on_routed(r, d, float(i))
+        core.on_finished(r, d, float(i))
+        marks.append(d.moved)
+    assert not marks[0] and sum(marks) == moves
+
+
 def test_policy_options_reach_only_their_policy():
     """A seeded ``random`` decides the same on two cores (the simulator's reproducibility);
     a policy's own option overrides the shared one; other policies get none of them."""

@@ -64,6 +64,14 @@ def _survival(metrics_port: int) -> dict[str, float]:
             if fam.name == "kvmesh_router_hit_survival" for s in fam.samples}
 
 
+def _moved(metrics_port: int) -> tuple[float, float, float]:
+    """(requests, prompt tokens, cached tokens) of the moved turns (kvmesh.routing.moves)."""
+    text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
+    got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
+    return tuple(got.get(f"kvmesh_router_moved_{k}_total", -1.0)   # type: ignore[return-value]
+                 for k in ("requests", "prompt_tokens", "cached_tokens"))
+
+
 class _Stack:
     def __init__(self, tmp: Path, bug: bool) -> None:
         self.procs: list[ServiceProcess] = []
@@ -115,6 +123,7 @@ def test_exact_predictions_carry_no_class_and_the_store_is_predicted(stack: _Sta
     st = stack.st
     tokens = rand_tokens(700, 71)
     holder = None
+    moved0 = _moved(stack.metrics_port)
     for turn in range(3):
         out, fin = st.generate(tokens, session_id="fid-1")
         holder = holder or fin.routing.endpoint
@@ -125,15 +134,20 @@ def test_exact_predictions_carry_no_class_and_the_store_is_predicted(stack: _Sta
         time.sleep(0.4)
     # Every predicted hit was found: the split rule trusts the holder's predictions in full.
     assert _survival(stack.metrics_port)[holder] == 1.0
+    assert _moved(stack.metrics_port) == moved0   # every turn went back to its session's endpoint
     # The holder dies; the store (registered for every model) still has the prefix, and the
     # router knows it: the restore is predicted, not a surprise.
     st.wait_indexed("store-0", tokens=tokens[:64])
     stack.workers[holder].kill()
-    _, fin = st.generate(tokens + rand_tokens(50, 799), session_id="fid-1")
+    prompt = tokens + rand_tokens(50, 799)
+    _, fin = st.generate(prompt, session_id="fid-1")
     r = fin.routing
     assert r.endpoint != holder
     assert r.predicted_cached_tokens_offload > 0
     assert r.predicted_cached_tokens == fin.usage.cached_tokens and r.mismatch == ""
+    # The session's turn left its endpoint: one move, its prompt, and what it reused (the restore).
+    assert r.reused_tokens > 0
+    assert _moved(stack.metrics_port) == (moved0[0] + 1, moved0[1] + len(prompt), moved0[2] + r.reused_tokens)
 
 
 def test_a_burst_is_explained_and_there_is_no_view_bug(stack: _Stack) -> None:

@@ -171,6 +171,34 @@ async def test_a_dead_endpoint_is_routed_around(stack) -> None:
     assert r.status_code == 503 and r.json()["error"]["message"]
 
 
+async def test_a_session_sent_off_its_endpoint_counts_as_moved(stack) -> None:
+    """``kvmesh_router_moved_*`` on the pass-through path (kvmesh.routing.moves): turns that go back
+    to their session's endpoint are not moves; the turn its dead endpoint sends elsewhere is one,
+    with its engine-reported prompt and cached tokens."""
+    from prometheus_client import REGISTRY
+
+    def moved() -> tuple[float, ...]:
+        return tuple(REGISTRY.get_sample_value(f"kvmesh_router_moved_{k}_total") or 0.0
+                     for k in ("requests", "prompt_tokens", "cached_tokens"))
+
+    svc, engines, client = stack
+    before = moved()
+    homes = set()
+    for _ in range(2):
+        r = await client.post("/v1/chat/completions", json=_chat(session_id="mv"))
+        assert r.status_code == 200, r.text
+        homes.add(r.headers["x-kvmesh-endpoint"])
+    assert len(homes) == 1 and moved() == before
+    home = homes.pop()
+    other = "b" if home == "a" else "a"
+    engines[other].cached_tokens = 3
+    await engines[home].stop()
+    svc.cluster.mark_dead(home, "test")
+    r = await client.post("/v1/chat/completions", json=_chat(session_id="mv"))
+    assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == other, r.text
+    assert moved() == (before[0] + 1, before[1] + 10, before[2] + 3)
+
+
 async def test_a_refused_connect_is_retried_on_the_next_endpoint(stack) -> None:
     svc, engines, client = stack
     await engines["a"].stop()
