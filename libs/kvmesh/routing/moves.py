@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-DEFAULT_CAPACITY = 100_000   # sessions remembered; a few MB, above any trace the simulator runs
+DEFAULT_CAPACITY = 100_000   # sessions remembered: about 10 MB with 50-character ids; above any simulated trace
 
 
 class SessionMoves:
