@@ -42,8 +42,12 @@ def test_one_trace_per_request_across_all_services(deploy_stack, otlp_receiver) 
         rid = roots[-1].attributes["kvmesh.request_id"]
         trace = [s for s in spans if s.trace_id == roots[-1].trace_id]
         names = {s.name for s in trace}
-        return {"kvmesh.worker.Generate", "kvmesh.worker.Prefill", "offload.put", "offload.get",
-                "indexer.lookup"} <= names
+        # Each process exports on its own batch schedule, so the store's server spans can
+        # arrive after the clients' spans: wait for them too, children of a put or a get.
+        client_ids = {s.span_id for s in trace if s.name in ("offload.put", "offload.get")}
+        store_joined = any(s.parent_id in client_ids for s in trace if s.service == "kvmesh-offload")
+        return store_joined and {"kvmesh.worker.Generate", "kvmesh.worker.Prefill", "offload.put",
+                                 "offload.get", "indexer.lookup"} <= names
 
     spans = otlp_receiver.wait_for(root_done, timeout_s=30)
     (root,) = [s for s in spans if s.name == "router.generate" and s.attributes.get("kvmesh.request_id") == rid]
