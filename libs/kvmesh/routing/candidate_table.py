@@ -107,6 +107,9 @@ class CandidateTable:
                  store: TierMatch, shared: Mapping[str, int], cfg: ScoringConfig,
                  offload_enabled: bool = True) -> None:
         self.req, self.ids, self.load, self.now = req, ids, load, now
+        # The index of the endpoint the session's previous turn went to (-1: none); set by the
+        # policy from RouteContext.previous, read only to report what a move gave up.
+        self.previous = -1
         self.matches, self.store, self.cfg, self.offload_enabled = matches, store, cfg, offload_enabled
         self.shared = shared
         self.cap = cap = max_hit_blocks(req.num_tokens, req.block_size)
@@ -340,6 +343,11 @@ class CandidateTable:
             c.excluded = self.excluded(i)
             self._built[i] = c
         return c
+
+    def predicted_cached_tokens(self, i: int) -> int:
+        """Endpoint ``i``'s predicted cached tokens (GPU, speculative, restorable), as its
+        :class:`Candidate` would say them."""
+        return int(self.gpu[i] + self.offload[i]) * self.req.block_size
 
     def reported(self, win: int, k: int = REPORTED_CANDIDATES) -> list[Candidate]:
         """The winner, then the cheapest other endpoints by cost (at most ``k`` in all)."""

@@ -1,9 +1,12 @@
 """Which turns a router sends away from the endpoint its session's previous turn went to.
 
-A moved turn gives up whatever its session's context left on the previous endpoint, so a
-policy's moves are where its hit rate goes when it trades reuse for a shorter wait (#18: on the
-fleet, precise's moved turns carry 4% of the prompt tokens at half the hit rate of the rest,
-docs/bench-history.md, session 61). The simulator reports them per policy and the live router
+A moved turn gives up whatever its session's context left on the previous endpoint and the
+new one lacks, so a policy's moves are where its hit rate goes when it trades reuse for a
+shorter wait (#18: on the fleet, precise's moved turns carry 4% of the prompt tokens at half the
+hit rate of the rest, docs/bench-history.md, session 61). Where the store holds the context, or
+the previous endpoint had lost it, a move gives up nothing: the decision reads the previous
+endpoint from here (``previous``) and reports what the policy predicted there
+(``Decision.given_up_tokens``). The simulator reports moves per policy and the live router
 counts them on ``/metrics``; both mark a turn through this one table, so the two count the same
 thing.
 
@@ -37,6 +40,11 @@ class SessionMoves:
         if len(self._last) > self.capacity:
             self._last.popitem(last=False)
         return prev is not None and prev != endpoint_id
+
+    def previous(self, session_id: str) -> str:
+        """The endpoint the session's last turn was routed to ("" if none remembered); a read
+        only, so a decision that is never sent changes nothing."""
+        return self._last.get(session_id, "") if session_id else ""
 
     def __len__(self) -> int:
         return len(self._last)

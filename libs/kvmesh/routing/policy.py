@@ -41,6 +41,9 @@ class RouteContext:
     # endpoint set is unchanged.
     ids: list[str] = None  # type: ignore[assignment]
     pos: dict[str, int] = None  # type: ignore[assignment]
+    # The endpoint the request's session last went to (RouterCore.moves; "" if none): a decision
+    # that leaves it reports what that endpoint was predicted to hold (Decision.given_up_tokens).
+    previous: str = ""
 
     def __post_init__(self) -> None:
         if self.ids is None:
@@ -93,8 +96,10 @@ class Policy(abc.ABC):
             if ctx.matches:
                 matches.put_matches(ctx.matches)
         store = ctx.matches.store if ctx.matches else TierMatch()
-        return CandidateTable(req, ctx.ids, ctx.load, ctx.now, matches, store,
-                              ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled)
+        table = CandidateTable(req, ctx.ids, ctx.load, ctx.now, matches, store,
+                               ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled)
+        table.previous = ctx.pos.get(ctx.previous, -1)
+        return table
 
     def _scored_choice(self, req: RouteRequest, ctx: RouteContext, matches: MatchColumns,
                        affinity: str, cold: np.ndarray | None = None) -> Decision:
@@ -115,8 +120,10 @@ class Policy(abc.ABC):
                   fallback: str = "") -> Decision:
         cands = table.reported(win, self.report_candidates)
         c = cands[0]
+        prev = table.previous
         return Decision(endpoint_id=c.endpoint_id, policy=self.name,
                         predicted_cached_tokens_gpu=c.gpu_blocks * req.block_size,
                         predicted_cached_tokens_offload=c.offload_blocks * req.block_size,
                         uncached_tokens=c.uncached_tokens, score=c.cost, reason=reason,
-                        fallback=fallback, candidates=cands)
+                        fallback=fallback, candidates=cands,
+                        previous_cached_tokens=table.predicted_cached_tokens(prev) if 0 <= prev != win else 0)

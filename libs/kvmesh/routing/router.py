@@ -158,7 +158,8 @@ class RouterCore:
         if not eps.endpoints:
             raise NoEndpointError(f"no live endpoint for model {req.model!r}")
         ctx = RouteContext(endpoints=list(eps.endpoints), load=self.load, now=now, matches=matches,
-                           offload_enabled=self.cfg.offload_enabled, ids=eps.ids, pos=eps.pos)
+                           offload_enabled=self.cfg.offload_enabled, ids=eps.ids, pos=eps.pos,
+                           previous=self.moves.previous(req.session_id))
         d = pol.choose(req, ctx)
         if pol.admits and self.cfg.scoring.admit_miss_ratio > 0:
             d.hold = hold_reason(req, d, self.load, eps.ids, now, held_s, self.cfg.scoring)

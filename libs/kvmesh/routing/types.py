@@ -150,10 +150,21 @@ class Decision:
     # Set when the request is sent: its session's previous turn went to another endpoint
     # (kvmesh.routing.moves).
     moved: bool = False
+    # Cached tokens the policy's view predicted on the session's previous endpoint when it chose
+    # another one (0 otherwise): with the prediction here, what the move gave up (given_up_tokens).
+    previous_cached_tokens: int = 0
 
     @property
     def predicted_cached_tokens(self) -> int:
         return self.predicted_cached_tokens_gpu + self.predicted_cached_tokens_offload
+
+    @property
+    def given_up_tokens(self) -> int:
+        """Of a moved turn, the cached tokens its previous endpoint was predicted to hold beyond
+        the chosen one's prediction: the reuse the move gave up, as the policy saw it."""
+        if not self.moved:
+            return 0
+        return max(0, self.previous_cached_tokens - self.predicted_cached_tokens)
 
     def chosen(self) -> Candidate | None:
         """The chosen endpoint's evaluation among ``candidates`` (None: not reported)."""

@@ -82,6 +82,7 @@ class Job:
     restore_delay: float = 0.0       # the compute phase's restore while it waited in the worker's queue (s)
     scheduled: float | None = None   # when the compute phase first left the worker's waiting queue
     moved: bool = False              # routed to another endpoint than the session's previous turn
+    given_up: int = 0                # of a moved turn: cached tokens predicted there beyond here (Decision.given_up_tokens)
     free_at_dispatch: int = -1       # the compute worker's free (or evictable) KV tokens when it was sent there
     # The key list the next dispatch's sequence owns (its outputs' keys are appended to it).
     # The decision's lookups use it too: the GPU's and the store's remembered scans are per
@@ -102,12 +103,17 @@ class PolicyResult:
 
 
 def _moved_metrics(done: list[Job], prompt: int) -> dict[str, Any]:
-    """``moved_requests``, their share of all prompt tokens, and their hit rate."""
+    """``moved_requests``, their share of all prompt tokens, their hit rate, and the share of all
+    prompt tokens their previous endpoints were predicted to hold beyond their new ones
+    (``moved_given_up_share``: what the moves chose to give up, against what a moved turn
+    reuses, which also depends on what its session had already lost everywhere)."""
     moved = [j for j in done if j.moved]
     mp = sum(j.req.input_tokens for j in moved)
     reused = sum(j.cached_gpu + j.cached_offload for j in moved)
+    given_up = sum(j.given_up for j in moved)
     return {"moved_requests": len(moved), "moved_prompt_share": round(mp / prompt, 4) if prompt else 0.0,
-            "moved_hit_rate": round(reused / mp, 4) if mp else 0.0}
+            "moved_hit_rate": round(reused / mp, 4) if mp else 0.0,
+            "moved_given_up_share": round(given_up / prompt, 4) if prompt else 0.0}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -312,6 +318,7 @@ class ClusterSim:
         split = self.core.decide_split(decision, route, self.now, matches=matches)
         self.core.on_routed(route, decision, self.now, split)
         job.moved = decision.moved
+        job.given_up = decision.given_up_tokens
         if split.split:
             job.split = True
             job.prefill_ep = self.by_id[split.prefill_endpoint]
@@ -732,7 +739,8 @@ class ClusterSim:
         (its restore while queued, the rest of its queue wait, then its own prefill among the others' steps), to
         check the cost model against the engine model: docs/bench-history.md, #18 TTFT."""
         win = j.decision.candidates[0] if j.decision is not None and j.decision.candidates else None
-        out: dict[str, Any] = {"moved": j.moved, "prompt": j.req.input_tokens, "free_tokens": j.free_at_dispatch}
+        out: dict[str, Any] = {"moved": j.moved, "given_up": j.given_up, "prompt": j.req.input_tokens,
+                               "free_tokens": j.free_at_dispatch}
         if win is not None:
             out.update({f"est_{t}": round(getattr(win, t), 6) for t in COST_TERMS})
             out.update(est_queued_tokens=round(win.prefill_tokens), est_queue=win.queue)

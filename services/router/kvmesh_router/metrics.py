@@ -41,6 +41,9 @@ MOVED_PROMPT_TOKENS = Counter("kvmesh_router_moved_prompt_tokens_total", "prompt
 MOVED_CACHED_TOKENS = Counter("kvmesh_router_moved_cached_tokens_total",
                               "of the moved requests' prompt tokens, those no worker computed for them (as "
                               "kvmesh_router_cached_tokens_total counts them)")
+MOVED_GIVEN_UP_TOKENS = Counter("kvmesh_router_moved_given_up_tokens_total",
+                                "of the moved requests, the cached tokens their session's previous endpoint was "
+                                "predicted to hold beyond the chosen endpoint's prediction (the reuse the moves gave up)")
 PREDICTED_TOKENS = Counter("kvmesh_router_predicted_cached_tokens_total", "predicted cached prompt tokens")
 OVERHEAD = Histogram("kvmesh_router_routing_overhead_seconds", "tokens in -> decision out",
                      buckets=(0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))

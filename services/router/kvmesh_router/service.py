@@ -641,6 +641,7 @@ class RouterService:
         span.set_attribute("kvmesh.route.fallback", d.fallback)
         span.set_attribute("kvmesh.route.attempt", attempts)
         span.set_attribute("kvmesh.route.moved", d.moved)
+        span.set_attribute("kvmesh.route.given_up_tokens", d.given_up_tokens)
         span.set_attribute("kvmesh.route.candidates",
                            [f"{c.endpoint_id}:cost={c.cost:.3f}s:cached={c.credit_blocks:g}:q={c.queue:g}"
                             + (f":{c.excluded}" if c.excluded else "") for c in d.candidates[:16]])
@@ -1038,11 +1039,13 @@ class RouterService:
     def count_moved(d: Decision, prompt_tokens: int, reused_tokens: int) -> None:
         """The moved-turn counters: a request its router sent away from its session's previous
         endpoint (``Decision.moved``), with its prompt and what it reused, so an operator reads
-        what moves cost in hit rate the way the simulator reports it (``moved_hit_rate``)."""
+        what moves cost in hit rate the way the simulator reports it (``moved_hit_rate``), and
+        what the moves chose to give up (``moved_given_up_share``)."""
         if d.moved:
             metrics.MOVED_REQUESTS.inc()
             metrics.MOVED_PROMPT_TOKENS.inc(prompt_tokens)
             metrics.MOVED_CACHED_TOKENS.inc(reused_tokens)
+            metrics.MOVED_GIVEN_UP_TOKENS.inc(d.given_up_tokens)
 
     def _final(self, p: Prepared, inp: GenInput, d: Decision, split: SplitDecision,
                handle: common_pb2.KvHandle | None, msg: worker_pb2.GenerateResponse, generated: list[int],

@@ -19,6 +19,17 @@ def test_a_turn_elsewhere_is_a_move_and_home_is_not() -> None:
     assert len(m) == 2
 
 
+def test_the_previous_endpoint_is_read_without_counting_a_turn() -> None:
+    m = SessionMoves(capacity=2)
+    assert m.previous("s") == "" and m.previous("") == ""
+    m.observe("s1", "a")
+    m.observe("s2", "b")
+    assert m.previous("s1") == "a" and m.previous("s2") == "b"
+    m.observe("s3", "c")                  # a read did not make s1 the more recent: it goes first
+    assert m.previous("s1") == "" and m.previous("s2") == "b"
+    assert not m.observe("s2", "b")       # a read is not a turn: still home
+
+
 def test_the_least_recently_routed_session_is_forgotten_first() -> None:
     m = SessionMoves(capacity=2)
     m.observe("s1", "a")

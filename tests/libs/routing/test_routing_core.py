@@ -237,6 +237,34 @@ def test_a_sent_decision_says_whether_its_session_moved(name, moves):
     assert not marks[0] and sum(marks) == moves
 
 
+def test_a_moved_decision_reports_what_its_previous_endpoint_held():
+    """``Decision.given_up_tokens``: of a moved turn, the cached tokens the policy's view predicted
+    on the session's previous endpoint beyond the chosen one's prediction, the store's restorable
+    blocks counting alike on both (round robin over two endpoints moves every turn)."""
+    core = _core(2, policy="round_robin")
+    toks = _tokens(1000, seed=3)
+    r0 = _req(core, toks, "r0", session="s")
+    d0 = core.decide(r0, Matches(), now=0.0)
+    core.on_routed(r0, d0, 0.0)
+    assert d0.previous_cached_tokens == 0 and d0.given_up_tokens == 0   # a first turn gave up nothing
+    home = d0.endpoint_id
+    other = "e1" if home == "e0" else "e0"
+    matches = Matches(per_endpoint={home: TierMatch(gpu=40), other: TierMatch(gpu=10)}, store=TierMatch(cpu=25))
+    r1 = _req(core, toks, "r1", session="s")
+    d1 = core.decide(r1, matches, now=1.0)
+    assert d1.endpoint_id == other
+    assert d1.previous_cached_tokens == 40 * BS and d1.predicted_cached_tokens == 25 * BS
+    assert d1.given_up_tokens == 0        # not sent yet: not a move yet
+    core.on_routed(r1, d1, 1.0)
+    assert d1.moved and d1.given_up_tokens == 15 * BS
+    # Moving to where more is cached gives up nothing.
+    r2 = _req(core, toks, "r2", session="s")
+    d2 = core.decide(r2, Matches(per_endpoint={other: TierMatch(gpu=5), home: TierMatch(gpu=30)}), now=2.0)
+    core.on_routed(r2, d2, 2.0)
+    assert d2.endpoint_id == home and d2.moved
+    assert d2.previous_cached_tokens == 5 * BS and d2.given_up_tokens == 0
+
+
 def test_policy_options_reach_only_their_policy():
     """A seeded ``random`` decides the same on two cores (the simulator's reproducibility);
     a policy's own option overrides the shared one; other policies get none of them."""

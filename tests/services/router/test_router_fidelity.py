@@ -64,12 +64,12 @@ def _survival(metrics_port: int) -> dict[str, float]:
             if fam.name == "kvmesh_router_hit_survival" for s in fam.samples}
 
 
-def _moved(metrics_port: int) -> tuple[float, float, float]:
-    """(requests, prompt tokens, cached tokens) of the moved turns (kvmesh.routing.moves)."""
+def _moved(metrics_port: int) -> tuple[float, float, float, float]:
+    """(requests, prompt tokens, cached tokens, given-up tokens) of the moved turns (kvmesh.routing.moves)."""
     text = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).text
     got = {s.name: s.value for fam in text_string_to_metric_families(text) for s in fam.samples}
     return tuple(got.get(f"kvmesh_router_moved_{k}_total", -1.0)   # type: ignore[return-value]
-                 for k in ("requests", "prompt_tokens", "cached_tokens"))
+                 for k in ("requests", "prompt_tokens", "cached_tokens", "given_up_tokens"))
 
 
 class _Stack:
@@ -146,8 +146,10 @@ def test_exact_predictions_carry_no_class_and_the_store_is_predicted(stack: _Sta
     assert r.predicted_cached_tokens_offload > 0
     assert r.predicted_cached_tokens == fin.usage.cached_tokens and r.mismatch == ""
     # The session's turn left its endpoint: one move, its prompt, and what it reused (the restore).
+    # It gave up nothing: its dead endpoint was no candidate, and the store restores anywhere.
     assert r.reused_tokens > 0
-    assert _moved(stack.metrics_port) == (moved0[0] + 1, moved0[1] + len(prompt), moved0[2] + r.reused_tokens)
+    assert _moved(stack.metrics_port) == (moved0[0] + 1, moved0[1] + len(prompt), moved0[2] + r.reused_tokens,
+                                          moved0[3])
 
 
 def test_a_burst_is_explained_and_there_is_no_view_bug(stack: _Stack) -> None:

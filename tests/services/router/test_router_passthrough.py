@@ -174,12 +174,13 @@ async def test_a_dead_endpoint_is_routed_around(stack) -> None:
 async def test_a_session_sent_off_its_endpoint_counts_as_moved(stack) -> None:
     """``kvmesh_router_moved_*`` on the pass-through path (kvmesh.routing.moves): turns that go back
     to their session's endpoint are not moves; the turn its dead endpoint sends elsewhere is one,
-    with its engine-reported prompt and cached tokens."""
+    with its engine-reported prompt and cached tokens. A dead endpoint's cache is nothing a move
+    gives up (``kvmesh_router_moved_given_up_tokens_total``)."""
     from prometheus_client import REGISTRY
 
     def moved() -> tuple[float, ...]:
         return tuple(REGISTRY.get_sample_value(f"kvmesh_router_moved_{k}_total") or 0.0
-                     for k in ("requests", "prompt_tokens", "cached_tokens"))
+                     for k in ("requests", "prompt_tokens", "cached_tokens", "given_up_tokens"))
 
     svc, engines, client = stack
     before = moved()
@@ -196,7 +197,7 @@ async def test_a_session_sent_off_its_endpoint_counts_as_moved(stack) -> None:
     svc.cluster.mark_dead(home, "test")
     r = await client.post("/v1/chat/completions", json=_chat(session_id="mv"))
     assert r.status_code == 200 and r.headers["x-kvmesh-endpoint"] == other, r.text
-    assert moved() == (before[0] + 1, before[1] + 10, before[2] + 3)
+    assert moved() == (before[0] + 1, before[1] + 10, before[2] + 3, before[3])
 
 
 async def test_a_refused_connect_is_retried_on_the_next_endpoint(stack) -> None:

@@ -81,17 +81,30 @@ def test_accounting_and_contract_keys() -> None:
 
 def test_moved_turns_are_counted_with_their_reuse() -> None:
     """A turn routed away from its session's previous endpoint is a move: sticky ``session``
-    never moves, round robin does, and the moved turns' reuse is theirs alone."""
-    rep = simulate_policies(_trace(), _cfg(), ["session", "round_robin"], jobs=1, records=True)
+    never moves, round robin does, and the moved turns' reuse is theirs alone. What a move gave
+    up is what the policy's own view predicted at the previous endpoint beyond the chosen one:
+    nothing for cache-blind round robin, and without an offload store (which every endpoint
+    restores from alike) something for Dynamo's cost, which moves turns off endpoints that hold
+    them when their decode load is higher."""
+    rep = simulate_policies(_trace(), _cfg(offload_capacity_tokens=0), ["session", "round_robin", "dynamo"],
+                            jobs=1, records=True)
     assert rep["results"]["session"]["moved_requests"] == 0
     assert rep["results"]["session"]["moved_hit_rate"] == 0.0
-    m = rep["results"]["round_robin"]
-    moved = [r for r in rep["records"]["round_robin"] if r["moved"] and r["ttft_s"] is not None and not r["error"]]
-    assert m["moved_requests"] == len(moved) > 0
-    prompt = sum(r["prompt"] for r in moved)
-    assert m["moved_hit_rate"] == round(sum(r["cached_gpu"] + r["cached_offload"] for r in moved) / prompt, 4)
-    assert m["moved_prompt_share"] == round(prompt / m["prompt_tokens"], 4)
-    assert 0 < m["moved_prompt_share"] < 1
+    assert rep["results"]["session"]["moved_given_up_share"] == 0.0
+    for pol in ("round_robin", "dynamo"):
+        m = rep["results"][pol]
+        done = [r for r in rep["records"][pol] if r["ttft_s"] is not None and not r["error"]]
+        moved = [r for r in done if r["moved"]]
+        assert m["moved_requests"] == len(moved) > 0
+        prompt = sum(r["prompt"] for r in moved)
+        assert m["moved_hit_rate"] == round(sum(r["cached_gpu"] + r["cached_offload"] for r in moved) / prompt, 4)
+        assert m["moved_prompt_share"] == round(prompt / m["prompt_tokens"], 4)
+        assert 0 < m["moved_prompt_share"] < 1
+        assert all(r["given_up"] == 0 for r in done if not r["moved"])
+        assert m["moved_given_up_share"] == round(sum(r["given_up"] for r in moved) / m["prompt_tokens"], 4)
+        assert m["moved_given_up_share"] <= m["moved_prompt_share"]
+    assert rep["results"]["round_robin"]["moved_given_up_share"] == 0.0   # no view, nothing predicted
+    assert rep["results"]["dynamo"]["moved_given_up_share"] > 0.0
 
 
 def test_corpus_rows_with_an_empty_prompt_or_no_output_are_simulated(tmp_path: Path) -> None:
