@@ -47,7 +47,7 @@ def test_a_hit_in_the_demo_saves_far_more_than_a_decision_costs() -> None:
 
 def _rec(ttft: float, engine: float | None, decision: float | None, lookup: float | None) -> dict:
     return {"error": "", "prompt_tokens": 100, "cached": 50, "cached_gpu": 50, "cached_offload": 0,
-            "reused": 50, "transferred": 0,
+            "reused": 50, "transferred": 0, "moved": False, "given_up": 0,
             "output_tokens": 2, "predicted": 50, "ttft_s": ttft, "itl_s": None, "e2e_s": ttft + 0.01,
             "queue_wait_s": 0.0, "split": False, "endpoint": "decode-0", "mismatch": "",
             "engine_ttft_s": engine, "decision_ms": decision, "lookup_ms": lookup}
@@ -75,11 +75,23 @@ def test_a_split_counts_what_the_prefill_endpoint_found_not_what_it_transferred(
     assert m["predicted_vs_actual"]["actual_cached_tokens"] == 50 + 90   # the engine's counts, as predicted
 
 
+def test_summary_reports_moved_turns_and_what_they_gave_up() -> None:
+    """The moved turns' keys are the simulator's (kvmesh_tools.moves_report): a turn that left an
+    endpoint predicted to hold 30 tokens more than its new one gave up 30 of the run's 300."""
+    moved = {**_rec(0.2, None, None, None), "moved": True, "given_up": 30, "reused": 20}
+    m = summarize([_rec(0.2, None, None, None), _rec(0.2, None, None, None), moved], 1.0)
+    assert m["moved_requests"] == 1
+    assert m["moved_prompt_share"] == round(100 / 300, 4) and m["moved_hit_rate"] == 0.2
+    assert m["moved_given_up_share"] == 0.1
+    none = summarize([_rec(0.2, None, None, None)], 1.0)
+    assert none["moved_requests"] == 0 and none["moved_hit_rate"] == 0.0 and none["moved_given_up_share"] == 0.0
+
+
 def test_table_shows_the_parts_of_ttft(capsys) -> None:
     m = summarize([_rec(0.2, 0.15, 12.0, 8.0)], 1.0)
     cmd_demo._table({"precise": m, "round_robin": {**m, "decision_ms": {}, "lookup_ms": {}}})
     out = capsys.readouterr().out
-    for col in ("engine TTFT p50 s", "decision p50 ms", "lookup p50 ms"):
+    for col in ("engine TTFT p50 s", "decision p50 ms", "lookup p50 ms", "Moved turns"):
         assert col in out
     assert "0.150" in out and "12.0" in out and "8.0" in out
 
@@ -105,4 +117,10 @@ def test_demo_runs_end_to_end(tmp_path, capsys) -> None:
     assert {r["policy"] for r in recs} == {"precise", "round_robin"}
     # The engine's TTFT is part of what the client saw.
     assert all(r["engine_ttft_s"] <= r["ttft_s"] for r in recs if not r["error"])
+    # Moves as the router marked them; cache-blind round robin predicts nothing it could give up.
+    for pol, m in res.items():
+        mine = [r for r in recs if r["policy"] == pol and not r["error"]]
+        assert m["moved_requests"] == sum(1 for r in mine if r["moved"])
+        assert all(r["given_up"] == 0 for r in mine if not r["moved"])
+    assert res["round_robin"]["moved_requests"] > 0 and res["round_robin"]["moved_given_up_share"] == 0.0
     assert "engine TTFT p50 s" in printed

@@ -96,6 +96,10 @@ def _table(rows: dict[str, dict[str, Any]]) -> None:
     con.print("TTFT = the router's decision (index lookup included) + the hops client -> router -> engine and back "
               "+ the engine's TTFT (queue, restores, prefill: what a cache hit shortens). "
               "Per-request figures: demo-records.jsonl.")
+    con.print("Moved turns (sent away from their session's previous endpoint: how many, their hit rate, and the "
+              "share of all prompt tokens that endpoint was predicted to hold beyond the new one): "
+              + "; ".join(f"{pol} {m['moved_requests']}, hit {m['moved_hit_rate']:.3f}, gave up "
+                          f"{m['moved_given_up_share']:.3f}" for pol, m in rows.items()))
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -45,6 +45,7 @@ from kvmesh.worker.engine.sim.latency import LatencyParams
 from kvmesh.worker.engine.sim.scheduler import ReadyCheck, SchedulerConfig, Seq
 from kvmesh_tools.clustersim.config import SimConfig
 from kvmesh_tools.clustersim.parts import SimOffload, SimWorker, WorkerSpec
+from kvmesh_tools.moves_report import moved_metrics
 from kvmesh_tools.traffic.model import Request, Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleRunner
 
@@ -103,17 +104,11 @@ class PolicyResult:
 
 
 def _moved_metrics(done: list[Job], prompt: int) -> dict[str, Any]:
-    """``moved_requests``, their share of all prompt tokens, their hit rate, and the share of all
-    prompt tokens their previous endpoints were predicted to hold beyond their new ones
-    (``moved_given_up_share``: what the moves chose to give up, against what a moved turn
-    reuses, which also depends on what its session had already lost everywhere)."""
-    moved = [j for j in done if j.moved]
-    mp = sum(j.req.input_tokens for j in moved)
-    reused = sum(j.cached_gpu + j.cached_offload for j in moved)
-    given_up = sum(j.given_up for j in moved)
-    return {"moved_requests": len(moved), "moved_prompt_share": round(mp / prompt, 4) if prompt else 0.0,
-            "moved_hit_rate": round(reused / mp, 4) if mp else 0.0,
-            "moved_given_up_share": round(given_up / prompt, 4) if prompt else 0.0}
+    """The moved turns' figures (:func:`kvmesh_tools.moves_report.moved_metrics`). What the moves
+    gave up is what they chose to leave; their hit rate also depends on what their sessions had
+    already lost everywhere."""
+    return moved_metrics(((j.req.input_tokens, j.cached_gpu + j.cached_offload, j.given_up)
+                          for j in done if j.moved), prompt)
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 
 from kvmesh.routing.fidelity import count
 from kvmesh.rpc.tls import TLS_METADATA, TlsConfig
+from kvmesh_tools.moves_report import moved_metrics
 from kvmesh_tools.replay.transport import Call, GrpcTransport, HttpTransport, Outcome
 from kvmesh_tools.traffic.model import Trace
 from kvmesh_tools.traffic.schedule import Schedule, ScheduleOptions, ScheduleRunner, build_schedule
@@ -122,6 +123,8 @@ def summarize(records: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
         "transferred_tokens": sum(r["transferred"] for r in ok),
         "hit_rate_unsplit": round(sum(r["reused"] for r in ok if not r["split"])
                                   / max(1, sum(r["prompt_tokens"] for r in ok if not r["split"])), 4),
+        **moved_metrics(((r["prompt_tokens"], r["reused"], r.get("given_up", 0)) for r in ok if r.get("moved")),
+                        prompt),
         "endpoints": sorted({r["endpoint"] for r in ok if r["endpoint"]}),
     }
 
@@ -208,7 +211,7 @@ async def _drive(trace: Trace, schedule: Schedule, cfg: ReplayConfig, transport:
             "sent_s": round(sent_rel, 4), "queue_wait_s": round(sent_rel - release, 4),
             "ttft_s": ttft, "itl_s": itl, "e2e_s": round(done_rel - sent_rel, 5),
             "prompt_tokens": out.prompt_tokens, "output_tokens": out.output_tokens, "cached": out.cached,
-            "reused": out.reused, "transferred": out.transferred,
+            "reused": out.reused, "transferred": out.transferred, "moved": out.moved, "given_up": out.given_up,
             "cached_gpu": out.cached_gpu, "cached_offload": out.cached_offload, "predicted": out.predicted,
             "endpoint": out.endpoint, "split": out.split, "mismatch": out.mismatch,
             "decision_ms": out.decision_ms, "lookup_ms": out.lookup_ms, "engine_ttft_s": out.engine_ttft_s,

@@ -35,6 +35,8 @@ class Outcome:
     # answer does not say (a pass-through to external engines), and ``cached`` is all there is.
     reused_tokens: int | None = None
     transferred: int = 0
+    moved: bool = False       # sent away from its session's previous endpoint (RoutingDecision.moved)
+    given_up: int = 0         # the cached tokens that move gave up (RoutingDecision.given_up_tokens)
     predicted: int | None = None
     endpoint: str = ""
     split: bool = False
@@ -111,6 +113,7 @@ class GrpcTransport:
                     out.endpoint = f.routing.endpoint
                     out.split = f.routing.split
                     out.reused_tokens, out.transferred = f.routing.reused_tokens, f.routing.transferred_tokens
+                    out.moved, out.given_up = f.routing.moved, f.routing.given_up_tokens
                     out.mismatch = f.routing.mismatch
                     out.decision_ms, out.lookup_ms = f.routing.decision_ms, f.routing.lookup_ms
                     out.engine_ttft_s = f.ttft_s or None
@@ -207,6 +210,7 @@ class HttpTransport:
                         out.endpoint = k.get("endpoint", "")
                         out.split = bool(k.get("split"))
                         out.reused_tokens, out.transferred = k.get("reused_tokens"), k.get("transferred_tokens", 0)
+                        out.moved, out.given_up = bool(k.get("moved")), int(k.get("given_up_tokens") or 0)
                         out.mismatch = k.get("mismatch", "")
                         out.decision_ms, out.lookup_ms = k.get("decision_ms"), k.get("lookup_ms")
                     if doc.get("usage"):

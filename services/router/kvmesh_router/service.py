@@ -1078,7 +1078,7 @@ class RouterService:
             reason=d.reason + (f"; split: {split.reason}" if split.reason else ""),
             kv_from_prefill=msg.kv_from_prefill, routing_overhead_ms=overhead * 1000.0,
             decision_ms=inp.decision_s * 1000.0, tokenize_ms=inp.tokenize_s * 1000.0, hash_ms=inp.hash_s * 1000.0,
-            lookup_ms=inp.lookup_s * 1000.0)
+            lookup_ms=inp.lookup_s * 1000.0, moved=d.moved, given_up_tokens=d.given_up_tokens)
         actual = usage.cached_tokens
         if not split_done:
             self.observe_engine_cached(d.endpoint_id, predicted, actual)

@@ -129,6 +129,7 @@ def test_exact_predictions_carry_no_class_and_the_store_is_predicted(stack: _Sta
         holder = holder or fin.routing.endpoint
         assert fin.routing.predicted_cached_tokens == fin.usage.cached_tokens, (turn, fin)
         assert fin.routing.mismatch == ""
+        assert not fin.routing.moved and fin.routing.given_up_tokens == 0
         tokens = tokens + out + rand_tokens(60, 700 + turn)
         st.wait_indexed(holder, tokens=tokens[:64])
         time.sleep(0.4)
@@ -148,6 +149,7 @@ def test_exact_predictions_carry_no_class_and_the_store_is_predicted(stack: _Sta
     # The session's turn left its endpoint: one move, its prompt, and what it reused (the restore).
     # It gave up nothing: its dead endpoint was no candidate, and the store restores anywhere.
     assert r.reused_tokens > 0
+    assert r.moved and r.given_up_tokens == 0
     assert _moved(stack.metrics_port) == (moved0[0] + 1, moved0[1] + len(prompt), moved0[2] + r.reused_tokens,
                                           moved0[3])
 

@@ -92,7 +92,7 @@ class Chunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., parsed: _Optional[bool] = ..., content_delta: _Optional[str] = ..., tool_call_deltas: _Optional[_Iterable[_Union[_common_pb2.ToolCallDelta, _Mapping]]] = ..., reasoning_delta: _Optional[str] = ...) -> None: ...
 
 class RoutingDecision(_message.Message):
-    __slots__ = ("endpoint", "endpoint_address", "policy", "predicted_cached_tokens", "predicted_cached_tokens_gpu", "predicted_cached_tokens_offload", "split", "prefill_endpoint", "uncached_tokens", "score", "attempts", "reason", "kv_from_prefill", "routing_overhead_ms", "mismatch", "decision_ms", "tokenize_ms", "hash_ms", "lookup_ms", "reused_tokens", "transferred_tokens")
+    __slots__ = ("endpoint", "endpoint_address", "policy", "predicted_cached_tokens", "predicted_cached_tokens_gpu", "predicted_cached_tokens_offload", "split", "prefill_endpoint", "uncached_tokens", "score", "attempts", "reason", "kv_from_prefill", "routing_overhead_ms", "mismatch", "decision_ms", "tokenize_ms", "hash_ms", "lookup_ms", "reused_tokens", "transferred_tokens", "moved", "given_up_tokens")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     ENDPOINT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
@@ -114,6 +114,8 @@ class RoutingDecision(_message.Message):
     LOOKUP_MS_FIELD_NUMBER: _ClassVar[int]
     REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRANSFERRED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MOVED_FIELD_NUMBER: _ClassVar[int]
+    GIVEN_UP_TOKENS_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     endpoint_address: str
     policy: str
@@ -135,7 +137,9 @@ class RoutingDecision(_message.Message):
     lookup_ms: float
     reused_tokens: int
     transferred_tokens: int
-    def __init__(self, endpoint: _Optional[str] = ..., endpoint_address: _Optional[str] = ..., policy: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., predicted_cached_tokens_gpu: _Optional[int] = ..., predicted_cached_tokens_offload: _Optional[int] = ..., split: _Optional[bool] = ..., prefill_endpoint: _Optional[str] = ..., uncached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., kv_from_prefill: _Optional[bool] = ..., routing_overhead_ms: _Optional[float] = ..., mismatch: _Optional[str] = ..., decision_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., hash_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., transferred_tokens: _Optional[int] = ...) -> None: ...
+    moved: bool
+    given_up_tokens: int
+    def __init__(self, endpoint: _Optional[str] = ..., endpoint_address: _Optional[str] = ..., policy: _Optional[str] = ..., predicted_cached_tokens: _Optional[int] = ..., predicted_cached_tokens_gpu: _Optional[int] = ..., predicted_cached_tokens_offload: _Optional[int] = ..., split: _Optional[bool] = ..., prefill_endpoint: _Optional[str] = ..., uncached_tokens: _Optional[int] = ..., score: _Optional[float] = ..., attempts: _Optional[int] = ..., reason: _Optional[str] = ..., kv_from_prefill: _Optional[bool] = ..., routing_overhead_ms: _Optional[float] = ..., mismatch: _Optional[str] = ..., decision_ms: _Optional[float] = ..., tokenize_ms: _Optional[float] = ..., hash_ms: _Optional[float] = ..., lookup_ms: _Optional[float] = ..., reused_tokens: _Optional[int] = ..., transferred_tokens: _Optional[int] = ..., moved: _Optional[bool] = ..., given_up_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("usage", "finish_reason", "routing", "request_id", "ttft_s", "tool_calls", "content", "reasoning")
