@@ -17,6 +17,9 @@ COLUMNS = [
     ("share_of_ceiling_pooled", "of pooled"), ("ttft_p50_s", "TTFT p50 s"), ("ttft_p90_s", "p90 s"),
     ("ttft_p99_s", "p99 s"), ("output_tok_per_s", "out tok/s"), ("load_imbalance", "imbalance"),
     ("preemptions", "preempt"), ("requests", "requests"), ("wall_s", "wall s"),
+    # Turns sent away from their session's previous endpoint, and the share of all prompt tokens
+    # that endpoint was predicted to hold beyond the new one (kvmesh_tools.moves_report).
+    ("moved_requests", "moved"), ("moved_given_up_share", "gave up"),
 ]
 # Mispredicted requests and their classes (kvmesh.routing.fidelity).
 MISMATCH_COLUMNS = [("requests", "mispred"), ("evicted", "evicted"), ("filled", "filled"), ("lag", "lag"),
@@ -31,7 +34,7 @@ def _console():
     from rich.console import Console
 
     # Piped output (CI logs, files) gets a wide fixed width instead of 80 columns of wrapped cells.
-    return Console() if sys.stdout.isatty() else Console(width=200)
+    return Console() if sys.stdout.isatty() else Console(width=240)
 
 
 def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None:
@@ -39,7 +42,7 @@ def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None
 
     t = Table(title=f"{title}  (ceiling_infinite {report['ceiling_infinite']:.4f}, "
                     f"ceiling_pooled {report['ceiling_pooled']:.4f})")
-    t.add_column("policy")
+    t.add_column("policy", no_wrap=True, min_width=max(len(p) for p in report["results"]) if report["results"] else 6)
     for _, name in COLUMNS + MISMATCH_COLUMNS:
         t.add_column(name, justify="right")
     for pol, m in report["results"].items():

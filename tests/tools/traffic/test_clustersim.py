@@ -361,3 +361,17 @@ def test_cold_first_warms_every_spare_worker_that_precise_leaves_idle() -> None:
         used[on] = {r["endpoint"] for r in rep["records"]["precise"]}
     assert len(used[False]) < 12   # the control: without it some workers never take a request
     assert len(used[True]) == 12
+
+
+def test_the_table_shows_whole_policy_names_and_the_moved_turns(capsys) -> None:
+    """Piped output (CI logs, files) is one table whose header and policy names are whole,
+    the moved turns and what they gave up included."""
+    from kvmesh_tools.clustersim.report import render_table
+
+    rep = simulate_policies(_trace(), _cfg(offload_capacity_tokens=0), ["precise", "round_robin"], jobs=1)
+    render_table(rep)
+    out = capsys.readouterr().out
+    for text in ("round_robin", "precise", "of pooled", "imbalance", "moved", "gave up", "view bug", "no index"):
+        assert text in out, text
+    row = next(line for line in out.splitlines() if "round_robin" in line)
+    assert str(rep["results"]["round_robin"]["moved_requests"]) in row
