@@ -105,11 +105,11 @@ class CandidateTable:
 
     def __init__(self, req: RouteRequest, ids: list[str], load: LoadView, now: float, matches: MatchColumns,
                  store: TierMatch, shared: Mapping[str, int], cfg: ScoringConfig,
-                 offload_enabled: bool = True) -> None:
+                 offload_enabled: bool = True, previous: int = -1) -> None:
         self.req, self.ids, self.load, self.now = req, ids, load, now
-        # The index of the endpoint the session's previous turn went to (-1: none); set by the
-        # policy from RouteContext.previous, read only to report what a move gave up.
-        self.previous = -1
+        # The index of the endpoint the session's previous turn went to (-1: none; from
+        # RouteContext.previous), read only to report what a move gave up.
+        self.previous = previous
         self.matches, self.store, self.cfg, self.offload_enabled = matches, store, cfg, offload_enabled
         self.shared = shared
         self.cap = cap = max_hit_blocks(req.num_tokens, req.block_size)

@@ -96,10 +96,9 @@ class Policy(abc.ABC):
             if ctx.matches:
                 matches.put_matches(ctx.matches)
         store = ctx.matches.store if ctx.matches else TierMatch()
-        table = CandidateTable(req, ctx.ids, ctx.load, ctx.now, matches, store,
-                               ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled)
-        table.previous = ctx.pos.get(ctx.previous, -1)
-        return table
+        return CandidateTable(req, ctx.ids, ctx.load, ctx.now, matches, store,
+                              ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled,
+                              previous=ctx.pos.get(ctx.previous, -1))
 
     def _scored_choice(self, req: RouteRequest, ctx: RouteContext, matches: MatchColumns,
                        affinity: str, cold: np.ndarray | None = None) -> Decision:
