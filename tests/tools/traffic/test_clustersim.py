@@ -205,6 +205,46 @@ def test_scale_bench_writes_json(tmp_path: Path) -> None:
     assert data["ms_per_request_ratio_vs_baseline"] > 0
 
 
+def test_scale_bench_runs_the_fleet_once_per_store(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--regimes``: the same fleet per store size, a size in tokens or a share of the fleet's GPU
+    tokens; each regime equals a plain run with that store, and the top level is the first."""
+    from kvmesh_tools.cli.main import main
+
+    flags = ["--sessions", "12", "--turns-median", "3", "--decode-workers", "16", "--prefill-workers", "2",
+             "--baseline-decode-workers", "4", "--baseline-prefill-workers", "1", "--start-window-s", "30",
+             "--policy", "precise,session"]
+    assert main(["bench", "simulate", "--json", str(tmp_path / "r.json"), "--regimes", "none,0.25x", *flags]) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    none, quarter = data["regimes"]
+    gpu = data["capacity"]["gpu_tokens"]
+    assert (none["regime"], none["offload_capacity_tokens"]) == ("none", 0)
+    assert (quarter["regime"], quarter["offload_capacity_tokens"]) == ("0.25x", int(0.25 * gpu))
+    assert quarter["capacity"]["pooled_tokens"] == gpu + int(0.25 * gpu)
+    assert data["results"] == none["results"] and data["ceiling_pooled"] == none["ceiling_pooled"]
+    # The prefill workers work only with a store (it carries a split's KV).
+    assert quarter["results"]["precise"]["offload_blocks_stored"] > 0 == none["results"]["precise"]["offload_blocks_stored"]
+    assert main(["bench", "simulate", "--json", str(tmp_path / "p.json"), "--offload-capacity-tokens",
+                 str(int(0.25 * gpu)), *flags]) == 0
+    plain = json.loads((tmp_path / "p.json").read_text())
+    for pol in ("precise", "session"):
+        for k in ("prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "moved_requests", "offload_blocks_stored"):
+            assert quarter["results"][pol][k] == plain["results"][pol][k], (pol, k)
+    assert quarter["ceiling_pooled"] == plain["ceiling_pooled"]
+    out = capsys.readouterr().out
+    assert "regime none (no store)" in out and f"regime 0.25x ({int(0.25 * gpu):,}-token store)" in out
+
+
+@pytest.mark.parametrize(("regimes", "message"), [
+    ("none,1y", "'1y' is not a store size"), ("0.1x,0.1x", "named twice"), ("-1x", "between 0x and 1000x"),
+    ("abcx", "not a share"), (",", "no regime given")])
+def test_scale_bench_refuses_bad_regimes(regimes: str, message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvmesh_tools.cli.main import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "simulate", f"--regimes={regimes}"])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+
+
 class _AlwaysChanged(list):
     """Every worker counts as changed: each poll builds its report from the engine again."""
 
