@@ -222,12 +222,14 @@ def test_scale_bench_runs_the_fleet_once_per_store(tmp_path: Path, capsys: pytes
     assert quarter["capacity"]["pooled_tokens"] == gpu + int(0.25 * gpu)
     assert data["results"] == none["results"] and data["ceiling_pooled"] == none["ceiling_pooled"]
     # The prefill workers work only with a store (it carries a split's KV).
-    assert quarter["results"]["precise"]["offload_blocks_stored"] > 0 == none["results"]["precise"]["offload_blocks_stored"]
+    for key in ("offload_blocks_stored", "split_requests"):
+        assert quarter["results"]["precise"][key] > 0 == none["results"]["precise"][key], key
     assert main(["bench", "simulate", "--json", str(tmp_path / "p.json"), "--offload-capacity-tokens",
                  str(int(0.25 * gpu)), *flags]) == 0
     plain = json.loads((tmp_path / "p.json").read_text())
     for pol in ("precise", "session"):
-        for k in ("prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "moved_requests", "offload_blocks_stored"):
+        for k in ("prefix_hit_rate", "ttft_p50_s", "ttft_p90_s", "moved_requests", "split_requests",
+                  "offload_blocks_stored"):
             assert quarter["results"][pol][k] == plain["results"][pol][k], (pol, k)
     assert quarter["ceiling_pooled"] == plain["ceiling_pooled"]
     out = capsys.readouterr().out
