@@ -70,28 +70,23 @@ def register(sub: argparse._SubParsersAction) -> None:
 def regime_specs(text: str) -> list[tuple[str, int | float]]:
     """``none,4M,0.1x`` -> [("none", 0), ("4M", 4_000_000), ("0.1x", 0.1)]: a store size in tokens
     (as ``kvmesh simulate --regimes`` reads it), or a float share of the fleet's GPU tokens."""
-    from kvmesh_tools.cli.cmd_simulate import parse_regimes
+    from kvmesh_tools.cli.cmd_simulate import parse_regimes, store_size
 
-    out: list[tuple[str, int | float]] = []
+    def size_or_share(name: str) -> int | float:
+        if not name.lower().endswith("x"):
+            return store_size(name)
+        try:
+            share = float(name[:-1])
+        except ValueError:
+            raise ValueError(f"--regimes: {name!r} is not a share of the GPU tokens (0.1x)") from None
+        if not 0.0 <= share <= 1000.0:
+            raise ValueError(f"--regimes: {name!r} must be a share between 0x and 1000x")
+        return share
+
     try:
-        for name in (t.strip() for t in text.split(",")):
-            if not name.lower().endswith("x"):
-                out.extend(parse_regimes(name) if name else [])
-                continue
-            try:
-                share = float(name[:-1])
-            except ValueError:
-                raise ValueError(f"--regimes: {name!r} is not a share of the GPU tokens (0.1x)") from None
-            if not 0.0 <= share <= 1000.0:
-                raise ValueError(f"--regimes: {name!r} must be a share between 0x and 1000x")
-            out.append((name, share))
-        if not out:
-            raise ValueError("--regimes: no regime given")
-        if len({n for n, _ in out}) != len(out):
-            raise ValueError("--regimes: a regime is named twice")
+        return parse_regimes(text, size_or_share)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--regimes: ")) from None
-    return out
 
 
 def store_tokens(spec: int | float, gpu_tokens: int) -> int:

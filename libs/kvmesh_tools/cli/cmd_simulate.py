@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, TypeVar
 
 from kvmesh.config import ConfigError, add_dataclass_args, load_config
 from kvmesh_tools.cli.trace_args import TraceArgs
@@ -18,6 +19,7 @@ DEFAULT_POLICIES = "precise,approx,session,least_load,round_robin"
 
 DEFAULT_REGIMES = "none,4M,32M"
 _SUFFIX = {"k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
+T = TypeVar("T")
 
 
 
@@ -42,25 +44,27 @@ class SimulateRun(TraceArgs):
                 "every run; no plots); '' = one run with --seed", "metavar": "SEEDS"})
 
 
-def parse_regimes(text: str) -> list[tuple[str, int]]:
-    """``none,4M,32M`` -> [("none", 0), ("4M", 4_000_000), ("32M", 32_000_000)] (offload store tokens)."""
-    out: list[tuple[str, int]] = []
-    for name in (t.strip() for t in text.split(",")):
-        if not name:
-            continue
-        low = name.lower()
-        try:
-            if low in ("none", "0"):
-                cap = 0
-            elif low[-1] in _SUFFIX:
-                cap = int(float(low[:-1]) * _SUFFIX[low[-1]])
-            else:
-                cap = int(low)
-        except ValueError:
-            raise ValueError(f"--regimes: {name!r} is not a store size (none, 512k, 4M, 32000000)") from None
-        if cap < 0:
-            raise ValueError(f"--regimes: {name!r} is negative")
-        out.append((name, cap))
+def store_size(name: str) -> int:
+    """``4M`` -> 4_000_000: one ``--regimes`` entry, an offload store size in tokens (``none`` is 0)."""
+    low = name.lower()
+    try:
+        if low in ("none", "0"):
+            cap = 0
+        elif low[-1] in _SUFFIX:
+            cap = int(float(low[:-1]) * _SUFFIX[low[-1]])
+        else:
+            cap = int(low)
+    except ValueError:
+        raise ValueError(f"--regimes: {name!r} is not a store size (none, 512k, 4M, 32000000)") from None
+    if cap < 0:
+        raise ValueError(f"--regimes: {name!r} is negative")
+    return cap
+
+
+def parse_regimes(text: str, size: Callable[[str], T] = store_size) -> list[tuple[str, T]]:
+    """``none,4M,32M`` -> [("none", 0), ("4M", 4_000_000), ("32M", 32_000_000)] (offload store tokens);
+    ``size`` reads each entry (``kvmesh bench simulate`` also reads shares of the fleet's GPU)."""
+    out = [(name, size(name)) for name in (t.strip() for t in text.split(",")) if name]
     if not out:
         raise ValueError("--regimes: no regime given")
     if len({n for n, _ in out}) != len(out):
