@@ -8,6 +8,7 @@ from kvmesh.routing.types import Decision, RouteRequest
 
 class LeastLoadPolicy(Policy):
     name = "least_load"
+    predicts = False
 
     def choose(self, req: RouteRequest, ctx: RouteContext) -> Decision:
         table = self._table(req, ctx)

@@ -34,6 +34,10 @@ class SplitConfig:
                                     metadata={"help": "... and below this many queued prefill tokens"})
     max_extra_ttft_s: float = field(default=1.0, metadata={
         "help": "do not split when it is estimated to delay the first token by more than this"})
+    read_index: bool = field(default=True, metadata={
+        "help": "for a policy that predicts no cached tokens (session, round_robin, random, least_load), decide "
+                "the split from the index's matches for the decode endpoint it chose, so a prompt that endpoint "
+                "holds stays there (false: such a policy splits every prompt of --split-threshold-tokens or more)"})
     survival_floor: float = field(default=0.9, metadata={
         "help": "when the chosen endpoint's engine has lately found less than this share of the cached tokens "
                 "the router predicted there, count the share it is likely to miss as uncached: recomputed behind "

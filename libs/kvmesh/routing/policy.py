@@ -20,7 +20,7 @@ import numpy as np
 from kvmesh.routing.candidate_table import REPORTED_CANDIDATES, CandidateTable, MatchColumns
 from kvmesh.routing.load import LoadView
 from kvmesh.routing.scoring import ScoringConfig, spread_key
-from kvmesh.routing.types import Decision, EndpointView, Matches, RouteRequest, TierMatch
+from kvmesh.routing.types import Candidate, Decision, EndpointView, Matches, RouteRequest, TierMatch
 
 
 class NoEndpointError(RuntimeError):
@@ -58,6 +58,10 @@ class Policy(abc.ABC):
     name: str = ""
     uses_index: bool = False   # wants the indexer's matches in the context
     admits: bool = False       # its decisions go through admission control (kvmesh.routing.admission)
+    # Its decisions predict the chosen endpoint's cached tokens (from the index or its own memory).
+    # A policy that predicts nothing has its P/D split decided from the index's matches for the
+    # endpoint it chose (SplitConfig.read_index), or every long prompt would split.
+    predicts: bool = True
 
     def __init__(self, scoring: ScoringConfig | None = None, *, report_candidates: int = REPORTED_CANDIDATES,
                  **options: Any) -> None:
@@ -99,6 +103,11 @@ class Policy(abc.ABC):
         return CandidateTable(req, ctx.ids, ctx.load, ctx.now, matches, store,
                               ctx.load.pending_overlap(req.keys, req.block_size), self.scoring, ctx.offload_enabled,
                               previous=ctx.pos.get(ctx.previous, -1))
+
+    def evaluate_on(self, req: RouteRequest, ctx: RouteContext, i: int) -> Candidate:
+        """Endpoint ``i`` of ``ctx`` scored for ``req`` with the context's matches (the split rule's
+        view of a decision by a policy that predicts nothing)."""
+        return self._table(req, ctx).candidate(i)
 
     def _scored_choice(self, req: RouteRequest, ctx: RouteContext, matches: MatchColumns,
                        affinity: str, cold: np.ndarray | None = None) -> Decision:

@@ -12,6 +12,7 @@ from kvmesh.routing.types import Decision, RouteRequest
 
 class RandomPolicy(Policy):
     name = "random"
+    predicts = False
 
     def __init__(self, scoring: ScoringConfig | None = None, *, seed: int | None = None, **options: Any) -> None:
         super().__init__(scoring, **options)

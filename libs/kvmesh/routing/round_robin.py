@@ -11,6 +11,7 @@ from kvmesh.routing.types import Decision, RouteRequest
 
 class RoundRobinPolicy(Policy):
     name = "round_robin"
+    predicts = False
 
     def __init__(self, scoring: ScoringConfig | None = None, **options: Any) -> None:
         super().__init__(scoring, **options)

@@ -154,16 +154,48 @@ class RouterCore:
         decision may say ``hold`` (kvmesh.routing.admission): the caller then sends nothing and
         decides again after ``admit_recheck_s``, passing the time the request has waited so far."""
         pol = self.policy(policy) if policy else self.default_policy
+        ctx = self._context(req, matches, now, exclude)
+        d = pol.choose(req, ctx)
+        if pol.admits and self.cfg.scoring.admit_miss_ratio > 0:
+            d.hold = hold_reason(req, d, self.load, ctx.ids, now, held_s, self.cfg.scoring)
+        return d
+
+    def _context(self, req: RouteRequest, matches: Matches | None, now: float,
+                 exclude: set[str] | frozenset[str]) -> RouteContext:
         eps = self._eligible_set("decode", req.model, exclude)
         if not eps.endpoints:
             raise NoEndpointError(f"no live endpoint for model {req.model!r}")
-        ctx = RouteContext(endpoints=list(eps.endpoints), load=self.load, now=now, matches=matches,
-                           offload_enabled=self.cfg.offload_enabled, ids=eps.ids, pos=eps.pos,
-                           previous=self.moves.previous(req.session_id))
-        d = pol.choose(req, ctx)
-        if pol.admits and self.cfg.scoring.admit_miss_ratio > 0:
-            d.hold = hold_reason(req, d, self.load, eps.ids, now, held_s, self.cfg.scoring)
-        return d
+        return RouteContext(endpoints=list(eps.endpoints), load=self.load, now=now, matches=matches,
+                            offload_enabled=self.cfg.offload_enabled, ids=eps.ids, pos=eps.pos,
+                            previous=self.moves.previous(req.session_id))
+
+    def split_lookup(self, req: RouteRequest, policy: str = "") -> bool:
+        """Whether the split rule wants the index's matches although the policy does not
+        (``Policy.predicts`` false, ``SplitConfig.read_index``): the caller looks them up and
+        passes them to :meth:`decide_split`, not to :meth:`decide` (the choice stays the policy's).
+        A prompt below the threshold never splits, so it needs no lookup."""
+        pol = self.policy(policy) if policy else self.default_policy
+        s = self.cfg.split
+        return not pol.predicts and s.enabled and s.read_index and req.num_tokens >= s.threshold_tokens
+
+    def _split_view(self, decision: Decision, req: RouteRequest, now: float, exclude: set[str] | frozenset[str],
+                    matches: Matches | None) -> tuple[Candidate | None, int, int, bool]:
+        """The chosen endpoint's evaluation, uncached and predicted cached tokens the split rule
+        reads, and whether they are the index's: the decision's own, or for a policy that predicts
+        nothing (given the index's matches), the index's."""
+        own = decision.chosen(), decision.uncached_tokens, decision.predicted_cached_tokens, False
+        pol = self.policy(decision.policy)
+        if matches is None or pol.predicts or not self.cfg.split.read_index:
+            return own
+        try:
+            ctx = self._context(req, matches, now, exclude)
+        except NoEndpointError:
+            return own
+        i = ctx.pos.get(decision.endpoint_id)
+        if i is None:
+            return own
+        win = pol.evaluate_on(req, ctx, i)
+        return win, win.uncached_tokens, (win.gpu_blocks + win.offload_blocks) * req.block_size, True
 
     def decide_split(self, decision: Decision, req: RouteRequest, now: float,
                      exclude: set[str] | frozenset[str] = frozenset(),
@@ -176,14 +208,21 @@ class RouterCore:
         burst's siblings follow the first one's prefill, and a prefix that survives only on
         one prefill endpoint is reused there.
         """
+        win, uncached, predicted, from_index = self._split_view(decision, req, now, exclude, matches)
+        split = self._split_rule(decision, req, now, exclude, matches, win, uncached, predicted)
+        if from_index:
+            split.inputs["cached_from"] = "index"   # the policy predicted nothing
+        return split
+
+    def _split_rule(self, decision: Decision, req: RouteRequest, now: float, exclude: set[str] | frozenset[str],
+                    matches: Matches | None, win: Candidate | None, uncached: int, predicted: int) -> SplitDecision:
         pre = self.prefill_endpoints(req.model, exclude)
-        win = decision.chosen()
         # Blocks credited only as a split sibling's pending prefill are not there to reuse
         # without a split: they count as uncached for the threshold.
-        uncached = decision.uncached_tokens + (win.pending_blocks * req.block_size if win is not None else 0)
+        uncached += win.pending_blocks * req.block_size if win is not None else 0
         # What the chosen endpoint's engine has lately not found of its predicted hits is likely
         # recomputed there too: a split restores it from the store now instead.
-        lost = self.survival.expected_loss(decision.endpoint_id, decision.predicted_cached_tokens)
+        lost = self.survival.expected_loss(decision.endpoint_id, predicted)
         uncached += lost
         if not self.cfg.split.enabled or uncached < self.cfg.split.threshold_tokens:
             # The rule stops before it looks at any prefill endpoint (most requests).

@@ -12,6 +12,7 @@ from kvmesh.routing.types import Decision, RouteRequest
 
 class SessionPolicy(Policy):
     name = "session"
+    predicts = False
 
     def __init__(self, scoring: ScoringConfig | None = None, *, session_ttl_s: float = 3600.0,
                  **options: Any) -> None:

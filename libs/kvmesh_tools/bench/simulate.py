@@ -64,6 +64,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cold-first", default="true", choices=("true", "false"),
                    help="precise places new sessions on endpoints left without a request first "
                         "(ScoringConfig.cold_first)")
+    p.add_argument("--split-read-index", default="true", choices=("true", "false"),
+                   help="a policy that predicts no cached tokens (session) has its P/D split decided from the "
+                        "index for the decode worker it chose (SplitConfig.read_index; false: every long prompt "
+                        "splits)")
     p.set_defaults(func=run)
 
 
@@ -123,7 +127,8 @@ def _cfg(decode: int, prefill: int, args: argparse.Namespace, kv_tokens: int, st
     from kvmesh_tools.clustersim.config import SimConfig
 
     cfg = SimConfig(decode_workers=decode, prefill_workers=prefill, start_window_s=args.start_window_s,
-                    seed=args.seed, kv_capacity_tokens=kv_tokens, offload_capacity_tokens=store)
+                    seed=args.seed, kv_capacity_tokens=kv_tokens, offload_capacity_tokens=store,
+                    split_read_index=args.split_read_index == "true")
     cfg.scoring.cold_first = args.cold_first == "true"
     return cfg
 
@@ -212,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
     large["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     doc = {
         "bench": "simulate", "policy": policies[0], "policies": policies, "sessions": args.sessions, "seed": args.seed,
-        "cold_first": args.cold_first == "true",
+        "cold_first": args.cold_first == "true", "split_read_index": args.split_read_index == "true",
         "generate_s": round(gen_s, 2), "large": large, "baseline": base,
         "capacity": fleet["capacity"],
         "ceiling_infinite": fleet["ceiling_infinite"], "ceiling_pooled": fleet["ceiling_pooled"],

@@ -30,6 +30,7 @@ class SimConfig:
     load_poll_s: float = field(default=0.25, metadata={"help": "how often the router refreshes worker load"})
     split_threshold_tokens: int = field(default=2048, metadata={
         "help": "P/D split when uncached tokens on the chosen decode worker reach this"})
+    split_read_index: bool = field(default=SplitConfig.read_index, metadata=SPLIT_FIELDS["read_index"].metadata)
     split_survival_floor: float = field(default=SplitConfig.survival_floor,
                                         metadata=SPLIT_FIELDS["survival_floor"].metadata)
     split_survival_decay: float = field(default=SplitConfig.survival_decay,

@@ -161,14 +161,19 @@ class ClusterSim:
                                     split=SplitConfig(enabled=cfg.prefill_workers > 0 and cfg.offload_capacity_tokens > 0,
                                                       threshold_tokens=cfg.split_threshold_tokens,
                                                       survival_floor=cfg.split_survival_floor,
-                                                      survival_decay=cfg.split_survival_decay),
+                                                      survival_decay=cfg.split_survival_decay,
+                                                      read_index=cfg.split_read_index),
                                     # RouterCore builds policies unseeded; a simulation must be reproducible.
                                     policy_options={"random": {"seed": cfg.seed}})
         self.core = RouterCore(core_cfg)
         self.policy = self.core.default_policy
         self.uses_index = bool(getattr(self.policy, "uses_index", False))
-        # Only an index-driven policy needs KV events; the others skip that work.
-        self.index = MemoryIndex(now=lambda: self.now) if self.uses_index else None
+        split = core_cfg.split
+        # A policy that predicts nothing has its split decided from the index (RouterCore.split_lookup).
+        self.split_reads_index = (not self.uses_index and not self.policy.predicts and split.enabled
+                                  and split.read_index)
+        # Only an index-driven policy (or such a split) needs KV events; the others skip that work.
+        self.index = MemoryIndex(now=lambda: self.now) if self.uses_index or self.split_reads_index else None
         sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                                     max_model_len=cfg.max_model_len, max_waiting=0)
         lat = latency or LatencyParams()
@@ -303,6 +308,9 @@ class ClusterSim:
         self._refresh_load()
         matches = self._matches(job.keys) if self.uses_index else None
         decision = self.core.decide(route, matches, self.now, held_s=self.now - job.release)
+        split_matches = matches
+        if self.split_reads_index and self.core.split_lookup(route):
+            split_matches = self._matches(job.keys)
         if decision.hold:
             job.holds += 1
             self._push(self.now + self.core.cfg.scoring.admit_recheck_s, HOLD, job)
@@ -310,7 +318,7 @@ class ClusterSim:
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
         job.view = self._view_at_decision(job, decision, matches)
-        split = self.core.decide_split(decision, route, self.now, matches=matches)
+        split = self.core.decide_split(decision, route, self.now, matches=split_matches)
         self.core.on_routed(route, decision, self.now, split)
         job.moved = decision.moved
         job.given_up = decision.given_up_tokens

@@ -103,6 +103,7 @@ class RouterConfig:
     # P/D split
     split_enabled: bool = field(default=False, metadata={"help": "allow the prefill/decode split"})
     split_threshold_tokens: int = field(default=2048, metadata={"help": "split when uncached >= this"})
+    split_read_index: bool = field(default=SplitConfig.read_index, metadata=SPLIT_FIELDS["read_index"].metadata)
     split_survival_floor: float = field(default=SplitConfig.survival_floor,
                                         metadata=SPLIT_FIELDS["survival_floor"].metadata)
     split_survival_decay: float = field(default=SplitConfig.survival_decay,

@@ -45,7 +45,8 @@ def core_config(cfg: RouterConfig) -> RouterCoreConfig:
         approx_capacity_blocks=cfg.approx_capacity_blocks, offload_enabled=cfg.offload_enabled == "true" or (cfg.offload_enabled == "auto" and not cfg.indexer),
         scoring=cfg.scoring,
         split=SplitConfig(enabled=cfg.split_enabled, threshold_tokens=cfg.split_threshold_tokens,
-                          survival_floor=cfg.split_survival_floor, survival_decay=cfg.split_survival_decay),
+                          survival_floor=cfg.split_survival_floor, survival_decay=cfg.split_survival_decay,
+                          read_index=cfg.split_read_index),
         hash_cache=HashCacheConfig(verify=cfg.hash_cache_verify, max_blocks=cfg.hash_cache_max_blocks,
                                    max_bytes=cfg.hash_cache_max_bytes))
 

@@ -484,6 +484,12 @@ class RouterService:
         d.view = self._router_side(req, d, matches, pol.uses_index and self.cluster.indexer is not None)
         if d.fallback:
             metrics.FALLBACKS.labels(reason="approx").inc()
+        if matches is None and self.core.split_lookup(req, policy):
+            # The policy predicts nothing; the split rule reads the index for its choice.
+            t0 = time.perf_counter()
+            matches = await self.cluster.lookup(req.keys)
+            if timing is not None and self.cluster.indexer is not None:
+                timing.lookup_s += time.perf_counter() - t0
         split = self.core.decide_split(d, req, time.monotonic(), exclude, matches)
         return d, split
 

@@ -588,6 +588,36 @@ def test_split_goes_to_the_prefill_endpoint_that_still_holds_the_prefix():
     assert core.load.effective(d.endpoint_id, 0.0).prefill_tokens == 0
 
 
+@pytest.mark.parametrize("policy", ["session", "round_robin", "random", "least_load"])
+def test_a_policy_that_predicts_nothing_splits_by_what_the_index_says_its_choice_holds(policy: str):
+    core = _split_core(policy)
+    n = 8000
+    req = _req(core, _tokens(n), "r", session="s")
+    d = core.decide(req, Matches(), now=0.0)
+    assert d.predicted_cached_tokens == 0 and d.uncached_tokens == n   # the policy predicts nothing
+    held = (n - 40) // BS   # the chosen endpoint holds all but the last 40 tokens
+    m = Matches(per_endpoint={d.endpoint_id: TierMatch(gpu=held)})
+    assert core.split_lookup(req)
+    s = core.decide_split(d, req, now=0.0, matches=m)
+    assert not s.split and s.inputs["uncached_tokens"] == n - held * BS and s.inputs["cached_from"] == "index"
+    # The other endpoint holding it does not matter: the choice is the policy's, the split is for it.
+    other = next(e for e in ("e0", "e1") if e != d.endpoint_id)
+    s = core.decide_split(d, req, now=0.0, matches=Matches(per_endpoint={other: TierMatch(gpu=held)}))
+    assert s.split and s.inputs["uncached_tokens"] == n
+    # What the store holds is restored on the decode endpoint as cheaply as on a prefill endpoint.
+    s = core.decide_split(d, req, now=0.0, matches=Matches(store=TierMatch(cpu=held)))
+    assert not s.split and s.inputs["uncached_tokens"] == n - held * BS
+    # Without the index's answer (or with read_index off) every long prompt splits, as before.
+    assert core.decide_split(d, req, now=0.0).split
+    blind = _split_core(policy, read_index=False)
+    d = blind.decide(req, Matches(), now=0.0)
+    assert not blind.split_lookup(req) and blind.decide_split(d, req, now=0.0, matches=m).split
+    # A prompt below the threshold never splits, so it needs no lookup; nor does a policy with a view.
+    assert not core.split_lookup(_req(core, _tokens(50), "short"))
+    assert not _split_core("precise").split_lookup(req) and not _split_core("approx").split_lookup(req)
+    assert not _core(2, policy=policy).split_lookup(req)   # the split is off
+
+
 @pytest.mark.parametrize("policy", ["precise", "approx"])
 def test_sibling_of_a_split_request_follows_its_prefill_and_splits_too(policy: str):
     core = _split_core(policy)

@@ -174,6 +174,23 @@ def test_split_needs_the_store_that_carries_the_kv() -> None:
     assert no["results"]["round_robin"]["errors"] == 0
 
 
+def test_a_sticky_session_splits_only_what_its_worker_lacks() -> None:
+    """``session`` predicts nothing; its split reads the index for the worker it chose
+    (``SplitConfig.read_index``), so a turn whose context its worker holds stays there."""
+    cfg = dict(split_threshold_tokens=512, kv_capacity_tokens=60000)
+    run = {ri: simulate_policies(_trace(), _cfg(split_read_index=ri, **cfg), ["session"], jobs=1)["results"]["session"]
+           for ri in (True, False)}
+    informed, blind = run[True], run[False]
+    assert informed["errors"] == blind["errors"] == 0 and informed["requests"] == blind["requests"]
+    assert 0 < informed["split_requests"] < blind["split_requests"] / 2
+    # A turn kept on the worker that holds its context skips the prefill worker's queue and the
+    # transfer back (here the store holds every context, so the hit rate is the same).
+    assert informed["ttft_p50_s"] < blind["ttft_p50_s"] and informed["ttft_p90_s"] < blind["ttft_p90_s"]
+    assert informed["prefix_hit_rate"] == blind["prefix_hit_rate"]
+    # The choice is the policy's either way: sticky, so its turns never move.
+    assert informed["moved_requests"] == blind["moved_requests"] == 0
+
+
 def test_scale_bench_writes_json(tmp_path: Path) -> None:
     from kvmesh_tools.bench.simulate import peak_concurrent_sessions
     from kvmesh_tools.cli.main import main
@@ -194,6 +211,7 @@ def test_scale_bench_writes_json(tmp_path: Path) -> None:
     assert cap["gpu_tokens"] == 16 * cap["kv_capacity_tokens_per_worker"]
     assert cap["gpu_fits_working_set"] == (cap["gpu_tokens"] >= cap["working_set_tokens"])
     assert set(data["results"]) == {"precise", "session"} and data["policies"] == ["precise", "session"]
+    assert data["cold_first"] and data["split_read_index"]   # the defaults, said in the JSON
     assert 0 < data["ceiling_pooled"] <= data["ceiling_infinite"] <= 1
     for r in data["results"].values():
         assert r["errors"] == 0 and r["requests"] == data["large"]["requests"]
