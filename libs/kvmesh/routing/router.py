@@ -211,7 +211,9 @@ class RouterCore:
         win, uncached, predicted, from_index = self._split_view(decision, req, now, exclude, matches)
         split = self._split_rule(decision, req, now, exclude, matches, win, uncached, predicted)
         if from_index:
-            split.inputs["cached_from"] = "index"   # the policy predicted nothing
+            # The policy predicted nothing; the survival rule learns from what the index showed.
+            split.inputs["cached_from"] = "index"
+            decision.split_view_cached_tokens = predicted
         return split
 
     def _split_rule(self, decision: Decision, req: RouteRequest, now: float, exclude: set[str] | frozenset[str],

@@ -153,10 +153,19 @@ class Decision:
     # Cached tokens the policy's view predicted on the session's previous endpoint when it chose
     # another one (0 otherwise): with the prediction here, what the move gave up (given_up_tokens).
     previous_cached_tokens: int = 0
+    # For a policy that predicts nothing: the chosen endpoint's cached tokens as the index showed
+    # them to the split rule (RouterCore.decide_split; -1: not looked up).
+    split_view_cached_tokens: int = -1
 
     @property
     def predicted_cached_tokens(self) -> int:
         return self.predicted_cached_tokens_gpu + self.predicted_cached_tokens_offload
+
+    @property
+    def survival_predicted_tokens(self) -> int:
+        """The prediction the split's survival rule (kvmesh.routing.survival) learns from once the
+        engine reports: the policy's own, or the index's view the split rule read in its place."""
+        return self.split_view_cached_tokens if self.split_view_cached_tokens >= 0 else self.predicted_cached_tokens
 
     @property
     def given_up_tokens(self) -> int:

@@ -651,7 +651,7 @@ class ClusterSim:
                 job.cached_gpu = min(seq.num_cached_gpu, cached)
                 job.cached_offload = cached - job.cached_gpu
                 if not job.split and job.decision is not None:
-                    self.core.on_engine_cached(job.decision.endpoint_id, job.decision.predicted_cached_tokens, cached)
+                    self.core.on_engine_cached(job.decision.endpoint_id, job.decision.survival_predicted_tokens, cached)
             else:
                 job.decode_cached = max(0, seq.num_cached_tokens)
             if not seq.prefill_only:

@@ -346,7 +346,7 @@ class Passthrough:
             return
         split = p.prefill_usage is not None
         if not split:
-            self.service.observe_engine_cached(d.endpoint_id, d.predicted_cached_tokens, actual)
+            self.service.observe_engine_cached(d.endpoint_id, d.survival_predicted_tokens, actual)
         # A split's decode engine counts the KV its prefill engine computed as cached: reuse is
         # what the prefill engine found (RouterService.count_reuse).
         reused, _ = self.service.count_reuse(p, common_pb2.Usage(cached_tokens=actual), split=split)

@@ -1087,7 +1087,7 @@ class RouterService:
             lookup_ms=inp.lookup_s * 1000.0, moved=d.moved, given_up_tokens=d.given_up_tokens)
         actual = usage.cached_tokens
         if not split_done:
-            self.observe_engine_cached(d.endpoint_id, predicted, actual)
+            self.observe_engine_cached(d.endpoint_id, d.survival_predicted_tokens, actual)
         metrics.PROMPT_TOKENS.inc(usage.prompt_tokens)
         routing.reused_tokens, routing.transferred_tokens = self.count_reuse(p, usage, split=split_done)
         self.count_moved(d, usage.prompt_tokens, routing.reused_tokens)

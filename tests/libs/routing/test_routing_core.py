@@ -590,7 +590,7 @@ def test_split_goes_to_the_prefill_endpoint_that_still_holds_the_prefix():
 
 @pytest.mark.parametrize("policy", ["session", "round_robin", "random", "least_load"])
 def test_a_policy_that_predicts_nothing_splits_by_what_the_index_says_its_choice_holds(policy: str):
-    core = _split_core(policy)
+    core = _split_core(policy, survival_decay=0.0)
     n = 8000
     req = _req(core, _tokens(n), "r", session="s")
     d = core.decide(req, Matches(), now=0.0)
@@ -600,6 +600,8 @@ def test_a_policy_that_predicts_nothing_splits_by_what_the_index_says_its_choice
     assert core.split_lookup(req)
     s = core.decide_split(d, req, now=0.0, matches=m)
     assert not s.split and s.inputs["uncached_tokens"] == n - held * BS and s.inputs["cached_from"] == "index"
+    # The split's survival rule learns from that view, as from a policy's own prediction.
+    assert d.predicted_cached_tokens == 0 and d.survival_predicted_tokens == held * BS
     # The other endpoint holding it does not matter: the choice is the policy's, the split is for it.
     other = next(e for e in ("e0", "e1") if e != d.endpoint_id)
     s = core.decide_split(d, req, now=0.0, matches=Matches(per_endpoint={other: TierMatch(gpu=held)}))
@@ -607,6 +609,12 @@ def test_a_policy_that_predicts_nothing_splits_by_what_the_index_says_its_choice
     # What the store holds is restored on the decode endpoint as cheaply as on a prefill endpoint.
     s = core.decide_split(d, req, now=0.0, matches=Matches(store=TierMatch(cpu=held)))
     assert not s.split and s.inputs["uncached_tokens"] == n - held * BS
+    # Where the chosen engine lately found a fifth of what the index showed, most of the hit is
+    # likely lost behind its queue: the rule counts it as uncached and splits.
+    core.on_engine_cached(d.endpoint_id, 10_000, 2_000)
+    s = core.decide_split(d, req, now=0.0, matches=m)
+    assert s.split and s.inputs["uncached_tokens"] == n - held * BS + int(0.8 * held * BS)
+    core.on_engine_cached(d.endpoint_id, 10_000, 10_000)
     # Without the index's answer (or with read_index off) every long prompt splits, as before.
     assert core.decide_split(d, req, now=0.0).split
     blind = _split_core(policy, read_index=False)

@@ -61,6 +61,8 @@ async def _decisions() -> None:
     assert d2.endpoint_id == d.endpoint_id and not split2.split
     assert split2.inputs["cached_from"] == "index" and split2.inputs["uncached_tokens"] < 512
     assert d2.predicted_cached_tokens == 0   # the decision is still the policy's own
+    # ... and the split's survival rule learns from the index's view once the engine reports.
+    assert d2.survival_predicted_tokens == (len(p.req.keys) - 1) * BS
     # The simulator's call on the same state splits the same.
     ref = svc.core.decide_split(d2, p.req, time.monotonic(), matches=await svc.cluster.lookup(p.req.keys))
     assert ref.split == split2.split

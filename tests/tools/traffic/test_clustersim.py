@@ -189,6 +189,16 @@ def test_a_sticky_session_splits_only_what_its_worker_lacks() -> None:
     assert informed["prefix_hit_rate"] == blind["prefix_hit_rate"]
     # The choice is the policy's either way: sticky, so its turns never move.
     assert informed["moved_requests"] == blind["moved_requests"] == 0
+    # The split's survival rule learns from the index's view of the turns kept local, as the
+    # live router does: without it, where queues evict contexts before their turns run, the
+    # kept turns recompute them (the live-sized cluster of docs/traffic-and-simulation.md).
+    from kvmesh_tools.clustersim.run import schedule_for
+    from kvmesh_tools.clustersim.sim import ClusterSim
+
+    c = _cfg(**cfg)
+    sim = ClusterSim(_trace(), schedule_for(_trace(), c), c, "session")
+    sim.run()
+    assert sim.core.survival._sums and all(p > 0 for _, p in sim.core.survival._sums.values())
 
 
 def test_scale_bench_writes_json(tmp_path: Path) -> None:
