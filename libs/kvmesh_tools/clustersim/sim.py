@@ -308,13 +308,13 @@ class ClusterSim:
         self._refresh_load()
         matches = self._matches(job.keys) if self.uses_index else None
         decision = self.core.decide(route, matches, self.now, held_s=self.now - job.release)
-        split_matches = matches
-        if self.split_reads_index and self.core.split_lookup(route):
-            split_matches = self._matches(job.keys)
         if decision.hold:
             job.holds += 1
             self._push(self.now + self.core.cfg.scoring.admit_recheck_s, HOLD, job)
             return
+        split_matches = matches
+        if self.split_reads_index and self.core.split_lookup(route):
+            split_matches = self._matches(job.keys)
         job.decision = decision
         job.decode_ep = self.by_id[decision.endpoint_id]
         job.view = self._view_at_decision(job, decision, matches)
