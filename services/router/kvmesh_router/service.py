@@ -472,24 +472,24 @@ class RouterService:
     async def _decide_keys(self, req: RouteRequest, lora_name: str, policy: str, exclude: set[str],
                            timing: GenInput | None = None, held_s: float = 0.0) -> tuple[Decision, SplitDecision]:
         pol = self.core.policy(policy) if policy else self.core.default_policy
+        # A policy that predicts nothing gets no matches, but its split reads them
+        # (RouterCore.split_lookup). Looked up before the decision: nothing may await between
+        # a decision and its record_routed, or concurrent requests decide on the same load and
+        # a load-driven policy sends them all to one endpoint.
+        lookup = pol.uses_index or self.core.split_lookup(req, policy)
         t0 = time.perf_counter()
-        matches = await self.cluster.lookup(req.keys) if pol.uses_index else None
-        if timing is not None and pol.uses_index and self.cluster.indexer is not None:
+        matches = await self.cluster.lookup(req.keys) if lookup else None
+        if timing is not None and lookup and self.cluster.indexer is not None:
             timing.lookup_s += time.perf_counter() - t0
         try:
-            d = self.core.decide(req, matches, time.monotonic(), policy, exclude, held_s)
+            d = self.core.decide(req, matches if pol.uses_index else None, time.monotonic(), policy, exclude, held_s)
         except NoEndpointError as exc:
             msg = str(exc) + (f" serving LoRA adapter {lora_name!r}" if lora_name else "")
             raise Unavailable(msg) from None
-        d.view = self._router_side(req, d, matches, pol.uses_index and self.cluster.indexer is not None)
+        d.view = self._router_side(req, d, matches if pol.uses_index else None,
+                                   pol.uses_index and self.cluster.indexer is not None)
         if d.fallback:
             metrics.FALLBACKS.labels(reason="approx").inc()
-        if matches is None and self.core.split_lookup(req, policy):
-            # The policy predicts nothing; the split rule reads the index for its choice.
-            t0 = time.perf_counter()
-            matches = await self.cluster.lookup(req.keys)
-            if timing is not None and self.cluster.indexer is not None:
-                timing.lookup_s += time.perf_counter() - t0
         split = self.core.decide_split(d, req, time.monotonic(), exclude, matches)
         return d, split
 
