@@ -169,14 +169,18 @@ class RouterCore:
                             offload_enabled=self.cfg.offload_enabled, ids=eps.ids, pos=eps.pos,
                             previous=self.moves.previous(req.session_id))
 
-    def split_lookup(self, req: RouteRequest, policy: str = "") -> bool:
-        """Whether the split rule wants the index's matches although the policy does not
-        (``Policy.predicts`` false, ``SplitConfig.read_index``): the caller looks them up and
-        passes them to :meth:`decide_split`, not to :meth:`decide` (the choice stays the policy's).
-        A prompt below the threshold never splits, so it needs no lookup."""
+    def split_reads_index(self, policy: str = "") -> bool:
+        """Whether the split rule reads the index for ``policy``'s decisions although the policy
+        does not (``Policy.predicts`` false, ``SplitConfig.read_index``, the split on)."""
         pol = self.policy(policy) if policy else self.default_policy
         s = self.cfg.split
-        return not pol.predicts and s.enabled and s.read_index and req.num_tokens >= s.threshold_tokens
+        return not pol.predicts and s.enabled and s.read_index
+
+    def split_lookup(self, req: RouteRequest, policy: str = "") -> bool:
+        """Whether to look ``req`` up for the split rule alone (:meth:`split_reads_index`): the
+        caller passes the matches to :meth:`decide_split`, not to :meth:`decide` (the choice stays
+        the policy's). A prompt below the threshold never splits, so it needs no lookup."""
+        return req.num_tokens >= self.cfg.split.threshold_tokens and self.split_reads_index(policy)
 
     def _split_view(self, decision: Decision, req: RouteRequest, now: float, exclude: set[str] | frozenset[str],
                     matches: Matches | None) -> tuple[Candidate | None, int, int, bool]:
@@ -184,8 +188,7 @@ class RouterCore:
         reads, and whether they are the index's: the decision's own, or for a policy that predicts
         nothing (given the index's matches), the index's."""
         own = decision.chosen(), decision.uncached_tokens, decision.predicted_cached_tokens, False
-        pol = self.policy(decision.policy)
-        if matches is None or pol.predicts or not self.cfg.split.read_index:
+        if matches is None or not self.split_reads_index(decision.policy):
             return own
         try:
             ctx = self._context(req, matches, now, exclude)
@@ -194,7 +197,7 @@ class RouterCore:
         i = ctx.pos.get(decision.endpoint_id)
         if i is None:
             return own
-        win = pol.evaluate_on(req, ctx, i)
+        win = self.policy(decision.policy).evaluate_on(req, ctx, i)
         return win, win.uncached_tokens, (win.gpu_blocks + win.offload_blocks) * req.block_size, True
 
     def decide_split(self, decision: Decision, req: RouteRequest, now: float,

@@ -168,10 +168,8 @@ class ClusterSim:
         self.core = RouterCore(core_cfg)
         self.policy = self.core.default_policy
         self.uses_index = bool(getattr(self.policy, "uses_index", False))
-        split = core_cfg.split
         # A policy that predicts nothing has its split decided from the index (RouterCore.split_lookup).
-        self.split_reads_index = (not self.uses_index and not self.policy.predicts and split.enabled
-                                  and split.read_index)
+        self.split_reads_index = self.core.split_reads_index()
         # Only an index-driven policy (or such a split) needs KV events; the others skip that work.
         self.index = MemoryIndex(now=lambda: self.now) if self.uses_index or self.split_reads_index else None
         sched_cfg = SchedulerConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,

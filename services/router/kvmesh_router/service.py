@@ -481,13 +481,13 @@ class RouterService:
         matches = await self.cluster.lookup(req.keys) if lookup else None
         if timing is not None and lookup and self.cluster.indexer is not None:
             timing.lookup_s += time.perf_counter() - t0
+        seen = matches if pol.uses_index else None   # what the policy itself decides on
         try:
-            d = self.core.decide(req, matches if pol.uses_index else None, time.monotonic(), policy, exclude, held_s)
+            d = self.core.decide(req, seen, time.monotonic(), policy, exclude, held_s)
         except NoEndpointError as exc:
             msg = str(exc) + (f" serving LoRA adapter {lora_name!r}" if lora_name else "")
             raise Unavailable(msg) from None
-        d.view = self._router_side(req, d, matches if pol.uses_index else None,
-                                   pol.uses_index and self.cluster.indexer is not None)
+        d.view = self._router_side(req, d, seen, pol.uses_index and self.cluster.indexer is not None)
         if d.fallback:
             metrics.FALLBACKS.labels(reason="approx").inc()
         split = self.core.decide_split(d, req, time.monotonic(), exclude, matches)
