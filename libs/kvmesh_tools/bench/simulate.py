@@ -137,7 +137,7 @@ def _row(m: dict[str, Any], records: list[dict[str, Any]], decode: int, prefill:
     out = {k: m[k] for k in ("requests", "errors", "prefix_hit_rate", "share_of_ceiling_pooled", "ttft_p50_s",
                              "ttft_p90_s", "ttft_p99_s", "load_imbalance", "virtual_time_s", "steps",
                              "moved_requests", "moved_prompt_share", "moved_hit_rate", "moved_given_up_share",
-                             "split_requests", "offload_blocks_stored", "offload_evictions")}
+                             "split_requests", "split_lost_share", "offload_blocks_stored", "offload_evictions")}
     out.update(workers=decode + prefill, decode_workers=decode, prefill_workers=prefill, wall_s=round(wall, 2),
                ms_per_request=round(1000 * wall / max(1, m["requests"]), 3),
                virtual_s_per_wall_s=round(m["virtual_time_s"] / wall, 1) if wall > 0 else 0.0,

@@ -20,6 +20,8 @@ COLUMNS = [
     # Turns sent away from their session's previous endpoint, and the share of all prompt tokens
     # that endpoint was predicted to hold beyond the new one (kvmesh_tools.moves_report).
     ("moved_requests", "moved"), ("moved_given_up_share", "gave up"),
+    # Splits, and the prefill phases' hits their decode phases computed again (the store lost the transfer).
+    ("split_requests", "splits"), ("split_lost_share", "split lost"),
 ]
 # Mispredicted requests and their classes (kvmesh.routing.fidelity).
 MISMATCH_COLUMNS = [("requests", "mispred"), ("evicted", "evicted"), ("filled", "filled"), ("lag", "lag"),
@@ -34,7 +36,7 @@ def _console():
     from rich.console import Console
 
     # Piped output (CI logs, files) gets a wide fixed width instead of 80 columns of wrapped cells.
-    return Console() if sys.stdout.isatty() else Console(width=240)
+    return Console() if sys.stdout.isatty() else Console(width=280)
 
 
 def render_table(report: dict[str, Any], title: str = "kvmesh simulate") -> None:

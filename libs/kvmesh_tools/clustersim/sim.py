@@ -40,6 +40,7 @@ from kvmesh.routing.load import LoadReport
 from kvmesh.routing.pd_split import SplitConfig
 from kvmesh.routing.router import RouterCore, RouterCoreConfig, prefill_request_id
 from kvmesh.routing.scoring import ScoringConfig
+from kvmesh.routing.split_reuse import split_reuse
 from kvmesh.routing.types import COST_TERMS, Decision, EndpointView, Matches, RouteRequest, TierMatch
 from kvmesh.worker.engine.sim.latency import LatencyParams
 from kvmesh.worker.engine.sim.scheduler import ReadyCheck, SchedulerConfig, Seq
@@ -80,6 +81,7 @@ class Job:
     decided_gpu: int = -1            # the decode worker's GPU hit found at decision, for the dispatch right after
     holds: int = 0                   # times admission control held it at the router
     decode_cached: int = -1          # a split's decode phase: tokens it reused (the prefill's KV from the store)
+    split_lost: int = 0              # a split's prefill-phase hit that its decode phase computed again
     restore_delay: float = 0.0       # the compute phase's restore while it waited in the worker's queue (s)
     scheduled: float | None = None   # when the compute phase first left the worker's waiting queue
     moved: bool = False              # routed to another endpoint than the session's previous turn
@@ -652,6 +654,9 @@ class ClusterSim:
                     self.core.on_engine_cached(job.decision.endpoint_id, job.decision.survival_predicted_tokens, cached)
             else:
                 job.decode_cached = max(0, seq.num_cached_tokens)
+                # What the store lost of the prefill's KV before this restore is computed again here.
+                r = split_reuse(job.cached_gpu, job.cached_offload, job.decode_cached)
+                job.cached_gpu, job.cached_offload, job.split_lost = r.gpu, r.offload, r.lost
             if not seq.prefill_only:
                 job.first_token = now
                 self.core.on_first_token(job.route, now)
@@ -700,6 +705,9 @@ class ClusterSim:
             "load_imbalance": round(max(busy) / mean_busy, 4) if mean_busy > 0 else 0.0,
             "preemptions": sum(w.sched.num_preemptions for w in self.workers),
             "split_requests": sum(1 for j in done if j.split),
+            # The prefill phases' hits that the decode phases computed again (the store evicted the
+            # transfer before the restore); the hit rate already leaves them out (kvmesh.routing.split_reuse).
+            "split_lost_share": round(sum(j.split_lost for j in done) / prompt, 4) if prompt else 0.0,
             # Turns routed away from their session's previous endpoint: what they carry of the
             # prompt and what they reused, beside the rest (a policy's moves trade reuse for wait).
             **_moved_metrics(done, prompt),
@@ -727,7 +735,8 @@ class ClusterSim:
         # engine-reported cached tokens (a split's are its decode endpoint's, after the transfer);
         # ``cached_gpu`` / ``cached_offload`` are the compute phase's reuse (the hit rate's).
         records = [{"uid": j.req.uid, "endpoint": self.workers[j.decode_ep].id, "split": j.split,
-                    "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "release_s": round(j.release, 6),
+                    "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "split_lost": j.split_lost,
+                    "release_s": round(j.release, 6),
                     "predicted_cached": self._predicted(j), "actual_cached": self._actual(j),
                     "mismatch": classes.get(id(j), ""),
                     "ttft_s": None if j.first_token is None else round(j.first_token - j.release, 6),

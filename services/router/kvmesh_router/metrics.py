@@ -31,10 +31,14 @@ HIT_SURVIVAL = Gauge("kvmesh_router_hit_survival",
 PROMPT_TOKENS = Counter("kvmesh_router_prompt_tokens_total", "prompt tokens routed")
 CACHED_TOKENS = Counter("kvmesh_router_cached_tokens_total",
                         "prompt tokens no worker computed for the request, by tier (a split's: its prefill "
-                        "endpoint's hit)", ["tier"])
+                        "endpoint's hit, less what its decode endpoint computed again)", ["tier"])
 TRANSFERRED_TOKENS = Counter("kvmesh_router_transferred_tokens_total",
                              "prompt tokens a split's decode endpoint restored from what its prefill endpoint "
                              "computed (engine-reported as cached, but computed for the request)")
+SPLIT_LOST_TOKENS = Counter("kvmesh_router_split_lost_tokens_total",
+                            "prompt tokens a split's prefill endpoint found cached that its decode endpoint "
+                            "computed again: the store evicted them before the decode endpoint restored them "
+                            "(kvmesh.routing.split_reuse)")
 MOVED_REQUESTS = Counter("kvmesh_router_moved_requests_total",
                          "requests sent to another endpoint than their session's previous turn (kvmesh.routing.moves)")
 MOVED_PROMPT_TOKENS = Counter("kvmesh_router_moved_prompt_tokens_total", "prompt tokens of the moved requests")

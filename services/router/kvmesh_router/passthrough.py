@@ -348,7 +348,8 @@ class Passthrough:
         if not split:
             self.service.observe_engine_cached(d.endpoint_id, d.survival_predicted_tokens, actual)
         # A split's decode engine counts the KV its prefill engine computed as cached: reuse is
-        # what the prefill engine found (RouterService.count_reuse).
+        # what the prefill engine found, less what the decode engine computed again
+        # (RouterService.count_reuse).
         reused, _ = self.service.count_reuse(p, common_pb2.Usage(cached_tokens=actual), split=split)
         if usage.prompt_tokens is not None:
             self.service.count_moved(d, usage.prompt_tokens, reused)

@@ -38,6 +38,7 @@ from kvmesh.routing.policy import NoEndpointError
 from kvmesh.routing.prefix_memory import speculative_ttl
 from kvmesh.routing.router import RouterCore, prefill_request_id
 from kvmesh.routing.scoring import max_hit_blocks
+from kvmesh.routing.split_reuse import split_reuse
 from kvmesh.routing.types import COST_TERMS, Decision, Matches, RouteRequest
 from kvmesh.sampling import KNOBS, first_error
 from kvmesh.telemetry import tracer
@@ -1027,16 +1028,20 @@ class RouterService:
         decode endpoint reports the prefill endpoint's KV as restored, but that KV was computed
         for this request; counted as reuse it made a policy that splits more look like it hits
         more (a live A/B with kv-cache-tester, docs/bench-history.md). Its reuse is what the
-        prefill endpoint found cached; the rest of the decode endpoint's count is transferred.
-        A split whose prefill endpoint reported no usage (an external engine without
-        ``--enable-prompt-tokens-details``) keeps the decode endpoint's count."""
+        prefill endpoint found cached, cut to what the decode endpoint did not compute again (the
+        store can lose the transfer before the restore: ``kvmesh.routing.split_reuse``); the rest
+        of the decode endpoint's count is transferred. A split whose prefill endpoint reported no
+        usage (an external engine without ``--enable-prompt-tokens-details``) keeps the decode
+        endpoint's count."""
         gpu, offload, transferred = usage.cached_tokens_gpu, usage.cached_tokens_offload, 0
         if not gpu and not offload:
             gpu = usage.cached_tokens   # an external engine's usage names no tier
         if split and p.prefill_usage is not None:
-            gpu, offload = p.prefill_usage.cached_tokens_gpu, p.prefill_usage.cached_tokens_offload
-            transferred = max(0, usage.cached_tokens - gpu - offload)
+            r = split_reuse(p.prefill_usage.cached_tokens_gpu, p.prefill_usage.cached_tokens_offload,
+                            usage.cached_tokens)
+            gpu, offload, transferred = r.gpu, r.offload, r.transferred
             metrics.TRANSFERRED_TOKENS.inc(transferred)
+            metrics.SPLIT_LOST_TOKENS.inc(r.lost)
         metrics.CACHED_TOKENS.labels(tier="gpu").inc(gpu)
         metrics.CACHED_TOKENS.labels(tier="offload").inc(offload)
         return gpu + offload, transferred

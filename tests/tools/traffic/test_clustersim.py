@@ -174,6 +174,27 @@ def test_split_needs_the_store_that_carries_the_kv() -> None:
     assert no["results"]["round_robin"]["errors"] == 0
 
 
+def test_a_split_whose_transfer_the_store_lost_reuses_only_what_its_decode_worker_did_not_compute() -> None:
+    """A split's prefill worker writes its KV to the store; a store far smaller than the
+    contexts can evict it before the decode worker's restore, which then computes it again.
+    The hit rate counts no token either worker computed (kvmesh.routing.split_reuse)."""
+    cfg = dict(split_threshold_tokens=512, decode_workers=2, kv_capacity_tokens=12000)
+    prompts = {r.uid: r.input_tokens for r in _trace().requests()}
+    runs = {store: simulate_policies(_trace(), _cfg(offload_capacity_tokens=store, **cfg), ["round_robin"], jobs=1,
+                                     records=True) for store in (15000, 200000)}
+    small, big = (runs[s]["results"]["round_robin"] for s in (15000, 200000))
+    assert small["split_requests"] > 0 and small["errors"] == 0
+    assert small["split_lost_share"] > 0 and big["split_lost_share"] == 0
+    recs = runs[15000]["records"]["round_robin"]
+    prompt = sum(prompts[r["uid"]] for r in recs)
+    splits = [r for r in recs if r["split"]]
+    # Per request: a split reused at most what its decode worker found (the transfer included).
+    assert all(r["cached_gpu"] + r["cached_offload"] <= r["actual_cached"] for r in splits)
+    assert any(r["split_lost"] > 0 for r in splits) and not any(r["split_lost"] for r in recs if not r["split"])
+    assert small["split_lost_share"] == round(sum(r["split_lost"] for r in recs) / prompt, 4)
+    assert small["prefix_hit_rate"] == round(sum(r["cached_gpu"] + r["cached_offload"] for r in recs) / prompt, 4)
+
+
 def test_a_sticky_session_splits_only_what_its_worker_lacks() -> None:
     """``session`` predicts nothing; its split reads the index for the worker it chose
     (``SplitConfig.read_index``), so a turn whose context its worker holds stays there."""
@@ -441,7 +462,8 @@ def test_the_table_shows_whole_policy_names_and_the_moved_turns(capsys) -> None:
     rep = simulate_policies(_trace(), _cfg(offload_capacity_tokens=0), ["precise", "round_robin"], jobs=1)
     render_table(rep)
     out = capsys.readouterr().out
-    for text in ("round_robin", "precise", "of pooled", "imbalance", "moved", "gave up", "view bug", "no index"):
+    for text in ("round_robin", "precise", "of pooled", "imbalance", "moved", "gave up", "splits", "split lost",
+                 "view bug", "no index"):
         assert text in out, text
     row = next(line for line in out.splitlines() if "round_robin" in line)
     assert str(rep["results"]["round_robin"]["moved_requests"]) in row
