@@ -733,7 +733,8 @@ class ClusterSim:
         metrics["mismatches"] = count(list(classes.values()))
         # ``predicted_cached`` / ``actual_cached`` are what the live router reports as predicted and
         # engine-reported cached tokens (a split's are its decode endpoint's, after the transfer);
-        # ``cached_gpu`` / ``cached_offload`` are the compute phase's reuse (the hit rate's).
+        # ``cached_gpu`` / ``cached_offload`` are the compute phase's reuse (the hit rate's), a split's
+        # cut to what its decode phase did not compute again (kvmesh.routing.split_reuse).
         records = [{"uid": j.req.uid, "endpoint": self.workers[j.decode_ep].id, "split": j.split,
                     "cached_gpu": j.cached_gpu, "cached_offload": j.cached_offload, "split_lost": j.split_lost,
                     "release_s": round(j.release, 6),
